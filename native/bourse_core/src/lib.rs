@@ -1,1 +1,21 @@
-pub fn placeholder() {}
+//! A weighted token-bucket table for exchange API rate limits.
+//!
+//! Each key (`{exchange, credential, axis}`) holds a bucket of `capacity` tokens refilling
+//! at `refill_per_sec`. A check pays its cost when the bucket holds it, or answers the
+//! delay until it will. Costs above the capacity are limited, not exempt: they wait until
+//! that much has accrued since the bucket last paid. Waiters book their cost at once and
+//! are served first come, first served; checks over several buckets pay on all or none.
+//!
+//! Time comes from a [`Clock`], so the semantics are testable to the nanosecond with a
+//! [`ManualClock`].
+
+mod bucket;
+mod clock;
+mod key;
+mod limit;
+mod table;
+
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use key::{Key, KeyRef};
+pub use limit::{check_cost, InvalidInput, Limit, MAX_AMOUNT};
+pub use table::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats, Table};

@@ -1,0 +1,188 @@
+//! One key's bucket: token arithmetic, bookings and the sweep rule.
+
+use crate::clock::NANOS_PER_SEC;
+use crate::key::Key;
+use crate::limit::Limit;
+
+/// The longest wait the table will compute (about 31 years); longer ones saturate here.
+pub(crate) const MAX_WAIT_NS: u64 = 1_000_000_000_000_000_000;
+
+/// A waiter's cost, paid at booking time and claimable from `ready_at`.
+#[derive(Debug, Clone)]
+pub(crate) struct Booking {
+    pub owner: u64,
+    pub signature: u64,
+    pub cost: f64,
+    pub ready_at: u64,
+    pub lapse_at: u64,
+}
+
+/// Tokens are `base + refill * (t - base_at)`, read capped at the capacity (or at the
+/// cost of an over-capacity request). `base` only moves when something is paid, so the
+/// uncapped reading is what accrued since the last payment.
+#[derive(Debug)]
+pub(crate) struct Bucket {
+    pub key: Key,
+    pub hash: u64,
+    /// `None` while the key has only `record_request` debt.
+    pub limit: Option<Limit>,
+    /// Without a limit: minus the pending debt.
+    base: f64,
+    base_at: u64,
+    /// Not swept before this instant: last access plus its fill time and last delay.
+    keep_until: u64,
+    pub bookings: Vec<Booking>,
+}
+
+fn secs(from: u64, to: u64) -> f64 {
+    to.saturating_sub(from) as f64 / NANOS_PER_SEC
+}
+
+/// Nanoseconds to accrue `tokens` at `limit`'s rate, saturating at [`MAX_WAIT_NS`].
+fn accrual_ns(tokens: f64, limit: &Limit) -> u64 {
+    (tokens / limit.refill_per_sec() * NANOS_PER_SEC)
+        .ceil()
+        .min(MAX_WAIT_NS as f64) as u64
+}
+
+/// Whether `tokens` cover `cost`, forgiving float noise far below a millionth of a token.
+fn covers(tokens: f64, cost: f64) -> bool {
+    tokens >= cost - 1e-9 * cost.max(1.0)
+}
+
+impl Bucket {
+    pub fn defined(key: Key, hash: u64, limit: Limit, tokens: f64, now: u64) -> Self {
+        Self {
+            key,
+            hash,
+            limit: Some(limit),
+            base: tokens,
+            base_at: now,
+            keep_until: now,
+            bookings: Vec::new(),
+        }
+    }
+
+    pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64) -> Self {
+        Self {
+            key,
+            hash,
+            limit: None,
+            base: -debt,
+            base_at: now,
+            keep_until: now,
+            bookings: Vec::new(),
+        }
+    }
+
+    /// Gives a debt-only key its first definition, starting from `tokens` minus the debt.
+    pub fn define(&mut self, limit: Limit, tokens: f64, now: u64) {
+        if self.limit.is_none() {
+            self.base += tokens;
+            self.base_at = now;
+            self.limit = Some(limit);
+        }
+    }
+
+    /// Tokens accrued since the last payment, not capped.
+    fn accrued(&self, limit: &Limit, now: u64) -> f64 {
+        self.base + limit.refill_per_sec() * secs(self.base_at, now)
+    }
+
+    /// Tokens at `now` as cheap traffic sees them: capped at the capacity.
+    pub fn tokens(&self, now: u64) -> f64 {
+        match &self.limit {
+            Some(limit) => self.accrued(limit, now).min(limit.capacity()),
+            None => self.base,
+        }
+    }
+
+    /// Debt recorded before the key had a definition.
+    pub fn pending_debt(&self) -> f64 {
+        match self.limit {
+            Some(_) => 0.0,
+            None => -self.base,
+        }
+    }
+
+    /// Tokens borrowed now: `capacity - tokens`, never below zero.
+    pub fn borrowed(&self, now: u64) -> f64 {
+        match &self.limit {
+            Some(limit) => (limit.capacity() - self.tokens(now)).max(0.0),
+            None => self.pending_debt(),
+        }
+    }
+
+    /// The uncapped tokens at `now` for a request made under `limit`. A changed definition
+    /// starts from the current tokens clamped to the new capacity (accrual beyond it is lost).
+    pub fn start_under(&self, limit: &Limit, now: u64) -> f64 {
+        match &self.limit {
+            Some(current) if current == limit => self.accrued(limit, now),
+            Some(_) => self.tokens(now).min(limit.capacity()),
+            None => self.base,
+        }
+    }
+
+    /// When `cost` can be paid under `limit`, given `start` from [`Bucket::start_under`].
+    /// Over-capacity costs may use everything accrued since the last payment, up to `cost`.
+    pub fn ready_at(limit: &Limit, cost: f64, start: f64, now: u64) -> u64 {
+        let available = start.min(limit.capacity().max(cost));
+        if covers(available, cost) {
+            now
+        } else {
+            now.saturating_add(accrual_ns(cost - available, limit))
+        }
+    }
+
+    /// Pays `cost` as of instant `at >= now`: the bucket then holds what it would hold had
+    /// the cost been paid at `at`, and tokens that would overflow the cap until then are
+    /// forfeited, so nobody can spend what the payment needs at `at`.
+    pub fn pay(&mut self, limit: Limit, cost: f64, start: f64, now: u64, at: u64) {
+        let cap = limit.capacity().max(cost);
+        let lead = limit.refill_per_sec() * secs(now, at);
+        let after = (start.min(cap) + lead).min(cap) - cost;
+        self.base = after - lead;
+        self.base_at = now;
+        self.limit = Some(limit);
+    }
+
+    /// Debits `cost` without checking; the bucket may go into debt.
+    pub fn debit(&mut self, cost: f64, now: u64) {
+        match self.limit {
+            Some(_) => {
+                self.base = self.tokens(now) - cost;
+                self.base_at = now;
+            }
+            None => self.base -= cost,
+        }
+    }
+
+    /// Records an access at `now` that answered `delay_ns`.
+    pub fn touch(&mut self, now: u64, delay_ns: u64) {
+        let fill_ns = self
+            .limit
+            .map_or(0, |limit| accrual_ns(limit.capacity(), &limit));
+        self.keep_until = self
+            .keep_until
+            .max(now.saturating_add(fill_ns.max(delay_ns)));
+    }
+
+    /// Drops bookings whose slack has run out; their cost stays paid. Returns how many.
+    pub fn drop_lapsed(&mut self, now: u64) -> usize {
+        let before = self.bookings.len();
+        self.bookings.retain(|booking| booking.lapse_at >= now);
+        before - self.bookings.len()
+    }
+
+    /// A full, idle bucket without bookings or debt behaves exactly as a new one.
+    pub fn sweepable(&self, now: u64) -> bool {
+        match &self.limit {
+            Some(limit) => {
+                now > self.keep_until
+                    && self.bookings.is_empty()
+                    && covers(self.tokens(now), limit.capacity())
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Time sources for the table: nanoseconds on a monotonic timeline.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A monotonic source of nanoseconds. Only differences between readings matter.
+pub trait Clock: Send + Sync + 'static {
+    /// Nanoseconds since an arbitrary, fixed origin; never decreases.
+    fn now(&self) -> u64;
+}
+
+/// The process's monotonic clock (`Instant`), counted from its creation.
+#[derive(Debug, Clone)]
+pub struct MonotonicClock {
+    origin: Instant,
+}
+
+impl MonotonicClock {
+    pub fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> u64 {
+        // u64 nanoseconds last 584 years from the origin.
+        self.origin.elapsed().as_nanos() as u64
+    }
+}
+
+/// A clock moved by hand, for deterministic tests. Clones share one reading.
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock {
+    nanos: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Moves the clock forward by `nanos`.
+    pub fn advance(&self, nanos: u64) {
+        self.nanos.fetch_add(nanos, Ordering::SeqCst);
+    }
+
+    /// Moves the clock forward by `ms` milliseconds.
+    pub fn advance_ms(&self, ms: u64) {
+        self.advance(ms * NANOS_PER_MS);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> u64 {
+        self.nanos.load(Ordering::SeqCst)
+    }
+}
+
+pub(crate) const NANOS_PER_MS: u64 = 1_000_000;
+pub(crate) const NANOS_PER_SEC: f64 = 1e9;

@@ -1,0 +1,91 @@
+//! Bucket keys: `{exchange_id, credential, axis}`, borrowed for look-ups and packed for storage.
+
+use std::hash::{Hash, Hasher};
+
+/// A key as the caller holds it; `credential: None` is the shared `:public` pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyRef<'a> {
+    pub exchange: &'a [u8],
+    pub credential: Option<&'a [u8]>,
+    pub axis: &'a [u8],
+}
+
+impl<'a> KeyRef<'a> {
+    pub fn new(exchange: &'a [u8], credential: Option<&'a [u8]>, axis: &'a [u8]) -> Self {
+        Self {
+            exchange,
+            credential,
+            axis,
+        }
+    }
+
+    pub fn to_owned_key(&self) -> Key {
+        let credential = self.credential.unwrap_or_default();
+        let mut bytes =
+            Vec::with_capacity(self.exchange.len() + credential.len() + self.axis.len());
+        bytes.extend_from_slice(self.exchange);
+        bytes.extend_from_slice(credential);
+        bytes.extend_from_slice(self.axis);
+        Key {
+            bytes: bytes.into_boxed_slice(),
+            exchange_end: self.exchange.len() as u32,
+            credential_end: (self.exchange.len() + credential.len()) as u32,
+            public: self.credential.is_none(),
+        }
+    }
+}
+
+impl Hash for KeyRef<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.exchange.hash(state);
+        self.credential.hash(state);
+        self.axis.hash(state);
+    }
+}
+
+/// A stored key: the three parts packed into one allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Key {
+    bytes: Box<[u8]>,
+    exchange_end: u32,
+    credential_end: u32,
+    public: bool,
+}
+
+impl Key {
+    pub fn as_ref(&self) -> KeyRef<'_> {
+        let (exchange_end, credential_end) =
+            (self.exchange_end as usize, self.credential_end as usize);
+        KeyRef {
+            exchange: &self.bytes[..exchange_end],
+            credential: (!self.public).then(|| &self.bytes[exchange_end..credential_end]),
+            axis: &self.bytes[credential_end..],
+        }
+    }
+
+    pub fn exchange(&self) -> &[u8] {
+        &self.bytes[..self.exchange_end as usize]
+    }
+}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_ref().hash(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_key_round_trips() {
+        let private = KeyRef::new(b"binance", Some(b"k1"), b"request");
+        let public = KeyRef::new(b"binance", None, b"ip");
+        assert_eq!(private.to_owned_key().as_ref(), private);
+        assert_eq!(public.to_owned_key().as_ref(), public);
+        // An empty credential is not the public pool.
+        let empty = KeyRef::new(b"binance", Some(b""), b"ip");
+        assert_ne!(empty.to_owned_key().as_ref(), public);
+    }
+}
