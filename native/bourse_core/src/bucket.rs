@@ -40,7 +40,8 @@ fn secs(from: u64, to: u64) -> f64 {
 
 /// Nanoseconds to accrue `tokens` at `limit`'s rate, saturating at [`MAX_WAIT_NS`].
 fn accrual_ns(tokens: f64, limit: &Limit) -> u64 {
-    (tokens / limit.refill_per_sec() * NANOS_PER_SEC)
+    // Less a thousandth of a nanosecond, so float noise cannot add a whole one.
+    (tokens / limit.refill_per_sec() * NANOS_PER_SEC - 1e-3)
         .ceil()
         .min(MAX_WAIT_NS as f64) as u64
 }

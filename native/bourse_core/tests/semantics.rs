@@ -1,0 +1,392 @@
+//! Exact scenarios on a manual clock: delays in whole milliseconds, token counts to the unit.
+
+use bourse_core::{Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table};
+
+const ME: u64 = 1;
+const OTHER: u64 = 2;
+
+fn table() -> (Table<ManualClock>, ManualClock) {
+    table_with(Config::default())
+}
+
+fn table_with(config: Config) -> (Table<ManualClock>, ManualClock) {
+    let clock = ManualClock::new();
+    (Table::with_clock(config, clock.clone()), clock)
+}
+
+fn key(axis: &str) -> KeyRef<'_> {
+    KeyRef::new(b"binance", Some(b"api-key"), axis.as_bytes())
+}
+
+fn limit(capacity: f64, refill: f64) -> Limit {
+    Limit::new(capacity, refill).unwrap()
+}
+
+fn check<'a>(key: KeyRef<'a>, limit: Limit, cost: f64) -> Check<'a> {
+    Check { key, limit, cost }
+}
+
+fn probe(t: &Table<ManualClock>, axis: &str, l: Limit, cost: f64) -> Outcome {
+    t.check_one(ME, check(key(axis), l, cost), Mode::Probe)
+}
+
+fn wait(t: &Table<ManualClock>, owner: u64, axis: &str, l: Limit, cost: f64) -> Outcome {
+    t.check_one(
+        owner,
+        check(key(axis), l, cost),
+        Mode::Wait {
+            max_wait_ms: 60_000,
+        },
+    )
+}
+
+#[test]
+fn fresh_bucket_is_full_then_delays_to_the_next_token() {
+    let (t, _) = table();
+    let l = limit(10.0, 10.0);
+    for _ in 0..10 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+    assert_eq!(t.borrowed(key("request")), 10.0);
+}
+
+#[test]
+fn delays_round_up_to_whole_milliseconds_and_never_below_one() {
+    let (t, clock) = table();
+    let l = limit(1.0, 3.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(334));
+    clock.advance(333_333_000);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(1));
+    clock.advance(1_000);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+}
+
+#[test]
+fn a_caller_that_sleeps_the_delay_is_admitted() {
+    let (t, clock) = table();
+    let l = limit(2.0, 7.0);
+    for _ in 0..200 {
+        match probe(&t, "request", l, 1.0) {
+            Outcome::Admitted => {}
+            Outcome::Delay(ms) => {
+                clock.advance_ms(ms);
+                assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn over_capacity_cost_accrues_then_leaves_the_bucket_empty() {
+    let (t, clock) = table();
+    // The seed's okx system/status: capacity 1, 9.09/s, cost 50.
+    let l = limit(1.0, 9.09);
+    // Full bucket holds 1; 49 more take 49 / 9.09 s = 5390.54 ms.
+    assert_eq!(probe(&t, "request", l, 50.0), Outcome::Delay(5391));
+    assert_eq!(
+        t.borrowed(key("request")),
+        0.0,
+        "a refused probe pays nothing"
+    );
+    clock.advance_ms(5391);
+    assert_eq!(probe(&t, "request", l, 50.0), Outcome::Admitted);
+    assert_eq!(t.inspect(key("request")).unwrap().tokens, 0.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(111));
+    // Cheap traffic never sees more than the capacity, however long the bucket idles.
+    clock.advance_ms(60_000);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(111));
+}
+
+#[test]
+fn over_capacity_accrual_restarts_after_any_payment() {
+    let (t, clock) = table();
+    let l = limit(1.0, 10.0);
+    clock.advance_ms(10_000);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    // Paid at 10 s: the 5-token cost accrues from zero again.
+    assert_eq!(probe(&t, "request", l, 5.0), Outcome::Delay(500));
+}
+
+#[test]
+fn repeated_keys_are_coalesced_into_one_cost() {
+    let (t, _) = table();
+    let l = limit(10.0, 10.0);
+    t.record(key("request"), 6.0);
+    let checks = [check(key("request"), l, 3.0), check(key("request"), l, 3.0)];
+    // Holds 4, needs 6: 200 ms for the combined cost, nothing paid.
+    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Delay(200)));
+    assert_eq!(t.borrowed(key("request")), 6.0);
+}
+
+#[test]
+fn conflicting_definitions_pay_nothing_on_any_key() {
+    let (t, _) = table();
+    let checks = [
+        check(key("ip"), limit(10.0, 10.0), 1.0),
+        check(key("request"), limit(10.0, 10.0), 1.0),
+        check(key("request"), limit(5.0, 5.0), 1.0),
+    ];
+    assert!(t.check(ME, &checks, Mode::Probe).is_err());
+    assert_eq!(t.borrowed(key("ip")), 0.0);
+    assert_eq!(t.borrowed(key("request")), 0.0);
+    assert_eq!(t.stats().invalid, 1);
+}
+
+#[test]
+fn multi_bucket_check_pays_on_all_or_none() {
+    let (t, clock) = table();
+    let wide = limit(10.0, 10.0);
+    let narrow = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "order", narrow, 1.0), Outcome::Admitted);
+    let checks = [
+        check(key("ip"), wide, 2.0),
+        check(key("order"), narrow, 1.0),
+    ];
+    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Delay(1000)));
+    assert_eq!(t.borrowed(key("ip")), 0.0);
+    clock.advance_ms(1000);
+    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Admitted));
+    assert_eq!(t.borrowed(key("order")), 1.0);
+    assert_eq!(t.borrowed(key("ip")), 2.0 - 10.0 * 0.0);
+}
+
+#[test]
+fn a_booking_is_claimed_without_a_second_charge() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    t.record(key("request"), 10.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+    // Bookings take the cost at once: later callers queue behind.
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(500));
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(600));
+    assert_eq!(t.borrowed(key("request")), 15.0);
+    // Early: the remaining wait, nothing charged.
+    clock.advance_ms(200);
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Delay(300));
+    // Another caller with the same checks does not own the booking.
+    assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Booked(800));
+    clock.advance_ms(300);
+    assert_eq!(probe(&t, "request", l, 5.0), Outcome::Claimed);
+    assert_eq!(t.borrowed(key("request")), 15.0);
+    let stats = t.stats();
+    assert_eq!((stats.booked, stats.claimed), (2, 1));
+}
+
+#[test]
+fn a_booking_not_claimed_within_the_slack_lapses_but_stays_paid() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    t.record(key("request"), 10.0);
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(500));
+    clock.advance_ms(500 + 251);
+    let info = t.inspect(key("request")).unwrap();
+    assert_eq!(info.bookings, 0);
+    // 5 booked, 7.51 refilled since: the booking's cost was not handed back.
+    assert!((info.tokens - 2.51).abs() < 1e-9, "{info:?}");
+    // Coming back now is a new request.
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(249));
+    assert_eq!(t.stats().lapsed, 1);
+}
+
+#[test]
+fn a_waiter_over_budget_books_nothing() {
+    let (t, _) = table();
+    let l = limit(10.0, 10.0);
+    t.record(key("request"), 10.0);
+    let outcome = t.check_one(
+        ME,
+        check(key("request"), l, 5.0),
+        Mode::Wait { max_wait_ms: 499 },
+    );
+    assert_eq!(outcome, Outcome::OverBudget(500));
+    assert_eq!(t.inspect(key("request")).unwrap().bookings, 0);
+    assert_eq!(t.borrowed(key("request")), 10.0);
+}
+
+#[test]
+fn heavy_waiter_is_not_starved_by_cheap_traffic() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    t.record(key("request"), 10.0);
+    let Outcome::Booked(ms) = wait(&t, ME, "request", l, 8.0) else {
+        panic!("expected a booking")
+    };
+    assert_eq!(ms, 800);
+    for _ in 0..ms {
+        clock.advance_ms(1);
+        let _ = probe(&t, "request", l, 1.0);
+    }
+    assert_eq!(wait(&t, ME, "request", l, 8.0), Outcome::Claimed);
+}
+
+#[test]
+fn debt_on_an_undefined_key_applies_at_its_first_definition() {
+    let (t, clock) = table();
+    t.record(key("request"), 4.0);
+    assert_eq!(t.borrowed(key("request")), 4.0);
+    clock.advance_ms(10_000);
+    assert_eq!(
+        t.borrowed(key("request")),
+        4.0,
+        "no refill without a definition"
+    );
+    let l = limit(10.0, 10.0);
+    for _ in 0..6 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+}
+
+#[test]
+fn record_can_push_a_bucket_into_debt() {
+    let (t, _) = table();
+    let l = limit(10.0, 10.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    t.record(key("request"), 20.0);
+    assert_eq!(t.borrowed(key("request")), 21.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(1200));
+}
+
+#[test]
+fn a_new_definition_applies_when_admitted_and_clamps_tokens() {
+    let (t, _) = table();
+    assert_eq!(
+        probe(&t, "request", limit(10.0, 10.0), 1.0),
+        Outcome::Admitted
+    );
+    // Refused under the new definition: the old one stays.
+    assert_eq!(
+        probe(&t, "request", limit(2.0, 1.0), 5.0),
+        Outcome::Delay(3000)
+    );
+    assert_eq!(
+        t.inspect(key("request")).unwrap().limit,
+        Some(limit(10.0, 10.0))
+    );
+    // Admitted: 9 tokens clamped to 2, minus 1.
+    assert_eq!(
+        probe(&t, "request", limit(2.0, 1.0), 1.0),
+        Outcome::Admitted
+    );
+    assert_eq!(t.inspect(key("request")).unwrap().tokens, 1.0);
+    assert_eq!(
+        t.inspect(key("request")).unwrap().limit,
+        Some(limit(2.0, 1.0))
+    );
+}
+
+#[test]
+fn assume_busy_at_start_starts_buckets_as_if_empty_at_start() {
+    let (t, clock) = table_with(Config {
+        assume_busy_at_start: true,
+        ..Config::default()
+    });
+    let l = limit(10.0, 10.0);
+    clock.advance_ms(300);
+    for _ in 0..3 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+    clock.advance_ms(5_000);
+    assert_eq!(probe(&t, "ip", l, 10.0), Outcome::Admitted);
+}
+
+#[test]
+fn pauses_hold_every_bucket_of_the_target() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    t.pause(
+        PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
+        2_000,
+    );
+    t.pause(PauseTarget::Key(key("ip").to_owned_key()), 500);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(2000));
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(2000));
+    // Other credentials are untouched.
+    let public = KeyRef::new(b"binance", None, b"request");
+    assert_eq!(
+        t.check_one(ME, check(public, l, 1.0), Mode::Probe),
+        Outcome::Admitted
+    );
+    // Waiters book behind the pause.
+    assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Booked(2000));
+    clock.advance_ms(1_000);
+    assert_eq!(t.inspect(key("request")).unwrap().pause_ms, Some(1000));
+    clock.advance_ms(1_000);
+    assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Claimed);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+}
+
+#[test]
+fn a_pause_that_starts_after_booking_holds_the_claim() {
+    let (t, clock) = table();
+    let l = limit(1.0, 10.0);
+    t.record(key("request"), 1.0);
+    assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Booked(100));
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000);
+    clock.advance_ms(100);
+    assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Delay(900));
+    clock.advance_ms(900);
+    assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Claimed);
+}
+
+#[test]
+fn resets_forget_keys_bookings_and_pauses() {
+    let (t, _) = table();
+    let l = limit(10.0, 10.0);
+    let okx = KeyRef::new(b"okx", Some(b"api-key"), b"request");
+    t.record(key("request"), 10.0);
+    t.record(key("ip"), 10.0);
+    t.record(okx, 3.0);
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000);
+    t.reset(key("ip"));
+    assert_eq!(t.inspect(key("ip")), None);
+    assert_eq!(t.borrowed(key("request")), 10.0);
+    t.reset_exchange(b"binance");
+    assert_eq!(t.borrowed(key("request")), 0.0);
+    assert_eq!(t.borrowed(okx), 3.0);
+    assert_eq!(probe(&t, "request", l, 10.0), Outcome::Admitted);
+    t.reset_all();
+    assert_eq!(t.borrowed(okx), 0.0);
+    assert_eq!(t.stats().buckets, 0);
+}
+
+#[test]
+fn sweep_drops_only_full_idle_buckets() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    assert_eq!(probe(&t, "request", l, 5.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
+    t.record(KeyRef::new(b"okx", None, b"request"), 1.0);
+    assert_eq!(t.sweep(), 0, "nothing idle past its fill time yet");
+    clock.advance_ms(1_001);
+    assert_eq!(
+        t.sweep(),
+        2,
+        "both defined buckets are full and idle; debt stays"
+    );
+    assert_eq!(t.stats().buckets, 1);
+}
+
+#[test]
+fn sweep_keeps_a_refused_over_capacity_probe_accruing() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "request", l, 30.0), Outcome::Delay(29_000));
+    clock.advance_ms(10_000);
+    assert_eq!(t.sweep(), 0, "the answered delay keeps the bucket");
+    clock.advance_ms(19_000);
+    assert_eq!(probe(&t, "request", l, 30.0), Outcome::Admitted);
+}
+
+#[test]
+fn zero_cost_is_admitted_without_paying() {
+    let (t, _) = table();
+    let l = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "request", l, 0.0), Outcome::Admitted);
+    assert_eq!(t.borrowed(key("request")), 0.0);
+}
