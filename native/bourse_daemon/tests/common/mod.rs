@@ -1,0 +1,430 @@
+//! Helpers for the tests that run the built `bourse_daemon` binary.
+
+#![allow(dead_code)] // Each test file uses its own subset.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const DAEMON: &str = env!("CARGO_BIN_EXE_bourse_daemon");
+/// Generous: the machine is shared with other builds.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A unique path in the temporary directory.
+pub fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("bourse-test-{}-{name}", std::process::id()))
+}
+
+/// Sends `signal` (`TERM`, `INT`) with the system's `kill` command.
+pub fn signal(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+}
+
+/// Waits for `child` to exit, killing it after [`PATIENCE`].
+pub fn wait_exit(child: &mut Child) -> ExitStatus {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the daemon did not exit within {PATIENCE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Polls `probe` until it holds, failing after [`PATIENCE`].
+pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !probe() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Anything that answers one request at a time.
+pub trait Transport {
+    /// Sends one frame holding `payload` as is and reads its answer.
+    fn call_raw(&mut self, payload: &[u8]) -> Value;
+
+    fn call(&mut self, request: Value) -> Value {
+        self.call_raw(&serde_json::to_vec(&request).expect("encode"))
+    }
+}
+
+/// A daemon in server mode; killed when dropped if still running.
+pub struct Server {
+    pub child: Child,
+    /// The `listening ...` lines it printed, one per listener.
+    pub listening: Vec<String>,
+}
+
+impl Server {
+    pub fn start(args: &[&str]) -> Self {
+        let listeners = args
+            .iter()
+            .filter(|arg| matches!(**arg, "--listen" | "--socket"))
+            .count();
+        let mut child = Command::new(DAEMON)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn bourse_daemon");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut listening = Vec::new();
+        for _ in 0..listeners {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("read listening line");
+            assert!(
+                line.starts_with("listening "),
+                "unexpected first output {line:?}"
+            );
+            listening.push(line.trim_end().to_string());
+        }
+        Self { child, listening }
+    }
+
+    /// A daemon on a free loopback TCP port.
+    pub fn tcp(extra: &[&str]) -> Self {
+        let mut args = vec!["--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        Self::start(&args)
+    }
+
+    pub fn tcp_addr(&self) -> String {
+        self.listening
+            .iter()
+            .find_map(|line| line.strip_prefix("listening tcp "))
+            .expect("a TCP listener")
+            .to_string()
+    }
+
+    pub fn connect(&self) -> LineClient<TcpStream> {
+        let stream = TcpStream::connect(self.tcp_addr()).expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        LineClient::new(stream)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Streams both TCP and Unix sockets can be.
+pub trait Stream: Read + Write + Sized {
+    fn try_clone_stream(&self) -> Self;
+    fn set_timeout(&self, timeout: Duration);
+    fn close_write(&self);
+}
+
+impl Stream for TcpStream {
+    fn try_clone_stream(&self) -> Self {
+        self.try_clone().expect("clone")
+    }
+    fn set_timeout(&self, timeout: Duration) {
+        self.set_read_timeout(Some(timeout)).expect("timeout");
+    }
+    fn close_write(&self) {
+        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    }
+}
+
+impl Stream for UnixStream {
+    fn try_clone_stream(&self) -> Self {
+        self.try_clone().expect("clone")
+    }
+    fn set_timeout(&self, timeout: Duration) {
+        self.set_read_timeout(Some(timeout)).expect("timeout");
+    }
+    fn close_write(&self) {
+        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    }
+}
+
+/// A newline-delimited JSON client.
+pub struct LineClient<S: Stream> {
+    pub stream: S,
+    reader: BufReader<S>,
+}
+
+impl<S: Stream> LineClient<S> {
+    pub fn new(stream: S) -> Self {
+        stream.set_timeout(PATIENCE);
+        let reader = BufReader::new(stream.try_clone_stream());
+        Self { stream, reader }
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("write");
+    }
+
+    pub fn send(&mut self, request: &Value) {
+        let mut line = serde_json::to_vec(request).expect("encode");
+        line.push(b'\n');
+        self.send_raw(&line);
+    }
+
+    /// The next answer line, or `None` at the end of the stream.
+    pub fn recv_line(&mut self) -> Option<String> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line).expect("read answer") {
+            0 => None,
+            _ => {
+                assert!(line.ends_with('\n'), "answer without newline: {line:?}");
+                Some(line)
+            }
+        }
+    }
+
+    pub fn recv(&mut self) -> Value {
+        let line = self
+            .recv_line()
+            .expect("an answer before the end of the stream");
+        serde_json::from_str(&line).expect("answers are JSON")
+    }
+}
+
+impl<S: Stream> Transport for LineClient<S> {
+    fn call_raw(&mut self, payload: &[u8]) -> Value {
+        let mut line = payload.to_vec();
+        line.push(b'\n');
+        self.send_raw(&line);
+        self.recv()
+    }
+}
+
+/// A daemon in `--stdio` mode, spoken to with 4-byte length-prefixed frames.
+pub struct StdioDaemon {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    frames: mpsc::Receiver<Vec<u8>>,
+}
+
+impl StdioDaemon {
+    pub fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(DAEMON)
+            .arg("--stdio")
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn bourse_daemon --stdio");
+        let stdin = child.stdin.take();
+        let mut stdout = child.stdout.take().expect("stdout");
+        let (sender, frames) = mpsc::channel();
+        std::thread::spawn(move || loop {
+            let mut header = [0u8; 4];
+            if stdout.read_exact(&mut header).is_err() {
+                return;
+            }
+            let mut frame = vec![0; u32::from_be_bytes(header) as usize];
+            if stdout.read_exact(&mut frame).is_err() || sender.send(frame).is_err() {
+                return;
+            }
+        });
+        Self {
+            child,
+            stdin,
+            frames,
+        }
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        self.stdin
+            .as_mut()
+            .expect("stdin open")
+            .write_all(bytes)
+            .expect("write stdin");
+    }
+
+    pub fn send_frame(&mut self, payload: &[u8]) {
+        let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(payload);
+        self.send_raw(&frame);
+    }
+
+    /// The next answer frame, or `None` once stdout closed.
+    pub fn recv_frame(&mut self) -> Option<Value> {
+        match self.frames.recv_timeout(PATIENCE) {
+            Ok(frame) => Some(serde_json::from_slice(&frame).expect("answers are JSON")),
+            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!("no answer within {PATIENCE:?}"),
+        }
+    }
+
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+}
+
+impl Transport for StdioDaemon {
+    fn call_raw(&mut self, payload: &[u8]) -> Value {
+        self.send_frame(payload);
+        self.recv_frame().expect("an answer")
+    }
+}
+
+impl Drop for StdioDaemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+pub fn key(exchange: &str, credential: Option<&str>) -> Value {
+    json!({"exchange": exchange, "credential": credential})
+}
+
+/// Runs every op once with answers that do not depend on timing: limits are slow enough
+/// (refill 0.001/s) that nothing refills during a test.
+pub fn exercise_every_op(t: &mut impl Transport) {
+    let k = key("binance", Some("k1"));
+    let slow = json!({"capacity": 2, "refill_per_sec": 0.001});
+    let admitted = |t: &mut dyn Transport| {
+        t.call(json!({"op": "stats"}))["stats"]["admitted"]
+            .as_u64()
+            .unwrap()
+    };
+    let admitted_before = admitted(t);
+    assert_eq!(
+        t.call(json!({"op": "hello", "id": 1})),
+        json!({"ok": true, "protocol": 1, "server": concat!("bourse_daemon ", env!("CARGO_PKG_VERSION")), "id": 1})
+    );
+    let check = json!({"op": "check", "key": k, "limit": slow, "id": "c"});
+    assert_eq!(
+        t.call(check.clone()),
+        json!({"ok": true, "result": "admitted", "id": "c"})
+    );
+    assert_eq!(t.call(check.clone())["result"], "admitted");
+    let refused = t.call(check.clone());
+    assert_eq!(refused["result"], "delay");
+    assert!(refused["ms"].as_u64().unwrap() > 900_000);
+    let mut waiter = check.clone();
+    waiter["max_wait_ms"] = json!(5000);
+    assert_eq!(t.call(waiter)["result"], "over_budget");
+    let mut booker = check.clone();
+    booker["max_wait_ms"] = json!(10_000_000_000u64);
+    booker["owner"] = json!("me");
+    assert_eq!(t.call(booker)["result"], "booked");
+    assert_eq!(
+        t.call(json!({"op": "check", "key": k, "limit": null, "cost": 5}))["result"],
+        "admitted"
+    );
+    let info = t.call(json!({"op": "inspect", "key": k}));
+    assert_eq!(info["info"]["bookings"], 1);
+    assert_eq!(
+        info["info"]["limit"],
+        json!({"capacity": 2.0, "refill_per_sec": 0.001})
+    );
+    assert_eq!(
+        t.call(json!({"op": "inspect", "key": key("none", None)})),
+        json!({"ok": true, "info": null})
+    );
+
+    let ip = json!({"exchange": "binance", "credential": null, "axis": "ip"});
+    let many = json!({"op": "check_many", "checks": [
+        {"key": ip, "limit": {"requests": 3, "period": 3_000_000}, "cost": 2},
+        {"key": ip, "limit": {"capacity": 3, "refill_per_sec": 0.001}},
+        {"key": key("okx", None), "limit": null},
+    ]});
+    assert_eq!(t.call(many.clone())["result"], "admitted");
+    assert_eq!(t.call(many)["result"], "delay");
+    let borrowed = t.call(json!({"op": "get_cost", "key": ip}))["borrowed"]
+        .as_f64()
+        .unwrap();
+    assert!((2.99..=3.0).contains(&borrowed), "{borrowed}");
+
+    assert_eq!(
+        t.call(json!({"op": "record", "key": key("okx", None), "cost": 4})),
+        json!({"ok": true})
+    );
+    assert_eq!(
+        t.call(json!({"op": "get_cost", "key": key("okx", None), "period": 1000})),
+        json!({"ok": true, "borrowed": 4.0})
+    );
+    let busiest = t.call(json!({"op": "busiest", "count": 2}));
+    assert_eq!(
+        busiest["keys"][0]["key"],
+        json!({"exchange": "okx", "credential": null, "axis": "request"})
+    );
+
+    assert_eq!(
+        t.call(json!({"op": "pause", "target": {"exchange": "okx"}, "ms": 60_000})),
+        json!({"ok": true})
+    );
+    let fresh = json!({"op": "check", "key": key("okx", Some("k9")), "limit": {"requests": 10}});
+    assert_eq!(t.call(fresh.clone())["result"], "delay");
+    assert_eq!(
+        t.call(json!({"op": "reset_exchange", "exchange": "okx"})),
+        json!({"ok": true})
+    );
+    assert_eq!(t.call(fresh)["result"], "admitted");
+    assert_eq!(
+        t.call(json!({"op": "reset", "key": k})),
+        json!({"ok": true})
+    );
+    assert_eq!(t.call(check.clone())["result"], "admitted");
+
+    let stats = t.call(json!({"op": "stats"}));
+    assert_eq!(stats["stats"]["bookings"], 0);
+    assert_eq!(stats["stats"]["admitted"], admitted_before + 5);
+    assert_eq!(t.call(json!({"op": "sweep"}))["ok"], true);
+    assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
+    assert_eq!(t.call(json!({"op": "stats"}))["stats"]["buckets"], 0);
+}
+
+/// Bad requests get errors naming the problem, echo their id, and the stream goes on.
+pub fn exercise_bad_requests(t: &mut impl Transport) {
+    let cases: [(&[u8], &str); 8] = [
+        (b"{not json", "malformed JSON"),
+        (b"\"hello\"", "must be a JSON object"),
+        (br#"{"op":"launch","id":3}"#, "unknown op"),
+        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"requests":"5"},"id":4}"#, "limit.requests must be a number"),
+        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"requests":5},"cost":-1}"#, "cost"),
+        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"capacity":1,"refill_per_sec":0}}"#, "refill_per_sec"),
+        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":null,"max_wait_ms":0}"#, "max_wait_ms"),
+        (br#"{"op":"pause","target":{"exchange":"b"},"ms":"soon"}"#, "ms must be an integer"),
+    ];
+    let before = t.call(json!({"op": "stats"}))["stats"]["invalid"]
+        .as_u64()
+        .unwrap();
+    for (request, expected) in cases {
+        let answer = t.call_raw(request);
+        assert_eq!(answer["ok"], false, "{answer}");
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+    let answer = t.call_raw(br#"{"op":"launch","id":[3]}"#);
+    assert_eq!(answer["id"], json!([3]));
+    let stats = t.call(json!({"op": "stats"}))["stats"].clone();
+    assert_eq!(
+        stats["invalid"].as_u64().unwrap(),
+        before + cases.len() as u64 + 1
+    );
+    assert_eq!(stats["buckets"], 0);
+    assert_eq!(t.call(json!({"op": "hello"}))["ok"], true);
+}

@@ -1,0 +1,211 @@
+//! Server mode: loopback TCP and Unix sockets, newline-delimited JSON, many clients.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::thread;
+
+use serde_json::{json, Value};
+
+use common::{eventually, key, LineClient, Server, Stream, Transport};
+
+#[test]
+fn every_op_over_tcp_and_unix() {
+    let path = common::temp_path("ops.sock");
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--socket",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(server.listening.len(), 2);
+    let port: u16 = server
+        .tcp_addr()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_ne!(port, 0, "the real port is printed");
+    common::exercise_every_op(&mut server.connect());
+    let mut unix = LineClient::new(UnixStream::connect(&path).unwrap());
+    common::exercise_every_op(&mut unix);
+}
+
+#[test]
+fn bad_requests_are_answered_and_the_connection_goes_on() {
+    let server = Server::tcp(&[]);
+    let mut client = server.connect();
+    common::exercise_bad_requests(&mut client);
+    // Blank lines are skipped and `\r\n` endings accepted, as netcat sends them.
+    client.send_raw(b"\n  \r\n{\"op\":\"hello\",\"id\":9}\r\n");
+    assert_eq!(client.recv()["id"], 9);
+}
+
+#[test]
+fn a_thousand_pipelined_requests_answer_in_order() {
+    let server = Server::tcp(&[]);
+    let mut client = server.connect();
+    let mut batch = Vec::new();
+    for i in 0..1000 {
+        let request = json!({"op": "check", "key": key("e", None),
+                             "limit": {"capacity": 500, "refill_per_sec": 0.001}, "id": i});
+        batch.extend_from_slice(&serde_json::to_vec(&request).unwrap());
+        batch.push(b'\n');
+    }
+    let mut stream = client.stream.try_clone_stream();
+    let writer = thread::spawn(move || stream.write_all(&batch).unwrap());
+    let mut admitted = 0;
+    for i in 0..1000 {
+        let answer = client.recv();
+        assert_eq!(answer["id"], i);
+        admitted += usize::from(answer["result"] == "admitted");
+    }
+    writer.join().unwrap();
+    assert_eq!(admitted, 500);
+}
+
+#[test]
+fn clients_share_one_bucket() {
+    let server = Server::tcp(&[]);
+    let addr = server.tcp_addr();
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let mut client = LineClient::new(std::net::TcpStream::connect(addr).unwrap());
+                (0..20)
+                    .filter(|_| {
+                        let answer = client.call(json!({"op": "check", "key": key("shared", Some("k")),
+                                                         "limit": {"capacity": 50, "refill_per_sec": 0.001}}));
+                        answer["result"] == "admitted"
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert_eq!(admitted, 50);
+}
+
+#[test]
+fn oversized_frames_get_an_error_then_the_connection_closes() {
+    let server = Server::tcp(&["--max-frame-bytes", "1024"]);
+    // A long line that arrives whole...
+    let mut client = server.connect();
+    let padding = "x".repeat(2000);
+    client.send_raw(format!("{{\"op\":\"hello\",\"pad\":\"{padding}\"}}\n").as_bytes());
+    let answer = client.recv();
+    assert_eq!(answer["error"]["type"], "frame_too_large");
+    assert!(client.recv_line().is_none());
+    // ...and one that never ends.
+    let mut client = server.connect();
+    assert_eq!(client.call(json!({"op": "hello"}))["ok"], true);
+    client.send_raw(&[b' '; 4096]);
+    assert_eq!(client.recv()["error"]["type"], "frame_too_large");
+    assert!(client.recv_line().is_none());
+    // A line just under the limit is fine.
+    let mut client = server.connect();
+    let padding = "x".repeat(900);
+    let answer = client.call_raw(format!("{{\"op\":\"hello\",\"id\":\"{padding}\"}}").as_bytes());
+    assert_eq!(answer["ok"], true);
+}
+
+#[test]
+fn partial_frames_then_disconnect() {
+    let server = Server::tcp(&[]);
+    // Half-closed after a partial line: told, not executed.
+    let mut client = server.connect();
+    client.send_raw(br#"{"op":"record","key":{"exchange":"p","credential":null}"#);
+    client.stream.close_write();
+    let answer = client.recv();
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("middle of a frame"));
+    assert!(client.recv_line().is_none());
+    // Gone entirely in the middle of a line: nothing breaks.
+    let mut client = server.connect();
+    client.send_raw(br#"{"op":"record","key":{"exch"#);
+    drop(client);
+    let mut client = server.connect();
+    let borrowed = client.call(json!({"op": "get_cost", "key": key("p", None)}));
+    assert_eq!(borrowed["borrowed"], 0.0);
+    assert_eq!(client.call(json!({"op": "hello"}))["ok"], true);
+}
+
+#[test]
+fn a_client_vanishing_with_a_booking_leaks_nothing() {
+    let server = Server::tcp(&["--booking-slack-ms", "100", "--sweep-interval-ms", "50"]);
+    // One token per second: a booking made now is ready in about a second.
+    let check = json!({"op": "check", "key": key("gone", Some("k")),
+                       "limit": {"capacity": 1, "refill_per_sec": 1}});
+    let mut waiter = server.connect();
+    assert_eq!(waiter.call(check.clone())["result"], "admitted");
+    let mut book = check.clone();
+    book["max_wait_ms"] = json!(60_000);
+    assert_eq!(waiter.call(book.clone())["result"], "booked");
+    drop(waiter);
+
+    let mut other = server.connect();
+    // The booked cost stays paid: the bucket is still in debt.
+    let refused = other.call(check.clone());
+    assert_eq!(refused["result"], "delay", "{refused}");
+    // The booking lapses after its slack and is swept; the daemon serves on.
+    let mut stats = Value::Null;
+    eventually("the booking lapsed", || {
+        stats = other.call(json!({"op": "stats"}))["stats"].clone();
+        stats["bookings"] == 0 && stats["lapsed"].as_u64() >= Some(1)
+    });
+    // A new waiter books and claims as usual (if the machine is so slow that its booking
+    // lapses before the claim, it books again).
+    eventually("a new waiter is admitted", || {
+        let answer = other.call(book.clone());
+        match answer["result"].as_str() {
+            Some("booked" | "delay") => {
+                let ms = answer["ms"].as_u64().unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                false
+            }
+            Some("claimed" | "admitted") => true,
+            _ => panic!("unexpected answer {answer}"),
+        }
+    });
+}
+
+#[test]
+fn sigterm_answers_what_was_received_then_exits_zero() {
+    let path = common::temp_path("term.sock");
+    let mut server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+    let mut idle = LineClient::new(UnixStream::connect(&path).unwrap());
+    assert_eq!(idle.call(json!({"op": "hello"}))["ok"], true);
+    let mut batch = Vec::new();
+    for i in 0..20 {
+        batch.extend_from_slice(format!("{{\"op\":\"hello\",\"id\":{i}}}\n").as_bytes());
+    }
+    client.send_raw(&batch);
+    assert_eq!(client.recv()["id"], 0);
+    common::signal(&server.child, "TERM");
+    // Whatever was received is answered, in order, each line whole; then the end.
+    let mut next = 1;
+    while let Some(line) = client.recv_line() {
+        let answer: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(answer["id"], next);
+        next += 1;
+    }
+    assert!(idle.recv_line().is_none(), "idle connections are closed");
+    assert!(common::wait_exit(&mut server.child).success());
+    assert!(!path.exists(), "socket file removed");
+    assert!(UnixStream::connect(&path).is_err());
+}
+
+#[test]
+fn sigint_stops_a_server_too() {
+    let mut server = Server::tcp(&[]);
+    assert_eq!(server.connect().call(json!({"op": "hello"}))["ok"], true);
+    common::signal(&server.child, "INT");
+    assert!(common::wait_exit(&mut server.child).success());
+}

@@ -1,0 +1,99 @@
+//! `--stdio` mode: 4-byte length-prefixed frames, as an Erlang `{:packet, 4}` port.
+
+mod common;
+
+use serde_json::json;
+
+use common::{StdioDaemon, Transport};
+
+#[test]
+fn every_op() {
+    let mut daemon = StdioDaemon::start(&[]);
+    common::exercise_every_op(&mut daemon);
+    daemon.close_stdin();
+    assert!(common::wait_exit(&mut daemon.child).success());
+}
+
+#[test]
+fn bad_requests_are_answered_and_the_port_goes_on() {
+    let mut daemon = StdioDaemon::start(&[]);
+    common::exercise_bad_requests(&mut daemon);
+    // An empty frame is not JSON.
+    assert_eq!(daemon.call_raw(b"")["error"]["type"], "invalid_parameters");
+}
+
+#[test]
+fn a_thousand_pipelined_requests_answer_in_order() {
+    let mut daemon = StdioDaemon::start(&[]);
+    let mut batch = Vec::new();
+    for i in 0..1000 {
+        let request = json!({"op": "check", "key": {"exchange": "e", "credential": null},
+                             "limit": {"capacity": 500, "refill_per_sec": 0.001}, "id": i});
+        let payload = serde_json::to_vec(&request).unwrap();
+        batch.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        batch.extend_from_slice(&payload);
+    }
+    let mut stdin = daemon.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        stdin.write_all(&batch).unwrap();
+        stdin
+    });
+    let mut admitted = 0;
+    for i in 0..1000 {
+        let answer = daemon.recv_frame().expect("answer");
+        assert_eq!(answer["id"], i);
+        admitted += usize::from(answer["result"] == "admitted");
+    }
+    assert_eq!(admitted, 500);
+    daemon.stdin = Some(writer.join().unwrap());
+}
+
+#[test]
+fn closing_stdin_exits_cleanly_even_mid_frame() {
+    let mut daemon = StdioDaemon::start(&[]);
+    assert_eq!(daemon.call(json!({"op": "hello"}))["ok"], true);
+    daemon.close_stdin();
+    assert!(daemon.recv_frame().is_none());
+    assert!(common::wait_exit(&mut daemon.child).success());
+
+    let mut daemon = StdioDaemon::start(&[]);
+    daemon.send_raw(&100u32.to_be_bytes());
+    daemon.send_raw(br#"{"op":"hel"#);
+    daemon.close_stdin();
+    assert!(
+        daemon.recv_frame().is_none(),
+        "a partial frame is not executed"
+    );
+    assert!(common::wait_exit(&mut daemon.child).success());
+
+    let mut daemon = StdioDaemon::start(&[]);
+    daemon.send_raw(&[0, 0]);
+    daemon.close_stdin();
+    assert!(common::wait_exit(&mut daemon.child).success());
+}
+
+#[test]
+fn an_oversized_frame_is_refused_then_the_port_closes() {
+    let mut daemon = StdioDaemon::start(&["--max-frame-bytes", "1024"]);
+    assert_eq!(daemon.call(json!({"op": "hello"}))["ok"], true);
+    daemon.send_raw(&2000u32.to_be_bytes());
+    let answer = daemon.recv_frame().expect("an error frame");
+    assert_eq!(answer["ok"], false);
+    assert_eq!(answer["error"]["type"], "frame_too_large");
+    assert!(daemon.recv_frame().is_none());
+    assert_eq!(common::wait_exit(&mut daemon.child).code(), Some(1));
+}
+
+#[test]
+fn sigterm_exits_zero_and_sigint_is_ignored() {
+    let mut daemon = StdioDaemon::start(&[]);
+    assert_eq!(daemon.call(json!({"op": "hello"}))["ok"], true);
+    common::signal(&daemon.child, "INT");
+    // Still serving: the answer shows the signal was swallowed, however late it landed.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(daemon.call(json!({"op": "hello"}))["ok"], true);
+    assert!(daemon.child.try_wait().unwrap().is_none());
+    common::signal(&daemon.child, "TERM");
+    assert!(common::wait_exit(&mut daemon.child).success());
+}
