@@ -1,0 +1,28 @@
+# The native compiler ships in lib/ but must run before lib/ is compiled, also when
+# :bourse is a dependency: load it from here. `ignore_module_conflict` below lets the
+# Elixir compiler build the same module into ebin without a redefinition warning.
+Code.require_file("lib/mix/tasks/compile.bourse_native.ex", __DIR__)
+
+defmodule Bourse.MixProject do
+  use Mix.Project
+
+  def project do
+    [
+      app: :bourse,
+      version: "0.1.0",
+      elixir: "~> 1.14",
+      compilers: [:bourse_native] ++ Mix.compilers(),
+      elixirc_paths: elixirc_paths(Mix.env()),
+      elixirc_options: [ignore_module_conflict: true],
+      start_permanent: Mix.env() == :prod,
+      deps: []
+    ]
+  end
+
+  def application do
+    [extra_applications: [:logger, :inets]]
+  end
+
+  defp elixirc_paths(:test), do: ["lib", "test/support"]
+  defp elixirc_paths(_), do: ["lib"]
+end
