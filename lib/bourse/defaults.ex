@@ -1,0 +1,29 @@
+defmodule Bourse.Defaults do
+  @moduledoc """
+  Defaults of `:bourse`, each overridable in the application environment:
+
+      # config/config.exs
+      config :bourse,
+        rate_limit_max_wait_ms: 30_000,
+        booking_slack_ms: 250
+
+  | key | default | meaning |
+  | --- | --- | --- |
+  | `:rate_limit_max_wait_ms` | `30_000` | longest wait `wait_for_capacity` accepts before it answers `:rate_limit_exceeded` |
+  | `:booking_slack_ms` | `250` | how long after its ready time a booking waits to be claimed before it lapses |
+  """
+
+  @doc """
+  The longest wait, in ms, `Bourse.RateLimiter.wait_for_capacity/5` accepts when the caller
+  gives no `:max_wait_ms`: `config :bourse, rate_limit_max_wait_ms: ms`, default `30_000`.
+  """
+  @spec rate_limit_max_wait_ms() :: pos_integer()
+  def rate_limit_max_wait_ms, do: Application.get_env(:bourse, :rate_limit_max_wait_ms, 30_000)
+
+  @doc """
+  How long, in ms, a booking stays claimable after its ready time:
+  `config :bourse, booking_slack_ms: ms`, default `250`.
+  """
+  @spec booking_slack_ms() :: non_neg_integer()
+  def booking_slack_ms, do: Application.get_env(:bourse, :booking_slack_ms, 250)
+end

@@ -1,0 +1,83 @@
+defmodule Bourse.Error do
+  @moduledoc """
+  The error every `:bourse` call returns (or raises) when it cannot do what was asked.
+
+  Fields:
+
+    * `:type` – what went wrong:
+      * `:invalid_parameters` – a malformed key, limit, cost or option; nothing was paid;
+      * `:rate_limit_exceeded` – the wait would exceed the caller's budget, or the
+        exchange answered 429/418; `:retry_after` says when to come back.
+    * `:message` – a human-readable explanation naming what is wrong.
+    * `:exchange` – the exchange id (`"binance"`), when known.
+    * `:retry_after` – milliseconds to wait before trying again, when known.
+    * `:http_status` – the exchange's HTTP status, when the error came from a reply.
+    * `:stop` – `true` when retrying is pointless (a ban longer than any sensible wait,
+      an authentication error): stop and alert instead.
+
+  Examples:
+
+      {:error, %Bourse.Error{type: :invalid_parameters}} =
+        Bourse.RateLimiter.check_rate({"binance", "key"}, %{capacity: -1, refill_per_sec: 1})
+
+      Bourse.Error.rate_limited(1_500, exchange: "binance", http_status: 429)
+      #=> %Bourse.Error{type: :rate_limit_exceeded, retry_after: 1500, ...}
+
+      raise Bourse.Error.invalid("cost must be a finite number >= 0")
+  """
+
+  @type type :: :invalid_parameters | :rate_limit_exceeded | atom()
+
+  @type t :: %__MODULE__{
+          type: type(),
+          message: String.t() | nil,
+          exchange: String.t() | nil,
+          retry_after: non_neg_integer() | nil,
+          http_status: pos_integer() | nil,
+          stop: boolean()
+        }
+
+  defexception [:type, :message, :exchange, :retry_after, :http_status, stop: false]
+
+  @doc "An `:invalid_parameters` error with the given message."
+  @spec invalid(String.t()) :: t()
+  def invalid(message) when is_binary(message),
+    do: %__MODULE__{type: :invalid_parameters, message: message}
+
+  @doc """
+  A `:rate_limit_exceeded` error asking to retry after `retry_after_ms` milliseconds.
+
+  Options: `:exchange`, `:http_status`, `:stop` (default `false`) and `:message`
+  (default: one built from the other fields).
+  """
+  @spec rate_limited(non_neg_integer(), keyword()) :: t()
+  def rate_limited(retry_after_ms, opts \\ []) do
+    %__MODULE__{
+      type: :rate_limit_exceeded,
+      retry_after: retry_after_ms,
+      exchange: opts[:exchange],
+      http_status: opts[:http_status],
+      stop: Keyword.get(opts, :stop, false),
+      message: opts[:message]
+    }
+  end
+
+  @impl true
+  def message(%__MODULE__{message: message}) when is_binary(message), do: message
+
+  def message(%__MODULE__{} = error) do
+    [
+      error.exchange && "#{error.exchange}:",
+      describe(error.type),
+      error.http_status && "(HTTP #{error.http_status})",
+      error.retry_after && "retry after #{error.retry_after} ms",
+      error.stop && "(stop: do not retry)"
+    ]
+    |> Enum.filter(& &1)
+    |> Enum.join(" ")
+  end
+
+  defp describe(:rate_limit_exceeded), do: "rate limit exceeded"
+  defp describe(:invalid_parameters), do: "invalid parameters"
+  defp describe(type), do: inspect(type)
+end
