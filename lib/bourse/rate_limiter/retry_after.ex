@@ -1,0 +1,148 @@
+defmodule Bourse.RateLimiter.RetryAfter do
+  @moduledoc """
+  Parses an exchange's `Retry-After` header into a wait in milliseconds.
+
+  RFC 9110 allows seconds or an HTTP date. Accepted here:
+
+    * seconds: `"2"`, `" 1.5 "`, `"3e1"`, `"-5"` (text matching
+      `-?digits[.digits][e[+-]digits]`), or an integer or float;
+    * HTTP dates: IMF-fixdate (`"Wed, 21 Oct 2015 07:28:00 GMT"`), the obsolete RFC 850
+      (`"Wednesday, 21-Oct-15 07:28:00 GMT"`) and asctime (`"Wed Oct 21 07:28:00 2015"`)
+      forms, with `GMT`, `UTC`, `UT`, `Z` or a numeric zone such as `-0000` or `+0200`
+      (as Python's `email.utils` reads them).
+
+  Results:
+
+    * `{:ok, ms}` – wait `ms`: seconds are rounded up to whole ms, and anything shorter
+      than `:floor_ms` (tiny, zero, negative, a past date) is raised to it;
+    * `{:stop, ms}` – the server asks for more than `:cap_ms` (a ban): stop, don't wait;
+    * `:error` – unusable (not a number or a date, infinite such as `"1e400"`, `"inf"`,
+      `"nan"`, or a non-text term): fall back to your own backoff.
+
+  It never raises on a binary, number or any other term.
+
+  Options: `:floor_ms` (default 1000), `:cap_ms` (default 300_000) and `:now`, the
+  current time used for dates, a `DateTime` or unix ms (default: the system clock).
+
+      RetryAfter.parse("2")                                  #=> {:ok, 2000}
+      RetryAfter.parse("1e-400")                             #=> {:ok, 1000}
+      RetryAfter.parse("86400")                              #=> {:stop, 86_400_000}
+      RetryAfter.parse("1e400")                              #=> :error
+      RetryAfter.parse("Wed, 21 Oct 2015 07:28:05 GMT",
+        now: ~U[2015-10-21 07:28:00Z])                       #=> {:ok, 5000}
+  """
+
+  @type result :: {:ok, non_neg_integer()} | {:stop, pos_integer()} | :error
+
+  # Longer values are nonsense for this header; refusing them bounds the work.
+  @max_length 256
+  # The largest finite double, in ms: larger texts are infinity as a float.
+  @max_finite_ms trunc(1.7976931348623157e308) * 1000
+
+  @seconds ~r/\A\s*(-?)(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?\s*\z/
+  @fixdate ~r/\A\s*(?:[a-z]{3,9},\s*)?(?<day>\d{1,2})[ -](?<mon>[a-z]{3})[ -](?<year>\d{4}|\d{2})\s+(?<hour>\d{1,2}):(?<min>\d{2})(?::(?<sec>\d{2}))?(?:\s*(?<zone>gmt|utc|ut|z|[+-]\d{4}))?\s*\z/i
+  @asctime ~r/\A\s*[a-z]{3}\s+(?<mon>[a-z]{3})\s+(?<day>\d{1,2})\s+(?<hour>\d{1,2}):(?<min>\d{2}):(?<sec>\d{2})\s+(?<year>\d{4})\s*\z/i
+
+  @months ~w(jan feb mar apr may jun jul aug sep oct nov dec) |> Enum.with_index(1) |> Map.new()
+
+  @doc """
+  Parses a `Retry-After` value; see the module documentation.
+  """
+  @spec parse(term(), keyword()) :: result()
+  def parse(value, opts \\ []) do
+    cap = Keyword.get(opts, :cap_ms, 300_000)
+
+    case to_ms(value, opts) do
+      {:ok, ms} when ms > cap -> {:stop, ms}
+      {:ok, ms} -> {:ok, max(ms, Keyword.get(opts, :floor_ms, 1000))}
+      :error -> :error
+    end
+  end
+
+  defp to_ms(seconds, _opts) when is_integer(seconds), do: {:ok, seconds * 1000}
+  # Times 1000, a huge double would overflow; far above any cap, whole seconds will do.
+  defp to_ms(seconds, _opts) when is_float(seconds) and abs(seconds) < 1.0e15,
+    do: {:ok, ceil(seconds * 1000)}
+
+  defp to_ms(seconds, _opts) when is_float(seconds), do: {:ok, trunc(seconds) * 1000}
+
+  defp to_ms(text, opts) when is_binary(text) and byte_size(text) <= @max_length do
+    cond do
+      match = Regex.run(@seconds, text, capture: :all_but_first) -> decimal_ms(match)
+      match = Regex.named_captures(@fixdate, text) -> date_ms(match, opts)
+      match = Regex.named_captures(@asctime, text) -> date_ms(match, opts)
+      true -> :error
+    end
+  end
+
+  defp to_ms(_other, _opts), do: :error
+
+  # Exact decimal arithmetic, so "1e400" is infinite and "1e-400" tiny, as doubles are.
+  defp decimal_ms([sign, int | rest]) do
+    [frac, exp] = Enum.take(rest ++ ["", ""], 2)
+    digits = String.trim_leading(int <> frac, "0")
+    # |value| in ms = digits * 10^shift < 10^magnitude
+    shift = if(exp == "", do: 0, else: String.to_integer(exp)) - byte_size(frac) + 3
+    magnitude = byte_size(digits) + shift
+
+    cond do
+      digits == "" -> {:ok, 0}
+      magnitude > 315 -> :error
+      magnitude <= 0 and sign == "-" -> {:ok, 0}
+      magnitude <= 0 -> {:ok, 1}
+      true -> exact_ms(sign, String.to_integer(digits), shift)
+    end
+  end
+
+  defp exact_ms(sign, n, shift) do
+    ms =
+      cond do
+        shift >= 0 -> n * Integer.pow(10, shift)
+        sign == "-" -> div(n, Integer.pow(10, -shift))
+        true -> div(n + Integer.pow(10, -shift) - 1, Integer.pow(10, -shift))
+      end
+
+    cond do
+      ms > @max_finite_ms -> :error
+      sign == "-" -> {:ok, -ms}
+      true -> {:ok, ms}
+    end
+  end
+
+  defp date_ms(%{"mon" => mon} = date, opts) do
+    now = now_ms(opts[:now])
+    [day, year, hour, min, sec] = for k <- ~w(day year hour min sec), do: to_int(date[k])
+
+    with {:ok, month} <- Map.fetch(@months, String.downcase(mon)),
+         {:ok, naive} <-
+           NaiveDateTime.new(full_year(year, date["year"], now), month, day, hour, min, sec) do
+      local = naive |> DateTime.from_naive!("Etc/UTC") |> DateTime.to_unix(:millisecond)
+      {:ok, local - zone_offset_ms(Map.get(date, "zone", "")) - now}
+    else
+      _ -> :error
+    end
+  end
+
+  defp to_int(""), do: 0
+  defp to_int(digits), do: String.to_integer(digits)
+
+  # RFC 9110: a two-digit year more than 50 years ahead is in the previous century.
+  defp full_year(year, text, now) when byte_size(text) == 2 do
+    this_year = DateTime.from_unix!(now, :millisecond).year
+    year = year + this_year - rem(this_year, 100)
+    if year > this_year + 50, do: year - 100, else: year
+  end
+
+  defp full_year(year, _text, _now), do: year
+
+  defp zone_offset_ms(<<sign, hh::binary-2, mm::binary-2>>) when sign in [?+, ?-] do
+    ms = (String.to_integer(hh) * 60 + String.to_integer(mm)) * 60_000
+    if sign == ?-, do: -ms, else: ms
+  end
+
+  defp zone_offset_ms(_gmt), do: 0
+
+  defp now_ms(nil), do: System.os_time(:millisecond)
+  defp now_ms(%DateTime{} = now), do: DateTime.to_unix(now, :millisecond)
+  defp now_ms(ms) when is_integer(ms), do: ms
+end
