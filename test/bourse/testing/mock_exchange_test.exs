@@ -1,0 +1,135 @@
+defmodule Bourse.Testing.MockExchangeTest do
+  use ExUnit.Case, async: true
+
+  alias Bourse.Testing.{HTTP, MockExchange}
+
+  defp get(mock, headers \\ []), do: HTTP.get(mock.url <> "/api/v3/ping", headers)
+
+  defp header(headers, name), do: headers |> List.keyfind(name, 0, {name, nil}) |> elem(1)
+
+  # Sleeps until shortly after the start of the next window of `window_ms`.
+  defp align(window_ms) do
+    Process.sleep(window_ms - rem(System.os_time(:millisecond), window_ms) + 20)
+  end
+
+  describe "fixed_window mode" do
+    # The mock is linked to the test process, and stops with it.
+    setup tags do
+      {:ok, mock} = MockExchange.start(Map.get(tags, :mock, []))
+      %{mock: mock}
+    end
+
+    test "15 requests at once in one window: 10 pass, 5 get 429 with Retry-After", %{mock: mock} do
+      align(1000)
+
+      replies =
+        1..15
+        |> Task.async_stream(fn _ -> get(mock) end, max_concurrency: 15)
+        |> Enum.map(fn {:ok, {:ok, status, headers, body}} -> {status, headers, body} end)
+
+      {ok, limited} = Enum.split_with(replies, &(elem(&1, 0) == 200))
+      assert length(ok) == 10
+      assert Enum.all?(limited, &(elem(&1, 0) == 429))
+
+      assert ok
+             |> Enum.map(&String.to_integer(header(elem(&1, 1), "x-used-weight")))
+             |> Enum.sort() ==
+               Enum.to_list(1..10)
+
+      for {429, headers, body} <- limited do
+        assert header(headers, "retry-after") == "1"
+        assert header(headers, "x-used-weight") == "10"
+        assert header(headers, "x-mbx-used-weight-1m") == "10"
+        assert header(headers, "content-type") == "application/json"
+        assert body =~ ~s("code":-1003)
+      end
+
+      assert MockExchange.stats(mock) == %{accepted: 10, rejected: 5}
+      assert :ok = MockExchange.reset_stats(mock)
+      assert MockExchange.stats(mock) == %{accepted: 0, rejected: 0}
+    end
+
+    test "weights, and separate counters per client IP", %{mock: mock} do
+      align(1000)
+      assert {:ok, 200, headers, ~s({"ok":true,"usedWeight":4})} = get(mock, [{"x-weight", "4"}])
+      assert header(headers, "x-mbx-used-weight-1m") == "4"
+      assert {:ok, 200, headers, _} = get(mock, [{"x-weight", "6"}])
+      assert header(headers, "x-used-weight") == "10"
+      assert {:ok, 429, _, _} = get(mock)
+      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "0"}])
+
+      assert {:ok, 200, headers, _} = get(mock, [{"x-client-ip", "10.0.0.2"}, {"x-weight", "10"}])
+      assert header(headers, "x-used-weight") == "10"
+      assert {:ok, 429, _, _} = get(mock, [{"x-client-ip", "10.0.0.2"}])
+
+      assert {:ok, 400, _, _} = get(mock, [{"x-weight", "-1"}])
+      assert {:ok, 400, _, _} = get(mock, [{"x-weight", "heavy"}])
+      assert MockExchange.stats(mock) == %{accepted: 4, rejected: 2}
+    end
+
+    @tag mock: [limit: 2, window_ms: 300]
+    test "a new window starts a new count", %{mock: mock} do
+      align(300)
+      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "2"}])
+      assert {:ok, 429, headers, _} = get(mock)
+      assert header(headers, "retry-after") == "1"
+      align(300)
+      assert {:ok, 200, headers, _} = get(mock)
+      assert header(headers, "x-used-weight") == "1"
+    end
+  end
+
+  test "scripted mode replays the seed report's replies in order, then repeats the last" do
+    script = [
+      {429, [{"Retry-After", "1e400"}], ~s({"code":-1003})},
+      {429, [{"Retry-After", "86400"}], "{}"},
+      {401, [], ~s({"code":-2015,"msg":"Invalid API-key"})},
+      {418, [{"Retry-After", "120"}], "{}"},
+      {503, [], "{}"},
+      {200, [{"Content-Type", "text/html"}], "<html>maintenance</html>"}
+    ]
+
+    {:ok, mock} = MockExchange.start(script: script)
+
+    for {status, headers, body} <- script do
+      assert {:ok, ^status, reply_headers, ^body} = get(mock)
+
+      for {name, value} <- headers,
+          do: assert(header(reply_headers, String.downcase(name)) == value)
+    end
+
+    assert {:ok, 200, headers, "<html>maintenance</html>"} = get(mock)
+    assert header(headers, "content-type") == "text/html"
+    assert MockExchange.stats(mock) == %{accepted: 2, rejected: 2}
+    MockExchange.stop(mock)
+  end
+
+  test "stop/1 closes the port, and the server stops with the process that started it" do
+    {:ok, mock} = MockExchange.start()
+    assert :ok = MockExchange.stop(mock)
+    assert {:error, _} = get(mock)
+
+    owner = self()
+
+    {pid, ref} =
+      spawn_monitor(fn ->
+        {:ok, mock} = MockExchange.start()
+        send(owner, {:mock, mock})
+      end)
+
+    assert_receive {:mock, mock}
+    assert_receive {:DOWN, ^ref, :process, ^pid, :normal}
+    ref = Process.monitor(mock.pid)
+    assert_receive {:DOWN, ^ref, :process, _, _}
+    assert {:error, _} = get(mock)
+  end
+
+  test "bad options raise" do
+    assert_raise ArgumentError, fn -> MockExchange.start(limit: 0) end
+    assert_raise ArgumentError, fn -> MockExchange.start(script: []) end
+  end
+
+  test "HTTP.get/2 reports connection errors" do
+    assert {:error, _} = HTTP.get("http://127.0.0.1:1/")
+  end
+end
