@@ -1,0 +1,43 @@
+defmodule Bourse.Native do
+  @moduledoc false
+  # The NIF over the Rust bucket table (native/bourse_nif). Loaded from priv/native when
+  # this module loads; every function answers malformed input with `{:error, message}`.
+
+  @on_load :load_nif
+
+  @doc false
+  def load_nif do
+    path =
+      case :code.priv_dir(:bourse) do
+        {:error, _} -> ~c"priv/native/libbourse_nif"
+        dir -> :filename.join(dir, ~c"native/libbourse_nif")
+      end
+
+    case :erlang.load_nif(path, 0) do
+      :ok ->
+        :ok
+
+      {:error, {reason, text}} ->
+        IO.warn("Bourse.Native: cannot load #{path}: #{reason} #{text}", [])
+        {:error, reason}
+    end
+  end
+
+  def new_table(_assume_busy_at_start, _booking_slack_ms), do: :erlang.nif_error(:not_loaded)
+
+  def check_one(_table, _owner, _key, _limit, _cost, _max_wait),
+    do: :erlang.nif_error(:not_loaded)
+
+  def check_many(_table, _owner, _checks, _max_wait), do: :erlang.nif_error(:not_loaded)
+  def record(_table, _key, _cost), do: :erlang.nif_error(:not_loaded)
+  def borrowed(_table, _key), do: :erlang.nif_error(:not_loaded)
+  def reset(_table, _key), do: :erlang.nif_error(:not_loaded)
+  def reset_exchange(_table, _exchange), do: :erlang.nif_error(:not_loaded)
+  def reset_all(_table), do: :erlang.nif_error(:not_loaded)
+  def sweep(_table), do: :erlang.nif_error(:not_loaded)
+  def pause(_table, _target, _ms), do: :erlang.nif_error(:not_loaded)
+  def inspect(_table, _key), do: :erlang.nif_error(:not_loaded)
+  def busiest(_table, _count), do: :erlang.nif_error(:not_loaded)
+  def stats(_table), do: :erlang.nif_error(:not_loaded)
+  def count_invalid(_table), do: :erlang.nif_error(:not_loaded)
+end

@@ -1,0 +1,49 @@
+defmodule Bourse.RateLimiter.Backend do
+  @moduledoc """
+  Where a limiter's buckets live. `Bourse.RateLimiter` validates names and options,
+  routes calls and shapes answers; a backend only carries them to a bucket table.
+
+  Answers of the check callbacks:
+
+    * `:ok` – paid (or claimed against the caller's own booking);
+    * `{:delay, ms}` – nothing paid;
+    * `{:booked, ms}` – a waiter's booking, paid and ready in `ms`;
+    * `{:over_budget, ms}` – the wait exceeds `max_wait`; nothing paid;
+    * `{:error, message}` – malformed input, or `{:error, %Bourse.Error{}}`.
+
+  `owner` is the pid the booking belongs to; `max_wait` is `nil` for a probe.
+  """
+
+  @type handle :: term()
+  @type error :: {:error, String.t() | Bourse.Error.t()}
+  @type check_answer ::
+          :ok | {:delay, pos_integer()} | {:booked, pos_integer()} | {:over_budget, pos_integer()}
+
+  @doc """
+  Returns the handle to use from now on. `previous` is the handle an earlier incarnation
+  of the same limiter left (after a crash), or `nil`.
+  """
+  @callback attach(previous :: handle() | nil, opts :: keyword()) ::
+              {:ok, handle()} | {:error, term()}
+  @callback check_one(
+              handle(),
+              pid(),
+              key :: term(),
+              limit :: term(),
+              cost :: term(),
+              max_wait :: pos_integer() | nil
+            ) ::
+              check_answer() | error()
+  @callback check_many(handle(), pid(), checks :: term(), max_wait :: pos_integer() | nil) ::
+              check_answer() | error()
+  @callback record(handle(), key :: term(), cost :: term()) :: :ok | error()
+  @callback borrowed(handle(), key :: term()) :: number() | error()
+  @callback reset(handle(), key :: term()) :: :ok | error()
+  @callback reset_exchange(handle(), exchange :: term()) :: :ok | error()
+  @callback reset_all(handle()) :: :ok | error()
+  @callback pause(handle(), target :: term(), ms :: term()) :: :ok | error()
+  @callback inspect(handle(), key :: term()) :: map() | nil | error()
+  @callback stats(handle()) :: map() | error()
+  @callback busiest(handle(), count :: pos_integer()) :: [{tuple(), map()}] | error()
+  @callback sweep(handle()) :: non_neg_integer() | error()
+end
