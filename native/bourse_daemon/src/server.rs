@@ -127,8 +127,9 @@ impl Listener {
         match self {
             Self::Tcp(listener) => {
                 let (stream, _) = listener.accept().await?;
-                // Small answers must not wait for Nagle.
-                stream.set_nodelay(true)?;
+                // Small answers must not wait for Nagle (best effort: a reset peer is
+                // found out by its first read).
+                let _ = stream.set_nodelay(true);
                 tokio::spawn(serve(stream, context.clone()));
             }
             Self::Unix(listener) => {
@@ -182,6 +183,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, mut context: Co
                     out.push(b'\n');
                     let _ = send(&mut stream, &mut out).await;
                     let _ = stream.shutdown().await;
+                    linger(&mut stream, Duration::from_secs(1)).await;
                     return;
                 }
                 Next::Pending => break,
@@ -210,6 +212,25 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, mut context: Co
         }
     }
     let _ = stream.shutdown().await;
+    if *context.shutdown.borrow() {
+        linger(&mut stream, Duration::from_millis(100)).await;
+    }
+}
+
+/// Reads and discards what the peer still sends, for at most `patience` and 1 MiB: closing
+/// a socket with unread input resets it, which can destroy answers the peer has not read.
+async fn linger<S: AsyncRead + Unpin>(stream: &mut S, patience: Duration) {
+    let mut sink = [0u8; 8192];
+    let mut budget = 1usize << 20;
+    let _ = tokio::time::timeout(patience, async {
+        while budget > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => budget = budget.saturating_sub(n),
+            }
+        }
+    })
+    .await;
 }
 
 async fn send<S: AsyncWrite + Unpin>(stream: &mut S, out: &mut Vec<u8>) -> io::Result<()> {

@@ -105,6 +105,20 @@ fn oversized_frames_get_an_error_then_the_connection_closes() {
     client.send_raw(&[b' '; 4096]);
     assert_eq!(client.recv()["error"]["type"], "frame_too_large");
     assert!(client.recv_line().is_none());
+    // ...and a client that keeps streaming still reads the error before the close.
+    let mut client = server.connect();
+    let mut stream = client.stream.try_clone_stream();
+    let writer = thread::spawn(move || {
+        let chunk = [b'x'; 8192];
+        for _ in 0..64 {
+            if stream.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+    });
+    assert_eq!(client.recv()["error"]["type"], "frame_too_large");
+    assert!(client.recv_line().is_none());
+    writer.join().unwrap();
     // A line just under the limit is fine.
     let mut client = server.connect();
     let padding = "x".repeat(900);
