@@ -31,6 +31,7 @@ defmodule Bourse.Native do
   def check_many(_table, _owner, _checks, _max_wait), do: :erlang.nif_error(:not_loaded)
   def record(_table, _key, _cost), do: :erlang.nif_error(:not_loaded)
   def borrowed(_table, _key), do: :erlang.nif_error(:not_loaded)
+  def sync(_table, _key, _allowance, _window_left_ms), do: :erlang.nif_error(:not_loaded)
   def reset(_table, _key), do: :erlang.nif_error(:not_loaded)
   def reset_exchange(_table, _exchange), do: :erlang.nif_error(:not_loaded)
   def reset_all(_table), do: :erlang.nif_error(:not_loaded)

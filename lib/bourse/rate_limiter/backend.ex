@@ -38,6 +38,14 @@ defmodule Bourse.RateLimiter.Backend do
               check_answer() | error()
   @callback record(handle(), key :: term(), cost :: term()) :: :ok | error()
   @callback borrowed(handle(), key :: term()) :: number() | error()
+  @doc "Lowers the key's tokens so that they plus the refill over `window_left_ms` fit `allowance`; returns the tokens taken."
+  @callback sync(
+              handle(),
+              key :: term(),
+              allowance :: number(),
+              window_left_ms :: non_neg_integer()
+            ) ::
+              number() | error()
   @callback reset(handle(), key :: term()) :: :ok | error()
   @callback reset_exchange(handle(), exchange :: term()) :: :ok | error()
   @callback reset_all(handle()) :: :ok | error()

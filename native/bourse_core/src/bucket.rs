@@ -29,8 +29,10 @@ pub(crate) struct Bucket {
     /// Without a limit: minus the pending debt.
     base: f64,
     base_at: u64,
-    /// Not swept before this instant: last access plus its fill time and last delay.
-    keep_until: u64,
+    /// The last access, and the delay it answered: the bucket is kept for longer than
+    /// both that delay and its fill time after it.
+    seen_at: u64,
+    answered_delay: u64,
     pub bookings: Vec<Booking>,
 }
 
@@ -59,7 +61,8 @@ impl Bucket {
             limit: Some(limit),
             base: tokens,
             base_at: now,
-            keep_until: now,
+            seen_at: now,
+            answered_delay: 0,
             bookings: Vec::new(),
         }
     }
@@ -71,7 +74,8 @@ impl Bucket {
             limit: None,
             base: -debt,
             base_at: now,
-            keep_until: now,
+            seen_at: now,
+            answered_delay: 0,
             bookings: Vec::new(),
         }
     }
@@ -158,14 +162,19 @@ impl Bucket {
         }
     }
 
+    /// Lowers the tokens to at most `max_tokens` (possibly below zero); never raises them.
+    pub fn lower_to(&mut self, max_tokens: f64, now: u64) {
+        let tokens = self.tokens(now);
+        if max_tokens < tokens && self.limit.is_some() {
+            self.base = max_tokens;
+            self.base_at = now;
+        }
+    }
+
     /// Records an access at `now` that answered `delay_ns`.
     pub fn touch(&mut self, now: u64, delay_ns: u64) {
-        let fill_ns = self
-            .limit
-            .map_or(0, |limit| accrual_ns(limit.capacity(), &limit));
-        self.keep_until = self
-            .keep_until
-            .max(now.saturating_add(fill_ns.max(delay_ns)));
+        self.seen_at = now;
+        self.answered_delay = delay_ns;
     }
 
     /// Drops bookings whose slack has run out; their cost stays paid. Returns how many.
@@ -179,7 +188,9 @@ impl Bucket {
     pub fn sweepable(&self, now: u64) -> bool {
         match &self.limit {
             Some(limit) => {
-                now > self.keep_until
+                let idle = now.saturating_sub(self.seen_at);
+                idle > self.answered_delay
+                    && idle > accrual_ns(limit.capacity(), limit)
                     && self.bookings.is_empty()
                     && covers(self.tokens(now), limit.capacity())
             }

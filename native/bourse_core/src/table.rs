@@ -1,6 +1,6 @@
 //! The sharded bucket table: checks, bookings, debt, pauses, resets and the sweep.
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
@@ -163,6 +163,24 @@ pub struct Table<C: Clock = MonotonicClock> {
     invalid: AtomicU64,
 }
 
+/// Identifies a coalesced check, so its owner can claim the booking it made.
+fn signature(items: &[Item]) -> u64 {
+    items.iter().fold(0x243f_6a88_85a3_08d3, |acc: u64, item| {
+        (acc.rotate_left(23) ^ item.hash ^ item.cost.to_bits()).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    })
+}
+
+/// What a check needs besides its buckets.
+#[derive(Clone, Copy)]
+struct Request {
+    owner: u64,
+    signature: u64,
+    mode: Mode,
+    now: u64,
+    /// The end of the latest pause covering the check, or 0.
+    pause_until: u64,
+}
+
 fn delay_ms(from: u64, to: u64) -> u64 {
     to.saturating_sub(from).div_ceil(NANOS_PER_MS).max(1)
 }
@@ -231,10 +249,20 @@ impl<C: Clock> Table<C> {
             limit: check.limit,
             cost: check.cost,
         };
+        let signature = signature(std::slice::from_ref(&item));
         let now = self.clock.now();
         let mut guard = self.lock(hash);
-        let signature = self.signature(std::slice::from_ref(&item));
-        self.run(&mut [&mut guard], &[item], owner, signature, mode, now)
+        let shard = &mut *guard;
+        let bucket = self.bucket(&mut shard.buckets, &item, now);
+        let pause_until = self.pause_until(std::slice::from_ref(&item), now);
+        let request = Request {
+            owner,
+            signature,
+            mode,
+            now,
+            pause_until,
+        };
+        self.decide(&mut [bucket], &[item], &mut shard.stats, request)
     }
 
     /// Checks several buckets all-or-nothing. Repeated keys are coalesced into one combined
@@ -296,32 +324,50 @@ impl<C: Clock> Table<C> {
             }
             item.slot = shard_indices.len() - 1;
         }
-        let signature = self.signature(&coalesced);
+        let signature = signature(&coalesced);
         let now = self.clock.now();
+        let pause_until = self.pause_until(&coalesced, now);
         let mut guards: Vec<MutexGuard<Shard>> = shard_indices
             .iter()
             .map(|&index| self.shards[index].0.lock())
             .collect();
-        let mut shards: Vec<&mut Shard> = guards.iter_mut().map(|guard| &mut **guard).collect();
-        Ok(self.run(&mut shards, &coalesced, owner, signature, mode, now))
-    }
-
-    /// Identifies a coalesced check, so its owner can claim the booking it made.
-    fn signature(&self, items: &[Item]) -> u64 {
-        let mut hasher = self.hasher.build_hasher();
-        for item in items {
-            item.hash.hash(&mut hasher);
-            item.cost.to_bits().hash(&mut hasher);
+        // Buckets leave their tables while the check runs (the locks are held), so each can
+        // be borrowed mutably at once; they go back afterwards.
+        let mut buckets: Vec<Bucket> = coalesced
+            .iter()
+            .map(|item| self.take_bucket(&mut guards[item.slot].buckets, item, now))
+            .collect();
+        let mut borrowed: Vec<&mut Bucket> = buckets.iter_mut().collect();
+        let request = Request {
+            owner,
+            signature,
+            mode,
+            now,
+            pause_until,
+        };
+        let outcome = self.decide(&mut borrowed, &coalesced, &mut guards[0].stats, request);
+        for (item, bucket) in coalesced.iter().zip(buckets) {
+            guards[item.slot]
+                .buckets
+                .insert_unique(item.hash, bucket, |b| b.hash);
         }
-        hasher.finish()
+        Ok(outcome)
     }
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
-    fn bucket<'s>(&self, shard: &'s mut Shard, item: &Item, now: u64) -> &'s mut Bucket {
+    fn bucket<'s>(
+        &self,
+        buckets: &'s mut HashTable<Bucket>,
+        item: &Item,
+        now: u64,
+    ) -> &'s mut Bucket {
         let tokens = self.initial_tokens(&item.limit, now);
-        let bucket = shard
-            .buckets
-            .entry(item.hash, |b| b.key.as_ref() == item.key, |b| b.hash)
+        let bucket = buckets
+            .entry(
+                item.hash,
+                |b| b.hash == item.hash && b.key.as_ref() == item.key,
+                |b| b.hash,
+            )
             .or_insert_with(|| {
                 Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
             })
@@ -330,30 +376,39 @@ impl<C: Clock> Table<C> {
         bucket
     }
 
-    fn find<'s>(shard: &'s mut Shard, item: &Item) -> &'s mut Bucket {
-        shard
-            .buckets
-            .find_mut(item.hash, |b| b.key.as_ref() == item.key)
-            .expect("bucket created in the planning pass while the shard lock is held")
+    /// Like [`Table::bucket`], but removes the bucket from its table.
+    fn take_bucket(&self, buckets: &mut HashTable<Bucket>, item: &Item, now: u64) -> Bucket {
+        let tokens = self.initial_tokens(&item.limit, now);
+        let mut bucket = match buckets.find_entry(item.hash, |b| {
+            b.hash == item.hash && b.key.as_ref() == item.key
+        }) {
+            Ok(entry) => entry.remove().0,
+            Err(_) => Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now),
+        };
+        bucket.define(item.limit, tokens, now);
+        bucket
     }
 
-    fn run(
+    /// Admits, books or refuses a check over `buckets` (aligned with `items`).
+    fn decide(
         &self,
-        shards: &mut [&mut Shard],
+        buckets: &mut [&mut Bucket],
         items: &[Item],
-        owner: u64,
-        signature: u64,
-        mode: Mode,
-        now: u64,
+        stats: &mut Stats,
+        request: Request,
     ) -> Outcome {
-        let pause_until = self.pause_until(items, now);
-        // Plan: when could every bucket pay, and does the caller hold a booking for this?
+        let Request {
+            owner,
+            signature,
+            mode,
+            now,
+            pause_until,
+        } = request;
+        // When could every bucket pay, and does the caller hold a booking for this check?
         let mut ready = now;
         let mut claim_ready: Option<u64> = Some(0);
-        let mut lapsed = 0;
-        for item in items {
-            let bucket = self.bucket(shards[item.slot], item, now);
-            lapsed += bucket.drop_lapsed(now);
+        for (bucket, item) in buckets.iter_mut().zip(items) {
+            stats.lapsed += bucket.drop_lapsed(now) as u64;
             claim_ready = claim_ready.and_then(|at| {
                 bucket
                     .bookings
@@ -364,26 +419,14 @@ impl<C: Clock> Table<C> {
             let start = bucket.start_under(&item.limit, now);
             ready = ready.max(Bucket::ready_at(&item.limit, item.cost, start, now));
         }
-        let stats = &mut shards[items[0].slot].stats;
-        stats.lapsed += lapsed as u64;
         if let Some(booked_ready) = claim_ready {
-            return self.claim(
-                shards,
-                items,
-                owner,
-                signature,
-                booked_ready,
-                pause_until,
-                now,
-            );
+            return self.claim(buckets, stats, request, booked_ready);
         }
-        let held_by_pause = pause_until > ready;
+        stats.paused += u64::from(pause_until > ready);
         ready = ready.max(pause_until);
-        let stats = &mut shards[items[0].slot].stats;
-        stats.paused += u64::from(held_by_pause);
         if ready <= now {
             stats.admitted += 1;
-            self.pay_all(shards, items, now, now, None);
+            Self::pay_all(buckets, items, now, now, None);
             return Outcome::Admitted;
         }
         let ms = delay_ms(now, ready);
@@ -397,36 +440,33 @@ impl<C: Clock> Table<C> {
                     ready_at: ready,
                     lapse_at: ready.saturating_add(self.config.booking_slack_ms * NANOS_PER_MS),
                 };
-                self.pay_all(shards, items, now, ready, Some(booking));
+                Self::pay_all(buckets, items, now, ready, Some(booking));
                 Outcome::Booked(ms)
             }
             _ => {
-                let outcome = if mode == Mode::Probe {
+                for bucket in buckets.iter_mut() {
+                    bucket.touch(now, ready - now);
+                }
+                if mode == Mode::Probe {
                     stats.delayed += 1;
                     Outcome::Delay(ms)
                 } else {
                     stats.over_budget += 1;
                     Outcome::OverBudget(ms)
-                };
-                for item in items {
-                    Self::find(shards[item.slot], item).touch(now, ready - now);
                 }
-                outcome
             }
         }
     }
 
     /// Pays every item as of `at`, recording `booking` (with each item's cost) if given.
     fn pay_all(
-        &self,
-        shards: &mut [&mut Shard],
+        buckets: &mut [&mut Bucket],
         items: &[Item],
         now: u64,
         at: u64,
         booking: Option<Booking>,
     ) {
-        for item in items {
-            let bucket = Self::find(shards[item.slot], item);
+        for (bucket, item) in buckets.iter_mut().zip(items) {
             let start = bucket.start_under(&item.limit, now);
             bucket.pay(item.limit, item.cost, start, now, at);
             bucket.touch(now, at - now);
@@ -441,21 +481,23 @@ impl<C: Clock> Table<C> {
 
     /// The caller comes back for its booking: admitted from its ready time, held by a pause
     /// that began since, never charged again.
-    #[allow(clippy::too_many_arguments)]
     fn claim(
         &self,
-        shards: &mut [&mut Shard],
-        items: &[Item],
-        owner: u64,
-        signature: u64,
+        buckets: &mut [&mut Bucket],
+        stats: &mut Stats,
+        request: Request,
         booked_ready: u64,
-        pause_until: u64,
-        now: u64,
     ) -> Outcome {
+        let Request {
+            owner,
+            signature,
+            now,
+            pause_until,
+            ..
+        } = request;
         let ready = booked_ready.max(pause_until);
         let lapse_at = ready.saturating_add(self.config.booking_slack_ms * NANOS_PER_MS);
-        for item in items {
-            let bucket = Self::find(shards[item.slot], item);
+        for bucket in buckets.iter_mut() {
             let position = bucket
                 .bookings
                 .iter()
@@ -470,7 +512,6 @@ impl<C: Clock> Table<C> {
             }
             bucket.touch(now, ready.saturating_sub(now));
         }
-        let stats = &mut shards[items[0].slot].stats;
         if ready <= now {
             stats.claimed += 1;
             Outcome::Claimed
@@ -501,6 +542,26 @@ impl<C: Clock> Table<C> {
                 );
             }
         }
+    }
+
+    /// Brings `key`'s bucket in line with an exchange that allows only `allowance` more
+    /// cost until its window ends in `window_left_ms`: the tokens are lowered so that they
+    /// plus the refill until then fit the allowance. Never raises them; a key without a
+    /// definition is left alone. Returns the tokens taken.
+    pub fn sync(&self, key: KeyRef, allowance: f64, window_left_ms: u64) -> f64 {
+        let hash = self.hash(&key);
+        let now = self.clock.now();
+        let mut shard = self.lock(hash);
+        let Some(bucket) = shard.buckets.find_mut(hash, |b| b.key.as_ref() == key) else {
+            return 0.0;
+        };
+        let Some(limit) = bucket.limit else {
+            return 0.0;
+        };
+        let before = bucket.tokens(now);
+        let refill = limit.refill_per_sec() * window_left_ms as f64 / 1000.0;
+        bucket.lower_to(allowance - refill, now);
+        before - bucket.tokens(now)
     }
 
     /// Tokens borrowed from `key`'s bucket now: 0 for an unknown key.

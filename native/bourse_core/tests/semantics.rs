@@ -390,3 +390,21 @@ fn zero_cost_is_admitted_without_paying() {
     assert_eq!(probe(&t, "request", l, 0.0), Outcome::Admitted);
     assert_eq!(t.borrowed(key("request")), 0.0);
 }
+
+#[test]
+fn sync_lowers_tokens_to_what_the_exchange_still_allows() {
+    let (t, clock) = table();
+    // 2 + 8/s fits 10 per 1-second window.
+    let l = limit(2.0, 8.0);
+    assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
+    // Another program used 9 of 10 with 500 ms of the window left: 1 more, of which the
+    // refill until then (4) is already too much: the bucket goes 3 into debt.
+    assert_eq!(t.sync(key("ip"), 1.0, 500), 5.0);
+    assert_eq!(t.inspect(key("ip")).unwrap().tokens, -3.0);
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(500));
+    // A header that allows more never hands tokens back.
+    clock.advance_ms(500);
+    assert_eq!(t.sync(key("ip"), 10.0, 1000), 0.0);
+    assert_eq!(t.inspect(key("ip")).unwrap().tokens, 1.0);
+    assert_eq!(t.sync(key("unknown"), 0.0, 1000), 0.0);
+}

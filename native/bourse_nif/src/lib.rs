@@ -244,6 +244,32 @@ fn record<'a>(
 }
 
 #[rustler::nif]
+fn sync<'a>(
+    env: Env<'a>,
+    table: ResourceArc<TableResource>,
+    key_term: Term<'a>,
+    allowance: Term<'a>,
+    window_left_ms: Term<'a>,
+) -> Term<'a> {
+    let table = &table.0;
+    answer(env, table, || {
+        let key = key(key_term)?;
+        let allowance = number(allowance, "allowance")?;
+        if !allowance.is_finite() || allowance.abs() > bourse_core::MAX_AMOUNT {
+            return invalid(format!(
+                "allowance must be a finite number, got {allowance}"
+            ));
+        }
+        match window_left_ms.decode::<i64>() {
+            Ok(ms) if ms >= 0 => Ok(table.sync(key, allowance, ms as u64).encode(env)),
+            _ => invalid(format!(
+                "window_left_ms must be a non-negative integer, got {window_left_ms:?}"
+            )),
+        }
+    })
+}
+
+#[rustler::nif]
 fn borrowed<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {

@@ -27,6 +27,8 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @impl true
   defdelegate borrowed(table, key), to: Native
   @impl true
+  defdelegate sync(table, key, allowance, window_left_ms), to: Native
+  @impl true
   defdelegate reset(table, key), to: Native
   @impl true
   defdelegate reset_exchange(table, exchange), to: Native
