@@ -6,7 +6,6 @@ use bourse_core::{
     check_cost, Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome,
     PauseTarget, Stats, Table,
 };
-use rustler::types::tuple::get_tuple;
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, ResourceArc, Term};
 
 mod atoms {
@@ -32,6 +31,18 @@ impl rustler::Resource for TableResource {}
 impl std::panic::RefUnwindSafe for TableResource {}
 
 type Decoded<T> = Result<T, InvalidInput>;
+
+/// The elements of an `N`-tuple, without allocating; `None` for anything else.
+fn tuple<const N: usize>(term: Term) -> Option<[Term; N]> {
+    let env = term.get_env();
+    // SAFETY: enif_get_tuple only reads `term`; the element array it returns lives on the
+    // process heap as long as `term` does, and the elements are copied out at once.
+    let elements = unsafe { rustler::wrapper::tuple::get_tuple(env.as_c_arg(), term.as_c_arg()) };
+    let elements = elements.ok().filter(|elements| elements.len() == N)?;
+    Some(std::array::from_fn(|i| unsafe {
+        Term::new(env, elements[i])
+    }))
+}
 
 fn is_atom(term: Term, atom: Atom) -> bool {
     matches!(term.decode::<Atom>(), Ok(decoded) if decoded == atom)
@@ -60,20 +71,22 @@ fn credential<'a>(term: Term<'a>) -> Decoded<Option<&'a [u8]>> {
 /// `{exchange_id, credential_key, bucket_axis}`, or `{exchange_id, credential_key}` for
 /// the `"request"` axis.
 fn key(term: Term) -> Decoded<KeyRef> {
-    match get_tuple(term).as_deref() {
-        Ok([exchange, cred, axis]) => Ok(KeyRef::new(
-            key_part(*exchange, "exchange_id")?,
-            credential(*cred)?,
-            key_part(*axis, "bucket_axis")?,
-        )),
-        Ok([exchange, cred]) => Ok(KeyRef::new(
-            key_part(*exchange, "exchange_id")?,
-            credential(*cred)?,
+    if let Some([exchange, cred, axis]) = tuple(term) {
+        Ok(KeyRef::new(
+            key_part(exchange, "exchange_id")?,
+            credential(cred)?,
+            key_part(axis, "bucket_axis")?,
+        ))
+    } else if let Some([exchange, cred]) = tuple(term) {
+        Ok(KeyRef::new(
+            key_part(exchange, "exchange_id")?,
+            credential(cred)?,
             b"request",
-        )),
-        _ => invalid(format!(
+        ))
+    } else {
+        invalid(format!(
             "key must be {{exchange_id, credential_key, bucket_axis}} or {{exchange_id, credential_key}}, got {term:?}"
-        )),
+        ))
     }
 }
 
@@ -91,25 +104,29 @@ fn limit(term: Term) -> Decoded<Option<Limit>> {
     if is_atom(term, atoms::nil()) {
         return Ok(None);
     }
-    let field = |name: Atom| term.map_get(name).ok();
-    let shape = (
-        term.map_size().ok(),
-        field(atoms::capacity()),
-        field(atoms::refill_per_sec()),
-        field(atoms::requests()),
-        field(atoms::period()),
-    );
-    let parsed = match shape {
-        (Some(2), Some(c), Some(r), None, None) => {
-            Limit::new(number(c, "capacity")?, number(r, "refill_per_sec")?)
-        }
-        (Some(2), None, None, Some(n), Some(p)) => {
-            Limit::per_period(number(n, "requests")?, number(p, "period")?)
-        }
-        (Some(1), None, None, Some(n), None) => Limit::per_period(number(n, "requests")?, 1000.0),
-        _ => invalid(format!(
+    let shape_error = || {
+        InvalidInput::new(format!(
             "limit must be %{{capacity: c, refill_per_sec: r}}, %{{requests: n, period: ms}}, %{{requests: n}} or nil, got {term:?}"
-        )),
+        ))
+    };
+    let size = term.map_size().map_err(|_| shape_error())?;
+    let field = |name: Atom| term.map_get(name).ok();
+    let parsed = if let Some(capacity) = field(atoms::capacity()) {
+        let refill = field(atoms::refill_per_sec()).filter(|_| size == 2);
+        let refill = refill.ok_or_else(shape_error)?;
+        Limit::new(
+            number(capacity, "capacity")?,
+            number(refill, "refill_per_sec")?,
+        )
+    } else if let Some(requests) = field(atoms::requests()) {
+        let requests = number(requests, "requests")?;
+        match (size, field(atoms::period())) {
+            (1, None) => Limit::per_period(requests, 1000.0),
+            (2, Some(period)) => Limit::per_period(requests, number(period, "period")?),
+            _ => return Err(shape_error()),
+        }
+    } else {
+        return Err(shape_error());
     };
     parsed.map(Some)
 }
@@ -210,14 +227,13 @@ fn check_many<'a>(
             if index >= MAX_CHECKS {
                 return invalid(format!("at most {MAX_CHECKS} checks in one call"));
             }
-            let tuple = get_tuple(term);
-            let Ok([key_term, limit_term, cost_term]) = tuple.as_deref() else {
+            let Some([key_term, limit_term, cost_term]) = tuple(term) else {
                 return invalid(format!(
                     "each check must be {{key, limit, cost}}, got {term:?}"
                 ));
             };
-            let (key, cost) = (key(*key_term)?, cost(*cost_term)?);
-            if let Some(limit) = limit(*limit_term)? {
+            let (key, cost) = (key(key_term)?, cost(cost_term)?);
+            if let Some(limit) = limit(limit_term)? {
                 checks.push(Check { key, limit, cost });
             }
         }
@@ -318,15 +334,17 @@ fn pause_target(term: Term) -> Decoded<PauseTarget> {
             key_part(term, "exchange_id").map(|_| exchange.as_slice().to_vec())?,
         ));
     }
-    match get_tuple(term).as_deref() {
-        Ok([exchange, cred]) => Ok(PauseTarget::Credential(
-            key_part(*exchange, "exchange_id")?.to_vec(),
-            credential(*cred)?.map(<[u8]>::to_vec),
-        )),
-        Ok([_, _, _]) => Ok(PauseTarget::Key(key(term)?.to_owned_key())),
-        _ => invalid(format!(
+    if let Some([exchange, cred]) = tuple(term) {
+        Ok(PauseTarget::Credential(
+            key_part(exchange, "exchange_id")?.to_vec(),
+            credential(cred)?.map(<[u8]>::to_vec),
+        ))
+    } else if tuple::<3>(term).is_some() {
+        Ok(PauseTarget::Key(key(term)?.to_owned_key()))
+    } else {
+        invalid(format!(
             "pause target must be a key, {{exchange_id, credential_key}} or an exchange id, got {term:?}"
-        )),
+        ))
     }
 }
 
