@@ -28,6 +28,7 @@ lint: deps
 test: lint
 	cargo test --workspace --release
 	MIX_ENV=test mix test
+	python3 -m unittest discover -s test/cross_process
 
 demo: build
 	mix run demo/demo.exs
