@@ -343,7 +343,8 @@ defmodule Bourse.RateLimiter do
 
       true ->
         case Keyword.get(opts, :max_wait_ms, default) do
-          ms when (is_integer(ms) and ms > 0) or is_nil(ms) ->
+          # nil (a probe) only where the default is nil: check_rates without a budget.
+          ms when (is_integer(ms) and ms > 0) or (is_nil(ms) and is_nil(default)) ->
             {:ok, ms}
 
           other ->
