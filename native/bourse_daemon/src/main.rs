@@ -38,7 +38,7 @@ fn main() -> ExitCode {
         assume_busy_at_start: options.assume_busy_at_start,
         booking_slack_ms: options.booking_slack_ms,
     });
-    let service = Arc::new(Service::new(table));
+    let service = Arc::new(Service::new(table, options.max_frame_bytes));
     let sweep_interval = Duration::from_millis(options.sweep_interval_ms);
     match options.mode {
         Mode::Stdio => stdio::run(service, options.max_frame_bytes, sweep_interval),

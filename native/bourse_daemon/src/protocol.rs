@@ -8,13 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bourse_core::{
     check_cost, Check, Clock, Key, KeyInfo, KeyRef, Limit, Mode, MonotonicClock, Outcome,
-    PauseTarget, Stats, Table,
+    PauseTarget, Stats, Table, MAX_AMOUNT,
 };
 use serde_json::{json, Map, Value};
 
 pub const PROTOCOL_VERSION: u64 = 1;
-/// The longest exchange, credential, axis or string owner, in bytes.
-pub const MAX_KEY_PART_BYTES: usize = 256;
+/// The longest exchange, credential, axis or string owner, in bytes (as in the NIF).
+pub const MAX_KEY_PART_BYTES: usize = 1024;
 /// The most rows a `busiest` request may ask for.
 pub const MAX_BUSIEST: u64 = 10_000;
 pub const SERVER: &str = concat!("bourse_daemon ", env!("CARGO_PKG_VERSION"));
@@ -22,6 +22,8 @@ pub const SERVER: &str = concat!("bourse_daemon ", env!("CARGO_PKG_VERSION"));
 /// The table and what every connection shares.
 pub struct Service<C: Clock = MonotonicClock> {
     table: Table<C>,
+    /// The transport's frame limit, reported by `hello` so clients can refuse larger requests.
+    max_frame_bytes: usize,
     /// Keyed hashing of owner ids: a client cannot forge another connection's default owner.
     owners: RandomState,
     connections: AtomicU64,
@@ -54,17 +56,22 @@ enum Answer {
     Done,
     Outcome(Outcome),
     Borrowed(f64),
+    Taken(f64),
     Info(Option<KeyInfo>),
     Stats(Stats),
-    Hello,
+    Hello {
+        assume_busy_at_start: bool,
+        max_frame_bytes: usize,
+    },
     Swept(usize),
     Busiest(Vec<(Key, KeyInfo)>),
 }
 
 impl<C: Clock> Service<C> {
-    pub fn new(table: Table<C>) -> Self {
+    pub fn new(table: Table<C>, max_frame_bytes: usize) -> Self {
         Self {
             table,
+            max_frame_bytes,
             owners: RandomState::new(),
             connections: AtomicU64::new(0),
         }
@@ -209,6 +216,21 @@ impl<C: Clock> Service<C> {
                 let key = key(required(request, "key", "")?, "key")?;
                 Ok(Answer::Borrowed(table.borrowed(key)))
             }
+            "sync" => {
+                only_request(
+                    request,
+                    &["key", "allowance", "window_left_ms"],
+                    "a sync request",
+                )?;
+                let key = key(required(request, "key", "")?, "key")?;
+                let allowance = allowance(required(request, "allowance", "")?)?;
+                let window_left_ms = integer(
+                    required(request, "window_left_ms", "")?,
+                    "window_left_ms",
+                    0,
+                )?;
+                Ok(Answer::Taken(table.sync(key, allowance, window_left_ms)))
+            }
             "reset" => {
                 only_request(request, &["key"], "a reset request")?;
                 table.reset(key(required(request, "key", "")?, "key")?);
@@ -260,11 +282,14 @@ impl<C: Clock> Service<C> {
             }
             "hello" => {
                 only_request(request, &[], "a hello request")?;
-                Ok(Answer::Hello)
+                Ok(Answer::Hello {
+                    assume_busy_at_start: table.config().assume_busy_at_start,
+                    max_frame_bytes: self.max_frame_bytes,
+                })
             }
             other => Err(Invalid::new(format!(
-                "unknown op {other:?}; expected one of check, check_many, record, get_cost, reset, \
-                 reset_exchange, reset_all, pause, inspect, busiest, stats, sweep, hello"
+                "unknown op {other:?}; expected one of check, check_many, record, get_cost, sync, \
+                 reset, reset_exchange, reset_all, pause, inspect, busiest, stats, sweep, hello"
             ))),
         }
     }
@@ -462,6 +487,23 @@ fn cost(value: Option<&Value>, what: &str) -> Result<f64> {
     }
 }
 
+/// What the exchange still allows: a finite number of at most `MAX_AMOUNT` either way (a
+/// negative allowance means the exchange counted more than its limit).
+fn allowance(value: &Value) -> Result<f64> {
+    match value {
+        Value::Number(n) => match n.as_f64() {
+            Some(allowance) if allowance.abs() <= MAX_AMOUNT => Ok(allowance),
+            _ => Err(Invalid::new(format!(
+                "allowance must be a finite number from -{MAX_AMOUNT:e} to {MAX_AMOUNT:e}, got {n}"
+            ))),
+        },
+        other => Err(Invalid::new(format!(
+            "allowance must be a number, got {}",
+            kind(other)
+        ))),
+    }
+}
+
 /// An integer from `min` to `u64::MAX`.
 fn integer(value: &Value, what: &str, min: u64) -> Result<u64> {
     match value.as_u64() {
@@ -528,11 +570,19 @@ fn encode(out: &mut Vec<u8>, id: Option<&Value>, answer: Answer) {
         other => {
             let mut body = match other {
                 Answer::Borrowed(borrowed) => json!({"ok": true, "borrowed": borrowed}),
+                Answer::Taken(taken) => json!({"ok": true, "taken": taken}),
                 Answer::Info(info) => json!({"ok": true, "info": info.as_ref().map(info_json)}),
                 Answer::Stats(stats) => json!({"ok": true, "stats": stats_json(&stats)}),
-                Answer::Hello => {
-                    json!({"ok": true, "protocol": PROTOCOL_VERSION, "server": SERVER})
-                }
+                Answer::Hello {
+                    assume_busy_at_start,
+                    max_frame_bytes,
+                } => json!({
+                    "ok": true,
+                    "protocol": PROTOCOL_VERSION,
+                    "server": SERVER,
+                    "assume_busy_at_start": assume_busy_at_start,
+                    "max_frame_bytes": max_frame_bytes,
+                }),
                 Answer::Swept(dropped) => json!({"ok": true, "dropped": dropped}),
                 Answer::Busiest(rows) => json!({
                     "ok": true,
@@ -635,7 +685,7 @@ mod tests {
         fn new() -> Self {
             let clock = ManualClock::new();
             let table = Table::with_clock(Config::default(), clock.clone());
-            let service = Service::new(table);
+            let service = Service::new(table, 65_536);
             let session = service.session();
             Self {
                 clock,
@@ -672,7 +722,8 @@ mod tests {
         let f = Fixture::new();
         assert_eq!(
             f.call(r#"{"op":"hello","id":7}"#),
-            json!({"ok": true, "protocol": 1, "server": SERVER, "id": 7})
+            json!({"ok": true, "protocol": 1, "server": SERVER,
+                   "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 7})
         );
     }
 
@@ -860,6 +911,28 @@ mod tests {
     }
 
     #[test]
+    fn sync_lowers_tokens_to_what_the_exchange_allows() {
+        let f = Fixture::new();
+        let sync = |allowance: &str, window_left_ms: u64| {
+            f.call(&format!(
+                r#"{{"op":"sync","key":{KEY},"allowance":{allowance},"window_left_ms":{window_left_ms},"id":3}}"#
+            ))
+        };
+        // An unknown key is left alone.
+        assert_eq!(sync("5", 0), json!({"ok": true, "taken": 0.0, "id": 3}));
+        f.call(&check(r#"{"capacity":10,"refill_per_sec":1}"#, ""));
+        // 9 tokens; the exchange allows 5 more in a window ending in 2 s, which refills 2.
+        assert_eq!(sync("5", 2000)["taken"], 6.0);
+        let borrowed = f.call(&format!(r#"{{"op":"get_cost","key":{KEY}}}"#))["borrowed"].clone();
+        assert_eq!(borrowed, 7.0);
+        // Never raises the tokens; a negative allowance puts the bucket in debt.
+        assert_eq!(sync("100", 0)["taken"], 0.0);
+        assert_eq!(sync("-2.5", 0)["taken"], 5.5);
+        let info = f.call(&format!(r#"{{"op":"inspect","key":{KEY}}}"#))["info"].clone();
+        assert_eq!(info["debt"], 2.5);
+    }
+
+    #[test]
     fn pauses_hold_their_targets() {
         let f = Fixture::new();
         let limit = r#"{"requests":100}"#;
@@ -966,7 +1039,7 @@ mod tests {
             (r#"{"op":"check","key":{"exchange":"b","credential":2},"limit":null}"#.into(), "key.credential must be a string"),
             (r#"{"op":"check","key":{"exchange":"b","credential":null,"axis":null},"limit":null}"#.into(), "key.axis must be a string"),
             (r#"{"op":"check","key":{"exchange":"b","credential":null,"axes":"ip"},"limit":null}"#.into(), "unknown field \"axes\""),
-            (format!(r#"{{"op":"check","key":{{"exchange":"{big}","credential":null}},"limit":null}}"#), "at most 256 bytes"),
+            (format!(r#"{{"op":"check","key":{{"exchange":"{big}","credential":null}},"limit":null}}"#), "at most 1024 bytes"),
             (check("5", ""), "limit must be an object or null"),
             (check("{}", ""), "needs capacity and refill_per_sec"),
             (check(r#"{"capacity":1}"#, ""), "limit.refill_per_sec is missing"),
@@ -1000,6 +1073,14 @@ mod tests {
             (format!(r#"{{"op":"check_many","checks":[{{"key":{KEY},"limit":null,"owner":1}}]}}"#), "unknown field \"owner\" in checks[0]"),
             (format!(r#"{{"op":"record","key":{KEY},"cost":-3}}"#), "cost"),
             (r#"{"op":"get_cost"}"#.into(), "missing field key"),
+            (format!(r#"{{"op":"sync","key":{KEY},"window_left_ms":0}}"#), "missing field allowance"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":1}}"#), "missing field window_left_ms"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":"1","window_left_ms":0}}"#), "allowance must be a number"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":-1e13,"window_left_ms":0}}"#), "allowance must be a finite number"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":-1}}"#), "window_left_ms must be an integer"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":1.5}}"#), "window_left_ms must be an integer"),
+            (format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":0,"cost":1}}"#), "unknown field \"cost\""),
+            (r#"{"op":"sync","key":"k","allowance":1,"window_left_ms":0}"#.into(), "key must be an object"),
             (r#"{"op":"reset_exchange","exchange":null}"#.into(), "exchange must be a string"),
             (r#"{"op":"reset_all","exchange":"b"}"#.into(), "unknown field \"exchange\""),
             (r#"{"op":"pause","target":{"exchange":"b"}}"#.into(), "missing field ms"),

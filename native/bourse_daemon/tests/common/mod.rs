@@ -311,7 +311,8 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     let admitted_before = admitted(t);
     assert_eq!(
         t.call(json!({"op": "hello", "id": 1})),
-        json!({"ok": true, "protocol": 1, "server": concat!("bourse_daemon ", env!("CARGO_PKG_VERSION")), "id": 1})
+        json!({"ok": true, "protocol": 1, "server": concat!("bourse_daemon ", env!("CARGO_PKG_VERSION")),
+               "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 1})
     );
     let check = json!({"op": "check", "key": k, "limit": slow, "id": "c"});
     assert_eq!(
