@@ -19,6 +19,17 @@ Modes:
                             replaced, the file is removed on exit. Repeatable.
   On start a server prints `listening tcp ADDR` / `listening unix PATH` per listener.
 
+Storage:
+  (default)                 The buckets live in this process.
+  --redis URL               The buckets live in Redis (redis://[user:pass@]HOST:PORT[/DB] or
+                            unix:///PATH), shared by every daemon using the same server and
+                            prefix, timed by the Redis server's clock. While Redis cannot be
+                            reached, requests are answered with an `unavailable` error and
+                            nothing is admitted; the connection is retried on each request.
+  --redis-prefix P          Prefix of every Redis key (default bourse; A-Z a-z 0-9 _ - . :).
+  --redis-timeout-ms N      Longest wait for Redis per command, connecting included
+                            (default 1000, 1..=60000).
+
 Options:
   --allow-remote            Accept a non-loopback --listen address (the protocol has no
                             authentication: only do this on a trusted network).
@@ -68,6 +79,15 @@ pub struct Options {
     pub booking_slack_ms: u64,
     pub sweep_interval_ms: u64,
     pub max_frame_bytes: usize,
+    /// Where the buckets live: this process, or a Redis server.
+    pub redis: Option<RedisOptions>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    pub url: String,
+    pub prefix: String,
+    pub timeout_ms: u64,
 }
 
 /// Parses the arguments after the program name. An error is a message for stderr.
@@ -80,6 +100,9 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
     let mut booking_slack_ms = 250;
     let mut sweep_interval_ms = 1000;
     let mut max_frame_bytes = 65536;
+    let mut redis_url = None;
+    let mut redis_prefix = None;
+    let mut redis_timeout_ms = None;
 
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
@@ -129,6 +152,15 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
                     FRAME_BYTES,
                 )? as usize
             }
+            "--redis" => redis_url = Some(value("--redis")?),
+            "--redis-prefix" => redis_prefix = Some(value("--redis-prefix")?),
+            "--redis-timeout-ms" => {
+                redis_timeout_ms = Some(number(
+                    "--redis-timeout-ms",
+                    &value("--redis-timeout-ms")?,
+                    (1, 60_000),
+                )?)
+            }
             _ => return Err(format!("unknown argument {arg:?}")),
         }
         if inline.is_some()
@@ -159,12 +191,24 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
             return Err("choose a mode: --stdio, --listen ADDR or --socket PATH".into())
         }
     };
+    let redis = match redis_url {
+        Some(url) => Some(RedisOptions {
+            url,
+            prefix: redis_prefix.unwrap_or_else(|| "bourse".into()),
+            timeout_ms: redis_timeout_ms.unwrap_or(1000),
+        }),
+        None if redis_prefix.is_some() || redis_timeout_ms.is_some() => {
+            return Err("--redis-prefix and --redis-timeout-ms need --redis URL".into())
+        }
+        None => None,
+    };
     Ok(Command::Run(Options {
         mode,
         assume_busy_at_start,
         booking_slack_ms,
         sweep_interval_ms,
         max_frame_bytes,
+        redis,
     }))
 }
 
@@ -230,6 +274,27 @@ mod tests {
             (0, 5, 1024)
         );
         assert!(o.assume_busy_at_start);
+        assert_eq!(o.redis, None);
+        let o = options(&["--stdio", "--redis", "redis://127.0.0.1:6379"]);
+        assert_eq!(
+            o.redis,
+            Some(RedisOptions {
+                url: "redis://127.0.0.1:6379".into(),
+                prefix: "bourse".into(),
+                timeout_ms: 1000
+            })
+        );
+        let o = options(&[
+            "--stdio",
+            "--redis=redis://h:1",
+            "--redis-prefix",
+            "team",
+            "--redis-timeout-ms=50",
+        ]);
+        assert_eq!(
+            o.redis.map(|r| (r.prefix, r.timeout_ms)),
+            Some(("team".into(), 50))
+        );
         assert_eq!(run(&["--stdio", "--help"]), Ok(Command::Help));
         assert_eq!(run(&["-V"]), Ok(Command::Version));
     }
@@ -249,6 +314,15 @@ mod tests {
             &["--stdio", "--booking-slack-ms", "1e3"],
             &["--stdio=yes"],
             &["--socket", ""],
+            &["--stdio", "--redis"],
+            &["--stdio", "--redis-prefix", "x"],
+            &[
+                "--stdio",
+                "--redis",
+                "redis://h:1",
+                "--redis-timeout-ms",
+                "0",
+            ],
         ] {
             assert!(run(bad).is_err(), "{bad:?} accepted");
         }

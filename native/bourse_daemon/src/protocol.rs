@@ -1,16 +1,17 @@
 //! Protocol version 1 (docs/PROTOCOL.md): decodes and validates one JSON request, runs it on
-//! the table and encodes the answer. Transports only frame bytes; everything a client can
-//! send is judged here, and nothing it sends can panic.
+//! the store (this process's table, or Redis) and encodes the answer. Transports only frame
+//! bytes; everything a client can send is judged here, and nothing it sends can panic.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bourse_core::{
-    check_cost, Check, Clock, Key, KeyInfo, KeyRef, Limit, Mode, MonotonicClock, Outcome,
-    PauseTarget, Stats, Table, MAX_AMOUNT,
+    check_cost, Check, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats, MAX_AMOUNT,
 };
 use serde_json::{json, Map, Value};
+
+use crate::store::{Memory, Store, StoreError};
 
 pub const PROTOCOL_VERSION: u64 = 1;
 /// The longest exchange, credential, axis or string owner, in bytes (as in the NIF).
@@ -19,9 +20,9 @@ pub const MAX_KEY_PART_BYTES: usize = 1024;
 pub const MAX_BUSIEST: u64 = 10_000;
 pub const SERVER: &str = concat!("bourse_daemon ", env!("CARGO_PKG_VERSION"));
 
-/// The table and what every connection shares.
-pub struct Service<C: Clock = MonotonicClock> {
-    table: Table<C>,
+/// The store and what every connection shares.
+pub struct Service<S: Store = Memory> {
+    store: S,
     /// The transport's frame limit, reported by `hello` so clients can refuse larger requests.
     max_frame_bytes: usize,
     /// Keyed hashing of owner ids: a client cannot forge another connection's default owner.
@@ -34,7 +35,7 @@ pub struct Session {
     default_owner: u64,
 }
 
-/// A malformed request. `counted` when the table already counted it as invalid.
+/// A malformed request. `counted` when the store already counted it as invalid.
 struct Invalid {
     message: String,
     counted: bool,
@@ -50,6 +51,31 @@ impl Invalid {
 }
 
 type Result<T> = std::result::Result<T, Invalid>;
+
+/// Why a request got no answer of its own.
+enum Failure {
+    Invalid(Invalid),
+    /// The store cannot be reached: nothing was admitted.
+    Unavailable(String),
+}
+
+impl From<Invalid> for Failure {
+    fn from(invalid: Invalid) -> Self {
+        Self::Invalid(invalid)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Invalid(error) => Self::Invalid(Invalid {
+                message: error.0,
+                counted: true,
+            }),
+            StoreError::Unavailable(message) => Self::Unavailable(message),
+        }
+    }
+}
 
 /// What a request answers, before encoding.
 enum Answer {
@@ -67,18 +93,18 @@ enum Answer {
     Busiest(Vec<(Key, KeyInfo)>),
 }
 
-impl<C: Clock> Service<C> {
-    pub fn new(table: Table<C>, max_frame_bytes: usize) -> Self {
+impl<S: Store> Service<S> {
+    pub fn new(store: S, max_frame_bytes: usize) -> Self {
         Self {
-            table,
+            store,
             max_frame_bytes,
             owners: RandomState::new(),
             connections: AtomicU64::new(0),
         }
     }
 
-    pub fn table(&self) -> &Table<C> {
-        &self.table
+    pub fn store(&self) -> &S {
+        &self.store
     }
 
     /// A new connection, with an owner id of its own.
@@ -90,7 +116,7 @@ impl<C: Clock> Service<C> {
     }
 
     /// Answers one request frame, appending one JSON object (no framing) to `out`.
-    pub fn handle(&self, session: &Session, frame: &[u8], out: &mut Vec<u8>) {
+    pub async fn handle(&self, session: &Session, frame: &[u8], out: &mut Vec<u8>) {
         let request = match serde_json::from_slice::<Value>(frame) {
             Ok(Value::Object(fields)) => fields,
             Ok(other) => {
@@ -103,15 +129,16 @@ impl<C: Clock> Service<C> {
             }
         };
         let id = request.get("id");
-        match self.dispatch(session, &request) {
+        match self.dispatch(session, &request).await {
             Ok(answer) => encode(out, id, answer),
-            Err(invalid) => self.fail(out, id, invalid),
+            Err(Failure::Invalid(invalid)) => self.fail(out, id, invalid),
+            Err(Failure::Unavailable(message)) => error(out, id, "unavailable", &message),
         }
     }
 
     /// The answer to a frame longer than `max` bytes; the transport then closes.
     pub fn frame_too_large(&self, out: &mut Vec<u8>, max: usize) {
-        self.table.count_invalid();
+        self.store.count_invalid();
         let message = format!("frame longer than {max} bytes (--max-frame-bytes); closing");
         error(out, None, "frame_too_large", &message);
     }
@@ -124,23 +151,26 @@ impl<C: Clock> Service<C> {
 
     fn fail(&self, out: &mut Vec<u8>, id: Option<&Value>, invalid: Invalid) {
         if !invalid.counted {
-            self.table.count_invalid();
+            self.store.count_invalid();
         }
         error(out, id, "invalid_parameters", &invalid.message);
     }
 
-    fn dispatch(&self, session: &Session, request: &Map<String, Value>) -> Result<Answer> {
+    async fn dispatch(
+        &self,
+        session: &Session,
+        request: &Map<String, Value>,
+    ) -> std::result::Result<Answer, Failure> {
         let op = match request.get("op") {
             Some(Value::String(op)) => op.as_str(),
             Some(other) => {
-                return Err(Invalid::new(format!(
-                    "op must be a string, got {}",
-                    kind(other)
-                )))
+                return Err(
+                    Invalid::new(format!("op must be a string, got {}", kind(other))).into(),
+                )
             }
-            None => return Err(Invalid::new("missing field op")),
+            None => return Err(Invalid::new("missing field op").into()),
         };
-        let table = &self.table;
+        let store = &self.store;
         match op {
             "check" => {
                 only_request(
@@ -154,7 +184,11 @@ impl<C: Clock> Service<C> {
                 let owner = self.owner(session, request)?;
                 let mode = mode(request)?;
                 Ok(Answer::Outcome(match limit {
-                    Some(limit) => table.check_one(owner, Check { key, limit, cost }, mode),
+                    Some(limit) => {
+                        store
+                            .check_one(owner, Check { key, limit, cost }, mode)
+                            .await?
+                    }
                     None => Outcome::Admitted,
                 }))
             }
@@ -170,7 +204,8 @@ impl<C: Clock> Service<C> {
                         return Err(Invalid::new(format!(
                             "checks must be an array of {{key, limit, cost}}, got {}",
                             kind(other)
-                        )))
+                        ))
+                        .into())
                     }
                 };
                 let mut checks = Vec::with_capacity(items.len());
@@ -179,8 +214,9 @@ impl<C: Clock> Service<C> {
                     let Value::Object(fields) = item else {
                         return Err(Invalid::new(format!(
                             "{what} must be an object {{key, limit, cost}}, got {}",
-                            kind(item)
-                        )));
+                            json_type(item)
+                        ))
+                        .into());
                     };
                     only(fields, &["key", "limit", "cost"], &what)?;
                     let key = key(required(fields, "key", "")?, &format!("{what}.key"))?;
@@ -195,26 +231,20 @@ impl<C: Clock> Service<C> {
                 }
                 let owner = self.owner(session, request)?;
                 let mode = mode(request)?;
-                table
-                    .check(owner, &checks, mode)
-                    .map(Answer::Outcome)
-                    .map_err(|error| Invalid {
-                        message: error.0,
-                        counted: true,
-                    })
+                Ok(Answer::Outcome(store.check(owner, &checks, mode).await?))
             }
             "record" => {
                 only_request(request, &["key", "cost"], "a record request")?;
                 let key = key(required(request, "key", "")?, "key")?;
                 let cost = cost(request.get("cost"), "cost")?;
-                table.record(key, cost);
+                store.record(key, cost).await?;
                 Ok(Answer::Done)
             }
             "get_cost" => {
                 // `period` is accepted and ignored, as in the Elixir API.
                 only_request(request, &["key", "period"], "a get_cost request")?;
                 let key = key(required(request, "key", "")?, "key")?;
-                Ok(Answer::Borrowed(table.borrowed(key)))
+                Ok(Answer::Borrowed(store.borrowed(key).await?))
             }
             "sync" => {
                 only_request(
@@ -229,35 +259,39 @@ impl<C: Clock> Service<C> {
                     "window_left_ms",
                     0,
                 )?;
-                Ok(Answer::Taken(table.sync(key, allowance, window_left_ms)))
+                Ok(Answer::Taken(
+                    store.sync(key, allowance, window_left_ms).await?,
+                ))
             }
             "reset" => {
                 only_request(request, &["key"], "a reset request")?;
-                table.reset(key(required(request, "key", "")?, "key")?);
+                store
+                    .reset(key(required(request, "key", "")?, "key")?)
+                    .await?;
                 Ok(Answer::Done)
             }
             "reset_exchange" => {
                 only_request(request, &["exchange"], "a reset_exchange request")?;
                 let exchange = part(required(request, "exchange", "")?, "exchange")?;
-                table.reset_exchange(exchange);
+                store.reset_exchange(exchange).await?;
                 Ok(Answer::Done)
             }
             "reset_all" => {
                 only_request(request, &[], "a reset_all request")?;
-                table.reset_all();
+                store.reset_all().await?;
                 Ok(Answer::Done)
             }
             "pause" => {
                 only_request(request, &["target", "ms"], "a pause request")?;
                 let target = pause_target(required(request, "target", "")?)?;
                 let ms = integer(required(request, "ms", "")?, "ms", 0)?;
-                table.pause(target, ms);
+                store.pause(target, ms).await?;
                 Ok(Answer::Done)
             }
             "inspect" => {
                 only_request(request, &["key"], "an inspect request")?;
                 let key = key(required(request, "key", "")?, "key")?;
-                Ok(Answer::Info(table.inspect(key)))
+                Ok(Answer::Info(store.inspect(key).await?))
             }
             "busiest" => {
                 only_request(request, &["count"], "a busiest request")?;
@@ -268,29 +302,31 @@ impl<C: Clock> Service<C> {
                 if count > MAX_BUSIEST {
                     return Err(Invalid::new(format!(
                         "count must be at most {MAX_BUSIEST}, got {count}"
-                    )));
+                    ))
+                    .into());
                 }
-                Ok(Answer::Busiest(table.busiest(count as usize)))
+                Ok(Answer::Busiest(store.busiest(count as usize).await?))
             }
             "stats" => {
                 only_request(request, &[], "a stats request")?;
-                Ok(Answer::Stats(table.stats()))
+                Ok(Answer::Stats(store.stats().await?))
             }
             "sweep" => {
                 only_request(request, &[], "a sweep request")?;
-                Ok(Answer::Swept(table.sweep()))
+                Ok(Answer::Swept(store.sweep()))
             }
             "hello" => {
                 only_request(request, &[], "a hello request")?;
                 Ok(Answer::Hello {
-                    assume_busy_at_start: table.config().assume_busy_at_start,
+                    assume_busy_at_start: store.config().assume_busy_at_start,
                     max_frame_bytes: self.max_frame_bytes,
                 })
             }
             other => Err(Invalid::new(format!(
                 "unknown op {other:?}; expected one of check, check_many, record, get_cost, sync, \
                  reset, reset_exchange, reset_all, pause, inspect, busiest, stats, sweep, hello"
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -369,7 +405,7 @@ fn key<'a>(value: &'a Value, what: &str) -> Result<KeyRef<'a>> {
     let Value::Object(fields) = value else {
         return Err(Invalid::new(format!(
             "{what} must be an object {{exchange, credential, axis}}, got {}",
-            kind(value)
+            json_type(value)
         )));
     };
     only(fields, &["exchange", "credential", "axis"], what)?;
@@ -386,7 +422,7 @@ fn key<'a>(value: &'a Value, what: &str) -> Result<KeyRef<'a>> {
             )))
         }
         Some(Value::Null) => None,
-        Some(credential) => Some(part(credential, &format!("{what}.credential"))?),
+        Some(credential) => Some(credential_part(credential, &format!("{what}.credential"))?),
     };
     let axis = match fields.get("axis") {
         None => b"request".as_slice(),
@@ -405,6 +441,18 @@ fn part<'a>(value: &'a Value, what: &str) -> Result<&'a [u8]> {
         other => Err(Invalid::new(format!(
             "{what} must be a string, got {}",
             kind(other)
+        ))),
+    }
+}
+
+/// A credential: like [`part`], but an error names only the value's JSON type, never
+/// the value (it may be an API key).
+fn credential_part<'a>(value: &'a Value, what: &str) -> Result<&'a [u8]> {
+    match value {
+        Value::String(_) => part(value, what),
+        other => Err(Invalid::new(format!(
+            "{what} must be a string or null, got {}",
+            json_type(other)
         ))),
     }
 }
@@ -521,7 +569,7 @@ fn pause_target(value: &Value) -> Result<PauseTarget> {
         return Err(Invalid::new(format!(
             "target must be an object {{exchange}}, {{exchange, credential}} or \
              {{exchange, credential, axis}}, got {}",
-            kind(value)
+            json_type(value)
         )));
     };
     if fields.contains_key("axis") {
@@ -540,9 +588,21 @@ fn pause_target(value: &Value) -> Result<PauseTarget> {
         Some(Value::Null) => PauseTarget::Credential(exchange, None),
         Some(credential) => PauseTarget::Credential(
             exchange,
-            Some(part(credential, "target.credential")?.to_vec()),
+            Some(credential_part(credential, "target.credential")?.to_vec()),
         ),
     })
+}
+
+/// Names a JSON value's type without its contents, for values that may hold an API key.
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// Names a JSON value's type, with short scalars shown, for error messages.
@@ -673,11 +733,15 @@ fn stats_json(stats: &Stats) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bourse_core::{Config, ManualClock};
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+
+    use bourse_core::{Config, ManualClock, Table};
 
     struct Fixture {
         clock: ManualClock,
-        service: Service<ManualClock>,
+        service: Service<Memory<ManualClock>>,
         session: Session,
     }
 
@@ -685,7 +749,7 @@ mod tests {
         fn new() -> Self {
             let clock = ManualClock::new();
             let table = Table::with_clock(Config::default(), clock.clone());
-            let service = Service::new(table, 65_536);
+            let service = Service::new(Memory::new(table), 65_536);
             let session = service.session();
             Self {
                 clock,
@@ -696,7 +760,12 @@ mod tests {
 
         fn call_as(&self, session: &Session, request: &str) -> Value {
             let mut out = Vec::new();
-            self.service.handle(session, request.as_bytes(), &mut out);
+            {
+                // The in-memory store answers without waiting.
+                let handled = pin!(self.service.handle(session, request.as_bytes(), &mut out));
+                let polled = handled.poll(&mut Context::from_waker(Waker::noop()));
+                assert!(polled.is_ready(), "the in-memory store made a request wait");
+            }
             serde_json::from_slice(&out).expect("answers are JSON")
         }
 
@@ -1013,6 +1082,35 @@ mod tests {
             (stats["admitted"].as_u64(), stats["buckets"].as_u64()),
             (Some(2), Some(0))
         );
+    }
+
+    #[test]
+    fn errors_never_echo_a_credential() {
+        let f = Fixture::new();
+        let secret = "SECRET-API-KEY-123";
+        let limit = r#"{"requests":1}"#;
+        let requests = [
+            format!(r#"{{"op":"check","key":"{secret}","limit":{limit}}}"#),
+            format!(r#"{{"op":"check","key":["binance","{secret}"],"limit":{limit}}}"#),
+            format!(
+                r#"{{"op":"check","key":{{"exchange":"b","credential":["{secret}"]}},"limit":{limit}}}"#
+            ),
+            r#"{"op":"check","key":{"exchange":"b","credential":12345678987654321},"limit":null}"#
+                .into(),
+            format!(r#"{{"op":"check_many","checks":["{secret}"]}}"#),
+            format!(r#"{{"op":"pause","target":"{secret}","ms":1}}"#),
+            r#"{"op":"pause","target":{"exchange":"b","credential":12345678987654321},"ms":1}"#
+                .into(),
+        ];
+        for request in requests {
+            let answer = f.call(&request);
+            let message = answer["error"]["message"].as_str().unwrap_or_default();
+            assert!(!message.is_empty(), "{request}: {answer}");
+            assert!(
+                !message.contains("SECRET") && !message.contains("12345678987654321"),
+                "{request}: {message:?} echoes the credential"
+            );
+        }
     }
 
     #[test]

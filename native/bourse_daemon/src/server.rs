@@ -15,6 +15,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
 
 use crate::protocol::Service;
+use crate::store::Store;
 
 /// How long shutdown waits for connections to finish the lines they had received.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -23,8 +24,8 @@ const WRITE_CHUNK: usize = 64 * 1024;
 
 /// Binds every listener, prints `listening ...` lines, serves until SIGTERM or SIGINT, then
 /// drains connections and removes the socket files.
-pub async fn run(
-    service: Arc<Service>,
+pub async fn run<S: Store>(
+    service: Arc<Service<S>>,
     tcp: &[SocketAddr],
     unix: &[PathBuf],
     max_frame_bytes: usize,
@@ -85,7 +86,7 @@ pub async fn run(
         loop {
             ticks.tick().await;
             let service = Arc::clone(&service);
-            let _ = tokio::task::spawn_blocking(move || service.table().sweep()).await;
+            let _ = tokio::task::spawn_blocking(move || service.store().sweep()).await;
         }
     });
 
@@ -107,13 +108,24 @@ pub async fn run(
 }
 
 /// What every accept loop and connection task shares.
-#[derive(Clone)]
-struct Context {
-    service: Arc<Service>,
+struct Context<S: Store> {
+    service: Arc<Service<S>>,
     max_frame_bytes: usize,
     shutdown: watch::Receiver<bool>,
     /// Dropped when the task holding this context ends.
     _alive: mpsc::Sender<()>,
+}
+
+// Derived `Clone` would require `S: Clone`; only the `Arc` is cloned.
+impl<S: Store> Clone for Context<S> {
+    fn clone(&self) -> Self {
+        Self {
+            service: Arc::clone(&self.service),
+            max_frame_bytes: self.max_frame_bytes,
+            shutdown: self.shutdown.clone(),
+            _alive: self._alive.clone(),
+        }
+    }
 }
 
 enum Listener {
@@ -123,7 +135,7 @@ enum Listener {
 
 impl Listener {
     /// Accepts one connection and spawns its task.
-    async fn accept(&self, context: &Context) -> io::Result<()> {
+    async fn accept<S: Store>(&self, context: &Context<S>) -> io::Result<()> {
         match self {
             Self::Tcp(listener) => {
                 let (stream, _) = listener.accept().await?;
@@ -141,7 +153,7 @@ impl Listener {
     }
 }
 
-async fn accept_loop(listener: Listener, context: Context) {
+async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
     let mut shutdown = context.shutdown.clone();
     while !*shutdown.borrow_and_update() {
         tokio::select! {
@@ -159,7 +171,10 @@ async fn accept_loop(listener: Listener, context: Context) {
 
 /// Answers one connection's lines in order until it closes, sends an oversized frame, or the
 /// daemon shuts down (then the lines already received are answered first).
-async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, mut context: Context) {
+async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
+    mut stream: T,
+    mut context: Context<S>,
+) {
     let service = &context.service;
     let session = service.session();
     let mut input = Lines::new(context.max_frame_bytes);
@@ -172,7 +187,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, mut context: Co
                     if line.iter().all(u8::is_ascii_whitespace) {
                         continue;
                     }
-                    service.handle(&session, line, &mut out);
+                    service.handle(&session, line, &mut out).await;
                     out.push(b'\n');
                     if out.len() >= WRITE_CHUNK && send(&mut stream, &mut out).await.is_err() {
                         return;

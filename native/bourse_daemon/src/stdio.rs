@@ -1,13 +1,17 @@
 //! `--stdio`: one client (an Erlang port) on stdin/stdout, 4-byte big-endian length-prefixed
 //! JSON frames, answered in order. Plain blocking I/O on the main thread: there is only one
-//! stream, and the table's calls take microseconds.
+//! stream; each request runs to completion on `runtime` (at once for the in-memory table,
+//! one round trip for Redis) before the next is read.
 
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Write};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tokio::runtime::Runtime;
+
 use crate::protocol::Service;
+use crate::store::Store;
 
 /// What reading one frame found.
 enum Frame {
@@ -21,7 +25,12 @@ enum Frame {
 
 /// Serves until stdin closes (exit 0), a frame is too large (exit 1) or SIGTERM (exit 0,
 /// after the answer being written is flushed).
-pub fn run(service: Arc<Service>, max_frame_bytes: usize, sweep_interval: Duration) -> ExitCode {
+pub fn run<S: Store>(
+    service: Arc<Service<S>>,
+    runtime: &Runtime,
+    max_frame_bytes: usize,
+    sweep_interval: Duration,
+) -> ExitCode {
     let writer = Arc::new(Mutex::new(BufWriter::with_capacity(
         64 * 1024,
         io::stdout(),
@@ -33,7 +42,7 @@ pub fn run(service: Arc<Service>, max_frame_bytes: usize, sweep_interval: Durati
     let sweeper = Arc::clone(&service);
     std::thread::spawn(move || loop {
         std::thread::sleep(sweep_interval);
-        sweeper.table().sweep();
+        sweeper.store().sweep();
     });
 
     let session = service.session();
@@ -48,7 +57,7 @@ pub fn run(service: Arc<Service>, max_frame_bytes: usize, sweep_interval: Durati
         out.extend_from_slice(&[0; 4]);
         let done = match found {
             Ok(Frame::Data) => {
-                service.handle(&session, &frame, &mut out);
+                runtime.block_on(service.handle(&session, &frame, &mut out));
                 None
             }
             Ok(Frame::Closed) => Some(ExitCode::SUCCESS),

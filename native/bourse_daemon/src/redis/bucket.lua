@@ -1,0 +1,417 @@
+-- The bourse_core bucket (native/bourse_core/src/bucket.rs and table.rs), run atomically
+-- inside Redis on the Redis server's clock, so every daemon sharing the server sees one
+-- table and one time.
+--
+-- Times are microseconds from redis.call('TIME'): exact in Lua's doubles. Floats are
+-- stored with %.17g, which round-trips every double. Redis >= 5 replicates a script's
+-- effects, not the script, so reading TIME is allowed.
+--
+-- Layout (P is the prefix, E the exchange as <byte length>:<bytes>, C the credential as
+-- <length>:<bytes> or "-" for the public pool, A the axis as <length>:<bytes>). Every key of
+-- an exchange carries the hash tag {E}, so on Redis Cluster it lives in one slot:
+--
+--   P:{E}:b:C:A  hash    c, r: the definition (absent while the key only has debt);
+--                        b, t: b + r * (now - t) tokens have accrued since the last payment;
+--                        w:<booking id>: "<ready_at> <cost>" of each booking
+--   P:{E}:w:C:A  zset    booking id -> lapse_at
+--   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
+--   P:e{E}       string  when this exchange's state began (for assume_busy_at_start); not
+--                        dropped by resets, so a reset never looks like lost state
+--
+-- Buckets expire by themselves (PEXPIRE on every write) once they would behave as new:
+-- full, no bookings left, idle for longer than the delay they last answered.
+
+local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
+local MARGIN = 1e6 -- µs a key outlives the moment it would behave as new
+local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local function clock()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
+
+-- µs to accrue `tokens` at `r` per second; less a millionth of a µs, so float noise cannot
+-- add a whole one.
+local function accrual(tokens, r)
+  return math.min(math.ceil(tokens / r * 1e6 - 1e-6), MAX_WAIT)
+end
+
+-- Whether `tokens` cover `cost`, forgiving float noise far below a millionth of a token.
+local function covers(tokens, cost)
+  return tokens >= cost - 1e-9 * math.max(cost, 1)
+end
+
+local function delay_ms(from, to)
+  return math.max(math.ceil((to - from) / 1000), 1)
+end
+
+-- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
+-- the last payment": the bucket refills nothing until the clock passes it again.
+local function load(key, now)
+  local v = redis.call('HMGET', key, 'c', 'r', 'b', 't')
+  if not v[3] then
+    return nil
+  end
+  local bucket = { c = tonumber(v[1]), r = tonumber(v[2]), b = tonumber(v[3]), t = tonumber(v[4]) }
+  if bucket.t > now then
+    bucket.t = now
+    bucket.dirty = true
+  end
+  return bucket
+end
+
+local function save(key, bucket)
+  if bucket.c then
+    redis.call('HSET', key, 'c', fmt(bucket.c), 'r', fmt(bucket.r), 'b', fmt(bucket.b), 't', fmt(bucket.t))
+  else
+    redis.call('HSET', key, 'b', fmt(bucket.b), 't', fmt(bucket.t))
+  end
+end
+
+-- Tokens accrued since the last payment, not capped.
+local function accrued(bucket, now)
+  return bucket.b + bucket.r * ((now - bucket.t) / 1e6)
+end
+
+-- Tokens as cheap traffic sees them (capped); minus the pending debt without a definition.
+local function tokens(bucket, now)
+  if bucket.c then
+    return math.min(accrued(bucket, now), bucket.c)
+  end
+  return bucket.b
+end
+
+local function borrowed(bucket, now)
+  if bucket.c then
+    return math.max(bucket.c - tokens(bucket, now), 0)
+  end
+  return -bucket.b
+end
+
+-- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
+-- empty when this exchange's state began in this Redis.
+local function initial_tokens(c, r, now, marker, busy)
+  local began = tonumber(redis.call('GET', marker))
+  if not began then
+    redis.call('SET', marker, fmt(now))
+    began = now
+  end
+  if busy then
+    return math.min(c, r * (math.max(now - began, 0) / 1e6))
+  end
+  return c
+end
+
+-- Drops bookings whose slack ran out (their cost stays paid); returns how many.
+local function drop_lapsed(item, now)
+  local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  for _, id in ipairs(gone) do
+    redis.call('HDEL', item.key, 'w:' .. id)
+  end
+  if #gone > 0 then
+    redis.call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  end
+  return #gone
+end
+
+-- Keeps the bucket (and its bookings) until it would behave as new: refilled to capacity
+-- (through any debt), past the delay it answered and its last booking's lapse.
+local function keep(item, now, delay)
+  local bucket = item.bucket
+  local ttl = DEBT_TTL
+  if bucket.c then
+    local fill = bucket.c / bucket.r * 1e6
+    ttl = math.max(fill, (bucket.c - accrued(bucket, now)) / bucket.r * 1e6, delay)
+  end
+  local last = redis.call('ZRANGE', item.wkey, -1, -1, 'WITHSCORES')
+  if last[2] then
+    ttl = math.max(ttl, tonumber(last[2]) - now)
+  end
+  local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
+  redis.call('PEXPIRE', item.key, ms)
+  if last[2] then
+    redis.call('PEXPIRE', item.wkey, ms)
+  end
+end
+
+-- The uncapped tokens for a request under definition (c, r): a changed definition starts
+-- from the current tokens clamped to the new capacity.
+local function start_under(bucket, c, r, now)
+  if bucket.c == c and bucket.r == r then
+    return accrued(bucket, now)
+  end
+  return math.min(tokens(bucket, now), c)
+end
+
+-- When `cost` can be paid; over-capacity costs may use all that accrued since the last
+-- payment, up to the cost.
+local function ready_at(item, now)
+  local available = math.min(item.start, math.max(item.c, item.cost))
+  if covers(available, item.cost) then
+    return now
+  end
+  return now + accrual(item.cost - available, item.r)
+end
+
+-- Pays as of `at` >= now: the bucket holds what it would hold had the cost been paid at
+-- `at`; what would overflow the cap until then is forfeited. Takes the request's definition.
+local function pay(item, now, at)
+  local bucket = item.bucket
+  local cap = math.max(item.c, item.cost)
+  local lead = item.r * ((at - now) / 1e6)
+  local after = math.min(math.min(item.start, cap) + lead, cap) - item.cost
+  bucket.b = after - lead
+  bucket.t = now
+  bucket.c = item.c
+  bucket.r = item.r
+  save(item.key, bucket)
+end
+
+-- The caller's booking for this check was found on every bucket: admitted from its ready
+-- time (held by a pause that began since), never charged again.
+local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
+  local ready = math.max(booked_ready, pause_until)
+  for _, item in ipairs(items) do
+    if ready <= now then
+      redis.call('HDEL', item.key, 'w:' .. id)
+      redis.call('ZREM', item.wkey, id)
+    else
+      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
+      redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+    end
+    if item.bucket.dirty then
+      save(item.key, item.bucket)
+    end
+    keep(item, now, math.max(ready - now, 0))
+  end
+  if ready <= now then
+    return { 'claimed', 0, 0, lapsed }
+  end
+  return { 'delay', delay_ms(now, ready), pause_until > booked_ready and 1 or 0, lapsed }
+end
+
+-- check: KEYS = per item its bucket and bookings keys, then per exchange group its pauses
+-- and marker keys. ARGV = 'check', booking id, max_wait_ms (0: a probe), slack (µs),
+-- assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential pause
+-- field, key pause field. Items are distinct keys (the caller coalesced them).
+-- Returns {result, ms, paused (0/1), lapsed bookings}.
+local function check(now)
+  local id, max_wait, slack = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local busy, n = ARGV[5] == '1', tonumber(ARGV[6])
+  local items = {}
+  local ready, pause_until, lapsed = now, 0, 0
+  local claim_ready = 0
+  for i = 1, n do
+    local a = 6 + (i - 1) * 6
+    local item = {
+      key = KEYS[2 * i - 1],
+      wkey = KEYS[2 * i],
+      c = tonumber(ARGV[a + 1]),
+      r = tonumber(ARGV[a + 2]),
+      cost = tonumber(ARGV[a + 3]),
+    }
+    local group = tonumber(ARGV[a + 4])
+    local pauses, marker = KEYS[2 * n + 2 * group - 1], KEYS[2 * n + 2 * group]
+    local bucket = load(item.key, now)
+    if not bucket or not bucket.c then
+      -- A new key, or one with only recorded debt, takes this definition now.
+      local start = initial_tokens(item.c, item.r, now, marker, busy)
+      bucket = { c = item.c, r = item.r, b = (bucket and bucket.b or 0) + start, t = now, dirty = true }
+    end
+    item.bucket = bucket
+    lapsed = lapsed + drop_lapsed(item, now)
+    if claim_ready then
+      item.booking = redis.call('HGET', item.key, 'w:' .. id)
+      if item.booking then
+        claim_ready = math.max(claim_ready, tonumber(item.booking:match('^(%S+)')))
+      else
+        claim_ready = nil
+      end
+    end
+    local ends = redis.call('HMGET', pauses, 'x', ARGV[a + 5], ARGV[a + 6])
+    for j = 1, 3 do
+      if ends[j] then
+        pause_until = math.max(pause_until, tonumber(ends[j]))
+      end
+    end
+    item.start = start_under(bucket, item.c, item.r, now)
+    ready = math.max(ready, ready_at(item, now))
+    items[i] = item
+  end
+  if claim_ready then
+    return claim(items, id, now, claim_ready, pause_until, slack, lapsed)
+  end
+  local paused = pause_until > ready and 1 or 0
+  ready = math.max(ready, pause_until)
+  if ready <= now then
+    for _, item in ipairs(items) do
+      pay(item, now, now)
+      keep(item, now, 0)
+    end
+    return { 'admitted', 0, 0, lapsed }
+  end
+  local ms = delay_ms(now, ready)
+  if max_wait > 0 and ms <= max_wait then
+    for _, item in ipairs(items) do
+      pay(item, now, ready)
+      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost))
+      redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+      keep(item, now, ready - now)
+    end
+    return { 'booked', ms, paused, lapsed }
+  end
+  -- Refused: nothing paid; a new bucket is recorded (its accrual starts now).
+  for _, item in ipairs(items) do
+    if item.bucket.dirty then
+      save(item.key, item.bucket)
+    end
+    keep(item, now, ready - now)
+  end
+  return { max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed }
+end
+
+-- record: KEYS = bucket, bookings; ARGV = 'record', cost. Debits without checking; a key
+-- without a definition keeps the debt for its first check.
+local function record(now)
+  local item = { key = KEYS[1], wkey = KEYS[2] }
+  local cost = tonumber(ARGV[2])
+  local bucket = load(item.key, now)
+  if not bucket then
+    bucket = { b = -cost, t = now }
+  elseif bucket.c then
+    bucket.b = tokens(bucket, now) - cost
+    bucket.t = now
+  else
+    bucket.b = bucket.b - cost
+  end
+  item.bucket = bucket
+  save(item.key, bucket)
+  keep(item, now, 0)
+  return 'OK'
+end
+
+-- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
+-- tokens so that they plus the refill until the window ends fit the allowance; never
+-- raises them. Returns the tokens taken.
+local function sync(now)
+  local item = { key = KEYS[1], wkey = KEYS[2] }
+  local bucket = load(item.key, now)
+  if not bucket or not bucket.c then
+    return '0'
+  end
+  item.bucket = bucket
+  local before = tokens(bucket, now)
+  local max_tokens = tonumber(ARGV[2]) - bucket.r * tonumber(ARGV[3]) / 1000
+  if max_tokens < before then
+    bucket.b = max_tokens
+    bucket.t = now
+    bucket.dirty = true
+  end
+  if bucket.dirty then
+    save(item.key, bucket)
+    keep(item, now, 0)
+  end
+  return fmt(before - tokens(bucket, now))
+end
+
+-- borrowed: KEYS = bucket. capacity - tokens (>= 0), the pending debt, or 0 if unknown.
+local function get_borrowed(now)
+  local bucket = load(KEYS[1], now)
+  return fmt(bucket and borrowed(bucket, now) or 0)
+end
+
+-- info: KEYS = per key its bucket, bookings and pauses keys; ARGV = 'info', then per key
+-- its credential and key pause fields. Per key: false when unknown, else {c, r, tokens,
+-- borrowed, debt, bookings, booked cost, µs to the earliest booking, µs of pause left}
+-- (strings; '' for none). Reads only: lapsed bookings are skipped, not dropped.
+local function info(now)
+  local rows = {}
+  for i = 1, #KEYS / 3 do
+    local key, wkey, pauses = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+    local bucket = load(key, now)
+    if bucket then
+      local ids = redis.call('ZRANGEBYSCORE', wkey, fmt(now), '+inf')
+      local booked, next_ready = 0, nil
+      for _, id in ipairs(ids) do
+        local booking = redis.call('HGET', key, 'w:' .. id)
+        if booking then
+          local ready, cost = booking:match('^(%S+) (%S+)$')
+          booked = booked + tonumber(cost)
+          next_ready = math.min(next_ready or math.huge, tonumber(ready))
+        end
+      end
+      local pause_until = 0
+      local ends = redis.call('HMGET', pauses, 'x', ARGV[2 * i], ARGV[2 * i + 1])
+      for j = 1, 3 do
+        if ends[j] then
+          pause_until = math.max(pause_until, tonumber(ends[j]))
+        end
+      end
+      local left = tokens(bucket, now)
+      rows[i] = {
+        bucket.c and fmt(bucket.c) or '',
+        bucket.r and fmt(bucket.r) or '',
+        fmt(left),
+        fmt(borrowed(bucket, now)),
+        fmt(bucket.c and math.max(-left, 0) or -bucket.b),
+        tostring(#ids),
+        fmt(booked),
+        next_ready and fmt(math.max(next_ready - now, 0)) or '',
+        pause_until > now and fmt(pause_until - now) or '',
+      }
+    else
+      rows[i] = false
+    end
+  end
+  return rows
+end
+
+-- pause: KEYS = pauses; ARGV = 'pause', field, ms. Overlapping pauses keep the later end;
+-- ended ones are dropped and the hash expires after its last end.
+local function pause(now)
+  local pauses, field = KEYS[1], ARGV[2]
+  local ends = now + math.min(tonumber(ARGV[3]) * 1000, MAX_WAIT)
+  local current = tonumber(redis.call('HGET', pauses, field))
+  if not current or current < ends then
+    redis.call('HSET', pauses, field, fmt(ends))
+  end
+  local last = now
+  local all = redis.call('HGETALL', pauses)
+  for i = 1, #all, 2 do
+    local value = tonumber(all[i + 1])
+    if value < now then
+      redis.call('HDEL', pauses, all[i])
+    else
+      last = math.max(last, value)
+    end
+  end
+  redis.call('PEXPIRE', pauses, math.ceil((last - now + MARGIN) / 1000))
+  return 'OK'
+end
+
+-- reset: KEYS = bucket, bookings, pauses; ARGV = 'reset', key pause field.
+local function reset()
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
+  return 'OK'
+end
+
+local ops = {
+  check = check,
+  record = record,
+  sync = sync,
+  borrowed = get_borrowed,
+  info = info,
+  pause = pause,
+  reset = reset,
+}
+
+local op = ops[ARGV[1]]
+if not op then
+  return redis.error_reply('bourse: unknown script op ' .. tostring(ARGV[1]))
+end
+return op(clock())

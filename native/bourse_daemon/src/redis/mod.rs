@@ -1,0 +1,681 @@
+//! The Redis store: buckets shared by every daemon that points at one Redis server.
+//!
+//! Each operation on a key is one call of `bucket.lua` (loaded once with `SCRIPT LOAD`,
+//! called with `EVALSHA`, reloaded on `NOSCRIPT`), which runs the core's bucket atomically
+//! on the Redis server's clock (`TIME`): local clocks do not matter. Keys of one exchange
+//! share a hash tag, so on Redis Cluster every check within one exchange touches one slot.
+//!
+//! Every call is bounded by a timeout. When Redis cannot be reached the answer is
+//! [`StoreError::Unavailable`] and nothing is admitted; the connection is re-established
+//! by the next call.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Client, FromRedisValue, RedisError, Script, ScriptInvocation};
+use bourse_core::{
+    Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
+};
+
+use crate::store::{Store, StoreError, StoreResult};
+
+const SCRIPT: &str = include_str!("bucket.lua");
+/// Keys asked of each `SCAN` step by table-wide operations.
+const SCAN_COUNT: usize = 1000;
+
+/// How to reach Redis and name the keys.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `redis://[user:password@]host:port[/db]`, or `unix:///path`.
+    pub url: String,
+    /// Every key starts with `PREFIX:`; daemons sharing a prefix share their buckets.
+    pub prefix: String,
+    /// The longest wait for one Redis command (connecting included).
+    pub timeout: Duration,
+    pub config: Config,
+}
+
+/// Counters of the answers this daemon gave; the buckets themselves are in Redis.
+#[derive(Default)]
+struct Counters {
+    admitted: AtomicU64,
+    claimed: AtomicU64,
+    delayed: AtomicU64,
+    booked: AtomicU64,
+    over_budget: AtomicU64,
+    lapsed: AtomicU64,
+    paused: AtomicU64,
+    debited: AtomicU64,
+    invalid: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+pub struct RedisStore {
+    connection: ConnectionManager,
+    script: Script,
+    prefix: Vec<u8>,
+    timeout: Duration,
+    config: Config,
+    counters: Counters,
+}
+
+impl RedisStore {
+    /// Prepares the connection without waiting for it: a daemon started while Redis is down
+    /// answers `unavailable` until Redis is back. Must run inside a Tokio runtime.
+    pub fn new(options: Options) -> Result<Self, String> {
+        check_prefix(&options.prefix)?;
+        let client = Client::open(options.url.as_str())
+            .map_err(|error| format!("--redis {:?}: {error}", options.url))?;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.timeout))
+            .set_response_timeout(Some(options.timeout))
+            .set_number_of_retries(0);
+        let connection = ConnectionManager::new_lazy_with_config(client, manager)
+            .map_err(|error| format!("cannot prepare the Redis connection: {error}"))?;
+        Ok(Self {
+            connection,
+            script: Script::new(SCRIPT),
+            prefix: options.prefix.into_bytes(),
+            timeout: options.timeout,
+            config: options.config,
+            counters: Counters::default(),
+        })
+    }
+
+    /// Runs the script, bounded by the timeout. A call that found the connection lost is
+    /// sent once more on the fresh connection it triggered (a lost answer can only make the
+    /// retry pay twice: the safe side).
+    async fn invoke<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> StoreResult<T> {
+        let mut connection = self.connection.clone();
+        self.bounded(async {
+            match invocation.invoke_async(&mut connection).await {
+                Err(error) if lost_connection(&error) => {
+                    invocation.invoke_async(&mut connection).await
+                }
+                answer => answer,
+            }
+        })
+        .await
+    }
+
+    /// Sends one command, bounded by the timeout, once more if the connection was lost.
+    async fn command<T: FromRedisValue>(&self, command: &::redis::Cmd) -> StoreResult<T> {
+        let mut connection = self.connection.clone();
+        self.bounded(async {
+            match command.query_async(&mut connection).await {
+                Err(error) if lost_connection(&error) => command.query_async(&mut connection).await,
+                answer => answer,
+            }
+        })
+        .await
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> StoreResult<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "redis did not answer within {} ms",
+                self.timeout.as_millis()
+            ))),
+        }
+    }
+
+    fn names(&self, key: &KeyRef) -> KeyNames {
+        KeyNames::new(&self.prefix, key)
+    }
+
+    /// One `SCAN` step over keys matching `pattern`: the next cursor and a page of names.
+    async fn scan_step(&self, pattern: &[u8], cursor: u64) -> StoreResult<(u64, Vec<Vec<u8>>)> {
+        let mut command = ::redis::cmd("SCAN");
+        command
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT);
+        self.command(&command).await
+    }
+
+    /// Visits every bucket with its snapshot, one `SCAN` page at a time.
+    async fn scan_buckets(&self, mut visit: impl FnMut(Key, KeyInfo)) -> StoreResult<()> {
+        let mut pattern = self.prefix.clone();
+        pattern.extend_from_slice(b":{*");
+        let mut cursor = 0;
+        loop {
+            let (next, names) = self.scan_step(&pattern, cursor).await?;
+            let keys: Vec<Key> = names
+                .iter()
+                .filter_map(|name| decode_bucket_name(&self.prefix, name))
+                .collect();
+            if !keys.is_empty() {
+                let infos = self.infos(&keys).await?;
+                for (key, info) in keys.into_iter().zip(infos) {
+                    if let Some(info) = info {
+                        visit(key, info);
+                    }
+                }
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    /// Snapshots of `keys` (`None` for a key Redis does not hold).
+    async fn infos(&self, keys: &[Key]) -> StoreResult<Vec<Option<KeyInfo>>> {
+        let mut invocation = self.script.prepare_invoke();
+        invocation.arg("info");
+        for key in keys {
+            let names = self.names(&key.as_ref());
+            invocation
+                .key(names.bucket)
+                .key(names.bookings)
+                .key(names.pauses)
+                .arg(names.credential_pause)
+                .arg(names.key_pause);
+        }
+        let rows: Vec<Option<Vec<String>>> = self.invoke(&invocation).await?;
+        rows.into_iter()
+            .map(|row| row.map(|fields| info_from(&fields)).transpose())
+            .collect()
+    }
+
+    /// Deletes every key matching `pattern`, one `SCAN` page at a time.
+    async fn unlink_matching(&self, pattern: &[u8]) -> StoreResult<()> {
+        let mut cursor = 0;
+        loop {
+            let (next, names) = self.scan_step(pattern, cursor).await?;
+            if !names.is_empty() {
+                let mut unlink = ::redis::cmd("UNLINK");
+                unlink.arg(names);
+                let _: u64 = self.command(&unlink).await?;
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    fn count_outcome(&self, outcome: Outcome, paused: bool, lapsed: u64) {
+        let c = &self.counters;
+        bump(&c.lapsed, lapsed);
+        bump(&c.paused, u64::from(paused));
+        bump(
+            match outcome {
+                Outcome::Admitted => &c.admitted,
+                Outcome::Claimed => &c.claimed,
+                Outcome::Delay(_) => &c.delayed,
+                Outcome::Booked(_) => &c.booked,
+                Outcome::OverBudget(_) => &c.over_budget,
+            },
+            1,
+        );
+    }
+}
+
+impl Store for RedisStore {
+    fn config(&self) -> Config {
+        self.config
+    }
+
+    async fn check_one(&self, owner: u64, check: Check<'_>, mode: Mode) -> StoreResult<Outcome> {
+        self.check(owner, &[check], mode).await
+    }
+
+    async fn check(&self, owner: u64, checks: &[Check<'_>], mode: Mode) -> StoreResult<Outcome> {
+        let items = coalesce(checks).map_err(|error| {
+            self.count_invalid();
+            StoreError::Invalid(error)
+        })?;
+        if items.is_empty() {
+            bump(&self.counters.admitted, 1);
+            return Ok(Outcome::Admitted);
+        }
+        let max_wait = match mode {
+            Mode::Probe => 0,
+            Mode::Wait { max_wait_ms } => max_wait_ms,
+        };
+        let mut invocation = self.script.prepare_invoke();
+        invocation
+            .arg("check")
+            .arg(format!("{owner}:{}", signature(&items)))
+            .arg(max_wait)
+            .arg(self.config.booking_slack_ms.saturating_mul(1000))
+            .arg(if self.config.assume_busy_at_start {
+                "1"
+            } else {
+                "0"
+            })
+            .arg(items.len());
+        // Items are sorted by exchange: each run of one exchange is a group sharing its
+        // pauses and state marker.
+        let mut groups: Vec<KeyNames> = Vec::new();
+        let mut last_exchange: Option<&[u8]> = None;
+        for item in &items {
+            let names = self.names(&item.key);
+            if last_exchange != Some(item.key.exchange) {
+                last_exchange = Some(item.key.exchange);
+                groups.push(names.clone());
+            }
+            invocation
+                .key(names.bucket)
+                .key(names.bookings)
+                .arg(item.limit.capacity())
+                .arg(item.limit.refill_per_sec())
+                .arg(item.cost)
+                .arg(groups.len())
+                .arg(names.credential_pause)
+                .arg(names.key_pause);
+        }
+        for group in groups {
+            invocation.key(group.pauses).key(group.marker);
+        }
+        let (result, ms, paused, lapsed): (String, u64, u64, u64) =
+            self.invoke(&invocation).await?;
+        let outcome = match result.as_str() {
+            "admitted" => Outcome::Admitted,
+            "claimed" => Outcome::Claimed,
+            "delay" => Outcome::Delay(ms),
+            "booked" => Outcome::Booked(ms),
+            "over_budget" => Outcome::OverBudget(ms),
+            other => {
+                return Err(StoreError::Unavailable(format!(
+                    "the Redis script answered {other:?}"
+                )))
+            }
+        };
+        self.count_outcome(outcome, paused > 0, lapsed);
+        Ok(outcome)
+    }
+
+    async fn record(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
+        let names = self.names(&key);
+        let mut invocation = self.script.prepare_invoke();
+        invocation
+            .key(names.bucket)
+            .key(names.bookings)
+            .arg("record")
+            .arg(cost);
+        let _: String = self.invoke(&invocation).await?;
+        bump(&self.counters.debited, 1);
+        Ok(())
+    }
+
+    async fn sync(&self, key: KeyRef<'_>, allowance: f64, window_left_ms: u64) -> StoreResult<f64> {
+        let names = self.names(&key);
+        let mut invocation = self.script.prepare_invoke();
+        invocation
+            .key(names.bucket)
+            .key(names.bookings)
+            .arg("sync")
+            .arg(allowance)
+            .arg(window_left_ms);
+        number(&self.invoke::<String>(&invocation).await?)
+    }
+
+    async fn borrowed(&self, key: KeyRef<'_>) -> StoreResult<f64> {
+        let mut invocation = self.script.prepare_invoke();
+        invocation.key(self.names(&key).bucket).arg("borrowed");
+        number(&self.invoke::<String>(&invocation).await?)
+    }
+
+    async fn inspect(&self, key: KeyRef<'_>) -> StoreResult<Option<KeyInfo>> {
+        let mut infos = self.infos(&[key.to_owned_key()]).await?;
+        Ok(infos.pop().flatten())
+    }
+
+    async fn busiest(&self, count: usize) -> StoreResult<Vec<(Key, KeyInfo)>> {
+        let mut rows = Vec::new();
+        self.scan_buckets(|key, info| {
+            if info.borrowed > 0.0 || info.bookings > 0 {
+                rows.push((key, info));
+            }
+        })
+        .await?;
+        rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
+        rows.truncate(count);
+        Ok(rows)
+    }
+
+    async fn reset(&self, key: KeyRef<'_>) -> StoreResult<()> {
+        let names = self.names(&key);
+        let mut invocation = self.script.prepare_invoke();
+        invocation
+            .key(names.bucket)
+            .key(names.bookings)
+            .key(names.pauses)
+            .arg("reset")
+            .arg(names.key_pause);
+        let _: String = self.invoke(&invocation).await?;
+        Ok(())
+    }
+
+    async fn reset_exchange(&self, exchange: &[u8]) -> StoreResult<()> {
+        let mut pattern = self.prefix.clone();
+        pattern.extend_from_slice(b":{");
+        let mut tag = Vec::new();
+        part(&mut tag, exchange);
+        for &byte in &tag {
+            if matches!(byte, b'*' | b'?' | b'[' | b']' | b'\\') {
+                pattern.push(b'\\');
+            }
+            pattern.push(byte);
+        }
+        pattern.extend_from_slice(b"}:*");
+        self.unlink_matching(&pattern).await
+    }
+
+    async fn reset_all(&self) -> StoreResult<()> {
+        let mut pattern = self.prefix.clone();
+        pattern.extend_from_slice(b":{*");
+        self.unlink_matching(&pattern).await
+    }
+
+    async fn pause(&self, target: PauseTarget, ms: u64) -> StoreResult<()> {
+        let (exchange, field) = match &target {
+            PauseTarget::Exchange(exchange) => (exchange.as_slice(), b"x".to_vec()),
+            PauseTarget::Credential(exchange, credential) => {
+                let mut field = b"c:".to_vec();
+                credential_part(&mut field, credential.as_deref());
+                (exchange.as_slice(), field)
+            }
+            PauseTarget::Key(key) => (key.exchange(), self.names(&key.as_ref()).key_pause),
+        };
+        let mut invocation = self.script.prepare_invoke();
+        invocation
+            .key(pauses_name(&self.prefix, exchange))
+            .arg("pause")
+            .arg(field)
+            .arg(ms);
+        let _: String = self.invoke(&invocation).await?;
+        Ok(())
+    }
+
+    async fn stats(&self) -> StoreResult<Stats> {
+        let c = &self.counters;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let mut stats = Stats {
+            admitted: load(&c.admitted),
+            claimed: load(&c.claimed),
+            delayed: load(&c.delayed),
+            booked: load(&c.booked),
+            over_budget: load(&c.over_budget),
+            lapsed: load(&c.lapsed),
+            paused: load(&c.paused),
+            debited: load(&c.debited),
+            invalid: load(&c.invalid),
+            buckets: 0,
+            bookings: 0,
+        };
+        self.scan_buckets(|_, info| {
+            stats.buckets += 1;
+            stats.bookings += info.bookings as u64;
+        })
+        .await?;
+        Ok(stats)
+    }
+
+    fn sweep(&self) -> usize {
+        // Redis expires idle buckets itself (PEXPIRE on every write).
+        0
+    }
+
+    fn count_invalid(&self) {
+        bump(&self.counters.invalid, 1);
+    }
+}
+
+/// Errors after which the connection manager reconnects.
+fn lost_connection(error: &RedisError) -> bool {
+    error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+}
+
+/// A prefix names keys and is matched by `SCAN` patterns: plain characters only.
+fn check_prefix(prefix: &str) -> Result<(), String> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+    if !prefix.is_empty() && prefix.len() <= 64 && prefix.chars().all(plain) {
+        Ok(())
+    } else {
+        Err(format!(
+            "--redis-prefix must be 1 to 64 characters among A-Z a-z 0-9 _ - . :, got {prefix:?}"
+        ))
+    }
+}
+
+/// Repeated keys charged once at their combined cost, sorted by key; one key with two
+/// definitions is an error (the same message as the core's).
+fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput> {
+    let mut sorted = checks.to_vec();
+    let parts = |check: &Check<'a>| (check.key.exchange, check.key.credential, check.key.axis);
+    sorted.sort_by(|a, b| parts(a).cmp(&parts(b)));
+    let mut items: Vec<Check<'a>> = Vec::with_capacity(sorted.len());
+    for check in sorted {
+        match items.last_mut() {
+            Some(last) if last.key == check.key => {
+                if last.limit != check.limit {
+                    return Err(InvalidInput::new(format!(
+                        "conflicting bucket definitions for one key in a single check: {:?} and {:?}",
+                        last.limit, check.limit
+                    )));
+                }
+                last.cost += check.cost;
+            }
+            _ => items.push(check),
+        }
+    }
+    Ok(items)
+}
+
+/// Identifies a coalesced check, so its owner can claim the booking it made.
+fn signature(items: &[Check]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    for item in items {
+        item.key.hash(&mut hasher);
+        item.cost.to_bits().hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// Appends `<byte length>:<bytes>`: unambiguous whatever the bytes.
+fn part(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(bytes.len().to_string().as_bytes());
+    out.push(b':');
+    out.extend_from_slice(bytes);
+}
+
+/// `-` for the public pool, else the credential as a part.
+fn credential_part(out: &mut Vec<u8>, credential: Option<&[u8]>) {
+    match credential {
+        Some(credential) => part(out, credential),
+        None => out.push(b'-'),
+    }
+}
+
+/// `PREFIX:{E}`: the hash tag every key of the exchange starts with.
+fn tagged(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    let mut name = prefix.to_vec();
+    name.extend_from_slice(b":{");
+    part(&mut name, exchange);
+    name.push(b'}');
+    name
+}
+
+fn pauses_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    let mut name = tagged(prefix, exchange);
+    name.extend_from_slice(b":p");
+    name
+}
+
+/// The Redis names of one key's data (see bucket.lua for the layout).
+#[derive(Clone)]
+struct KeyNames {
+    bucket: Vec<u8>,
+    bookings: Vec<u8>,
+    pauses: Vec<u8>,
+    marker: Vec<u8>,
+    credential_pause: Vec<u8>,
+    key_pause: Vec<u8>,
+}
+
+impl KeyNames {
+    fn new(prefix: &[u8], key: &KeyRef) -> Self {
+        let mut credential = Vec::new();
+        credential_part(&mut credential, key.credential);
+        let mut suffix = credential.clone();
+        suffix.push(b':');
+        part(&mut suffix, key.axis);
+        let tag = tagged(prefix, key.exchange);
+        let named = |kind: &[u8]| [tag.as_slice(), kind, &suffix].concat();
+        let mut marker = prefix.to_vec();
+        marker.extend_from_slice(b":e");
+        marker.extend_from_slice(&tag[prefix.len() + 1..]);
+        Self {
+            bucket: named(b":b:"),
+            bookings: named(b":w:"),
+            pauses: pauses_name(prefix, key.exchange),
+            marker,
+            credential_pause: [b"c:".as_slice(), &credential].concat(),
+            key_pause: [b"k:".as_slice(), &suffix].concat(),
+        }
+    }
+}
+
+/// The key of a bucket's name, or `None` for any other name.
+fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<Key> {
+    fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let colon = rest.iter().position(|&b| b == b':')?;
+        let length: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
+        let value = rest.get(colon + 1..colon + 1 + length)?;
+        *rest = &rest[colon + 1 + length..];
+        Some(value)
+    }
+    let mut rest = name.strip_prefix(prefix)?.strip_prefix(b":{")?;
+    let exchange = take_part(&mut rest)?;
+    rest = rest.strip_prefix(b"}:b:")?;
+    let credential = match rest.strip_prefix(b"-") {
+        Some(after) => {
+            rest = after;
+            None
+        }
+        None => Some(take_part(&mut rest)?),
+    };
+    rest = rest.strip_prefix(b":")?;
+    let axis = take_part(&mut rest)?;
+    rest.is_empty()
+        .then(|| KeyRef::new(exchange, credential, axis).to_owned_key())
+}
+
+fn number(text: &str) -> StoreResult<f64> {
+    text.parse()
+        .map_err(|_| StoreError::Unavailable(format!("the Redis script answered {text:?}")))
+}
+
+/// A snapshot from the script's `info` row (see bucket.lua).
+fn info_from(fields: &[String]) -> StoreResult<KeyInfo> {
+    let malformed = || StoreError::Unavailable(format!("malformed bucket in Redis: {fields:?}"));
+    let [c, r, tokens, borrowed, debt, bookings, booked, next_ready, pause] = fields else {
+        return Err(malformed());
+    };
+    let optional = |text: &String| -> StoreResult<Option<f64>> {
+        if text.is_empty() {
+            Ok(None)
+        } else {
+            number(text).map(Some)
+        }
+    };
+    let limit = match (optional(c)?, optional(r)?) {
+        (Some(c), Some(r)) => Some(Limit::new(c, r).map_err(|_| malformed())?),
+        _ => None,
+    };
+    let micros_to_ms = |micros: f64| (micros / 1000.0).ceil() as u64;
+    Ok(KeyInfo {
+        limit,
+        tokens: number(tokens)?,
+        borrowed: number(borrowed)?,
+        debt: number(debt)?,
+        bookings: bookings.parse().map_err(|_| malformed())?,
+        booked_cost: number(booked)?,
+        next_ready_ms: optional(next_ready)?.map(micros_to_ms),
+        pause_ms: optional(pause)?.map(|micros| micros_to_ms(micros).max(1)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(c: f64) -> Limit {
+        Limit::new(c, 1.0).unwrap()
+    }
+
+    #[test]
+    fn names_are_unambiguous_and_tagged_by_exchange() {
+        let public = KeyRef::new(b"binance", None, b"ip");
+        let empty = KeyRef::new(b"binance", Some(b""), b"ip");
+        let a = KeyNames::new(b"bourse", &public);
+        let b = KeyNames::new(b"bourse", &empty);
+        assert_eq!(a.bucket, b"bourse:{7:binance}:b:-:2:ip");
+        assert_eq!(b.bucket, b"bourse:{7:binance}:b:0::2:ip");
+        assert_eq!(a.bookings, b"bourse:{7:binance}:w:-:2:ip");
+        assert_eq!(a.pauses, b"bourse:{7:binance}:p");
+        assert_eq!(a.marker, b"bourse:e{7:binance}");
+        assert_eq!(a.key_pause, b"k:-:2:ip");
+        assert_eq!(b.credential_pause, b"c:0:");
+        // Separators inside the parts cannot make two keys collide.
+        let tricky = KeyRef::new(b"a:b", Some(b"}:b:"), b"x:1:y");
+        let names = KeyNames::new(b"p", &tricky);
+        assert_eq!(
+            decode_bucket_name(b"p", &names.bucket).unwrap().as_ref(),
+            tricky
+        );
+        for key in [public, empty] {
+            assert_eq!(
+                decode_bucket_name(b"bourse", &KeyNames::new(b"bourse", &key).bucket)
+                    .unwrap()
+                    .as_ref(),
+                key
+            );
+        }
+        assert!(decode_bucket_name(b"bourse", &a.bookings).is_none());
+        assert!(decode_bucket_name(b"bourse", &a.pauses).is_none());
+        assert!(decode_bucket_name(b"other", &a.bucket).is_none());
+    }
+
+    #[test]
+    fn coalescing_sums_repeated_keys_and_refuses_conflicts() {
+        let a = KeyRef::new(b"x", None, b"request");
+        let b = KeyRef::new(b"x", Some(b"k"), b"request");
+        let check = |key, c, cost| Check {
+            key,
+            limit: limit(c),
+            cost,
+        };
+        let items =
+            coalesce(&[check(b, 5.0, 1.0), check(a, 3.0, 1.0), check(b, 5.0, 2.5)]).unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!((items[0].key, items[0].cost), (a, 1.0));
+        assert_eq!((items[1].key, items[1].cost), (b, 3.5));
+        let error = coalesce(&[check(a, 3.0, 1.0), check(a, 4.0, 1.0)]).unwrap_err();
+        assert!(error.0.contains("conflicting bucket definitions"));
+    }
+
+    #[test]
+    fn prefixes_are_plain() {
+        assert!(check_prefix("bourse").is_ok());
+        assert!(check_prefix("team-a:limits.v1").is_ok());
+        for bad in ["", "a*", "a{b}", "a b", &"x".repeat(65)] {
+            assert!(check_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Where the buckets live. The protocol validates a request once, then runs it on a
+//! [`Store`]: the in-memory [`Table`] of this process, or a Redis server shared by many
+//! daemons (`crate::redis`).
+
+use std::future::{ready, Future};
+
+use bourse_core::{
+    Check, Clock, Config, InvalidInput, Key, KeyInfo, KeyRef, Mode, MonotonicClock, Outcome,
+    PauseTarget, Stats, Table,
+};
+
+/// Why a store did not carry out a request.
+#[derive(Debug)]
+pub enum StoreError {
+    /// Input only the store could judge (conflicting definitions in one check); already
+    /// counted in the store's `invalid` statistic.
+    Invalid(InvalidInput),
+    /// The store cannot be reached now: nothing was admitted.
+    Unavailable(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The operations of the protocol, on validated input. Every method of a shared store may
+/// fail with [`StoreError::Unavailable`]; none of them may hang.
+pub trait Store: Send + Sync + 'static {
+    fn config(&self) -> Config;
+
+    /// Checks one bucket; `owner` identifies the caller's bookings.
+    fn check_one(
+        &self,
+        owner: u64,
+        check: Check<'_>,
+        mode: Mode,
+    ) -> impl Future<Output = StoreResult<Outcome>> + Send;
+
+    /// Checks several buckets all-or-nothing; repeated keys are coalesced, one key with two
+    /// definitions is [`StoreError::Invalid`].
+    fn check(
+        &self,
+        owner: u64,
+        checks: &[Check<'_>],
+        mode: Mode,
+    ) -> impl Future<Output = StoreResult<Outcome>> + Send;
+
+    fn record(&self, key: KeyRef<'_>, cost: f64) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// Lowers `key`'s tokens to what the exchange still allows; returns the tokens taken.
+    fn sync(
+        &self,
+        key: KeyRef<'_>,
+        allowance: f64,
+        window_left_ms: u64,
+    ) -> impl Future<Output = StoreResult<f64>> + Send;
+
+    fn borrowed(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send;
+
+    fn inspect(&self, key: KeyRef<'_>)
+        -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send;
+
+    fn busiest(
+        &self,
+        count: usize,
+    ) -> impl Future<Output = StoreResult<Vec<(Key, KeyInfo)>>> + Send;
+
+    fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send;
+
+    fn reset_exchange(&self, exchange: &[u8]) -> impl Future<Output = StoreResult<()>> + Send;
+
+    fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send;
+
+    fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send;
+
+    fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send;
+
+    /// Drops what behaves as new; may take a while, so transports call it off their
+    /// request path. Stores that expire keys themselves drop nothing here.
+    fn sweep(&self) -> usize;
+
+    /// Counts a request refused before it reached the store.
+    fn count_invalid(&self);
+}
+
+/// The bucket table of this process.
+pub struct Memory<C: Clock = MonotonicClock> {
+    table: Table<C>,
+}
+
+impl<C: Clock> Memory<C> {
+    pub fn new(table: Table<C>) -> Self {
+        Self { table }
+    }
+}
+
+impl<C: Clock> Store for Memory<C> {
+    fn config(&self) -> Config {
+        self.table.config()
+    }
+
+    fn check_one(
+        &self,
+        owner: u64,
+        check: Check<'_>,
+        mode: Mode,
+    ) -> impl Future<Output = StoreResult<Outcome>> + Send {
+        ready(Ok(self.table.check_one(owner, check, mode)))
+    }
+
+    fn check(
+        &self,
+        owner: u64,
+        checks: &[Check<'_>],
+        mode: Mode,
+    ) -> impl Future<Output = StoreResult<Outcome>> + Send {
+        ready(
+            self.table
+                .check(owner, checks, mode)
+                .map_err(StoreError::Invalid),
+        )
+    }
+
+    fn record(&self, key: KeyRef<'_>, cost: f64) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.record(key, cost);
+        ready(Ok(()))
+    }
+
+    fn sync(
+        &self,
+        key: KeyRef<'_>,
+        allowance: f64,
+        window_left_ms: u64,
+    ) -> impl Future<Output = StoreResult<f64>> + Send {
+        ready(Ok(self.table.sync(key, allowance, window_left_ms)))
+    }
+
+    fn borrowed(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send {
+        ready(Ok(self.table.borrowed(key)))
+    }
+
+    fn inspect(
+        &self,
+        key: KeyRef<'_>,
+    ) -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send {
+        ready(Ok(self.table.inspect(key)))
+    }
+
+    fn busiest(
+        &self,
+        count: usize,
+    ) -> impl Future<Output = StoreResult<Vec<(Key, KeyInfo)>>> + Send {
+        ready(Ok(self.table.busiest(count)))
+    }
+
+    fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.reset(key);
+        ready(Ok(()))
+    }
+
+    fn reset_exchange(&self, exchange: &[u8]) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.reset_exchange(exchange);
+        ready(Ok(()))
+    }
+
+    fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.reset_all();
+        ready(Ok(()))
+    }
+
+    fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.pause(target, ms);
+        ready(Ok(()))
+    }
+
+    fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send {
+        ready(Ok(self.table.stats()))
+    }
+
+    fn sweep(&self) -> usize {
+        self.table.sweep()
+    }
+
+    fn count_invalid(&self) {
+        self.table.count_invalid()
+    }
+}
