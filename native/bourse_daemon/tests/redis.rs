@@ -1,0 +1,585 @@
+//! `--redis`: the bucket as a script in a real `redis-server` started by each test on a free
+//! loopback port (without persistence), shared by several daemon processes.
+//!
+//! The tests skip, saying so, only when no `redis-server` binary is installed (`make deps`
+//! installs it). Time is Redis's real clock, so delays are checked within tolerances.
+
+mod common;
+
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use common::{eventually, key, LineClient, Server, StdioDaemon, Transport};
+
+/// A `redis-server` child on a loopback port; stopped (without saving) when dropped.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    /// Starts a server on a free port, or `None` (after saying why) when none is installed.
+    fn start() -> Option<Self> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            eprintln!("SKIPPED: no redis-server binary on PATH (make deps installs it)");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        Some(Self::on_port(port))
+    }
+
+    fn on_port(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let redis = Self { child, port };
+        eventually("redis-server answers PING", || redis.ping());
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn connection(&self) -> Option<::redis::Connection> {
+        let client = ::redis::Client::open(self.url()).ok()?;
+        client
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .ok()
+    }
+
+    fn ping(&self) -> bool {
+        self.connection()
+            .is_some_and(|mut c| ::redis::cmd("PING").query::<String>(&mut c).is_ok())
+    }
+
+    /// Runs one command (test inspection of what the script stored).
+    fn query<T: ::redis::FromRedisValue>(&self, command: &mut ::redis::Cmd) -> T {
+        command
+            .query(&mut self.connection().expect("connect to redis"))
+            .expect("redis command")
+    }
+
+    /// `SHUTDOWN NOSAVE`: everything in it is lost.
+    fn stop(&mut self) {
+        if let Some(mut connection) = self.connection() {
+            let _: Result<(), _> = ::redis::cmd("SHUTDOWN")
+                .arg("NOSAVE")
+                .query(&mut connection);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A server-mode daemon on `redis` with extra options.
+fn daemon(redis: &Redis, extra: &[&str]) -> Server {
+    let url = redis.url();
+    let mut args = vec!["--redis", url.as_str()];
+    args.extend_from_slice(extra);
+    Server::tcp(&args)
+}
+
+fn check(k: &Value, limit: Value, cost: f64) -> Value {
+    json!({"op": "check", "key": k, "limit": limit, "cost": cost})
+}
+
+fn ms(answer: &Value) -> u64 {
+    answer["ms"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no ms in {answer}"))
+}
+
+fn sleep_ms(ms: u64) {
+    thread::sleep(Duration::from_millis(ms));
+}
+
+fn borrowed(t: &mut impl Transport, k: &Value) -> f64 {
+    t.call(json!({"op": "get_cost", "key": k}))["borrowed"]
+        .as_f64()
+        .unwrap()
+}
+
+/// Asserts `ms` is the exact delay less what may have passed on a loaded machine.
+fn about(ms: u64, exact: u64, what: &str) {
+    assert!(
+        ms <= exact && ms + 400 >= exact,
+        "{what}: {ms} ms, expected a little under {exact}"
+    );
+}
+
+#[test]
+fn every_op_through_redis_in_server_and_stdio_mode() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    common::exercise_every_op(&mut server.connect());
+    common::exercise_bad_requests(&mut server.connect());
+    let url = redis.url();
+    let mut port = StdioDaemon::start(&["--redis", &url]);
+    common::exercise_every_op(&mut port);
+    // Everything lives in Redis: reset_all left nothing but the state markers.
+    let keys: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*"));
+    assert!(keys.iter().all(|k| k.starts_with("bourse:e{")), "{keys:?}");
+}
+
+#[test]
+fn probes_over_capacity_costs_and_definition_changes() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("binance", Some("k1"));
+    let two = json!({"capacity": 2, "refill_per_sec": 2});
+    assert_eq!(t.call(check(&k, two.clone(), 1.0))["result"], "admitted");
+    assert_eq!(t.call(check(&k, two.clone(), 1.0))["result"], "admitted");
+    let refused = t.call(check(&k, two.clone(), 1.0));
+    assert_eq!(refused["result"], "delay");
+    about(ms(&refused), 500, "the third check");
+    // Refusals are free: the next probe's delay is no longer.
+    assert!(ms(&t.call(check(&k, two.clone(), 1.0))) <= ms(&refused));
+    sleep_ms(ms(&refused));
+    assert_eq!(t.call(check(&k, two, 1.0))["result"], "admitted");
+
+    // Over capacity: limited, not exempt. A new bucket holds 2 of the 5; 3 more take 300 ms.
+    let heavy = key("binance", Some("heavy"));
+    let small = json!({"capacity": 2, "refill_per_sec": 10});
+    let wait = t.call(check(&heavy, small.clone(), 5.0));
+    about(ms(&wait), 300, "an over-capacity cost");
+    sleep_ms(ms(&wait));
+    assert_eq!(
+        t.call(check(&heavy, small.clone(), 5.0))["result"],
+        "admitted"
+    );
+    // Paying left the bucket empty: cheap traffic never sees the raised cap.
+    about(
+        ms(&t.call(check(&heavy, small, 1.0))),
+        100,
+        "after the heavy payment",
+    );
+
+    // A changed definition is taken when admitted, with the tokens clamped to it.
+    let defined = key("binance", Some("redefined"));
+    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&defined, slow(10), 2.0))["result"], "admitted");
+    assert_eq!(t.call(check(&defined, slow(5), 1.0))["result"], "admitted");
+    let info = t.call(json!({"op": "inspect", "key": defined}))["info"].clone();
+    assert_eq!(info["limit"]["capacity"], 5.0);
+    assert!(
+        (info["tokens"].as_f64().unwrap() - 4.0).abs() < 0.01,
+        "{info}"
+    );
+    // A refused call does not change the definition.
+    assert_eq!(t.call(check(&defined, slow(3), 9.0))["result"], "delay");
+    let info = t.call(json!({"op": "inspect", "key": defined}))["info"].clone();
+    assert_eq!(info["limit"]["capacity"], 5.0);
+
+    // Debt recorded before the first check is applied when the key is first defined.
+    let debt = key("binance", Some("debt"));
+    t.call(json!({"op": "record", "key": debt, "cost": 3}));
+    assert_eq!(borrowed(&mut t, &debt), 3.0);
+    assert_eq!(t.call(check(&debt, slow(5), 2.0))["result"], "admitted");
+    assert_eq!(t.call(check(&debt, slow(5), 1.0))["result"], "delay");
+}
+
+#[test]
+fn waiters_book_claim_once_and_lapse() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--booking-slack-ms", "5000"]);
+    let mut t = server.connect();
+    let k = key("okx", Some("k"));
+    let limit = json!({"capacity": 1, "refill_per_sec": 10});
+    let waiter = |owner: &str, max_wait: u64| json!({"op": "check", "key": k, "limit": limit, "owner": owner, "max_wait_ms": max_wait});
+    assert_eq!(t.call(waiter("a", 1000))["result"], "admitted");
+    let a = t.call(waiter("a", 1000));
+    assert_eq!(a["result"], "booked");
+    about(ms(&a), 100, "the first booking");
+    // Later waiters queue behind it; a budget too short books nothing.
+    let b = t.call(waiter("b", 1000));
+    assert_eq!(b["result"], "booked");
+    about(ms(&b), 200, "the second booking");
+    let over = t.call(waiter("c", 50));
+    assert_eq!(over["result"], "over_budget");
+    assert_eq!(
+        t.call(json!({"op": "inspect", "key": k}))["info"]["bookings"],
+        2
+    );
+    // Early: the remaining wait. On time: claimed, not charged again.
+    let early = t.call(waiter("b", 1000));
+    assert_eq!(early["result"], "delay");
+    assert!(ms(&early) <= ms(&b));
+    sleep_ms(ms(&b));
+    let before = borrowed(&mut t, &k);
+    assert_eq!(t.call(waiter("a", 1000))["result"], "claimed");
+    assert_eq!(t.call(waiter("b", 1000))["result"], "claimed");
+    assert!(borrowed(&mut t, &k) <= before, "a claim charged again");
+    let stats = t.call(json!({"op": "stats"}))["stats"].clone();
+    assert_eq!(
+        (stats["claimed"].as_u64(), stats["bookings"].as_u64()),
+        (Some(2), Some(0))
+    );
+
+    // A booking not claimed within the slack lapses; its cost stays paid.
+    let short = daemon(&redis, &["--booking-slack-ms", "1"]);
+    let mut s = short.connect();
+    let lapsing = key("okx", Some("lapse"));
+    let slow = json!({"capacity": 1, "refill_per_sec": 5});
+    let booking =
+        json!({"op": "check", "key": lapsing, "limit": slow, "owner": 1, "max_wait_ms": 1000});
+    assert_eq!(s.call(booking.clone())["result"], "admitted");
+    let booked = s.call(booking.clone());
+    assert_eq!(booked["result"], "booked");
+    sleep_ms(ms(&booked) + 100);
+    // Coming back finds no booking: a new check, booked behind the lapsed one's payment.
+    assert_eq!(s.call(booking)["result"], "booked");
+    assert_eq!(s.call(json!({"op": "stats"}))["stats"]["lapsed"], 1);
+}
+
+#[test]
+fn multi_bucket_checks_pauses_resets_and_sync() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
+    let a = key("bybit", Some("k"));
+    let ip = json!({"exchange": "bybit", "credential": null, "axis": "ip"});
+    let many = |cost_a: f64| {
+        json!({"op": "check_many", "checks": [
+            {"key": a, "limit": slow(5), "cost": cost_a},
+            {"key": ip, "limit": slow(3), "cost": 1},
+        ]})
+    };
+    for _ in 0..3 {
+        assert_eq!(t.call(many(1.0))["result"], "admitted");
+    }
+    // The ip bucket is empty: the other bucket pays nothing either.
+    assert_eq!(t.call(many(1.0))["result"], "delay");
+    assert!((borrowed(&mut t, &a) - 3.0).abs() < 0.01);
+    // Coalesced: one key twice is charged once at the combined cost; conflicts pay nothing.
+    let twice = json!({"op": "check_many", "checks": [
+        {"key": a, "limit": slow(5), "cost": 1}, {"key": a, "limit": slow(5), "cost": 1},
+    ]});
+    assert_eq!(t.call(twice)["result"], "admitted");
+    assert!((borrowed(&mut t, &a) - 5.0).abs() < 0.01);
+    let conflict = t.call(json!({"op": "check_many", "checks": [
+        {"key": ip, "limit": slow(3)}, {"key": ip, "limit": slow(4)},
+    ]}));
+    assert_eq!(conflict["error"]["type"], "invalid_parameters");
+
+    // Pauses: key, credential and exchange targets; the later end wins.
+    let other = key("bybit", Some("other"));
+    let fresh = |k: &Value| check(k, slow(100), 1.0);
+    let pause = |t: &mut LineClient<TcpStream>, target: Value, ms: u64| {
+        assert_eq!(
+            t.call(json!({"op": "pause", "target": target, "ms": ms}))["ok"],
+            true
+        )
+    };
+    pause(
+        &mut t,
+        json!({"exchange": "bybit", "credential": "other", "axis": "request"}),
+        10_000,
+    );
+    pause(
+        &mut t,
+        json!({"exchange": "bybit", "credential": "other", "axis": "request"}),
+        10,
+    );
+    about(ms(&t.call(fresh(&other))), 10_000, "a key pause");
+    let other_axis = json!({"exchange": "bybit", "credential": "other", "axis": "order"});
+    assert_eq!(t.call(fresh(&other_axis))["result"], "admitted");
+    pause(
+        &mut t,
+        json!({"exchange": "bybit", "credential": "other"}),
+        20_000,
+    );
+    about(
+        ms(&t.call(fresh(&other_axis))),
+        20_000,
+        "a credential pause",
+    );
+    assert_eq!(
+        t.call(fresh(&key("bybit", Some("third"))))["result"],
+        "admitted"
+    );
+    pause(&mut t, json!({"exchange": "bybit"}), 30_000);
+    about(
+        ms(&t.call(fresh(&key("bybit", Some("third"))))),
+        30_000,
+        "an exchange pause",
+    );
+    assert_eq!(t.call(fresh(&key("kraken", None)))["result"], "admitted");
+    let info = t.call(json!({"op": "inspect", "key": other}))["info"].clone();
+    about(
+        info["pause_ms"].as_u64().unwrap(),
+        30_000,
+        "inspect's pause",
+    );
+    // A reset drops the pause on that key alone; reset_exchange drops them all.
+    t.call(json!({"op": "reset", "key": other}));
+    about(
+        ms(&t.call(fresh(&other))),
+        30_000,
+        "the exchange pause after a key reset",
+    );
+    t.call(json!({"op": "reset_exchange", "exchange": "bybit"}));
+    assert_eq!(t.call(fresh(&other))["result"], "admitted");
+    assert_eq!(borrowed(&mut t, &a), 0.0);
+    assert_eq!(t.call(fresh(&key("kraken", None)))["result"], "admitted");
+
+    // sync: lowered to what the exchange allows, never raised.
+    let synced = key("kraken", Some("s"));
+    t.call(check(
+        &synced,
+        json!({"capacity": 10, "refill_per_sec": 0.001}),
+        1.0,
+    ));
+    let taken = t.call(json!({"op": "sync", "key": synced, "allowance": 5, "window_left_ms": 0}));
+    assert!(
+        (taken["taken"].as_f64().unwrap() - 4.0).abs() < 0.01,
+        "{taken}"
+    );
+    let taken = t.call(json!({"op": "sync", "key": synced, "allowance": 50, "window_left_ms": 0}));
+    assert_eq!(taken["taken"], 0.0);
+    assert_eq!(
+        t.call(json!({"op": "sync", "key": key("kraken", Some("unknown")), "allowance": 0, "window_left_ms": 0}))["taken"],
+        0.0
+    );
+}
+
+#[test]
+fn idle_buckets_expire_once_they_behave_as_new() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--booking-slack-ms", "100"]);
+    let mut t = server.connect();
+    let k = key("e", Some("ttl"));
+    let bucket = "bourse:{1:e}:b:3:ttl:7:request";
+    let pttl = |redis: &Redis| -> i64 { redis.query(::redis::cmd("PTTL").arg(bucket)) };
+    // Capacity 10 at 10/s: full again 1 s after paying, plus a 1 s margin.
+    t.call(check(
+        &k,
+        json!({"capacity": 10, "refill_per_sec": 10}),
+        10.0,
+    ));
+    let ttl = pttl(&redis);
+    assert!((1000..=2000).contains(&ttl), "{ttl}");
+    // A refused over-capacity probe keeps the bucket past the delay it answered.
+    let answer = t.call(check(
+        &k,
+        json!({"capacity": 10, "refill_per_sec": 10}),
+        60.0,
+    ));
+    let ttl = pttl(&redis);
+    assert!(ttl as u64 >= ms(&answer), "{ttl} < {answer}");
+    // A bucket left alone disappears.
+    let quick = key("e", Some("quick"));
+    t.call(check(
+        &quick,
+        json!({"capacity": 1, "refill_per_sec": 100}),
+        1.0,
+    ));
+    eventually("the idle bucket expires", || {
+        t.call(json!({"op": "inspect", "key": quick}))["info"].is_null()
+    });
+}
+
+/// Several daemon processes (standing in for machines) on one Redis hammer one bucket: the
+/// total admitted stays within C + r * T (SPEC P1), and near it.
+#[test]
+fn several_daemons_share_one_bucket() {
+    let Some(redis) = Redis::start() else { return };
+    let (capacity, refill) = (20.0, 50.0);
+    let daemons: Vec<Server> = (0..4).map(|_| daemon(&redis, &[])).collect();
+    let run_for = Duration::from_secs(2);
+    let started = Instant::now();
+    let counts: Vec<(u64, u64)> = thread::scope(|scope| {
+        let workers: Vec<_> = daemons
+            .iter()
+            .flat_map(|server| [server, server])
+            .map(|server| {
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    let k = key("binance", Some("shared"));
+                    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
+                    let (mut admitted, mut calls) = (0, 0);
+                    while started.elapsed() < run_for {
+                        calls += 1;
+                        if t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted" {
+                            admitted += 1;
+                        }
+                    }
+                    (admitted, calls)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted: u64 = counts.iter().map(|c| c.0).sum();
+    let calls: u64 = counts.iter().map(|c| c.1).sum();
+    let bound = capacity + refill * elapsed;
+    eprintln!(
+        "4 daemons x 2 clients, {calls} checks in {elapsed:.2} s: admitted {admitted}, \
+         bound C + r*T = {bound:.1}"
+    );
+    assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
+    assert!(
+        admitted as f64 >= 0.5 * refill * elapsed,
+        "admitted only {admitted} of {bound}"
+    );
+}
+
+/// Concurrent multi-bucket checks from several daemons pay on all buckets or none (P4).
+#[test]
+fn concurrent_multi_bucket_checks_are_atomic() {
+    let Some(redis) = Redis::start() else { return };
+    let daemons: Vec<Server> = (0..3).map(|_| daemon(&redis, &[])).collect();
+    let a = key("binance", Some("a"));
+    let ip = json!({"exchange": "binance", "credential": null, "axis": "ip"});
+    let request = json!({"op": "check_many", "checks": [
+        {"key": a, "limit": {"capacity": 50, "refill_per_sec": 0.001}},
+        {"key": ip, "limit": {"capacity": 30, "refill_per_sec": 0.001}},
+    ]});
+    let admitted: u64 = thread::scope(|scope| {
+        let workers: Vec<_> = daemons
+            .iter()
+            .map(|server| {
+                let request = request.clone();
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    (0..40)
+                        .filter(|_| t.call(request.clone())["result"] == "admitted")
+                        .count() as u64
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    assert_eq!(admitted, 30);
+    let mut t = daemons[0].connect();
+    assert!((borrowed(&mut t, &a) - 30.0).abs() < 0.01);
+    assert!((borrowed(&mut t, &ip) - 30.0).abs() < 0.01);
+}
+
+/// Redis restarts empty mid-run: answers while it is down are errors (nothing admitted);
+/// afterwards the daemon reconnects by itself, reloads the script, and the lost buckets
+/// start over as new (full, or as if empty at the restart with --assume-busy-at-start).
+#[test]
+fn a_redis_restart_admits_nothing_while_down_and_recovers() {
+    let Some(mut redis) = Redis::start() else {
+        return;
+    };
+    let plain = daemon(&redis, &["--redis-timeout-ms", "500"]);
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let mut t = plain.connect();
+    let mut b = busy.connect();
+    let k = key("binance", Some("restart"));
+    let limit = json!({"capacity": 5, "refill_per_sec": 1});
+    for _ in 0..5 {
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    }
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "delay");
+
+    redis.stop();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let answer = t.call(check(&k, limit.clone(), 1.0));
+        assert_eq!(answer["ok"], false, "{answer}");
+        assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    assert_eq!(
+        t.call(json!({"op": "get_cost", "key": k}))["error"]["type"],
+        "unavailable"
+    );
+
+    let _restarted = Redis::on_port(redis.port);
+    // Lost with Redis: the bucket is new. With --assume-busy-at-start it begins as if empty
+    // when this exchange's state began again (now), so nothing is admitted at once.
+    let busy_answer = b.call(check(&k, limit.clone(), 1.0));
+    assert_eq!(busy_answer["result"], "delay", "{busy_answer}");
+    about(ms(&busy_answer), 1000, "assume busy after lost state");
+    let other = key("binance", Some("fresh"));
+    let admitted = (0..6)
+        .filter(|_| t.call(check(&other, limit.clone(), 1.0))["result"] == "admitted")
+        .count();
+    assert!(admitted <= 5, "admitted {admitted}");
+}
+
+#[test]
+fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
+    let Some(redis) = Redis::start() else { return };
+    // Nothing listens on this port until later.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    assert_eq!(t.call(json!({"op": "hello"}))["ok"], true);
+    let k = key("x", None);
+    let answer = t.call(check(&k, json!({"requests": 5}), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    let _late = Redis::on_port(port);
+    assert_eq!(
+        t.call(check(&k, json!({"requests": 5}), 1.0))["result"],
+        "admitted"
+    );
+    drop(redis);
+
+    // A server that accepts but never answers: the timeout answers instead.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "200"]);
+    let mut t = server.connect();
+    let started = Instant::now();
+    let answer = t.call(check(&k, json!({"requests": 5}), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    drop(silent);
+}
+
+#[test]
+fn bad_redis_options_are_refused_at_start() {
+    for args in [
+        &["--stdio", "--redis", "http://nowhere"][..],
+        &[
+            "--stdio",
+            "--redis",
+            "redis://127.0.0.1:1",
+            "--redis-prefix",
+            "a*b",
+        ],
+    ] {
+        let status = Command::new(common::DAEMON)
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(status.code(), Some(2), "{args:?}");
+    }
+}
