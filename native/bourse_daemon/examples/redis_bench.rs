@@ -1,0 +1,185 @@
+//! Checks per second and latency of `bourse_daemon --redis` on loopback, one and several
+//! clients, single-bucket and three-bucket checks, next to the in-memory daemon with the same
+//! clients. Each client waits for every answer (one check in flight), so the latency is a
+//! full round trip: client -> daemon -> Redis script -> daemon -> client. Prints a table;
+//! asserts nothing.
+//!
+//! ```text
+//! cargo build --release -p bourse_daemon --examples
+//! target/release/examples/redis_bench [--redis redis://127.0.0.1:PORT] [--seconds S]
+//! ```
+//!
+//! Without `--redis` it starts its own `redis-server` (no persistence) on a free port and
+//! stops it at the end.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Distinct keys each client cycles through; limits large enough that all are admitted.
+const KEYS_PER_CLIENT: usize = 1000;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut url = None;
+    let mut seconds = 3.0;
+    while let Some(arg) = args.next() {
+        match (arg.as_str(), args.next()) {
+            ("--redis", Some(value)) => url = Some(value),
+            ("--seconds", Some(value)) if value.parse::<f64>().is_ok_and(|s| s > 0.0) => {
+                seconds = value.parse().unwrap()
+            }
+            _ => {
+                eprintln!("usage: redis_bench [--redis redis://HOST:PORT] [--seconds S]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let mut own_redis = None;
+    let url = url.unwrap_or_else(|| {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server not found (pass --redis URL)");
+        own_redis = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            thread::sleep(Duration::from_millis(20));
+        }
+        format!("redis://127.0.0.1:{port}")
+    });
+    let run_for = Duration::from_secs_f64(seconds);
+
+    println!(
+        "bourse_daemon through Redis ({url}), {seconds} s per row, one check in flight per client"
+    );
+    println!(
+        "{:<10} {:<9} {:>7} {:>10} {:>10} {:>9} {:>9}",
+        "store", "buckets", "clients", "checks", "checks/s", "p50 µs", "p99 µs"
+    );
+    for store in ["memory", "redis"] {
+        let mut daemon = start_daemon(store, &url);
+        let addr = listening_addr(&mut daemon);
+        for buckets in [1, 3] {
+            for clients in [1, 8] {
+                let (checks, mut latencies) = run(&addr, clients, buckets, run_for);
+                latencies.sort_unstable();
+                let quantile = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+                println!(
+                    "{:<10} {:<9} {:>7} {:>10} {:>10.0} {:>9.0} {:>9.0}",
+                    store,
+                    buckets,
+                    clients,
+                    checks,
+                    checks as f64 / seconds,
+                    quantile(0.5).as_secs_f64() * 1e6,
+                    quantile(0.99).as_secs_f64() * 1e6,
+                );
+            }
+        }
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+    }
+    if let Some(mut redis) = own_redis {
+        let _ = redis.kill();
+        let _ = redis.wait();
+    }
+}
+
+fn start_daemon(store: &str, url: &str) -> Child {
+    let path = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bourse_daemon")))
+        .unwrap_or_else(|| PathBuf::from("bourse_daemon"));
+    let mut command = Command::new(&path);
+    command.args(["--listen", "127.0.0.1:0"]);
+    if store == "redis" {
+        command.args(["--redis", url]);
+    }
+    command
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", path.display()))
+}
+
+fn listening_addr(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout"))
+        .read_line(&mut line)
+        .expect("listening line");
+    line.trim()
+        .strip_prefix("listening tcp ")
+        .expect("a listening line")
+        .to_string()
+}
+
+/// `clients` threads each checking their own keys for `run_for`; the checks made and every
+/// round trip's latency.
+fn run(addr: &str, clients: usize, buckets: usize, run_for: Duration) -> (usize, Vec<Duration>) {
+    let workers: Vec<_> = (0..clients)
+        .map(|client| {
+            let addr = addr.to_string();
+            thread::spawn(move || {
+                let requests = requests(client, buckets);
+                let stream = TcpStream::connect(&addr).expect("connect");
+                stream.set_nodelay(true).expect("nodelay");
+                let mut writer = stream.try_clone().expect("clone");
+                let mut reader = BufReader::new(stream);
+                let mut latencies = Vec::new();
+                let mut answer = String::new();
+                let started = Instant::now();
+                for request in requests.iter().cycle() {
+                    if started.elapsed() >= run_for {
+                        break;
+                    }
+                    let sent = Instant::now();
+                    writer.write_all(request.as_bytes()).expect("send");
+                    answer.clear();
+                    reader.read_line(&mut answer).expect("answer");
+                    latencies.push(sent.elapsed());
+                    assert!(answer.contains("\"admitted\""), "{answer}");
+                }
+                latencies
+            })
+        })
+        .collect();
+    let latencies: Vec<Duration> = workers
+        .into_iter()
+        .flat_map(|w| w.join().expect("client"))
+        .collect();
+    (latencies.len(), latencies)
+}
+
+fn requests(client: usize, buckets: usize) -> Vec<String> {
+    let limit = r#"{"capacity":1e9,"refill_per_sec":1e9}"#;
+    (0..KEYS_PER_CLIENT)
+        .map(|i| {
+            let credential = format!("c{client}-{i}");
+            if buckets == 1 {
+                format!(
+                    r#"{{"op":"check","key":{{"exchange":"bench","credential":"{credential}"}},"limit":{limit}}}"#
+                ) + "\n"
+            } else {
+                let checks: Vec<String> = ["request", "ip", "order"][..buckets]
+                    .iter()
+                    .map(|axis| {
+                        format!(
+                            r#"{{"key":{{"exchange":"bench","credential":"{credential}","axis":"{axis}"}},"limit":{limit}}}"#
+                        )
+                    })
+                    .collect();
+                format!(r#"{{"op":"check_many","checks":[{}]}}"#, checks.join(",")) + "\n"
+            }
+        })
+        .collect()
+}
