@@ -60,7 +60,7 @@ defmodule Bourse.RateLimiter do
   use GenServer
 
   alias Bourse.Error
-  alias Bourse.RateLimiter.Backend
+  alias Bourse.RateLimiter.{Backend, Feedback}
 
   @default __MODULE__
 
@@ -208,6 +208,51 @@ defmodule Bourse.RateLimiter do
   """
   @spec pause(pause_target(), non_neg_integer(), GenServer.name()) :: :ok | error()
   def pause(target, ms, name \\ @default), do: name |> run(:pause, [target, ms]) |> answer()
+
+  ## Exchange feedback
+
+  @doc """
+  The one call an adapter makes after every response from `exchange_id` made with
+  `credential_key`. `headers` are `{name, value}` pairs or a map of name to value or list
+  of values; names are case-insensitive; names and values may be binaries or charlists
+  (as `:httpc` returns them).
+
+  Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic
+  `x-ratelimit-*`, ...) bring the bucket of the matching axis in line with what the
+  exchange counted. After a 429 (or a 418, an IP ban) every bucket of the credential (of
+  the whole exchange, for a 418) is paused for every caller, for `Retry-After` or an
+  exponential backoff, and the answer is
+  `{:error, %Bourse.Error{type: :rate_limit_exceeded, http_status: status, retry_after: ms}}`,
+  with `stop: true` when retrying is pointless. Otherwise `:ok`. The header-to-axis table
+  and the rules are in `Bourse.RateLimiter.Feedback`.
+  """
+  @spec observe_response(
+          String.t(),
+          String.t() | :public,
+          100..599,
+          [{String.t() | charlist(), String.t() | charlist()}] | map(),
+          GenServer.name()
+        ) :: :ok | error()
+  def observe_response(exchange_id, credential_key, status, headers, name \\ @default),
+    do: Feedback.observe_response(exchange_id, credential_key, status, headers, name)
+
+  @doc """
+  Brings `key`'s bucket in line with an exchange that allows only `allowance` more cost
+  until its window ends in `window_left_ms`: the tokens are lowered so that they plus the
+  refill until then fit the allowance; they are never raised. A key without a definition
+  is left alone. Returns the tokens taken. `observe_response/5` calls it for the headers
+  it knows; call it directly for others.
+  """
+  @spec sync(key(), number(), non_neg_integer(), GenServer.name()) :: number() | error()
+  def sync(key, allowance, window_left_ms, name \\ @default),
+    do: name |> run(:sync, [key, allowance, window_left_ms]) |> answer()
+
+  @doc """
+  A snapshot of `key`: `%{limit: %{capacity: c, refill_per_sec: r} | nil, tokens: t, ...}`
+  (see `Bourse.RateLimiter.Backend`), or `nil` when the limiter holds nothing for it.
+  """
+  @spec inspect_key(key(), GenServer.name()) :: map() | nil | error()
+  def inspect_key(key, name \\ @default), do: name |> run(:inspect, [key]) |> answer()
 
   ## Supervision
 

@@ -14,7 +14,9 @@ defmodule Bourse.Testing.MockExchange do
     * Above the limit the answer is 429 with `Retry-After` (whole seconds until the window
       ends, rounded up) and the request is not counted.
     * Every reply carries the IP's used weight in `x-used-weight` and
-      `x-mbx-used-weight-1m`; bodies are small JSON.
+      `x-mbx-used-weight-1m`, and the generic `x-ratelimit-limit`,
+      `x-ratelimit-remaining` and `x-ratelimit-reset` (seconds until the window ends, in
+      ms precision: `"0.250"`); bodies are small JSON.
 
   ## `:scripted` mode
 
@@ -188,15 +190,28 @@ defmodule Bourse.Testing.MockExchange do
       body =
         ~s({"code":-1003,"msg":"Too many requests; limit is #{limit} weight per #{window_ms} ms."})
 
-      {{429, [{"retry-after", "#{retry_after}"} | used_headers(used)], body}, count(state, 429)}
+      {{429, [{"retry-after", "#{retry_after}"} | used_headers(state, used, now)], body},
+       count(state, 429)}
     else
       used = used + weight
       state = %{state | used: Map.put(state.used, ip, {window, used})}
-      {{200, used_headers(used), ~s({"ok":true,"usedWeight":#{used}})}, count(state, 200)}
+
+      {{200, used_headers(state, used, now), ~s({"ok":true,"usedWeight":#{used}})},
+       count(state, 200)}
     end
   end
 
-  defp used_headers(used), do: [{"x-used-weight", "#{used}"}, {"x-mbx-used-weight-1m", "#{used}"}]
+  defp used_headers(%{limit: limit, window_ms: window_ms}, used, now) do
+    left_ms = window_ms - rem(now, window_ms)
+
+    [
+      {"x-used-weight", "#{used}"},
+      {"x-mbx-used-weight-1m", "#{used}"},
+      {"x-ratelimit-limit", "#{limit}"},
+      {"x-ratelimit-remaining", "#{limit - used}"},
+      {"x-ratelimit-reset", :erlang.float_to_binary(left_ms / 1000, decimals: 3)}
+    ]
+  end
 
   defp count(state, 200), do: %{state | accepted: state.accepted + 1}
   defp count(state, 429), do: %{state | rejected: state.rejected + 1}

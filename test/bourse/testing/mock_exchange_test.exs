@@ -40,6 +40,10 @@ defmodule Bourse.Testing.MockExchangeTest do
         assert header(headers, "retry-after") == "1"
         assert header(headers, "x-used-weight") == "10"
         assert header(headers, "x-mbx-used-weight-1m") == "10"
+        assert header(headers, "x-ratelimit-limit") == "10"
+        assert header(headers, "x-ratelimit-remaining") == "0"
+        reset = String.to_float(header(headers, "x-ratelimit-reset"))
+        assert reset > 0 and reset <= 1
         assert header(headers, "content-type") == "application/json"
         assert body =~ ~s("code":-1003)
       end

@@ -1,0 +1,391 @@
+defmodule Bourse.RateLimiter.Feedback do
+  @moduledoc """
+  What an exchange's replies tell the limiter: the logic behind
+  `Bourse.RateLimiter.observe_response/5`, the one call an adapter makes after every
+  response.
+
+  ## 429 and 418
+
+  A 429 pauses every bucket of the credential (`{exchange_id, credential_key}`: every
+  axis) for every caller at once; a 418 (Binance's IP ban) pauses every bucket of the
+  whole exchange, every credential and `:public` included, since the ban is on the IP
+  that all of them share. The wait comes from `Retry-After`
+  (`Bourse.RateLimiter.RetryAfter`: floor 1 s, cap 300 s). When the header is missing
+  or unusable (`1e400`, `nan`, garbage), the wait is an exponential backoff of 1 s, 2 s,
+  4 s, ... (at most 300 s) per consecutive 429/418 without a usable `Retry-After` on that
+  credential; a 2xx on the credential starts the count again.
+
+  The answer is `{:error, %Bourse.Error{type: :rate_limit_exceeded, http_status: status,
+  retry_after: ms, exchange: exchange_id}}`, with `stop: true` when retrying is pointless:
+
+    * the server asks for more than the 300 s cap (a ban): the buckets are still paused
+      for the whole time asked, up to 3 days (Binance's longest IP ban), because any
+      request sent during a ban only extends it; `reset_exchange/2` lifts the pause;
+    * any 418: an IP ban calls for an alert, not a retry loop.
+
+  The backoff count lives in the bucket table itself, as the pending debt of the key
+  `{exchange_id, credential_key, "bourse:backoff"}`: every backend keeps it, every
+  program sharing a limiter daemon counts into the same credential, it survives a restart
+  of the limiter process exactly as buckets do, and `reset_exchange/2` clears it.
+
+  ## Used-weight headers
+
+  Headers that say how much of a counter the exchange has seen spent bring the bucket of
+  the matching axis, `{exchange_id, credential_key, axis}`, in line with it: its tokens
+  are lowered so that what it may still admit until the exchange's window ends fits the
+  allowance below. Tokens are never raised (what the exchange says is spent stays spent
+  here) and a key the limiter holds no definition for is left alone. Headers are read on
+  every reply, 429s included; names are case-insensitive.
+
+  | header | axis | exchange window |
+  | --- | --- | --- |
+  | `x-mbx-used-weight-1m` (Binance) | `"ip"` | 60 s, restarting each wall-clock minute |
+  | `x-sapi-used-ip-weight-1m` (Binance) | `"sapi_ip"` | 60 s, wall-clock |
+  | `x-sapi-used-uid-weight-1m` (Binance) | `"sapi_uid"` | 60 s, wall-clock |
+  | `x-mbx-order-count-10s` (Binance) | `"orders_10s"` | 10 s, wall-clock |
+  | `x-mbx-order-count-1d` (Binance) | `"orders_1d"` | 1 day, wall-clock (UTC) |
+  | `x-bapi-limit`, `x-bapi-limit-status`, `x-bapi-limit-reset-timestamp` (Bybit) | `"request"` | 1 s |
+  | `x-ratelimit-limit`, `x-ratelimit-remaining`, `x-ratelimit-reset` (generic) | `"request"` | unknown |
+
+  Binance's `x-mbx-used-weight` without an interval suffix is ignored: it names no window.
+
+  **Used counters** (Binance) give `used`, the cost the exchange counted in the current
+  window `W`, which restarts at wall-clock multiples of `W`. A bucket sized by
+  `Bourse.RateLimiter.Limits` (`capacity + refill_per_sec * W <= share * limit`) may spend
+  `B = capacity + refill_per_sec * W` per window, so it may still spend `B - used` until
+  the window ends in `W - rem(now, W)` ms. Its own requests are in `used` and already
+  gone from its tokens, so alone on the counter it is never lowered; what other programs
+  on the IP or account spent is taken off.
+
+  **Limit and remaining** (Bybit, generic) give `limit` and `remaining`, so
+  `used = limit - remaining`, and the allowance is `min(B, limit) - used`: never more
+  than `remaining`. When the exchange's window is unknown (the generic headers, by
+  default) `B` is taken as `limit` and the allowance is `remaining` itself; configure the
+  window to keep the same room for other programs as the Binance headers do. The time
+  left is `x-bapi-limit-reset-timestamp - now` (ms since the epoch; Bybit sends the
+  current time while not limited: the allowance then holds right now) or
+  `x-ratelimit-reset`: seconds until the reset (decimals allowed) or, from 1e9 up, the
+  reset time in seconds since the epoch; without a reset header the allowance holds
+  right now. The time left is capped at the window when known, else at one day.
+
+  ## Configuration
+
+  The axis and window of each header can be changed, and used counters added, in the
+  application environment. Keys are used-counter header names or the family names
+  `"x-bapi-limit"` and `"x-ratelimit"`; values are an axis, `{axis, window_ms}`
+  (`window_ms` may be `nil` for the families) or `nil` to ignore the header:
+
+      config :bourse, :header_axes, %{
+        "x-mbx-used-weight-1m" => "weight",
+        "x-ratelimit" => {"ip", 1_000},
+        "x-used-weight" => {"ip", 1_000}
+      }
+
+  A new used-counter header needs a window.
+  """
+
+  alias Bourse.{Error, RateLimiter}
+  alias Bourse.RateLimiter.RetryAfter
+
+  @backoff_axis "bourse:backoff"
+  @cap_ms 300_000
+  @max_ban_ms 3 * 86_400_000
+  @max_window_ms 86_400_000
+  # The core's bound on amounts; allowances beyond it mean nothing anyway.
+  @max_amount 1.0e12
+
+  @used_counters %{
+    "x-mbx-used-weight-1m" => {"ip", 60_000},
+    "x-sapi-used-ip-weight-1m" => {"sapi_ip", 60_000},
+    "x-sapi-used-uid-weight-1m" => {"sapi_uid", 60_000},
+    "x-mbx-order-count-10s" => {"orders_10s", 10_000},
+    "x-mbx-order-count-1d" => {"orders_1d", 86_400_000}
+  }
+
+  # limit, remaining and reset header names, and how to read the reset.
+  @families %{
+    "x-bapi-limit" =>
+      {"x-bapi-limit", "x-bapi-limit-status", "x-bapi-limit-reset-timestamp", :epoch_ms},
+    "x-ratelimit" =>
+      {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", :seconds_or_epoch}
+  }
+
+  @default_axes Map.merge(@used_counters, %{
+                  "x-bapi-limit" => {"request", 1_000},
+                  "x-ratelimit" => {"request", nil}
+                })
+
+  @doc "See `Bourse.RateLimiter.observe_response/5`."
+  @spec observe_response(
+          String.t(),
+          String.t() | :public,
+          100..599,
+          [{String.t() | charlist(), String.t() | charlist()}] | map(),
+          GenServer.name()
+        ) :: :ok | {:error, Error.t()}
+  def observe_response(exchange_id, credential_key, status, headers, name) do
+    with :ok <- check_credential(exchange_id, credential_key),
+         :ok <- check_status(status),
+         {:ok, axes} <- axes(),
+         {:ok, found} <- collect(headers, wanted(axes)),
+         :ok <- sync_all(exchange_id, credential_key, found, axes, name) do
+      react(exchange_id, credential_key, status, found, name)
+    end
+  end
+
+  defp check_credential(exchange_id, credential_key)
+       when is_binary(exchange_id) and (is_binary(credential_key) or credential_key == :public),
+       do: :ok
+
+  defp check_credential(exchange_id, _credential_key),
+    do:
+      invalid(
+        "exchange_id must be a binary and credential_key a binary or :public " <>
+          "(a credential is never shown), got exchange_id #{inspect(exchange_id)}"
+      )
+
+  defp check_status(status) when is_integer(status) and status in 100..599, do: :ok
+
+  defp check_status(status),
+    do: invalid("status must be an HTTP status code (100..599), got #{inspect(status)}")
+
+  ## 429, 418 and backoff
+
+  defp react(exchange_id, credential, status, found, name) when status in [429, 418] do
+    backoff_key = {exchange_id, credential, @backoff_axis}
+    target = if status == 418, do: exchange_id, else: {exchange_id, credential}
+
+    with {:ok, wait, why} <- wait(found["retry-after"], backoff_key, name),
+         :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
+      stop = why == :ban or status == 418
+
+      {:error,
+       Error.rate_limited(wait,
+         exchange: exchange_id,
+         http_status: status,
+         stop: stop,
+         message:
+           "#{exchange_id}: HTTP #{status}, #{describe(why, wait)}" <>
+             if(stop, do: "; stop: do not retry", else: "")
+       )}
+    end
+  end
+
+  defp react(exchange_id, credential, status, _found, name) when status in 200..299 do
+    backoff_key = {exchange_id, credential, @backoff_axis}
+
+    case RateLimiter.get_cost(backoff_key, nil, name) do
+      count when is_number(count) and count > 0 -> RateLimiter.reset(backoff_key, name)
+      count when is_number(count) -> :ok
+      error -> error
+    end
+  end
+
+  defp react(_exchange_id, _credential, _status, _found, _name), do: :ok
+
+  defp wait(retry_after, backoff_key, name) do
+    case RetryAfter.parse(retry_after, cap_ms: @cap_ms) do
+      {:ok, ms} -> {:ok, ms, :retry_after}
+      {:stop, ms} -> {:ok, ms, :ban}
+      :error -> backoff(backoff_key, name)
+    end
+  end
+
+  defp backoff(key, name) do
+    with count when is_number(count) <- RateLimiter.get_cost(key, nil, name),
+         :ok <- RateLimiter.record_request(key, 1, name) do
+      exponent = min(trunc(count), 20)
+      {:ok, min(1000 * Integer.pow(2, exponent), @cap_ms), :backoff}
+    end
+  end
+
+  defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
+  defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"
+  defp describe(:backoff, ms), do: "no usable Retry-After: backing off #{ms} ms"
+
+  ## Header sync
+
+  defp sync_all(exchange_id, credential, found, axes, name) do
+    Enum.reduce_while(axes, :ok, fn {header, {axis, window_ms}}, :ok ->
+      key = {exchange_id, credential, axis}
+
+      case sync_one(header, key, window_ms, found, name) do
+        {:error, %Error{}} = error -> {:halt, error}
+        _synced_or_skipped -> {:cont, :ok}
+      end
+    end)
+  end
+
+  defp sync_one(header, key, window_ms, found, name) do
+    case @families do
+      %{^header => {limit_name, remaining_name, reset_name, reset_kind}} ->
+        with {:ok, limit} when limit > 0 <- number(found[limit_name]),
+             {:ok, remaining} <- number(found[remaining_name]),
+             %{limit: %{capacity: capacity, refill_per_sec: refill}} <-
+               RateLimiter.inspect_key(key, name) do
+          budget = if window_ms, do: min(capacity + refill * window_ms / 1000, limit), else: limit
+          left = reset_left(found[reset_name], reset_kind, window_ms || @max_window_ms)
+          sync(key, budget - (limit - min(remaining, limit)), left, name)
+        end
+
+      _used_counter ->
+        with {:ok, used} <- number(found[header]),
+             %{limit: %{capacity: capacity, refill_per_sec: refill}} <-
+               RateLimiter.inspect_key(key, name) do
+          budget = capacity + refill * window_ms / 1000
+          left = window_ms - rem(System.os_time(:millisecond), window_ms)
+          sync(key, budget - used, left, name)
+        end
+    end
+  end
+
+  defp sync(key, allowance, left, name) do
+    allowance = allowance |> max(-@max_amount) |> min(@max_amount)
+    RateLimiter.sync(key, allowance, left, name)
+  end
+
+  defp reset_left(nil, _kind, _max), do: 0
+
+  defp reset_left(text, kind, max) do
+    now = System.os_time(:millisecond)
+
+    left =
+      case {number(text), kind} do
+        {{:ok, epoch_ms}, :epoch_ms} -> epoch_ms - now
+        {{:ok, seconds}, :seconds_or_epoch} when seconds >= 1.0e9 -> seconds * 1000 - now
+        {{:ok, seconds}, :seconds_or_epoch} -> seconds * 1000
+        _unusable -> 0
+      end
+
+    left |> round() |> max(0) |> min(max)
+  end
+
+  # Counts and times as exchanges send them: unsigned decimals of bounded length.
+  defp number(text) when is_binary(text) do
+    case Regex.run(~r/\A\s*(\d{1,15})(\.\d{1,9})?\s*\z/, text) do
+      [_, int] -> {:ok, String.to_integer(int)}
+      [_, int, frac] -> {:ok, String.to_float(int <> frac)}
+      nil -> :error
+    end
+  end
+
+  defp number(_missing), do: :error
+
+  ## Headers
+
+  defp axes do
+    case Application.get_env(:bourse, :header_axes) do
+      nil ->
+        {:ok, @default_axes}
+
+      overrides when is_map(overrides) ->
+        Enum.reduce_while(overrides, {:ok, @default_axes}, &axis/2)
+
+      other ->
+        invalid("config :bourse, :header_axes must be a map, got #{inspect(other)}")
+    end
+  end
+
+  defp axis({header, setting}, {:ok, axes}) when is_binary(header) do
+    header = String.downcase(header)
+    known = Map.get(@default_axes, header)
+
+    case {setting, known} do
+      {nil, _} ->
+        {:cont, {:ok, Map.delete(axes, header)}}
+
+      {axis, {_, window}} when is_binary(axis) ->
+        {:cont, {:ok, Map.put(axes, header, {axis, window})}}
+
+      {{axis, window}, _} when is_binary(axis) and is_integer(window) and window > 0 ->
+        {:cont, {:ok, Map.put(axes, header, {axis, window})}}
+
+      {{axis, nil}, _} when is_binary(axis) and is_map_key(@families, header) ->
+        {:cont, {:ok, Map.put(axes, header, {axis, nil})}}
+
+      _ ->
+        {:halt, bad_axis(header, setting)}
+    end
+  end
+
+  defp axis({header, setting}, _acc), do: {:halt, bad_axis(header, setting)}
+
+  defp bad_axis(header, setting) do
+    invalid(
+      "config :bourse, :header_axes: #{inspect(header)} => #{inspect(setting)} is not " <>
+        "an axis, {axis, window_ms} or nil (a new used-counter header needs a window)"
+    )
+  end
+
+  # The lower-case header names the axes read.
+  defp wanted(axes) do
+    Enum.reduce(axes, MapSet.new(["retry-after"]), fn
+      {header, _}, names ->
+        case @families do
+          %{^header => {limit, remaining, reset, _}} ->
+            Enum.into([limit, remaining, reset], names)
+
+          _ ->
+            MapSet.put(names, header)
+        end
+    end)
+  end
+
+  # `%{lower-case name => first value}` of the wanted headers.
+  defp collect(headers, wanted) when is_map(headers),
+    do: pairs(Map.to_list(headers), wanted, %{})
+
+  defp collect(headers, wanted) when is_list(headers), do: pairs(headers, wanted, %{})
+
+  defp collect(headers, _wanted),
+    do: invalid("headers must be a list of {name, value} or a map, got #{inspect(headers)}")
+
+  defp pairs([], _wanted, found), do: {:ok, found}
+
+  defp pairs([{name, value} = header | rest], wanted, found) do
+    with {:ok, name} <- text(name),
+         {:ok, value} <- value(value) do
+      name = String.downcase(name)
+
+      if value && MapSet.member?(wanted, name),
+        do: pairs(rest, wanted, Map.put_new(found, name, value)),
+        else: pairs(rest, wanted, found)
+    else
+      :error -> bad_header(header)
+    end
+  end
+
+  defp pairs([other | _rest], _wanted, _found), do: bad_header(other)
+  defp pairs(_improper, _wanted, _found), do: invalid("headers must be a proper list")
+
+  defp bad_header(header),
+    do: invalid("headers must be {name, value} binaries or charlists, got #{inspect(header)}")
+
+  # A value, or a list of values (the first counts); charlists as :httpc returns them.
+  defp value([]), do: {:ok, nil}
+
+  defp value([first | rest]) when is_binary(first) or is_list(first) do
+    if texts?(rest), do: text(first), else: :error
+  end
+
+  defp value(value), do: text(value)
+
+  defp texts?([]), do: true
+  defp texts?([value | rest]) when is_binary(value) or is_list(value), do: texts?(rest)
+  defp texts?(_other), do: false
+
+  defp text(text) when is_binary(text), do: {:ok, String.trim(text)}
+
+  defp text(chars) when is_list(chars) do
+    case :unicode.characters_to_binary(chars) do
+      text when is_binary(text) -> {:ok, String.trim(text)}
+      _ -> :error
+    end
+  rescue
+    ArgumentError -> :error
+  end
+
+  defp text(_other), do: :error
+
+  defp invalid(message), do: {:error, Error.invalid(message)}
+end

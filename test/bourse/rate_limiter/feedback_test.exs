@@ -1,0 +1,300 @@
+defmodule Bourse.RateLimiter.FeedbackTest do
+  # observe_response/5 through the public API, with the default header-to-axis table
+  # (tests that change it are in FeedbackConfigTest, which does not run concurrently).
+  use ExUnit.Case, async: true
+
+  alias Bourse.{Error, RateLimiter}
+
+  @binance %{capacity: 480, refill_per_sec: 72}
+  @slow %{capacity: 5, refill_per_sec: 1}
+
+  setup do
+    name = :"feedback_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name})
+    %{name: name}
+  end
+
+  defp observe(status, headers, name, credential \\ "k"),
+    do: RateLimiter.observe_response("binance", credential, status, headers, name)
+
+  defp tokens(key, name), do: RateLimiter.inspect_key(key, name).tokens
+
+  defp window_left(window_ms), do: window_ms - rem(System.os_time(:millisecond), window_ms)
+
+  defp assert_invalid(answer),
+    do: assert({:error, %Error{type: :invalid_parameters, message: "" <> _}} = answer)
+
+  defp assert_paused(key, name, range) do
+    assert {:delay, ms} = RateLimiter.check_rate(key, @slow, 1, name)
+    assert ms in range, "#{inspect(key)} paused for #{ms} ms, expected #{inspect(range)}"
+    ms
+  end
+
+  describe "used-weight headers" do
+    test "x-mbx-used-weight-1m: what the bucket may admit until the minute ends fits B - used",
+         %{name: name} do
+      key = {"binance", "k", "ip"}
+      assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
+      # B = 480 + 72 * 60 = 4800 per minute: 1200 more may go before the minute ends.
+      assert :ok = observe(200, [{"x-mbx-used-weight-1m", "3600"}], name)
+      left = window_left(60_000)
+      assert_in_delta tokens(key, name), min(479, 1200 - 72 * left / 1000), 72 * 0.2
+    end
+
+    test "alone on the counter, the bucket is not lowered; tokens are never raised",
+         %{name: name} do
+      key = {"binance", "k", "ip"}
+      assert :ok = RateLimiter.check_rate(key, @binance, 100, name)
+      before = tokens(key, name)
+      # 100 spent by this bucket, all the exchange saw: nothing to take.
+      assert :ok = observe(200, [{"x-mbx-used-weight-1m", "100"}], name)
+      assert_in_delta tokens(key, name), before, 72 * 0.2
+
+      RateLimiter.record_request(key, 400, name)
+      drained = tokens(key, name)
+      assert :ok = observe(200, [{"x-mbx-used-weight-1m", "0"}], name)
+      assert tokens(key, name) < drained + 72 * 0.2
+    end
+
+    test "names are case-insensitive; names and values may be charlists; maps of values",
+         %{name: name} do
+      for {headers, axis} <- [
+            {[{~c"X-MBX-USED-WEIGHT-1M", ~c"9999999"}], "ip"},
+            {%{"X-Sapi-Used-Ip-Weight-1m" => ["9999999", "0"]}, "sapi_ip"},
+            {%{"x-sapi-used-uid-weight-1m" => ~c" 9999999 "}, "sapi_uid"},
+            {[{"x-mbx-order-count-10s", "9999999"}], "orders_10s"},
+            {[{"x-mbx-order-count-1d", "9999999"}], "orders_1d"}
+          ] do
+        key = {"binance", "k", axis}
+        assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
+        assert :ok = observe(200, headers, name)
+        # At or above B nothing more may go before the window ends.
+        assert tokens(key, name) <= 0, "#{axis}: #{tokens(key, name)}"
+      end
+    end
+
+    test "x-mbx-used-weight without an interval, unknown keys and garbage are ignored",
+         %{name: name} do
+      key = {"binance", "k", "ip"}
+      assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
+      before = tokens(key, name)
+
+      for value <- ["-5", "1e400", "nan", "", "12abc", String.duplicate("9", 40)] do
+        assert :ok = observe(200, [{"x-mbx-used-weight-1m", value}], name)
+      end
+
+      assert :ok = observe(200, [{"x-mbx-used-weight", "6000"}], name)
+      assert tokens(key, name) >= before
+
+      # No definition for the axis: left alone, nothing created.
+      assert :ok = observe(200, [{"x-mbx-used-weight-1m", "6000"}], name, "other")
+      assert RateLimiter.inspect_key({"binance", "other", "ip"}, name) == nil
+    end
+
+    test "Bybit: limit and remaining, with a 1 s window; reset timestamp in ms", %{name: name} do
+      key = {"binance", "k", "request"}
+      limit = %{capacity: 5, refill_per_sec: 5}
+      assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+      now = System.os_time(:millisecond)
+
+      # Not limited: the reset timestamp is now, so the allowance holds now.
+      # B = min(5 + 5 * 1, 10) = 10; used = 10 - 7 = 3: 7 tokens (capped at 5) stay.
+      headers = [
+        {"X-Bapi-Limit", "10"},
+        {"X-Bapi-Limit-Status", "7"},
+        {"X-Bapi-Limit-Reset-Timestamp", "#{now}"}
+      ]
+
+      assert :ok = observe(200, headers, name)
+      assert tokens(key, name) > 3.9
+
+      # 2 remaining: 2 tokens.
+      headers = List.keyreplace(headers, "X-Bapi-Limit-Status", 0, {"x-bapi-limit-status", "2"})
+      assert :ok = observe(200, headers, name)
+      assert_in_delta tokens(key, name), 2, 0.2
+
+      # Limited for 400 ms more, nothing remaining: 0 left at the reset, so -2 tokens now.
+      headers = [
+        {"x-bapi-limit", "10"},
+        {"x-bapi-limit-status", "0"},
+        {"x-bapi-limit-reset-timestamp", "#{System.os_time(:millisecond) + 400}"}
+      ]
+
+      assert :ok = observe(200, headers, name)
+      assert_in_delta tokens(key, name), -2, 0.2
+    end
+
+    test "generic x-ratelimit-*: the window is unknown, so the allowance is the remaining count",
+         %{name: name} do
+      key = {"binance", "k", "request"}
+      limit = %{capacity: 50, refill_per_sec: 10}
+
+      for {reset, expected} <- [
+            {"2", 10..10},
+            {"2.000", 10..10},
+            # Epoch seconds: the reset is 1 to 2 s away.
+            {"#{System.os_time(:second) + 2}", 10..20}
+          ] do
+        assert :ok = RateLimiter.reset(key, name)
+        assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+
+        headers = [
+          {"x-ratelimit-limit", "100"},
+          {"x-ratelimit-remaining", "30"},
+          {"x-ratelimit-reset", reset}
+        ]
+
+        assert :ok = observe(200, headers, name)
+        # 30 until the reset, up to 20 of them from the refill.
+        tokens = tokens(key, name)
+        assert tokens >= expected.first - 0.3 and tokens <= expected.last + 0.3, reset
+      end
+
+      # Without a reset header the allowance holds now.
+      assert :ok = RateLimiter.reset(key, name)
+      assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+      headers = [{"x-ratelimit-limit", "100"}, {"x-ratelimit-remaining", "20"}]
+      assert :ok = observe(200, headers, name)
+      assert_in_delta tokens(key, name), 20, 0.2
+    end
+  end
+
+  describe "429 and 418" do
+    test "a 429 pauses every axis of the credential, for every caller, per Retry-After",
+         %{name: name} do
+      assert {:error, %Error{} = error} = observe(429, [{"Retry-After", "2"}], name)
+
+      assert %Error{
+               type: :rate_limit_exceeded,
+               http_status: 429,
+               retry_after: 2000,
+               exchange: "binance",
+               stop: false
+             } = error
+
+      task =
+        Task.async(fn ->
+          for key <- [{"binance", "k"}, {"binance", "k", "ip"}, {"binance", "k", "orders_10s"}],
+              do: assert_paused(key, name, 1500..2000)
+        end)
+
+      Task.await(task)
+
+      for key <- [{"binance", "k2"}, {"binance", :public, "ip"}, {"bybit", "k"}],
+          do: assert(:ok = RateLimiter.check_rate(key, @slow, 1, name))
+    end
+
+    test "a 418 (IP ban) pauses every credential of the exchange and says stop",
+         %{name: name} do
+      assert {:error, %Error{http_status: 418, retry_after: 120_000, stop: true}} =
+               observe(418, [{"retry-after", "120"}], name)
+
+      for key <- [{"binance", "k"}, {"binance", "k2", "ip"}, {"binance", :public, "ip"}],
+          do: assert_paused(key, name, 100_000..120_000)
+
+      assert :ok = RateLimiter.check_rate({"bybit", "k"}, @slow, 1, name)
+    end
+
+    test "a wait above the 300 s cap: stop, and the pause lasts the whole time asked",
+         %{name: name} do
+      assert {:error, %Error{http_status: 429, retry_after: 86_400_000, stop: true}} =
+               observe(429, [{"retry-after", "86400"}], name)
+
+      assert_paused({"binance", "k", "ip"}, name, 86_000_000..86_400_000)
+      # The operator can lift it.
+      assert :ok = RateLimiter.reset_exchange("binance", name)
+      assert :ok = RateLimiter.check_rate({"binance", "k", "ip"}, @slow, 1, name)
+    end
+
+    test "Retry-After: floors, dates, and unusable values that fall back to the backoff",
+         %{name: name} do
+      past = "Wed, 21 Oct 2015 07:28:00 -0000"
+
+      for value <- ["1e-400", "0", "-5", past] do
+        assert {:error, %Error{retry_after: 1000}} = observe(429, [{"retry-after", value}], name)
+      end
+
+      soon =
+        DateTime.utc_now()
+        |> DateTime.add(10, :second)
+        |> Calendar.strftime("%a, %d %b %Y %H:%M:%S GMT")
+
+      assert {:error, %Error{retry_after: ms}} = observe(429, [{"retry-after", soon}], name)
+      assert ms in 8_000..10_000
+
+      # Each unusable value is one more step of the backoff.
+      for {value, ms} <- [{"1e400", 1000}, {"nan", 2000}, {"soon", 4000}] do
+        assert {:error, %Error{retry_after: ^ms, stop: false}} =
+                 observe(429, [{"retry-after", value}], name)
+      end
+    end
+
+    test "backoff 1 s, 2 s, 4 s ... per consecutive 429 without Retry-After; a 2xx resets it",
+         %{name: name} do
+      for ms <- [1000, 2000, 4000, 8000] do
+        assert {:error, %Error{retry_after: ^ms}} = observe(429, [], name)
+      end
+
+      # Per credential; a 429 with a usable Retry-After neither counts nor resets.
+      assert {:error, %Error{retry_after: 1000}} = observe(429, [], name, "k2")
+      assert {:error, %Error{retry_after: 3000}} = observe(429, [{"retry-after", "3"}], name)
+      assert {:error, %Error{retry_after: 16_000}} = observe(429, %{}, name)
+
+      # Other statuses leave it alone; a 2xx starts again.
+      assert :ok = observe(503, [], name)
+      assert {:error, %Error{retry_after: 32_000}} = observe(429, [], name)
+      assert :ok = observe(204, [], name)
+      assert {:error, %Error{retry_after: 1000}} = observe(429, [], name)
+
+      # At most the 300 s cap.
+      for _ <- 1..12, do: observe(429, [], name, "k3")
+      assert {:error, %Error{retry_after: 300_000, stop: false}} = observe(429, [], name, "k3")
+    end
+
+    test "overlapping pauses keep the later end", %{name: name} do
+      assert {:error, _} = observe(429, [{"retry-after", "5"}], name)
+      assert {:error, %Error{retry_after: 1000}} = observe(429, [{"retry-after", "1"}], name)
+      assert_paused({"binance", "k", "ip"}, name, 4000..5000)
+    end
+
+    test "other statuses answer :ok and pause nothing", %{name: name} do
+      for status <- [200, 201, 301, 400, 401, 403, 404, 500, 503] do
+        assert :ok = observe(status, [{"retry-after", "60"}], name)
+      end
+
+      assert :ok = RateLimiter.check_rate({"binance", "k"}, @slow, 1, name)
+    end
+  end
+
+  test "bad arguments are invalid_parameters, and touch nothing", %{name: name} do
+    ok_headers = [{"retry-after", "5"}]
+
+    for {exchange, credential} <- [{:binance, "k"}, {"binance", 1}, {"binance", nil}, {nil, "k"}] do
+      assert_invalid(RateLimiter.observe_response(exchange, credential, 429, ok_headers, name))
+    end
+
+    for status <- [99, 600, "429", 429.0, nil, -1] do
+      assert_invalid(observe(status, ok_headers, name))
+    end
+
+    for headers <- [
+          :none,
+          "retry-after: 5",
+          [{"retry-after", 5}],
+          [{:"retry-after", "5"}],
+          [{"retry-after", "5", "x"}],
+          ["retry-after"],
+          [{"retry-after", "5"} | :tail],
+          [{"retry-after", ["5" | :tail]}],
+          [{"retry-after", [1 | 2]}],
+          [{"retry-after", [-1]}],
+          %{"retry-after" => 5},
+          %{"retry-after" => ["5", 5]}
+        ] do
+      assert_invalid(observe(429, headers, name))
+    end
+
+    assert :ok = RateLimiter.check_rate({"binance", "k"}, @slow, 5, name)
+    assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
+  end
+end
