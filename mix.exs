@@ -20,7 +20,8 @@ defmodule Bourse.MixProject do
   end
 
   def application do
-    [extra_applications: [:logger, :inets]]
+    # :jiffy (Debian's erlang-jiffy) encodes the JSON of the port and daemon backends.
+    [extra_applications: [:logger, :inets, jiffy: :optional]]
   end
 
   defp elixirc_paths(:test), do: ["lib", "test/support"]

@@ -8,6 +8,9 @@ defmodule Bourse.Error do
       * `:invalid_parameters` – a malformed key, limit, cost or option; nothing was paid;
       * `:rate_limit_exceeded` – the wait would exceed the caller's budget, or the
         exchange answered 429/418; `:retry_after` says when to come back.
+      * `:unavailable` – the limiter's bucket table could not be reached (the port
+        process died, the shared daemon is down or did not answer in time); nothing is
+        known to be paid: do not send the request now, try again shortly.
     * `:message` – a human-readable explanation naming what is wrong.
     * `:exchange` – the exchange id (`"binance"`), when known.
     * `:retry_after` – milliseconds to wait before trying again, when known.
@@ -26,7 +29,7 @@ defmodule Bourse.Error do
       raise Bourse.Error.invalid("cost must be a finite number >= 0")
   """
 
-  @type type :: :invalid_parameters | :rate_limit_exceeded | atom()
+  @type type :: :invalid_parameters | :rate_limit_exceeded | :unavailable | atom()
 
   @type t :: %__MODULE__{
           type: type(),
@@ -43,6 +46,11 @@ defmodule Bourse.Error do
   @spec invalid(String.t()) :: t()
   def invalid(message) when is_binary(message),
     do: %__MODULE__{type: :invalid_parameters, message: message}
+
+  @doc "An `:unavailable` error: the bucket table could not be reached, for the reason given."
+  @spec unavailable(String.t()) :: t()
+  def unavailable(message) when is_binary(message),
+    do: %__MODULE__{type: :unavailable, message: message}
 
   @doc """
   A `:rate_limit_exceeded` error asking to retry after `retry_after_ms` milliseconds.
@@ -79,5 +87,6 @@ defmodule Bourse.Error do
 
   defp describe(:rate_limit_exceeded), do: "rate limit exceeded"
   defp describe(:invalid_parameters), do: "invalid parameters"
+  defp describe(:unavailable), do: "rate limiter unavailable"
   defp describe(type), do: inspect(type)
 end

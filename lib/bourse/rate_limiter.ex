@@ -82,7 +82,7 @@ defmodule Bourse.RateLimiter do
 
   @type error :: {:error, Error.t()}
 
-  @backends %{nif: Backend.NIF}
+  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon}
 
   ## Checks
 
@@ -270,7 +270,13 @@ defmodule Bourse.RateLimiter do
   Options:
 
     * `:name` – a `GenServer.name()`, default `Bourse.RateLimiter`;
-    * `:backend` – `:nif` (default: the table lives in this VM);
+    * `:backend` – where the buckets live:
+      * `:nif` (default) – in this VM, behind a NIF;
+      * `:port` – in a `bourse_daemon` process run as an Erlang port
+        (`Bourse.RateLimiter.Backend.Port`);
+      * `{:daemon, address}` or `{:daemon, address, opts}` – in a `bourse_daemon` server
+        shared with other OS processes and programs, at `"127.0.0.1:PORT"` or
+        `{:unix, path}` (`Bourse.RateLimiter.Backend.Daemon`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time
@@ -325,7 +331,7 @@ defmodule Bourse.RateLimiter do
   defp config(opts) do
     with true <- Keyword.keyword?(opts) || {:error, "options must be a keyword list"},
          {:ok, name} <- name_option(Keyword.get(opts, :name, @default)),
-         {:ok, backend} <- backend_option(Keyword.get(opts, :backend, :nif)),
+         {:ok, backend, backend_opts} <- backend_option(Keyword.get(opts, :backend, :nif)),
          {:ok, busy} <- boolean_option(opts, :assume_busy_at_start, false),
          {:ok, slack} <-
            integer_option(opts, :booking_slack_ms, Bourse.Defaults.booking_slack_ms(), 0),
@@ -334,6 +340,7 @@ defmodule Bourse.RateLimiter do
        %{
          name: name,
          backend: backend,
+         backend_opts: backend_opts,
          assume_busy_at_start: busy,
          booking_slack_ms: slack,
          sweep_interval_ms: sweep
@@ -352,14 +359,22 @@ defmodule Bourse.RateLimiter do
       {:error,
        "name must be an atom, {:global, term} or {:via, module, term}, got #{inspect(other)}"}
 
+  defp backend_option({:daemon, address}), do: backend_option({:daemon, address, []})
+
+  defp backend_option({:daemon, address, opts}) do
+    with {:ok, daemon_opts} <- @backends.daemon.options(address, opts),
+         do: {:ok, @backends.daemon, daemon_opts}
+  end
+
   defp backend_option(backend) do
     case @backends do
-      %{^backend => module} ->
-        {:ok, module}
+      %{^backend => module} when backend != :daemon ->
+        {:ok, module, []}
 
       _ ->
         {:error,
-         "unknown backend #{inspect(backend)}; expected one of #{inspect(Map.keys(@backends))}"}
+         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address} " <>
+           "or {:daemon, address, opts}"}
     end
   end
 

@@ -26,6 +26,12 @@ defmodule Bourse.ErrorTest do
     assert Exception.message(Error.rate_limited(5, message: "slow down")) == "slow down"
   end
 
+  test "unavailable/1 builds an :unavailable error carrying its message" do
+    error = Error.unavailable("bourse_daemon at 127.0.0.1:7878 is down")
+    assert %Error{type: :unavailable, message: "bourse_daemon at 127.0.0.1:7878 is down"} = error
+    assert Exception.message(%Error{type: :unavailable}) == "rate limiter unavailable"
+  end
+
   test "the exception can be raised with keyword fields" do
     assert_raise Error, "invalid parameters", fn -> raise Error, type: :invalid_parameters end
   end

@@ -1,0 +1,411 @@
+defmodule Bourse.RateLimiter.Backend.Connection do
+  @moduledoc """
+  The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
+  `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
+
+  Callers encode their request (with an `id`) in their own process and call this one; it
+  writes the request and moves on, so the requests of many callers are pipelined on the
+  one stream. Each answer is matched to its caller by `id` and replied to when it comes.
+
+  When the stream breaks, every caller waiting gets
+  `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
+  stream is back; a caller waits at most its timeout, never longer:
+
+    * a port is reopened at once, with `--assume-busy-at-start` (SPEC P6: the new table
+      admits no more than a fresh limiter that assumed every bucket busy at start);
+    * a socket is reconnected with backoff (#{50} ms, doubling up to #{2_000} ms).
+
+  The process is linked to its limiter. It stops with the limiter; when the limiter
+  crashes, it keeps serving for a grace period until the restarted limiter adopts it
+  (`attach/3` with the previous handle), so the port's table survives a crash of the
+  limiter process as the NIF table does.
+  """
+
+  use GenServer
+
+  require Logger
+
+  alias Bourse.Error
+
+  @enforce_keys [:pid, :owner_prefix, :timeout]
+  defstruct @enforce_keys
+
+  @typedoc """
+  A limiter's handle: the connection process, the prefix that makes booking owners
+  unique among every client of the daemon, and how long a caller waits for an answer.
+  """
+  @type t :: %__MODULE__{pid: pid(), owner_prefix: String.t(), timeout: pos_integer()}
+
+  @typedoc "What to connect to: the daemon binary with its arguments, or a server address."
+  @type target ::
+          {:port, Path.t(), [String.t()]}
+          | {:socket, {:tcp, :inet.ip_address() | charlist(), :inet.port_number()}}
+          | {:socket, {:unix, Path.t()}}
+
+  @protocol_version 1
+  @handshake_timeout 5_000
+  @first_backoff_ms 50
+  @max_backoff_ms 2_000
+  @orphan_grace_ms 5_000
+
+  @doc """
+  Returns a handle on a connection to `target` for the calling limiter process: the
+  `previous` handle if its connection is alive and connected to the same target (it is
+  adopted: linked to the caller), else a new connection.
+
+  Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`, and
+  `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
+  always when it replaces a previous one).
+  """
+  @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
+  def attach(%__MODULE__{pid: pid} = previous, target, opts) do
+    if adopt(pid, target) == :ok,
+      do: {:ok, previous},
+      else: attach(nil, target, Keyword.put(opts, :assume_busy_at_start, true))
+  end
+
+  def attach(nil, target, opts) do
+    init_arg = {target, self(), Keyword.get(opts, :assume_busy_at_start, false)}
+
+    with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
+      {:ok,
+       %__MODULE__{
+         pid: pid,
+         owner_prefix: Keyword.get(opts, :owner_prefix, ""),
+         timeout: Keyword.fetch!(opts, :timeout)
+       }}
+    end
+  end
+
+  defp adopt(pid, target) do
+    GenServer.call(pid, {:adopt, self(), target})
+  catch
+    :exit, _ -> :gone
+  end
+
+  @doc """
+  Sends one request (a map for `:jiffy`) and returns the daemon's answer, decoded, or
+  `{:error, message}` for a request too large for the daemon, or
+  `{:error, %Bourse.Error{type: :unavailable}}`.
+  """
+  @spec request(t(), map()) :: map() | {:error, String.t() | Error.t()}
+  def request(%__MODULE__{pid: pid, timeout: timeout}, request) do
+    id = System.unique_integer([:positive])
+    payload = :jiffy.encode(Map.put(request, :id, id))
+
+    try do
+      GenServer.call(pid, {:request, id, payload}, timeout)
+    catch
+      :exit, {:timeout, _} ->
+        {:error, Error.unavailable("bourse_daemon did not answer within #{timeout} ms")}
+
+      :exit, _ ->
+        {:error, Error.unavailable("the connection to bourse_daemon is gone")}
+    end
+  end
+
+  @doc "The booking owner the daemon knows `pid` by."
+  @spec owner(t(), pid()) :: String.t()
+  def owner(%__MODULE__{owner_prefix: prefix}, pid),
+    do: prefix <> List.to_string(:erlang.pid_to_list(pid))
+
+  ## The process
+
+  @impl true
+  def init({target, limiter, assume_busy}) do
+    Process.flag(:trap_exit, true)
+
+    state = %{
+      target: target,
+      assume_busy: assume_busy,
+      stream: nil,
+      max_frame_bytes: 0,
+      in_flight: %{},
+      partial: [],
+      down_reason: "not connected yet",
+      backoff_ms: @first_backoff_ms,
+      connected_before: false,
+      limiter: limiter,
+      orphan_timer: nil
+    }
+
+    case open(state) do
+      {:ok, state} ->
+        Process.link(limiter)
+        {:ok, state}
+
+      # A port that cannot start is a configuration error; a daemon may come up later.
+      {:error, reason} when elem(target, 0) == :port ->
+        {:stop, reason}
+
+      {:error, reason} ->
+        Logger.warning("#{describe(target)}: #{reason}; retrying")
+        Process.link(limiter)
+        {:ok, reopen_later(%{state | down_reason: reason})}
+    end
+  end
+
+  @impl true
+  def handle_call({:request, _id, _payload}, _from, %{stream: nil} = state) do
+    {:reply, {:error, unavailable(state)}, state}
+  end
+
+  def handle_call({:request, id, payload}, from, state) do
+    size = IO.iodata_length(payload)
+
+    if size > state.max_frame_bytes do
+      {:reply,
+       {:error,
+        "the request is #{size} bytes encoded, more than the daemon accepts " <>
+          "(#{state.max_frame_bytes}, its --max-frame-bytes)"}, state}
+    else
+      case transmit(state, payload) do
+        :ok -> {:noreply, put_in(state.in_flight[id], from)}
+        # The stream's own close or exit message follows and sets the state.
+        {:error, reason} -> {:reply, {:error, unavailable(state, inspect(reason))}, state}
+      end
+    end
+  end
+
+  def handle_call({:adopt, limiter, target}, _from, %{target: target} = state) do
+    Process.link(limiter)
+    if state.orphan_timer, do: Process.cancel_timer(state.orphan_timer)
+    {:reply, :ok, %{state | limiter: limiter, orphan_timer: nil}}
+  end
+
+  def handle_call({:adopt, _limiter, _target}, _from, %{limiter: nil} = state) do
+    {:stop, :normal, :other_target, state}
+  end
+
+  def handle_call({:adopt, _limiter, _target}, _from, state),
+    do: {:reply, :other_target, state}
+
+  @impl true
+  def handle_info({stream, {:data, frame}}, %{stream: stream} = state) do
+    answered(state, frame)
+  end
+
+  def handle_info({:tcp, stream, line}, %{stream: stream} = state) do
+    # A line longer than the socket's buffer arrives in pieces; only the last ends in \n.
+    cond do
+      :binary.last(line) != ?\n -> {:noreply, %{state | partial: [state.partial | line]}}
+      state.partial == [] -> answered(state, line)
+      true -> answered(%{state | partial: []}, IO.iodata_to_binary([state.partial | line]))
+    end
+  end
+
+  # A port is reopened at once; a socket after its backoff.
+  def handle_info({stream, {:exit_status, status}}, %{stream: stream} = state) do
+    {:noreply, reopen(broken(state, "the port process exited with status #{status}"))}
+  end
+
+  def handle_info({:EXIT, stream, reason}, %{target: {:port, _, _}, stream: stream} = state) do
+    {:noreply, reopen(broken(state, "the port closed (#{inspect(reason)})"))}
+  end
+
+  def handle_info({:tcp_closed, stream}, %{stream: stream} = state) do
+    {:noreply, reopen_later(broken(state, "the daemon closed the connection"))}
+  end
+
+  def handle_info({:tcp_error, stream, reason}, %{stream: stream} = state) do
+    :gen_tcp.close(stream)
+    {:noreply, reopen_later(broken(state, "connection error #{inspect(reason)}"))}
+  end
+
+  def handle_info({:EXIT, limiter, reason}, %{limiter: limiter} = state) do
+    case reason do
+      shutdown when shutdown in [:normal, :shutdown] -> {:stop, shutdown, state}
+      {:shutdown, _} -> {:stop, reason, state}
+      _crash -> {:noreply, orphaned(state)}
+    end
+  end
+
+  def handle_info(:reopen, %{stream: nil} = state), do: {:noreply, reopen(state)}
+  def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
+  # Exits of ports already replaced, stale timers, messages of closed sockets.
+  def handle_info(_message, state), do: {:noreply, state}
+
+  defp orphaned(state) do
+    timer = Process.send_after(self(), :orphaned, @orphan_grace_ms)
+    %{state | limiter: nil, orphan_timer: timer}
+  end
+
+  defp answered(state, frame) do
+    case decode(frame) do
+      {:ok, %{"id" => id} = answer} when is_map_key(state.in_flight, id) ->
+        {from, in_flight} = Map.pop(state.in_flight, id)
+        GenServer.reply(from, answer)
+        {:noreply, %{state | in_flight: in_flight}}
+
+      {:ok, answer} ->
+        # An answer to a caller that timed out already, or an error without an id.
+        Logger.debug("#{describe(state.target)}: unmatched answer #{inspect(answer)}")
+        {:noreply, state}
+
+      :error ->
+        close(state)
+        reason = "the daemon sent something that is not protocol #{@protocol_version} JSON"
+        {:noreply, reopen_later(broken(state, reason))}
+    end
+  end
+
+  defp decode(frame) do
+    case :jiffy.decode(frame, [:return_maps, {:null_term, nil}]) do
+      %{} = answer -> {:ok, answer}
+      _ -> :error
+    end
+  catch
+    _, _ -> :error
+  end
+
+  # Fails every caller in flight; the stream is gone.
+  defp broken(state, reason) do
+    state = %{state | stream: nil, partial: [], down_reason: reason}
+    error = {:error, unavailable(state)}
+    Enum.each(state.in_flight, fn {_id, from} -> GenServer.reply(from, error) end)
+    Logger.warning("#{describe(state.target)}: #{reason}")
+    %{state | in_flight: %{}}
+  end
+
+  defp unavailable(state, detail \\ nil) do
+    Error.unavailable("#{describe(state.target)} is unavailable: #{detail || state.down_reason}")
+  end
+
+  defp reopen(state) do
+    case open(state) do
+      {:ok, state} -> state
+      {:error, reason} -> reopen_later(%{state | down_reason: reason})
+    end
+  end
+
+  # Tries again after the backoff, which doubles for the next time.
+  defp reopen_later(state) do
+    Process.send_after(self(), :reopen, state.backoff_ms)
+    %{state | backoff_ms: min(state.backoff_ms * 2, @max_backoff_ms)}
+  end
+
+  ## Transports
+
+  defp open(%{target: {:port, executable, args}} = state) do
+    flags = if state.assume_busy, do: ["--assume-busy-at-start" | args], else: args
+
+    port =
+      Port.open({:spawn_executable, executable}, [
+        {:packet, 4},
+        :binary,
+        :exit_status,
+        :use_stdio,
+        args: flags
+      ])
+
+    with {:ok, hello} <- port_handshake(port) do
+      {:ok, connected(state, port, hello)}
+    end
+  rescue
+    error -> {:error, "cannot start #{executable}: #{Exception.message(error)}"}
+  end
+
+  defp open(%{target: {:socket, address}} = state) do
+    with {:ok, socket} <- connect(address),
+         {:ok, hello} <- socket_handshake(socket) do
+      if state.connected_before and hello["assume_busy_at_start"] == false do
+        Logger.warning(
+          "#{describe(state.target)}: reconnected to a daemon started without " <>
+            "--assume-busy-at-start; if it restarted, its buckets started full while the " <>
+            "exchange still counts the previous run"
+        )
+      end
+
+      {:ok, connected(state, socket, hello)}
+    end
+  end
+
+  # From now on a port is restarted with --assume-busy-at-start: its table would be new.
+  defp connected(state, stream, hello) do
+    if state.connected_before, do: Logger.info("#{describe(state.target)}: connected again")
+
+    %{
+      state
+      | stream: stream,
+        max_frame_bytes: hello["max_frame_bytes"],
+        backoff_ms: @first_backoff_ms,
+        connected_before: true,
+        assume_busy: true
+    }
+  end
+
+  defp connect({:tcp, host, port}) do
+    opts = [:binary, packet: :line, active: false, nodelay: true] ++ socket_opts()
+    tagged(:gen_tcp.connect(host, port, opts, @handshake_timeout), "cannot connect")
+  end
+
+  defp connect({:unix, path}) do
+    opts = [:binary, packet: :line, active: false] ++ socket_opts()
+    tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
+  end
+
+  defp socket_opts, do: [buffer: 64 * 1024, send_timeout: @handshake_timeout]
+
+  defp socket_handshake(socket) do
+    with :ok <- tagged(:gen_tcp.send(socket, [hello_request(), ?\n]), "cannot send"),
+         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
+         {:ok, hello} <- hello(line),
+         :ok <- :inet.setopts(socket, active: true) do
+      {:ok, hello}
+    else
+      error ->
+        :gen_tcp.close(socket)
+        error
+    end
+  end
+
+  defp port_handshake(port) do
+    Port.command(port, hello_request())
+
+    receive do
+      {^port, {:data, frame}} -> hello(frame)
+      {^port, {:exit_status, status}} -> {:error, "it exited with status #{status}"}
+    after
+      @handshake_timeout ->
+        Port.close(port)
+        {:error, "no hello within #{@handshake_timeout} ms"}
+    end
+  end
+
+  defp hello_request, do: :jiffy.encode(%{op: "hello", id: 0})
+
+  defp hello(frame) do
+    case decode(frame) do
+      {:ok, %{"protocol" => @protocol_version, "max_frame_bytes" => max} = hello}
+      when is_integer(max) ->
+        {:ok, hello}
+
+      _ ->
+        {:error, "not a bourse_daemon speaking protocol #{@protocol_version}: #{inspect(frame)}"}
+    end
+  end
+
+  # (A socket is a port too: tell them apart by the target.)
+  defp transmit(%{target: {:port, _, _}, stream: port}, payload) do
+    Port.command(port, payload)
+    :ok
+  rescue
+    ArgumentError -> {:error, :closed}
+  end
+
+  defp transmit(%{stream: socket}, payload), do: :gen_tcp.send(socket, [payload, ?\n])
+
+  defp close(%{target: {:port, _, _}, stream: port}), do: Port.close(port)
+  defp close(%{stream: socket}), do: :gen_tcp.close(socket)
+
+  defp tagged({:error, reason}, what), do: {:error, "#{what}: #{:inet.format_error(reason)}"}
+  defp tagged(ok, _what), do: ok
+
+  defp describe({:port, executable, _args}), do: "bourse_daemon port (#{executable})"
+  defp describe({:socket, {:unix, path}}), do: "bourse_daemon at unix:#{path}"
+
+  defp describe({:socket, {:tcp, host, port}}) when is_tuple(host),
+    do: "bourse_daemon at #{:inet.ntoa(host)}:#{port}"
+
+  defp describe({:socket, {:tcp, host, port}}), do: "bourse_daemon at #{host}:#{port}"
+end

@@ -1,0 +1,169 @@
+defmodule Bourse.RateLimiter.Backend.Daemon do
+  @moduledoc """
+  `backend: {:daemon, address}`: the buckets live in a shared `bourse_daemon` server, one
+  limiter for every OS process, BEAM node and program (Python, ...) on the host that
+  connects to it.
+
+      bourse_daemon --listen 127.0.0.1:7878 --assume-busy-at-start
+
+      {Bourse.RateLimiter, name: MyApp.Limiter, backend: {:daemon, "127.0.0.1:7878"}}
+      {Bourse.RateLimiter, name: MyApp.Limiter, backend: {:daemon, {:unix, "/run/bourse.sock"}}}
+
+  `address` is `"IP:PORT"` (`"127.0.0.1:7878"`, `"[::1]:7878"`, `"localhost:7878"`),
+  `{ip_tuple, port}` or `{:unix, path}`. The protocol has no authentication, so only
+  loopback addresses and Unix sockets are accepted unless the backend is given as
+  `{:daemon, address, allow_remote: true}` (then host names are accepted too). Another
+  option of that form: `timeout: ms`, how long a call waits for its answer (default
+  #{5_000}).
+
+  One connection per limiter carries the requests of every calling process, pipelined
+  (newline-delimited JSON, see `Bourse.RateLimiter.Backend.Protocol`); each calling
+  process owns its own bookings, distinct from those of every other client of the daemon.
+
+  ## When the daemon is down or restarts
+
+  Calls made while the connection is down, and calls in flight when it breaks, answer
+  `{:error, %Bourse.Error{type: :unavailable}}` at once: nothing is admitted without the
+  shared table, and nothing hangs (a call waits at most its timeout). The connection is
+  retried with backoff (50 ms doubling to 2 s) and calls work again as soon as it is back.
+  If the daemon is not up when the limiter starts, the limiter starts anyway and connects
+  when it can.
+
+  A restarted daemon starts with an empty table while the exchange still counts what was
+  spent before. Run it with `--assume-busy-at-start` (under a supervisor such as systemd):
+  its buckets then start as if they had been empty at start, so a restart never hands out
+  a fresh burst. A limiter that reconnects to a daemon running without that flag logs a
+  warning.
+
+  The daemon's own command line sets booking slack, sweeps and `--assume-busy-at-start`;
+  the limiter's options of those names do not apply to it.
+  """
+
+  use Bourse.RateLimiter.Backend.Protocol
+
+  alias Bourse.RateLimiter.Backend.Connection
+
+  @default_timeout 5_000
+
+  @typedoc "Where the daemon listens."
+  @type address ::
+          String.t() | {:inet.ip_address(), :inet.port_number()} | {:unix, Path.t()}
+
+  @impl true
+  def attach(previous, opts) do
+    daemon = Keyword.fetch!(opts, :backend_opts)
+
+    Connection.attach(previous, {:socket, daemon[:address]},
+      timeout: daemon[:timeout],
+      owner_prefix: owner_prefix()
+    )
+  end
+
+  # Pids are only unique within one VM: the prefix tells this VM's apart from every other
+  # client's (the OS pid, and random bytes for other hosts and reused OS pids).
+  defp owner_prefix do
+    "#{System.pid()}.#{Base.url_encode64(:rand.bytes(6))}"
+  end
+
+  @doc """
+  Checks a daemon address and the options of `{:daemon, address, opts}`; returns what
+  `attach/2` expects in `:backend_opts`, or `{:error, message}`.
+  """
+  @spec options(term(), term()) :: {:ok, keyword()} | {:error, String.t()}
+  def options(address, opts) do
+    with :ok <- known_options(opts),
+         {:ok, allow_remote} <- allow_remote(opts),
+         {:ok, timeout} <- timeout(opts),
+         {:ok, address} <- address(address, allow_remote) do
+      {:ok, address: address, timeout: timeout}
+    end
+  end
+
+  defp known_options(opts) do
+    cond do
+      not Keyword.keyword?(opts) ->
+        {:error, "daemon options must be a keyword list, got #{inspect(opts)}"}
+
+      Keyword.keys(opts) -- [:allow_remote, :timeout] != [] ->
+        {:error,
+         "unknown daemon options #{inspect(Keyword.keys(opts) -- [:allow_remote, :timeout])}"}
+
+      true ->
+        :ok
+    end
+  end
+
+  defp allow_remote(opts) do
+    case Keyword.get(opts, :allow_remote, false) do
+      allow when is_boolean(allow) -> {:ok, allow}
+      other -> {:error, "allow_remote must be a boolean, got #{inspect(other)}"}
+    end
+  end
+
+  defp timeout(opts) do
+    case Keyword.get(opts, :timeout, @default_timeout) do
+      ms when is_integer(ms) and ms > 0 -> {:ok, ms}
+      other -> {:error, "daemon timeout must be a positive integer (ms), got #{inspect(other)}"}
+    end
+  end
+
+  defp address({:unix, path}, _allow_remote) when is_binary(path) and path != "" do
+    if String.contains?(path, <<0>>),
+      do: {:error, "a Unix socket path cannot contain NUL bytes"},
+      else: {:ok, {:unix, path}}
+  end
+
+  defp address({ip, port}, allow_remote) when is_tuple(ip) and is_integer(port) do
+    with :ok <- port_number(port), do: host(ip, port, allow_remote)
+  end
+
+  defp address(address, allow_remote) when is_binary(address) do
+    with [host, port] <- split_host_port(address),
+         {port, ""} <- Integer.parse(port),
+         :ok <- port_number(port) do
+      case :inet.parse_strict_address(String.to_charlist(host)) do
+        {:ok, ip} -> host(ip, port, allow_remote)
+        {:error, _} when host == "localhost" -> {:ok, {:tcp, {127, 0, 0, 1}, port}}
+        {:error, _} when allow_remote -> {:ok, {:tcp, String.to_charlist(host), port}}
+        {:error, _} -> {:error, remote(address)}
+      end
+    else
+      {:error, _} = error -> error
+      _ -> {:error, bad_address(address)}
+    end
+  end
+
+  defp address(other, _allow_remote), do: {:error, bad_address(other)}
+
+  defp split_host_port(address) do
+    case Regex.run(~r/\A(?:\[([^\]]+)\]|([^:\[\]]+)):(\d+)\z/, address) do
+      [_, "", host, port] -> [host, port]
+      [_, host, "", port] -> [host, port]
+      _ -> :error
+    end
+  end
+
+  defp host(ip, port, allow_remote) do
+    cond do
+      not :inet.is_ip_address(ip) -> {:error, bad_address({ip, port})}
+      allow_remote or loopback?(ip) -> {:ok, {:tcp, ip, port}}
+      true -> {:error, remote(:inet.ntoa(ip))}
+    end
+  end
+
+  defp loopback?({127, _, _, _}), do: true
+  defp loopback?({0, 0, 0, 0, 0, 0, 0, 1}), do: true
+  defp loopback?(_ip), do: false
+
+  defp port_number(port) when port in 1..65_535, do: :ok
+  defp port_number(port), do: {:error, "daemon port must be 1..65535, got #{inspect(port)}"}
+
+  defp bad_address(address) do
+    "daemon address must be \"IP:PORT\", {ip, port} or {:unix, path}, got #{inspect(address)}"
+  end
+
+  defp remote(address) do
+    "daemon address #{address} is not loopback: the protocol has no authentication; " <>
+      "use {:daemon, address, allow_remote: true} on a trusted network"
+  end
+end

@@ -1,0 +1,63 @@
+defmodule Bourse.RateLimiter.Backend.Port do
+  @moduledoc """
+  `backend: :port`: the bucket table lives in a `bourse_daemon --stdio` process that the
+  limiter runs as an Erlang port (`{:packet, 4}` frames of JSON, see
+  `Bourse.RateLimiter.Backend.Protocol`). A crash in native code there cannot take the VM
+  down.
+
+  The port is owned by a `Bourse.RateLimiter.Backend.Connection` process linked to the
+  limiter. Callers encode their checks in their own process; the connection pipelines the
+  requests of every caller on the port and replies to each when its answer comes back.
+  Each calling process owns its own bookings.
+
+  If the daemon dies (even `kill -9`), callers in flight get
+  `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with
+  `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
+  assumed every bucket busy at start (SPEC P6). If the limiter process crashes, the port
+  lives on and the restarted limiter takes it over: spent tokens stay spent.
+
+  The limiter's `:assume_busy_at_start`, `:booking_slack_ms` and `:sweep_interval_ms`
+  become the daemon's command-line options.
+  """
+
+  use Bourse.RateLimiter.Backend.Protocol
+
+  alias Bourse.RateLimiter.Backend.Connection
+
+  # Every request the limiter accepts fits (1024 checks of long, escaped keys).
+  @max_frame_bytes 64 * 1024 * 1024
+  @timeout 5_000
+
+  @impl true
+  def attach(previous, opts) do
+    executable = executable()
+
+    if File.exists?(executable) do
+      args = [
+        "--stdio",
+        "--booking-slack-ms",
+        Integer.to_string(opts[:booking_slack_ms]),
+        "--sweep-interval-ms",
+        Integer.to_string(opts[:sweep_interval_ms]),
+        "--max-frame-bytes",
+        Integer.to_string(@max_frame_bytes)
+      ]
+
+      Connection.attach(previous, {:port, executable, args},
+        timeout: @timeout,
+        assume_busy_at_start: opts[:assume_busy_at_start]
+      )
+    else
+      {:error, "bourse_daemon not found at #{executable}: run mix compile"}
+    end
+  end
+
+  @doc "The path of the `bourse_daemon` binary in `:bourse`'s `priv/native`."
+  @spec executable() :: Path.t()
+  def executable do
+    case :code.priv_dir(:bourse) do
+      {:error, _} -> Path.expand("priv/native/bourse_daemon")
+      dir -> Path.join(List.to_string(dir), "native/bourse_daemon")
+    end
+  end
+end

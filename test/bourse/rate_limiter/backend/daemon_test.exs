@@ -1,0 +1,202 @@
+defmodule Bourse.RateLimiter.Backend.DaemonTest do
+  # What only the daemon backend has: an address, a server that can go away and come back.
+  use ExUnit.Case, async: true
+
+  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
+  import ExUnit.CaptureLog
+
+  alias Bourse.DaemonServer
+  alias Bourse.Error
+  alias Bourse.RateLimiter
+  alias Bourse.RateLimiter.Backend.Daemon
+
+  @moduletag :capture_log
+
+  @limit %{capacity: 10, refill_per_sec: 1}
+  @fast %{capacity: 5, refill_per_sec: 1_000}
+
+  defp start_daemon(args) do
+    daemon = DaemonServer.start(args)
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    daemon
+  end
+
+  defp start_limiter(backend) do
+    name = :"daemon_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
+    name
+  end
+
+  defp unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
+
+  describe "addresses" do
+    test "loopback addresses and Unix sockets; others only when allowed" do
+      for {address, parsed} <- [
+            {"127.0.0.1:7878", {:tcp, {127, 0, 0, 1}, 7878}},
+            {"127.1.2.3:1", {:tcp, {127, 1, 2, 3}, 1}},
+            {"[::1]:7878", {:tcp, {0, 0, 0, 0, 0, 0, 0, 1}, 7878}},
+            {"localhost:65535", {:tcp, {127, 0, 0, 1}, 65_535}},
+            {{{127, 0, 0, 1}, 7878}, {:tcp, {127, 0, 0, 1}, 7878}},
+            {{:unix, "/run/bourse.sock"}, {:unix, "/run/bourse.sock"}}
+          ] do
+        assert {:ok, address: ^parsed, timeout: 5_000} = Daemon.options(address, [])
+      end
+
+      for address <- ["10.0.0.1:7878", "[::]:7878", "0.0.0.0:7878", "example.com:7878"] do
+        assert {:error, message} = Daemon.options(address, [])
+        assert message =~ "allow_remote: true"
+
+        assert {:ok, address: {:tcp, _, 7878}, timeout: 100} =
+                 Daemon.options(address, allow_remote: true, timeout: 100)
+      end
+
+      for address <- [
+            "127.0.0.1",
+            "127.0.0.1:0",
+            "127.0.0.1:65536",
+            "127.0.0.1:x",
+            ":7878",
+            "[::1:7878",
+            {:unix, ""},
+            {:unix, "a\0b"},
+            {:unix, ~c"/tmp/s"},
+            {{127, 0, 0}, 1},
+            7878,
+            nil
+          ] do
+        assert {:error, _message} = Daemon.options(address, []), inspect(address)
+      end
+    end
+
+    test "start_link refuses a bad daemon backend with :invalid_parameters" do
+      for backend <- [
+            :daemon,
+            {:daemon},
+            {:daemon, "10.1.2.3:7878"},
+            {:daemon, "127.0.0.1:0"},
+            {:daemon, "127.0.0.1:7878", bogus: 1},
+            {:daemon, "127.0.0.1:7878", timeout: 0},
+            {:daemon, "127.0.0.1:7878", allow_remote: :yes},
+            {:daemon, "127.0.0.1:7878", [:timeout]},
+            {:daemon, "127.0.0.1:7878", [], :extra}
+          ] do
+        assert {:error, %Error{type: :invalid_parameters, message: message}} =
+                 RateLimiter.start_link(name: :never_started, backend: backend),
+               inspect(backend)
+
+        assert is_binary(message)
+      end
+    end
+  end
+
+  test "a Unix socket" do
+    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    daemon = start_daemon(["--socket", path])
+    name = start_limiter({:daemon, {:unix, daemon.unix}})
+
+    for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name))
+    assert {:delay, _} = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+  end
+
+  test "the daemon restarts: :unavailable meanwhile, then the limiter reconnects, and a drained key stays drained" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp})
+    drained = {"ex", "drained"}
+    for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate(drained, @limit, 1, name))
+
+    DaemonServer.kill(daemon)
+    killed_at = now_ms()
+    assert unavailable?(RateLimiter.check_rate(drained, @limit, 1, name))
+    assert unavailable?(RateLimiter.wait_for_capacity(drained, @limit, 1, name))
+
+    start_daemon(["--listen", daemon.tcp, "--assume-busy-at-start"])
+
+    eventually(fn -> RateLimiter.check_rate({"ex", "fresh"}, @fast, 1, name) == :ok end)
+
+    admitted =
+      Enum.count(1..10, fn _ -> RateLimiter.check_rate(drained, @limit, 1, name) == :ok end)
+
+    elapsed_s = (now_ms() - killed_at) / 1000
+
+    assert admitted <= 1 + @limit.refill_per_sec * elapsed_s,
+           "#{admitted} admitted after a restart"
+  end
+
+  test "a reconnect to a daemon without --assume-busy-at-start logs a warning" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+    DaemonServer.kill(daemon)
+
+    log =
+      capture_log(fn ->
+        start_daemon(["--listen", daemon.tcp])
+        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+      end)
+
+    assert log =~ "without --assume-busy-at-start"
+  end
+
+  test "started before its daemon: :unavailable until the daemon is up, then it connects" do
+    # A free port: where a daemon listened a moment ago.
+    address =
+      start_daemon(["--listen", "127.0.0.1:0"]) |> tap(&DaemonServer.stop/1) |> Map.fetch!(:tcp)
+
+    name = start_limiter({:daemon, address})
+
+    assert {:error, %Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    assert message =~ "bourse_daemon at #{address} is unavailable"
+
+    start_daemon(["--listen", address])
+    eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end, 10_000)
+  end
+
+  test "a daemon that stops answering: calls end as :unavailable after the timeout, never hang" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 300})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    DaemonServer.signal(daemon, "STOP")
+
+    callers =
+      for _ <- 1..4,
+          do: Task.async(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) end)
+
+    for answer <- Task.await_many(callers, 10_000) do
+      assert {:error, %Error{type: :unavailable, message: message}} = answer
+      assert message =~ "did not answer within 300 ms"
+    end
+
+    DaemonServer.signal(daemon, "CONT")
+    eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+  end
+
+  test "a request over the daemon's frame limit is refused before it is sent; the connection goes on" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0", "--max-frame-bytes", "1024"])
+    name = start_limiter({:daemon, daemon.tcp})
+    checks = for i <- 1..50, do: {{"ex", "k#{i}"}, @limit, 1}
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.check_rates(checks, name)
+
+    assert message =~ "--max-frame-bytes"
+    assert :ok = RateLimiter.check_rates(Enum.take(checks, 3), name)
+  end
+
+  test "bookings belong to the process on its connection: another client's same pid claims nothing" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    {a, b} = {start_limiter({:daemon, daemon.tcp}), start_limiter({:daemon, daemon.tcp})}
+    limit = %{capacity: 1, refill_per_sec: 10}
+    checks = [{{"ex", "k"}, limit, 1}]
+
+    assert :ok = RateLimiter.check_rates(checks, a)
+    assert {:delay, ms} = RateLimiter.check_rates(checks, a, max_wait_ms: 1_000)
+    Process.sleep(ms)
+
+    # Through b this process is another client (as a process of another VM would be).
+    assert {:delay, _} = RateLimiter.check_rates(checks, b)
+    assert :ok = RateLimiter.check_rates(checks, a)
+  end
+end

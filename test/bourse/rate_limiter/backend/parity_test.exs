@@ -1,0 +1,173 @@
+defmodule Bourse.RateLimiter.Backend.ParityTest do
+  # Every callback of Bourse.RateLimiter.Backend answers the same on the three backends:
+  # the same shapes, the same outcomes, `{:error, message}` for the same malformed input.
+  use ExUnit.Case, async: true
+
+  alias Bourse.DaemonServer
+  alias Bourse.RateLimiter.Backend
+
+  @still %{capacity: 2, refill_per_sec: 0.001}
+  @table_opts [assume_busy_at_start: false, booking_slack_ms: 250, sweep_interval_ms: 1_000]
+
+  setup_all do
+    daemon = DaemonServer.start(["--listen", "127.0.0.1:0"])
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    {:ok, daemon_opts} = Backend.Daemon.options(daemon.tcp, [])
+    %{daemon_opts: daemon_opts}
+  end
+
+  setup %{daemon_opts: daemon_opts} do
+    backends =
+      for {backend, opts} <- [
+            {Backend.NIF, @table_opts},
+            {Backend.Port, @table_opts},
+            {Backend.Daemon, [backend_opts: daemon_opts]}
+          ] do
+        {:ok, handle} = backend.attach(nil, opts)
+        {backend, handle}
+      end
+
+    %{backends: backends}
+  end
+
+  test "the same calls get the same answers", %{backends: backends} do
+    answers =
+      for {backend, handle} <- backends do
+        # The daemon is one table for the whole module: start from nothing.
+        :ok = backend.reset_all(handle)
+
+        {backend,
+         for {label, callback, args} <- script() do
+           {label, callback |> answer(backend, handle, args) |> normalise()}
+         end}
+      end
+
+    [{_nif, expected} | others] = answers
+    assert length(others) == 2 and length(expected) > 70
+
+    for {backend, got} <- others, {{label, want}, {label, answer}} <- Enum.zip(expected, got) do
+      assert answer == want,
+             "#{inspect(backend)}, #{label}: #{inspect(answer)}, NIF: #{inspect(want)}"
+    end
+  end
+
+  # `{label, callback, args}`, run in order on one table (`handle` comes first).
+  defp script do
+    me = self()
+    k = {"ex", "k"}
+    other = %{capacity: 3, refill_per_sec: 0.001}
+
+    [
+      {"probe 1", :check_one, [me, k, @still, 1, nil]},
+      {"probe 2", :check_one,
+       [me, {"ex", "k", "request"}, %{requests: 2, period: 2.0e6}, 1, nil]},
+      {"probe refused", :check_one, [me, k, @still, 1, nil]},
+      {"over budget", :check_one, [me, k, @still, 1, 10]},
+      {"booked", :check_one, [me, k, @still, 1, 10_000_000]},
+      {"claim early", :check_one, [me, k, @still, 1, nil]},
+      {"no limit", :check_one, [me, k, nil, 5, nil]},
+      {"public pool", :check_one, [me, {"ex", :public, "ip"}, @still, 2, nil]},
+      {"over capacity", :check_one, [me, {"ex", "big"}, @still, 5, nil]},
+      {"many: empty", :check_many, [me, [], nil]},
+      {"many: coalesced", :check_many,
+       [me, [{{"m", "a"}, @still, 1}, {{"m", "a"}, @still, 1}], nil]},
+      {"many: all or none", :check_many,
+       [me, [{{"m", "b"}, @still, 1}, {{"m", "a"}, @still, 1}], nil]},
+      {"many: nil dropped", :check_many, [me, [{{"m", "c"}, nil, 1}], 5]},
+      {"many: conflict", :check_many,
+       [me, [{{"m", "d"}, @still, 1}, {{"m", "d"}, other, 1}], nil]},
+      {"record", :record, [{"ex", "debt"}, 3]},
+      {"borrowed: debt only", :borrowed, [{"ex", "debt"}]},
+      {"borrowed", :borrowed, [{"m", "a"}]},
+      {"borrowed: unknown", :borrowed, [{"ex", "unknown"}]},
+      {"sync", :sync, [{"ex", "big"}, 0.5, 0]},
+      {"sync: unknown", :sync, [{"ex", "unknown"}, 0.5, 1_000]},
+      {"inspect", :inspect, [k]},
+      {"inspect: debt only", :inspect, [{"ex", "debt"}]},
+      {"inspect: unknown", :inspect, [{"ex", "unknown"}]},
+      {"pause exchange", :pause, ["paused", 1_000_000]},
+      {"pause credential", :pause, [{"held", :public}, 1_000_000]},
+      {"pause key", :pause, [{"held", "k", "ip"}, 1_000_000]},
+      {"paused", :check_one, [me, {"paused", "k"}, @still, 1, nil]},
+      {"paused: public pool", :check_one, [me, {"held", :public, "x"}, @still, 1, nil]},
+      {"paused: key", :check_one, [me, {"held", "k", "ip"}, @still, 1, nil]},
+      {"not paused", :check_one, [me, {"held", "k", "uid"}, @still, 1, nil]},
+      {"busiest", :busiest, [2]},
+      {"stats", :stats, []},
+      {"sweep", :sweep, []},
+      {"reset", :reset, [k]},
+      {"reset: unknown", :reset, [{"ex", "unknown"}]},
+      {"after reset", :borrowed, [k]},
+      {"reset_exchange", :reset_exchange, ["m"]},
+      {"after reset_exchange", :borrowed, [{"m", "b"}]},
+      {"reset_all", :reset_all, []},
+      {"after reset_all", :borrowed, [{"ex", "debt"}]}
+    ] ++ malformed(me)
+  end
+
+  defp malformed(me) do
+    good = {{"ex", "k"}, @still, 1}
+
+    for {callback, args} <- [
+          check_one: [me, "binance", @still, 1, nil],
+          check_one: [me, {:binance, "k"}, @still, 1, nil],
+          check_one: [me, {"ex", :private}, @still, 1, nil],
+          check_one: [me, {"ex", "k", :ip}, @still, 1, nil],
+          check_one: [me, {"ex", String.duplicate("x", 1025)}, @still, 1, nil],
+          check_one: [me, {"ex", "k"}, %{capacity: -1, refill_per_sec: 1}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{capacity: 1, refill_per_sec: 0}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{capacity: 1.0e308, refill_per_sec: 1}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{requests: 10, period: 0}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{capacity: 1}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{capacity: 1, requests: 1}, 1, nil],
+          check_one: [me, {"ex", "k"}, %{"capacity" => 1, "refill_per_sec" => 1}, 1, nil],
+          check_one: [me, {"ex", "k"}, %URI{}, 1, nil],
+          check_one: [me, {"ex", "k"}, @still, -1, nil],
+          check_one: [me, {"ex", "k"}, @still, "1", nil],
+          check_one: [me, {"ex", "k"}, @still, 10 ** 30, nil],
+          check_one: [me, {"ex", "k"}, nil, -1, nil],
+          check_many: [me, [good, {{"ex", "k"}, @still}], nil],
+          check_many: [me, [good, {{"ex", "k"}, nil, -1}], nil],
+          check_many: [me, List.duplicate(good, 1025), nil],
+          check_many: [me, %{}, nil],
+          record: [{"ex", "k"}, -0.5],
+          record: [{"ex", 1}, 1],
+          borrowed: [{"ex"}],
+          sync: [{"ex", "k"}, :x, 0],
+          sync: [{"ex", "k"}, 1.0e13, 0],
+          sync: [{"ex", "k"}, 1, -1],
+          sync: [{"ex", "k"}, 1, 1.5],
+          reset: [{1, 2}],
+          reset_exchange: [:ex],
+          pause: [:ex, 10],
+          pause: [{"ex", "k", "ip", "x"}, 10],
+          pause: ["ex", -1],
+          pause: ["ex", 1.5],
+          inspect: [{"ex", "k", nil}]
+        ] do
+      {"malformed #{callback} #{inspect(args, limit: 3, printable_limit: 20)}", callback, args}
+    end
+  end
+
+  # Counters differ (only the daemon counts what it refuses itself): compare their names.
+  defp answer(:stats, backend, handle, []), do: backend.stats(handle) |> Map.keys() |> Enum.sort()
+  defp answer(:sweep, backend, handle, []), do: is_integer(backend.sweep(handle))
+  defp answer(callback, backend, handle, args), do: apply(backend, callback, [handle | args])
+
+  # Messages differ by backend; waits are compared in whole seconds, numbers to 0.001.
+  defp normalise({:error, message}) when is_binary(message), do: {:error, :message}
+
+  defp normalise({wait, ms}) when wait in [:delay, :booked, :over_budget],
+    do: {wait, round(ms / 1000)}
+
+  defp normalise(number) when is_number(number), do: Float.round(number / 1, 3)
+  defp normalise(list) when is_list(list), do: Enum.map(list, &normalise/1)
+  defp normalise({key, %{} = info}), do: {key, normalise(info)}
+  defp normalise(%{} = map), do: Map.new(map, fn {key, value} -> {key, field(key, value)} end)
+  defp normalise(other), do: other
+
+  defp field(key, ms) when key in [:next_ready_ms, :pause_ms] and is_integer(ms),
+    do: round(ms / 1000)
+
+  defp field(_key, value), do: normalise(value)
+end

@@ -1,0 +1,95 @@
+defmodule Bourse.RateLimiter.Backend.PortTest do
+  # What only the port backend has: a daemon OS process that can die under the limiter.
+  use ExUnit.Case, async: true
+
+  import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
+
+  alias Bourse.Error
+  alias Bourse.RateLimiter
+
+  @moduletag :capture_log
+
+  setup do
+    name = :"port_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name, backend: :port})
+    # The handle the limiter keeps for its callers: the port's connection.
+    handle = elem(:persistent_term.get({RateLimiter, name}), 1)
+    %{name: name, handle: handle}
+  end
+
+  defp os_pid(handle) do
+    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    Integer.to_string(os_pid)
+  end
+
+  defp in_flight(handle), do: map_size(:sys.get_state(handle.pid).in_flight)
+
+  defp kill(signal, os_pid), do: {_, 0} = System.cmd("kill", ["-#{signal}", os_pid])
+
+  test "kill -9 of the daemon: callers in flight get :unavailable, then a replacement that assumes every bucket busy",
+       %{name: name, handle: handle} do
+    limit = %{capacity: 10, refill_per_sec: 1}
+    drained = {"ex", "drained"}
+    for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate(drained, limit, 1, name))
+    old = os_pid(handle)
+
+    # Callers hammering all along, and callers certainly in flight: the daemon is stopped
+    # while they call, then killed.
+    deadline = now_ms() + 1_500
+
+    hammers =
+      for i <- 1..8, do: Task.async(fn -> hammer({"ex", "h#{i}"}, limit, name, deadline, []) end)
+
+    kill("STOP", old)
+
+    stuck =
+      for i <- 1..16 do
+        Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, limit, 1, name) end)
+      end
+
+    eventually(fn -> in_flight(handle) >= 16 end)
+    killed_at = now_ms()
+    kill("KILL", old)
+
+    for answer <- Task.await_many(stuck, 10_000) do
+      assert {:error, %Error{type: :unavailable, message: message}} = answer
+      assert message =~ "exited with status 137"
+    end
+
+    for answers <- Task.await_many(hammers, 30_000), answer <- answers do
+      assert match?(:ok, answer) or match?({:delay, _}, answer) or
+               match?({:error, %Error{type: :unavailable}}, answer),
+             "unexpected answer #{inspect(answer)}"
+    end
+
+    # A new daemon serves, and the limiter process never noticed.
+    assert os_pid(handle) != old
+    assert :ok = RateLimiter.check_rate({"ex", "new"}, %{requests: 1_000, period: 1}, 1, name)
+
+    # The drained key is not handed a fresh full bucket: the new table assumed it busy.
+    admitted =
+      Enum.count(1..10, fn _ -> RateLimiter.check_rate(drained, limit, 1, name) == :ok end)
+
+    elapsed_s = (now_ms() - killed_at) / 1000
+    assert admitted <= 1 + limit.refill_per_sec * elapsed_s, "#{admitted} admitted after a crash"
+  end
+
+  test "the largest request the limiter accepts fits in one frame", %{name: name} do
+    # 1024 checks of three 1024-byte key parts that JSON must escape (\u0001: six bytes each).
+    part = String.duplicate("\u0001", 1024)
+    limit = %{capacity: 1.0e6, refill_per_sec: 1}
+    checks = for i <- 1..1024, do: {{part, part, "#{i}" <> String.slice(part, 0, 1000)}, limit, 1}
+
+    assert :ok = RateLimiter.check_rates(checks, name)
+
+    assert {:error, %Error{type: :invalid_parameters}} =
+             RateLimiter.check_rates([hd(checks) | checks], name)
+  end
+
+  defp hammer(key, limit, name, deadline, answers) do
+    if now_ms() >= deadline,
+      do: answers,
+      else:
+        hammer(key, limit, name, deadline, [RateLimiter.check_rate(key, limit, 1, name) | answers])
+  end
+end
