@@ -6,13 +6,14 @@
 # the public API of Bourse.RateLimiter only. Exits 1 if a correctly sized configuration
 # drew a 429.
 
-for file <- ["table.ex", "client.ex"], do: Code.require_file(file, Path.join(__DIR__, "support"))
+for file <- ["table.ex", "client.ex", "os_processes.ex"],
+    do: Code.require_file(file, Path.join(__DIR__, "support"))
 
 defmodule Demo do
   alias Bourse.RateLimiter
   alias Bourse.RateLimiter.Limits
   alias Bourse.Testing.MockExchange
-  alias Demo.{Client, Table}
+  alias Demo.{Client, OSProcesses, Table}
 
   @doc "Runs every experiment, prints the tables and a summary, and halts."
   def main do
@@ -72,36 +73,59 @@ defmodule Demo do
     IO.puts("""
     ## 2. Four workers, 10 requests each, buckets of 2 plus 7/s
     A 429 pauses the worker's bucket for Retry-After and the request is retried (up to
-    3 times), as the seed report's `call` does; every 429 is counted.
+    3 times), as the seed report's `call` does; every 429 is counted. First as processes
+    of this VM, then as OS processes of their own (elixir worker VMs), each with its own
+    NIF table, or all connected to one bourse_daemon.
     """)
 
+    {daemon, address} = OSProcesses.start_daemon()
+    # The worker VMs boot while the runs in this VM go on.
+    own_vms = for _ <- 1..4, do: OSProcesses.start_worker(mock.url, 10, ["nif"])
+    daemon_vms = for _ <- 1..4, do: OSProcesses.start_worker(mock.url, 10, ["daemon", address])
     own = for i <- 1..4, do: start_limiter(:"Demo.Worker#{i}")
     shared = List.duplicate(start_limiter(Demo.Shared), 4)
 
-    runs = [
-      {"one limiter per worker (one VM)", own, "5 to 12"},
-      {"one shared limiter (one VM)", shared, "0"}
-    ]
+    in_vm =
+      for {run, label, limiters} <- [
+            {:own_vm, "one limiter per worker, one VM", own},
+            {:shared_vm, "one shared limiter, one VM", shared}
+          ],
+          do: run_workers(run, label, fn -> four_workers(mock, limiters, label) end)
 
-    rows =
-      for {label, limiters, seed} <- runs do
-        IO.write("  #{label} ... ")
-        Client.sleep_until_window_start()
-        {rejected, ms} = Client.timed(fn -> four_workers(mock, limiters, label) end)
-        IO.puts("#{rejected} × 429 in #{Table.seconds(ms)}")
-        [label, rejected, Table.seconds(ms), seed]
-      end
+    IO.write("  (waiting for the 8 worker VMs to be ready) ... ")
+    OSProcesses.await_ready(own_vms ++ daemon_vms)
+    IO.puts("ready")
 
+    cross =
+      for {run, label, vms} <- [
+            {:own_os, "one limiter per worker, 4 OS processes", own_vms},
+            {:shared_daemon, "one shared bourse_daemon, 4 OS processes", daemon_vms}
+          ],
+          do: run_workers(run, label, fn -> OSProcesses.run(vms) end)
+
+    OSProcesses.stop_daemon(daemon)
+    results = in_vm ++ cross
+    seed = %{own_vm: "5 to 12", own_os: "5 to 12", shared_vm: "0", shared_daemon: "0"}
     IO.puts("")
 
     Table.print(
       ["Workers' buckets", "HTTP 429 (of 40 + retries)", "Wall time", "Seed report"],
-      rows
+      for(
+        {run, label, rejected, ms} <- results,
+        do: [label, rejected, Table.seconds(ms), seed[run]]
+      )
     )
 
     IO.puts("")
-    [[_, own_rejected | _], [_, shared_rejected | _]] = rows
-    %{own_buckets: own_rejected, shared_bucket: shared_rejected}
+    %{workers: Map.new(results, fn {run, _, rejected, _} -> {run, rejected} end)}
+  end
+
+  defp run_workers(run, label, fun) do
+    IO.write("  #{label} ... ")
+    Client.sleep_until_window_start()
+    {rejected, ms} = Client.timed(fun)
+    IO.puts("#{rejected} × 429 in #{Table.seconds(ms)}")
+    {run, label, rejected, ms}
   end
 
   defp start_limiter(name) do
@@ -268,34 +292,44 @@ defmodule Demo do
 
   defp summary(results) do
     [{_, _, oversized}, {_, _, exact}, {_, _, margin}] = results.sizing
+    workers = results.workers
+    IO.puts("## Summary\n")
 
     Table.print(
       ["Experiment", "Seed report", "Bourse.RateLimiter"],
       [
         ["40 requests, bucket 10 + 10/s, from a boundary", "9 × 429", "#{oversized} × 429"],
         ["40 requests, bucket 2 + 8/s / 2 + 7/s", "0 / 0 × 429", "#{exact} / #{margin} × 429"],
-        ["4 workers, own buckets, one VM", "5 to 12 × 429", "#{results.own_buckets} × 429"],
-        ["4 workers, one shared bucket, one VM", "0 × 429", "#{results.shared_bucket} × 429"],
+        ["4 workers, own buckets, one VM", "5 to 12 × 429", "#{workers.own_vm} × 429"],
+        ["4 workers, one shared limiter, one VM", "0 × 429", "#{workers.shared_vm} × 429"],
+        ["4 OS processes, own buckets", "5 to 12 × 429", "#{workers.own_os} × 429"],
+        ["4 OS processes, one shared bourse_daemon", "0 × 429", "#{workers.shared_daemon} × 429"],
         ["cost 8 behind a cost-1 loop", "still waiting after 10 s", results.heavy_wait],
         ["Binance ORDERS entries kept", "1 (keyed by type)", "2"]
       ]
     )
 
-    failures =
-      for {label, true, rejected} <- results.sizing,
-          rejected > 0,
-          do: "#{label}: #{rejected} × 429"
+    sized = for {label, true, rejected} <- results.sizing, do: {"bucket #{label}", rejected}
 
-    failures =
-      if results.shared_bucket > 0,
-        do: failures ++ ["shared bucket: #{results.shared_bucket} × 429"],
-        else: failures
+    shared = [
+      {"shared limiter, one VM", workers.shared_vm},
+      {"shared bourse_daemon", workers.shared_daemon}
+    ]
 
-    if failures == [] do
-      IO.puts("\nNo 429 from any correctly sized configuration.")
-    else
-      IO.puts("\nFAILED: correctly sized configurations drew 429s: #{Enum.join(failures, "; ")}")
-      System.halt(1)
+    case for(
+           {label, rejected} <- sized ++ shared,
+           rejected > 0,
+           do: "#{label}: #{rejected} × 429"
+         ) do
+      [] ->
+        IO.puts("\nNo 429 from any correctly sized or shared configuration.")
+
+      failures ->
+        IO.puts(
+          "\nFAILED: sized or shared configurations drew 429s: #{Enum.join(failures, "; ")}"
+        )
+
+        System.halt(1)
     end
   end
 end

@@ -1,0 +1,77 @@
+defmodule Demo.OSProcesses do
+  @moduledoc """
+  The demo's other OS processes: a `bourse_daemon` server, and worker VMs running
+  `demo/support/worker.exs`, each talking to this VM over a port.
+  """
+
+  @typedoc "A running OS process: the port to it and its OS pid."
+  @type os_process :: %{port: port(), os_pid: pos_integer()}
+
+  @doc "Starts `bourse_daemon --listen 127.0.0.1:0`; returns it and the address it bound."
+  @spec start_daemon() :: {os_process(), String.t()}
+  def start_daemon do
+    daemon =
+      open(Application.app_dir(:bourse, "priv/native/bourse_daemon"), ["--listen", "127.0.0.1:0"])
+
+    {daemon, receive_line(daemon, "listening tcp ")}
+  end
+
+  @doc "Stops the daemon with SIGTERM (a server does not exit when its stdin closes)."
+  @spec stop_daemon(os_process()) :: :ok
+  def stop_daemon(%{os_pid: os_pid}) do
+    {_, 0} = System.cmd("kill", ["-TERM", Integer.to_string(os_pid)])
+    :ok
+  end
+
+  @doc "Starts one worker VM with the arguments of `worker.exs` (after URL and COUNT)."
+  @spec start_worker(String.t(), pos_integer(), [String.t()]) :: os_process()
+  def start_worker(url, count, args) do
+    script = Path.join(__DIR__, "worker.exs")
+    ebin = Application.app_dir(:bourse, "ebin")
+    open(System.find_executable("elixir"), ["-pa", ebin, script, url, "#{count}" | args])
+  end
+
+  @doc "Waits until every worker said it is ready."
+  @spec await_ready([os_process()]) :: :ok
+  def await_ready(workers), do: Enum.each(workers, &receive_line(&1, "ready"))
+
+  @doc "Lets the workers go together; returns the total of the 429s they report."
+  @spec run([os_process()]) :: non_neg_integer()
+  def run(workers) do
+    Enum.each(workers, &Port.command(&1.port, "go\n"))
+
+    workers
+    |> Enum.map(&receive_line(&1, "rejected "))
+    |> Enum.map(&String.to_integer/1)
+    |> Enum.sum()
+  end
+
+  defp open(executable, args) do
+    port =
+      Port.open({:spawn_executable, executable}, [
+        :binary,
+        :exit_status,
+        {:line, 4096},
+        args: args
+      ])
+
+    {:os_pid, os_pid} = Port.info(port, :os_pid)
+    %{port: port, os_pid: os_pid}
+  end
+
+  # The rest of the next line that starts with `prefix`; other lines are skipped.
+  defp receive_line(%{port: port} = os_process, prefix) do
+    receive do
+      {^port, {:data, {:eol, line}}} ->
+        case String.split_at(line, String.length(prefix)) do
+          {^prefix, rest} -> rest
+          _ -> receive_line(os_process, prefix)
+        end
+
+      {^port, {:exit_status, status}} ->
+        raise "#{inspect(port)} exited with status #{status}"
+    after
+      60_000 -> raise "no #{inspect(prefix)} line from #{inspect(port)} within 60 s"
+    end
+  end
+end
