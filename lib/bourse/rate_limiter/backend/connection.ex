@@ -3,9 +3,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
   `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
 
-  Callers encode their request (with an `id`) in their own process and call this one; it
-  writes the request and moves on, so the requests of many callers are pipelined on the
-  one stream. Each answer is matched to its caller by `id` and replied to when it comes.
+  Callers encode their request (with an `id`) in their own process, note the `id` in this
+  process's table and write the request to the stream themselves, so the requests of many
+  callers are pipelined on the one stream without a stop here. This process reads the
+  answers, matches each to its caller by `id` and sends it on.
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
@@ -13,7 +14,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     * a port is reopened at once, with `--assume-busy-at-start` (SPEC P6: the new table
       admits no more than a fresh limiter that assumed every bucket busy at start);
-    * a socket is reconnected with backoff (#{50} ms, doubling up to #{2_000} ms).
+    * a socket is reconnected with backoff (50 ms, doubling up to 2 s).
 
   The process is linked to its limiter. It stops with the limiter; when the limiter
   crashes, it keeps serving for a grace period until the restarted limiter adopts it
@@ -27,14 +28,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   alias Bourse.Error
 
-  @enforce_keys [:pid, :owner_prefix, :timeout]
+  @enforce_keys [:pid, :table, :owner_prefix, :timeout]
   defstruct @enforce_keys
 
   @typedoc """
-  A limiter's handle: the connection process, the prefix that makes booking owners
-  unique among every client of the daemon, and how long a caller waits for an answer.
+  A limiter's handle: the connection process and its table (the current stream, the
+  requests in flight), the prefix that makes booking owners unique among every client of
+  the daemon, and how long a caller waits for an answer.
   """
-  @type t :: %__MODULE__{pid: pid(), owner_prefix: String.t(), timeout: pos_integer()}
+  @type t :: %__MODULE__{
+          pid: pid(),
+          table: :ets.tid(),
+          owner_prefix: String.t(),
+          timeout: pos_integer()
+        }
 
   @typedoc "What to connect to: the daemon binary with its arguments, or a server address."
   @type target ::
@@ -71,6 +78,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       {:ok,
        %__MODULE__{
          pid: pid,
+         table: GenServer.call(pid, :table),
          owner_prefix: Keyword.get(opts, :owner_prefix, ""),
          timeout: Keyword.fetch!(opts, :timeout)
        }}
@@ -89,20 +97,84 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `{:error, %Bourse.Error{type: :unavailable}}`.
   """
   @spec request(t(), map()) :: map() | {:error, String.t() | Error.t()}
-  def request(%__MODULE__{pid: pid, timeout: timeout}, request) do
+  def request(%__MODULE__{} = handle, request) do
     id = System.unique_integer([:positive])
     payload = :jiffy.encode(Map.put(request, :id, id))
 
-    try do
-      GenServer.call(pid, {:request, id, payload}, timeout)
-    catch
-      :exit, {:timeout, _} ->
-        {:error, Error.unavailable("bourse_daemon did not answer within #{timeout} ms")}
+    case :ets.lookup(handle.table, :stream) do
+      [{:stream, _transport, nil, _max, down}] ->
+        {:error, Error.unavailable(down)}
 
-      :exit, _ ->
-        {:error, Error.unavailable("the connection to bourse_daemon is gone")}
+      [{:stream, transport, stream, max, _down}] ->
+        case IO.iodata_length(payload) do
+          size when size > max ->
+            {:error,
+             "the request is #{size} bytes encoded, more than the daemon accepts " <>
+               "(#{max}, its --max-frame-bytes)"}
+
+          _size ->
+            call(handle, id, transport, stream, payload)
+        end
+    end
+  rescue
+    # The table went with its process.
+    ArgumentError -> {:error, gone()}
+  end
+
+  # The answer comes to an alias of this call: once the call gives up, nothing more does.
+  defp call(handle, id, transport, stream, payload) do
+    ref = :erlang.monitor(:process, handle.pid, [{:alias, :demonitor}])
+
+    case send_request(handle, id, ref, transport, stream, payload) do
+      :ok ->
+        receive do
+          {^ref, answer} ->
+            Process.demonitor(ref, [:flush])
+            answer
+
+          {:DOWN, ^ref, _, _, _} ->
+            {:error, gone()}
+        after
+          handle.timeout ->
+            message = "bourse_daemon did not answer within #{handle.timeout} ms"
+            give_up(handle, id, ref, Error.unavailable(message))
+        end
+
+      {:error, error} ->
+        give_up(handle, id, ref, error)
     end
   end
+
+  # Noted in flight before it is written, so that its answer always finds the caller.
+  defp send_request(handle, id, ref, transport, stream, payload) do
+    :ets.insert(handle.table, {id, ref})
+
+    case transmit(transport, stream, payload) do
+      :ok -> :ok
+      {:error, _} -> {:error, Error.unavailable("the stream to bourse_daemon closed")}
+    end
+  rescue
+    ArgumentError -> {:error, gone()}
+  end
+
+  # An answer (or a failure) sent before the alias went away still counts.
+  defp give_up(handle, id, ref, error) do
+    Process.demonitor(ref, [:flush])
+
+    try do
+      :ets.delete(handle.table, id)
+    rescue
+      ArgumentError -> :gone
+    end
+
+    receive do
+      {^ref, answer} -> answer
+    after
+      0 -> {:error, error}
+    end
+  end
+
+  defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
   @doc "The booking owner the daemon knows `pid` by."
   @spec owner(t(), pid()) :: String.t()
@@ -117,10 +189,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     state = %{
       target: target,
+      table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       assume_busy: assume_busy,
       stream: nil,
-      max_frame_bytes: 0,
-      in_flight: %{},
       partial: [],
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
@@ -128,6 +199,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       limiter: limiter,
       orphan_timer: nil
     }
+
+    publish(state, nil)
 
     case open(state) do
       {:ok, state} ->
@@ -141,31 +214,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       {:error, reason} ->
         Logger.warning("#{describe(target)}: #{reason}; retrying")
         Process.link(limiter)
-        {:ok, reopen_later(%{state | down_reason: reason})}
+        {:ok, down(state, reason)}
     end
   end
 
   @impl true
-  def handle_call({:request, _id, _payload}, _from, %{stream: nil} = state) do
-    {:reply, {:error, unavailable(state)}, state}
-  end
-
-  def handle_call({:request, id, payload}, from, state) do
-    size = IO.iodata_length(payload)
-
-    if size > state.max_frame_bytes do
-      {:reply,
-       {:error,
-        "the request is #{size} bytes encoded, more than the daemon accepts " <>
-          "(#{state.max_frame_bytes}, its --max-frame-bytes)"}, state}
-    else
-      case transmit(state, payload) do
-        :ok -> {:noreply, put_in(state.in_flight[id], from)}
-        # The stream's own close or exit message follows and sets the state.
-        {:error, reason} -> {:reply, {:error, unavailable(state, inspect(reason))}, state}
-      end
-    end
-  end
+  def handle_call(:table, _from, state), do: {:reply, state.table, state}
 
   def handle_call({:adopt, limiter, target}, _from, %{target: target} = state) do
     Process.link(limiter)
@@ -208,7 +262,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info({:tcp_error, stream, reason}, %{stream: stream} = state) do
-    :gen_tcp.close(stream)
     {:noreply, reopen_later(broken(state, "connection error #{inspect(reason)}"))}
   end
 
@@ -231,21 +284,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp answered(state, frame) do
-    case decode(frame) do
-      {:ok, %{"id" => id} = answer} when is_map_key(state.in_flight, id) ->
-        {from, in_flight} = Map.pop(state.in_flight, id)
-        GenServer.reply(from, answer)
-        {:noreply, %{state | in_flight: in_flight}}
-
-      {:ok, answer} ->
-        # An answer to a caller that timed out already, or an error without an id.
-        Logger.debug("#{describe(state.target)}: unmatched answer #{inspect(answer)}")
-        {:noreply, state}
-
+    with {:ok, %{"id" => id} = answer} when is_integer(id) <- decode(frame),
+         [{^id, reply_to}] <- :ets.take(state.table, id) do
+      send(reply_to, {reply_to, answer})
+      {:noreply, state}
+    else
       :error ->
-        close(state)
         reason = "the daemon sent something that is not protocol #{@protocol_version} JSON"
         {:noreply, reopen_later(broken(state, reason))}
+
+      # An answer to a caller that gave up already, or an error without an id.
+      unmatched ->
+        Logger.debug("#{describe(state.target)}: unmatched answer #{inspect(unmatched)}")
+        {:noreply, state}
     end
   end
 
@@ -258,24 +309,42 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     _, _ -> :error
   end
 
-  # Fails every caller in flight; the stream is gone.
+  # The stream is gone: new calls fail at once, the stream is closed (so that callers who
+  # took it before cannot write any more), then every caller in flight is failed.
   defp broken(state, reason) do
-    state = %{state | stream: nil, partial: [], down_reason: reason}
-    error = {:error, unavailable(state)}
-    Enum.each(state.in_flight, fn {_id, from} -> GenServer.reply(from, error) end)
     Logger.warning("#{describe(state.target)}: #{reason}")
-    %{state | in_flight: %{}}
+    state = %{state | partial: [], down_reason: reason}
+    down = publish(state, nil)
+    close(state)
+    error = {:error, Error.unavailable(down)}
+    in_flight = :ets.select(state.table, [{{:"$1", :"$2"}, [{:is_integer, :"$1"}], [:"$_"]}])
+
+    for {id, reply_to} <- in_flight,
+        :ets.take(state.table, id) != [],
+        do: send(reply_to, {reply_to, error})
+
+    %{state | stream: nil}
   end
 
-  defp unavailable(state, detail \\ nil) do
-    Error.unavailable("#{describe(state.target)} is unavailable: #{detail || state.down_reason}")
+  # What callers read before they write: the stream and its frame limit, or why it is down.
+  defp publish(state, stream, max_frame_bytes \\ 0) do
+    down = "#{describe(state.target)} is unavailable: #{state.down_reason}"
+    :ets.insert(state.table, {:stream, elem(state.target, 0), stream, max_frame_bytes, down})
+    down
   end
 
   defp reopen(state) do
     case open(state) do
       {:ok, state} -> state
-      {:error, reason} -> reopen_later(%{state | down_reason: reason})
+      {:error, reason} -> down(state, reason)
     end
+  end
+
+  # Still down, for `reason`: callers are told so; try again later.
+  defp down(state, reason) do
+    state = %{state | down_reason: reason}
+    publish(state, nil)
+    reopen_later(state)
   end
 
   # Tries again after the backoff, which doubles for the next time.
@@ -323,11 +392,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state.target)}: connected again")
+    publish(state, stream, hello["max_frame_bytes"])
 
     %{
       state
       | stream: stream,
-        max_frame_bytes: hello["max_frame_bytes"],
         backoff_ms: @first_backoff_ms,
         connected_before: true,
         assume_busy: true
@@ -385,17 +454,24 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  # (A socket is a port too: tell them apart by the target.)
-  defp transmit(%{target: {:port, _, _}, stream: port}, payload) do
+  # Any process may write to a port or a socket. (A socket is a port too: the transport
+  # tells them apart.)
+  defp transmit(:port, port, payload) do
     Port.command(port, payload)
     :ok
   rescue
     ArgumentError -> {:error, :closed}
   end
 
-  defp transmit(%{stream: socket}, payload), do: :gen_tcp.send(socket, [payload, ?\n])
+  defp transmit(:socket, socket, payload), do: :gen_tcp.send(socket, [payload, ?\n])
 
-  defp close(%{target: {:port, _, _}, stream: port}), do: Port.close(port)
+  defp close(%{target: {:port, _, _}, stream: port}) do
+    Port.close(port)
+  rescue
+    # It closed already.
+    ArgumentError -> true
+  end
+
   defp close(%{stream: socket}), do: :gen_tcp.close(socket)
 
   defp tagged({:error, reason}, what), do: {:error, "#{what}: #{:inet.format_error(reason)}"}

@@ -14,7 +14,10 @@ defmodule Bourse.RateLimiter.Backend.Port do
   `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with
   `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
   assumed every bucket busy at start (SPEC P6). If the limiter process crashes, the port
-  lives on and the restarted limiter takes it over: spent tokens stay spent.
+  lives on and the restarted limiter takes it over: spent tokens stay spent. A limiter
+  started under the name of one whose port is gone (stopped, or not taken over within 5
+  s) starts its daemon with `--assume-busy-at-start` too: the exchange may still count
+  what the previous one spent.
 
   The limiter's `:assume_busy_at_start`, `:booking_slack_ms` and `:sweep_interval_ms`
   become the daemon's command-line options.
