@@ -583,3 +583,126 @@ fn bad_redis_options_are_refused_at_start() {
         assert_eq!(status.code(), Some(2), "{args:?}");
     }
 }
+
+/// A small deterministic generator (xorshift64*) for the differential test.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+
+    fn pick<T: Clone>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())].clone()
+    }
+}
+
+/// A random request over a few keys, limits and owners. Refill rates are so slow (at most
+/// 0.002 tokens/s) that the few milliseconds between the two daemons' clocks change no
+/// answer but the delays, by about that much.
+fn random_request(rng: &mut Rng) -> Value {
+    let keys = [
+        json!({"exchange": "binance", "credential": "k1"}),
+        json!({"exchange": "binance", "credential": "k1", "axis": "order"}),
+        json!({"exchange": "binance", "credential": null, "axis": "ip"}),
+        json!({"exchange": "okx", "credential": "k1"}),
+        json!({"exchange": "okx", "credential": ""}),
+    ];
+    let limits = [
+        json!({"capacity": 1, "refill_per_sec": 0.001}),
+        json!({"capacity": 2, "refill_per_sec": 0.001}),
+        json!({"capacity": 5, "refill_per_sec": 0.002}),
+        json!({"requests": 5, "period": 2_500_000}),
+    ];
+    let costs = [0.0, 0.5, 1.0, 1.0, 2.0, 3.0, 7.0];
+    let owners = ["a", "b", "c"];
+    let waits = [None, Some(100_000u64), Some(100_000_000)];
+    let check = |rng: &mut Rng| json!({"key": rng.pick(&keys), "limit": rng.pick(&limits), "cost": rng.pick(&costs)});
+    let mut request = match rng.below(20) {
+        0..=6 => {
+            let mut request = check(rng);
+            request["op"] = json!("check");
+            request
+        }
+        7..=10 => {
+            let checks: Vec<Value> = (0..1 + rng.below(3)).map(|_| check(rng)).collect();
+            json!({"op": "check_many", "checks": checks})
+        }
+        11 => json!({"op": "record", "key": rng.pick(&keys), "cost": rng.pick(&costs)}),
+        12 => json!({"op": "sync", "key": rng.pick(&keys),
+                     "allowance": rng.pick(&[-1.0, 0.0, 1.0, 3.0]),
+                     "window_left_ms": rng.pick(&[0, 500_000])}),
+        13 | 14 => json!({"op": "get_cost", "key": rng.pick(&keys)}),
+        15 | 16 => json!({"op": "inspect", "key": rng.pick(&keys)}),
+        17 => {
+            let key = rng.pick(&keys);
+            let target = match rng.below(3) {
+                0 => json!({"exchange": key["exchange"]}),
+                1 => json!({"exchange": key["exchange"], "credential": key["credential"]}),
+                _ => json!({"exchange": key["exchange"], "credential": key["credential"],
+                            "axis": key.get("axis").cloned().unwrap_or(json!("request"))}),
+            };
+            json!({"op": "pause", "target": target, "ms": rng.pick(&[0, 50_000_000])})
+        }
+        18 => json!({"op": "reset", "key": rng.pick(&keys)}),
+        _ => json!({"op": "reset_exchange", "exchange": rng.pick(&["binance", "okx"])}),
+    };
+    if matches!(request["op"].as_str(), Some("check" | "check_many")) {
+        request["owner"] = json!(rng.pick(&owners));
+        if let Some(wait) = rng.pick(&waits) {
+            request["max_wait_ms"] = json!(wait);
+        }
+    }
+    request
+}
+
+/// Equal but for numbers, which may differ by `tolerance` (milliseconds fields by 500),
+/// and error messages (the stores may name conflicting limits in another order).
+fn same_answer(memory: &Value, redis: &Value, field: &str) -> bool {
+    match (memory, redis) {
+        (Value::Number(a), Value::Number(b)) => {
+            let tolerance = if field.ends_with("ms") { 500.0 } else { 0.01 };
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() <= tolerance
+        }
+        (Value::Object(a), Value::Object(b)) => {
+            a.len() == b.len()
+                && a.iter().all(|(name, value)| {
+                    name == "message" || b.get(name).is_some_and(|v| same_answer(value, v, name))
+                })
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| same_answer(x, y, field))
+        }
+        _ => memory == redis,
+    }
+}
+
+/// The Lua script against the core: the same random requests to an in-memory daemon and to
+/// a Redis daemon get the same answers and leave the same counters.
+#[test]
+fn the_script_answers_as_the_core_does() {
+    let Some(redis) = Redis::start() else { return };
+    let memory = Server::tcp(&[]);
+    let shared = daemon(&redis, &[]);
+    let (mut m, mut r) = (memory.connect(), shared.connect());
+    for seed in [1u64, 2, 3] {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed);
+        for step in 0..300 {
+            let request = random_request(&mut rng);
+            let (a, b) = (m.call(request.clone()), r.call(request.clone()));
+            assert!(
+                same_answer(&a, &b, ""),
+                "seed {seed} step {step}: {request}\n  memory: {a}\n  redis:  {b}"
+            );
+        }
+        for t in [&mut m as &mut dyn Transport, &mut r] {
+            t.call(json!({"op": "reset_all"}));
+        }
+    }
+    let stats = |t: &mut dyn Transport| t.call(json!({"op": "stats"}))["stats"].clone();
+    let (a, b) = (stats(&mut m), stats(&mut r));
+    assert_eq!(a, b, "counters differ");
+}
