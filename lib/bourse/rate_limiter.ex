@@ -50,6 +50,14 @@ defmodule Bourse.RateLimiter do
   path). `{:global, _}`, `{:via, _, _}` and `{name, node}` names on other nodes go through
   the limiter process.
 
+  ## Observing
+
+  `inspect_key/2` shows one bucket, `stats/1` the limiter's counters, `busiest/2` (and
+  `mix bourse.top`) the keys closest to their limits. Refusals, bookings, waits, lapses
+  and pauses are emitted as events (`Bourse.RateLimiter.Events`) to an `:on_event`
+  callback and to `:telemetry` when it is loaded. API keys never appear in any of them:
+  a credential is shown as its fingerprint (`Bourse.Fingerprint`).
+
   ## Errors
 
   Malformed input (keys, limits, costs, options, names) is answered with
@@ -60,9 +68,10 @@ defmodule Bourse.RateLimiter do
   use GenServer
 
   alias Bourse.Error
-  alias Bourse.RateLimiter.{Backend, Feedback}
+  alias Bourse.RateLimiter.{Backend, Events, Feedback}
 
   @default __MODULE__
+  @max_busiest 10_000
 
   @typedoc "Rate limiter key: `{exchange_id, api_key | :public, bucket_axis}`."
   @type key ::
@@ -82,7 +91,19 @@ defmodule Bourse.RateLimiter do
 
   @type error :: {:error, Error.t()}
 
-  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon, redis: Backend.Redis}
+  @typedoc "A snapshot of one key: see `inspect_key/2`."
+  @type key_info :: %{
+          limit: %{capacity: float(), refill_per_sec: float()} | nil,
+          tokens: float(),
+          borrowed: float(),
+          debt: float(),
+          bookings: non_neg_integer(),
+          booked_cost: float(),
+          next_ready_ms: non_neg_integer() | nil,
+          pause_ms: pos_integer() | nil
+        }
+
+  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon}
 
   ## Checks
 
@@ -94,7 +115,10 @@ defmodule Bourse.RateLimiter do
   @spec check_rate(key(), rate_limit() | nil, number(), GenServer.name()) ::
           :ok | {:delay, pos_integer()} | error()
   def check_rate(key, limit, cost \\ 1, name \\ @default) do
-    name |> run(:check_one, [self(), key, limit, cost, nil]) |> answer()
+    case run(name, :check_one, [self(), key, limit, cost, nil]) do
+      :ok -> :ok
+      other -> observe(other, name, nil, fn -> %{key: key, cost: cost} end)
+    end
   end
 
   @doc """
@@ -115,9 +139,38 @@ defmodule Bourse.RateLimiter do
   def check_rates(checks, opts, []) when is_list(opts), do: check_rates(checks, @default, opts)
 
   def check_rates(checks, name, opts) do
-    with {:ok, max_wait} <- max_wait_option(opts, nil) do
-      name |> run(:check_many, [self(), checks, max_wait]) |> answer()
+    with {:ok, max_wait} <- max_wait_option(opts, nil, name) do
+      case run(name, :check_many, [self(), checks, max_wait]) do
+        :ok -> :ok
+        other -> observe(other, name, max_wait, fn -> Events.checks_metadata(checks) end)
+      end
     end
+  end
+
+  # Emits the event a check's answer calls for (never for `:ok`) and shapes the answer.
+  defp observe(answer, name, max_wait, metadata) do
+    case answer do
+      {:delay, ms} = delay ->
+        if max_wait == nil, do: refused(name, ms, :delay, nil, metadata)
+        delay
+
+      {:booked, ms} ->
+        Events.emit(name, :booked, %{delay_ms: ms}, metadata)
+        {:delay, ms}
+
+      {:over_budget, ms} ->
+        refused(name, ms, :over_budget, max_wait, metadata)
+        {:delay, ms}
+
+      other ->
+        answer(other)
+    end
+  end
+
+  defp refused(name, ms, reason, max_wait, metadata) do
+    Events.emit(name, :refused, %{delay_ms: ms}, fn ->
+      Map.merge(metadata.(), %{reason: reason, max_wait_ms: max_wait})
+    end)
   end
 
   @doc """
@@ -142,19 +195,32 @@ defmodule Bourse.RateLimiter do
     do: wait_for_capacity(key, limit, cost, @default, opts)
 
   def wait_for_capacity(key, limit, cost, name, opts) do
-    with {:ok, max_wait} <- max_wait_option(opts, Bourse.Defaults.rate_limit_max_wait_ms()) do
-      await(name, [self(), key, limit, cost, max_wait])
+    with {:ok, max_wait} <-
+           max_wait_option(opts, Bourse.Defaults.rate_limit_max_wait_ms(), name) do
+      await(name, [self(), key, limit, cost, max_wait], nil)
     end
   end
 
-  defp await(name, args) do
+  # `since`: when the caller first slept (monotonic ms), `nil` until it does.
+  defp await(name, [_owner, key, _limit, cost, max_wait] = args, since) do
+    metadata = fn -> %{key: key, cost: cost} end
+
     case run(name, :check_one, args) do
+      :ok when since == nil ->
+        :ok
+
+      :ok ->
+        waited_ms = System.monotonic_time(:millisecond) - since
+        Events.emit(name, :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
+
       {wait, ms} when wait in [:booked, :delay] ->
+        if wait == :booked, do: Events.emit(name, :booked, %{delay_ms: ms}, metadata)
+        since = since || System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        await(name, args)
+        await(name, args, since)
 
       {:over_budget, ms} ->
-        [_owner, key | _] = args
+        refused(name, ms, :over_budget, max_wait, metadata)
 
         {:error,
          Error.rate_limited(ms,
@@ -207,7 +273,68 @@ defmodule Bourse.RateLimiter do
   Overlapping pauses keep the later end.
   """
   @spec pause(pause_target(), non_neg_integer(), GenServer.name()) :: :ok | error()
-  def pause(target, ms, name \\ @default), do: name |> run(:pause, [target, ms]) |> answer()
+  def pause(target, ms, name \\ @default) do
+    with :ok <- name |> run(:pause, [target, ms]) |> answer() do
+      Events.emit(name, :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
+    end
+  end
+
+  ## Observing
+
+  @doc """
+  Counters since the limiter's bucket table was created (they survive a restart of the
+  limiter's process), and what it holds now:
+
+    * `:admitted` – checks paid at once;
+    * `:claimed` – waiters admitted against their booking;
+    * `:delayed` – probes answered `{:delay, ms}`, and waiters that came back early;
+    * `:booked` – waiters that booked their cost;
+    * `:over_budget` – waiters refused because the wait exceeded `:max_wait_ms`;
+    * `:lapsed` – bookings not claimed in time (counted when next looked at: at the
+      latest by the next sweep);
+    * `:paused` – answers held back by a pause;
+    * `:debited` – `record_request/3` calls;
+    * `:invalid` – calls refused as malformed (`:invalid_parameters`);
+    * `:event_failures` – `:on_event` callbacks that raised;
+    * `:buckets`, `:bookings` – live buckets and bookings now.
+  """
+  @spec stats(GenServer.name()) :: %{atom() => non_neg_integer()} | error()
+  def stats(name \\ @default) do
+    case route(name) do
+      {backend, handle, events} -> stats(backend, handle, events)
+      elsewhere -> elsewhere(elsewhere, name, :stats)
+    end
+    |> answer()
+  end
+
+  defp stats(backend, handle, events) do
+    case backend.stats(handle) do
+      %{} = stats -> Map.merge(stats, Events.counts(events), fn _, table, own -> table + own end)
+      error -> error
+    end
+  end
+
+  @doc """
+  The `count` (1 to #{@max_busiest}) busiest keys – most tokens borrowed, or holding
+  bookings – busiest first. Each row has the fields of `inspect_key/2` and the key as
+  `:exchange`, `:credential` (its fingerprint, `Bourse.Fingerprint.of/1`) and `:axis`.
+  `mix bourse.top` prints them as a table.
+  """
+  @spec busiest(pos_integer(), GenServer.name()) :: [map()] | error()
+  def busiest(count \\ 10, name \\ @default)
+
+  def busiest(count, name) when is_integer(count) and count in 1..@max_busiest do
+    with rows when is_list(rows) <- name |> run(:busiest, [count]) |> answer() do
+      Enum.map(rows, fn {key, info} -> Map.merge(info, Events.describe_key(key)) end)
+    end
+  end
+
+  def busiest(count, name) do
+    count_invalid(name)
+
+    {:error,
+     Error.invalid("count must be an integer from 1 to #{@max_busiest}, got #{inspect(count)}")}
+  end
 
   ## Exchange feedback
 
@@ -248,10 +375,22 @@ defmodule Bourse.RateLimiter do
     do: name |> run(:sync, [key, allowance, window_left_ms]) |> answer()
 
   @doc """
-  A snapshot of `key`: `%{limit: %{capacity: c, refill_per_sec: r} | nil, tokens: t, ...}`
-  (see `Bourse.RateLimiter.Backend`), or `nil` when the limiter holds nothing for it.
+  A snapshot of one key, or `nil` when the limiter holds nothing for it (never seen, or
+  dropped by the sweep once full and idle, when it behaves as a new full bucket):
+
+    * `:limit` – the bucket definition `%{capacity: c, refill_per_sec: r}`; `nil` for a
+      key that only has `record_request/3` debt;
+    * `:tokens` – tokens now, negative while in debt;
+    * `:borrowed` – what `get_cost/3` answers;
+    * `:debt` – how far below zero the bucket is (or the pending debt of a key without a
+      definition);
+    * `:bookings`, `:booked_cost` – how many waiters' bookings the key holds, and their
+      total cost;
+    * `:next_ready_ms` – milliseconds until the earliest booking is ready (`nil` without
+      bookings);
+    * `:pause_ms` – milliseconds left of a pause covering the key (`nil` when none).
   """
-  @spec inspect_key(key(), GenServer.name()) :: map() | nil | error()
+  @spec inspect_key(key(), GenServer.name()) :: key_info() | nil | error()
   def inspect_key(key, name \\ @default), do: name |> run(:inspect, [key]) |> answer()
 
   ## Supervision
@@ -277,13 +416,14 @@ defmodule Bourse.RateLimiter do
       * `{:daemon, address}` or `{:daemon, address, opts}` – in a `bourse_daemon` server
         shared with other OS processes and programs, at `"127.0.0.1:PORT"` or
         `{:unix, path}` (`Bourse.RateLimiter.Backend.Daemon`);
-      * `{:redis, url}` or `{:redis, url, opts}` – in Redis, shared by limiters on every
-        machine using that server (`Bourse.RateLimiter.Backend.Redis`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time
       (default `Bourse.Defaults.booking_slack_ms/0`);
-    * `:sweep_interval_ms` – how often full idle buckets are dropped (default 1000).
+    * `:sweep_interval_ms` – how often full idle buckets are dropped (default 1000);
+    * `:on_event` – a function `fn event, measurements, metadata -> ... end` or
+      `{module, function, extra_args}` called with every event the limiter emits (see
+      `Bourse.RateLimiter.Events`).
 
   The bucket table outlives a crash of the limiter's process: the restarted process,
   started with the same name, re-attaches to it, so spent tokens stay spent.
@@ -299,17 +439,26 @@ defmodule Bourse.RateLimiter do
   def init(config) do
     slot = {__MODULE__, config.name}
 
-    previous =
+    {previous, previous_events} =
       case :persistent_term.get(slot, nil) do
-        {backend, handle} when backend == config.backend -> handle
-        _ -> nil
+        {backend, handle, events} when backend == config.backend -> {handle, events}
+        _ -> {nil, nil}
       end
 
     case config.backend.attach(previous, Map.to_list(config)) do
       {:ok, handle} ->
-        if handle !== previous, do: :persistent_term.put(slot, {config.backend, handle})
+        events = Events.new(config.name, config.on_event, previous_events)
+        # What callers read on every check: `route/1`.
+        entry = {config.backend, handle, events}
+        if :persistent_term.get(slot, nil) !== entry, do: :persistent_term.put(slot, entry)
         schedule_sweep(config)
-        {:ok, Map.put(config, :handle, handle)}
+
+        {:ok,
+         Map.merge(config, %{
+           handle: handle,
+           events: events,
+           lapsed: lapsed(config.backend, handle, events)
+         })}
 
       {:error, reason} ->
         {:stop, reason}
@@ -319,13 +468,74 @@ defmodule Bourse.RateLimiter do
   @impl true
   def handle_call({:run, fun, args}, _from, state) do
     {:reply, apply(state.backend, fun, [state.handle | args]), state}
+  catch
+    # Should a caller's request crash this process, its crash report must not show the
+    # caller's key (an API key) in the stacktrace's arguments.
+    kind, reason -> :erlang.raise(kind, reason, without_arguments(__STACKTRACE__))
+  end
+
+  def handle_call(:stats, _from, state) do
+    {:reply, stats(state.backend, state.handle, state.events), state}
+  end
+
+  # Events and counts of callers that reach this limiter through its process.
+  @impl true
+  def handle_cast({:emit, event, measurements, metadata}, state) do
+    Events.dispatch(state.events, event, measurements, metadata)
+    {:noreply, state}
+  end
+
+  def handle_cast(:count_invalid, state) do
+    Events.count_invalid(state.events)
+    {:noreply, state}
+  end
+
+  # A crash report does not show the arguments of the last request either (OTP 25 formats
+  # gen_server crash reports with format_status/1).
+  @doc false
+  def format_status(status), do: Map.replace_lazy(status, :message, &redact_request/1)
+
+  defp redact_request({:"$gen_call", from, request}),
+    do: {:"$gen_call", from, redact_request(request)}
+
+  defp redact_request({:run, fun, args}) when is_list(args), do: {:run, fun, length(args)}
+  defp redact_request(request), do: request
+
+  defp without_arguments(stacktrace) do
+    Enum.map(stacktrace, fn
+      {module, fun, args, location} when is_list(args) -> {module, fun, length(args), location}
+      entry -> entry
+    end)
   end
 
   @impl true
   def handle_info(:sweep, state) do
     state.backend.sweep(state.handle)
     schedule_sweep(state)
-    {:noreply, state}
+    {:noreply, report_lapses(state)}
+  end
+
+  # The table counts lapsed bookings when it next looks at them (the sweep looks at all);
+  # the difference since the last sweep is one `:lapsed` event.
+  defp report_lapses(%{lapsed: before} = state) do
+    case lapsed(state.backend, state.handle, state.events) do
+      now when is_integer(now) and is_integer(before) and now > before ->
+        Events.dispatch(state.events, :lapsed, %{count: now - before}, %{})
+        %{state | lapsed: now}
+
+      now ->
+        %{state | lapsed: now || before}
+    end
+  end
+
+  # The table's lapse counter, read only when someone listens.
+  defp lapsed(backend, handle, events) do
+    with true <- Events.listening?(events),
+         %{lapsed: lapsed} <- backend.stats(handle) do
+      lapsed
+    else
+      _ -> nil
+    end
   end
 
   defp schedule_sweep(config), do: Process.send_after(self(), :sweep, config.sweep_interval_ms)
@@ -337,7 +547,8 @@ defmodule Bourse.RateLimiter do
          {:ok, busy} <- boolean_option(opts, :assume_busy_at_start, false),
          {:ok, slack} <-
            integer_option(opts, :booking_slack_ms, Bourse.Defaults.booking_slack_ms(), 0),
-         {:ok, sweep} <- integer_option(opts, :sweep_interval_ms, 1000, 1) do
+         {:ok, sweep} <- integer_option(opts, :sweep_interval_ms, 1000, 1),
+         {:ok, on_event} <- on_event_option(Keyword.get(opts, :on_event)) do
       {:ok,
        %{
          name: name,
@@ -345,7 +556,8 @@ defmodule Bourse.RateLimiter do
          backend_opts: backend_opts,
          assume_busy_at_start: busy,
          booking_slack_ms: slack,
-         sweep_interval_ms: sweep
+         sweep_interval_ms: sweep,
+         on_event: on_event
        }}
     else
       {:error, message} -> {:error, Error.invalid(message)}
@@ -368,23 +580,25 @@ defmodule Bourse.RateLimiter do
          do: {:ok, @backends.daemon, daemon_opts}
   end
 
-  defp backend_option({:redis, url}), do: backend_option({:redis, url, []})
-
-  defp backend_option({:redis, url, opts}) do
-    with {:ok, redis_opts} <- @backends.redis.options(url, opts),
-         do: {:ok, @backends.redis, redis_opts}
-  end
-
   defp backend_option(backend) do
     case @backends do
-      %{^backend => module} when backend not in [:daemon, :redis] ->
+      %{^backend => module} when backend != :daemon ->
         {:ok, module, []}
 
       _ ->
         {:error,
-         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address}, " <>
-           "{:daemon, address, opts}, {:redis, url} or {:redis, url, opts}"}
+         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address} " <>
+           "or {:daemon, address, opts}"}
     end
+  end
+
+  defp on_event_option(on_event) do
+    if is_nil(on_event) or Events.callback?(on_event),
+      do: {:ok, on_event},
+      else:
+        {:error,
+         "on_event must be a 3-arity function or {module, function, extra_args}, " <>
+           "got #{inspect(on_event)}"}
   end
 
   defp boolean_option(opts, key, default) do
@@ -398,6 +612,13 @@ defmodule Bourse.RateLimiter do
     case Keyword.get(opts, key, default) do
       value when is_integer(value) and value >= min -> {:ok, value}
       other -> {:error, "#{key} must be an integer >= #{min}, got #{inspect(other)}"}
+    end
+  end
+
+  defp max_wait_option(opts, default, name) do
+    with {:error, _} = error <- max_wait_option(opts, default) do
+      count_invalid(name)
+      error
     end
   end
 
@@ -427,18 +648,44 @@ defmodule Bourse.RateLimiter do
 
   defp run(name, fun, args) do
     case route(name) do
-      {:local, backend, handle} -> apply(backend, fun, [handle | args])
-      {:remote, server} -> GenServer.call(server, {:run, fun, args})
-      :invalid -> {:error, Error.invalid("not a limiter name: #{inspect(name)}")}
+      {backend, handle, _events} -> apply(backend, fun, [handle | args])
+      elsewhere -> elsewhere(elsewhere, name, {:run, fun, args})
     end
   end
 
-  defp route(name) when is_atom(name) and not is_nil(name) do
-    case :persistent_term.get({__MODULE__, name}, nil) do
-      {backend, handle} -> {:local, backend, handle}
-      nil -> exit({:noproc, {__MODULE__, :run, [name]}})
+  defp elsewhere({:remote, server}, _name, request), do: GenServer.call(server, request)
+  defp elsewhere(:noproc, name, _request), do: exit({:noproc, {__MODULE__, :run, [name]}})
+
+  defp elsewhere(:invalid, name, _request),
+    do: {:error, Error.invalid("not a limiter name: #{describe_name(name)}")}
+
+  # A binary in the name's place may well be an API key: never show it.
+  defp describe_name(name) when is_binary(name), do: "a binary (#{byte_size(name)} bytes)"
+  defp describe_name(name), do: inspect(name)
+
+  @doc false
+  # Where the events of the limiter `name` go from this process: its sink for a local
+  # limiter, `{:remote, server}` for one reached through its process, or `nil`.
+  @spec events(GenServer.name()) :: Events.t() | {:remote, GenServer.server()} | nil
+  def events(name) do
+    case route(name) do
+      {_backend, _handle, events} -> events
+      {:remote, server} -> {:remote, server}
+      _ -> nil
     end
   end
+
+  defp count_invalid(name) do
+    case events(name) do
+      {:remote, server} -> GenServer.cast(server, :count_invalid)
+      nil -> :ok
+      events -> Events.count_invalid(events)
+    end
+  end
+
+  # The `:persistent_term` entry of a local limiter, `{backend, handle, events}`.
+  defp route(name) when is_atom(name) and not is_nil(name),
+    do: :persistent_term.get({__MODULE__, name}, :noproc)
 
   defp route({:global, _} = name), do: {:remote, name}
   defp route({:via, module, _} = name) when is_atom(module), do: {:remote, name}

@@ -85,7 +85,7 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, RateLimiter}
-  alias Bourse.RateLimiter.RetryAfter
+  alias Bourse.RateLimiter.{Events, RetryAfter}
 
   @backoff_axis "bourse:backoff"
   @cap_ms 300_000
@@ -158,6 +158,14 @@ defmodule Bourse.RateLimiter.Feedback do
     with {:ok, wait, why} <- wait(found["retry-after"], backoff_key, name),
          :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
       stop = why == :ban or status == 418
+
+      Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
+        exchange: exchange_id,
+        credential: credential,
+        axis: nil,
+        http_status: status,
+        stop: stop
+      })
 
       {:error,
        Error.rate_limited(wait,

@@ -600,7 +600,8 @@ impl<C: Clock> Table<C> {
                 bucket.pending_debt()
             },
             bookings: bucket.bookings.len(),
-            booked_cost: bucket.bookings.iter().map(|b| b.cost).sum(),
+            // A fold from +0.0: an empty `sum()` of floats is -0.0.
+            booked_cost: bucket.bookings.iter().fold(0.0, |total, b| total + b.cost),
             next_ready_ms: bucket
                 .bookings
                 .iter()

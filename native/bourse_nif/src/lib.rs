@@ -6,7 +6,7 @@ use bourse_core::{
     check_cost, Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome,
     PauseTarget, Stats, Table,
 };
-use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, ResourceArc, Term};
+use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, ResourceArc, Term, TermType};
 
 mod atoms {
     rustler::atoms! {
@@ -52,19 +52,52 @@ fn invalid<T>(message: impl Into<String>) -> Decoded<T> {
     Err(InvalidInput::new(message))
 }
 
-fn key_part<'a>(term: Term<'a>, what: &str) -> Decoded<&'a [u8]> {
+/// What kind of term `term` is, without its contents: for messages about terms that may
+/// hold an API key (a credential, or a whole key or check), which must never be echoed.
+fn shape(term: Term) -> String {
+    match term.get_type() {
+        TermType::Tuple => match rustler::types::tuple::get_tuple(term) {
+            Ok(elements) => format!("a tuple of {} elements", elements.len()),
+            Err(_) => "a tuple".into(),
+        },
+        TermType::List => match term.list_length() {
+            Ok(length) => format!("a list of {length} elements"),
+            Err(_) => "an improper list".into(),
+        },
+        TermType::Binary => "a binary".into(),
+        TermType::Atom => "an atom".into(),
+        TermType::Integer | TermType::Float => "a number".into(),
+        TermType::Map => "a map".into(),
+        TermType::Fun => "a function".into(),
+        TermType::Pid => "a pid".into(),
+        TermType::Port => "a port".into(),
+        TermType::Ref => "a reference".into(),
+        TermType::Unknown => "an unknown term".into(),
+    }
+}
+
+/// A binary of at most `MAX_KEY_PART` bytes; `shown` says what was given instead.
+fn bounded_binary<'a>(
+    term: Term<'a>,
+    what: &str,
+    shown: impl FnOnce() -> String,
+) -> Decoded<&'a [u8]> {
     match term.decode::<Binary>() {
         Ok(binary) if binary.len() <= MAX_KEY_PART => Ok(binary.as_slice()),
         Ok(_) => invalid(format!("{what} is longer than {MAX_KEY_PART} bytes")),
-        Err(_) => invalid(format!("{what} must be a binary, got {term:?}")),
+        Err(_) => invalid(format!("{what} must be a binary, got {}", shown())),
     }
+}
+
+fn key_part<'a>(term: Term<'a>, what: &str) -> Decoded<&'a [u8]> {
+    bounded_binary(term, what, || format!("{term:?}"))
 }
 
 fn credential<'a>(term: Term<'a>) -> Decoded<Option<&'a [u8]>> {
     if is_atom(term, atoms::public()) {
         Ok(None)
     } else {
-        key_part(term, "credential_key (a binary or :public)").map(Some)
+        bounded_binary(term, "credential_key (a binary or :public)", || shape(term)).map(Some)
     }
 }
 
@@ -85,7 +118,8 @@ fn key(term: Term) -> Decoded<KeyRef> {
         ))
     } else {
         invalid(format!(
-            "key must be {{exchange_id, credential_key, bucket_axis}} or {{exchange_id, credential_key}}, got {term:?}"
+            "key must be {{exchange_id, credential_key, bucket_axis}} or {{exchange_id, credential_key}}, got {}",
+            shape(term)
         ))
     }
 }
@@ -229,7 +263,8 @@ fn check_many<'a>(
             }
             let Some([key_term, limit_term, cost_term]) = tuple(term) else {
                 return invalid(format!(
-                    "each check must be {{key, limit, cost}}, got {term:?}"
+                    "each check must be {{key, limit, cost}}, got {}",
+                    shape(term)
                 ));
             };
             let (key, cost) = (key(key_term)?, cost(cost_term)?);
@@ -343,7 +378,8 @@ fn pause_target(term: Term) -> Decoded<PauseTarget> {
         Ok(PauseTarget::Key(key(term)?.to_owned_key()))
     } else {
         invalid(format!(
-            "pause target must be a key, {{exchange_id, credential_key}} or an exchange id, got {term:?}"
+            "pause target must be a key, {{exchange_id, credential_key}} or an exchange id, got {}",
+            shape(term)
         ))
     }
 }
@@ -436,7 +472,7 @@ fn busiest(env: Env, table: ResourceArc<TableResource>, count: usize) -> Term {
         .encode(env)
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn stats(env: Env, table: ResourceArc<TableResource>) -> Term {
     let Stats {
         admitted,
