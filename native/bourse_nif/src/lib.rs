@@ -253,14 +253,17 @@ fn check_many<'a>(
     let table = &table.0;
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
+        // The length first: it refuses improper lists, which rustler's iterator panics on.
+        match checks_term.list_length() {
+            Ok(length) if length <= MAX_CHECKS => {}
+            Ok(_) => return invalid(format!("at most {MAX_CHECKS} checks in one call")),
+            Err(_) => return invalid("checks must be a proper list of {key, limit, cost}"),
+        }
         let list = checks_term
             .into_list_iterator()
             .map_err(|_| InvalidInput::new("checks must be a list of {key, limit, cost}"))?;
-        let mut checks = Vec::new();
-        for (index, term) in list.enumerate() {
-            if index >= MAX_CHECKS {
-                return invalid(format!("at most {MAX_CHECKS} checks in one call"));
-            }
+        let mut checks = Vec::with_capacity(4);
+        for term in list {
             let Some([key_term, limit_term, cost_term]) = tuple(term) else {
                 return invalid(format!(
                     "each check must be {{key, limit, cost}}, got {}",
@@ -271,10 +274,6 @@ fn check_many<'a>(
             if let Some(limit) = limit(limit_term)? {
                 checks.push(Check { key, limit, cost });
             }
-        }
-        // `into_list_iterator` stops at an improper tail; insist on a proper list.
-        if checks_term.list_length().is_err() {
-            return invalid("checks must be a proper list");
         }
         Ok(outcome(env, table.check(owner(owner_term), &checks, mode)?))
     })
