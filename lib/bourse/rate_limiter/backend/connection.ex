@@ -72,7 +72,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def attach(nil, target, opts) do
-    init_arg = {target, self(), Keyword.get(opts, :assume_busy_at_start, false)}
+    timeout = Keyword.fetch!(opts, :timeout)
+    init_arg = {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {:ok,
@@ -80,7 +81,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
          pid: pid,
          table: GenServer.call(pid, :table),
          owner_prefix: Keyword.get(opts, :owner_prefix, ""),
-         timeout: Keyword.fetch!(opts, :timeout)
+         timeout: timeout
        }}
     end
   end
@@ -124,8 +125,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # The answer comes to an alias of this call: once the call gives up, nothing more does.
   defp call(handle, id, transport, stream, payload) do
     ref = :erlang.monitor(:process, handle.pid, [{:alias, :demonitor}])
+    deadline = System.monotonic_time(:millisecond) + handle.timeout
 
-    case send_request(handle, id, ref, transport, stream, payload) do
+    case send_request(handle, id, ref, {transport, stream, payload}, deadline) do
       :ok ->
         receive do
           {^ref, answer} ->
@@ -135,7 +137,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           {:DOWN, ^ref, _, _, _} ->
             {:error, gone()}
         after
-          handle.timeout ->
+          max(deadline - System.monotonic_time(:millisecond), 0) ->
             message = "bourse_daemon did not answer within #{handle.timeout} ms"
             give_up(handle, id, ref, Error.unavailable(message))
         end
@@ -146,12 +148,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # Noted in flight before it is written, so that its answer always finds the caller.
-  defp send_request(handle, id, ref, transport, stream, payload) do
+  defp send_request(handle, id, ref, {transport, stream, payload}, deadline) do
     :ets.insert(handle.table, {id, ref})
 
-    case transmit(transport, stream, payload) do
-      :ok -> :ok
-      {:error, _} -> {:error, Error.unavailable("the stream to bourse_daemon closed")}
+    case transmit(transport, stream, payload, deadline) do
+      :ok ->
+        :ok
+
+      {:error, reason} ->
+        {:error, Error.unavailable("cannot write to bourse_daemon: #{inspect(reason)}")}
     end
   rescue
     ArgumentError -> {:error, gone()}
@@ -184,11 +189,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   ## The process
 
   @impl true
-  def init({target, limiter, assume_busy}) do
+  def init({target, limiter, assume_busy, timeout}) do
     Process.flag(:trap_exit, true)
 
     state = %{
       target: target,
+      timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       assume_busy: assume_busy,
       stream: nil,
@@ -364,6 +370,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         :binary,
         :exit_status,
         :use_stdio,
+        busy_limits_port: {64 * 1024, 1024 * 1024},
         args: flags
       ])
 
@@ -375,7 +382,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp open(%{target: {:socket, address}} = state) do
-    with {:ok, socket} <- connect(address),
+    with {:ok, socket} <- connect(address, state.timeout),
          {:ok, hello} <- socket_handshake(socket) do
       if state.connected_before and hello["assume_busy_at_start"] == false do
         Logger.warning(
@@ -403,17 +410,22 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     }
   end
 
-  defp connect({:tcp, host, port}) do
-    opts = [:binary, packet: :line, active: false, nodelay: true] ++ socket_opts()
+  defp connect({:tcp, host, port}, timeout) do
+    opts = [nodelay: true] ++ socket_opts(timeout)
     tagged(:gen_tcp.connect(host, port, opts, @handshake_timeout), "cannot connect")
   end
 
-  defp connect({:unix, path}) do
-    opts = [:binary, packet: :line, active: false] ++ socket_opts()
+  defp connect({:unix, path}, timeout) do
+    opts = socket_opts(timeout)
     tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
   end
 
-  defp socket_opts, do: [buffer: 64 * 1024, send_timeout: @handshake_timeout]
+  # A caller blocked writing to a daemon that does not read gives up with its call; the
+  # socket then closes, as part of a line may have gone.
+  defp socket_opts(timeout) do
+    [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
+      [send_timeout: timeout, send_timeout_close: true]
+  end
 
   defp socket_handshake(socket) do
     with :ok <- tagged(:gen_tcp.send(socket, [hello_request(), ?\n]), "cannot send"),
@@ -454,16 +466,31 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  # Any process may write to a port or a socket. (A socket is a port too: the transport
-  # tells them apart.)
-  defp transmit(:port, port, payload) do
-    Port.command(port, payload)
-    :ok
+  # Any process may write to a port or a socket, until `deadline` at the latest. (A socket
+  # is a port too: the transport tells them apart.)
+  defp transmit(:port, port, payload, deadline) do
+    command(port, payload, deadline)
   rescue
     ArgumentError -> {:error, :closed}
   end
 
-  defp transmit(:socket, socket, payload), do: :gen_tcp.send(socket, [payload, ?\n])
+  defp transmit(:socket, socket, payload, _deadline), do: :gen_tcp.send(socket, [payload, ?\n])
+
+  # A port busy with earlier requests: the daemon is behind with its input (or stopped).
+  # Wait a little and try again, rather than block past the deadline.
+  defp command(port, payload, deadline) do
+    cond do
+      Port.command(port, payload, [:nosuspend]) ->
+        :ok
+
+      System.monotonic_time(:millisecond) >= deadline ->
+        {:error, :busy}
+
+      true ->
+        Process.sleep(1)
+        command(port, payload, deadline)
+    end
+  end
 
   defp close(%{target: {:port, _, _}, stream: port}) do
     Port.close(port)

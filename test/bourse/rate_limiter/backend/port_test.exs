@@ -76,6 +76,34 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert admitted <= 1 + limit.refill_per_sec * elapsed_s, "#{admitted} admitted after a crash"
   end
 
+  @tag timeout: 60_000
+  test "a daemon that stops reading: callers give up after the timeout, none hangs",
+       %{name: name, handle: handle} do
+    os_pid = os_pid(handle)
+    kill("STOP", os_pid)
+    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+
+    # Megabytes the daemon does not read: the port is busy, later writers wait, not block.
+    big = String.duplicate("k", 1000)
+    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
+
+    callers =
+      [Task.async(fn -> RateLimiter.check_rates(flood, name) end)] ++
+        for i <- 1..8 do
+          Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
+        end
+
+    for answer <- Task.await_many(callers, 30_000) do
+      assert {:error, %Error{type: :unavailable}} = answer
+    end
+
+    kill("CONT", os_pid)
+
+    eventually(fn ->
+      RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name) == :ok
+    end)
+  end
+
   test "the largest request the limiter accepts fits in one frame", %{name: name} do
     # 1024 checks of three 1024-byte key parts that JSON must escape (\u0001: six bytes each).
     part = String.duplicate("\u0001", 1024)
