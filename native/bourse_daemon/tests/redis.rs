@@ -616,6 +616,7 @@ fn random_request(rng: &mut Rng) -> Value {
         json!({"capacity": 2, "refill_per_sec": 0.001}),
         json!({"capacity": 5, "refill_per_sec": 0.002}),
         json!({"requests": 5, "period": 2_500_000}),
+        Value::Null,
     ];
     let costs = [0.0, 0.5, 1.0, 1.0, 2.0, 3.0, 7.0];
     let owners = ["a", "b", "c"];

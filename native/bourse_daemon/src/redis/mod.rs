@@ -239,7 +239,6 @@ impl Store for RedisStore {
             StoreError::Invalid(error)
         })?;
         if items.is_empty() {
-            bump(&self.counters.admitted, 1);
             return Ok(Outcome::Admitted);
         }
         let max_wait = match mode {
