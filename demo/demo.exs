@@ -3,8 +3,8 @@
 # An embedded mock exchange on 127.0.0.1 counts like Binance's per-IP weight counter
 # (10 weight per fixed 1-second window aligned to the wall clock, 429 with Retry-After
 # above that, rejected requests not counted). The clients reach their buckets through
-# the public API of Bourse.RateLimiter only. Exits 1 if a correctly sized configuration
-# drew a 429.
+# the public API of Bourse.RateLimiter only. Exits 1 if a correctly sized or a shared
+# bucket drew a 429.
 
 for file <- ["table.ex", "client.ex", "os_processes.ex"],
     do: Code.require_file(file, Path.join(__DIR__, "support"))
