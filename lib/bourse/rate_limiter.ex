@@ -103,7 +103,7 @@ defmodule Bourse.RateLimiter do
           pause_ms: pos_integer() | nil
         }
 
-  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon}
+  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon, redis: Backend.Redis}
 
   ## Checks
 
@@ -416,6 +416,8 @@ defmodule Bourse.RateLimiter do
       * `{:daemon, address}` or `{:daemon, address, opts}` – in a `bourse_daemon` server
         shared with other OS processes and programs, at `"127.0.0.1:PORT"` or
         `{:unix, path}` (`Bourse.RateLimiter.Backend.Daemon`);
+      * `{:redis, url}` or `{:redis, url, opts}` – in Redis, shared by limiters on every
+        machine using that server (`Bourse.RateLimiter.Backend.Redis`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time
@@ -580,15 +582,22 @@ defmodule Bourse.RateLimiter do
          do: {:ok, @backends.daemon, daemon_opts}
   end
 
+  defp backend_option({:redis, url}), do: backend_option({:redis, url, []})
+
+  defp backend_option({:redis, url, opts}) do
+    with {:ok, redis_opts} <- @backends.redis.options(url, opts),
+         do: {:ok, @backends.redis, redis_opts}
+  end
+
   defp backend_option(backend) do
     case @backends do
-      %{^backend => module} when backend != :daemon ->
+      %{^backend => module} when backend not in [:daemon, :redis] ->
         {:ok, module, []}
 
       _ ->
         {:error,
-         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address} " <>
-           "or {:daemon, address, opts}"}
+         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address}, " <>
+           "{:daemon, address, opts}, {:redis, url} or {:redis, url, opts}"}
     end
   end
 
