@@ -48,11 +48,12 @@ defmodule Bourse.CrossProcess.SharedBucketTest do
            "limiters of their own admitted only #{own_run.admitted} (bound #{own_run.bound})"
   end
 
-  # Runs the workers at once (they start hammering at the same wall-clock time) and
+  # Runs the workers at once (they start hammering at the same wall-clock time, a few
+  # seconds ahead so that every VM has booted, even on a loaded machine) and
   # prints what each admitted, the total and the bound C + r * T, T from the earliest
   # start to the latest finish.
   defp run(label, workers) do
-    start_at_ms = System.os_time(:millisecond) + 3_000
+    start_at_ms = System.os_time(:millisecond) + 5_000
 
     results =
       workers
