@@ -299,9 +299,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         reason = "the daemon sent something that is not protocol #{@protocol_version} JSON"
         {:noreply, reopen_later(broken(state, reason))}
 
-      # An answer to a caller that gave up already, or an error without an id.
-      unmatched ->
-        Logger.debug("#{describe(state.target)}: unmatched answer #{inspect(unmatched)}")
+      # An answer to a caller that gave up already, or an error without an id. Not shown:
+      # answers hold keys, and keys hold API keys.
+      _unmatched ->
+        Logger.debug("#{describe(state.target)}: dropped an answer no caller waits for")
         {:noreply, state}
     end
   end

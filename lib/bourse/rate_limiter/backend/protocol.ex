@@ -198,7 +198,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     case Connection.request(handle, request) do
       %{"ok" => true} = answer ->
         case shape.(answer) do
-          :error -> {:error, Error.unavailable("unexpected answer #{Kernel.inspect(answer)}")}
+          :error -> {:error, unexpected(answer)}
           shaped -> shaped
         end
 
@@ -212,9 +212,15 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
         error
 
       other ->
-        {:error, Error.unavailable("unexpected answer #{Kernel.inspect(other)}")}
+        {:error, unexpected(other)}
     end
   end
+
+  # Names the fields of a malformed answer, not their values: answers hold API keys.
+  defp unexpected(%{} = answer),
+    do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
+
+  defp unexpected(_answer), do: Error.unavailable("unexpected answer")
 
   # The booking owner, and `max_wait_ms` for a waiter (a probe has none).
   defp owned_by(request, handle, owner, max_wait) do
