@@ -84,12 +84,20 @@ defmodule Bourse.ObservabilityScenario do
     assert after_.event_failures == 0
   end
 
-  # A booking nobody claims lapses; the sweep reports it.
-  def lapse(name) do
+  # A booking nobody claims lapses; the sweep reports it once the table has counted it:
+  # in the sweep itself, or (`touch: true`, where the sweep does not look at every key)
+  # when the key is next checked.
+  def lapse(name, opts \\ []) do
     key = {"okx", :public, "lapse-#{System.unique_integer([:positive])}"}
     limit = %{capacity: 1, refill_per_sec: 100}
     assert :ok = RateLimiter.check_rate(key, limit, 1, name)
     assert {:delay, _} = RateLimiter.check_rates([{key, limit, 1}], name, max_wait_ms: 1_000)
+
+    if opts[:touch] do
+      Process.sleep(100)
+      RateLimiter.check_rate(key, limit, 1, name)
+    end
+
     assert_receive {[:bourse, :rate_limiter, :lapsed], %{count: count}, %{limiter: ^name}}, 5_000
     assert count >= 1
   end
@@ -127,5 +135,31 @@ defmodule Bourse.RateLimiter.ObservabilityDaemonTest do
 
   test "lapses through a shared daemon", %{daemon: daemon} do
     {:daemon, daemon.tcp} |> Scenario.start(sweep_interval_ms: 20) |> Scenario.lapse()
+  end
+end
+
+defmodule Bourse.RateLimiter.ObservabilityRedisTest do
+  use ExUnit.Case, async: false
+
+  alias Bourse.ObservabilityScenario, as: Scenario
+  alias Bourse.RedisServer
+
+  unless RedisServer.installed?(), do: @moduletag(skip: "no redis-server (make deps installs it)")
+
+  setup_all do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    %{redis: redis}
+  end
+
+  test "inspect_key, stats, busiest and events with the buckets in Redis", %{redis: redis} do
+    {:redis, redis.url} |> Scenario.start() |> Scenario.run()
+  end
+
+  # Redis expires idle keys itself; lapses are counted when a key is next checked.
+  test "lapses with the buckets in Redis", %{redis: redis} do
+    {:redis, redis.url}
+    |> Scenario.start(booking_slack_ms: 0, sweep_interval_ms: 20)
+    |> Scenario.lapse(touch: true)
   end
 end
