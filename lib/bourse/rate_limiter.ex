@@ -294,7 +294,9 @@ defmodule Bourse.RateLimiter do
       latest by the next sweep);
     * `:paused` – answers held back by a pause;
     * `:debited` – `record_request/3` calls;
-    * `:invalid` – calls refused as malformed (`:invalid_parameters`);
+    * `:invalid` – calls refused as malformed (`:invalid_parameters`); with the port,
+      daemon and Redis backends, terms that cannot even be sent to the daemon (a
+      charlist credential, say) are refused before it and not counted;
     * `:event_failures` – `:on_event` callbacks that raised;
     * `:buckets`, `:bookings` – live buckets and bookings now.
   """

@@ -15,7 +15,10 @@ defmodule Bourse.RateLimiter.Events do
       when the limiter starts (`:bourse` does not depend on it).
 
   The `:ok` answer of a check never emits: only refusals, bookings, waits and pauses do,
-  so the hot path costs the same with or without listeners.
+  so the hot path costs the same with or without listeners. An event costs its caller
+  about 1–2 µs besides the callback itself (the credential's SHA-256 fingerprint and the
+  metadata map; `mix run bench/counters.exs` measures it), and nothing when no one
+  listens beyond a `:persistent_term` look-up.
 
   ## Metadata
 
@@ -45,6 +48,8 @@ defmodule Bourse.RateLimiter.Events do
   Lapses are counted inside the bucket table when a lapsed booking is next looked at;
   the limiter's process reads the counter after each sweep and emits the difference, so
   a `:lapsed` event comes at most `:sweep_interval_ms` (default 1 s) after the lapse.
+  With the buckets in Redis (`backend: {:redis, url}`) the sweep does not look at every
+  key: a lapse is counted, and reported, after its key is next checked.
   A waiter coming back early to `check_rates` (a `{:delay, ms}` on its own booking) and
   the extra sleeps of `wait_for_capacity` behind a pause emit nothing: the wait shows in
   `:admitted_after_wait`.

@@ -22,7 +22,7 @@ defmodule Mix.Tasks.Bourse.Top do
 
   or, where Mix is not available (a release's remote console):
 
-      MyApp.Limiter |> then(&Bourse.RateLimiter.busiest(20, &1)) |> Mix.Tasks.Bourse.Top.table() |> IO.puts()
+      Bourse.RateLimiter.busiest(20, MyApp.Limiter) |> Mix.Tasks.Bourse.Top.table() |> IO.puts()
 
   Credentials are shown as fingerprints (`Bourse.Fingerprint`), never as API keys.
   `NEXT READY MS` is the time until the key's earliest booking is ready, `PAUSE MS` what is
