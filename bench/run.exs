@@ -24,7 +24,7 @@ defmodule Bench do
   alias Demo.{OSProcesses, Table}
   alias Bourse.RateLimiter
 
-  @checks_per_run 400_000
+  @run_ms 300
   @memory_keys 1_000_000
 
   @sections %{
@@ -84,7 +84,7 @@ defmodule Bench do
   @doc false
   def elixir do
     IO.puts("""
-    ## 2. From Elixir: #{thousands(@checks_per_run)} checks per measurement, median of 3
+    ## 2. From Elixir: median of 5 runs of about #{@run_ms} ms each, after a warm-up
     ns/check is wall time divided by all callers' checks, so it falls below one call's
     latency when callers run in parallel.
     """)
@@ -108,7 +108,7 @@ defmodule Bench do
 
         [nif, genserver, ets] =
           for {label, module, handle} <- implementations do
-            result = Runner.measure(module, handle, Runner.keys(keys), callers, @checks_per_run)
+            result = Runner.measure(module, handle, Runner.keys(keys), callers, @run_ms)
             IO.write(" #{label} #{round(result.ns_per_check)} ns")
             result
           end
@@ -149,12 +149,10 @@ defmodule Bench do
 
   ## 3. Port and daemon
 
-  @daemon_checks_per_run 20_000
-
   @doc false
   def daemon do
     IO.puts("""
-    ## 3. Out of the VM: #{thousands(@daemon_checks_per_run)} checks per measurement, median of 3, 1,000 keys
+    ## 3. Out of the VM: median of 5 runs of about #{@run_ms} ms each, 1,000 keys
     Through Bourse.RateLimiter.check_rate/4: the port backend (bourse_daemon --stdio, one
     per limiter) and a bourse_daemon server on 127.0.0.1 (one TCP connection per limiter,
     its callers' requests pipelined on it; the last row spreads the keys over 8 limiters,
@@ -185,7 +183,7 @@ defmodule Bench do
 
         per_second =
           for callers <- [1, 8, 64] do
-            result = Runner.measure(PublicAPI, limiters, keys, callers, @daemon_checks_per_run)
+            result = Runner.measure(PublicAPI, limiters, keys, callers, @run_ms)
             IO.write(" #{callers} → #{per_second(result.checks_per_second)}")
             per_second(result.checks_per_second)
           end
@@ -213,51 +211,57 @@ defmodule Bench do
 
   ## 4. Memory
 
+  @touch_limit %{capacity: 1, refill_per_sec: 0.1}
+
   @doc false
   def memory do
     IO.puts("""
     ## 4. Memory: #{thousands(@memory_keys)} distinct keys touched once, then dropped by the sweep
-    Capacity 1, refill 0.2/s: each bucket is full again, and can be dropped, 5 s after its
-    check; the limiter sweeps every 100 ms. The table is native memory: VmRSS of this VM
-    counts it, :erlang.memory(:total) does not. The allocator may keep memory it freed, so
-    VmRSS can stay up after the sweep.
+    First the same #{thousands(@memory_keys)} checks with a nil limit (nothing recorded), to
+    see what the calls themselves leave in VmRSS; then with capacity 1, refill 0.1/s: each
+    bucket is full again, and can be dropped, 10 s after its check; the limiter sweeps every
+    100 ms. The table is native memory: VmRSS of this VM counts it, :erlang.memory(:total)
+    does not. The allocator may keep memory it freed, so VmRSS can stay up after the sweep;
+    the last row shows whether the next 1,000,000 keys reuse it.
     """)
 
     {:ok, _} = RateLimiter.start_link(name: Bench.Memory, sweep_interval_ms: 100)
     before = memory_row("before")
-    touch_keys(@memory_keys)
+    touch_keys(nil, "key-")
+    unlimited = memory_row("after #{thousands(@memory_keys)} checks with a nil limit")
+    touch_keys(@touch_limit, "key-")
     touched = memory_row("after touching #{thousands(@memory_keys)} keys")
     swept = wait_for_sweep(System.monotonic_time(:millisecond) + 30_000)
+    touch_keys(@touch_limit, "other-key-")
+    again = memory_row("after touching #{thousands(@memory_keys)} other keys")
 
     rows =
-      for [label, rss, total, buckets] <- [before, touched, swept],
+      for [label, rss, total, buckets] <- [before, unlimited, touched, swept, again],
           do: [label, megabytes(rss), megabytes(total), thousands(buckets)]
 
     Table.print(["When", "VmRSS", ":erlang.memory(:total)", "Buckets"], rows)
-    growth = Enum.at(touched, 1) - Enum.at(before, 1)
+
+    [table_growth, total_growth] =
+      for from <- [unlimited, before], do: hd(tl(touched)) - hd(tl(from))
 
     IO.puts("""
 
-    VmRSS grew #{round(growth / @memory_keys)} bytes per key touched (an upper bound: it includes \
-    memory the allocators keep).
+    VmRSS per key touched: #{round(table_growth / @memory_keys)} bytes above the nil-limit \
+    checks (#{round(total_growth / @memory_keys)} above the start).
     """)
   end
 
-  @touch_limit %{capacity: 1, refill_per_sec: 0.2}
-
   # In a process of its own, so that the key binaries' garbage goes with it.
-  defp touch_keys(count) do
-    task = Task.async(fn -> touch_keys(0, count) end)
+  defp touch_keys(limit, prefix) do
+    task = Task.async(fn -> touch_keys(limit, prefix, 0) end)
     Task.await(task, :infinity)
   end
 
-  defp touch_keys(count, count), do: :ok
+  defp touch_keys(_limit, _prefix, @memory_keys), do: :ok
 
-  defp touch_keys(i, count) do
-    :ok =
-      RateLimiter.check_rate({"binance", "key-#{i}", "request"}, @touch_limit, 1, Bench.Memory)
-
-    touch_keys(i + 1, count)
+  defp touch_keys(limit, prefix, i) do
+    :ok = RateLimiter.check_rate({"binance", prefix <> "#{i}", "request"}, limit, 1, Bench.Memory)
+    touch_keys(limit, prefix, i + 1)
   end
 
   defp wait_for_sweep(deadline) do

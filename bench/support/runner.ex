@@ -6,17 +6,20 @@ defmodule Bench.Runner do
   @typedoc "What one measurement found: wall-clock ns per check (all callers together) and checks/s."
   @type result :: %{ns_per_check: float(), checks_per_second: float()}
 
+  @warm_up_checks 20_000
+  @rounds 5
+
   @doc """
-  Runs `total` checks of `module.run/4` (see `Bench.Loop`) split over `callers`
-  processes started together, after one warm-up run of a tenth of them; repeats the
-  measurement `rounds` times and keeps the median.
+  Times `module.run/4` (see `Bench.Loop`) split over `callers` processes started
+  together: a warm-up of #{@warm_up_checks} checks, which also sizes the runs so that each
+  takes about `target_ms`, then #{@rounds} runs; returns the median.
   """
-  @spec measure(module(), term(), tuple(), pos_integer(), pos_integer(), pos_integer()) ::
-          result()
-  def measure(module, handle, keys, callers, total, rounds \\ 3) do
-    once(module, handle, keys, callers, div(total, 10))
-    times = for _ <- 1..rounds, do: once(module, handle, keys, callers, total)
-    ns = Enum.at(Enum.sort(times), div(rounds, 2))
+  @spec measure(module(), term(), tuple(), pos_integer(), pos_integer()) :: result()
+  def measure(module, handle, keys, callers, target_ms) do
+    warm_up_ns = once(module, handle, keys, callers, @warm_up_checks)
+    checks = max(round(target_ms * 1.0e6 / warm_up_ns), callers)
+    times = for _ <- 1..@rounds, do: once(module, handle, keys, callers, checks)
+    ns = Enum.at(Enum.sort(times), div(@rounds, 2))
     %{ns_per_check: ns, checks_per_second: 1.0e9 / ns}
   end
 
