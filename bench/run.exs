@@ -159,14 +159,30 @@ defmodule Bench do
     so 8 connections); the NIF for reference.
     """)
 
-    {daemon, address} = OSProcesses.start_daemon()
+    rows = OSProcesses.with_daemon(&backend_rows/1)
+    IO.puts("")
+
+    Table.print(
+      ["Backend", "1 caller checks/s", "8 callers checks/s", "64 callers checks/s"],
+      rows
+    )
+
+    IO.puts("""
+
+    The daemon itself, from Rust clients (cargo run --release -p bourse_daemon --example daemon_bench):
+    """)
+
+    cargo(["run", "-q", "--release", "-p", "bourse_daemon", "--example", "daemon_bench"])
+  end
+
+  defp backend_rows(daemon_address) do
     {:ok, _} = RateLimiter.start_link(name: Bench.NIF)
     {:ok, _} = RateLimiter.start_link(name: Bench.Port, backend: :port)
 
     connections =
       for i <- 1..8 do
         name = :"Bench.Daemon#{i}"
-        {:ok, _} = RateLimiter.start_link(name: name, backend: {:daemon, address})
+        {:ok, _} = RateLimiter.start_link(name: name, backend: {:daemon, daemon_address})
         name
       end
 
@@ -193,20 +209,7 @@ defmodule Bench do
       end
 
     Enum.each(connections, &GenServer.stop/1)
-    OSProcesses.stop_daemon(daemon)
-    IO.puts("")
-
-    Table.print(
-      ["Backend", "1 caller checks/s", "8 callers checks/s", "64 callers checks/s"],
-      rows
-    )
-
-    IO.puts("""
-
-    The daemon itself, from Rust clients (cargo run --release -p bourse_daemon --example daemon_bench):
-    """)
-
-    cargo(["run", "-q", "--release", "-p", "bourse_daemon", "--example", "daemon_bench"])
+    rows
   end
 
   ## 4. Memory

@@ -78,10 +78,16 @@ defmodule Demo do
     NIF table, or all connected to one bourse_daemon.
     """)
 
-    {daemon, address} = OSProcesses.start_daemon()
+    OSProcesses.with_daemon(&workers(mock, &1))
+  end
+
+  defp workers(mock, daemon_address) do
     # The worker VMs boot while the runs in this VM go on.
     own_vms = for _ <- 1..4, do: OSProcesses.start_worker(mock.url, 10, ["nif"])
-    daemon_vms = for _ <- 1..4, do: OSProcesses.start_worker(mock.url, 10, ["daemon", address])
+
+    daemon_vms =
+      for _ <- 1..4, do: OSProcesses.start_worker(mock.url, 10, ["daemon", daemon_address])
+
     own = for i <- 1..4, do: start_limiter(:"Demo.Worker#{i}")
     shared = List.duplicate(start_limiter(Demo.Shared), 4)
 
@@ -103,7 +109,6 @@ defmodule Demo do
           ],
           do: run_workers(run, label, fn -> OSProcesses.run(vms) end)
 
-    OSProcesses.stop_daemon(daemon)
     results = in_vm ++ cross
     seed = %{own_vm: "5 to 12", own_os: "5 to 12", shared_vm: "0", shared_daemon: "0"}
     IO.puts("")

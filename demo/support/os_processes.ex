@@ -7,18 +7,30 @@ defmodule Demo.OSProcesses do
   @typedoc "A running OS process: the port to it and its OS pid."
   @type os_process :: %{port: port(), os_pid: pos_integer()}
 
-  @doc "Starts `bourse_daemon --listen 127.0.0.1:0`; returns it and the address it bound."
-  @spec start_daemon() :: {os_process(), String.t()}
-  def start_daemon do
+  @doc """
+  Starts `bourse_daemon --listen 127.0.0.1:0`, calls `fun` with the address it bound, and
+  stops the daemon with SIGTERM (a server does not exit when its stdin closes), also when
+  `fun` raises. Returns what `fun` returns.
+  """
+  @spec with_daemon((String.t() -> result)) :: result when result: term()
+  def with_daemon(fun) do
+    {daemon, address} = start_daemon()
+
+    try do
+      fun.(address)
+    after
+      stop_daemon(daemon)
+    end
+  end
+
+  defp start_daemon do
     daemon =
       open(Application.app_dir(:bourse, "priv/native/bourse_daemon"), ["--listen", "127.0.0.1:0"])
 
     {daemon, receive_line(daemon, "listening tcp ")}
   end
 
-  @doc "Stops the daemon with SIGTERM (a server does not exit when its stdin closes)."
-  @spec stop_daemon(os_process()) :: :ok
-  def stop_daemon(%{os_pid: os_pid}) do
+  defp stop_daemon(%{os_pid: os_pid}) do
     {_, 0} = System.cmd("kill", ["-TERM", Integer.to_string(os_pid)])
     :ok
   end
