@@ -52,6 +52,9 @@ defmodule Mix.Tasks.Compile.BourseNative do
           install(source, Path.join(priv_dir(), dest), mode),
           do: dest
 
+    # Link priv/ into the build now: Bourse.Native loads the NIF from there as soon as the
+    # Elixir compiler loads the module.
+    Mix.Project.build_structure()
     if changed == [], do: {:noop, []}, else: {:ok, []}
   end
 
