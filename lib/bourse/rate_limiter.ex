@@ -115,7 +115,17 @@ defmodule Bourse.RateLimiter do
   @spec check_rate(key(), rate_limit() | nil, number(), GenServer.name()) ::
           :ok | {:delay, pos_integer()} | error()
   def check_rate(key, limit, cost \\ 1, name \\ @default) do
-    case run(name, :check_one, [self(), key, limit, cost, nil]) do
+    # The hot path: a direct call to the backend, no argument list built for `apply/3`.
+    answer =
+      case route(name) do
+        {backend, handle, _events} ->
+          backend.check_one(handle, self(), key, limit, cost, nil)
+
+        elsewhere ->
+          elsewhere(elsewhere, name, {:run, :check_one, [self(), key, limit, cost, nil]})
+      end
+
+    case answer do
       :ok -> :ok
       other -> observe(other, name, nil, fn -> %{key: key, cost: cost} end)
     end

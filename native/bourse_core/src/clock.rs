@@ -2,7 +2,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// A monotonic source of nanoseconds. Only differences between readings matter.
 pub trait Clock: Send + Sync + 'static {
@@ -10,16 +9,16 @@ pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> u64;
 }
 
-/// The process's monotonic clock (`Instant`), counted from its creation.
+/// The machine's monotonic clock (`CLOCK_MONOTONIC`), counted from this value's creation.
 #[derive(Debug, Clone)]
 pub struct MonotonicClock {
-    origin: Instant,
+    origin: u64,
 }
 
 impl MonotonicClock {
     pub fn new() -> Self {
         Self {
-            origin: Instant::now(),
+            origin: monotonic_nanos(),
         }
     }
 }
@@ -33,8 +32,20 @@ impl Default for MonotonicClock {
 impl Clock for MonotonicClock {
     fn now(&self) -> u64 {
         // u64 nanoseconds last 584 years from the origin.
-        self.origin.elapsed().as_nanos() as u64
+        monotonic_nanos() - self.origin
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: what `Instant::now` reads, without its conversions.
+fn monotonic_nanos() -> u64 {
+    let mut time = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec it is given; CLOCK_MONOTONIC is
+    // always available, so the call cannot fail.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut time) };
+    time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64
 }
 
 /// A clock moved by hand, for deterministic tests. Clones share one reading.

@@ -37,9 +37,17 @@ impl<'a> KeyRef<'a> {
 
 impl Hash for KeyRef<'_> {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.exchange.hash(state);
-        self.credential.hash(state);
-        self.axis.hash(state);
+        // The three lengths and the public flag in one word, then the bytes: four writes.
+        let credential = self.credential.unwrap_or_default();
+        state.write_u64(
+            self.exchange.len() as u64
+                | (credential.len() as u64) << 20
+                | (self.axis.len() as u64) << 40
+                | u64::from(self.credential.is_none()) << 63,
+        );
+        state.write(self.exchange);
+        state.write(credential);
+        state.write(self.axis);
     }
 }
 

@@ -45,7 +45,8 @@ fn tuple<const N: usize>(term: Term) -> Option<[Term; N]> {
 }
 
 fn is_atom(term: Term, atom: Atom) -> bool {
-    matches!(term.decode::<Atom>(), Ok(decoded) if decoded == atom)
+    // Atoms are immediate terms: equal atoms are equal words, no call into the VM needed.
+    term.as_c_arg() == atom.as_c_arg()
 }
 
 fn invalid<T>(message: impl Into<String>) -> Decoded<T> {
