@@ -3,10 +3,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
   `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
 
-  Callers encode their request (with an `id`) in their own process, note the `id` in this
-  process's table and write the request to the stream themselves, so the requests of many
-  callers are pipelined on the one stream without a stop here. This process reads the
-  answers, matches each to its caller by `id` and sends it on.
+  Callers encode their request (with an `id`) in their own process and send it here; this
+  process writes every request that is waiting when it gets to run as one write, reads the
+  answers (many per read when they were pipelined), matches each to its caller by `id` and
+  sends it on. One writer per stream means no contention on the port or socket, and one
+  system call for many requests on both sides.
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
@@ -103,18 +104,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     payload = :jiffy.encode(Map.put(request, :id, id))
 
     case :ets.lookup(handle.table, :stream) do
-      [{:stream, _transport, nil, _max, down}] ->
+      [{:stream, nil, down}] ->
         {:error, Error.unavailable(down)}
 
-      [{:stream, transport, stream, max, _down}] ->
+      [{:stream, max, _down}] ->
         case IO.iodata_length(payload) do
           size when size > max ->
             {:error,
              "the request is #{size} bytes encoded, more than the daemon accepts " <>
                "(#{max}, its --max-frame-bytes)"}
 
-          _size ->
-            call(handle, id, transport, stream, payload)
+          size ->
+            call(handle, id, payload, size)
         end
     end
   rescue
@@ -123,59 +124,32 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # The answer comes to an alias of this call: once the call gives up, nothing more does.
-  defp call(handle, id, transport, stream, payload) do
+  defp call(handle, id, payload, size) do
     ref = :erlang.monitor(:process, handle.pid, [{:alias, :demonitor}])
-    deadline = System.monotonic_time(:millisecond) + handle.timeout
+    send(handle.pid, {:request, id, ref, payload, size})
 
-    case send_request(handle, id, ref, {transport, stream, payload}, deadline) do
-      :ok ->
-        receive do
-          {^ref, answer} ->
-            Process.demonitor(ref, [:flush])
-            answer
+    receive do
+      {^ref, answer} ->
+        Process.demonitor(ref, [:flush])
+        answer
 
-          {:DOWN, ^ref, _, _, _} ->
-            {:error, gone()}
-        after
-          max(deadline - System.monotonic_time(:millisecond), 0) ->
-            message = "bourse_daemon did not answer within #{handle.timeout} ms"
-            give_up(handle, id, ref, Error.unavailable(message))
-        end
-
-      {:error, error} ->
-        give_up(handle, id, ref, error)
+      {:DOWN, ^ref, _, _, _} ->
+        {:error, gone()}
+    after
+      handle.timeout ->
+        send(handle.pid, {:cancel, id})
+        give_up(ref, "bourse_daemon did not answer within #{handle.timeout} ms")
     end
-  end
-
-  # Noted in flight before it is written, so that its answer always finds the caller.
-  defp send_request(handle, id, ref, {transport, stream, payload}, deadline) do
-    :ets.insert(handle.table, {id, ref})
-
-    case transmit(transport, stream, payload, deadline) do
-      :ok ->
-        :ok
-
-      {:error, reason} ->
-        {:error, Error.unavailable("cannot write to bourse_daemon: #{inspect(reason)}")}
-    end
-  rescue
-    ArgumentError -> {:error, gone()}
   end
 
   # An answer (or a failure) sent before the alias went away still counts.
-  defp give_up(handle, id, ref, error) do
+  defp give_up(ref, message) do
     Process.demonitor(ref, [:flush])
-
-    try do
-      :ets.delete(handle.table, id)
-    rescue
-      ArgumentError -> :gone
-    end
 
     receive do
       {^ref, answer} -> answer
     after
-      0 -> {:error, error}
+      0 -> {:error, Error.unavailable(message)}
     end
   end
 
@@ -198,6 +172,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       assume_busy: assume_busy,
       stream: nil,
+      in_flight: %{},
+      outbox: [],
+      flushing: false,
       partial: [],
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
@@ -241,18 +218,48 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     do: {:reply, :other_target, state}
 
   @impl true
-  def handle_info({stream, {:data, frame}}, %{stream: stream} = state) do
-    answered(state, frame)
+  def handle_info({:request, _id, reply_to, _payload, _size}, %{stream: nil} = state) do
+    send(reply_to, {reply_to, {:error, Error.unavailable(unavailable(state))}})
+    {:noreply, state}
   end
 
-  def handle_info({:tcp, stream, line}, %{stream: stream} = state) do
-    # A line longer than the socket's buffer arrives in pieces; only the last ends in \n.
-    cond do
-      :binary.last(line) != ?\n -> {:noreply, %{state | partial: [state.partial | line]}}
-      state.partial == [] -> answered(state, line)
-      true -> answered(%{state | partial: []}, IO.iodata_to_binary([state.partial | line]))
+  # Written with every other request that is waiting by the time `:flush` comes.
+  def handle_info({:request, id, reply_to, payload, size}, state) do
+    state = %{
+      state
+      | in_flight: Map.put(state.in_flight, id, reply_to),
+        outbox: [state.outbox | framed(elem(state.target, 0), payload, size)]
+    }
+
+    {:noreply, flush_soon(state)}
+  end
+
+  def handle_info({:cancel, id}, state),
+    do: {:noreply, %{state | in_flight: Map.delete(state.in_flight, id)}}
+
+  def handle_info(:flush, state) do
+    state = %{state | flushing: false}
+
+    case write(state) do
+      :ok ->
+        {:noreply, %{state | outbox: []}}
+
+      # The daemon is behind with its input (or stopped): try again soon; callers give up
+      # at their deadline meanwhile.
+      :busy ->
+        Process.send_after(self(), :flush, 1)
+        {:noreply, %{state | flushing: true}}
+
+      {:error, reason} ->
+        {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
     end
   end
+
+  def handle_info({stream, {:data, chunk}}, %{stream: stream} = state),
+    do: port_data(chunk, state)
+
+  def handle_info({:tcp, stream, data}, %{stream: stream} = state),
+    do: socket_data(data, state)
 
   # A port is reopened at once; a socket after its backoff.
   def handle_info({stream, {:exit_status, status}}, %{stream: stream} = state) do
@@ -289,21 +296,78 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     %{state | limiter: nil, orphan_timer: timer}
   end
 
+  defp flush_soon(%{flushing: true} = state), do: state
+
+  defp flush_soon(state) do
+    send(self(), :flush)
+    %{state | flushing: true}
+  end
+
+  # Port frames are 4-byte big-endian lengths and JSON; a frame in pieces is joined once all
+  # of it is there (`partial`: the pieces, their size, the size they must reach).
+  defp port_data(chunk, %{partial: {[], 0, _wanted}} = state), do: port_frames(chunk, state)
+
+  defp port_data(chunk, %{partial: {pieces, held, wanted}} = state) do
+    held = held + byte_size(chunk)
+
+    if held < wanted,
+      do: {:noreply, %{state | partial: {[pieces | chunk], held, wanted}}},
+      else: port_frames(IO.iodata_to_binary([pieces | chunk]), state)
+  end
+
+  defp port_frames(<<size::32, frame::binary-size(size), rest::binary>>, state) do
+    case answered(state, frame) do
+      {:ok, state} -> port_frames(rest, state)
+      {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
+    end
+  end
+
+  defp port_frames(<<>>, state), do: {:noreply, %{state | partial: {[], 0, 4}}}
+
+  defp port_frames(<<size::32, _::binary>> = rest, state),
+    do: {:noreply, %{state | partial: {[rest], byte_size(rest), size + 4}}}
+
+  defp port_frames(rest, state), do: {:noreply, %{state | partial: {[rest], byte_size(rest), 4}}}
+
+  # Socket answers are lines; `partial` holds the start of a line not ended yet.
+  defp socket_data(data, state) do
+    case :binary.split(data, "\n", [:global]) do
+      [unended] ->
+        {:noreply, %{state | partial: [state.partial | unended]}}
+
+      [end_of_first | lines] when state.partial != [] ->
+        first = IO.iodata_to_binary([state.partial | end_of_first])
+        socket_lines([first | lines], %{state | partial: []})
+
+      lines ->
+        socket_lines(lines, state)
+    end
+  end
+
+  defp socket_lines([""], state), do: {:noreply, state}
+  defp socket_lines([unended], state), do: {:noreply, %{state | partial: unended}}
+
+  defp socket_lines([line | lines], state) do
+    case answered(state, line) do
+      {:ok, state} -> socket_lines(lines, state)
+      {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
+    end
+  end
+
   defp answered(state, frame) do
     with {:ok, %{"id" => id} = answer} when is_integer(id) <- decode(frame),
-         [{^id, reply_to}] <- :ets.take(state.table, id) do
+         {reply_to, in_flight} when reply_to != nil <- Map.pop(state.in_flight, id) do
       send(reply_to, {reply_to, answer})
-      {:noreply, state}
+      {:ok, %{state | in_flight: in_flight}}
     else
       :error ->
-        reason = "the daemon sent something that is not protocol #{@protocol_version} JSON"
-        {:noreply, reopen_later(broken(state, reason))}
+        {:error, "the daemon sent something that is not protocol #{@protocol_version} JSON"}
 
       # An answer to a caller that gave up already, or an error without an id. Not shown:
       # answers hold keys, and keys hold API keys.
       _unmatched ->
         Logger.debug("#{describe(state.target)}: dropped an answer no caller waits for")
-        {:noreply, state}
+        {:ok, state}
     end
   end
 
@@ -316,29 +380,29 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     _, _ -> :error
   end
 
-  # The stream is gone: new calls fail at once, the stream is closed (so that callers who
-  # took it before cannot write any more), then every caller in flight is failed.
+  # The stream is gone: new calls fail at once, the stream is closed, then every caller in
+  # flight is failed and requests not written yet are dropped.
   defp broken(state, reason) do
     Logger.warning("#{describe(state.target)}: #{reason}")
-    state = %{state | partial: [], down_reason: reason}
-    down = publish(state, nil)
+    state = %{state | down_reason: reason}
+    error = {:error, Error.unavailable(publish(state, nil))}
     close(state)
-    error = {:error, Error.unavailable(down)}
-    in_flight = :ets.select(state.table, [{{:"$1", :"$2"}, [{:is_integer, :"$1"}], [:"$_"]}])
-
-    for {id, reply_to} <- in_flight,
-        :ets.take(state.table, id) != [],
-        do: send(reply_to, {reply_to, error})
-
-    %{state | stream: nil}
+    for {_id, reply_to} <- state.in_flight, do: send(reply_to, {reply_to, error})
+    %{state | stream: nil, in_flight: %{}, outbox: [], partial: []}
   end
 
-  # What callers read before they write: the stream and its frame limit, or why it is down.
-  defp publish(state, stream, max_frame_bytes \\ 0) do
-    down = "#{describe(state.target)} is unavailable: #{state.down_reason}"
-    :ets.insert(state.table, {:stream, elem(state.target, 0), stream, max_frame_bytes, down})
+  # What callers read before they send: the daemon's frame limit, or `nil` and why it is down.
+  defp publish(state, max_frame_bytes) do
+    down = unavailable(state)
+    :ets.insert(state.table, {:stream, max_frame_bytes, down})
     down
   end
+
+  defp unavailable(state), do: "#{describe(state.target)} is unavailable: #{state.down_reason}"
+
+  # A port is reopened at once; a socket after its backoff.
+  defp reconnect(%{target: {:port, _, _}} = state), do: reopen(state)
+  defp reconnect(state), do: reopen_later(state)
 
   defp reopen(state) do
     case open(state) do
@@ -367,7 +431,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     port =
       Port.open({:spawn_executable, executable}, [
-        {:packet, 4},
+        :stream,
         :binary,
         :exit_status,
         :use_stdio,
@@ -400,11 +464,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state.target)}: connected again")
-    publish(state, stream, hello["max_frame_bytes"])
+    publish(state, hello["max_frame_bytes"])
 
     %{
       state
       | stream: stream,
+        partial: if(elem(state.target, 0) == :port, do: {[], 0, 4}, else: []),
         backoff_ms: @first_backoff_ms,
         connected_before: true,
         assume_busy: true
@@ -421,8 +486,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
   end
 
-  # A caller blocked writing to a daemon that does not read gives up with its call; the
-  # socket then closes, as part of a line may have gone.
+  # A write to a daemon that does not read gives up after the callers' timeout; the socket
+  # then closes, as part of a line may have gone. Lines until the hello, then bytes.
   defp socket_opts(timeout) do
     [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
       [send_timeout: timeout, send_timeout_close: true]
@@ -432,7 +497,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     with :ok <- tagged(:gen_tcp.send(socket, [hello_request(), ?\n]), "cannot send"),
          {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
          {:ok, hello} <- hello(line),
-         :ok <- :inet.setopts(socket, active: true) do
+         :ok <- :inet.setopts(socket, packet: :raw, active: true) do
       {:ok, hello}
     else
       error ->
@@ -442,11 +507,21 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp port_handshake(port) do
-    Port.command(port, hello_request())
+    hello = hello_request()
+    Port.command(port, framed(:port, hello, IO.iodata_length(hello)))
+    port_hello(port, "")
+  end
 
+  defp port_hello(port, received) do
     receive do
-      {^port, {:data, frame}} -> hello(frame)
-      {^port, {:exit_status, status}} -> {:error, "it exited with status #{status}"}
+      {^port, {:data, chunk}} ->
+        case received <> chunk do
+          <<size::32, frame::binary-size(size), _::binary>> -> hello(frame)
+          incomplete -> port_hello(port, incomplete)
+        end
+
+      {^port, {:exit_status, status}} ->
+        {:error, "it exited with status #{status}"}
     after
       @handshake_timeout ->
         Port.close(port)
@@ -467,31 +542,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  # Any process may write to a port or a socket, until `deadline` at the latest. (A socket
-  # is a port too: the transport tells them apart.)
-  defp transmit(:port, port, payload, deadline) do
-    command(port, payload, deadline)
+  defp framed(:port, payload, size), do: [<<size::32>>, payload]
+  defp framed(:socket, payload, _size), do: [payload, ?\n]
+
+  # One write for every request waiting. A port busy with earlier requests is not waited for
+  # (`:busy`): this process must stay free to read answers and to fail callers.
+  defp write(%{outbox: []}), do: :ok
+
+  defp write(%{target: {:port, _, _}, stream: port, outbox: outbox}) do
+    if Port.command(port, outbox, [:nosuspend]), do: :ok, else: :busy
   rescue
     ArgumentError -> {:error, :closed}
   end
 
-  defp transmit(:socket, socket, payload, _deadline), do: :gen_tcp.send(socket, [payload, ?\n])
-
-  # A port busy with earlier requests: the daemon is behind with its input (or stopped).
-  # Wait a little and try again, rather than block past the deadline.
-  defp command(port, payload, deadline) do
-    cond do
-      Port.command(port, payload, [:nosuspend]) ->
-        :ok
-
-      System.monotonic_time(:millisecond) >= deadline ->
-        {:error, :busy}
-
-      true ->
-        Process.sleep(1)
-        command(port, payload, deadline)
-    end
-  end
+  defp write(%{stream: socket, outbox: outbox}), do: :gen_tcp.send(socket, outbox)
 
   defp close(%{target: {:port, _, _}, stream: port}) do
     Port.close(port)
