@@ -1,6 +1,6 @@
 # Checks per second through Bourse.RateLimiter.check_rate/4 with the buckets out of the VM:
 # `backend: :port` (bourse_daemon --stdio as an Erlang port) and `backend: {:daemon, addr}`
-# (a bourse_daemon server on loopback TCP), with the in-VM NIF for reference, at 1 and 8
+# (a bourse_daemon server on loopback TCP), with the in-VM NIF for reference, at 1, 8 and 64
 # concurrent callers. Printed, never asserted:
 #
 #     mix run bench/daemon.exs [SECONDS_PER_ROW]
@@ -33,7 +33,7 @@ defmodule DaemonBench do
           {"port", :port},
           {"daemon (tcp)", {:daemon, address}}
         ],
-        callers <- [1, 8] do
+        callers <- [1, 8, 64] do
       name = :"bench_#{System.unique_integer([:positive])}"
       {:ok, pid} = RateLimiter.start_link(name: name, backend: backend)
       checks = measure(name, callers, seconds)

@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   Callers encode their request (with an `id`) in their own process and send it here; this
   process writes every request that is waiting when it gets to run as one write, reads the
   answers (many per read when they were pipelined), matches each to its caller by `id` and
-  sends it on. One writer per stream means no contention on the port or socket, and one
+  sends it on; the caller decodes it, so that decoding runs in parallel too. One writer per stream means no contention on the port or socket, and one
   system call for many requests on both sides.
 
   When the stream breaks, every caller waiting gets
@@ -115,7 +115,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
                "(#{max}, its --max-frame-bytes)"}
 
           size ->
-            call(handle, id, payload, size)
+            handle |> call(id, payload, size) |> decoded(id)
         end
     end
   rescue
@@ -153,6 +153,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
+  # Answers come as the daemon wrote them, unless the connection had to decode one to find
+  # its id.
+  defp decoded(frame, id) when is_binary(frame) do
+    case decode(frame) do
+      {:ok, %{"id" => ^id} = answer} -> answer
+      _ -> {:error, Error.unavailable(not_protocol_json())}
+    end
+  end
+
+  defp decoded(answer, _id), do: answer
+
+  defp not_protocol_json,
+    do: "the daemon sent something that is not protocol #{@protocol_version} JSON"
+
   defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
   @doc "The booking owner the daemon knows `pid` by."
@@ -174,6 +188,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       in_flight: %{},
       outbox: [],
+      queued: 0,
+      unanswered: 0,
       flushing: false,
       partial: [],
       down_reason: "not connected yet",
@@ -228,7 +244,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     state = %{
       state
       | in_flight: Map.put(state.in_flight, id, reply_to),
-        outbox: [state.outbox | framed(elem(state.target, 0), payload, size)]
+        outbox: [state.outbox | framed(elem(state.target, 0), payload, size)],
+        queued: state.queued + 1
     }
 
     {:noreply, flush_soon(state)}
@@ -237,23 +254,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_info({:cancel, id}, state),
     do: {:noreply, %{state | in_flight: Map.delete(state.in_flight, id)}}
 
-  def handle_info(:flush, state) do
-    state = %{state | flushing: false}
-
-    case write(state) do
-      :ok ->
-        {:noreply, %{state | outbox: []}}
-
-      # The daemon is behind with its input (or stopped): try again soon; callers give up
-      # at their deadline meanwhile.
-      :busy ->
-        Process.send_after(self(), :flush, 1)
-        {:noreply, %{state | flushing: true}}
-
-      {:error, reason} ->
-        {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
-    end
-  end
+  def handle_info(:flush, state), do: flush(%{state | flushing: false})
 
   def handle_info({stream, {:data, chunk}}, %{stream: stream} = state),
     do: port_data(chunk, state)
@@ -296,12 +297,45 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     %{state | limiter: nil, orphan_timer: timer}
   end
 
+  defp flush(state) do
+    case write(state) do
+      :ok ->
+        unanswered = state.unanswered + state.queued
+        {:noreply, %{state | outbox: [], queued: 0, unanswered: unanswered}}
+
+      # The daemon is behind with its input (or stopped): try again soon; callers give up
+      # at their deadline meanwhile.
+      :busy ->
+        Process.send_after(self(), :flush, 1)
+        {:noreply, %{state | flushing: true}}
+
+      {:error, reason} ->
+        {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
+    end
+  end
+
+  # Requests wait (1 ms at most) while fewer of them are queued than written and not answered
+  # yet: when many callers call at once, they go out in batches about as large as the ones
+  # in flight, with few writes and reads on both sides; one caller alone never waits.
   defp flush_soon(%{flushing: true} = state), do: state
 
-  defp flush_soon(state) do
+  defp flush_soon(%{queued: queued, unanswered: unanswered} = state)
+       when queued >= unanswered do
     send(self(), :flush)
     %{state | flushing: true}
   end
+
+  defp flush_soon(state) do
+    Process.send_after(self(), :flush, 1)
+    %{state | flushing: true}
+  end
+
+  # Answers came in: what waits may go out now.
+  defp read_all(%{queued: queued, unanswered: unanswered} = state)
+       when queued > 0 and queued >= unanswered,
+       do: flush(state)
+
+  defp read_all(state), do: {:noreply, state}
 
   # Port frames are 4-byte big-endian lengths and JSON; a frame in pieces is joined once all
   # of it is there (`partial`: the pieces, their size, the size they must reach).
@@ -322,12 +356,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp port_frames(<<>>, state), do: {:noreply, %{state | partial: {[], 0, 4}}}
+  defp port_frames(<<>>, state), do: read_all(%{state | partial: {[], 0, 4}})
 
   defp port_frames(<<size::32, _::binary>> = rest, state),
-    do: {:noreply, %{state | partial: {[rest], byte_size(rest), size + 4}}}
+    do: read_all(%{state | partial: {[rest], byte_size(rest), size + 4}})
 
-  defp port_frames(rest, state), do: {:noreply, %{state | partial: {[rest], byte_size(rest), 4}}}
+  defp port_frames(rest, state), do: read_all(%{state | partial: {[rest], byte_size(rest), 4}})
 
   # Socket answers are lines; `partial` holds the start of a line not ended yet.
   defp socket_data(data, state) do
@@ -344,8 +378,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp socket_lines([""], state), do: {:noreply, state}
-  defp socket_lines([unended], state), do: {:noreply, %{state | partial: unended}}
+  defp socket_lines([""], state), do: read_all(state)
+  defp socket_lines([unended], state), do: read_all(%{state | partial: unended})
 
   defp socket_lines([line | lines], state) do
     case answered(state, line) do
@@ -355,19 +389,41 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp answered(state, frame) do
-    with {:ok, %{"id" => id} = answer} when is_integer(id) <- decode(frame),
+    state = %{state | unanswered: max(state.unanswered - 1, 0)}
+
+    with {:ok, id, answer} <- answer_id(frame),
          {reply_to, in_flight} when reply_to != nil <- Map.pop(state.in_flight, id) do
       send(reply_to, {reply_to, answer})
       {:ok, %{state | in_flight: in_flight}}
     else
       :error ->
-        {:error, "the daemon sent something that is not protocol #{@protocol_version} JSON"}
+        {:error, not_protocol_json()}
 
       # An answer to a caller that gave up already, or an error without an id. Not shown:
       # answers hold keys, and keys hold API keys.
       _unmatched ->
         Logger.debug("#{describe(state.target)}: dropped an answer no caller waits for")
         {:ok, state}
+    end
+  end
+
+  # Every answer of the daemon ends with its id, `,"id":ID}`: read from there, the answer is
+  # left for its caller to decode. Anything else is decoded here.
+  defp answer_id(frame) do
+    size = byte_size(frame)
+    tail = min(size, 32)
+
+    with {at, _} when at > 0 <- :binary.match(frame, ~s("id":), scope: {size - tail, tail}),
+         true <- :binary.at(frame, at - 1) in [?,, ?{],
+         {id, "}"} <- Integer.parse(binary_part(frame, at + 5, size - at - 5)) do
+      {:ok, id, frame}
+    else
+      _ ->
+        case decode(frame) do
+          {:ok, %{"id" => id} = answer} when is_integer(id) -> {:ok, id, answer}
+          {:ok, answer} -> {:unmatched, answer}
+          :error -> :error
+        end
     end
   end
 
@@ -388,7 +444,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     error = {:error, Error.unavailable(publish(state, nil))}
     close(state)
     for {_id, reply_to} <- state.in_flight, do: send(reply_to, {reply_to, error})
-    %{state | stream: nil, in_flight: %{}, outbox: [], partial: []}
+    %{state | stream: nil, in_flight: %{}, outbox: [], queued: 0, unanswered: 0, partial: []}
   end
 
   # What callers read before they send: the daemon's frame limit, or `nil` and why it is down.
