@@ -6,8 +6,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   Callers encode their request (with an `id`) in their own process and send it here; this
   process writes every request that is waiting when it gets to run as one write, reads the
   answers (many per read when they were pipelined), matches each to its caller by `id` and
-  sends it on; the caller decodes it, so that decoding runs in parallel too. One writer per stream means no contention on the port or socket, and one
-  system call for many requests on both sides.
+  sends it on; the caller decodes it, so that decoding runs in parallel too. One writer per
+  stream means no contention on the port or socket, and one system call for many requests
+  on both sides.
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
