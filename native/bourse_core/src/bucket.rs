@@ -144,7 +144,11 @@ impl Bucket {
     /// forfeited, so nobody can spend what the payment needs at `at`.
     pub fn pay(&mut self, limit: Limit, cost: f64, start: f64, now: u64, at: u64) {
         let cap = limit.capacity().max(cost);
-        let lead = limit.refill_per_sec() * secs(now, at);
+        let lead = if at > now {
+            limit.refill_per_sec() * secs(now, at)
+        } else {
+            0.0
+        };
         let after = (start.min(cap) + lead).min(cap) - cost;
         self.base = after - lead;
         self.base_at = now;
@@ -179,6 +183,9 @@ impl Bucket {
 
     /// Drops bookings whose slack has run out; their cost stays paid. Returns how many.
     pub fn drop_lapsed(&mut self, now: u64) -> usize {
+        if self.bookings.is_empty() {
+            return 0;
+        }
         let before = self.bookings.len();
         self.bookings.retain(|booking| booking.lapse_at >= now);
         before - self.bookings.len()
