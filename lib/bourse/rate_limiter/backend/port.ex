@@ -32,19 +32,27 @@ defmodule Bourse.RateLimiter.Backend.Port do
   @timeout 5_000
 
   @impl true
-  def attach(previous, opts) do
+  def attach(previous, opts), do: run_daemon(previous, [], opts)
+
+  @doc """
+  Runs `bourse_daemon --stdio` with `daemon_args` and the limiter's options (`opts`, as
+  given to `c:Bourse.RateLimiter.Backend.attach/2`) as the connection's port.
+  """
+  @spec run_daemon(term(), [String.t()], keyword()) :: {:ok, term()} | {:error, term()}
+  def run_daemon(previous, daemon_args, opts) do
     executable = executable()
 
     if File.exists?(executable) do
-      args = [
-        "--stdio",
-        "--booking-slack-ms",
-        Integer.to_string(opts[:booking_slack_ms]),
-        "--sweep-interval-ms",
-        Integer.to_string(opts[:sweep_interval_ms]),
-        "--max-frame-bytes",
-        Integer.to_string(@max_frame_bytes)
-      ]
+      args =
+        ["--stdio" | daemon_args] ++
+          [
+            "--booking-slack-ms",
+            Integer.to_string(opts[:booking_slack_ms]),
+            "--sweep-interval-ms",
+            Integer.to_string(opts[:sweep_interval_ms]),
+            "--max-frame-bytes",
+            Integer.to_string(@max_frame_bytes)
+          ]
 
       Connection.attach(previous, {:port, executable, args},
         timeout: @timeout,

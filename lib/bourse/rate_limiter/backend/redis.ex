@@ -36,9 +36,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   use Bourse.RateLimiter.Backend.Protocol
 
-  alias Bourse.RateLimiter.Backend.{Connection, Port}
+  alias Bourse.RateLimiter.Backend.Port
 
-  @timeout 5_000
   @default_prefix "bourse"
   @default_redis_timeout_ms 1_000
   @schemes ~w(redis rediss unix)
@@ -46,30 +45,17 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @impl true
   def attach(previous, opts) do
     redis = Keyword.fetch!(opts, :backend_opts)
-    executable = Port.executable()
 
-    if File.exists?(executable) do
-      args = [
-        "--stdio",
-        "--redis",
-        redis[:url],
-        "--redis-prefix",
-        redis[:prefix],
-        "--redis-timeout-ms",
-        Integer.to_string(redis[:redis_timeout_ms]),
-        "--booking-slack-ms",
-        Integer.to_string(opts[:booking_slack_ms]),
-        "--sweep-interval-ms",
-        Integer.to_string(opts[:sweep_interval_ms])
-      ]
+    redis_args = [
+      "--redis",
+      redis[:url],
+      "--redis-prefix",
+      redis[:prefix],
+      "--redis-timeout-ms",
+      Integer.to_string(redis[:redis_timeout_ms])
+    ]
 
-      Connection.attach(previous, {:port, executable, args},
-        timeout: @timeout,
-        assume_busy_at_start: opts[:assume_busy_at_start]
-      )
-    else
-      {:error, "bourse_daemon not found at #{executable}: run mix compile"}
-    end
+    Port.run_daemon(previous, redis_args, opts)
   end
 
   @doc """
