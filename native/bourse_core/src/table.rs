@@ -249,19 +249,10 @@ impl<C: Clock> Table<C> {
             limit: check.limit,
             cost: check.cost,
         };
-        let signature = signature(std::slice::from_ref(&item));
-        let now = self.clock.now();
+        let request = self.request(std::slice::from_ref(&item), owner, mode);
         let mut guard = self.lock(hash);
         let shard = &mut *guard;
-        let bucket = self.bucket(&mut shard.buckets, &item, now);
-        let pause_until = self.pause_until(std::slice::from_ref(&item), now);
-        let request = Request {
-            owner,
-            signature,
-            mode,
-            now,
-            pause_until,
-        };
+        let bucket = self.bucket(&mut shard.buckets, &item, request.now);
         self.decide(&mut [bucket], &[item], &mut shard.stats, request)
     }
 
@@ -324,9 +315,8 @@ impl<C: Clock> Table<C> {
             }
             item.slot = shard_indices.len() - 1;
         }
-        let signature = signature(&coalesced);
-        let now = self.clock.now();
-        let pause_until = self.pause_until(&coalesced, now);
+        let request = self.request(&coalesced, owner, mode);
+        let now = request.now;
         let mut guards: Vec<MutexGuard<Shard>> = shard_indices
             .iter()
             .map(|&index| self.shards[index].0.lock())
@@ -338,13 +328,6 @@ impl<C: Clock> Table<C> {
             .map(|item| self.take_bucket(&mut guards[item.slot].buckets, item, now))
             .collect();
         let mut borrowed: Vec<&mut Bucket> = buckets.iter_mut().collect();
-        let request = Request {
-            owner,
-            signature,
-            mode,
-            now,
-            pause_until,
-        };
         let outcome = self.decide(&mut borrowed, &coalesced, &mut guards[0].stats, request);
         for (item, bucket) in coalesced.iter().zip(buckets) {
             guards[item.slot]
@@ -352,6 +335,18 @@ impl<C: Clock> Table<C> {
                 .insert_unique(item.hash, bucket, |b| b.hash);
         }
         Ok(outcome)
+    }
+
+    /// What a check of `items` needs besides its buckets, as of now.
+    fn request(&self, items: &[Item], owner: u64, mode: Mode) -> Request {
+        let now = self.clock.now();
+        Request {
+            owner,
+            signature: signature(items),
+            mode,
+            now,
+            pause_until: self.pause_until(items, now),
+        }
     }
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
