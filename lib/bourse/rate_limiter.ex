@@ -222,6 +222,7 @@ defmodule Bourse.RateLimiter do
       :ok ->
         waited_ms = System.monotonic_time(:millisecond) - since
         Events.emit(name, :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
+        :ok
 
       {wait, ms} when wait in [:booked, :delay] ->
         if wait == :booked, do: Events.emit(name, :booked, %{delay_ms: ms}, metadata)
