@@ -370,9 +370,10 @@ defmodule Bourse.RateLimiter do
           String.t(),
           String.t() | :public,
           100..599,
-          [{String.t() | charlist(), String.t() | charlist()}] | map(),
+          Feedback.headers(),
           GenServer.name()
-        ) :: :ok | error()
+        ) ::
+          :ok | error()
   def observe_response(exchange_id, credential_key, status, headers, name \\ @default),
     do: Feedback.observe_response(exchange_id, credential_key, status, headers, name)
 

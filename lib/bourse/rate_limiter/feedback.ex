@@ -115,14 +115,12 @@ defmodule Bourse.RateLimiter.Feedback do
                   "x-ratelimit" => {"request", nil}
                 })
 
+  @typedoc "Reply headers: `{name, value}` pairs, or a map of name to value or values."
+  @type headers :: [{String.t() | charlist(), String.t() | charlist()}] | map()
+
   @doc "See `Bourse.RateLimiter.observe_response/5`."
-  @spec observe_response(
-          String.t(),
-          String.t() | :public,
-          100..599,
-          [{String.t() | charlist(), String.t() | charlist()}] | map(),
-          GenServer.name()
-        ) :: :ok | {:error, Error.t()}
+  @spec observe_response(String.t(), String.t() | :public, 100..599, headers(), GenServer.name()) ::
+          :ok | {:error, Error.t()}
   def observe_response(exchange_id, credential_key, status, headers, name) do
     with :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
