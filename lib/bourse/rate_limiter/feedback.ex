@@ -52,10 +52,36 @@ defmodule Bourse.RateLimiter.Feedback do
   **Used counters** (Binance) give `used`, the cost the exchange counted in the current
   window `W`, which restarts at wall-clock multiples of `W`. A bucket sized by
   `Bourse.RateLimiter.Limits` (`capacity + refill_per_sec * W <= share * limit`) may spend
-  `B = capacity + refill_per_sec * W` per window, so it may still spend `B - used` until
-  the window ends in `W - rem(now, W)` ms. Its own requests are in `used` and already
-  gone from its tokens, so alone on the counter it is never lowered; what other programs
-  on the IP or account spent is taken off.
+  `B = capacity + refill_per_sec * W` per window, and the exchange admits `L` per window,
+  so the bucket may still spend `min(B, L) - used` until the window ends in
+  `W - rem(now, W)` ms. Its own requests are in `used` and already gone from its tokens,
+  so a correctly sized bucket alone on the counter is never lowered; what other programs
+  on the IP or account spent is taken off. A bucket sized above the exchange's limit
+  (`%{requests: 6000, period: 60_000}` may spend `B = 12_000` in one minute) is held to
+  `L` as soon as a reply says how much of it is spent.
+
+  `L` is, for each used counter, the first of:
+
+    1. the exchange's own, for that exchange id: set by
+       `Bourse.RateLimiter.Limits.from_binance_exchange_info/2` with `exchange: id`
+       (each `rateLimits` entry is the limit of its header), or by
+       `put_header_limits/2`;
+    2. `config :bourse, :header_limits, %{header => limit}` (`nil`: no limit known);
+    3. the default below: Binance spot's, as documented on
+       <https://developers.binance.com/docs/binance-spot-api-docs/rest-api/limits> and
+       <https://developers.binance.com/docs/products/caas/basics/4.rate-limits> (SAPI),
+       and as the live `exchangeInfo` listed them on 6 November 2026 (the field report);
+       read 2026-12-01. Other Binance markets count differently (USD-M futures: 2,400
+       weight a minute): load their `exchangeInfo`, or use
+       `Bourse.RateLimiter.Exchange`.
+
+  | header | default `L` |
+  | --- | --- |
+  | `x-mbx-used-weight-1m` | 6,000 (`REQUEST_WEIGHT`, 1 `MINUTE`) |
+  | `x-sapi-used-ip-weight-1m` | 12,000 (each IP-limited SAPI endpoint) |
+  | `x-sapi-used-uid-weight-1m` | 180,000 (each UID-limited SAPI endpoint) |
+  | `x-mbx-order-count-10s` | 100 (`ORDERS`, 10 `SECOND`) |
+  | `x-mbx-order-count-1d` | 200,000 (`ORDERS`, 1 `DAY`) |
 
   **Limit and remaining** (Bybit, generic) give `limit` and `remaining`, so
   `used = limit - remaining`, and the allowance is `min(B, limit) - used`: never more
@@ -81,7 +107,10 @@ defmodule Bourse.RateLimiter.Feedback do
         "x-used-weight" => {"ip", 1_000}
       }
 
-  A new used-counter header needs a window.
+  A new used-counter header needs a window. Its exchange limit, if any, goes in
+  `:header_limits`:
+
+      config :bourse, :header_limits, %{"x-used-weight" => 10, "x-mbx-used-weight-1m" => 2_400}
   """
 
   alias Bourse.{Error, RateLimiter}
@@ -110,6 +139,15 @@ defmodule Bourse.RateLimiter.Feedback do
       {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", :seconds_or_epoch}
   }
 
+  # The exchange's limit per window of each used counter: see the moduledoc.
+  @default_header_limits %{
+    "x-mbx-used-weight-1m" => 6_000,
+    "x-sapi-used-ip-weight-1m" => 12_000,
+    "x-sapi-used-uid-weight-1m" => 180_000,
+    "x-mbx-order-count-10s" => 100,
+    "x-mbx-order-count-1d" => 200_000
+  }
+
   @default_axes Map.merge(@used_counters, %{
                   "x-bapi-limit" => {"request", 1_000},
                   "x-ratelimit" => {"request", nil}
@@ -118,6 +156,84 @@ defmodule Bourse.RateLimiter.Feedback do
   @typedoc "Reply headers: `{name, value}` pairs, or a map of name to value or values."
   @type headers :: [{String.t() | charlist(), String.t() | charlist()}] | map()
 
+  @doc """
+  Sets the exchange's own limits per window for the used counters of `exchange_id`:
+  `%{header => limit}` (names case-insensitive; `nil` forgets a limit set before). They
+  take precedence over `config :bourse, :header_limits` and the defaults. They
+  are kept for the life of the VM, for every limiter in it.
+
+      Feedback.put_header_limits("binance_usdm", %{"x-mbx-used-weight-1m" => 2_400})
+  """
+  @spec put_header_limits(String.t(), %{String.t() => number() | nil}) ::
+          :ok | {:error, Error.t()}
+  def put_header_limits(exchange_id, limits) when is_binary(exchange_id) and is_map(limits) do
+    with {:ok, limits} <- Enum.reduce_while(limits, {:ok, %{}}, &header_limit/2) do
+      merged =
+        exchange_id
+        |> header_limits()
+        |> Map.merge(limits)
+        |> Map.reject(fn {_header, limit} -> is_nil(limit) end)
+
+      if merged != header_limits(exchange_id),
+        do: :persistent_term.put({__MODULE__, :header_limits, exchange_id}, merged)
+
+      :ok
+    end
+  end
+
+  def put_header_limits(exchange_id, limits),
+    do:
+      invalid(
+        "put_header_limits/2 takes an exchange id (a binary) and a map of header to limit, " <>
+          "got #{short(exchange_id)} and #{short(limits)}"
+      )
+
+  defp header_limit({header, limit}, {:ok, acc}) when is_binary(header) do
+    if is_nil(limit) or (is_number(limit) and limit > 0 and limit <= @max_amount),
+      do: {:cont, {:ok, Map.put(acc, String.downcase(header), limit)}},
+      else: {:halt, bad_header_limit(header, limit)}
+  end
+
+  defp header_limit({header, limit}, _acc), do: {:halt, bad_header_limit(header, limit)}
+
+  defp bad_header_limit(header, limit),
+    do:
+      invalid(
+        "a header limit must be a header name => a positive number or nil, " <>
+          "got #{short(header)} => #{short(limit)}"
+      )
+
+  # The limits set for one exchange.
+  defp header_limits(exchange_id),
+    do: :persistent_term.get({__MODULE__, :header_limits, exchange_id}, %{})
+
+  # The exchange's limit of each used counter (`nil`: none known): see the moduledoc.
+  defp exchange_limits(exchange_id) do
+    with {:ok, configured} <- configured_header_limits() do
+      {:ok,
+       @default_header_limits |> Map.merge(configured) |> Map.merge(header_limits(exchange_id))}
+    end
+  end
+
+  defp configured_header_limits do
+    case Application.get_env(:bourse, :header_limits) do
+      nil ->
+        {:ok, %{}}
+
+      limits when is_map(limits) ->
+        case Enum.reduce_while(limits, {:ok, %{}}, &header_limit/2) do
+          {:ok, limits} ->
+            {:ok, limits}
+
+          {:error, %Error{message: message}} ->
+            invalid("config :bourse, :header_limits: " <> message)
+        end
+
+      other ->
+        invalid("config :bourse, :header_limits must be a map, got #{short(other)}")
+    end
+  end
+
   @doc "See `Bourse.RateLimiter.observe_response/5`."
   @spec observe_response(String.t(), String.t() | :public, 100..599, headers(), GenServer.name()) ::
           :ok | {:error, Error.t()}
@@ -125,8 +241,9 @@ defmodule Bourse.RateLimiter.Feedback do
     with :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
          {:ok, axes} <- axes(),
+         {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
-         :ok <- sync_all(exchange_id, credential_key, found, axes, name) do
+         :ok <- sync_all(exchange_id, credential_key, found, {axes, limits}, name) do
       react(exchange_id, credential_key, status, found, name)
     end
   end
@@ -211,18 +328,18 @@ defmodule Bourse.RateLimiter.Feedback do
 
   ## Header sync
 
-  defp sync_all(exchange_id, credential, found, axes, name) do
+  defp sync_all(exchange_id, credential, found, {axes, limits}, name) do
     Enum.reduce_while(axes, :ok, fn {header, {axis, window_ms}}, :ok ->
       key = {exchange_id, credential, axis}
 
-      case sync_one(header, key, window_ms, found, name) do
+      case sync_one(header, key, {window_ms, limits[header]}, found, name) do
         {:error, %Error{}} = error -> {:halt, error}
         _synced_or_skipped -> {:cont, :ok}
       end
     end)
   end
 
-  defp sync_one(header, key, window_ms, found, name) do
+  defp sync_one(header, key, {window_ms, exchange_limit}, found, name) do
     case @families do
       %{^header => {limit_name, remaining_name, reset_name, reset_kind}} ->
         with {:ok, limit} when limit > 0 <- number(found[limit_name]),
@@ -239,6 +356,7 @@ defmodule Bourse.RateLimiter.Feedback do
              %{limit: %{capacity: capacity, refill_per_sec: refill}} <-
                RateLimiter.inspect_key(key, name) do
           budget = capacity + refill * window_ms / 1000
+          budget = if exchange_limit, do: min(budget, exchange_limit), else: budget
           left = window_ms - rem(System.os_time(:millisecond), window_ms)
           sync(key, budget - used, left, name)
         end
@@ -392,6 +510,9 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp text(_other), do: :error
+
+  # A value as an error message shows it: bounded.
+  defp short(term), do: inspect(term, limit: 8, printable_limit: 64)
 
   defp invalid(message), do: {:error, Error.invalid(message)}
 end

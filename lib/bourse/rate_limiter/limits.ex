@@ -114,6 +114,16 @@ defmodule Bourse.RateLimiter.Limits do
       #       {"ORDERS", 1, "DAY"} => %{capacity: 16000.0, refill_per_sec: 1.6666666666666667}
       #     }}
 
+  With `exchange: exchange_id`, each entry's limit also becomes that exchange's own limit
+  for the used-weight header that counts it (`REQUEST_WEIGHT` 1 `MINUTE` for
+  `X-MBX-USED-WEIGHT-1M`, `ORDERS` 10 `SECOND` for `X-MBX-ORDER-COUNT-10S`, ...: Binance
+  names them `X-MBX-USED-WEIGHT-(intervalNum)(intervalLetter)` and
+  `X-MBX-ORDER-COUNT-(intervalNum)(intervalLetter)`), so that header sync
+  (`Bourse.RateLimiter.Feedback`) holds every bucket of that exchange to what the
+  exchange admits: `Bourse.RateLimiter.Feedback.put_header_limits/2`.
+
+      {:ok, buckets} = Limits.from_binance_exchange_info(info, exchange: "binance")
+
   Keys may be strings (decoded JSON) or atoms. A missing or empty `"rateLimits"`, a
   duplicate entry or a malformed one (a missing field, a non-positive number, an interval
   other than `SECOND`, `MINUTE`, `HOUR` or `DAY`) is
@@ -124,26 +134,58 @@ defmodule Bourse.RateLimiter.Limits do
   def from_binance_exchange_info(info, opts \\ [])
 
   def from_binance_exchange_info(info, opts) when is_map(info) do
-    case field(info, "rateLimits") do
-      [_ | _] = entries -> entries(entries, 0, %{}, opts)
-      _ -> invalid("exchangeInfo has no rateLimits, or they are empty")
+    with {:ok, exchange} <- exchange_option(opts),
+         {:ok, buckets, header_limits} <- rate_limits(info, opts),
+         :ok <- put_header_limits(exchange, header_limits) do
+      {:ok, buckets}
     end
   end
 
   def from_binance_exchange_info(info, _opts),
     do: invalid("exchangeInfo must be a map, got: #{inspect(info)}")
 
-  defp entries([], _index, buckets, _opts), do: {:ok, buckets}
+  defp exchange_option(opts) do
+    case Keyword.get(opts, :exchange) do
+      exchange when is_nil(exchange) or is_binary(exchange) -> {:ok, exchange}
+      other -> invalid("exchange must be an exchange id (a binary), got: #{inspect(other)}")
+    end
+  end
 
-  defp entries([entry | rest], index, buckets, opts) do
+  defp rate_limits(info, opts) do
+    case field(info, "rateLimits") do
+      [_ | _] = entries -> entries(entries, 0, {%{}, %{}}, opts)
+      _ -> invalid("exchangeInfo has no rateLimits, or they are empty")
+    end
+  end
+
+  defp entries([], _index, {buckets, headers}, _opts), do: {:ok, buckets, headers}
+
+  defp entries([entry | rest], index, {buckets, headers}, opts) do
     with {:ok, key, limit, window_ms} <- entry(entry, index),
          :ok <- unique(key, buckets),
          {:ok, bucket} <- size(limit, window_ms, opts) do
-      entries(rest, index + 1, Map.put(buckets, key, bucket), opts)
+      headers = Map.merge(headers, used_header(key, limit))
+      entries(rest, index + 1, {Map.put(buckets, key, bucket), headers}, opts)
     end
   end
 
   defp entries(_improper, _index, _buckets, _opts), do: invalid("rateLimits is not a proper list")
+
+  # The response header that reports how much of an entry is spent, if Binance sends one.
+  defp used_header({type, num, interval}, limit) do
+    letter = interval |> String.first() |> String.downcase()
+
+    case type do
+      "REQUEST_WEIGHT" -> %{"x-mbx-used-weight-#{num}#{letter}" => limit}
+      "ORDERS" -> %{"x-mbx-order-count-#{num}#{letter}" => limit}
+      _raw_requests -> %{}
+    end
+  end
+
+  defp put_header_limits(nil, _header_limits), do: :ok
+
+  defp put_header_limits(exchange, header_limits),
+    do: Bourse.RateLimiter.Feedback.put_header_limits(exchange, header_limits)
 
   defp entry(entry, index) when is_map(entry) do
     type = field(entry, "rateLimitType")

@@ -41,6 +41,38 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_in_delta tokens(key, name), min(479, 1200 - 72 * left / 1000), 72 * 0.2
     end
 
+    test "a bucket sized at the exchange's limit is held to that limit (6,000 a minute)",
+         %{name: name} do
+      key = {"binance", "k", "ip"}
+      # B = 6000 + 100 * 60 = 12,000 a minute; Binance spot admits 6,000.
+      assert :ok = RateLimiter.check_rate(key, %{requests: 6000, period: 60_000}, 1, name)
+      assert :ok = observe(200, [{"X-MBX-USED-WEIGHT-1M", "5900"}], name)
+      # 100 more until the minute ends, 100 a second of it from the refill.
+      left = window_left(60_000)
+      assert_in_delta tokens(key, name), min(5999, 100 - 100 * left / 1000), 100 * 0.2
+
+      # Another exchange id with its own limit set (as exchangeInfo does): 2,400.
+      exchange = "binance_usdm_#{System.unique_integer([:positive])}"
+      key = {exchange, "k", "ip"}
+
+      :ok =
+        Bourse.RateLimiter.Feedback.put_header_limits(exchange, %{"X-MBX-USED-WEIGHT-1M" => 2400})
+
+      assert :ok = RateLimiter.check_rate(key, %{requests: 2400, period: 60_000}, 1, name)
+
+      assert :ok =
+               RateLimiter.observe_response(
+                 exchange,
+                 "k",
+                 200,
+                 [{"x-mbx-used-weight-1m", "2300"}],
+                 name
+               )
+
+      left = window_left(60_000)
+      assert_in_delta tokens(key, name), min(2399, 100 - 40 * left / 1000), 40 * 0.2
+    end
+
     test "alone on the counter, the bucket is not lowered; tokens are never raised",
          %{name: name} do
       key = {"binance", "k", "ip"}

@@ -9,7 +9,12 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
   setup do
     name = :"header_sync_#{System.unique_integer([:positive])}"
     start_supervised!({RateLimiter, name: name})
-    on_exit(fn -> Application.delete_env(:bourse, :header_axes) end)
+
+    on_exit(fn ->
+      Application.delete_env(:bourse, :header_axes)
+      Application.delete_env(:bourse, :header_limits)
+    end)
+
     %{name: name}
   end
 
@@ -126,6 +131,38 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
       headers = [{"x-ratelimit-limit", "10"}, {"x-ratelimit-remaining", "1"}]
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, 0, 0.1
+    end
+
+    test ":header_limits bounds a used counter; nil lifts the default bound", %{name: name} do
+      key = {"ex", "k", "ip"}
+      limit = %{requests: 6000, period: 60_000}
+      headers = [{"x-mbx-used-weight-1m", "2000"}]
+      window_left = fn -> 60_000 - rem(System.os_time(:millisecond), 60_000) end
+
+      # Configured: 2,400 a minute, 400 more until the minute ends.
+      Application.put_env(:bourse, :header_limits, %{"X-MBX-USED-WEIGHT-1M" => 2400})
+      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
+      assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
+      expected = min(6000, 400 - 100 * window_left.() / 1000)
+      assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20
+
+      # Without a bound, only B = 12,000 counts: 10,000 more, more than the bucket holds
+      # while more than 40 s of the minute are left.
+      Application.put_env(:bourse, :header_limits, %{"x-mbx-used-weight-1m" => nil})
+      assert :ok = RateLimiter.reset(key, name)
+      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
+      assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
+      expected = min(6000, 10_000 - 100 * window_left.() / 1000)
+      assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20
+
+      for config <- [%{"x-mbx-used-weight-1m" => 0}, %{"x" => "10"}, [x: 1], %{x: 1}] do
+        Application.put_env(:bourse, :header_limits, config)
+
+        assert {:error, %Error{type: :invalid_parameters, message: message}} =
+                 RateLimiter.observe_response("ex", "k", 200, headers, name)
+
+        assert message =~ "header_limits", inspect(config)
+      end
     end
 
     test "a malformed setting is invalid_parameters", %{name: name} do

@@ -115,6 +115,57 @@ defmodule Bourse.RateLimiter.LimitsTest do
                Limits.from_binance_exchange_info(@exchange_info, share: 1.0)
     end
 
+    test "exchange: the entries' limits bound that exchange's used-weight headers" do
+      name = :"limits_#{System.unique_integer([:positive])}"
+      start_supervised!({Bourse.RateLimiter, name: name})
+      exchange = "binance_#{System.unique_integer([:positive])}"
+
+      info = %{
+        "rateLimits" => [
+          entry(%{
+            "rateLimitType" => "REQUEST_WEIGHT",
+            "interval" => "MINUTE",
+            "intervalNum" => 1,
+            "limit" => 1200
+          }),
+          entry(%{"intervalNum" => 10, "limit" => 50})
+        ]
+      }
+
+      assert {:ok, %{}} = Limits.from_binance_exchange_info(info, exchange: exchange)
+
+      # Buckets sized at the limits themselves, so that only the exchange's limit bounds them.
+      for {axis, limit, header, used, window_ms} <- [
+            {"ip", %{requests: 1200, period: 60_000}, "x-mbx-used-weight-1m", 1100, 60_000},
+            {"orders_10s", %{requests: 50, period: 10_000}, "x-mbx-order-count-10s", 40, 10_000}
+          ] do
+        key = {exchange, "k", axis}
+        assert :ok = Bourse.RateLimiter.check_rate(key, limit, 0, name)
+
+        assert :ok =
+                 Bourse.RateLimiter.observe_response(
+                   exchange,
+                   "k",
+                   200,
+                   [{header, "#{used}"}],
+                   name
+                 )
+
+        left = window_ms - rem(System.os_time(:millisecond), window_ms)
+        rate = limit.requests / (window_ms / 1000)
+        expected = min(limit.requests, limit.requests - used - rate * left / 1000)
+        tokens = Bourse.RateLimiter.inspect_key(key, name).tokens
+        assert_in_delta tokens, expected, rate * 0.2, axis
+      end
+    end
+
+    test "exchange: must be an exchange id" do
+      assert {:error, %Error{type: :invalid_parameters, message: message}} =
+               Limits.from_binance_exchange_info(@exchange_info, exchange: :binance)
+
+      assert message =~ "exchange"
+    end
+
     test "atom keys are accepted" do
       info = %{
         rateLimits: [%{rateLimitType: "ORDERS", interval: "SECOND", intervalNum: 10, limit: 100}]
