@@ -346,8 +346,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     held = held + byte_size(chunk)
 
     if held < wanted,
-      do: {:noreply, %{state | partial: {[pieces | chunk], held, wanted}}},
-      else: port_frames(IO.iodata_to_binary([pieces | chunk]), state)
+      do: {:noreply, %{state | partial: {[pieces, chunk], held, wanted}}},
+      else: port_frames(IO.iodata_to_binary([pieces, chunk]), state)
   end
 
   defp port_frames(<<size::32, frame::binary-size(size), rest::binary>>, state) do
@@ -368,10 +368,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp socket_data(data, state) do
     case :binary.split(data, "\n", [:global]) do
       [unended] ->
-        {:noreply, %{state | partial: [state.partial | unended]}}
+        {:noreply, %{state | partial: [state.partial, unended]}}
 
       [end_of_first | lines] when state.partial != [] ->
-        first = IO.iodata_to_binary([state.partial | end_of_first])
+        first = IO.iodata_to_binary([state.partial, end_of_first])
         socket_lines([first | lines], %{state | partial: []})
 
       lines ->
