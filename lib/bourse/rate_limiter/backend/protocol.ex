@@ -208,19 +208,17 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       %{"ok" => false, "error" => %{"message" => message}} when is_binary(message) ->
         {:error, message}
 
+      %{} = other ->
+        {:error, unexpected(other)}
+
       {:error, _} = error ->
         error
-
-      other ->
-        {:error, unexpected(other)}
     end
   end
 
   # Names the fields of a malformed answer, not their values: answers hold API keys.
   defp unexpected(%{} = answer),
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
-
-  defp unexpected(_answer), do: Error.unavailable("unexpected answer")
 
   # The booking owner, and `max_wait_ms` for a waiter (a probe has none).
   defp owned_by(request, handle, owner, max_wait) do
