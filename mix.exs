@@ -1,7 +1,8 @@
 # The native compiler ships in lib/ but must run before lib/ is compiled, also when
 # :bourse is a dependency: load it from here. `ignore_module_conflict` below lets the
-# Elixir compiler build the same module into ebin without a redefinition warning.
-Code.require_file("lib/mix/tasks/compile.bourse_native.ex", __DIR__)
+# Elixir compiler build the same modules into ebin without a redefinition warning.
+for file <- ~w(bourse_native/inputs.ex bourse_native/prebuilt.ex tasks/compile.bourse_native.ex),
+    do: Code.require_file("lib/mix/#{file}", __DIR__)
 
 defmodule Bourse.MixProject do
   use Mix.Project
