@@ -355,33 +355,51 @@ defmodule Bourse.RateLimiter do
   The one call an adapter makes after every response from `exchange_id` made with
   `credential_key`. `headers` are `{name, value}` pairs or a map of name to value or list
   of values; names are case-insensitive; names and values may be binaries or charlists
-  (as `:httpc` returns them).
+  (as `:httpc` returns them). Options: `body:` the reply's body, a binary or the decoded
+  JSON (map or list), for the rate-limit signals exchanges put there
+  (`Bourse.RateLimiter.BodySignal`). Like `check_rates/3`, the name may be left out
+  before the options: `observe_response("bybit", key, 200, headers, body: body)`.
 
   Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic
   `x-ratelimit-*`, ...) bring the bucket of the matching axis in line with what the
-  exchange counted. After a 429 (or a 418, an IP ban) every bucket of the credential (of
-  the whole exchange, for a 418) is paused for every caller, for `Retry-After` or an
-  exponential backoff, and the answer is
+  exchange counted, within the exchange's own limit for that counter. After a 429, or a
+  rate-limit signal in the body (Bybit `retCode` 10006 on an HTTP 200, ...), every bucket
+  of the credential is paused for every caller (after a 418, an IP ban, or an IP-wide
+  signal: every bucket of the exchange), for `Retry-After`, the wait the reply names, or
+  an exponential backoff, and the answer is
   `{:error, %Bourse.Error{type: :rate_limit_exceeded, http_status: status, retry_after: ms}}`,
-  with `stop: true` when retrying is pointless. Otherwise `:ok`. The header-to-axis table
-  and the rules are in `Bourse.RateLimiter.Feedback`.
+  with `stop: true` when retrying is pointless. Otherwise `:ok`. The rules are in
+  `Bourse.RateLimiter.Feedback`.
   """
   @spec observe_response(
           String.t(),
           String.t() | :public,
           100..599,
           Feedback.headers(),
-          GenServer.name()
+          GenServer.name() | keyword(),
+          keyword()
         ) ::
           :ok | error()
-  def observe_response(exchange_id, credential_key, status, headers, name \\ @default),
-    do: Feedback.observe_response(exchange_id, credential_key, status, headers, name)
+  def observe_response(
+        exchange_id,
+        credential_key,
+        status,
+        headers,
+        name_or_opts \\ @default,
+        opts \\ []
+      )
+
+  def observe_response(exchange_id, credential_key, status, headers, opts, []) when is_list(opts),
+    do: Feedback.observe_response(exchange_id, credential_key, status, headers, @default, opts)
+
+  def observe_response(exchange_id, credential_key, status, headers, name, opts),
+    do: Feedback.observe_response(exchange_id, credential_key, status, headers, name, opts)
 
   @doc """
   Brings `key`'s bucket in line with an exchange that allows only `allowance` more cost
   until its window ends in `window_left_ms`: the tokens are lowered so that they plus the
   refill until then fit the allowance; they are never raised. A key without a definition
-  is left alone. Returns the tokens taken. `observe_response/5` calls it for the headers
+  is left alone. Returns the tokens taken. `observe_response/6` calls it for the headers
   it knows; call it directly for others.
   """
   @spec sync(key(), number(), non_neg_integer(), GenServer.name()) :: number() | error()

@@ -1,16 +1,17 @@
 defmodule Bourse.AdapterLoop do
   @moduledoc """
   The request loop an exchange client writes around `Bourse.RateLimiter`: wait for
-  capacity, send, report the reply with `Bourse.RateLimiter.observe_response/5`, then
-  retry or return.
+  capacity, send, report the reply (status, headers and body) with
+  `Bourse.RateLimiter.observe_response/6`, then retry or return.
 
       {:ok, body} =
         Bourse.AdapterLoop.get(url, "binance", api_key, %{capacity: 480, refill_per_sec: 72},
           axis: "ip", limiter: MyApp.Limiter)
 
-  A 429 without `stop` is retried, at most `:tries` attempts in all: the limiter has
-  paused the credential's buckets, so the next `wait_for_capacity/5` waits out
-  `Retry-After` (or the backoff). Everything else ends the loop: a ban or any other
+  A 429, or a rate-limit signal in the body (Bybit's `retCode` 10006 on an HTTP 200, ...),
+  without `stop` is retried, at most `:tries` attempts in all: the limiter has paused the
+  credential's buckets, so the next `wait_for_capacity/5` waits out `Retry-After` (or the
+  wait the reply names, or the backoff). Everything else ends the loop: a ban or any other
   `stop: true`, a 418, a status other than 2xx (401, 503, ...: a 5xx on an order leaves
   its outcome unknown, so look it up before sending it again), a 2xx that is not JSON,
   and connection errors.
@@ -54,10 +55,11 @@ defmodule Bourse.AdapterLoop do
 
     with :ok <- RateLimiter.wait_for_capacity(request.key, request.limit, request.cost, limiter),
          {:ok, status, headers, body} <- HTTP.get(request.url),
-         :ok <- RateLimiter.observe_response(exchange, credential, status, headers, limiter) do
+         :ok <-
+           RateLimiter.observe_response(exchange, credential, status, headers, limiter, body: body) do
       result(status, headers, body)
     else
-      {:error, %Error{http_status: 429, stop: false}} when tries_left > 1 ->
+      {:error, %Error{type: :rate_limit_exceeded, stop: false}} when tries_left > 1 ->
         attempt(request, tries_left - 1)
 
       error ->

@@ -1,27 +1,44 @@
 defmodule Bourse.RateLimiter.Feedback do
   @moduledoc """
   What an exchange's replies tell the limiter: the logic behind
-  `Bourse.RateLimiter.observe_response/5`, the one call an adapter makes after every
+  `Bourse.RateLimiter.observe_response/6`, the one call an adapter makes after every
   response.
 
-  ## 429 and 418
+  ## 429, 418 and rate-limit signals in the body
 
   A 429 pauses every bucket of the credential (`{exchange_id, credential_key}`: every
   axis) for every caller at once; a 418 (Binance's IP ban) pauses every bucket of the
   whole exchange, every credential and `:public` included, since the ban is on the IP
-  that all of them share. The wait comes from `Retry-After`
-  (`Bourse.RateLimiter.RetryAfter`: floor 1 s, cap 300 s). When the header is missing
-  or unusable (`1e400`, `nan`, garbage), the wait is an exponential backoff of 1 s, 2 s,
-  4 s, ... (at most 300 s) per consecutive 429/418 without a usable `Retry-After` on that
-  credential; a 2xx on the credential starts the count again.
+  that all of them share. A rate-limit signal in the body or status of any other reply
+  (Bybit's `retCode` 10006 on an HTTP 200, Binance's 403, ...:
+  `Bourse.RateLimiter.BodySignal` lists them, with their sources) is treated the same
+  way: like a 429 for the credential, or for the whole exchange when the exchange counts
+  by IP, and like a 418 (`stop: true`) for bans.
+
+  The wait is, in this order:
+
+    1. `Retry-After` (`Bourse.RateLimiter.RetryAfter`: seconds or an HTTP date; a floor
+       of 1 s; see below past 300 s);
+    2. a wait the reply names in its body or headers (Bybit's
+       `X-Bapi-Limit-Reset-Timestamp` with `retCode` 10006, Kraken's
+       `EService:Throttled: <unix time>`, Binance's `IP banned until <ms>`), with the same
+       floor and cap;
+    3. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
+       consecutive limited reply without a usable wait on that credential; a 2xx without
+       a signal on the credential starts the count again.
 
   The answer is `{:error, %Bourse.Error{type: :rate_limit_exceeded, http_status: status,
-  retry_after: ms, exchange: exchange_id}}`, with `stop: true` when retrying is pointless:
+  retry_after: ms, exchange: exchange_id}}` (`http_status` is the reply's own: 200 for a
+  signal in a 200's body), with `stop: true` when retrying is pointless:
 
-    * the server asks for more than the 300 s cap (a ban): the buckets are still paused
-      for the whole time asked, up to 3 days (Binance's longest IP ban), because any
-      request sent during a ban only extends it; `reset_exchange/2` lifts the pause;
-    * any 418: an IP ban calls for an alert, not a retry loop.
+    * **past the 300 s cap**: a reply asking for more than 300 s is a ban. The answer
+      says `stop: true` and `retry_after` is the whole time asked, and the buckets are
+      paused for that whole time (a 418 with `Retry-After: 600` pauses the exchange for
+      600 s), up to 3 days, Binance's longest IP ban: a request sent during a ban only
+      extends it. A longer wait still pauses for 3 days; `retry_after` keeps the time
+      asked. `reset_exchange/2` lifts the pause;
+    * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
+      loop.
 
   The backoff count lives in the bucket table itself, as the pending debt of the key
   `{exchange_id, credential_key, "bourse:backoff"}`: every backend keeps it, every
@@ -114,7 +131,7 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, RateLimiter}
-  alias Bourse.RateLimiter.{Events, RetryAfter}
+  alias Bourse.RateLimiter.{BodySignal, Events, RetryAfter}
 
   @backoff_axis "bourse:backoff"
   @cap_ms 300_000
@@ -234,19 +251,51 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  @doc "See `Bourse.RateLimiter.observe_response/5`."
-  @spec observe_response(String.t(), String.t() | :public, 100..599, headers(), GenServer.name()) ::
-          :ok | {:error, Error.t()}
-  def observe_response(exchange_id, credential_key, status, headers, name) do
+  @doc "See `Bourse.RateLimiter.observe_response/6`."
+  @spec observe_response(
+          String.t(),
+          String.t() | :public,
+          100..599,
+          headers(),
+          GenServer.name(),
+          keyword()
+        ) :: :ok | {:error, Error.t()}
+  def observe_response(exchange_id, credential_key, status, headers, name, opts \\ []) do
     with :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
+         {:ok, body} <- body_option(opts),
          {:ok, axes} <- axes(),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
          :ok <- sync_all(exchange_id, credential_key, found, {axes, limits}, name) do
-      react(exchange_id, credential_key, status, found, name)
+      now = System.os_time(:millisecond)
+      signal = BodySignal.find(exchange_id, status, body, found, now)
+      react(exchange_id, credential_key, status, found, signal, name)
     end
   end
+
+  defp body_option(opts) do
+    if Keyword.keyword?(opts) do
+      case Keyword.split(opts, [:body]) do
+        {body_opts, []} -> body(Keyword.get(body_opts, :body))
+        {_, other} -> invalid("unknown options #{short(Keyword.keys(other))}; expected :body")
+      end
+    else
+      invalid("options must be a keyword list, got #{short(opts)}")
+    end
+  end
+
+  defp body(body) when is_nil(body) or is_binary(body) or is_map(body) or is_list(body),
+    do: {:ok, body}
+
+  defp body(other),
+    do:
+      invalid(
+        "body must be a binary, a decoded JSON map or list, or nil, got #{describe_term(other)}"
+      )
+
+  defp describe_term(term) when is_tuple(term), do: "a tuple of #{tuple_size(term)} elements"
+  defp describe_term(term), do: short(term)
 
   defp check_credential(exchange_id, credential_key)
        when is_binary(exchange_id) and (is_binary(credential_key) or credential_key == :public),
@@ -264,22 +313,39 @@ defmodule Bourse.RateLimiter.Feedback do
   defp check_status(status),
     do: invalid("status must be an HTTP status code (100..599), got #{inspect(status)}")
 
-  ## 429, 418 and backoff
+  ## 429, 418, body signals and backoff
 
-  defp react(exchange_id, credential, status, found, name) when status in [429, 418] do
+  defp react(exchange_id, credential, status, found, signal, name) do
+    case limited(status, signal) do
+      nil when status in 200..299 -> reset_backoff({exchange_id, credential, @backoff_axis}, name)
+      nil -> :ok
+      limited -> limit(exchange_id, credential, status, found, limited, name)
+    end
+  end
+
+  # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`.
+  defp limited(418, signal),
+    do: {:exchange, true, signal[:wait_ms], signal[:reason]}
+
+  defp limited(status, nil) when status == 429, do: {:credential, false, nil, nil}
+  defp limited(_status, nil), do: nil
+  defp limited(_status, signal), do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
+
+  defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
     backoff_key = {exchange_id, credential, @backoff_axis}
-    target = if status == 418, do: exchange_id, else: {exchange_id, credential}
+    target = if scope == :exchange, do: exchange_id, else: {exchange_id, credential}
 
-    with {:ok, wait, why} <- wait(found["retry-after"], backoff_key, name),
+    with {:ok, wait, why} <- wait(found["retry-after"], named_ms, backoff_key, name),
          :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
-      stop = why == :ban or status == 418
+      stop = stop or why == :ban
 
       Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
         exchange: exchange_id,
         credential: credential,
         axis: nil,
         http_status: status,
-        stop: stop
+        stop: stop,
+        signal: reason
       })
 
       {:error,
@@ -288,15 +354,14 @@ defmodule Bourse.RateLimiter.Feedback do
          http_status: status,
          stop: stop,
          message:
-           "#{exchange_id}: HTTP #{status}, #{describe(why, wait)}" <>
-             if(stop, do: "; stop: do not retry", else: "")
+           "#{exchange_id}: HTTP #{status}, " <>
+             if(reason, do: "#{reason}, ", else: "") <>
+             describe(why, wait) <> if(stop, do: "; stop: do not retry", else: "")
        )}
     end
   end
 
-  defp react(exchange_id, credential, status, _found, name) when status in 200..299 do
-    backoff_key = {exchange_id, credential, @backoff_axis}
-
+  defp reset_backoff(backoff_key, name) do
     case RateLimiter.get_cost(backoff_key, nil, name) do
       count when is_number(count) and count > 0 -> RateLimiter.reset(backoff_key, name)
       count when is_number(count) -> :ok
@@ -304,15 +369,18 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  defp react(_exchange_id, _credential, _status, _found, _name), do: :ok
-
-  defp wait(retry_after, backoff_key, name) do
-    case RetryAfter.parse(retry_after, cap_ms: @cap_ms) do
-      {:ok, ms} -> {:ok, ms, :retry_after}
-      {:stop, ms} -> {:ok, ms, :ban}
-      :error -> backoff(backoff_key, name)
+  # Retry-After first, then a wait the reply names in its body, then the backoff.
+  defp wait(retry_after, named_ms, backoff_key, name) do
+    case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
+      {{:ok, ms}, _} -> {:ok, ms, :retry_after}
+      {{:stop, ms}, _} -> {:ok, ms, :ban}
+      {:error, nil} -> backoff(backoff_key, name)
+      {:error, named_ms} -> named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms))
     end
   end
+
+  defp named({:ok, ms}), do: {:ok, ms, :named}
+  defp named({:stop, ms}), do: {:ok, ms, :ban}
 
   defp backoff(key, name) do
     with count when is_number(count) <- RateLimiter.get_cost(key, nil, name),
@@ -325,6 +393,7 @@ defmodule Bourse.RateLimiter.Feedback do
   defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
   defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"
   defp describe(:backoff, ms), do: "no usable Retry-After: backing off #{ms} ms"
+  defp describe(:named, ms), do: "the reply asks to wait #{ms} ms"
 
   ## Header sync
 

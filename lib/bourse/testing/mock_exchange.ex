@@ -64,16 +64,20 @@ defmodule Bourse.Testing.MockExchange do
   @spec stop(t()) :: :ok
   def stop(%__MODULE__{pid: pid}), do: GenServer.stop(pid)
 
-  @doc "How many 200 and 429 replies the server has sent."
-  @spec stats(t()) :: %{accepted: non_neg_integer(), rejected: non_neg_integer()}
+  @doc "How many 200 (`:accepted`) and 429 (`:rejected`) replies the server has sent, and replies of any status (`:served`)."
+  @spec stats(t()) :: %{
+          accepted: non_neg_integer(),
+          rejected: non_neg_integer(),
+          served: non_neg_integer()
+        }
   def stats(%__MODULE__{pid: pid}), do: GenServer.call(pid, :stats)
 
-  @doc "Sets both counters of `stats/1` back to zero."
+  @doc "Sets the counters of `stats/1` back to zero."
   @spec reset_stats(t()) :: :ok
   def reset_stats(%__MODULE__{pid: pid}), do: GenServer.call(pid, :reset_stats)
 
   defp initial_state(opts) do
-    stats = %{accepted: 0, rejected: 0}
+    stats = %{accepted: 0, rejected: 0, served: 0}
     limit = Keyword.get(opts, :limit, 10)
     window_ms = Keyword.get(opts, :window_ms, 1000)
 
@@ -116,10 +120,10 @@ defmodule Bourse.Testing.MockExchange do
   def handle_call(:port, _from, state), do: {:reply, state.port, state}
 
   def handle_call(:stats, _from, state),
-    do: {:reply, Map.take(state, [:accepted, :rejected]), state}
+    do: {:reply, Map.take(state, [:accepted, :rejected, :served]), state}
 
   def handle_call(:reset_stats, _from, state),
-    do: {:reply, :ok, %{state | accepted: 0, rejected: 0}}
+    do: {:reply, :ok, %{state | accepted: 0, rejected: 0, served: 0}}
 
   def handle_call({:serve, ip, weight}, _from, state) do
     {reply, state} = serve(state, ip, weight)
@@ -213,7 +217,13 @@ defmodule Bourse.Testing.MockExchange do
     ]
   end
 
-  defp count(state, 200), do: %{state | accepted: state.accepted + 1}
-  defp count(state, 429), do: %{state | rejected: state.rejected + 1}
-  defp count(state, _status), do: state
+  defp count(state, status) do
+    state = %{state | served: state.served + 1}
+
+    case status do
+      200 -> %{state | accepted: state.accepted + 1}
+      429 -> %{state | rejected: state.rejected + 1}
+      _other -> state
+    end
+  end
 end

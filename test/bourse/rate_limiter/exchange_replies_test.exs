@@ -15,17 +15,16 @@ defmodule Bourse.RateLimiter.ExchangeRepliesTest do
     %{name: name}
   end
 
-  # Runs the loop against a mock playing `script`:
-  # {elapsed ms, answer, 200 and 429 replies served}.
+  # Runs the loop against a mock playing `script`: {elapsed ms, answer, replies served}.
   defp run(script, name, exchange \\ "mock") do
     {:ok, mock} = MockExchange.start(script: script)
     started = System.monotonic_time(:millisecond)
     url = mock.url <> "/api/v3/ticker"
     answer = AdapterLoop.get(url, exchange, "k", @limit, limiter: name)
     elapsed = System.monotonic_time(:millisecond) - started
-    %{accepted: accepted, rejected: rejected} = MockExchange.stats(mock)
+    %{served: served} = MockExchange.stats(mock)
     MockExchange.stop(mock)
-    {elapsed, answer, accepted + rejected}
+    {elapsed, answer, served}
   end
 
   defp limited(retry_after), do: {429, [{"retry-after", retry_after}], ~s({"code":-1003})}
@@ -81,21 +80,80 @@ defmodule Bourse.RateLimiter.ExchangeRepliesTest do
   end
 
   test "401, 418, 503 and HTML with 200 stop the loop without a retry", %{name: name} do
-    # The mock counts 200s and 429s: a retry would have drawn the 200 that follows.
+    # A retry would have drawn the 200 that follows.
     cases = [
-      {{401, [], ~s({"code":-2015,"msg":"Invalid API-key"})}, 0,
+      {{401, [], ~s({"code":-2015,"msg":"Invalid API-key"})},
        &match?({:error, {:http, 401, "{" <> _}}, &1)},
-      {{418, [{"retry-after", "120"}], ~s({"code":-1003})}, 0,
+      {{418, [{"retry-after", "120"}], ~s({"code":-1003})},
        &match?({:error, %Error{http_status: 418, stop: true}}, &1)},
-      {{503, [], "Service Unavailable"}, 0, &match?({:error, {:http, 503, _}}, &1)},
-      {{200, [{"content-type", "text/html"}], "<html>maintenance</html>"}, 1,
+      {{503, [], "Service Unavailable"}, &match?({:error, {:http, 503, _}}, &1)},
+      {{200, [{"content-type", "text/html"}], "<html>maintenance</html>"},
        &match?({:error, {:not_json, 200}}, &1)}
     ]
 
-    for {{status, _, _} = reply, counted, expected?} <- cases do
+    for {{status, _, _} = reply, expected?} <- cases do
       {_elapsed, answer, requests} = run([reply, ok()], name, "mock#{status}")
       assert expected?.(answer), "#{status}: #{inspect(answer)}"
-      assert requests == counted, "#{status}: #{requests} requests"
+      assert requests == 1, "#{status}: #{requests} requests"
+    end
+  end
+
+  describe "rate-limit signals in the body" do
+    # Each exchange's signal, then the data: the loop waits (1 s floor, or the wait the
+    # reply names) and retries once; bans stop at once.
+    test "are answered like a 429: one retry after the wait, then the data", %{name: name} do
+      now = System.os_time(:millisecond)
+
+      [
+        {"binance", {429, [], ~s({"code":-1003,"msg":"Too much request weight used"})}, 950},
+        {"binance", {400, [], ~s({"code":-1015,"msg":"Too many new orders"})}, 950},
+        {"bybit", {200, [], ~s({"retCode":10006,"retMsg":"Too many visits!","result":{}})}, 950},
+        {"bybit",
+         {200, [{"x-bapi-limit-reset-timestamp", "#{now + 2000}"}], ~s({"retCode":10006})},
+         1_500},
+        {"bybit", {200, [], ~s({"retCode":10018,"retMsg":"Exceeded the IP Rate Limit."})}, 950},
+        {"okx", {429, [], ~s({"code":"50011","data":[],"msg":"Rate limit reached."})}, 950},
+        {"okx", {200, [], ~s({"code":"50061","data":[],"msg":""})}, 950},
+        {"kraken", {200, [], ~s({"error":["EAPI:Rate limit exceeded"],"result":{}})}, 950},
+        {"kraken", {200, [], ~s({"error":["EOrder:Rate limit exceeded"]})}, 950},
+        {"kraken", {200, [], ~s({"error":["EService: Throttled: #{div(now, 1000) + 3}"]})},
+         1_500},
+        {"coinbase",
+         {429, [], ~s({"errors":[{"id":"rate_limit_exceeded","message":"Too many requests"}]})},
+         950},
+        {"coinbase", {200, [], ~s({"error":"rate_limit_exceeded","message":"slow down"})}, 950}
+      ]
+      |> Enum.with_index()
+      |> Task.async_stream(
+        fn {{exchange, reply, at_least_ms}, i} ->
+          {run([reply, ok()], name, "#{exchange}_#{i}"), exchange, reply, at_least_ms}
+        end,
+        max_concurrency: 12,
+        timeout: 30_000
+      )
+      |> Enum.each(fn {:ok, {{elapsed, answer, requests}, exchange, reply, at_least_ms}} ->
+        label = "#{exchange} #{inspect(reply)}"
+        assert answer == {:ok, @data}, "#{label}: #{inspect(answer)}"
+        assert requests == 2, label
+        assert elapsed >= at_least_ms, "#{label}: #{elapsed} ms"
+      end)
+    end
+
+    test "bans and Binance's 403 stop at once, without a retry", %{name: name} do
+      banned =
+        "Way too much request weight used; IP banned until #{System.os_time(:millisecond) + 120_000}."
+
+      for {exchange, reply} <- [
+            {"binance", {403, [{"content-type", "text/html"}], "<html>403 Forbidden</html>"}},
+            {"binance", {418, [], ~s({"code":-1003,"msg":"#{banned}"})}},
+            {"bybit", {403, [], "access too frequent"}},
+            {"bybit", {200, [], ~s({"retCode":10009,"retMsg":"IP has been banned."})}}
+          ] do
+        {_elapsed, answer, requests} = run([reply, ok()], name, "#{exchange}_stop")
+        assert {:error, %Error{type: :rate_limit_exceeded, stop: true}} = answer
+        assert requests == 1, "#{exchange}: #{requests}"
+        :ok = Bourse.RateLimiter.reset_exchange("#{exchange}_stop", name)
+      end
     end
   end
 

@@ -48,9 +48,9 @@ defmodule Bourse.Testing.MockExchangeTest do
         assert body =~ ~s("code":-1003)
       end
 
-      assert MockExchange.stats(mock) == %{accepted: 10, rejected: 5}
+      assert MockExchange.stats(mock) == %{accepted: 10, rejected: 5, served: 15}
       assert :ok = MockExchange.reset_stats(mock)
-      assert MockExchange.stats(mock) == %{accepted: 0, rejected: 0}
+      assert MockExchange.stats(mock) == %{accepted: 0, rejected: 0, served: 0}
     end
 
     test "weights, and separate counters per client IP", %{mock: mock} do
@@ -68,7 +68,7 @@ defmodule Bourse.Testing.MockExchangeTest do
 
       assert {:ok, 400, _, _} = get(mock, [{"x-weight", "-1"}])
       assert {:ok, 400, _, _} = get(mock, [{"x-weight", "heavy"}])
-      assert MockExchange.stats(mock) == %{accepted: 4, rejected: 2}
+      assert MockExchange.stats(mock) == %{accepted: 4, rejected: 2, served: 6}
     end
 
     @tag mock: [limit: 2, window_ms: 300]
@@ -104,7 +104,7 @@ defmodule Bourse.Testing.MockExchangeTest do
 
     assert {:ok, 200, headers, "<html>maintenance</html>"} = get(mock)
     assert header(headers, "content-type") == "text/html"
-    assert MockExchange.stats(mock) == %{accepted: 2, rejected: 2}
+    assert MockExchange.stats(mock) == %{accepted: 2, rejected: 2, served: 7}
     MockExchange.stop(mock)
   end
 

@@ -1,0 +1,273 @@
+defmodule Bourse.RateLimiter.BodySignal do
+  @moduledoc """
+  Rate-limit signals an exchange puts in a reply's body or status besides 429 and 418,
+  which `Bourse.RateLimiter.observe_response/6` treats like a 429 (or, for bans, like a
+  418). Several exchanges answer HTTP 200 with the error in the JSON body.
+
+  Signals are matched by exchange id as `Bourse.RateLimiter` spells it: `"binance"`,
+  `"bybit"`, `"okx"`, `"kraken"`, `"coinbase"`, or an id that starts with one of them
+  followed by `_`, `-` or `.` (`"binance_usdm"`, `"bybit-testnet"`). Other exchanges have
+  none.
+
+  The body is a decoded JSON map (string or atom keys), as an adapter has it, or the raw
+  binary, of which only the top-level fields at its start are read
+  (`Bourse.RateLimiter.BodyScan`: at most 16 KiB, 8 levels deep, linear time). Lists in
+  the body are read up to their first 16 items.
+
+  | exchange | signal | scope | reaction |
+  | --- | --- | --- | --- |
+  | Binance | `"code"` -1003 `TOO_MANY_REQUESTS` (request weight) | credential | as a 429; with `IP banned until <ms>` in `"msg"`: a ban until then, stop |
+  | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429 |
+  | Binance | HTTP 403: the WAF limit was violated | exchange (the IP) | as a 418: stop |
+  | Bybit | `"retCode"` 10006: too many visits, the per-UID API limit | credential | as a 429; the wait is `X-Bapi-Limit-Reset-Timestamp` when no `Retry-After` |
+  | Bybit | `"retCode"` 10018: the IP rate limit | exchange (the IP) | as a 429, for every credential |
+  | Bybit | `"retCode"` 10009: IP banned; HTTP 403: access too frequent | exchange (the IP) | stop; 403 waits 10 minutes, as documented |
+  | OKX | `"code"` 50011: rate limit reached; 50061: sub-account rate limit reached | credential | as a 429 |
+  | Kraken | `"error"` holds `EAPI:Rate limit exceeded` (the REST call counter) or `EOrder:Rate limit exceeded` (the trading counter) | credential | as a 429 |
+  | Kraken | `"error"` holds `EService:Throttled: <unix time>` (too many concurrent requests) | credential | as a 429, until that time |
+  | Coinbase | `"errors"` holds `%{"id" => "rate_limit_exceeded"}`, or `"error"` is `"rate_limit_exceeded"` | credential | as a 429 |
+
+  Codes may be numbers or strings (OKX sends `"50011"`). A `Retry-After` header, when
+  usable, sets the wait before any time named in the body.
+
+  ## Sources (read 2026-12-01, from the stored copies of these pages)
+
+    * Binance: error codes, <https://developers.binance.com/docs/binance-spot-api-docs/errors>
+      (-1003, -1015); HTTP return codes, "HTTP 403 return code is used when the WAF Limit
+      (Web Application Firewall) has been violated",
+      <https://developers.binance.com/docs/binance-spot-api-docs/rest-api/limits> and the
+      general information of every Binance API (e.g.
+      <https://developers.binance.com/docs/derivatives/portfolio-margin>).
+    * Bybit V5: error codes, <https://bybit-exchange.github.io/docs/v5/error> (10006
+      "Too many visits. Exceeded the API Rate Limit.", 10009 "IP has been banned.", 10018
+      "Exceeded the IP Rate Limit.", 403 "IP rate limit breached"); rate limit rules,
+      <https://bybit-exchange.github.io/docs/v5/rate-limit> ("retCode": 10006; "403,
+      access too frequent": "wait for at least 10 minutes").
+    * OKX: REST error codes 50011 "Rate limit reached" and 50061 "Sub-account rate limit
+      reached", <https://www.okx.com/docs-v5/en/#error-code-rest-api-general> (read in a
+      stored mirror of that table; OKX's own Web3 API pages list 50011 with HTTP 429).
+    * Kraken: <https://docs.kraken.com/api/docs/guides/spot-rest-ratelimits> (errors
+      `EAPI:Rate limit exceeded` and `EService: Throttled: [UNIX timestamp]`);
+      <https://support.kraken.com/hc/en-us/articles/360045239571-Trading-rate-limits>
+      and <https://docs.kraken.com/exchange/guides/general/ratelimits>
+      (`EOrder:Rate limit exceeded`).
+    * Coinbase: a 429 with `{"errors": [{"id": "rate_limit_exceeded", ...}]}`,
+      <https://docs.cdp.coinbase.com/coinbase-app/api-architecture/rate-limiting>;
+      Advanced Trade and Exchange REST answer 429 Too Many Requests,
+      <https://docs.cdp.coinbase.com/exchange/rest-api/rate-limits>. No stored copy of
+      Coinbase's own Advanced Trade error page shows a rate-limit code in a 200 body.
+  """
+
+  alias Bourse.RateLimiter.BodyScan
+
+  @typedoc """
+  A signal found: which buckets to pause (`:credential`: every bucket of the credential;
+  `:exchange`: every bucket of the exchange), whether to stop, the wait the reply names
+  (ms, `nil` if none) and a description for the error message.
+  """
+  @type t :: %{
+          scope: :credential | :exchange,
+          stop: boolean(),
+          wait_ms: non_neg_integer() | nil,
+          reason: String.t()
+        }
+
+  @typedoc "A reply body: a binary, a decoded JSON map or list, or `nil`."
+  @type body :: binary() | map() | list() | nil
+
+  @families ~w(binance bybit okx kraken coinbase)
+  @max_items 16
+  @bybit_ip_ban_ms 600_000
+
+  # The fields read, as strings and as the atoms of a map decoded with atom keys.
+  @keys %{
+    "code" => :code,
+    "msg" => :msg,
+    "retCode" => :retCode,
+    "error" => :error,
+    "errors" => :errors,
+    "id" => :id
+  }
+
+  @doc """
+  The signal in a reply of `exchange_id` with `status` and `body`, or `nil`.
+  `headers` are the reply's lower-case headers (Bybit's reset timestamp is read there);
+  `now_ms` is the system time in ms.
+  """
+  @spec find(String.t(), 100..599, body(), %{String.t() => String.t()}, integer()) :: t() | nil
+  def find(exchange_id, status, body, headers, now_ms) do
+    case family(exchange_id) do
+      nil ->
+        nil
+
+      family ->
+        status_signal(family, status) || body_signal(family, fields(body), headers, now_ms)
+    end
+  end
+
+  @doc "The signal family of an exchange id (`\"binance\"` for `\"binance_usdm\"`), or `nil`."
+  @spec family(String.t()) :: String.t() | nil
+  def family(exchange_id) when is_binary(exchange_id) do
+    head =
+      exchange_id
+      |> binary_part(0, min(byte_size(exchange_id), 16))
+      |> String.split(["_", "-", "."], parts: 2)
+      |> hd()
+
+    if head in @families, do: head
+  end
+
+  defp fields(body) when is_binary(body), do: BodyScan.fields(body)
+  defp fields(body) when is_map(body), do: body
+  defp fields(_none_or_list), do: %{}
+
+  ## By status
+
+  defp status_signal("binance", 403),
+    do: signal(:exchange, true, nil, "Binance's WAF limit was violated")
+
+  defp status_signal("bybit", 403),
+    do:
+      signal(
+        :exchange,
+        true,
+        @bybit_ip_ban_ms,
+        "Bybit's IP limit was breached (access too frequent)"
+      )
+
+  defp status_signal(_family, _status), do: nil
+
+  ## By body
+
+  defp body_signal("binance", body, _headers, now_ms) do
+    case code(body) do
+      -1003 ->
+        case banned_until(get(body, "msg")) do
+          nil ->
+            signal(:credential, false, nil, "Binance code -1003 (too many requests)")
+
+          until ->
+            signal(:exchange, true, max(until - now_ms, 0), "Binance code -1003: IP banned")
+        end
+
+      -1015 ->
+        signal(:credential, false, nil, "Binance code -1015 (too many new orders)")
+
+      _ ->
+        nil
+    end
+  end
+
+  defp body_signal("bybit", body, headers, now_ms) do
+    case code(get(body, "retCode")) do
+      10006 ->
+        signal(
+          :credential,
+          false,
+          bybit_reset(headers, now_ms),
+          "Bybit retCode 10006 (too many visits)"
+        )
+
+      10018 ->
+        signal(:exchange, false, nil, "Bybit retCode 10018 (IP rate limit)")
+
+      10009 ->
+        signal(:exchange, true, nil, "Bybit retCode 10009 (IP banned)")
+
+      _ ->
+        nil
+    end
+  end
+
+  defp body_signal("okx", body, _headers, _now_ms) do
+    case code(body) do
+      50011 -> signal(:credential, false, nil, "OKX code 50011 (rate limit reached)")
+      50061 -> signal(:credential, false, nil, "OKX code 50061 (sub-account rate limit reached)")
+      _ -> nil
+    end
+  end
+
+  defp body_signal("kraken", body, _headers, now_ms) do
+    body |> get("error") |> items() |> Enum.find_value(&kraken_error(&1, now_ms))
+  end
+
+  defp body_signal("coinbase", body, _headers, _now_ms) do
+    ids = [get(body, "error") | body |> get("errors") |> items() |> Enum.map(&get(&1, "id"))]
+
+    if "rate_limit_exceeded" in ids,
+      do: signal(:credential, false, nil, "Coinbase rate_limit_exceeded")
+  end
+
+  defp kraken_error("EAPI:Rate limit exceeded", _now_ms),
+    do: signal(:credential, false, nil, "Kraken EAPI:Rate limit exceeded")
+
+  defp kraken_error("EOrder:Rate limit exceeded", _now_ms),
+    do: signal(:credential, false, nil, "Kraken EOrder:Rate limit exceeded")
+
+  defp kraken_error("EService:" <> rest, now_ms) when byte_size(rest) <= 64 do
+    case Regex.run(~r/\A\s*Throttled:\s*(\d{1,12})\s*\z/, rest) do
+      [_, seconds] ->
+        wait = max(String.to_integer(seconds) * 1000 - now_ms, 0)
+        signal(:credential, false, wait, "Kraken EService:Throttled")
+
+      nil ->
+        nil
+    end
+  end
+
+  defp kraken_error(_other, _now_ms), do: nil
+
+  ## Reading fields
+
+  defp signal(scope, stop, wait_ms, reason),
+    do: %{scope: scope, stop: stop, wait_ms: wait_ms, reason: reason}
+
+  defp get(map, key) when is_map(map) do
+    case Map.fetch(map, key) do
+      {:ok, value} -> value
+      :error -> Map.get(map, Map.fetch!(@keys, key))
+    end
+  end
+
+  defp get(_not_a_map, _key), do: nil
+
+  # A map's "code", or the code itself: an integer, or a decimal integer as text.
+  defp code(map) when is_map(map), do: code(get(map, "code"))
+  defp code(code) when is_integer(code), do: code
+
+  defp code(text) when is_binary(text) and byte_size(text) <= 12 do
+    case Integer.parse(text) do
+      {code, ""} -> code
+      _ -> nil
+    end
+  end
+
+  defp code(_other), do: nil
+
+  defp items(list) when is_list(list), do: take(list, @max_items)
+  defp items(_not_a_list), do: []
+
+  # The first `n` items of a list that may be improper.
+  defp take([item | rest], n) when n > 0, do: [item | take(rest, n - 1)]
+  defp take(_rest, _n), do: []
+
+  defp banned_until(msg) when is_binary(msg) and byte_size(msg) <= 512 do
+    case Regex.run(~r/banned until (\d{13})/, msg) do
+      [_, ms] -> String.to_integer(ms)
+      nil -> nil
+    end
+  end
+
+  defp banned_until(_msg), do: nil
+
+  # Bybit's reset time, while limited; the current time otherwise (then nothing to wait).
+  defp bybit_reset(%{"x-bapi-limit-reset-timestamp" => text}, now_ms)
+       when byte_size(text) <= 16 do
+    case Integer.parse(text) do
+      {reset_ms, ""} when reset_ms > now_ms -> reset_ms - now_ms
+      _ -> nil
+    end
+  end
+
+  defp bybit_reset(_headers, _now_ms), do: nil
+end
