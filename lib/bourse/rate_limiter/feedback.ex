@@ -60,6 +60,7 @@ defmodule Bourse.RateLimiter.Feedback do
   | `x-sapi-used-ip-weight-1m` (Binance) | `"sapi_ip"` | 60 s, wall-clock |
   | `x-sapi-used-uid-weight-1m` (Binance) | `"sapi_uid"` | 60 s, wall-clock |
   | `x-mbx-order-count-10s` (Binance) | `"orders_10s"` | 10 s, wall-clock |
+  | `x-mbx-order-count-1m` (Binance futures) | `"orders_1m"` | 60 s, wall-clock |
   | `x-mbx-order-count-1d` (Binance) | `"orders_1d"` | 1 day, wall-clock (UTC) |
   | `x-bapi-limit`, `x-bapi-limit-status`, `x-bapi-limit-reset-timestamp` (Bybit) | `"request"` | 1 s |
   | `x-ratelimit-limit`, `x-ratelimit-remaining`, `x-ratelimit-reset` (generic) | `"request"` | unknown |
@@ -98,6 +99,7 @@ defmodule Bourse.RateLimiter.Feedback do
   | `x-sapi-used-ip-weight-1m` | 12,000 (each IP-limited SAPI endpoint) |
   | `x-sapi-used-uid-weight-1m` | 180,000 (each UID-limited SAPI endpoint) |
   | `x-mbx-order-count-10s` | 100 (`ORDERS`, 10 `SECOND`) |
+  | `x-mbx-order-count-1m` | 1,200 (USD-M futures `ORDERS`, 1 `MINUTE`: spot has none) |
   | `x-mbx-order-count-1d` | 200,000 (`ORDERS`, 1 `DAY`) |
 
   **Limit and remaining** (Bybit, generic) give `limit` and `remaining`, so
@@ -145,6 +147,7 @@ defmodule Bourse.RateLimiter.Feedback do
     "x-sapi-used-ip-weight-1m" => {"sapi_ip", 60_000},
     "x-sapi-used-uid-weight-1m" => {"sapi_uid", 60_000},
     "x-mbx-order-count-10s" => {"orders_10s", 10_000},
+    "x-mbx-order-count-1m" => {"orders_1m", 60_000},
     "x-mbx-order-count-1d" => {"orders_1d", 86_400_000}
   }
 
@@ -162,6 +165,7 @@ defmodule Bourse.RateLimiter.Feedback do
     "x-sapi-used-ip-weight-1m" => 12_000,
     "x-sapi-used-uid-weight-1m" => 180_000,
     "x-mbx-order-count-10s" => 100,
+    "x-mbx-order-count-1m" => 1_200,
     "x-mbx-order-count-1d" => 200_000
   }
 

@@ -18,6 +18,31 @@ defmodule Bourse.Testing.MockExchange do
       `x-ratelimit-remaining` and `x-ratelimit-reset` (seconds until the window ends, in
       ms precision: `"0.250"`); bodies are small JSON.
 
+  ## `:rolling_window` mode
+
+  `start(mode: :rolling_window, limit: 20, window_ms: 1000)`: like Bybit's per-IP limit
+  ("600 requests within a 5-second window"), each client may spend `:limit` weight in
+  any `:window_ms`; above it, 429 with `Retry-After` (whole seconds until enough of the
+  window has passed). No usage headers.
+
+  ## `:decaying` mode
+
+  `start(mode: :decaying, max: 15, decay_per_sec: 0.33, client: :api_key,
+  reject: :kraken, costs: %{"/0/private/Ledgers" => 2})`: like Kraken's REST call
+  counter, each client has a counter that each request raises by its weight and that
+  decays by `:decay_per_sec`; a request that would take it above `:max` is refused and
+  not counted. No usage headers.
+
+  ## Options of every counting mode
+
+    * `:client` – `:ip` (default: the peer address, or the `x-client-ip` header) or
+      `:api_key` (the `x-api-key` header, else the IP);
+    * `:costs` – `%{path => weight}`: the weight of requests to that path (Kraken's
+      ledger calls cost 2), else the `x-weight` header (default 1);
+    * `:reject` – how a refusal looks: `:status_429` (default; Binance's `-1003` body)
+      or `:kraken` (HTTP 200 with `{"error":["EAPI:Rate limit exceeded"]}`, as Kraken
+      answers). Both count as `:rejected` in `stats/1`.
+
   ## `:scripted` mode
 
   `start(script: [{status, headers, body}, ...])` answers every request with the next
@@ -50,8 +75,10 @@ defmodule Bourse.Testing.MockExchange do
   @doc """
   Starts a mock exchange on an ephemeral port of 127.0.0.1, linked to the caller.
 
-  Options: `:limit` (default 10) and `:window_ms` (default 1000) for `:fixed_window`
-  mode, or `:script` (a non-empty list of `t:reply/0`) for `:scripted` mode.
+  Options: `:mode` (`:fixed_window`, the default, `:rolling_window` or `:decaying`)
+  with `:limit` (default 10) and `:window_ms` (default 1000), or `:max` and
+  `:decay_per_sec`, and `:client`, `:costs` and `:reject`; or `:script` (a non-empty
+  list of `t:reply/0`) for `:scripted` mode.
   """
   @spec start(keyword()) :: {:ok, t()}
   def start(opts \\ []) do
@@ -64,7 +91,11 @@ defmodule Bourse.Testing.MockExchange do
   @spec stop(t()) :: :ok
   def stop(%__MODULE__{pid: pid}), do: GenServer.stop(pid)
 
-  @doc "How many 200 (`:accepted`) and 429 (`:rejected`) replies the server has sent, and replies of any status (`:served`)."
+  @doc """
+  How many replies the server has sent: `:accepted` (200s that were not refusals),
+  `:rejected` (refusals: 429s, or the body signal of `reject: :kraken`) and `:served`
+  (every reply to a request with a readable `x-weight`, whatever its status).
+  """
   @spec stats(t()) :: %{
           accepted: non_neg_integer(),
           rejected: non_neg_integer(),
@@ -78,19 +109,51 @@ defmodule Bourse.Testing.MockExchange do
 
   defp initial_state(opts) do
     stats = %{accepted: 0, rejected: 0, served: 0}
-    limit = Keyword.get(opts, :limit, 10)
-    window_ms = Keyword.get(opts, :window_ms, 1000)
 
     case Keyword.get(opts, :script) do
-      [_ | _] = script ->
-        Map.merge(stats, %{mode: :scripted, script: script})
+      [_ | _] = script -> Map.merge(stats, %{mode: :scripted, script: script})
+      nil -> Map.merge(stats, counting_state(opts))
+      _ -> raise ArgumentError, "expected :script to be a non-empty list of replies"
+    end
+  end
 
-      nil when is_integer(limit) and limit > 0 and is_integer(window_ms) and window_ms > 0 ->
-        Map.merge(stats, %{mode: :fixed_window, limit: limit, window_ms: window_ms, used: %{}})
+  defp counting_state(opts) do
+    common = %{
+      client: Keyword.get(opts, :client, :ip),
+      costs: Keyword.get(opts, :costs, %{}),
+      reject: Keyword.get(opts, :reject, :status_429),
+      used: %{}
+    }
 
-      _ ->
-        raise ArgumentError,
-              "expected a non-empty :script, or positive integers :limit and :window_ms"
+    unless common.client in [:ip, :api_key] and common.reject in [:status_429, :kraken] and
+             is_map(common.costs),
+           do:
+             raise(
+               ArgumentError,
+               "expected :client :ip or :api_key, :reject :status_429 or :kraken, and a :costs map"
+             )
+
+    case Keyword.get(opts, :mode, :fixed_window) do
+      mode when mode in [:fixed_window, :rolling_window] ->
+        limit = Keyword.get(opts, :limit, 10)
+        window_ms = Keyword.get(opts, :window_ms, 1000)
+
+        unless is_integer(limit) and limit > 0 and is_integer(window_ms) and window_ms > 0,
+          do: raise(ArgumentError, "expected positive integers :limit and :window_ms")
+
+        Map.merge(common, %{mode: mode, limit: limit, window_ms: window_ms})
+
+      :decaying ->
+        max = Keyword.get(opts, :max, 15)
+        decay = Keyword.get(opts, :decay_per_sec, 0.33)
+
+        unless is_number(max) and max > 0 and is_number(decay) and decay > 0,
+          do: raise(ArgumentError, "expected positive numbers :max and :decay_per_sec")
+
+        Map.merge(common, %{mode: :decaying, max: max, decay_per_sec: decay})
+
+      other ->
+        raise ArgumentError, "unknown mode #{inspect(other)}"
     end
   end
 
@@ -125,9 +188,9 @@ defmodule Bourse.Testing.MockExchange do
   def handle_call(:reset_stats, _from, state),
     do: {:reply, :ok, %{state | accepted: 0, rejected: 0, served: 0}}
 
-  def handle_call({:serve, ip, weight}, _from, state) do
-    {reply, state} = serve(state, ip, weight)
-    {:reply, reply, state}
+  def handle_call({:serve, request}, _from, state) do
+    {reply, outcome, state} = serve(state, request)
+    {:reply, reply, count(state, outcome)}
   end
 
   @impl GenServer
@@ -135,15 +198,24 @@ defmodule Bourse.Testing.MockExchange do
 
   # The :httpd module API (`do/1` is a reserved word in Elixir, hence the unquote).
   @doc false
-  def unquote(:do)(mod(config_db: config_db, parsed_header: headers, init_data: init)) do
+  def unquote(:do)(
+        mod(config_db: config_db, parsed_header: headers, init_data: init, request_uri: uri)
+      ) do
     server = :httpd_util.lookup(config_db, :bourse_mock_exchange)
     header = fn name -> headers |> List.keyfind(name, 0, {name, nil}) |> elem(1) end
     {_port, peer} = init_data(init, :peername)
-    ip = to_string(header.('x-client-ip') || peer)
+    ip = to_string(header.(~c"x-client-ip") || peer)
+    path = uri |> to_string() |> String.split("?", parts: 2) |> hd()
+
+    request = %{
+      ip: ip,
+      api_key: if(key = header.(~c"x-api-key"), do: to_string(key), else: ip),
+      path: path
+    }
 
     {status, reply_headers, body} =
-      case parse_weight(header.('x-weight')) do
-        {:ok, weight} -> GenServer.call(server, {:serve, ip, weight})
+      case parse_weight(header.(~c"x-weight")) do
+        {:ok, weight} -> GenServer.call(server, {:serve, Map.put(request, :weight, weight)})
         :error -> {400, [], ~s({"code":-1100,"msg":"x-weight must be an integer >= 0"})}
       end
 
@@ -173,37 +245,88 @@ defmodule Bourse.Testing.MockExchange do
     end
   end
 
-  defp serve(%{mode: :scripted, script: [reply | rest]} = state, _ip, _weight) do
+  defp serve(%{mode: :scripted, script: [reply | rest]} = state, _request) do
     {status, _, _} = reply
-    {reply, count(%{state | script: if(rest == [], do: [reply], else: rest)}, status)}
+    outcome = %{200 => :accepted, 429 => :rejected}[status]
+    {reply, outcome, %{state | script: if(rest == [], do: [reply], else: rest)}}
   end
 
-  defp serve(%{mode: :fixed_window, limit: limit, window_ms: window_ms} = state, ip, weight) do
+  defp serve(state, request) do
+    client = if state.client == :api_key, do: request.api_key, else: request.ip
+    weight = Map.get(state.costs, request.path, request.weight)
     now = System.os_time(:millisecond)
+
+    case spend(state, Map.get(state.used, client), weight, now) do
+      {:ok, used, headers, total} ->
+        state = %{state | used: Map.put(state.used, client, used)}
+        {{200, headers, ~s({"ok":true,"usedWeight":#{total}})}, :accepted, state}
+
+      {:refused, retry_after_ms, headers} ->
+        {refusal(state.reject, retry_after_ms, headers), :rejected, state}
+    end
+  end
+
+  # What a client has spent: `{window, used}` (fixed), `[{time, weight}]` (rolling, newest
+  # first) or `{level, time}` (decaying).
+  defp spend(
+         %{mode: :fixed_window, limit: limit, window_ms: window_ms} = state,
+         used,
+         weight,
+         now
+       ) do
     window = div(now, window_ms)
 
     used =
-      case state.used do
-        %{^ip => {^window, used}} -> used
+      case used do
+        {^window, used} -> used
         _ -> 0
       end
 
-    if used + weight > limit do
-      retry_after = div((window + 1) * window_ms - now + 999, 1000)
+    if used + weight > limit,
+      do: {:refused, (window + 1) * window_ms - now, used_headers(state, used, now)},
+      else: {:ok, {window, used + weight}, used_headers(state, used + weight, now), used + weight}
+  end
 
-      body =
-        ~s({"code":-1003,"msg":"Too many requests; limit is #{limit} weight per #{window_ms} ms."})
+  defp spend(%{mode: :rolling_window, limit: limit, window_ms: window_ms}, used, weight, now) do
+    recent = Enum.take_while(used || [], fn {time, _} -> time > now - window_ms end)
+    spent = recent |> Enum.map(&elem(&1, 1)) |> Enum.sum()
 
-      {{429, [{"retry-after", "#{retry_after}"} | used_headers(state, used, now)], body},
-       count(state, 429)}
+    if spent + weight > limit do
+      # Until enough of the window has passed for this weight.
+      {_, wait} =
+        recent
+        |> Enum.reverse()
+        |> Enum.reduce_while({spent, 0}, fn {time, w}, {left, _} ->
+          if left + weight - w <= limit,
+            do: {:halt, {left - w, time + window_ms - now}},
+            else: {:cont, {left - w, time + window_ms - now}}
+        end)
+
+      {:refused, wait, []}
     else
-      used = used + weight
-      state = %{state | used: Map.put(state.used, ip, {window, used})}
-
-      {{200, used_headers(state, used, now), ~s({"ok":true,"usedWeight":#{used}})},
-       count(state, 200)}
+      {:ok, [{now, weight} | recent], [], spent + weight}
     end
   end
+
+  defp spend(%{mode: :decaying, max: max, decay_per_sec: decay}, used, weight, now) do
+    level =
+      case used do
+        {level, time} -> max(level - decay * (now - time) / 1000, 0)
+        nil -> 0
+      end
+
+    if level + weight > max,
+      do: {:refused, ceil((level + weight - max) / decay * 1000), []},
+      else: {:ok, {level + weight, now}, [], round(level + weight)}
+  end
+
+  defp refusal(:status_429, retry_after_ms, headers) do
+    body = ~s({"code":-1003,"msg":"Too many requests; rate limit exceeded."})
+    {429, [{"retry-after", "#{div(retry_after_ms + 999, 1000)}"} | headers], body}
+  end
+
+  defp refusal(:kraken, _retry_after_ms, _headers),
+    do: {200, [], ~s({"error":["EAPI:Rate limit exceeded"],"result":{}})}
 
   defp used_headers(%{limit: limit, window_ms: window_ms}, used, now) do
     left_ms = window_ms - rem(now, window_ms)
@@ -217,13 +340,13 @@ defmodule Bourse.Testing.MockExchange do
     ]
   end
 
-  defp count(state, status) do
+  defp count(state, outcome) do
     state = %{state | served: state.served + 1}
 
-    case status do
-      200 -> %{state | accepted: state.accepted + 1}
-      429 -> %{state | rejected: state.rejected + 1}
-      _other -> state
+    case outcome do
+      :accepted -> %{state | accepted: state.accepted + 1}
+      :rejected -> %{state | rejected: state.rejected + 1}
+      nil -> state
     end
   end
 end

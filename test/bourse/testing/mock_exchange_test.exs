@@ -83,6 +83,50 @@ defmodule Bourse.Testing.MockExchangeTest do
     end
   end
 
+  describe "rolling_window mode" do
+    test "any window of window_ms holds at most limit; refusals are not counted" do
+      {:ok, mock} = MockExchange.start(mode: :rolling_window, limit: 3, window_ms: 600)
+      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "2"}])
+      assert {:ok, 200, _, _} = get(mock)
+      assert {:ok, 429, headers, _} = get(mock)
+      assert header(headers, "retry-after") == "1"
+      assert header(headers, "x-used-weight") == nil
+      # Not aligned to the clock: 600 ms after the first request, not at a boundary.
+      Process.sleep(650)
+      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "3"}])
+      assert {:ok, 429, _, _} = get(mock, [{"x-client-ip", "10.0.0.9"}, {"x-weight", "4"}])
+      assert {:ok, 200, _, _} = get(mock, [{"x-client-ip", "10.0.0.9"}, {"x-weight", "3"}])
+      assert MockExchange.stats(mock) == %{accepted: 4, rejected: 2, served: 6}
+    end
+  end
+
+  describe "decaying mode" do
+    test "a counter per API key, raised by each cost, decaying; Kraken's refusal" do
+      {:ok, mock} =
+        MockExchange.start(
+          mode: :decaying,
+          max: 4,
+          decay_per_sec: 10,
+          client: :api_key,
+          reject: :kraken,
+          costs: %{"/0/private/Ledgers" => 2}
+        )
+
+      key = [{"x-api-key", "a"}]
+      ledgers = fn headers -> HTTP.get(mock.url <> "/0/private/Ledgers?ofs=0", headers) end
+      assert {:ok, 200, _, ~s({"ok":true,"usedWeight":2})} = ledgers.(key)
+      assert {:ok, 200, _, _} = ledgers.(key)
+      assert {:ok, 200, _, body} = get(mock, key)
+      assert body =~ "EAPI:Rate limit exceeded"
+      # Another key has its own counter.
+      assert {:ok, 200, _, ~s({"ok":true,"usedWeight":1})} = get(mock, [{"x-api-key", "b"}])
+      # 10 a second: after 150 ms the first key has room for 1 again.
+      Process.sleep(150)
+      assert {:ok, 200, _, ~s({"ok":true,"usedWeight":) <> _} = get(mock, key)
+      assert MockExchange.stats(mock) == %{accepted: 4, rejected: 1, served: 5}
+    end
+  end
+
   test "scripted mode replays the seed report's replies in order, then repeats the last" do
     script = [
       {429, [{"Retry-After", "1e400"}], ~s({"code":-1003})},

@@ -1,0 +1,185 @@
+defmodule Bourse.RateLimiter.Exchange do
+  @moduledoc """
+  Exchange profiles: what each exchange publishes about its rate limits, as data an
+  adapter reads, overrides and turns into bucket definitions.
+
+      {:ok, buckets} = Exchange.buckets(:binance_spot, share: 0.8)
+      buckets["ip"]        #=> %{capacity: 480.0, refill_per_sec: 72.0}
+
+      Bourse.RateLimiter.wait_for_capacity({"binance", api_key, "ip"}, buckets["ip"], weight)
+
+  Profiles (`profiles/0`):
+
+  | name | exchange id | module |
+  | --- | --- | --- |
+  | `:binance_spot` | `"binance"` | `Bourse.RateLimiter.Exchange.BinanceSpot` |
+  | `:binance_usdm` | `"binance_usdm"` | `Bourse.RateLimiter.Exchange.BinanceUSDM` |
+  | `:bybit_v5` | `"bybit"` | `Bourse.RateLimiter.Exchange.BybitV5` |
+  | `:okx` | `"okx"` | `Bourse.RateLimiter.Exchange.OKX` |
+  | `:kraken_spot` | `"kraken"` | `Bourse.RateLimiter.Exchange.KrakenSpot` |
+  | `:coinbase_advanced` | `"coinbase"` | `Bourse.RateLimiter.Exchange.CoinbaseAdvanced` |
+
+  Each module documents its numbers with the page they come from and the date it was
+  read.
+
+  ## A profile
+
+  A map with `:name`, `:exchange_id` (the id to use in keys: body signals are matched by
+  it, `Bourse.RateLimiter.BodySignal`), `:title`, `:signals` (what the exchange answers
+  when limited, in words), `:notes` and `:counters`, a list of the exchange's published
+  counters, each a map of:
+
+    * `:axis` – the bucket axis it maps to (`{exchange_id, credential, axis}`);
+    * `:scope` – who is counted: `:ip`, `:account` (an account or UID), `:api_key`,
+      `:endpoint` (per account and endpoint), `:instrument` (per account and
+      instrument);
+    * `:kind` – how the exchange counts:
+      * `:fixed` – `:limit` per `:window_ms`, the window restarting at wall-clock
+        multiples of it (Binance);
+      * `:rolling` – `:limit` in any `:window_ms`;
+      * `:decaying` – a counter each request raises by its cost, that decays by
+        `:decay_per_sec` and refuses above `:max` (Kraken; a token bucket counted the
+        other way);
+    * `:cost` – what one request costs: `1`, or a description (`"the endpoint's
+      weight"`), and `:costs` for endpoints that cost more (`%{"Ledgers" => 2}`);
+    * `:header` – the reply header that reports it, if any (header sync,
+      `Bourse.RateLimiter.Feedback`);
+    * `:burst` (optional) – the part of the counter's ceiling available at once, where
+      the default would leave less than one request;
+    * `:source` – `%{url: ..., read: "YYYY-MM-DD"}`, and `:note` where the number comes
+      from a copy of the page rather than the page itself.
+
+  Override anything before sizing: `Exchange.profile(:binance_spot)` returns the map;
+  change a counter and pass the map to `buckets/2`.
+
+  ## Sizing
+
+  A `:fixed` or `:rolling` counter of `L` per window `W` gets the bucket of
+  `Bourse.RateLimiter.Limits.size/3`: `capacity + refill_per_sec * W <= share * L`, with
+  `capacity = burst * share * L`. A `:decaying` counter gets `capacity = share * max` and
+  `refill_per_sec = share * decay_per_sec`: the bucket never spends faster than the
+  counter decays, nor holds more than its maximum.
+  """
+
+  alias Bourse.Error
+  alias Bourse.RateLimiter.{Feedback, Limits}
+  alias Bourse.RateLimiter.Exchange.{BinanceSpot, BinanceUSDM, BybitV5, CoinbaseAdvanced}
+  alias Bourse.RateLimiter.Exchange.{KrakenSpot, OKX}
+
+  @type counter :: %{
+          required(:axis) => String.t(),
+          required(:scope) => atom(),
+          required(:kind) => :fixed | :rolling | :decaying,
+          required(:source) => map(),
+          optional(atom()) => term()
+        }
+  @type profile :: %{
+          required(:name) => atom(),
+          required(:exchange_id) => String.t(),
+          required(:counters) => [counter()],
+          optional(atom()) => term()
+        }
+
+  @modules %{
+    binance_spot: BinanceSpot,
+    binance_usdm: BinanceUSDM,
+    bybit_v5: BybitV5,
+    okx: OKX,
+    kraken_spot: KrakenSpot,
+    coinbase_advanced: CoinbaseAdvanced
+  }
+
+  @doc "The names of the profiles."
+  @spec profiles() :: [atom()]
+  def profiles, do: @modules |> Map.keys() |> Enum.sort()
+
+  @doc """
+  The profile `name`. Options go to the profile (`tier:` for Kraken: `:starter`
+  (default), `:intermediate` or `:pro`).
+  """
+  @spec profile(atom(), keyword()) :: {:ok, profile()} | {:error, Error.t()}
+  def profile(name, opts \\ []) do
+    case @modules do
+      %{^name => module} ->
+        module.profile(opts)
+
+      _ ->
+        invalid(
+          "unknown exchange profile #{inspect(name)}; expected one of #{inspect(profiles())}"
+        )
+    end
+  end
+
+  @doc """
+  Bucket definitions for every counter of a profile (a name or a profile map), keyed by
+  axis. Options: `:share` of each limit to use, in `(0, 1]` (default 0.8), `:burst`
+  for fixed and rolling counters (default 0.1, see `Bourse.RateLimiter.Limits.size/3`),
+  and the profile's own options.
+
+      Exchange.buckets(:kraken_spot, tier: :pro)
+      #=> {:ok, %{"private" => %{capacity: 16.0, refill_per_sec: 0.8}, "public" => ...}}
+  """
+  @spec buckets(atom() | profile(), keyword()) ::
+          {:ok, %{String.t() => Limits.limit()}} | {:error, Error.t()}
+  def buckets(name_or_profile, opts \\ [])
+
+  def buckets(name, opts) when is_atom(name) do
+    with {:ok, profile} <- profile(name, Keyword.drop(opts, [:share, :burst])),
+         do: buckets(profile, opts)
+  end
+
+  def buckets(%{counters: counters}, opts) when is_list(counters) do
+    Enum.reduce_while(counters, {:ok, %{}}, fn counter, {:ok, buckets} ->
+      case bucket(counter, opts) do
+        {:ok, axis, bucket} -> {:cont, {:ok, Map.put(buckets, axis, bucket)}}
+        error -> {:halt, error}
+      end
+    end)
+  end
+
+  def buckets(other, _opts),
+    do: invalid("expected a profile name or a profile map, got #{inspect(other, limit: 5)}")
+
+  defp bucket(%{axis: axis, kind: kind, limit: limit, window_ms: window_ms} = counter, opts)
+       when is_binary(axis) and kind in [:fixed, :rolling] do
+    burst = Map.get(counter, :burst) || Keyword.get(opts, :burst, 0.1)
+
+    with {:ok, bucket} <- Limits.size(limit, window_ms, share: share(opts), burst: burst),
+         do: {:ok, axis, bucket}
+  end
+
+  defp bucket(%{axis: axis, kind: :decaying, max: max, decay_per_sec: decay}, opts)
+       when is_binary(axis) and is_number(max) and max > 0 and is_number(decay) and decay > 0 do
+    share = share(opts)
+
+    if is_number(share) and share > 0 and share <= 1,
+      do: {:ok, axis, %{capacity: share * max, refill_per_sec: share * decay}},
+      else: invalid("share must be in (0, 1], got: #{inspect(share)}")
+  end
+
+  defp bucket(counter, _opts),
+    do: invalid("malformed counter in the profile: #{inspect(counter, limit: 8)}")
+
+  defp share(opts), do: Keyword.get(opts, :share, 0.8)
+
+  @doc """
+  Records the limits of the profile's counters that a reply header reports as the
+  exchange's own limits for header sync (`Bourse.RateLimiter.Feedback.put_header_limits/2`),
+  for the profile's exchange id. Call it once when the adapter starts; a later
+  `Bourse.RateLimiter.Limits.from_binance_exchange_info/2` with `exchange:` overrides it
+  with the live numbers.
+  """
+  @spec put_header_limits(atom() | profile(), keyword()) :: :ok | {:error, Error.t()}
+  def put_header_limits(name_or_profile, opts \\ [])
+
+  def put_header_limits(name, opts) when is_atom(name) do
+    with {:ok, profile} <- profile(name, opts), do: put_header_limits(profile, opts)
+  end
+
+  def put_header_limits(%{exchange_id: exchange_id, counters: counters}, _opts) do
+    limits = for %{header: header, limit: limit} <- counters, into: %{}, do: {header, limit}
+    Feedback.put_header_limits(exchange_id, limits)
+  end
+
+  defp invalid(message), do: {:error, Error.invalid(message)}
+end
