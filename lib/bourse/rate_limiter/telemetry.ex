@@ -15,7 +15,7 @@ defmodule Bourse.RateLimiter.Telemetry do
   Either way, each event is one line, its name then its measurements and metadata
   (credentials are fingerprints, never API keys):
 
-      [bourse] refused delay_ms=118 limiter=MyApp.Limiter exchange="binance" credential="key:1a2b3c4d" axis="ip" cost=4 reason=:delay max_wait_ms=nil
+      [bourse] refused delay_ms=118 limiter=MyApp.Limiter exchange="binance" credential="key:1a2b3c4d" axis="ip" cost=4 max_wait_ms=nil reason=:delay
 
   For metrics, attach handlers of your own to `events/0`.
   """
