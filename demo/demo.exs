@@ -1,4 +1,4 @@
-# The seed report's experiments, rerun against Bourse.RateLimiter: `make demo`.
+# The field report's experiments (docs/CONTRACT.md, Sources), rerun against Bourse.RateLimiter: `make demo`.
 #
 # An embedded mock exchange on 127.0.0.1 counts like Binance's per-IP weight counter
 # (10 weight per fixed 1-second window aligned to the wall clock, 429 with Retry-After
@@ -73,7 +73,7 @@ defmodule Demo do
     IO.puts("""
     ## 2. Four workers, 10 requests each, buckets of 2 plus 7/s
     A 429 pauses the worker's bucket for Retry-After and the request is retried (up to
-    3 times), as the seed report's `call` does; every 429 is counted. First as processes
+    3 times), as `call` does in Fincode's field report; every 429 is counted. First as processes
     of this VM, then as OS processes of their own (elixir worker VMs), each with its own
     NIF table, or all connected to one bourse_daemon.
     """)

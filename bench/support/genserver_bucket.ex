@@ -1,7 +1,7 @@
 defmodule Bench.GenServerBucket do
   @moduledoc """
   The reference architecture: token buckets whose state lives in one GenServer, one
-  `GenServer.call/2` per check (the seed interface's design). Every check is serialised
+  `GenServer.call/2` per check (the design of the published interface, docs/CONTRACT.md). Every check is serialised
   through the server's mailbox.
   """
   use GenServer

@@ -16,7 +16,7 @@ defmodule Demo.Client do
 
   With `retries: n` (default 0) a 429 pauses the bucket for the reply's `Retry-After`
   (`Bourse.RateLimiter.pause/3`, so every user of the bucket holds back) and the request
-  is sent again, at most `n` more times, as the seed report's `call` does.
+  is sent again, at most `n` more times, as the field report's `call` does (docs/CONTRACT.md).
   """
   @spec send_requests(String.t(), bucket(), pos_integer(), keyword()) :: non_neg_integer()
   def send_requests(url, bucket, count, opts \\ []) do

@@ -1,7 +1,7 @@
 defmodule Bourse.CrossProcess.SharedBucketTest do
   # Separate OS processes – two Elixir VMs and a Python program – hammer one bucket at
   # once. Through one bourse_daemon they stay within it together; each with a limiter of
-  # its own (the seed report's four workers) they exceed it. Not async: it runs VMs.
+  # its own (the field report's four workers, docs/CONTRACT.md) they exceed it. Not async: it runs VMs.
   use ExUnit.Case, async: false
 
   alias Bourse.DaemonServer

@@ -1,6 +1,6 @@
 defmodule Bourse.ContractCase do
   @moduledoc """
-  Case template for tests of the `Bourse.RateLimiter` contract (SPEC.md) through its
+  Case template for tests of the `Bourse.RateLimiter` contract (docs/CONTRACT.md) through its
   public API, for any backend.
 
       use Bourse.ContractCase, async: true, backend: :nif

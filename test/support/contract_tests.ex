@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests do
   @moduledoc """
-  The `Bourse.RateLimiter` contract (SPEC.md §1–6, P1–P6) as ExUnit tests through the
+  The `Bourse.RateLimiter` contract (docs/CONTRACT.md §1–6, P1–P6) as ExUnit tests through the
   public API, for one backend per test module:
 
       defmodule Bourse.RateLimiter.ContractNIFTest do

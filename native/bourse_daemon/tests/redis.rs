@@ -405,7 +405,7 @@ fn idle_buckets_expire_once_they_behave_as_new() {
 }
 
 /// Several daemon processes (standing in for machines) on one Redis hammer one bucket: the
-/// total admitted stays within C + r * T (SPEC P1), and near it.
+/// total admitted stays within C + r * T (docs/CONTRACT.md, P1), and near it.
 #[test]
 fn several_daemons_share_one_bucket() {
     let Some(redis) = Redis::start() else { return };

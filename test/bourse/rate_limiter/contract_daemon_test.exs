@@ -1,5 +1,5 @@
 defmodule Bourse.RateLimiter.ContractDaemonTest do
-  # The whole contract of SPEC.md through the public API, with the buckets in one shared
+  # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in one shared
   # bourse_daemon server on loopback TCP. Every limiter of the module connects to it, so
   # the tests run one at a time on a table cleared before each. Its booking slack is the
   # one the contract's booking tests ask for; the tests that set table options per

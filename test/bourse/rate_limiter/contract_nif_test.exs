@@ -1,4 +1,4 @@
 defmodule Bourse.RateLimiter.ContractNIFTest do
-  # The whole contract of SPEC.md through the public API, on the in-VM NIF backend.
+  # The whole contract (docs/CONTRACT.md) through the public API, on the in-VM NIF backend.
   use Bourse.ContractTests, backend: :nif
 end

@@ -1,5 +1,5 @@
 defmodule Bourse.RateLimiter.ContractRedisTest do
-  # The whole contract of SPEC.md through the public API, with the buckets in Redis: each
+  # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in Redis: each
   # limiter runs its own `bourse_daemon --stdio --redis URL`, all on one redis-server
   # started here, so the tests run one at a time on a Redis cleared before each. The tests
   # that set table options per limiter (assume_busy_at_start follows the Redis state, not

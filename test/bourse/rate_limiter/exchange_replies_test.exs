@@ -1,5 +1,5 @@
 defmodule Bourse.RateLimiter.ExchangeRepliesTest do
-  # The seed report's scripted replies, through Bourse.AdapterLoop: wait_for_capacity,
+  # The field report's scripted replies (docs/CONTRACT.md, Sources), through Bourse.AdapterLoop: wait_for_capacity,
   # an HTTP GET to a scripted mock exchange, observe_response, then retry or return.
   use ExUnit.Case, async: true
 

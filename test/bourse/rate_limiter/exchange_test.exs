@@ -39,7 +39,7 @@ defmodule Bourse.RateLimiter.ExchangeTest do
       end
     end
 
-    test "the field report's Binance figures; Kraken's tiers; the usual axes" do
+    test "Fincode's field report's Binance figures; Kraken's tiers; the usual axes" do
       assert {:ok, %{"ip" => %{capacity: 480.0, refill_per_sec: 72.0}} = spot} =
                Exchange.buckets(:binance_spot, share: 0.8)
 

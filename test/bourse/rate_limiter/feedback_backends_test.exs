@@ -1,5 +1,5 @@
 defmodule Bourse.FeedbackScenario do
-  # The same replies observed on each backend get the same answers (SPEC §8): header sync
+  # The same replies observed on each backend get the same answers (docs/CONTRACT.md §8): header sync
   # within the exchange's limit, body signals, bans and the backoff all go through the
   # backend's pause, sync and bucket calls.
   import ExUnit.Assertions

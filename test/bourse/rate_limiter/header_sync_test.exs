@@ -18,7 +18,7 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
     %{name: name}
   end
 
-  describe "the seed report's experiment" do
+  describe "Fincode's field report's experiment" do
     @describetag timeout: 120_000
 
     # The mock counts 10 weight per 1 s window per IP. Our bot, a bucket of 2 plus 7 a

@@ -4,7 +4,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
   alias Bourse.Error
   alias Bourse.RateLimiter.Limits
 
-  # The seed report's exchangeInfo; RAW_REQUESTS is 300000 per 5 minutes.
+  # The field report's exchangeInfo (docs/CONTRACT.md, Sources); RAW_REQUESTS is 300000 per 5 minutes.
   @exchange_info %{
     "timezone" => "UTC",
     "rateLimits" => [
@@ -26,7 +26,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
   }
 
   describe "size/3" do
-    test "the seed report's sizing: 20% kept back, a 10% burst" do
+    test "Fincode's field report's sizing: 20% kept back, a 10% burst" do
       assert Limits.size(6000, 60_000) == {:ok, %{capacity: 480.0, refill_per_sec: 72.0}}
       assert Limits.size(100, 10_000) == {:ok, %{capacity: 8.0, refill_per_sec: 7.2}}
       assert Limits.size(600, 5_000) == {:ok, %{capacity: 48.0, refill_per_sec: 86.4}}
@@ -87,7 +87,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
   end
 
   describe "from_binance_exchange_info/2" do
-    test "one bucket per entry, as the seed report prints them" do
+    test "one bucket per entry, as Fincode's field report prints them" do
       assert {:ok, buckets} = Limits.from_binance_exchange_info(@exchange_info)
 
       assert Map.keys(buckets) |> Enum.sort() == [

@@ -127,7 +127,7 @@ defmodule Bourse.Testing.MockExchangeTest do
     end
   end
 
-  test "scripted mode replays the seed report's replies in order, then repeats the last" do
+  test "scripted mode replays Fincode's field report's replies in order, then repeats the last" do
     script = [
       {429, [{"Retry-After", "1e400"}], ~s({"code":-1003})},
       {429, [{"Retry-After", "86400"}], "{}"},

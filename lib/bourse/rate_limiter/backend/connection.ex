@@ -14,7 +14,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
   stream is back; a caller waits at most its timeout, never longer:
 
-    * a port is reopened at once, with `--assume-busy-at-start` (SPEC P6: the new table
+    * a port is reopened at once, with `--assume-busy-at-start` (docs/CONTRACT.md, P6: the new table
       admits no more than a fresh limiter that assumed every bucket busy at start);
     * a socket is reconnected with backoff (50 ms, doubling up to 2 s).
 

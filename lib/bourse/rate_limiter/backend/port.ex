@@ -13,7 +13,7 @@ defmodule Bourse.RateLimiter.Backend.Port do
   If the daemon dies (even `kill -9`), callers in flight get
   `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with
   `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
-  assumed every bucket busy at start (SPEC P6). If the limiter process crashes, the port
+  assumed every bucket busy at start (docs/CONTRACT.md, P6). If the limiter process crashes, the port
   lives on and the restarted limiter takes it over: spent tokens stay spent. A limiter
   started under the name of one whose port is gone (stopped, or not taken over within 5
   s) starts its daemon with `--assume-busy-at-start` too: the exchange may still count

@@ -11,7 +11,7 @@ defmodule Bourse.RateLimiter.Exchange.BinanceSpot do
   | `ORDERS` | account | fixed, 1 day | 200,000 unfilled orders | `"orders_1d"` | `X-MBX-ORDER-COUNT-1D` |
 
   Sources: the limits as the live `exchangeInfo` listed them on 6 November 2026 (the
-  field report, `https://data-api.binance.vision/api/v3/exchangeInfo?symbol=BTCUSDT`);
+  field report, docs/CONTRACT.md; `https://data-api.binance.vision/api/v3/exchangeInfo?symbol=BTCUSDT`);
   headers, fixed windows ("a 1 MINUTE interval starts every minute") and the scopes as
   documented on <https://developers.binance.com/docs/binance-spot-api-docs/rest-api/limits>
   and <https://developers.binance.com/docs/binance-spot-api-docs/websocket-api/rate-limits>,
