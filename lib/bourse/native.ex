@@ -1,7 +1,8 @@
 defmodule Bourse.Native do
   @moduledoc false
   # The NIF over the Rust bucket table (native/bourse_nif). Loaded from priv/native when
-  # this module loads; every function answers malformed input with `{:error, message}`.
+  # this module loads; every function answers malformed input with
+  # `{:error, message, exchange_id | nil}`.
 
   @on_load :load_nif
 
@@ -40,5 +41,4 @@ defmodule Bourse.Native do
   def inspect(_table, _key), do: :erlang.nif_error(:not_loaded)
   def busiest(_table, _count), do: :erlang.nif_error(:not_loaded)
   def stats(_table), do: :erlang.nif_error(:not_loaded)
-  def count_invalid(_table), do: :erlang.nif_error(:not_loaded)
 end

@@ -16,6 +16,7 @@ pub struct MonotonicClock {
 }
 
 impl MonotonicClock {
+    /// A clock reading 0 now.
     pub fn new() -> Self {
         Self {
             origin: monotonic_nanos(),
@@ -55,6 +56,7 @@ pub struct ManualClock {
 }
 
 impl ManualClock {
+    /// A clock at 0.
     pub fn new() -> Self {
         Self::default()
     }

@@ -5,12 +5,16 @@ use std::hash::{Hash, Hasher};
 /// A key as the caller holds it; `credential: None` is the shared `:public` pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyRef<'a> {
+    /// The exchange id (`"binance"`).
     pub exchange: &'a [u8],
+    /// The API key, or `None` for the `:public` pool.
     pub credential: Option<&'a [u8]>,
+    /// The bucket axis (`"request"`, `"ip"`, ...).
     pub axis: &'a [u8],
 }
 
 impl<'a> KeyRef<'a> {
+    /// A key from its three parts.
     pub fn new(exchange: &'a [u8], credential: Option<&'a [u8]>, axis: &'a [u8]) -> Self {
         Self {
             exchange,
@@ -19,6 +23,7 @@ impl<'a> KeyRef<'a> {
         }
     }
 
+    /// The key packed for storage.
     pub fn to_owned_key(&self) -> Key {
         let credential = self.credential.unwrap_or_default();
         let mut bytes =
@@ -61,6 +66,7 @@ pub struct Key {
 }
 
 impl Key {
+    /// The key's three parts.
     pub fn as_ref(&self) -> KeyRef<'_> {
         let (exchange_end, credential_end) =
             (self.exchange_end as usize, self.credential_end as usize);
@@ -71,6 +77,7 @@ impl Key {
         }
     }
 
+    /// The exchange id.
     pub fn exchange(&self) -> &[u8] {
         &self.bytes[..self.exchange_end as usize]
     }

@@ -13,9 +13,11 @@ mod bucket;
 mod clock;
 mod key;
 mod limit;
+pub mod rules;
 mod table;
 
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use key::{Key, KeyRef};
-pub use limit::{check_cost, InvalidInput, Limit, MAX_AMOUNT};
+pub use limit::Limit;
+pub use rules::{InvalidInput, Shape};
 pub use table::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats, Table};

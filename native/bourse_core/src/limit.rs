@@ -1,10 +1,6 @@
-//! Bucket definitions and costs, validated once at the edge.
+//! Bucket definitions, validated by [`crate::rules`] when they are made.
 
-use std::fmt;
-
-/// The largest capacity, refill rate or cost accepted: far beyond any exchange limit,
-/// small enough that every product and sum stays exact to well under a token.
-pub const MAX_AMOUNT: f64 = 1e12;
+use crate::rules::{self, InvalidInput, Shape};
 
 /// A bucket definition: `capacity` tokens refilling at `refill_per_sec`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -14,76 +10,35 @@ pub struct Limit {
 }
 
 impl Limit {
-    /// Both values must be finite, positive and at most [`MAX_AMOUNT`].
+    /// Both values must be finite, positive and at most [`rules::MAX_AMOUNT`].
     pub fn new(capacity: f64, refill_per_sec: f64) -> Result<Self, InvalidInput> {
-        check_positive("capacity", capacity)?;
-        check_positive("refill_per_sec", refill_per_sec)?;
-        Ok(Self {
-            capacity,
-            refill_per_sec,
-        })
+        rules::limit(Shape::Float(capacity), Shape::Float(refill_per_sec))
     }
 
     /// `requests` per `period_ms` milliseconds: capacity `requests`, refill
     /// `requests / (period_ms / 1000)` per second.
     pub fn per_period(requests: f64, period_ms: f64) -> Result<Self, InvalidInput> {
-        check_positive("requests", requests)?;
-        check_positive("period", period_ms)?;
-        Self::new(requests, requests / (period_ms / 1000.0))
+        rules::limit_per_period(Shape::Float(requests), Some(Shape::Float(period_ms)))
     }
 
+    /// A definition whose values [`crate::rules`] has checked.
+    pub(crate) fn checked(capacity: f64, refill_per_sec: f64) -> Self {
+        Self {
+            capacity,
+            refill_per_sec,
+        }
+    }
+
+    /// Tokens the bucket holds when full.
     pub fn capacity(&self) -> f64 {
         self.capacity
     }
 
+    /// Tokens accrued per second.
     pub fn refill_per_sec(&self) -> f64 {
         self.refill_per_sec
     }
-
-    /// Seconds for an empty bucket to fill.
-    pub fn fill_secs(&self) -> f64 {
-        self.capacity / self.refill_per_sec
-    }
 }
-
-/// A cost must be finite, `>= 0` and at most [`MAX_AMOUNT`].
-pub fn check_cost(cost: f64) -> Result<f64, InvalidInput> {
-    if cost.is_finite() && (0.0..=MAX_AMOUNT).contains(&cost) {
-        Ok(cost)
-    } else {
-        Err(InvalidInput::new(format!(
-            "cost must be a finite number between 0 and {MAX_AMOUNT:e}, got {cost}"
-        )))
-    }
-}
-
-fn check_positive(name: &str, value: f64) -> Result<(), InvalidInput> {
-    if value.is_finite() && value > 0.0 && value <= MAX_AMOUNT {
-        Ok(())
-    } else {
-        Err(InvalidInput::new(format!(
-            "{name} must be a finite number above 0 and at most {MAX_AMOUNT:e}, got {value}"
-        )))
-    }
-}
-
-/// Malformed input, with a message naming what is wrong.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidInput(pub String);
-
-impl InvalidInput {
-    pub fn new(message: impl Into<String>) -> Self {
-        Self(message.into())
-    }
-}
-
-impl fmt::Display for InvalidInput {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for InvalidInput {}
 
 #[cfg(test)]
 mod tests {
@@ -95,9 +50,6 @@ mod tests {
             assert!(Limit::new(bad, 1.0).is_err());
             assert!(Limit::new(1.0, bad).is_err());
         }
-        assert!(check_cost(-0.5).is_err());
-        assert!(check_cost(f64::NAN).is_err());
-        assert_eq!(check_cost(0.0), Ok(0.0));
     }
 
     #[test]

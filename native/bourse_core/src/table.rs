@@ -7,9 +7,10 @@ use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use crate::bucket::{Booking, Bucket, MAX_WAIT_NS};
-use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS};
+use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::key::{Key, KeyRef};
-use crate::limit::{InvalidInput, Limit};
+use crate::limit::Limit;
+use crate::rules::{self, InvalidInput, DEFAULT_BOOKING_SLACK_MS};
 
 const SHARDS: usize = 64;
 
@@ -26,7 +27,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             assume_busy_at_start: false,
-            booking_slack_ms: 250,
+            booking_slack_ms: DEFAULT_BOOKING_SLACK_MS,
         }
     }
 }
@@ -34,8 +35,11 @@ impl Default for Config {
 /// One bucket of a check: `cost` tokens from `key`'s bucket defined by `limit`.
 #[derive(Debug, Clone, Copy)]
 pub struct Check<'a> {
+    /// The bucket's key.
     pub key: KeyRef<'a>,
+    /// The bucket's definition.
     pub limit: Limit,
+    /// Tokens to pay, `>= 0`.
     pub cost: f64,
 }
 
@@ -45,7 +49,10 @@ pub enum Mode {
     /// Asks only: a delay pays and reserves nothing.
     Probe,
     /// Will sleep the delay and come back: a delay within `max_wait_ms` is booked.
-    Wait { max_wait_ms: u64 },
+    Wait {
+        /// The longest delay the caller accepts, in milliseconds.
+        max_wait_ms: u64,
+    },
 }
 
 /// The answer to a check. Delays are whole milliseconds, rounded up, at least 1.
@@ -66,9 +73,11 @@ pub enum Outcome {
 /// What a pause applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PauseTarget {
+    /// Every key of an exchange.
     Exchange(Vec<u8>),
     /// An exchange's credential; `None` is the public pool.
     Credential(Vec<u8>, Option<Vec<u8>>),
+    /// One key.
     Key(Key),
 }
 
@@ -83,7 +92,8 @@ impl PauseTarget {
         }
     }
 
-    fn exchange(&self) -> &[u8] {
+    /// The exchange the pause applies to.
+    pub fn exchange(&self) -> &[u8] {
         match self {
             Self::Exchange(exchange) | Self::Credential(exchange, _) => exchange,
             Self::Key(key) => key.exchange(),
@@ -94,23 +104,34 @@ impl PauseTarget {
 /// Counters since the table was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Checks paid now.
     pub admitted: u64,
+    /// Checks admitted against the caller's booking.
     pub claimed: u64,
+    /// Delays answered without paying.
     pub delayed: u64,
+    /// Waiters booked.
     pub booked: u64,
+    /// Waiters refused because the delay exceeded their budget.
     pub over_budget: u64,
+    /// Bookings not claimed within the slack.
     pub lapsed: u64,
     /// Answers (delays, bookings, refusals) held back by a pause.
     pub paused: u64,
+    /// Costs debited without checking.
     pub debited: u64,
+    /// Malformed requests refused.
     pub invalid: u64,
+    /// Buckets held now.
     pub buckets: u64,
+    /// Bookings held now.
     pub bookings: u64,
 }
 
 /// A snapshot of one key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyInfo {
+    /// The key's definition; `None` while it has only `record` debt.
     pub limit: Option<Limit>,
     /// Tokens now, capped at the capacity; negative while in debt.
     pub tokens: f64,
@@ -118,7 +139,9 @@ pub struct KeyInfo {
     pub borrowed: f64,
     /// How far below zero the bucket is, or the pending debt of an undefined key.
     pub debt: f64,
+    /// Bookings held on the key.
     pub bookings: usize,
+    /// Their total cost.
     pub booked_cost: f64,
     /// Milliseconds until the earliest booking is ready, if any.
     pub next_ready_ms: Option<u64>,
@@ -186,12 +209,14 @@ fn delay_ms(from: u64, to: u64) -> u64 {
 }
 
 impl Table<MonotonicClock> {
+    /// An empty table on the machine's monotonic clock.
     pub fn new(config: Config) -> Self {
         Self::with_clock(config, MonotonicClock::new())
     }
 }
 
 impl<C: Clock> Table<C> {
+    /// An empty table on `clock`.
     pub fn with_clock(config: Config, clock: C) -> Self {
         let started_at = clock.now();
         Self {
@@ -208,12 +233,9 @@ impl<C: Clock> Table<C> {
         }
     }
 
+    /// The options the table was created with.
     pub fn config(&self) -> Config {
         self.config
-    }
-
-    pub fn now(&self) -> u64 {
-        self.clock.now()
     }
 
     fn hash(&self, key: &KeyRef) -> u64 {
@@ -232,7 +254,7 @@ impl<C: Clock> Table<C> {
     /// Tokens a new bucket starts with.
     fn initial_tokens(&self, limit: &Limit, now: u64) -> f64 {
         if self.config.assume_busy_at_start {
-            let since_start = now.saturating_sub(self.started_at) as f64 / 1e9;
+            let since_start = now.saturating_sub(self.started_at) as f64 / NANOS_PER_SEC;
             (limit.refill_per_sec() * since_start).min(limit.capacity())
         } else {
             limit.capacity()
@@ -297,10 +319,8 @@ impl<C: Clock> Table<C> {
                 Some(last) if last.hash == item.hash && last.key == item.key => {
                     if last.limit != item.limit {
                         self.count_invalid();
-                        return Err(InvalidInput::new(format!(
-                            "conflicting bucket definitions for one key in a single check: {:?} and {:?}",
-                            last.limit, item.limit
-                        )));
+                        return Err(rules::conflicting_definitions(&last.limit, &item.limit)
+                            .for_exchange(item.key.exchange));
                     }
                     last.cost += item.cost;
                 }

@@ -7,7 +7,8 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bourse_core::{
-    check_cost, Check, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats, MAX_AMOUNT,
+    rules::{self, Shape, MAX_AMOUNT},
+    Check, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
 };
 use serde_json::{json, Map, Value};
 
@@ -69,7 +70,7 @@ impl From<StoreError> for Failure {
     fn from(error: StoreError) -> Self {
         match error {
             StoreError::Invalid(error) => Self::Invalid(Invalid {
-                message: error.0,
+                message: error.to_string(),
                 counted: true,
             }),
             StoreError::Unavailable(message) => Self::Unavailable(message),
@@ -502,7 +503,7 @@ fn limit(value: &Value, what: &str) -> Result<Option<Limit>> {
             ));
         }
     };
-    limit.map(Some).map_err(|error| in_what(error.0))
+    limit.map(Some).map_err(|error| in_what(error.to_string()))
 }
 
 fn number(value: Option<&Value>, what: &str, name: &str) -> Result<f64> {
@@ -526,7 +527,8 @@ fn cost(value: Option<&Value>, what: &str) -> Result<f64> {
             .as_f64()
             .ok_or_else(|| Invalid::new(format!("{what} is not a usable number")))
             .and_then(|cost| {
-                check_cost(cost).map_err(|error| Invalid::new(format!("{what}: {error}")))
+                rules::cost(Shape::Float(cost))
+                    .map_err(|error| Invalid::new(format!("{what}: {error}")))
             }),
         Some(other) => Err(Invalid::new(format!(
             "{what} must be a number, got {}",
@@ -1142,7 +1144,7 @@ mod tests {
             (check("{}", ""), "needs capacity and refill_per_sec"),
             (check(r#"{"capacity":1}"#, ""), "limit.refill_per_sec is missing"),
             (check(r#"{"capacity":"1","refill_per_sec":1}"#, ""), "limit.capacity must be a number"),
-            (check(r#"{"capacity":0,"refill_per_sec":1}"#, ""), "capacity must be a finite number above 0"),
+            (check(r#"{"capacity":0,"refill_per_sec":1}"#, ""), "capacity must be a finite number > 0"),
             (check(r#"{"capacity":1,"refill_per_sec":-1}"#, ""), "refill_per_sec must be"),
             (check(r#"{"capacity":1e13,"refill_per_sec":1}"#, ""), "capacity must be"),
             (check(r#"{"requests":10,"refill_per_sec":1}"#, ""), "not both"),

@@ -2,25 +2,21 @@
 //! resource and answers. Malformed input becomes `{:error, message}`; nothing here sleeps,
 //! and table-wide work runs on dirty schedulers.
 
+use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
 use bourse_core::{
-    check_cost, Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome,
-    PauseTarget, Stats, Table,
+    Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Shape,
+    Stats, Table,
 };
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, ResourceArc, Term, TermType};
 
 mod atoms {
     rustler::atoms! {
-        ok, error, delay, booked, over_budget, public, nil,
+        ok, error, delay, booked, over_budget, public, nil, true_ = "true", false_ = "false",
         capacity, refill_per_sec, requests, period,
         admitted, claimed, delayed, lapsed, paused, debited, invalid, buckets, bookings,
         limit, tokens, borrowed, debt, booked_cost, next_ready_ms, pause_ms,
     }
 }
-
-/// Longest accepted exchange id, credential or axis, in bytes.
-const MAX_KEY_PART: usize = 1024;
-/// Most checks accepted in one `check_many`.
-const MAX_CHECKS: usize = 1024;
 
 pub struct TableResource(Table);
 
@@ -49,89 +45,126 @@ fn is_atom(term: Term, atom: Atom) -> bool {
     term.as_c_arg() == atom.as_c_arg()
 }
 
-fn invalid<T>(message: impl Into<String>) -> Decoded<T> {
-    Err(InvalidInput::new(message))
+/// The head and tail of a list cell, `None` for anything else.
+fn list_cell(term: Term) -> Option<(Term, Term)> {
+    let env = term.get_env();
+    // SAFETY: enif_get_list_cell only reads `term`; head and tail live as long as it does.
+    let (head, tail) =
+        unsafe { rustler::wrapper::list::get_list_cell(env.as_c_arg(), term.as_c_arg()) }?;
+    Some(unsafe { (Term::new(env, head), Term::new(env, tail)) })
 }
 
-/// What kind of term `term` is, without its contents: for messages about terms that may
-/// hold an API key (a credential, or a whole key or check), which must never be echoed.
-fn shape(term: Term) -> String {
+/// The elements of a proper list of at most `MAX_CHECKS` elements, walking at most one
+/// cell more; otherwise the list's shape.
+fn bounded_list(term: Term) -> Result<Vec<Term>, Shape> {
+    let mut elements = Vec::new();
+    let mut rest = term;
+    while let Some((head, tail)) = list_cell(rest) {
+        if elements.len() == MAX_CHECKS {
+            return Err(Shape::List { len: None });
+        }
+        elements.push(head);
+        rest = tail;
+    }
+    if rest.is_empty_list() {
+        Ok(elements)
+    } else if elements.is_empty() {
+        Err(shape(term))
+    } else {
+        Err(Shape::ImproperList)
+    }
+}
+
+/// What `term` is, without reading a binary's bytes or walking more than `MAX_CHECKS`
+/// cells of a list: for messages, which must never echo a value that may be an API key.
+fn shape(term: Term) -> Shape {
     match term.get_type() {
+        TermType::Atom if is_atom(term, atoms::nil()) => Shape::Nil,
+        TermType::Atom if is_atom(term, atoms::true_()) => Shape::Boolean(true),
+        TermType::Atom if is_atom(term, atoms::false_()) => Shape::Boolean(false),
+        TermType::Atom => Shape::Atom,
+        TermType::Binary => match term.decode::<Binary>() {
+            Ok(binary) => Shape::Binary { len: binary.len() },
+            Err(_) => Shape::Bitstring,
+        },
+        TermType::Integer => term
+            .decode::<i64>()
+            .map_or(Shape::BigInteger, Shape::Integer),
+        TermType::Float => term.decode::<f64>().map_or(Shape::Other, Shape::Float),
+        TermType::List if term.is_empty_list() => Shape::List { len: Some(0) },
+        TermType::List => match bounded_list(term) {
+            Ok(elements) => Shape::List {
+                len: Some(elements.len()),
+            },
+            Err(shape) => shape,
+        },
         TermType::Tuple => match rustler::types::tuple::get_tuple(term) {
-            Ok(elements) => format!("a tuple of {} elements", elements.len()),
-            Err(_) => "a tuple".into(),
+            Ok(elements) => Shape::Tuple {
+                arity: elements.len(),
+            },
+            Err(_) => Shape::Other,
         },
-        TermType::List => match term.list_length() {
-            Ok(length) => format!("a list of {length} elements"),
-            Err(_) => "an improper list".into(),
-        },
-        TermType::Binary => "a binary".into(),
-        TermType::Atom => "an atom".into(),
-        TermType::Integer | TermType::Float => "a number".into(),
-        TermType::Map => "a map".into(),
-        TermType::Fun => "a function".into(),
-        TermType::Pid => "a pid".into(),
-        TermType::Port => "a port".into(),
-        TermType::Ref => "a reference".into(),
-        TermType::Unknown => "an unknown term".into(),
+        TermType::Map => term
+            .map_size()
+            .map_or(Shape::Other, |size| Shape::Map { size }),
+        TermType::Fun => Shape::Function,
+        TermType::Pid => Shape::Pid,
+        TermType::Port => Shape::Port,
+        TermType::Ref => Shape::Reference,
+        TermType::Unknown => Shape::Other,
     }
 }
 
-/// A binary of at most `MAX_KEY_PART` bytes; `shown` says what was given instead.
-fn bounded_binary<'a>(
-    term: Term<'a>,
-    what: &str,
-    shown: impl FnOnce() -> String,
-) -> Decoded<&'a [u8]> {
+/// A number's shape with its value (integers first: the common cost), or `term`'s shape.
+fn number(term: Term) -> Shape {
+    if let Ok(integer) = term.decode::<i64>() {
+        Shape::Integer(integer)
+    } else if let Ok(float) = term.decode::<f64>() {
+        Shape::Float(float)
+    } else {
+        shape(term)
+    }
+}
+
+/// A key part's bytes, as `rules::key_part` allows them.
+fn key_part<'a>(term: Term<'a>, part: KeyPart) -> Decoded<&'a [u8]> {
     match term.decode::<Binary>() {
-        Ok(binary) if binary.len() <= MAX_KEY_PART => Ok(binary.as_slice()),
-        Ok(_) => invalid(format!("{what} is longer than {MAX_KEY_PART} bytes")),
-        Err(_) => invalid(format!("{what} must be a binary, got {}", shown())),
+        Ok(binary) => {
+            rules::key_part(part, Shape::Binary { len: binary.len() }).map(|()| binary.as_slice())
+        }
+        // Not a binary, so the rule refuses it: its shape is never `Shape::Binary`.
+        Err(_) => rules::key_part(part, shape(term)).map(|()| &[][..]),
     }
-}
-
-fn key_part<'a>(term: Term<'a>, what: &str) -> Decoded<&'a [u8]> {
-    bounded_binary(term, what, || format!("{term:?}"))
 }
 
 fn credential<'a>(term: Term<'a>) -> Decoded<Option<&'a [u8]>> {
     if is_atom(term, atoms::public()) {
         Ok(None)
     } else {
-        bounded_binary(term, "credential_key (a binary or :public)", || shape(term)).map(Some)
+        key_part(term, KeyPart::Credential).map(Some)
     }
 }
 
 /// `{exchange_id, credential_key, bucket_axis}`, or `{exchange_id, credential_key}` for
-/// the `"request"` axis.
+/// the `"request"` axis. Errors after the exchange id name it.
 fn key(term: Term) -> Decoded<KeyRef> {
-    if let Some([exchange, cred, axis]) = tuple(term) {
-        Ok(KeyRef::new(
-            key_part(exchange, "exchange_id")?,
-            credential(cred)?,
-            key_part(axis, "bucket_axis")?,
-        ))
+    let (exchange, cred, axis) = if let Some([exchange, cred, axis]) = tuple(term) {
+        (exchange, cred, Some(axis))
     } else if let Some([exchange, cred]) = tuple(term) {
-        Ok(KeyRef::new(
-            key_part(exchange, "exchange_id")?,
-            credential(cred)?,
-            b"request",
-        ))
+        (exchange, cred, None)
     } else {
-        invalid(format!(
-            "key must be {{exchange_id, credential_key, bucket_axis}} or {{exchange_id, credential_key}}, got {}",
-            shape(term)
-        ))
-    }
-}
-
-fn number(term: Term, what: &str) -> Decoded<f64> {
-    term.decode::<f64>()
-        .map_err(|_| InvalidInput::new(format!("{what} must be a number, got {term:?}")))
-}
-
-fn cost(term: Term) -> Decoded<f64> {
-    check_cost(number(term, "cost")?)
+        return Err(rules::not_a_key(shape(term)));
+    };
+    let exchange = key_part(exchange, KeyPart::Exchange)?;
+    let rest = || {
+        let credential = credential(cred)?;
+        let axis = match axis {
+            Some(axis) => key_part(axis, KeyPart::Axis)?,
+            None => b"request",
+        };
+        Ok(KeyRef::new(exchange, credential, axis))
+    };
+    rest().map_err(|err: InvalidInput| err.for_exchange(exchange))
 }
 
 /// A limit map, or `None` for `nil` (no limit).
@@ -139,45 +172,29 @@ fn limit(term: Term) -> Decoded<Option<Limit>> {
     if is_atom(term, atoms::nil()) {
         return Ok(None);
     }
-    let shape_error = || {
-        InvalidInput::new(format!(
-            "limit must be %{{capacity: c, refill_per_sec: r}}, %{{requests: n, period: ms}}, %{{requests: n}} or nil, got {term:?}"
-        ))
-    };
-    let size = term.map_size().map_err(|_| shape_error())?;
+    let not_a_limit = || rules::not_a_limit(shape(term));
+    let size = term.map_size().map_err(|_| not_a_limit())?;
     let field = |name: Atom| term.map_get(name).ok();
-    let parsed = if let Some(capacity) = field(atoms::capacity()) {
-        let refill = field(atoms::refill_per_sec()).filter(|_| size == 2);
-        let refill = refill.ok_or_else(shape_error)?;
-        Limit::new(
-            number(capacity, "capacity")?,
-            number(refill, "refill_per_sec")?,
-        )
-    } else if let Some(requests) = field(atoms::requests()) {
-        let requests = number(requests, "requests")?;
-        match (size, field(atoms::period())) {
-            (1, None) => Limit::per_period(requests, 1000.0),
-            (2, Some(period)) => Limit::per_period(requests, number(period, "period")?),
-            _ => return Err(shape_error()),
+    let limit = match (size, field(atoms::capacity()), field(atoms::requests())) {
+        (2, Some(capacity), None) => {
+            let refill = field(atoms::refill_per_sec()).ok_or_else(not_a_limit)?;
+            rules::limit(number(capacity), number(refill))?
         }
-    } else {
-        return Err(shape_error());
+        (1, None, Some(requests)) => rules::limit_per_period(number(requests), None)?,
+        (2, None, Some(requests)) => {
+            let period = field(atoms::period()).ok_or_else(not_a_limit)?;
+            rules::limit_per_period(number(requests), Some(number(period)))?
+        }
+        _ => return Err(not_a_limit()),
     };
-    parsed.map(Some)
+    Ok(Some(limit))
 }
 
 fn max_wait(term: Term) -> Decoded<Mode> {
     if is_atom(term, atoms::nil()) {
         return Ok(Mode::Probe);
     }
-    match term.decode::<i64>() {
-        Ok(ms) if ms > 0 => Ok(Mode::Wait {
-            max_wait_ms: ms as u64,
-        }),
-        _ => invalid(format!(
-            "max_wait_ms must be a positive integer, got {term:?}"
-        )),
-    }
+    rules::max_wait_ms(number(term)).map(|max_wait_ms| Mode::Wait { max_wait_ms })
 }
 
 /// A booking owner: the pid itself for a local process, a 64-bit hash for anything else.
@@ -191,9 +208,20 @@ fn owner(term: Term) -> u64 {
     }
 }
 
+fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {
+    let mut binary = NewBinary::new(env, bytes.len());
+    binary.as_mut_slice().copy_from_slice(bytes);
+    Term::from(binary)
+}
+
+/// `{:error, message, exchange_id | nil}`; the input is counted as malformed.
 fn error<'a>(env: Env<'a>, table: &Table, err: InvalidInput) -> Term<'a> {
     table.count_invalid();
-    (atoms::error(), err.0).encode(env)
+    let exchange = match err.exchange() {
+        Some(exchange) => binary(env, exchange),
+        None => atoms::nil().encode(env),
+    };
+    (atoms::error(), err.message(), exchange).encode(env)
 }
 
 fn outcome(env: Env, outcome: Outcome) -> Term {
@@ -231,9 +259,14 @@ fn check_one<'a>(
     let table = &table.0;
     answer(env, table, || {
         let key = key(key_term)?;
-        let cost = cost(cost_term)?;
-        let mode = max_wait(max_wait_term)?;
-        Ok(match limit(limit_term)? {
+        let checked = || {
+            let cost = rules::cost(number(cost_term))?;
+            let mode = max_wait(max_wait_term)?;
+            Ok((limit(limit_term)?, cost, mode))
+        };
+        let (limit, cost, mode) =
+            checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+        Ok(match limit {
             Some(limit) => {
                 let check = Check { key, limit, cost };
                 outcome(env, table.check_one(owner(owner_term), check, mode))
@@ -241,6 +274,17 @@ fn check_one<'a>(
             None => atoms::ok().encode(env),
         })
     })
+}
+
+/// One `{key, limit, cost}`; `None` when its limit is `nil`.
+fn check(term: Term) -> Decoded<Option<Check>> {
+    let Some([key_term, limit_term, cost_term]) = tuple(term) else {
+        return Err(rules::not_a_check(shape(term)));
+    };
+    let key = key(key_term)?;
+    let checked = || Ok((rules::cost(number(cost_term))?, limit(limit_term)?));
+    let (cost, limit) = checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+    Ok(limit.map(|limit| Check { key, limit, cost }))
 }
 
 #[rustler::nif]
@@ -254,27 +298,10 @@ fn check_many<'a>(
     let table = &table.0;
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
-        // The length first: it refuses improper lists, which rustler's iterator panics on.
-        match checks_term.list_length() {
-            Ok(length) if length <= MAX_CHECKS => {}
-            Ok(_) => return invalid(format!("at most {MAX_CHECKS} checks in one call")),
-            Err(_) => return invalid("checks must be a proper list of {key, limit, cost}"),
-        }
-        let list = checks_term
-            .into_list_iterator()
-            .map_err(|_| InvalidInput::new("checks must be a list of {key, limit, cost}"))?;
-        let mut checks = Vec::with_capacity(4);
-        for term in list {
-            let Some([key_term, limit_term, cost_term]) = tuple(term) else {
-                return invalid(format!(
-                    "each check must be {{key, limit, cost}}, got {}",
-                    shape(term)
-                ));
-            };
-            let (key, cost) = (key(key_term)?, cost(cost_term)?);
-            if let Some(limit) = limit(limit_term)? {
-                checks.push(Check { key, limit, cost });
-            }
+        let terms = bounded_list(checks_term).map_err(rules::not_a_check_list)?;
+        let mut checks = Vec::with_capacity(terms.len());
+        for term in terms {
+            checks.extend(check(term)?);
         }
         Ok(outcome(env, table.check(owner(owner_term), &checks, mode)?))
     })
@@ -289,7 +316,9 @@ fn record<'a>(
 ) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
-        table.record(key(key_term)?, cost(cost_term)?);
+        let key = key(key_term)?;
+        let cost = rules::cost(number(cost_term)).map_err(|err| err.for_exchange(key.exchange))?;
+        table.record(key, cost);
         Ok(atoms::ok().encode(env))
     })
 }
@@ -305,18 +334,13 @@ fn sync<'a>(
     let table = &table.0;
     answer(env, table, || {
         let key = key(key_term)?;
-        let allowance = number(allowance, "allowance")?;
-        if !allowance.is_finite() || allowance.abs() > bourse_core::MAX_AMOUNT {
-            return invalid(format!(
-                "allowance must be a finite number, got {allowance}"
-            ));
-        }
-        match window_left_ms.decode::<i64>() {
-            Ok(ms) if ms >= 0 => Ok(table.sync(key, allowance, ms as u64).encode(env)),
-            _ => invalid(format!(
-                "window_left_ms must be a non-negative integer, got {window_left_ms:?}"
-            )),
-        }
+        let checked = || {
+            let allowance = rules::allowance(number(allowance))?;
+            Ok((allowance, rules::window_left_ms(number(window_left_ms))?))
+        };
+        let (allowance, window_left_ms) =
+            checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+        Ok(table.sync(key, allowance, window_left_ms).encode(env))
     })
 }
 
@@ -345,7 +369,7 @@ fn reset_exchange<'a>(
 ) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
-        table.reset_exchange(key_part(exchange, "exchange_id")?);
+        table.reset_exchange(key_part(exchange, KeyPart::Exchange)?);
         Ok(atoms::ok().encode(env))
     })
 }
@@ -364,23 +388,22 @@ fn sweep(table: ResourceArc<TableResource>) -> usize {
 /// A full key, `{exchange_id, credential_key}` (every axis of a credential) or an
 /// exchange id.
 fn pause_target(term: Term) -> Decoded<PauseTarget> {
-    if let Ok(exchange) = term.decode::<Binary>() {
+    if term.is_binary() {
         return Ok(PauseTarget::Exchange(
-            key_part(term, "exchange_id").map(|_| exchange.as_slice().to_vec())?,
+            key_part(term, KeyPart::Exchange)?.to_vec(),
         ));
     }
     if let Some([exchange, cred]) = tuple(term) {
+        let exchange = key_part(exchange, KeyPart::Exchange)?;
+        let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
         Ok(PauseTarget::Credential(
-            key_part(exchange, "exchange_id")?.to_vec(),
-            credential(cred)?.map(<[u8]>::to_vec),
+            exchange.to_vec(),
+            credential.map(<[u8]>::to_vec),
         ))
     } else if tuple::<3>(term).is_some() {
         Ok(PauseTarget::Key(key(term)?.to_owned_key()))
     } else {
-        invalid(format!(
-            "pause target must be a key, {{exchange_id, credential_key}} or an exchange id, got {}",
-            shape(term)
-        ))
+        Err(rules::not_a_pause_target(shape(term)))
     }
 }
 
@@ -394,22 +417,10 @@ fn pause<'a>(
     let table = &table.0;
     answer(env, table, || {
         let target = pause_target(target)?;
-        match ms.decode::<i64>() {
-            Ok(ms) if ms >= 0 => table.pause(target, ms as u64),
-            _ => {
-                return invalid(format!(
-                    "pause must be a non-negative integer of milliseconds, got {ms:?}"
-                ))
-            }
-        }
+        let ms = rules::pause_ms(number(ms)).map_err(|err| err.for_exchange(target.exchange()))?;
+        table.pause(target, ms);
         Ok(atoms::ok().encode(env))
     })
-}
-
-fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {
-    let mut binary = NewBinary::new(env, bytes.len());
-    binary.as_mut_slice().copy_from_slice(bytes);
-    Term::from(binary)
 }
 
 fn key_term<'a>(env: Env<'a>, key: &Key) -> Term<'a> {
@@ -462,14 +473,16 @@ fn inspect<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn busiest(env: Env, table: ResourceArc<TableResource>, count: usize) -> Term {
-    table
-        .0
-        .busiest(count)
-        .iter()
-        .map(|(key, info)| (key_term(env, key), info_term(env, info)))
-        .collect::<Vec<_>>()
-        .encode(env)
+fn busiest<'a>(env: Env<'a>, table: ResourceArc<TableResource>, count: Term<'a>) -> Term<'a> {
+    let table = &table.0;
+    answer(env, table, || {
+        let rows = table.busiest(rules::busiest_count(number(count))?);
+        Ok(rows
+            .iter()
+            .map(|(key, info)| (key_term(env, key), info_term(env, info)))
+            .collect::<Vec<_>>()
+            .encode(env))
+    })
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -501,12 +514,6 @@ fn stats(env: Env, table: ResourceArc<TableResource>) -> Term {
         (atoms::bookings(), bookings),
     ];
     Term::map_from_pairs(env, &pairs).expect("distinct keys")
-}
-
-#[rustler::nif]
-fn count_invalid(table: ResourceArc<TableResource>) -> Atom {
-    table.0.count_invalid();
-    atoms::ok()
 }
 
 rustler::init!("Elixir.Bourse.Native");

@@ -19,29 +19,42 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   end
 
   @impl true
-  defdelegate check_one(table, owner, key, limit, cost, max_wait), to: Native
+  def check_one(table, owner, key, limit, cost, max_wait),
+    do: table |> Native.check_one(owner, key, limit, cost, max_wait) |> answer()
+
   @impl true
-  defdelegate check_many(table, owner, checks, max_wait), to: Native
+  def check_many(table, owner, checks, max_wait),
+    do: table |> Native.check_many(owner, checks, max_wait) |> answer()
+
   @impl true
-  defdelegate record(table, key, cost), to: Native
+  def record(table, key, cost), do: table |> Native.record(key, cost) |> answer()
   @impl true
-  defdelegate borrowed(table, key), to: Native
+  def borrowed(table, key), do: table |> Native.borrowed(key) |> answer()
+
   @impl true
-  defdelegate sync(table, key, allowance, window_left_ms), to: Native
+  def sync(table, key, allowance, window_left_ms),
+    do: table |> Native.sync(key, allowance, window_left_ms) |> answer()
+
   @impl true
-  defdelegate reset(table, key), to: Native
+  def reset(table, key), do: table |> Native.reset(key) |> answer()
   @impl true
-  defdelegate reset_exchange(table, exchange), to: Native
+  def reset_exchange(table, exchange), do: table |> Native.reset_exchange(exchange) |> answer()
   @impl true
   defdelegate reset_all(table), to: Native
   @impl true
-  defdelegate pause(table, target, ms), to: Native
+  def pause(table, target, ms), do: table |> Native.pause(target, ms) |> answer()
   @impl true
-  defdelegate inspect(table, key), to: Native
+  def inspect(table, key), do: table |> Native.inspect(key) |> answer()
   @impl true
   defdelegate stats(table), to: Native
   @impl true
-  defdelegate busiest(table, count), to: Native
+  def busiest(table, count), do: table |> Native.busiest(count) |> answer()
   @impl true
   defdelegate sweep(table), to: Native
+
+  # The NIF names malformed input as `{:error, message, exchange_id | nil}`.
+  defp answer({:error, message, exchange}),
+    do: {:error, %Bourse.Error{type: :invalid_parameters, message: message, exchange: exchange}}
+
+  defp answer(answer), do: answer
 end

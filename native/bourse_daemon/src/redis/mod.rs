@@ -463,10 +463,11 @@ fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput> {
         match items.last_mut() {
             Some(last) if last.key == check.key => {
                 if last.limit != check.limit {
-                    return Err(InvalidInput::new(format!(
-                        "conflicting bucket definitions for one key in a single check: {:?} and {:?}",
-                        last.limit, check.limit
-                    )));
+                    return Err(bourse_core::rules::conflicting_definitions(
+                        &last.limit,
+                        &check.limit,
+                    )
+                    .for_exchange(check.key.exchange));
                 }
                 last.cost += check.cost;
             }
@@ -666,7 +667,7 @@ mod tests {
         assert_eq!((items[0].key, items[0].cost), (a, 1.0));
         assert_eq!((items[1].key, items[1].cost), (b, 3.5));
         let error = coalesce(&[check(a, 3.0, 1.0), check(a, 4.0, 1.0)]).unwrap_err();
-        assert!(error.0.contains("conflicting bucket definitions"));
+        assert!(error.message().contains("conflicting bucket definitions"));
     }
 
     #[test]

@@ -1,0 +1,571 @@
+//! Every bound, default and validation rule of the limiter, each defined once, with its
+//! error message.
+//!
+//! Adapters (the NIF, the daemon's decoders) describe what they were given as a [`Shape`]
+//! (its kind and size, and a number's value, never the content of a binary) and ask the
+//! rule for the value or the error. Messages are written in Elixir syntax and are bounded
+//! in size whatever the input: a bad value is described by its type and size, so no
+//! message can echo a credential. Adapters attach the exchange id to an error with
+//! [`InvalidInput::for_exchange`] when they could read it.
+
+use std::fmt;
+
+use crate::limit::Limit;
+
+/// Longest exchange id, credential or bucket axis, in bytes.
+pub const MAX_KEY_PART_BYTES: usize = 1024;
+/// Most checks in one multi-bucket call.
+pub const MAX_CHECKS: usize = 1024;
+/// Most rows one `busiest` call may ask for.
+pub const MAX_BUSIEST: usize = 10_000;
+/// Most pauses in force at once in one table.
+pub const MAX_PAUSES: usize = 100_000;
+/// How long past its ready time a booking may still be claimed, unless configured.
+pub const DEFAULT_BOOKING_SLACK_MS: u64 = 250;
+/// Longest budget, pause, booking slack or exchange window, in milliseconds: what
+/// `Process.sleep/1` accepts.
+pub const MAX_MS: u64 = 4_294_967_295;
+/// Largest capacity, refill rate, cost or allowance: far beyond any exchange limit, small
+/// enough that every product and sum stays exact to well under a token.
+pub const MAX_AMOUNT: f64 = 1e12;
+/// [`MAX_AMOUNT`] as messages write it (Elixir reads it back as the same float).
+const MAX_AMOUNT_TEXT: &str = "1.0e12";
+
+/// A value as an adapter found it: its kind and size, and a number's value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shape {
+    /// An integer that fits 64 bits.
+    Integer(i64),
+    /// An integer beyond 64 bits.
+    BigInteger,
+    /// A float.
+    Float(f64),
+    /// A binary (an Elixir string) of `len` bytes.
+    Binary {
+        /// Its size in bytes.
+        len: usize,
+    },
+    /// A bitstring whose length is not a whole number of bytes.
+    Bitstring,
+    /// An atom other than `nil`, `true` and `false` (never named: it may hold anything).
+    Atom,
+    /// `nil` (or JSON `null`).
+    Nil,
+    /// `true` or `false`.
+    Boolean(bool),
+    /// A proper list; `len: None` when longer than an adapter walks ([`MAX_CHECKS`]).
+    List {
+        /// Its length, when known.
+        len: Option<usize>,
+    },
+    /// A list whose last tail is not `[]`.
+    ImproperList,
+    /// A tuple.
+    Tuple {
+        /// Its number of elements.
+        arity: usize,
+    },
+    /// A map (or a JSON object).
+    Map {
+        /// Its number of keys.
+        size: usize,
+    },
+    /// A process identifier.
+    Pid,
+    /// A port.
+    Port,
+    /// A reference.
+    Reference,
+    /// A function.
+    Function,
+    /// Anything else.
+    Other,
+}
+
+impl Shape {
+    /// The value of a number that fits an `f64` exactly enough (integers beyond 2^53
+    /// round), `None` for anything else.
+    pub fn number(self) -> Option<f64> {
+        match self {
+            Self::Integer(value) => Some(value as f64),
+            Self::Float(value) => Some(value),
+            _ => None,
+        }
+    }
+
+    fn integer(self) -> Option<i64> {
+        match self {
+            Self::Integer(value) => Some(value),
+            _ => None,
+        }
+    }
+}
+
+fn plural(count: usize, one: &str, many: &str) -> String {
+    format!("{count} {}", if count == 1 { one } else { many })
+}
+
+/// Elixir's description of the value: `-1`, `1.0e13`, `nil`, `a binary of 10 bytes`.
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Self::Integer(value) => write!(f, "{value}"),
+            Self::BigInteger => f.write_str("an integer of more than 64 bits"),
+            Self::Float(value) => f.write_str(&elixir_float(value)),
+            Self::Binary { len: 0 } => f.write_str("an empty binary"),
+            Self::Binary { len } => write!(f, "a binary of {}", plural(len, "byte", "bytes")),
+            Self::Bitstring => f.write_str("a bitstring"),
+            Self::Atom => f.write_str("an atom"),
+            Self::Nil => f.write_str("nil"),
+            Self::Boolean(value) => write!(f, "{value}"),
+            Self::List { len: Some(0) } => f.write_str("an empty list"),
+            Self::List { len: Some(len) } => {
+                write!(f, "a list of {}", plural(len, "element", "elements"))
+            }
+            Self::List { len: None } => write!(f, "a list of more than {MAX_CHECKS} elements"),
+            Self::ImproperList => f.write_str("an improper list"),
+            Self::Tuple { arity } => {
+                write!(f, "a tuple of {}", plural(arity, "element", "elements"))
+            }
+            Self::Map { size: 0 } => f.write_str("an empty map"),
+            Self::Map { size } => write!(f, "a map of {}", plural(size, "key", "keys")),
+            Self::Pid => f.write_str("a pid"),
+            Self::Port => f.write_str("a port"),
+            Self::Reference => f.write_str("a reference"),
+            Self::Function => f.write_str("a function"),
+            Self::Other => f.write_str("a term of unknown type"),
+        }
+    }
+}
+
+/// A float as Elixir's `inspect/1` writes it: the shortest digits that read back to the
+/// same float, `1000.0` for integral values below 1.0e16, otherwise decimal or scientific
+/// notation, whichever is shorter (`0.001`, `1.0e-5`, `1.0e16`).
+pub fn elixir_float(value: f64) -> String {
+    if !value.is_finite() {
+        // Not an Elixir value; JSON and Erlang terms cannot carry one.
+        return if value.is_nan() { "NaN" } else { "Infinity" }.into();
+    }
+    let sign = if value.is_sign_negative() { "-" } else { "" };
+    let magnitude = value.abs();
+    if magnitude == 0.0 {
+        return format!("{sign}0.0");
+    }
+    if (1.0..1e16).contains(&magnitude) && magnitude.fract() == 0.0 {
+        return format!("{sign}{magnitude:.0}.0");
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: "1.2345e-7".
+    let scientific = format!("{magnitude:e}");
+    let (mantissa, exponent) = scientific.split_once('e').expect("`{:e}` has an exponent");
+    let exponent: i32 = exponent.parse().expect("`{:e}` has an integer exponent");
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    // The decimal point sits after `point` digits of `digits`.
+    let point = exponent + 1;
+    let count = digits.len() as i32;
+    let exponential = match digits.split_at(1) {
+        (first, "") => format!("{first}.0e{exponent}"),
+        (first, rest) => format!("{first}.{rest}e{exponent}"),
+    };
+    let decimal = if point <= 0 {
+        format!("0.{}{digits}", "0".repeat(-point as usize))
+    } else if point < count {
+        format!(
+            "{}.{}",
+            &digits[..point as usize],
+            &digits[point as usize..]
+        )
+    } else {
+        format!("{digits}{}.0", "0".repeat((point - count) as usize))
+    };
+    // Erlang writes floats of 2^53 and above in scientific notation.
+    let body = if (0 < point && point < count && magnitude < 9_007_199_254_740_992.0)
+        || (magnitude < 9_007_199_254_740_992.0 && decimal.len() <= exponential.len())
+    {
+        decimal
+    } else {
+        exponential
+    };
+    format!("{sign}{body}")
+}
+
+/// A bucket definition as Elixir writes the normalised map.
+fn elixir_limit(limit: &Limit) -> String {
+    format!(
+        "%{{capacity: {}, refill_per_sec: {}}}",
+        elixir_float(limit.capacity()),
+        elixir_float(limit.refill_per_sec())
+    )
+}
+
+/// Malformed input: a message naming what is wrong, and the exchange id of the request
+/// when it could be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidInput {
+    message: String,
+    exchange: Option<Box<[u8]>>,
+}
+
+impl InvalidInput {
+    /// An error with `message` and no exchange.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            exchange: None,
+        }
+    }
+
+    /// The same error, naming `exchange` unless it already names one.
+    pub fn for_exchange(mut self, exchange: &[u8]) -> Self {
+        if self.exchange.is_none() {
+            self.exchange = Some(exchange.into());
+        }
+        self
+    }
+
+    /// What is wrong, in Elixir syntax.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The exchange id of the request, when it could be read.
+    pub fn exchange(&self) -> Option<&[u8]> {
+        self.exchange.as_deref()
+    }
+}
+
+impl fmt::Display for InvalidInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for InvalidInput {}
+
+fn invalid<T>(message: String) -> Result<T, InvalidInput> {
+    Err(InvalidInput::new(message))
+}
+
+/// The three parts of a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPart {
+    /// `exchange_id`.
+    Exchange,
+    /// `credential_key`.
+    Credential,
+    /// `bucket_axis`.
+    Axis,
+}
+
+/// A key part must be a binary of at most [`MAX_KEY_PART_BYTES`] bytes (a credential may
+/// also be `:public`, which the adapter recognises before asking).
+pub fn key_part(part: KeyPart, given: Shape) -> Result<(), InvalidInput> {
+    match given {
+        Shape::Binary { len } if len <= MAX_KEY_PART_BYTES => Ok(()),
+        _ => invalid(match part {
+            KeyPart::Exchange => format!(
+                "exchange_id must be a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
+            ),
+            KeyPart::Credential => format!(
+                "credential_key must be :public or a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
+            ),
+            KeyPart::Axis => format!(
+                "bucket_axis must be a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
+            ),
+        }),
+    }
+}
+
+/// A key is `{exchange_id, credential_key, bucket_axis}` or `{exchange_id, credential_key}`.
+pub fn not_a_key(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "key must be {{exchange_id, credential_key, bucket_axis}} or {{exchange_id, credential_key}}, got {given}"
+    ))
+}
+
+/// A number from `min` (included or not) to [`MAX_AMOUNT`], or the message for `what`.
+fn amount(what: &str, given: Shape, positive: bool) -> Result<f64, InvalidInput> {
+    match given.number() {
+        Some(value) if value.is_finite() && value <= MAX_AMOUNT && value > 0.0 => Ok(value),
+        Some(value) if !positive && value == 0.0 => Ok(0.0),
+        _ => {
+            let bound = if positive { "> 0" } else { ">= 0" };
+            invalid(format!(
+                "{what} must be a finite number {bound} and at most {MAX_AMOUNT_TEXT}, got {given}"
+            ))
+        }
+    }
+}
+
+/// A cost is a finite number `>= 0` and at most [`MAX_AMOUNT`].
+pub fn cost(given: Shape) -> Result<f64, InvalidInput> {
+    amount("cost", given, false)
+}
+
+/// `%{capacity: c, refill_per_sec: r}`: both finite, `> 0` and at most [`MAX_AMOUNT`].
+pub fn limit(capacity: Shape, refill_per_sec: Shape) -> Result<Limit, InvalidInput> {
+    let capacity = amount("capacity", capacity, true)?;
+    let refill_per_sec = amount("refill_per_sec", refill_per_sec, true)?;
+    Ok(Limit::checked(capacity, refill_per_sec))
+}
+
+/// `%{requests: n, period: ms}` (`period` 1000 ms when absent): `n` and `ms` finite,
+/// `> 0` and at most [`MAX_AMOUNT`], and so is the refill rate `n / (ms / 1000)`.
+pub fn limit_per_period(requests: Shape, period_ms: Option<Shape>) -> Result<Limit, InvalidInput> {
+    let requests = amount("requests", requests, true)?;
+    let period_ms = match period_ms {
+        Some(period_ms) => amount("period", period_ms, true)?,
+        None => 1000.0,
+    };
+    let refill_per_sec = requests / (period_ms / 1000.0);
+    amount(
+        "refill_per_sec (requests / period)",
+        Shape::Float(refill_per_sec),
+        true,
+    )?;
+    Ok(Limit::checked(requests, refill_per_sec))
+}
+
+/// A limit is one of three maps, or `nil`.
+pub fn not_a_limit(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "limit must be %{{capacity: c, refill_per_sec: r}}, %{{requests: n, period: ms}}, %{{requests: n}} or nil, got {given}"
+    ))
+}
+
+/// Two checks of one key in a single call must share one definition.
+pub fn conflicting_definitions(first: &Limit, second: &Limit) -> InvalidInput {
+    InvalidInput::new(format!(
+        "conflicting bucket definitions for one key in a single check: {} and {}",
+        elixir_limit(first),
+        elixir_limit(second)
+    ))
+}
+
+/// An integer from `min` to `max`, or the message for `what`.
+fn integer_in(what: &str, given: Shape, min: u64, max: u64) -> Result<u64, InvalidInput> {
+    match given.integer() {
+        Some(value) if value >= 0 && (min..=max).contains(&(value as u64)) => Ok(value as u64),
+        _ => invalid(format!(
+            "{what} must be an integer from {min} to {max}, got {given}"
+        )),
+    }
+}
+
+/// A waiter's budget: a positive integer of milliseconds, at most [`MAX_MS`].
+pub fn max_wait_ms(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("max_wait_ms", given, 1, MAX_MS)
+}
+
+/// How long a pause lasts: an integer of milliseconds from 0 to [`MAX_MS`].
+pub fn pause_ms(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("pause (in milliseconds)", given, 0, MAX_MS)
+}
+
+/// A pause covers a key, a credential `{exchange_id, credential_key}` or an exchange id.
+pub fn not_a_pause_target(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "pause target must be a key, {{exchange_id, credential_key}} or an exchange_id, got {given}"
+    ))
+}
+
+/// A table holds at most [`MAX_PAUSES`] pauses in force; ended ones do not count.
+pub fn too_many_pauses() -> InvalidInput {
+    InvalidInput::new(format!(
+        "at most {MAX_PAUSES} pauses may be in force at once; this one was not added"
+    ))
+}
+
+/// The booking slack of a table: an integer of milliseconds from 0 to [`MAX_MS`].
+pub fn booking_slack_ms(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("booking_slack_ms", given, 0, MAX_MS)
+}
+
+/// What an exchange still allows: a finite number from `-MAX_AMOUNT` to [`MAX_AMOUNT`]
+/// (negative when the exchange counted more than its limit).
+pub fn allowance(given: Shape) -> Result<f64, InvalidInput> {
+    match given.number() {
+        Some(value) if value.is_finite() && value.abs() <= MAX_AMOUNT => Ok(value),
+        _ => invalid(format!(
+            "allowance must be a finite number from -{MAX_AMOUNT_TEXT} to {MAX_AMOUNT_TEXT}, got {given}"
+        )),
+    }
+}
+
+/// The time left of an exchange's window: an integer of milliseconds from 0 to [`MAX_MS`].
+pub fn window_left_ms(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("window_left_ms", given, 0, MAX_MS)
+}
+
+/// Rows of `busiest`: an integer from 1 to [`MAX_BUSIEST`].
+pub fn busiest_count(given: Shape) -> Result<usize, InvalidInput> {
+    integer_in("count", given, 1, MAX_BUSIEST as u64).map(|count| count as usize)
+}
+
+/// Checks are a proper list of `{key, limit, cost}`.
+pub fn not_a_check_list(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "checks must be a list of at most {MAX_CHECKS} {{key, limit, cost}}, got {given}"
+    ))
+}
+
+/// One element of the checks list must be `{key, limit, cost}`.
+pub fn not_a_check(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "each check must be {{key, limit, cost}}, got {given}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_read_as_elixir_writes_them() {
+        // Each pair as `inspect/1` prints it (Elixir 1.14, OTP 25).
+        for (value, written) in [
+            (1.0e13, "10000000000000.0"),
+            (1.0e15, "1000000000000000.0"),
+            (9_007_199_254_740_994.0, "9007199254740994.0"),
+            (1.0e16, "1.0e16"),
+            (1.2345678901234568e16, "1.2345678901234568e16"),
+            (1.234e17, "1.234e17"),
+            (123_456_789.0, "123456789.0"),
+            (123_456.5, "123456.5"),
+            (1_000_000_000_000_000.5, "1000000000000000.5"),
+            (0.1, "0.1"),
+            (0.001, "0.001"),
+            (0.0001, "0.0001"),
+            (0.00012, "1.2e-4"),
+            (0.0012345, "0.0012345"),
+            (1.0e-5, "1.0e-5"),
+            (1.5e-7, "1.5e-7"),
+            (-1.0, "-1.0"),
+            (0.0, "0.0"),
+            (-0.0, "-0.0"),
+            (-0.5, "-0.5"),
+            (2.5, "2.5"),
+            (1.0e300, "1.0e300"),
+            (5.0e-324, "5.0e-324"),
+            (1.7976931348623157e308, "1.7976931348623157e308"),
+            (0.30000000000000004, "0.30000000000000004"),
+        ] {
+            assert_eq!(elixir_float(value), written, "{value:e}");
+        }
+    }
+
+    #[test]
+    fn shapes_describe_kind_and_size_never_content() {
+        for (shape, written) in [
+            (
+                Shape::Binary { len: 10_485_760 },
+                "a binary of 10485760 bytes",
+            ),
+            (Shape::Binary { len: 1 }, "a binary of 1 byte"),
+            (Shape::Binary { len: 0 }, "an empty binary"),
+            (Shape::Atom, "an atom"),
+            (Shape::Nil, "nil"),
+            (Shape::Boolean(true), "true"),
+            (Shape::Integer(-1), "-1"),
+            (Shape::BigInteger, "an integer of more than 64 bits"),
+            (Shape::Float(-0.5), "-0.5"),
+            (Shape::List { len: Some(0) }, "an empty list"),
+            (Shape::List { len: Some(2) }, "a list of 2 elements"),
+            (
+                Shape::List { len: None },
+                "a list of more than 1024 elements",
+            ),
+            (Shape::Tuple { arity: 4 }, "a tuple of 4 elements"),
+            (Shape::Map { size: 1 }, "a map of 1 key"),
+            (Shape::Pid, "a pid"),
+        ] {
+            assert_eq!(shape.to_string(), written);
+        }
+    }
+
+    #[test]
+    fn messages_name_the_rule_and_the_shape() {
+        let err = cost(Shape::Binary { len: 10_485_760 }).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 10485760 bytes"
+        );
+        let err = key_part(KeyPart::Exchange, Shape::Atom).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "exchange_id must be a binary of at most 1024 bytes, got an atom"
+        );
+        let err = limit(Shape::Integer(0), Shape::Integer(1)).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "capacity must be a finite number > 0 and at most 1.0e12, got 0"
+        );
+        let a = Limit::new(10.0, 10.0).unwrap();
+        let b = Limit::new(5.0, 1.0).unwrap();
+        assert_eq!(
+            conflicting_definitions(&a, &b).message(),
+            "conflicting bucket definitions for one key in a single check: \
+             %{capacity: 10.0, refill_per_sec: 10.0} and %{capacity: 5.0, refill_per_sec: 1.0}"
+        );
+        let err = max_wait_ms(Shape::Integer(4_294_967_296)).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "max_wait_ms must be an integer from 1 to 4294967295, got 4294967296"
+        );
+        assert_eq!(
+            err.for_exchange(b"okx").for_exchange(b"other").exchange(),
+            Some(&b"okx"[..])
+        );
+    }
+
+    #[test]
+    fn bounds_hold_at_their_edges() {
+        let part = |len| key_part(KeyPart::Axis, Shape::Binary { len });
+        assert!(part(MAX_KEY_PART_BYTES).is_ok() && part(MAX_KEY_PART_BYTES + 1).is_err());
+        assert!(key_part(KeyPart::Credential, Shape::Bitstring).is_err());
+        assert_eq!(cost(Shape::Integer(0)), Ok(0.0));
+        assert_eq!(cost(Shape::Float(MAX_AMOUNT)), Ok(MAX_AMOUNT));
+        for bad in [
+            Shape::Float(-0.5),
+            Shape::Float(MAX_AMOUNT * 10.0),
+            Shape::Float(f64::NAN),
+            Shape::Float(f64::INFINITY),
+            Shape::BigInteger,
+            Shape::Nil,
+        ] {
+            assert!(cost(bad).is_err(), "{bad:?}");
+            assert!(limit(bad, Shape::Integer(1)).is_err(), "{bad:?}");
+            assert!(limit(Shape::Integer(1), bad).is_err(), "{bad:?}");
+        }
+        assert!(limit(Shape::Float(0.0), Shape::Integer(1)).is_err());
+        assert_eq!(max_wait_ms(Shape::Integer(MAX_MS as i64)), Ok(MAX_MS));
+        for bad in [0, -1, MAX_MS as i64 + 1] {
+            assert!(max_wait_ms(Shape::Integer(bad)).is_err());
+        }
+        assert!(max_wait_ms(Shape::Float(5.0)).is_err());
+        assert!(max_wait_ms(Shape::Nil).is_err());
+        assert_eq!(pause_ms(Shape::Integer(0)), Ok(0));
+        assert!(pause_ms(Shape::Integer(-1)).is_err());
+        assert_eq!(allowance(Shape::Integer(-5)), Ok(-5.0));
+        assert!(allowance(Shape::Float(-MAX_AMOUNT * 2.0)).is_err());
+        assert_eq!(
+            busiest_count(Shape::Integer(MAX_BUSIEST as i64)),
+            Ok(MAX_BUSIEST)
+        );
+        assert!(busiest_count(Shape::Integer(0)).is_err());
+        assert_eq!(booking_slack_ms(Shape::Integer(0)), Ok(0));
+        assert!(window_left_ms(Shape::Integer(MAX_MS as i64 + 1)).is_err());
+    }
+
+    #[test]
+    fn requests_per_period_normalise_and_bound_the_rate() {
+        assert_eq!(
+            limit_per_period(Shape::Integer(10), None),
+            Limit::new(10.0, 10.0)
+        );
+        let binance = limit_per_period(Shape::Integer(1200), Some(Shape::Integer(60_000)));
+        assert_eq!(binance.unwrap().refill_per_sec(), 20.0);
+        // A rate beyond the bound, from two numbers within it.
+        assert!(limit_per_period(Shape::Float(1e12), Some(Shape::Float(1e-3))).is_err());
+        assert!(limit_per_period(Shape::Integer(1), Some(Shape::Integer(0))).is_err());
+    }
+}

@@ -1,0 +1,96 @@
+defmodule Bourse.RateLimiter.Backend.NIFTest do
+  # The NIF's answers to malformed input: the core's rules and messages, in Elixir syntax,
+  # bounded in size, with the exchange id when it could be read.
+  use ExUnit.Case, async: true
+
+  alias Bourse.RateLimiter.Backend.NIF
+
+  @limit %{capacity: 10, refill_per_sec: 10}
+  @key {"binance", "api-key", "request"}
+
+  setup do
+    {:ok, table} = NIF.attach(nil, assume_busy_at_start: false, booking_slack_ms: 250)
+    %{table: table}
+  end
+
+  defp invalid(answer) do
+    assert {:error, %Bourse.Error{type: :invalid_parameters} = error} = answer
+    error
+  end
+
+  test "a bad value is described by its type and size, never printed", %{table: t} do
+    huge = :binary.copy("s", 10 * 1024 * 1024)
+    error = invalid(NIF.check_one(t, self(), @key, @limit, huge, nil))
+
+    assert error.message ==
+             "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 10485760 bytes"
+
+    assert error.exchange == "binance"
+
+    assert invalid(NIF.check_one(t, self(), {:binance, "k"}, @limit, 1, nil)).message ==
+             "exchange_id must be a binary of at most 1024 bytes, got an atom"
+
+    error = invalid(NIF.check_one(t, self(), @key, %{foo: 1}, 1, nil))
+    assert error.message =~ ~r/or nil, got a map of 1 key$/
+    assert error.exchange == "binance"
+
+    assert invalid(NIF.check_one(t, self(), @key, @limit, -1, nil)).message =~ ~r/got -1$/
+    assert invalid(NIF.check_one(t, self(), @key, @limit, -0.5, nil)).message =~ ~r/got -0.5$/
+    assert invalid(NIF.check_one(t, self(), @key, @limit, 10 ** 400, nil)).message =~ "64 bits"
+    assert invalid(NIF.check_one(t, self(), @key, @limit, 1.0e13, nil)).message =~ inspect(1.0e13)
+  end
+
+  test "a credential never appears in a message", %{table: t} do
+    secret = "secret-" <> :binary.copy("x", 2000)
+
+    for answer <- [
+          NIF.check_one(t, self(), {"binance", secret}, @limit, 1, nil),
+          NIF.check_one(t, self(), {"binance", "secret-key", secret}, @limit, 1, nil),
+          NIF.check_one(t, self(), {"binance", "secret-key", :axis}, @limit, 1, nil),
+          NIF.check_one(t, self(), {"binance", "secret-key", "request", 4}, @limit, 1, nil),
+          NIF.check_many(t, self(), [{{"binance", "secret-key"}, @limit}], nil),
+          NIF.record(t, {"binance", "secret-key"}, "secret-key"),
+          NIF.pause(t, {"binance", "secret-key"}, "secret-key")
+        ] do
+      error = invalid(answer)
+      refute error.message =~ "secret"
+      assert byte_size(error.message) < 200
+    end
+  end
+
+  test "conflicting definitions are written as Elixir maps and name the exchange", %{table: t} do
+    checks = [{@key, @limit, 1}, {@key, %{capacity: 5, refill_per_sec: 1}, 1}]
+    error = invalid(NIF.check_many(t, self(), checks, nil))
+
+    assert error.message ==
+             "conflicting bucket definitions for one key in a single check: " <>
+               "%{capacity: 10.0, refill_per_sec: 10.0} and %{capacity: 5.0, refill_per_sec: 1.0}"
+
+    assert error.exchange == "binance"
+  end
+
+  test "check lists are bounded before they are walked", %{table: t} do
+    long = List.duplicate({@key, @limit, 1}, 2_000_000)
+    error = invalid(NIF.check_many(t, self(), long, nil))
+    assert error.message =~ "got a list of more than 1024 elements"
+
+    assert invalid(NIF.check_many(t, self(), [{@key, @limit, 1} | :tail], nil)).message =~
+             "got an improper list"
+
+    assert invalid(NIF.check_many(t, self(), [{@key, @limit}], nil)).message ==
+             "each check must be {key, limit, cost}, got a tuple of 2 elements"
+
+    assert :ok = NIF.check_many(t, self(), List.duplicate({@key, @limit, 0}, 1024), nil)
+  end
+
+  test "budgets, pauses and windows are bounded", %{table: t} do
+    assert invalid(NIF.check_one(t, self(), @key, @limit, 1, 4_294_967_296)).message ==
+             "max_wait_ms must be an integer from 1 to 4294967295, got 4294967296"
+
+    assert {:booked, _} = NIF.check_one(t, self(), @key, @limit, 20, 4_294_967_295)
+    assert invalid(NIF.pause(t, "binance", 4_294_967_296)).exchange == "binance"
+    assert invalid(NIF.sync(t, @key, 1, -1)).message =~ "window_left_ms must be an integer"
+    assert invalid(NIF.sync(t, @key, :nan, 0)).message =~ "got an atom"
+    assert invalid(NIF.busiest(t, 10_001)).message =~ "count must be an integer from 1 to 10000"
+  end
+end
