@@ -40,10 +40,12 @@ defmodule Bourse.RateLimiter.Feedback do
     * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
       loop.
 
-  The backoff count lives in the bucket table itself, as the pending debt of the key
-  `{exchange_id, credential_key, "bourse:backoff"}`: every backend keeps it, every
-  program sharing a limiter daemon counts into the same credential, it survives a restart
-  of the limiter process exactly as buckets do, and `reset_exchange/2` clears it.
+  The backoff count is kept beside the buckets, in this VM (`Bourse.RateLimiter.Backoff`):
+  a reply costs no call to the bucket table for it, and it never shows among the
+  buckets. It lapses 10 minutes after the last limited reply.
+
+  Calls to the bucket table per reply: one `pause` per limited reply; two (`inspect_key`
+  and `sync`) per used-weight header present; nothing else.
 
   ## Used-weight headers
 
@@ -133,9 +135,8 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, RateLimiter}
-  alias Bourse.RateLimiter.{BodySignal, Events, RetryAfter}
+  alias Bourse.RateLimiter.{Backoff, BodySignal, Events, RetryAfter}
 
-  @backoff_axis "bourse:backoff"
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
   @max_window_ms 86_400_000
@@ -265,7 +266,8 @@ defmodule Bourse.RateLimiter.Feedback do
           keyword()
         ) :: :ok | {:error, Error.t()}
   def observe_response(exchange_id, credential_key, status, headers, name, opts \\ []) do
-    with :ok <- check_credential(exchange_id, credential_key),
+    with :ok <- check_name(name),
+         :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
          {:ok, body} <- body_option(opts),
          {:ok, axes} <- axes(),
@@ -301,6 +303,18 @@ defmodule Bourse.RateLimiter.Feedback do
   defp describe_term(term) when is_tuple(term), do: "a tuple of #{tuple_size(term)} elements"
   defp describe_term(term), do: short(term)
 
+  # A reply may need no call to the bucket table: the name's form is checked here.
+  defp check_name(name) when is_atom(name) and not is_nil(name), do: :ok
+  defp check_name({:global, _}), do: :ok
+  defp check_name({:via, module, _}) when is_atom(module), do: :ok
+  defp check_name({name, node}) when is_atom(name) and is_atom(node), do: :ok
+  defp check_name(pid) when is_pid(pid), do: :ok
+
+  defp check_name(name) when is_binary(name),
+    do: invalid("not a limiter name: a binary (#{byte_size(name)} bytes)")
+
+  defp check_name(name), do: invalid("not a limiter name: #{short(name)}")
+
   defp check_credential(exchange_id, credential_key)
        when is_binary(exchange_id) and (is_binary(credential_key) or credential_key == :public),
        do: :ok
@@ -321,7 +335,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp react(exchange_id, credential, status, found, signal, name) do
     case limited(status, signal) do
-      nil when status in 200..299 -> reset_backoff({exchange_id, credential, @backoff_axis}, name)
+      nil when status in 200..299 -> Backoff.clear({name, exchange_id, credential})
       nil -> :ok
       limited -> limit(exchange_id, credential, status, found, limited, name)
     end
@@ -336,11 +350,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp limited(_status, signal), do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    backoff_key = {exchange_id, credential, @backoff_axis}
     target = if scope == :exchange, do: exchange_id, else: {exchange_id, credential}
+    {wait, why} = wait(found["retry-after"], named_ms, {name, exchange_id, credential})
 
-    with {:ok, wait, why} <- wait(found["retry-after"], named_ms, backoff_key, name),
-         :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
+    with :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
       stop = stop or why == :ban
 
       Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
@@ -365,34 +378,20 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  defp reset_backoff(backoff_key, name) do
-    case RateLimiter.get_cost(backoff_key, nil, name) do
-      count when is_number(count) and count > 0 -> RateLimiter.reset(backoff_key, name)
-      count when is_number(count) -> :ok
-      error -> error
-    end
-  end
-
   # Retry-After first, then a wait the reply names in its body, then the backoff.
-  defp wait(retry_after, named_ms, backoff_key, name) do
+  defp wait(retry_after, named_ms, backoff_key) do
     case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
-      {{:ok, ms}, _} -> {:ok, ms, :retry_after}
-      {{:stop, ms}, _} -> {:ok, ms, :ban}
-      {:error, nil} -> backoff(backoff_key, name)
+      {{:ok, ms}, _} -> {ms, :retry_after}
+      {{:stop, ms}, _} -> {ms, :ban}
+      {:error, nil} -> {backoff(Backoff.bump(backoff_key)), :backoff}
       {:error, named_ms} -> named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms))
     end
   end
 
-  defp named({:ok, ms}), do: {:ok, ms, :named}
-  defp named({:stop, ms}), do: {:ok, ms, :ban}
+  defp named({:ok, ms}), do: {ms, :named}
+  defp named({:stop, ms}), do: {ms, :ban}
 
-  defp backoff(key, name) do
-    with count when is_number(count) <- RateLimiter.get_cost(key, nil, name),
-         :ok <- RateLimiter.record_request(key, 1, name) do
-      exponent = min(trunc(count), 20)
-      {:ok, min(1000 * Integer.pow(2, exponent), @cap_ms), :backoff}
-    end
-  end
+  defp backoff(count), do: min(1000 * Integer.pow(2, min(count, 20)), @cap_ms)
 
   defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
   defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"

@@ -283,6 +283,23 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert {:error, %Error{retry_after: 300_000, stop: false}} = observe(429, [], name, "k3")
     end
 
+    test "the backoff count is kept beside the buckets: none shows, none is paid for",
+         %{name: name} do
+      for ms <- [1000, 2000, 4000],
+          do: {:error, %Error{retry_after: ^ms}} = observe(429, [], name)
+
+      # No bucket, no debit, nothing among the busiest: only the pause's own record.
+      assert %{buckets: 0, debited: 0} = RateLimiter.stats(name)
+      assert RateLimiter.busiest(10, name) == []
+      assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
+
+      # Per limiter: another one counts from 1 s.
+      other = :"#{name}_other"
+      start_supervised!({RateLimiter, name: other}, id: other)
+      assert {:error, %Error{retry_after: 1000}} = observe(429, [], other)
+      assert {:error, %Error{retry_after: 8000}} = observe(429, [], name)
+    end
+
     test "overlapping pauses keep the later end", %{name: name} do
       assert {:error, _} = observe(429, [{"retry-after", "5"}], name)
       assert {:error, %Error{retry_after: 1000}} = observe(429, [{"retry-after", "1"}], name)
@@ -329,5 +346,10 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
     assert :ok = RateLimiter.check_rate({"binance", "k"}, @slow, 5, name)
     assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
+
+    # Names are checked even when a reply needs no call to the bucket table.
+    for bad <- ["api-key-as-name", nil, 42, {:global}] do
+      assert_invalid(RateLimiter.observe_response("binance", "k", 200, [], bad))
+    end
   end
 end

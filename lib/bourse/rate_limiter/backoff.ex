@@ -1,0 +1,107 @@
+defmodule Bourse.RateLimiter.Backoff do
+  @moduledoc """
+  The count of consecutive limited replies without a usable wait, per limiter, exchange
+  and credential, from which `Bourse.RateLimiter.Feedback` backs off 1 s, 2 s, 4 s, ...
+
+  It is kept in this VM, beside the buckets rather than in them: in a public ETS table
+  owned by a small process of its own, started on first use. Reading and clearing it
+  costs no call to the bucket table (a 2xx costs no round trip to a daemon or Redis),
+  and it never shows as a bucket in `Bourse.RateLimiter.busiest/2` or `mix bourse.top`.
+
+    * An entry lapses 10 minutes after the last limited reply that counted into it, so
+      the table holds only credentials limited lately.
+    * The table holds at most 10,000 entries; when full, lapsed entries are dropped,
+      and if it is still full a new credential is not counted (its backoff stays at
+      1 s).
+    * Each VM counts for itself: programs sharing a limiter daemon or Redis share the
+      pauses, not the count. Should the owning process be killed, the counts start again
+      from zero.
+  """
+
+  use GenServer
+
+  @table __MODULE__
+  @lapse_ms 600_000
+  @max_entries 10_000
+
+  @typedoc "Whose count: `{limiter name, exchange id, credential}`."
+  @type key :: {GenServer.name(), String.t(), String.t() | :public}
+
+  @doc "The count for `key` (0 when none, or lapsed)."
+  @spec count(key()) :: non_neg_integer()
+  def count(key) do
+    now = System.monotonic_time(:millisecond)
+
+    case :ets.lookup(table(), key) do
+      [{^key, count, lapses_at}] when lapses_at > now -> count
+      _ -> 0
+    end
+  rescue
+    # The owner was killed between two calls: counting starts again.
+    ArgumentError -> 0
+  end
+
+  @doc "Adds one to `key`'s count; returns the count before."
+  @spec bump(key()) :: non_neg_integer()
+  def bump(key) do
+    now = System.monotonic_time(:millisecond)
+    before = count(key)
+    table = table()
+
+    if before > 0 or room?(table, now),
+      do: :ets.insert(table, {key, before + 1, now + @lapse_ms})
+
+    before
+  rescue
+    ArgumentError -> 0
+  end
+
+  @doc "Forgets `key`'s count."
+  @spec clear(key()) :: :ok
+  def clear(key) do
+    case :ets.whereis(@table) do
+      :undefined -> :ok
+      table -> :ets.delete(table, key) && :ok
+    end
+  end
+
+  defp room?(table, now) do
+    :ets.info(table, :size) < @max_entries or
+      (:ets.select_delete(table, [{{:_, :_, :"$1"}, [{:"=<", :"$1", now}], [true]}]) >= 0 and
+         :ets.info(table, :size) < @max_entries)
+  end
+
+  # The table, starting its owner if need be (two callers racing both get it).
+  defp table do
+    case :ets.whereis(@table) do
+      :undefined ->
+        pid =
+          case GenServer.start(__MODULE__, [], name: __MODULE__) do
+            {:ok, pid} -> pid
+            {:error, {:already_started, pid}} -> pid
+          end
+
+        # Answered once the owner's init has created the table.
+        GenServer.call(pid, :table)
+
+      table ->
+        table
+    end
+  end
+
+  @impl true
+  def init([]) do
+    :ets.new(@table, [
+      :named_table,
+      :public,
+      :set,
+      read_concurrency: true,
+      write_concurrency: true
+    ])
+
+    {:ok, nil}
+  end
+
+  @impl true
+  def handle_call(:table, _from, state), do: {:reply, :ets.whereis(@table), state}
+end
