@@ -60,10 +60,11 @@ defmodule Mix.BourseNative.Prebuilt do
 
   @doc """
   Checks `dir` against `expected`: its manifest, then the target, the NIF version, the
-  sources, and the SHA-256 of every artifact. Returns the artifacts' paths by name, or an
-  error saying what does not match.
+  sources, and the SHA-256 of every artifact. Returns the artifacts' contents by name (the
+  bytes that were checked, so a file changed after the check is not used), or an error
+  saying what does not match.
   """
-  @spec verify(Path.t(), expected()) :: {:ok, %{String.t() => Path.t()}} | {:error, String.t()}
+  @spec verify(Path.t(), expected()) :: {:ok, %{String.t() => binary()}} | {:error, String.t()}
   def verify(dir, expected) do
     with {:ok, manifest} <- read(dir),
          :ok <- same_target(manifest, expected),
@@ -195,19 +196,17 @@ defmodule Mix.BourseNative.Prebuilt do
 
   defp checksums(dir, manifest, names) do
     Enum.reduce_while(names, {:ok, %{}}, fn name, {:ok, found} ->
-      path = Path.join(dir, name)
-
-      case {manifest.artifacts[name], File.regular?(path)} do
+      case {manifest.artifacts[name], File.read(Path.join(dir, name))} do
         {nil, _} ->
           {:halt, {:error, "its #{@manifest} lists no #{name}"}}
 
-        {_sha, false} ->
-          {:halt, {:error, "#{name} is missing"}}
+        {_sha, {:error, reason}} ->
+          {:halt, {:error, "cannot read #{name}: #{:file.format_error(reason)}"}}
 
-        {sha, true} ->
-          case sha256!(path) do
+        {sha, {:ok, content}} ->
+          case Base.encode16(:crypto.hash(:sha256, content), case: :lower) do
             ^sha ->
-              {:cont, {:ok, Map.put(found, name, path)}}
+              {:cont, {:ok, Map.put(found, name, content)}}
 
             actual ->
               {:halt,

@@ -144,7 +144,7 @@ defmodule Mix.Tasks.Compile.BourseNative do
   end
 
   defp install({:source, _digest, _settings, _cargo}, root) do
-    root |> cargo_build!() |> copy_all()
+    root |> cargo_build!() |> Map.new(fn {name, path} -> {name, read!(path)} end) |> copy_all()
   end
 
   defp install({:prebuilt, dir, origin, _stats, digest}, _root) do
@@ -157,8 +157,8 @@ defmodule Mix.Tasks.Compile.BourseNative do
     }
 
     case Prebuilt.verify(dir, expected) do
-      {:ok, paths} ->
-        copy_all(paths)
+      {:ok, contents} ->
+        copy_all(contents)
 
       {:error, reason} ->
         Mix.raise(
@@ -168,10 +168,17 @@ defmodule Mix.Tasks.Compile.BourseNative do
     end
   end
 
-  defp copy_all(paths) do
+  defp copy_all(contents) do
     for {name, mode} <- @artifacts,
-        copy(Map.fetch!(paths, name), Path.join(priv_dir(), name), mode),
+        install_file(Map.fetch!(contents, name), Path.join(priv_dir(), name), mode),
         do: name
+  end
+
+  defp read!(path) do
+    case File.read(path) do
+      {:ok, binary} -> binary
+      {:error, reason} -> Mix.raise("cannot read #{path}: #{:file.format_error(reason)}")
+    end
   end
 
   # The configured directory of prebuilt artifacts and where it was configured, or nil.
@@ -205,7 +212,7 @@ defmodule Mix.Tasks.Compile.BourseNative do
   defp file_stats(dir, names) do
     for name <- names do
       case File.stat(Path.join(dir, name), time: :posix) do
-        {:ok, stat} -> {name, stat.size, stat.mtime, stat.mode}
+        {:ok, stat} -> {name, stat.size, stat.mtime, stat.mode, stat.inode}
         {:error, _} -> {name, :missing}
       end
     end
@@ -249,19 +256,14 @@ defmodule Mix.Tasks.Compile.BourseNative do
     end
   end
 
-  # Copies source over dest when their contents differ; true when it copied.
-  defp copy(source, dest, mode) do
-    new =
-      case File.read(source) do
-        {:ok, binary} -> binary
-        {:error, reason} -> Mix.raise("no #{source}: #{:file.format_error(reason)}")
-      end
-
+  # Writes `new` over dest when their contents differ; true when it wrote. The temporary
+  # file is this OS process's own: two builds at once never write into the same one.
+  defp install_file(new, dest, mode) do
     if File.read(dest) == {:ok, new} do
       false
     else
       File.mkdir_p!(Path.dirname(dest))
-      tmp = dest <> ".tmp"
+      tmp = "#{dest}.#{:os.getpid()}.tmp"
       File.write!(tmp, new)
       File.chmod!(tmp, mode)
       File.rename!(tmp, dest)
