@@ -60,15 +60,23 @@ defmodule Bourse.RateLimiter.Backoff do
   @spec clear(key()) :: :ok
   def clear(key) do
     case :ets.whereis(@table) do
-      :undefined -> :ok
-      table -> :ets.delete(table, key) && :ok
+      :undefined ->
+        :ok
+
+      table ->
+        :ets.delete(table, key)
+        :ok
     end
   end
 
+  # Room for one more entry, after dropping the lapsed ones if the table is full.
   defp room?(table, now) do
-    :ets.info(table, :size) < @max_entries or
-      (:ets.select_delete(table, [{{:_, :_, :"$1"}, [{:"=<", :"$1", now}], [true]}]) >= 0 and
-         :ets.info(table, :size) < @max_entries)
+    if :ets.info(table, :size) < @max_entries do
+      true
+    else
+      :ets.select_delete(table, [{{:_, :_, :"$1"}, [{:"=<", :"$1", now}], [true]}])
+      :ets.info(table, :size) < @max_entries
+    end
   end
 
   # The table, starting its owner if need be (two callers racing both get it).
