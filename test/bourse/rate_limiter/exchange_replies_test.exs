@@ -1,10 +1,11 @@
 defmodule Bourse.RateLimiter.ExchangeRepliesTest do
-  # The field report's scripted replies (docs/CONTRACT.md, Sources), through Bourse.AdapterLoop: wait_for_capacity,
-  # an HTTP GET to a scripted mock exchange, observe_response, then retry or return.
+  # The field report's scripted replies (docs/CONTRACT.md, Sources), through
+  # Bourse.Testing.AdapterLoop: wait_for_capacity, an HTTP GET to a scripted mock
+  # exchange, observe_response, then retry or return.
   use ExUnit.Case, async: true
 
-  alias Bourse.{AdapterLoop, Error}
-  alias Bourse.Testing.MockExchange
+  alias Bourse.Error
+  alias Bourse.Testing.{AdapterLoop, MockExchange}
 
   @limit %{capacity: 2, refill_per_sec: 7}
   @data ~s({"symbol":"BTCUSDT"})

@@ -1,12 +1,12 @@
-defmodule Bourse.AdapterLoop do
+defmodule Bourse.Testing.AdapterLoop do
   @moduledoc """
-  The request loop an exchange client writes around `Bourse.RateLimiter`: wait for
-  capacity, send, report the reply (status, headers and body) with
+  The request loop an exchange client writes around `Bourse.RateLimiter`, for tests and
+  the demo: wait for capacity, send, report the reply (status, headers and body) with
   `Bourse.RateLimiter.observe_response/6`, then retry or return.
 
       {:ok, body} =
-        Bourse.AdapterLoop.get(url, "binance", api_key, %{capacity: 480, refill_per_sec: 72},
-          axis: "ip", limiter: MyApp.Limiter)
+        Bourse.Testing.AdapterLoop.get(url, "binance", api_key,
+          %{capacity: 480, refill_per_sec: 72}, axis: "ip", limiter: MyApp.Limiter)
 
   A 429, or a rate-limit signal in the body (Bybit's `retCode` 10006 on an HTTP 200, ...),
   without `stop` is retried, at most `:tries` attempts in all: the limiter has paused the
