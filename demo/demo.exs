@@ -3,10 +3,13 @@
 # An embedded mock exchange on 127.0.0.1 counts like Binance's per-IP weight counter
 # (10 weight per fixed 1-second window aligned to the wall clock, 429 with Retry-After
 # above that, rejected requests not counted). The clients reach their buckets through
-# the public API of Bourse.RateLimiter only. Exits 1 if a correctly sized or a shared
+# the public API of Bourse.RateLimiter only. Then the exchange feedback experiments
+# (demo/support: scripted replies through the adapter loop, processes sharing a bucket,
+# a heartbeat beside 1,000 waiters, the exchange profiles against mocks that count like
+# the exchanges, used-weight header sync). Exits 1 if a correctly sized or a shared
 # bucket drew a 429.
 
-for file <- ["table.ex", "client.ex", "os_processes.ex"],
+for file <- ~w(table.ex client.ex os_processes.ex replies.ex concurrency.ex profiles.ex),
     do: Code.require_file(file, Path.join(__DIR__, "support"))
 
 defmodule Demo do
@@ -24,7 +27,12 @@ defmodule Demo do
     results = Map.merge(sizing(mock), workers(mock))
     results = Map.merge(results, heavy_behind_cheap())
     binance_limits()
-    summary(results)
+
+    feedback =
+      for experiment <- [Demo.Replies, Demo.Concurrency, Demo.Profiles],
+          do: experiment.run(Demo.Limiter)
+
+    summary(results, feedback)
   end
 
   ## 1. Sizing
@@ -57,7 +65,7 @@ defmodule Demo do
     IO.puts("")
 
     Table.print(
-      ["Capacity, rate", "Capacity + rate × 1 s", "HTTP 429", "Wall time", "Seed report"],
+      ["Capacity, rate", "Capacity + rate × 1 s", "HTTP 429", "Wall time", "Field report"],
       Enum.map(rows, &elem(&1, 0))
     )
 
@@ -114,7 +122,7 @@ defmodule Demo do
     IO.puts("")
 
     Table.print(
-      ["Workers' buckets", "HTTP 429 (of 40 + retries)", "Wall time", "Seed report"],
+      ["Workers' buckets", "HTTP 429 (of 40 + retries)", "Wall time", "Field report"],
       for(
         {run, label, rejected, ms} <- results,
         do: [label, rejected, Table.seconds(ms), seed[run]]
@@ -281,7 +289,7 @@ defmodule Demo do
         [inspect(key), Table.number(capacity), "#{Table.number(refill)}/s", @seed_sizes[key]]
       end
 
-    Table.print(["Entry", "Capacity", "Refill", "Seed report"], rows)
+    Table.print(["Entry", "Capacity", "Refill", "Field report"], rows)
     by_type = Map.new(@exchange_info["rateLimits"], &{&1["rateLimitType"], &1})
 
     IO.puts("""
@@ -295,13 +303,13 @@ defmodule Demo do
 
   ## Summary
 
-  defp summary(results) do
+  defp summary(results, feedback) do
     [{_, _, oversized}, {_, _, exact}, {_, _, margin}] = results.sizing
     workers = results.workers
     IO.puts("## Summary\n")
 
     Table.print(
-      ["Experiment", "Seed report", "Bourse.RateLimiter"],
+      ["Experiment", "Field report", "Bourse.RateLimiter"],
       [
         ["40 requests, bucket 10 + 10/s, from a boundary", "9 × 429", "#{oversized} × 429"],
         ["40 requests, bucket 2 + 8/s / 2 + 7/s", "0 / 0 × 429", "#{exact} / #{margin} × 429"],
@@ -311,7 +319,7 @@ defmodule Demo do
         ["4 OS processes, one shared bourse_daemon", "0 × 429", "#{workers.shared_daemon} × 429"],
         ["cost 8 behind a cost-1 loop", "still waiting after 10 s", results.heavy_wait],
         ["Binance ORDERS entries kept", "1 (keyed by type)", "2"]
-      ]
+      ] ++ Enum.flat_map(feedback, & &1.summary)
     )
 
     sized = for {label, true, rejected} <- results.sizing, do: {"bucket #{label}", rejected}
@@ -321,11 +329,10 @@ defmodule Demo do
       {"shared bourse_daemon", workers.shared_daemon}
     ]
 
-    case for(
-           {label, rejected} <- sized ++ shared,
-           rejected > 0,
-           do: "#{label}: #{rejected} × 429"
-         ) do
+    own =
+      for {label, rejected} <- sized ++ shared, rejected > 0, do: "#{label}: #{rejected} × 429"
+
+    case own ++ Enum.flat_map(feedback, & &1.failures) do
       [] ->
         IO.puts("\nNo 429 from any correctly sized or shared configuration.")
 
