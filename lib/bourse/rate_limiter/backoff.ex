@@ -37,22 +37,38 @@ defmodule Bourse.RateLimiter.Backoff do
       _ -> 0
     end
   rescue
-    # The owner was killed between two calls: counting starts again.
     ArgumentError -> 0
   end
 
-  @doc "Adds one to `key`'s count; returns the count before."
+  @doc "Adds one to `key`'s count, atomically; returns the count before."
   @spec bump(key()) :: non_neg_integer()
   def bump(key) do
     now = System.monotonic_time(:millisecond)
-    before = count(key)
     table = table()
 
-    if before > 0 or room?(table, now),
-      do: :ets.insert(table, {key, before + 1, now + @lapse_ms})
+    # A lapsed entry counts from zero again (deleted only if no one updated it since).
+    known? =
+      case :ets.lookup(table, key) do
+        [{^key, _count, lapses_at} = entry] when lapses_at <= now ->
+          :ets.delete_object(table, entry)
+          false
 
-    before
+        [_live] ->
+          true
+
+        [] ->
+          false
+      end
+
+    if known? or room?(table, now) do
+      count = :ets.update_counter(table, key, {2, 1}, {key, 0, 0})
+      :ets.update_element(table, key, {3, now + @lapse_ms})
+      count - 1
+    else
+      0
+    end
   rescue
+    # The owner was killed between two calls: counting starts again.
     ArgumentError -> 0
   end
 
