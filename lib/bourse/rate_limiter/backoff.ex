@@ -24,8 +24,8 @@ defmodule Bourse.RateLimiter.Backoff do
   @lapse_ms 600_000
   @max_entries 10_000
 
-  @typedoc "Whose count: `{limiter name, exchange id, credential}`."
-  @type key :: {GenServer.name(), String.t(), String.t() | :public}
+  @typedoc "Whose count: `{limiter name, a digest of the exchange id and credential}`."
+  @type key :: {GenServer.name(), binary()}
 
   @doc "The count for `key` (0 when none, or lapsed)."
   @spec count(key()) :: non_neg_integer()

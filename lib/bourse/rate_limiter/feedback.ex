@@ -335,7 +335,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp react(exchange_id, credential, status, found, signal, name) do
     case limited(status, signal) do
-      nil when status in 200..299 -> Backoff.clear({name, exchange_id, credential})
+      nil when status in 200..299 -> Backoff.clear(backoff_key(name, exchange_id, credential))
       nil -> :ok
       limited -> limit(exchange_id, credential, status, found, limited, name)
     end
@@ -351,9 +351,10 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
     target = if scope == :exchange, do: exchange_id, else: {exchange_id, credential}
-    {wait, why} = wait(found["retry-after"], named_ms, {name, exchange_id, credential})
+    backoff_key = backoff_key(name, exchange_id, credential)
+    {wait, why} = wait(found["retry-after"], named_ms, backoff_key)
 
-    with :ok <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
+    with :ok <- pause(target, wait, backoff_key, name) do
       stop = stop or why == :ban
 
       Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
@@ -376,6 +377,20 @@ defmodule Bourse.RateLimiter.Feedback do
              describe(why, wait) <> if(stop, do: "; stop: do not retry", else: "")
        )}
     end
+  end
+
+  # A pause refused (a malformed key, the store down) does not count into the backoff.
+  defp pause(target, wait, backoff_key, name) do
+    with {:error, _} = error <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
+      Backoff.clear(backoff_key)
+      error
+    end
+  end
+
+  # The credential is kept only as a digest: bounded in size, never the API key itself.
+  defp backoff_key(name, exchange_id, credential) do
+    credential = if credential == :public, do: <<1>>, else: [0 | credential]
+    {name, :crypto.hash(:sha256, [<<byte_size(exchange_id)::32>>, exchange_id, credential])}
   end
 
   # Retry-After first, then a wait the reply names in its body, then the backoff.

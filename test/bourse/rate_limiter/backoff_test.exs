@@ -4,7 +4,7 @@ defmodule Bourse.RateLimiter.BackoffTest do
 
   alias Bourse.RateLimiter.Backoff
 
-  defp key(i), do: {__MODULE__, "ex", "credential-#{i}"}
+  defp key(i), do: {__MODULE__, "digest-#{i}"}
 
   test "concurrent limited replies each count once; clear forgets" do
     key = key(:concurrent)

@@ -347,6 +347,14 @@ defmodule Bourse.RateLimiter.FeedbackTest do
     assert :ok = RateLimiter.check_rate({"binance", "k"}, @slow, 5, name)
     assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
 
+    # A key the table refuses: answered, with a bounded message.
+    huge = String.duplicate("x", 100_000)
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.observe_response(huge, "k", 429, [], name)
+
+    assert byte_size(message) < 200
+
     # Names are checked even when a reply needs no call to the bucket table.
     for bad <- ["api-key-as-name", nil, 42, {:global}] do
       assert_invalid(RateLimiter.observe_response("binance", "k", 200, [], bad))
