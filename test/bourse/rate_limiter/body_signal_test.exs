@@ -218,6 +218,32 @@ defmodule Bourse.RateLimiter.BodySignalTest do
                :noproc
     end
 
+    test "hostile bodies are answered", %{name: name} do
+      mb = 1024 * 1024
+
+      for body <- [
+            ~s({"retCode":10006,"x":") <> String.duplicate("a", 20 * mb),
+            String.duplicate("[", 5 * mb),
+            String.duplicate(~s({"retCode":), mb),
+            :crypto.strong_rand_bytes(mb),
+            %{"retCode" => String.duplicate("1", mb)},
+            %{"retCode" => %{"deep" => [[[[]]]]}},
+            %{"error" => Stream.cycle(["x"]) |> Enum.take(100_000)},
+            %{"errors" => [%{"id" => "rate_limit_exceeded"} | :improper]},
+            List.duplicate(%{"code" => -1003}, 1000)
+          ],
+          exchange <- ["bybit", "kraken", "coinbase", "binance"] do
+        answer = RateLimiter.observe_response(exchange, "hostile", 200, [], name, body: body)
+        assert answer == :ok or match?({:error, %Error{type: :rate_limit_exceeded}}, answer)
+      end
+
+      # The first still reads as Bybit's signal: the code comes first.
+      body = ~s({"retCode":10006,"x":") <> String.duplicate("a", 20 * mb)
+
+      assert {:error, %Error{type: :rate_limit_exceeded}} =
+               RateLimiter.observe_response("bybit", "hostile2", 200, [], name, body: body)
+    end
+
     test "bad options are invalid_parameters and touch nothing", %{name: name} do
       for opts <- [[body: 5], [body: {:ok, "x"}], [bod: "x"], [:body], %{body: ""}] do
         assert {:error, %Error{type: :invalid_parameters, message: message}} =

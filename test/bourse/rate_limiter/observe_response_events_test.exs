@@ -1,5 +1,5 @@
 defmodule Bourse.RateLimiter.ObserveResponseEventsTest do
-  # Events and secrets of `Bourse.RateLimiter.observe_response/5`.
+  # Events and secrets of `Bourse.RateLimiter.observe_response/6`.
   use ExUnit.Case, async: true
 
   alias Bourse.{Error, Fingerprint, RateLimiter}
@@ -37,11 +37,31 @@ defmodule Bourse.RateLimiter.ObserveResponseEventsTest do
                        credential: ^fingerprint,
                        axis: nil,
                        http_status: 429,
-                       stop: false
+                       stop: false,
+                       signal: nil
                      }}
 
     assert :ok = RateLimiter.observe_response("binance", @credential, 200, [], name)
     refute_received {[:bourse, :rate_limiter, :rate_limited], _, _}
+  end
+
+  test "a signal in the body says which, in the event and the error", %{name: name} do
+    fingerprint = Fingerprint.of(@credential)
+    body = ~s({"retCode":10006,"retMsg":"Too many visits!"})
+
+    assert {:error, %Error{http_status: 200} = error} =
+             RateLimiter.observe_response("bybit", @credential, 200, [], name, body: body)
+
+    refute inspect(error) =~ "SECRET"
+
+    assert_received {[:bourse, :rate_limiter, :rate_limited], %{retry_after_ms: 1_000},
+                     %{
+                       exchange: "bybit",
+                       credential: ^fingerprint,
+                       http_status: 200,
+                       stop: false,
+                       signal: "Bybit retCode 10006 (too many visits)"
+                     }}
   end
 
   test "a malformed credential is not echoed", %{name: name} do
