@@ -117,7 +117,13 @@ defmodule Bourse.RedisCluster do
   defp healthy?(cluster) do
     live = Enum.filter(Map.keys(cluster.nodes), &ping/1)
     nodes = topology(cluster)
-    served = for n <- nodes, n.master and not n.failed, r <- n.slots, reduce: 0, do: (s -> s + Range.size(r))
+
+    served =
+      for n <- nodes,
+          n.master and not n.failed,
+          r <- n.slots,
+          reduce: 0,
+          do: (s -> s + Range.size(r))
 
     Enum.all?(live, &(redis(&1, ["CLUSTER", "INFO"]) =~ "cluster_state:ok")) and served == 16_384 and
       Enum.all?(
