@@ -124,11 +124,36 @@ defmodule Bourse.RateLimiter.Exchange do
   def buckets(name_or_profile, opts \\ [])
 
   def buckets(name, opts) when is_atom(name) do
-    with {:ok, profile} <- profile(name, Keyword.drop(opts, [:share, :burst])),
+    with :ok <- check_options(opts),
+         {:ok, profile} <- profile(name, Keyword.drop(opts, [:share, :burst])),
          do: buckets(profile, opts)
   end
 
   def buckets(%{counters: counters}, opts) when is_list(counters) do
+    with :ok <- check_options(opts), do: size_counters(counters, opts)
+  end
+
+  def buckets(other, _opts),
+    do: invalid("expected a profile name or a profile map, got #{inspect(other, limit: 5)}")
+
+  @options [:share, :burst, :tier]
+
+  defp check_options(opts) do
+    cond do
+      not Keyword.keyword?(opts) ->
+        invalid("options must be a keyword list, got #{inspect(opts, limit: 5)}")
+
+      Keyword.keys(opts) -- @options != [] ->
+        invalid(
+          "unknown options #{inspect(Keyword.keys(opts) -- @options)}; expected #{inspect(@options)}"
+        )
+
+      true ->
+        :ok
+    end
+  end
+
+  defp size_counters(counters, opts) do
     Enum.reduce_while(counters, {:ok, %{}}, fn counter, {:ok, buckets} ->
       case bucket(counter, opts) do
         {:ok, axis, bucket} -> {:cont, {:ok, Map.put(buckets, axis, bucket)}}
@@ -136,9 +161,6 @@ defmodule Bourse.RateLimiter.Exchange do
       end
     end)
   end
-
-  def buckets(other, _opts),
-    do: invalid("expected a profile name or a profile map, got #{inspect(other, limit: 5)}")
 
   defp bucket(%{axis: axis, kind: kind, limit: limit, window_ms: window_ms} = counter, opts)
        when is_binary(axis) and kind in [:fixed, :rolling] do

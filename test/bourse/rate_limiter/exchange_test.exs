@@ -86,7 +86,9 @@ defmodule Bourse.RateLimiter.ExchangeTest do
             {:kraken_spot, [share: 2]},
             {%{counters: [%{axis: "x", kind: :fixed}]}, []},
             {%{counters: [%{axis: "x", kind: :decaying, max: -1, decay_per_sec: 1}]}, []},
-            {"binance", []}
+            {"binance", []},
+            {:binance_spot, [shar: 0.5]},
+            {:binance_spot, %{share: 0.5}}
           ] do
         assert {:error, %Error{type: :invalid_parameters, message: "" <> _}} =
                  Exchange.buckets(arg, opts),
