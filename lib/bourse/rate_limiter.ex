@@ -357,7 +357,9 @@ defmodule Bourse.RateLimiter do
   of values; names are case-insensitive; names and values may be binaries or charlists
   (as `:httpc` returns them). Options: `body:` the reply's body, a binary or the decoded
   JSON (map or list), for the rate-limit signals exchanges put there
-  (`Bourse.RateLimiter.BodySignal`). Like `check_rates/3`, the name may be left out
+  (`Bourse.RateLimiter.BodySignal`); `limits:` the credential's bucket definitions by
+  axis (`%{"ip" => %{capacity: 480, refill_per_sec: 72}}`), which spares header sync a
+  read of each definition from the table. Like `check_rates/3`, the name may be left out
   before the options: `observe_response("bybit", key, 200, headers, body: body)`.
 
   Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic

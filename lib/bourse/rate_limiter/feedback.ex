@@ -44,8 +44,11 @@ defmodule Bourse.RateLimiter.Feedback do
   a reply costs no call to the bucket table for it, and it never shows among the
   buckets. It lapses 10 minutes after the last limited reply.
 
-  Calls to the bucket table per reply: one `pause` per limited reply; two (`inspect_key`
-  and `sync`) per used-weight header present; nothing else.
+  Calls to the bucket table per reply: one `pause` per limited reply; per used-weight
+  header present, one `sync`, after an `inspect_key` for the bucket's definition unless
+  the adapter passes it (`limits: %{axis => %{capacity: c, refill_per_sec: r}}`, such as
+  `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical reply with
+  one used-weight header and `limits:` costs one round trip to a daemon or Redis.
 
   ## Used-weight headers
 
@@ -269,27 +272,58 @@ defmodule Bourse.RateLimiter.Feedback do
     with :ok <- check_name(name),
          :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
-         {:ok, body} <- body_option(opts),
+         {:ok, body, definitions} <- options(opts),
          {:ok, axes} <- axes(),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
-         :ok <- sync_all(exchange_id, credential_key, found, {axes, limits}, name) do
+         :ok <- sync_all(exchange_id, credential_key, found, {axes, limits, definitions}, name) do
       now = System.os_time(:millisecond)
       signal = BodySignal.find(exchange_id, status, body, found, now)
       react(exchange_id, credential_key, status, found, signal, name)
     end
   end
 
-  defp body_option(opts) do
-    if Keyword.keyword?(opts) do
-      case Keyword.split(opts, [:body]) do
-        {body_opts, []} -> body(Keyword.get(body_opts, :body))
-        {_, other} -> invalid("unknown options #{short(Keyword.keys(other))}; expected :body")
-      end
+  defp options(opts) do
+    with true <- Keyword.keyword?(opts) || {:not_keyword, opts},
+         {known, []} <- Keyword.split(opts, [:body, :limits]),
+         {:ok, body} <- body(Keyword.get(known, :body)),
+         {:ok, definitions} <- definitions(Keyword.get(known, :limits, %{})) do
+      {:ok, body, definitions}
     else
-      invalid("options must be a keyword list, got #{short(opts)}")
+      {:error, %Error{}} = error ->
+        error
+
+      {:not_keyword, opts} ->
+        invalid("options must be a keyword list, got #{short(opts)}")
+
+      {_known, other} ->
+        invalid("unknown options #{short(Keyword.keys(other))}; expected :body or :limits")
     end
   end
+
+  # `limits:` – the definitions of the credential's buckets by axis, as the adapter
+  # passes them to its checks: header sync then reads no definition from the table.
+  defp definitions(limits) when is_map(limits) do
+    if Enum.all?(limits, &definition?/1),
+      do: {:ok, limits},
+      else:
+        invalid(
+          "limits must be a map of axis => %{capacity: c, refill_per_sec: r} (positive numbers), " <>
+            "got #{short(limits)}"
+        )
+  end
+
+  defp definitions(other),
+    do:
+      invalid(
+        "limits must be a map of axis => %{capacity: c, refill_per_sec: r}, got #{short(other)}"
+      )
+
+  defp definition?({axis, %{capacity: c, refill_per_sec: r}})
+       when is_binary(axis) and is_number(c) and c > 0 and is_number(r) and r > 0,
+       do: true
+
+  defp definition?(_other), do: false
 
   defp body(body) when is_nil(body) or is_binary(body) or is_map(body) or is_list(body),
     do: {:ok, body}
@@ -415,24 +449,24 @@ defmodule Bourse.RateLimiter.Feedback do
 
   ## Header sync
 
-  defp sync_all(exchange_id, credential, found, {axes, limits}, name) do
+  defp sync_all(exchange_id, credential, found, {axes, limits, definitions}, name) do
     Enum.reduce_while(axes, :ok, fn {header, {axis, window_ms}}, :ok ->
       key = {exchange_id, credential, axis}
+      counter = {window_ms, limits[header], definitions[axis]}
 
-      case sync_one(header, key, {window_ms, limits[header]}, found, name) do
+      case sync_one(header, key, counter, found, name) do
         {:error, %Error{}} = error -> {:halt, error}
         _synced_or_skipped -> {:cont, :ok}
       end
     end)
   end
 
-  defp sync_one(header, key, {window_ms, exchange_limit}, found, name) do
+  defp sync_one(header, key, {window_ms, exchange_limit, definition}, found, name) do
     case @families do
       %{^header => {limit_name, remaining_name, reset_name, reset_kind}} ->
         with {:ok, limit} when limit > 0 <- number(found[limit_name]),
              {:ok, remaining} <- number(found[remaining_name]),
-             %{limit: %{capacity: capacity, refill_per_sec: refill}} <-
-               RateLimiter.inspect_key(key, name) do
+             %{capacity: capacity, refill_per_sec: refill} <- definition(definition, key, name) do
           budget = if window_ms, do: min(capacity + refill * window_ms / 1000, limit), else: limit
           left = reset_left(found[reset_name], reset_kind, window_ms || @max_window_ms)
           sync(key, budget - (limit - min(remaining, limit)), left, name)
@@ -440,8 +474,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
       _used_counter ->
         with {:ok, used} <- number(found[header]),
-             %{limit: %{capacity: capacity, refill_per_sec: refill}} <-
-               RateLimiter.inspect_key(key, name) do
+             %{capacity: capacity, refill_per_sec: refill} <- definition(definition, key, name) do
           budget = capacity + refill * window_ms / 1000
           budget = if exchange_limit, do: min(budget, exchange_limit), else: budget
           left = window_ms - rem(System.os_time(:millisecond), window_ms)
@@ -449,6 +482,16 @@ defmodule Bourse.RateLimiter.Feedback do
         end
     end
   end
+
+  # The bucket's definition: given, or read from the table (`nil` when it holds none).
+  defp definition(nil, key, name) do
+    case RateLimiter.inspect_key(key, name) do
+      %{limit: limit} -> limit
+      other -> other
+    end
+  end
+
+  defp definition(given, _key, _name), do: given
 
   defp sync(key, allowance, left, name) do
     allowance = allowance |> max(-@max_amount) |> min(@max_amount)

@@ -73,6 +73,42 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_in_delta tokens(key, name), min(2399, 100 - 40 * left / 1000), 40 * 0.2
     end
 
+    test "limits: the adapter's definitions, read from no table: the same allowance",
+         %{name: name} do
+      {:ok, buckets} = Bourse.RateLimiter.Exchange.buckets(:binance_spot)
+
+      for {credential, opts} <- [{"read", []}, {"given", [limits: buckets]}] do
+        key = {"binance", credential, "ip"}
+        assert :ok = RateLimiter.check_rate(key, buckets["ip"], 1, name)
+        headers = [{"x-mbx-used-weight-1m", "3600"}]
+        assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
+        left = window_left(60_000)
+        assert_in_delta tokens(key, name), min(479, 1200 - 72 * left / 1000), 72 * 0.2
+      end
+
+      # A key the table holds no definition for is still left alone.
+      assert :ok =
+               RateLimiter.observe_response(
+                 "binance",
+                 "none",
+                 200,
+                 [{"x-mbx-used-weight-1m", "9"}],
+                 name,
+                 limits: buckets
+               )
+
+      assert RateLimiter.inspect_key({"binance", "none", "ip"}, name) == nil
+
+      for bad <- [
+            [limits: %{"ip" => %{capacity: -1, refill_per_sec: 1}}],
+            [limits: []],
+            [limits: %{ip: %{capacity: 1, refill_per_sec: 1}}],
+            [limits: %{"ip" => %{requests: 5}}]
+          ] do
+        assert_invalid(RateLimiter.observe_response("binance", "k", 200, [], name, bad))
+      end
+    end
+
     test "alone on the counter, the bucket is not lowered; tokens are never raised",
          %{name: name} do
       key = {"binance", "k", "ip"}
