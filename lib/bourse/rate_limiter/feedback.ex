@@ -93,9 +93,9 @@ defmodule Bourse.RateLimiter.Feedback do
     3. the default below: Binance spot's, as documented on
        <https://developers.binance.com/docs/binance-spot-api-docs/rest-api/limits> and
        <https://developers.binance.com/docs/products/caas/basics/4.rate-limits> (SAPI),
-       and as the live `exchangeInfo` listed them on 6 November 2026 (the field report, docs/CONTRACT.md);
-       read 2026-12-01. Other Binance markets count differently (USD-M futures: 2,400
-       weight a minute): load their `exchangeInfo`, or use
+       and as the live `exchangeInfo` listed them on 6 November 2026 (the field report,
+       docs/CONTRACT.md); read 2026-12-01. Other Binance markets count differently (USD-M
+       futures: 2,400 weight a minute): load their `exchangeInfo`, or use
        `Bourse.RateLimiter.Exchange`.
 
   | header | default `L` |
