@@ -98,7 +98,7 @@ defmodule Demo.Profiles do
         Enum.map(rows, fn row ->
           [
             "#{row.label} counter through its profile",
-            "0 × 429",
+            "correctly sized: 0 × 429",
             "#{row.profile} × 429 (sized to the limit: #{row.naive})"
           ]
         end) ++
