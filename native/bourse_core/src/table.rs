@@ -271,8 +271,8 @@ impl<C: Clock> Table<C> {
             limit: check.limit,
             cost: check.cost,
         };
-        let request = self.request(std::slice::from_ref(&item), owner, mode);
         let mut guard = self.lock(hash);
+        let request = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
         self.decide(&mut [bucket], &[item], &mut shard.stats, request)
@@ -335,12 +335,12 @@ impl<C: Clock> Table<C> {
             }
             item.slot = shard_indices.len() - 1;
         }
-        let request = self.request(&coalesced, owner, mode);
-        let now = request.now;
         let mut guards: Vec<MutexGuard<Shard>> = shard_indices
             .iter()
             .map(|&index| self.shards[index].0.lock())
             .collect();
+        let request = self.request(&coalesced, owner, mode);
+        let now = request.now;
         // Buckets leave their tables while the check runs (the locks are held), so each can
         // be borrowed mutably at once; they go back afterwards.
         let mut buckets: Vec<Bucket> = coalesced
@@ -357,7 +357,9 @@ impl<C: Clock> Table<C> {
         Ok(outcome)
     }
 
-    /// What a check of `items` needs besides its buckets, as of now.
+    /// What a check of `items` needs besides its buckets, as of now. Called with the
+    /// buckets' shards locked: a caller preempted before the lock reads the time after it,
+    /// so no bucket is ever paid as of an instant before its last payment.
     fn request(&self, items: &[Item], owner: u64, mode: Mode) -> Request {
         let now = self.clock.now();
         Request {
@@ -541,8 +543,8 @@ impl<C: Clock> Table<C> {
     /// a definition the debt waits for its first check.
     pub fn record(&self, key: KeyRef, cost: f64) {
         let hash = self.hash(&key);
-        let now = self.clock.now();
         let mut shard = self.lock(hash);
+        let now = self.clock.now();
         shard.stats.debited += 1;
         match shard.buckets.find_mut(hash, |b| b.key.as_ref() == key) {
             Some(bucket) => {
@@ -565,8 +567,8 @@ impl<C: Clock> Table<C> {
     /// definition is left alone. Returns the tokens taken.
     pub fn sync(&self, key: KeyRef, allowance: f64, window_left_ms: u64) -> f64 {
         let hash = self.hash(&key);
-        let now = self.clock.now();
         let mut shard = self.lock(hash);
+        let now = self.clock.now();
         let Some(bucket) = shard.buckets.find_mut(hash, |b| b.key.as_ref() == key) else {
             return 0.0;
         };
