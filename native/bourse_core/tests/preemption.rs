@@ -116,7 +116,7 @@ fn a_stale_reading_never_moves_a_bucket_back_in_time() {
         go_signal.send(()).unwrap();
         read_signal.recv().unwrap();
         clock.time.advance_ms(1100);
-        admitted += admit_all(&table, limit);
+        admitted += admit_all(table, limit);
         let _ = release_signal.send(());
         stalled.join().unwrap();
     });
@@ -148,7 +148,7 @@ impl Clock for PreemptedClock {
         x ^= x >> 33;
         x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
         x ^= x >> 29;
-        if x % self.every == 0 {
+        if x.is_multiple_of(self.every) {
             thread::sleep(Duration::from_micros((x >> 32) % self.max_us));
         }
         now
