@@ -25,26 +25,40 @@ defmodule Bourse.RateLimiter.BodyScan do
   @max_depth 8
   @max_number 32
 
-  @doc "The top-level fields of `body`'s leading JSON object; see the module documentation."
-  @spec fields(binary()) :: map()
-  def fields(body) when is_binary(body) do
+  @doc """
+  The top-level fields of `body`'s leading JSON object; see the module documentation.
+  With a list of `wanted` keys, only those are read: the values of other keys are passed
+  over without being built, and the scan stops once every wanted key is found.
+  """
+  @spec fields(binary(), [String.t()] | :all) :: map()
+  def fields(body, wanted \\ :all) when is_binary(body) do
     case skip(binary_part(body, 0, min(byte_size(body), @max_bytes))) do
-      <<"{", rest::binary>> -> members(rest, %{})
+      <<"{", rest::binary>> -> members(rest, wanted, %{})
       _not_an_object -> %{}
     end
   end
 
   # The top level keeps what it read when it meets something it cannot.
-  defp members(text, fields) do
-    with {:ok, key, value, rest} <- member(text, 1) do
-      fields = Map.put_new(fields, key, value)
-
+  defp members(text, wanted, fields) do
+    with <<"\"", rest::binary>> <- skip(text),
+         {:ok, key, rest} <- string(rest, []),
+         <<":", rest::binary>> <- skip(rest),
+         {:ok, fields, rest} <- field(key, skip(rest), wanted, fields) do
       case skip(rest) do
-        <<",", rest::binary>> -> members(rest, fields)
+        _done when wanted != :all and map_size(fields) == length(wanted) -> fields
+        <<",", rest::binary>> -> members(rest, wanted, fields)
         _end_or_garbage -> fields
       end
     else
-      :error -> fields
+      _ -> fields
+    end
+  end
+
+  defp field(key, text, wanted, fields) do
+    if (wanted == :all or key in wanted) and not Map.has_key?(fields, key) do
+      with {:ok, value, rest} <- value(text, 1), do: {:ok, Map.put(fields, key, value), rest}
+    else
+      with {:ok, rest} <- pass(text), do: {:ok, fields, rest}
     end
   end
 
@@ -96,18 +110,22 @@ defmodule Bourse.RateLimiter.BodyScan do
     end
   end
 
-  # Up to the closing quote; `acc` holds the pieces read, in reverse.
-  defp string(text, acc) do
-    case :binary.match(text, ["\"", "\\"]) do
-      {at, 1} ->
-        <<chunk::binary-size(at), mark, rest::binary>> = text
-        acc = [chunk | acc]
+  # Up to the closing quote; `acc` holds the pieces read, in reverse, `at` the bytes of
+  # the current piece.
+  defp string(text, acc), do: string(text, 0, acc)
 
-        if mark == ?\",
-          do: {:ok, acc |> Enum.reverse() |> IO.iodata_to_binary(), rest},
-          else: escape(rest, acc)
+  defp string(text, at, acc) do
+    case text do
+      <<chunk::binary-size(at), ?\", rest::binary>> ->
+        {:ok, [chunk | acc] |> Enum.reverse() |> IO.iodata_to_binary(), rest}
 
-      :nomatch ->
+      <<chunk::binary-size(at), ?\\, rest::binary>> ->
+        escape(rest, [chunk | acc])
+
+      <<_::binary-size(at), _, _::binary>> ->
+        string(text, at + 1, acc)
+
+      _cut ->
         :error
     end
   end
@@ -155,6 +173,42 @@ defmodule Bourse.RateLimiter.BodyScan do
     do: number_size(rest, size + 1)
 
   defp number_size(_rest, size), do: size
+
+  # Over a value without building it.
+  defp pass(<<"\"", rest::binary>>), do: pass_string(rest)
+  defp pass(<<c, rest::binary>>) when c in [?{, ?[], do: pass_nested(rest, 1)
+
+  defp pass(text) do
+    case scalar_size(text, 0) do
+      0 -> :error
+      size -> {:ok, binary_part(text, size, byte_size(text) - size)}
+    end
+  end
+
+  defp pass_string(<<?\", rest::binary>>), do: {:ok, rest}
+  defp pass_string(<<?\\, _escaped, rest::binary>>), do: pass_string(rest)
+  defp pass_string(<<_, rest::binary>>), do: pass_string(rest)
+  defp pass_string(<<>>), do: :error
+
+  defp pass_nested(<<?\", rest::binary>>, depth) do
+    with {:ok, rest} <- pass_string(rest), do: pass_nested(rest, depth)
+  end
+
+  defp pass_nested(<<c, rest::binary>>, depth) when c in [?{, ?[],
+    do: pass_nested(rest, depth + 1)
+
+  defp pass_nested(<<c, rest::binary>>, 1) when c in [?}, ?]], do: {:ok, rest}
+
+  defp pass_nested(<<c, rest::binary>>, depth) when c in [?}, ?]],
+    do: pass_nested(rest, depth - 1)
+
+  defp pass_nested(<<_, rest::binary>>, depth), do: pass_nested(rest, depth)
+  defp pass_nested(<<>>, _depth), do: :error
+
+  defp scalar_size(<<c, rest::binary>>, size) when c not in [?,, ?}, ?], ?\s, ?\t, ?\n, ?\r],
+    do: scalar_size(rest, size + 1)
+
+  defp scalar_size(_rest, size), do: size
 
   defp skip(<<c, rest::binary>>) when c in [?\s, ?\t, ?\n, ?\r], do: skip(rest)
   defp skip(text), do: text

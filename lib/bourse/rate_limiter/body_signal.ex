@@ -101,7 +101,8 @@ defmodule Bourse.RateLimiter.BodySignal do
         nil
 
       family ->
-        status_signal(family, status) || body_signal(family, fields(body), headers, now_ms)
+        status_signal(family, status) ||
+          body_signal(family, fields(body, family), headers, now_ms)
     end
   end
 
@@ -117,9 +118,18 @@ defmodule Bourse.RateLimiter.BodySignal do
     if head in @families, do: head
   end
 
-  defp fields(body) when is_binary(body), do: BodyScan.fields(body)
-  defp fields(body) when is_map(body), do: body
-  defp fields(_none_or_list), do: %{}
+  # The top-level fields each family's signals are in.
+  @wanted %{
+    "binance" => ["code", "msg"],
+    "bybit" => ["retCode"],
+    "okx" => ["code"],
+    "kraken" => ["error"],
+    "coinbase" => ["error", "errors"]
+  }
+
+  defp fields(body, family) when is_binary(body), do: BodyScan.fields(body, @wanted[family])
+  defp fields(body, _family) when is_map(body), do: body
+  defp fields(_none_or_list, _family), do: %{}
 
   ## By status
 

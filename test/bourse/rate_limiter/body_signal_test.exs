@@ -130,6 +130,24 @@ defmodule Bourse.RateLimiter.BodySignalTest do
                %{"x" => [[[[[[[]]]]]]]}
     end
 
+    test "wanted keys only: other values are passed over, the scan stops when all are found" do
+      body =
+        ~s({"a":{"b":[1,"x\\"}]",{"c":"]"}]},"code":-1003,"d":tru,"msg":"m","code":1,"e":[[[[[[[[[[]]]]]]]]]]})
+
+      assert BodyScan.fields(body, ["code", "msg"]) == %{"code" => -1003, "msg" => "m"}
+      assert BodyScan.fields(body, ["msg"]) == %{"msg" => "m"}
+      # Deep values are passed over when not wanted.
+      assert BodyScan.fields(
+               ~s({"e":#{String.duplicate("[", 50)}#{String.duplicate("]", 50)},"code":7}),
+               ["code"]
+             ) ==
+               %{"code" => 7}
+
+      assert BodyScan.fields(~s({"a":"cut), ["code"]) == %{}
+      assert BodyScan.fields(~s({"a":[1,2), ["code"]) == %{}
+      assert BodyScan.fields(~s({"a":"x\\), ["code"]) == %{}
+    end
+
     test "hostile bodies: huge, deep, invalid, non-UTF-8" do
       mb = 1024 * 1024
       huge_string = ~s({"retCode":10006,"x":") <> String.duplicate("a", 50 * mb)
@@ -149,6 +167,7 @@ defmodule Bourse.RateLimiter.BodySignalTest do
             "null"
           ] do
         assert is_map(BodyScan.fields(body))
+        assert is_map(BodyScan.fields(body, ["code", "msg"]))
       end
 
       long_number = ~s({"code":#{String.duplicate("1", 40)}})
