@@ -47,7 +47,7 @@ defmodule Mix.Tasks.Bourse.Native.Package do
 
     File.mkdir_p!(output)
 
-    for {name, mode} <- [{"libbourse_nif.so", 0o644}, {"bourse_daemon", 0o755}] do
+    for {name, mode} <- BourseNative.artifacts() do
       File.cp!(Map.fetch!(built, name), Path.join(output, name))
       File.chmod!(Path.join(output, name), mode)
     end

@@ -128,6 +128,11 @@ defmodule Mix.Tasks.Compile.BourseNative do
   end
 
   @doc false
+  # The artifacts by their name in priv/native, with their file mode.
+  @spec artifacts() :: [{String.t(), non_neg_integer()}]
+  def artifacts, do: @artifacts
+
+  @doc false
   @spec artifact_names() :: [String.t()]
   def artifact_names, do: Enum.map(@artifacts, &elem(&1, 0))
 
