@@ -1,0 +1,161 @@
+defmodule Bourse.ContractTests.Bookings do
+  @moduledoc false
+  # SPEC §4: waiters book, queue, claim, come back early, lapse.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "bookings" do
+        @describetag limiter_opts: [booking_slack_ms: 5_000]
+
+        test "a waiter books at once: later callers queue behind it", %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 2}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          booked = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 2_000), 1..500)
+
+          # The booked token is already taken: about 2 borrowed, more than the capacity.
+          assert get_cost(key, 1, name) > 1.2
+
+          # A probe now waits for the booking and then for its own token. (From another
+          # process: the same process asking the same check again is claiming its booking.)
+          probe =
+            Task.async(fn -> check_rate(key, limit, 1, name) end)
+            |> Task.await()
+            |> assert_delay(1..1_000)
+
+          assert probe >= booked + 200, "probe #{probe} ms did not queue behind #{booked} ms"
+
+          # Another waiter books behind the first one.
+          other =
+            Task.async(fn -> check_rates([{key, limit, 1}], name, max_wait_ms: 2_000) end)
+            |> Task.await()
+            |> assert_delay(1..1_000)
+
+          assert other >= booked + 200, "waiter #{other} ms did not queue behind #{booked} ms"
+          assert get_cost(key, 1, name) > 2.2
+        end
+
+        test "the same process comes back after the delay: :ok, not charged again",
+             %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 5}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          ms = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 1_000), 1..200)
+          Process.sleep(ms)
+
+          before = get_cost(key, 1, name)
+          assert :ok = check_rates([{key, limit, 1}], name, max_wait_ms: 1_000)
+          assert get_cost(key, 1, name) <= before + 0.01
+
+          # The booking is used up: the same call again is a new one, charged if admitted.
+          assert_delay_or_charged(name, key, fn -> check_rates([{key, limit, 1}], name) end)
+        end
+
+        test "the claim works without a budget too, and for reordered checks", %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 5}
+          {a, b} = {{"ex", "a"}, {"ex", "b"}}
+          drain(a, limit, 1, name)
+          drain(b, limit, 1, name)
+
+          ms =
+            assert_delay(
+              check_rates([{a, limit, 1}, {b, limit, 1}], name, max_wait_ms: 1_000),
+              1..200
+            )
+
+          Process.sleep(ms)
+          {cost_a, cost_b} = {get_cost(a, 1, name), get_cost(b, 1, name)}
+          assert :ok = check_rates([{b, limit, 1}, {a, limit, 1}], name)
+          assert get_cost(a, 1, name) <= cost_a + 0.01
+          assert get_cost(b, 1, name) <= cost_b + 0.01
+        end
+
+        test "another process does not claim it", %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 5}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          ms = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 1_000), 1..200)
+          Process.sleep(ms)
+
+          # Strangers are delayed (or, if the bucket refilled meanwhile, charged).
+          for stranger <- [
+                fn -> check_rates([{key, limit, 1}], name) end,
+                fn -> check_rate(key, limit, 1, name) end
+              ] do
+            assert_delay_or_charged(name, key, fn -> Task.await(Task.async(stranger)) end)
+          end
+
+          # Ours is still there.
+          before = get_cost(key, 1, name)
+          assert :ok = check_rates([{key, limit, 1}], name)
+          assert get_cost(key, 1, name) <= before + 0.01
+        end
+
+        test "coming back early answers the remaining wait", %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 1}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          booked_at = now_ms()
+          ms = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 5_000), 500..1_000)
+          Process.sleep(100)
+          early = check_rates([{key, limit, 1}], name, max_wait_ms: 5_000)
+
+          if now_ms() - booked_at < ms - 50 do
+            remaining = assert_delay(early, 1..(ms - 90))
+            # Not booked a second time.
+            assert_about(get_cost(key, 1, name), 2, 0.3)
+            Process.sleep(remaining)
+            before = get_cost(key, 1, name)
+            assert :ok = check_rates([{key, limit, 1}], name, max_wait_ms: 5_000)
+            assert get_cost(key, 1, name) <= before + 0.01
+          end
+        end
+
+        test "a delay over the budget books nothing and pays nothing", %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 1}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          before = get_cost(key, 1, name)
+
+          refused =
+            assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 10), 500..1_000)
+
+          assert get_cost(key, 1, name) <= before + 0.01
+
+          # No queue formed behind the refusal (P3).
+          assert_delay(check_rate(key, limit, 1, name), 1..refused)
+
+          # Over capacity, on a fresh key: exact, and nothing reserved.
+          okx = %{capacity: 1, refill_per_sec: 9.09}
+          assert {:delay, 5391} = check_rates([{{"okx", "k"}, okx, 50}], name, max_wait_ms: 5_000)
+          assert get_cost({"okx", "k"}, 1, name) == 0
+          assert :ok = check_rate({"okx", "k"}, okx, 1, name)
+        end
+
+        @tag limiter_opts: [booking_slack_ms: 10]
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :table_options)
+        test "a booking not claimed within booking_slack_ms lapses; its cost stays paid",
+             %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 1}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          ms = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 5_000), 500..1_000)
+          Process.sleep(ms + 150)
+
+          # Not admitted against the lapsed booking, and the booked token was not refunded:
+          # the bucket is where it would be had the waiter been served at its ready time.
+          assert_delay(check_rates([{key, limit, 1}], name), 1..900)
+          borrowed = get_cost(key, 1, name)
+          assert borrowed > 0.05 and borrowed <= 0.9, "borrowed #{borrowed}"
+        end
+      end
+    end
+  end
+end

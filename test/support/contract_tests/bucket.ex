@@ -1,0 +1,124 @@
+defmodule Bourse.ContractTests.Bucket do
+  @moduledoc false
+  # SPEC §2: one bucket: full at start, rounding, over-capacity costs, changed definitions.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "the bucket" do
+        test "a new key's bucket starts full", %{name: name} do
+          limit = %{@still | capacity: 5}
+          assert get_cost({"ex", "k"}, 1, name) == 0
+          drain({"ex", "k"}, limit, 5, name)
+          assert_delay(check_rate({"ex", "k"}, limit, 1, name), 990_000..@one_token_ms)
+          assert_about(get_cost({"ex", "k"}, 1, name), 5, 0.01)
+
+          # Fractional costs too.
+          drain({"ex", "f"}, limit, 4, name, 1.25)
+          assert {:delay, _} = check_rate({"ex", "f"}, limit, 0.01, name)
+        end
+
+        test "delays are whole milliseconds, rounded up, never below 1", %{name: name} do
+          # Keys seen for the first time: exactly (cost - capacity) / refill_per_sec.
+          assert {:delay, 334} =
+                   check_rate({"r", "1"}, %{capacity: 1, refill_per_sec: 3}, 2, name)
+
+          assert {:delay, 500} =
+                   check_rate({"r", "2"}, %{capacity: 1, refill_per_sec: 2}, 2, name)
+
+          assert {:delay, 1} =
+                   check_rate({"r", "3"}, %{capacity: 1, refill_per_sec: 1.0e6}, 1.5, name)
+
+          assert {:delay, 1} =
+                   check_rate({"r", "4"}, %{capacity: 4, refill_per_sec: 1000}, 4.000001, name)
+
+          assert {:delay, 1_000_001} =
+                   check_rate({"r", "5"}, %{capacity: 1, refill_per_sec: 0.001}, 2.000001, name)
+        end
+
+        test "an over-capacity cost is limited, not exempt (okx: capacity 1, 9.09/s, cost 50)",
+             %{name: name} do
+          okx = %{capacity: 1, refill_per_sec: 9.09}
+          key = {"okx", "k", "request"}
+
+          # 49 tokens to accrue at 9.09/s: 5390.5 ms, rounded up. Nothing paid.
+          assert {:delay, 5391} = check_rate(key, okx, 50, name)
+          assert get_cost(key, 1, name) == 0
+
+          # The refused probe started the accrual: coming back later, the wait is shorter.
+          Process.sleep(100)
+          assert_delay(check_rate(key, okx, 50, name), 1..5_300)
+          assert get_cost(key, 1, name) == 0
+
+          # Cheap traffic is not blocked by a refused heavy probe.
+          assert :ok = check_rate(key, okx, 1, name)
+        end
+
+        test "an over-capacity cost is admitted once accrued, and empties the bucket",
+             %{name: name} do
+          limit = %{capacity: 2, refill_per_sec: 2}
+          key = {"ex", "k"}
+
+          assert {:delay, 500} = check_rate(key, limit, 3, name)
+          Process.sleep(550)
+          assert :ok = check_rate(key, limit, 3, name)
+
+          # Paying left the bucket at zero: at most the capacity is borrowed, not the cost.
+          borrowed = get_cost(key, 1, name)
+          assert borrowed <= 2.0 and borrowed > 1.0, "borrowed #{borrowed}"
+          assert_delay(check_rate(key, limit, 2, name), 1..1_000)
+        end
+
+        test "cheap traffic never sees more than the capacity", %{name: name} do
+          limit = %{capacity: 2, refill_per_sec: 4}
+          key = {"ex", "k"}
+
+          # A heavy probe starts an accrual of 4 ...
+          assert {:delay, 500} = check_rate(key, limit, 4, name)
+          Process.sleep(600)
+          # ... but a cheap request finds only the capacity, and spends all of it.
+          assert :ok = check_rate(key, limit, 2, name)
+          assert_delay(check_rate(key, limit, 2, name), 1..500)
+          assert_delay(check_rate(key, limit, 4, name), 501..1_000)
+        end
+
+        test "binance: %{requests: 1200, period: 60_000} admits 300 of cost 4, then delays",
+             %{name: name} do
+          limit = %{requests: 1200, period: 60_000}
+          key = {"binance", "api-key", "request"}
+
+          {ms, answers} =
+            timed(fn ->
+              answers = for _ <- 1..300, do: check_rate(key, limit, 4, name)
+              [check_rate(key, limit, 4, name) | answers]
+            end)
+
+          [next | first_300] = answers
+          assert Enum.all?(first_300, &(&1 == :ok))
+
+          # Refill is 20/s: a fifth cost-4 request accrues in 200 ms.
+          if ms < 150, do: assert_delay(next, 1..200)
+        end
+
+        test "a key whose definition changes takes it only when admitted", %{name: name} do
+          big = %{capacity: 10, refill_per_sec: 0.001}
+          small = %{capacity: 3, refill_per_sec: 0.001}
+
+          # Refused under a new definition: the old one stays.
+          assert :ok = check_rate({"ex", "a"}, big, 8, name)
+          assert {:delay, _} = check_rate({"ex", "a"}, small, 3, name)
+          assert_about(get_cost({"ex", "a"}, 1, name), 8, 0.01)
+          assert :ok = check_rate({"ex", "a"}, big, 2, name)
+
+          # Admitted under a new definition: tokens are clamped to the new capacity.
+          assert :ok = check_rate({"ex", "b"}, big, 2, name)
+          assert :ok = check_rate({"ex", "b"}, small, 1, name)
+          assert_about(get_cost({"ex", "b"}, 1, name), 1, 0.01)
+          assert {:delay, _} = check_rate({"ex", "b"}, big, 3, name)
+          assert :ok = check_rate({"ex", "b"}, big, 2, name)
+          assert_about(get_cost({"ex", "b"}, 1, name), 10, 0.01)
+        end
+      end
+    end
+  end
+end

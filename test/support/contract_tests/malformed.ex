@@ -1,0 +1,36 @@
+defmodule Bourse.ContractTests.Malformed do
+  @moduledoc false
+  # P5: malformed input is `:invalid_parameters`, pays nothing, crashes nothing.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "malformed input (P5)" do
+        for form <- [:local, :via] do
+          @tag name_form: form
+          test "each is :invalid_parameters with a message, pays nothing, crashes nothing (#{form} name)",
+               %{name: name, start_name: start_name} do
+            probe = {"probe", "k", "request"}
+            assert :ok = check_rate(probe, @still, 1, name)
+            spent = get_cost(probe, 1, name)
+            pid = limiter_pid(start_name)
+
+            calls = malformed_calls(name, probe, @still)
+            assert length(calls) >= 30
+            failures = failing_malformed(calls)
+
+            assert failures == [],
+                   "#{length(failures)} of #{length(calls)} malformed calls were not " <>
+                     "answered with :invalid_parameters:\n" <>
+                     Enum.map_join(failures, "\n", fn {label, got} -> "  #{label}: #{got}" end)
+
+            assert Process.alive?(pid), "the limiter process died"
+            assert limiter_pid(start_name) == pid, "the limiter process was restarted"
+            assert_about(get_cost(probe, 1, name), spent, 0.01)
+            assert :ok = check_rate(probe, @still, 1, name)
+          end
+        end
+      end
+    end
+  end
+end

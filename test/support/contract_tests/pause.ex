@@ -1,0 +1,108 @@
+defmodule Bourse.ContractTests.Pause do
+  @moduledoc false
+  # `pause/3`: held buckets for every caller, nothing paid.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "pause" do
+        test "a key: probes answer the remaining pause; nothing is paid", %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 1}
+          key = {"ex", "k", "request"}
+          assert :ok = pause(key, 5_000, name)
+
+          first = assert_delay(check_rate(key, limit, 1, name), 4_000..5_000)
+          assert_delay(check_rate({"ex", "k"}, limit, 1, name), 1..first)
+
+          assert_delay(
+            check_rates([{key, limit, 1}, {{"ex", "k", "ip"}, limit, 1}], name),
+            1..first
+          )
+
+          assert get_cost(key, 1, name) == 0
+          assert get_cost({"ex", "k", "ip"}, 1, name) == 0
+
+          # Other axes, credentials and exchanges are not held.
+          assert :ok = check_rate({"ex", "k", "ip"}, limit, 1, name)
+          assert :ok = check_rate({"ex", "k2", "request"}, limit, 1, name)
+          assert :ok = check_rate({"other", "k", "request"}, limit, 1, name)
+        end
+
+        test "after a pause the bucket is as it was: nothing was paid", %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 0.001}
+          key = {"ex", "k"}
+          assert :ok = pause("ex", 0, name)
+          assert :ok = pause(key, 500, name)
+          paused_at = now_ms()
+          for _ <- 1..20, do: assert({:delay, _} = check_rate(key, limit, 1, name))
+
+          Process.sleep(max(0, paused_at + 550 - now_ms()))
+          assert :ok = check_rate(key, limit, 5, name)
+        end
+
+        test "{exchange_id, credential_key}: every axis of that credential", %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 1}
+          assert :ok = pause({"ex", "k"}, 5_000, name)
+          assert :ok = pause({"ex", :public}, 5_000, name)
+
+          for key <- [{"ex", "k"}, {"ex", "k", "ip"}, {"ex", "k", "uid"}, {"ex", :public, "ip"}] do
+            assert_delay(check_rate(key, limit, 1, name), 1..5_000)
+          end
+
+          for key <- [{"ex", "k2", "ip"}, {"ex", "public", "ip"}, {"other", "k", "ip"}] do
+            assert :ok = check_rate(key, limit, 1, name)
+          end
+        end
+
+        test "an exchange id: every key of the exchange", %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 1}
+          assert :ok = pause("ex", 5_000, name)
+
+          for key <- [{"ex", "k"}, {"ex", "k2", "ip"}, {"ex", :public, "uid"}] do
+            assert_delay(check_rate(key, limit, 1, name), 1..5_000)
+          end
+
+          for key <- [{"ex2", "k"}, {"e", "k"}], do: assert(:ok = check_rate(key, limit, 1, name))
+        end
+
+        test "waiters book behind a pause; the later end of overlapping pauses holds",
+             %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 1}
+          key = {"ex", "k"}
+          paused_at = System.monotonic_time(:microsecond)
+          assert :ok = pause(key, 300, name)
+
+          # Not admitted before the pause ends.
+          assert :ok = wait_for_capacity(key, limit, 1, name)
+          waited = (System.monotonic_time(:microsecond) - paused_at) / 1000
+          assert waited >= 299, "admitted #{waited} ms into a 300 ms pause"
+          assert :ok = check_rate(key, limit, 1, name)
+
+          assert :ok = pause({"ex", "o"}, 5_000, name)
+          assert :ok = pause({"ex", "o"}, 50, name)
+          assert_delay(check_rate({"ex", "o"}, limit, 1, name), 1_000..5_000)
+        end
+
+        test "bad targets and durations are invalid", %{name: name} do
+          for target <- [
+                :ex,
+                1,
+                {"ex"},
+                {"ex", 1},
+                {"ex", "k", :ip},
+                {"ex", "k", "ip", "x"},
+                ["ex"]
+              ] do
+            assert_invalid(pause(target, 100, name))
+          end
+
+          for ms <- [-1, 1.5, :infinity, "100", nil] do
+            assert_invalid(pause("ex", ms, name))
+          end
+
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+        end
+      end
+    end
+  end
+end

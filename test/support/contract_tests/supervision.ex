@@ -1,0 +1,139 @@
+defmodule Bourse.ContractTests.Supervision do
+  @moduledoc false
+  # SPEC §6 and P6: start options, `child_spec/1`, `start_link/1`, a crash of the limiter process.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "start options" do
+        @tag limiter_opts: [assume_busy_at_start: true]
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :table_options)
+        test "assume_busy_at_start: a bucket seen within its fill time starts as if empty at start",
+             %{name: name} do
+          # Fill time 100 s: first seen right after the start, the bucket is about empty.
+          limit = %{capacity: 10, refill_per_sec: 0.1}
+          assert_delay(check_rate({"ex", "k"}, limit, 1, name), 1..10_000)
+          borrowed = get_cost({"ex", "k"}, 1, name)
+          assert borrowed > 9 and borrowed <= 10, "borrowed #{borrowed}"
+
+          # Fill time 10 ms: seen after it, the bucket is full.
+          Process.sleep(20)
+          fast = %{capacity: 5, refill_per_sec: 500}
+          drain({"ex", "f"}, fast, 5, name)
+        end
+
+        test "without assume_busy_at_start the same bucket starts full", %{name: name} do
+          drain({"ex", "k"}, %{capacity: 10, refill_per_sec: 1}, 10, name)
+        end
+      end
+
+      describe "crash of the limiter process (P6)" do
+        for form <- [:local, :global, :via] do
+          @tag name_form: form
+          @tag skip: Bourse.ContractTests.skip(@contract_skip, :crash)
+          test "spent budget stays spent after a restart (#{form} name)",
+               %{name: name, start_name: start_name} do
+            limit = %{@still | capacity: 5}
+            key = {"ex", "k"}
+            drain(key, limit, 5, name)
+            assert :ok = record_request({"ex", "debt"}, 3, name)
+            spent = get_cost(key, 1, name)
+
+            pid = limiter_pid(start_name)
+            ref = Process.monitor(pid)
+            Process.exit(pid, :kill)
+            assert_receive {:DOWN, ^ref, :process, ^pid, :killed}, 5_000
+
+            restarted =
+              eventually(fn ->
+                case limiter_pid(start_name) do
+                  new when is_pid(new) and new != pid -> new
+                  _ -> nil
+                end
+              end)
+
+            assert Process.alive?(restarted)
+            assert_delay(check_rate(key, limit, 1, name), 990_000..@one_token_ms)
+            assert_about(get_cost(key, 1, name), spent, 0.01)
+            assert_about(get_cost({"ex", "debt"}, 1, name), 3, 0.01)
+            assert :ok = check_rate({"ex", "fresh"}, limit, 1, name)
+          end
+        end
+      end
+
+      describe "child_spec/1 and start_link/1" do
+        test "the child id is the name", %{backend: backend} do
+          assert %{id: :some_limiter, start: {Bourse.RateLimiter, :start_link, [opts]}} =
+                   Bourse.RateLimiter.child_spec(name: :some_limiter, backend: backend)
+
+          assert opts[:name] == :some_limiter
+          assert %{id: {:global, :g}} = Bourse.RateLimiter.child_spec(name: {:global, :g})
+          assert %{id: Bourse.RateLimiter} = Bourse.RateLimiter.child_spec([])
+        end
+
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :own_table)
+        test "several limiters fit under one supervisor, each with its own buckets",
+             %{backend: backend} do
+          {a, b} = {unique_name(), unique_name()}
+          start_supervised!({Bourse.RateLimiter, name: a, backend: backend})
+          start_supervised!({Bourse.RateLimiter, name: b, backend: backend})
+          drain({"ex", "k"}, %{@still | capacity: 1}, 1, a)
+          assert {:delay, _} = check_rate({"ex", "k"}, %{@still | capacity: 1}, 1, a)
+          assert :ok = check_rate({"ex", "k"}, %{@still | capacity: 1}, 1, b)
+        end
+
+        test "start_link/1 starts a named limiter", %{backend: backend} do
+          name = unique_name()
+          assert {:ok, pid} = Bourse.RateLimiter.start_link(name: name, backend: backend)
+          assert Process.whereis(name) == pid
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+
+          assert {:error, {:already_started, ^pid}} =
+                   Bourse.RateLimiter.start_link(name: name, backend: backend)
+
+          GenServer.stop(pid)
+        end
+
+        test "start_link/1 refuses bad options with :invalid_parameters", %{backend: backend} do
+          bad = [
+            [backend: :no_such_backend],
+            [backend: "nif"],
+            [backend: nil],
+            [booking_slack_ms: -1],
+            [booking_slack_ms: 1.5],
+            [booking_slack_ms: :x],
+            [booking_slack_ms: nil],
+            [assume_busy_at_start: :yes],
+            [assume_busy_at_start: nil],
+            [assume_busy_at_start: 1],
+            [sweep_interval_ms: 0],
+            [name: "string"],
+            [name: 123],
+            [name: nil],
+            [name: {:not_global, :x}],
+            [name: {:via, "Registry", :x}],
+            [name: {:x, node()}]
+          ]
+
+          for opts <- bad do
+            name = unique_name()
+
+            assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+                     Bourse.RateLimiter.start_link(opts ++ [name: name, backend: backend]),
+                   "accepted #{inspect(opts)}"
+
+            assert is_binary(message) and message != ""
+            assert Process.whereis(name) == nil
+          end
+
+          for opts <- [[:name], %{name: unique_name()}, "opts", [{"name", :x}]] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters}} =
+                     Bourse.RateLimiter.start_link(opts)
+          end
+        end
+      end
+
+      defp unique_name, do: :"limiter_#{System.unique_integer([:positive])}"
+    end
+  end
+end
