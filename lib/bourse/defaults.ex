@@ -9,13 +9,15 @@ defmodule Bourse.Defaults do
 
   | key | default | meaning |
   | --- | --- | --- |
-  | `:rate_limit_max_wait_ms` | `30_000` | longest wait `wait_for_capacity` accepts before it answers `:rate_limit_exceeded` |
+  | `:rate_limit_max_wait_ms` | `30_000` | longest wait `wait_for_capacity` accepts before it answers `:rate_limit_exceeded`: a positive integer of at most `4_294_967_295` (what `Process.sleep/1` accepts), as the `:max_wait_ms` option |
   | `:booking_slack_ms` | `250` | how long after its ready time a booking waits to be claimed before it lapses |
   """
 
   @doc """
   The longest wait, in ms, `Bourse.RateLimiter.wait_for_capacity/5` accepts when the caller
   gives no `:max_wait_ms`: `config :bourse, rate_limit_max_wait_ms: ms`, default `30_000`.
+  A value that is not an integer from 1 to `4_294_967_295` makes those calls answer
+  `:invalid_parameters`.
   """
   @spec rate_limit_max_wait_ms() :: pos_integer()
   def rate_limit_max_wait_ms, do: Application.get_env(:bourse, :rate_limit_max_wait_ms, 30_000)

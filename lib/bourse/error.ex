@@ -70,13 +70,58 @@ defmodule Bourse.Error do
     }
   end
 
+  @doc """
+  Describes `value` for a message, in bounded size and Elixir syntax: atoms, small
+  integers and floats as written; everything else by its type and size (a binary may be
+  an API key and is never shown).
+
+      iex> Bourse.Error.describe(:infinity)
+      ":infinity"
+      iex> Bourse.Error.describe("secret")
+      "a binary of 6 bytes"
+      iex> Bourse.Error.describe(10 ** 400)
+      "an integer of 167 bytes"
+  """
+  @spec describe(term()) :: String.t()
+  def describe(value) when is_atom(value), do: inspect(value)
+  def describe(value) when is_float(value), do: inspect(value)
+
+  def describe(value) when is_integer(value) and abs(value) < 1_000_000_000_000_000_000,
+    do: Integer.to_string(value)
+
+  def describe(value) when is_integer(value),
+    do: "an integer of #{byte_size(:binary.encode_unsigned(abs(value)))} bytes"
+
+  def describe(value) when is_binary(value), do: "a binary of #{byte_size(value)} bytes"
+  def describe(value) when is_bitstring(value), do: "a bitstring of #{bit_size(value)} bits"
+  def describe([]), do: "[]"
+  def describe(value) when is_list(value), do: "a list"
+  def describe(value) when is_map(value), do: "a map of #{map_size(value)} keys"
+  def describe({}), do: "{}"
+  def describe(value) when is_tuple(value), do: "a tuple of #{tuple_size(value)} elements"
+  def describe(value) when is_pid(value), do: "a pid"
+  def describe(value) when is_reference(value), do: "a reference"
+  def describe(value) when is_port(value), do: "a port"
+  def describe(value) when is_function(value), do: "a function"
+
+  @doc """
+  `error` with its `:exchange` set to `exchange` when it has none and `exchange` is an
+  exchange id (a binary of at most 1024 bytes).
+  """
+  @spec with_exchange(t(), term()) :: t()
+  def with_exchange(%__MODULE__{exchange: nil} = error, exchange)
+      when is_binary(exchange) and byte_size(exchange) <= 1024,
+      do: %{error | exchange: exchange}
+
+  def with_exchange(%__MODULE__{} = error, _exchange), do: error
+
   @impl true
   def message(%__MODULE__{message: message}) when is_binary(message), do: message
 
   def message(%__MODULE__{} = error) do
     [
       error.exchange && "#{error.exchange}:",
-      describe(error.type),
+      describe_type(error.type),
       error.http_status && "(HTTP #{error.http_status})",
       error.retry_after && "retry after #{error.retry_after} ms",
       error.stop && "(stop: do not retry)"
@@ -85,8 +130,8 @@ defmodule Bourse.Error do
     |> Enum.join(" ")
   end
 
-  defp describe(:rate_limit_exceeded), do: "rate limit exceeded"
-  defp describe(:invalid_parameters), do: "invalid parameters"
-  defp describe(:unavailable), do: "rate limiter unavailable"
-  defp describe(type), do: inspect(type)
+  defp describe_type(:rate_limit_exceeded), do: "rate limit exceeded"
+  defp describe_type(:invalid_parameters), do: "invalid parameters"
+  defp describe_type(:unavailable), do: "rate limiter unavailable"
+  defp describe_type(type), do: inspect(type)
 end

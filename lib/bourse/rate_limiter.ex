@@ -65,14 +65,11 @@ defmodule Bourse.RateLimiter do
   nothing is paid and nothing crashes.
   """
 
-  use GenServer
-
   alias Bourse.Error
-  alias Bourse.RateLimiter.{Backend, Events, Feedback}
+  alias Bourse.RateLimiter.{Events, Feedback, Options, Router, Server}
 
   @default __MODULE__
   @max_busiest 10_000
-
   @typedoc "Rate limiter key: `{exchange_id, api_key | :public, bucket_axis}`."
   @type key ::
           {String.t(), String.t() | :public, String.t()} | {String.t(), String.t() | :public}
@@ -103,8 +100,6 @@ defmodule Bourse.RateLimiter do
           pause_ms: pos_integer() | nil
         }
 
-  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon, redis: Backend.Redis}
-
   ## Checks
 
   @doc """
@@ -115,19 +110,24 @@ defmodule Bourse.RateLimiter do
   @spec check_rate(key(), rate_limit() | nil, number(), GenServer.name()) ::
           :ok | {:delay, pos_integer()} | error()
   def check_rate(key, limit, cost \\ 1, name \\ @default) do
+    route = Router.route(name)
+
     # The hot path: a direct call to the backend, no argument list built for `apply/3`.
     answer =
-      case route(name) do
-        {backend, handle, _events} ->
+      case route do
+        {backend, handle, _events, _pid} ->
           backend.check_one(handle, self(), key, limit, cost, nil)
 
         elsewhere ->
-          elsewhere(elsewhere, name, {:run, :check_one, [self(), key, limit, cost, nil]})
+          routed(elsewhere, name, :check_one, [self(), key, limit, cost, nil])
       end
 
     case answer do
-      :ok -> :ok
-      other -> observe(other, name, nil, fn -> %{key: key, cost: cost} end)
+      :ok ->
+        :ok
+
+      other ->
+        other |> observe(route, nil, fn -> %{key: key, cost: cost} end) |> failed({:key, key})
     end
   end
 
@@ -138,9 +138,12 @@ defmodule Bourse.RateLimiter do
   key with different definitions are `:invalid_parameters`. Returns `:ok`, or
   `{:delay, ms}` for the longest wait.
 
-  With `max_wait_ms: budget` the caller is a waiter: a delay within the budget is booked
-  (see the moduledoc) and the caller must come back after `ms`; a longer delay books
-  nothing.
+  With `max_wait_ms: budget` (a positive integer of at most `4_294_967_295`) the caller
+  is a waiter: a delay within the budget is booked (see the moduledoc) and the caller
+  must come back after `ms`; a longer delay books nothing. A caller that holds a booking
+  for these checks and comes back with a budget shorter than the booking's remaining
+  wait gets `{:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: remaining}}`;
+  its booking stays and may still be claimed.
   """
   @spec check_rates([bucket_check()], GenServer.name() | keyword(), keyword()) ::
           :ok | {:delay, pos_integer()} | error()
@@ -149,47 +152,32 @@ defmodule Bourse.RateLimiter do
   def check_rates(checks, opts, []) when is_list(opts), do: check_rates(checks, @default, opts)
 
   def check_rates(checks, name, opts) do
-    with {:ok, max_wait} <- max_wait_option(opts, nil, name) do
-      case run(name, :check_many, [self(), checks, max_wait]) do
-        :ok -> :ok
-        other -> observe(other, name, max_wait, fn -> Events.checks_metadata(checks) end)
+    route = Router.route(name)
+
+    with {:ok, max_wait} <- options(opts, nil, route, {:checks, checks}) do
+      case routed(route, name, :check_many, [self(), checks, max_wait]) do
+        :ok ->
+          :ok
+
+        answer ->
+          case observe(answer, route, max_wait, fn -> Events.checks_metadata(checks) end) do
+            {:over_budget, ms} -> {:delay, ms}
+            other -> failed(other, {:checks, checks})
+          end
       end
     end
-  end
-
-  # Emits the event a check's answer calls for (never for `:ok`) and shapes the answer.
-  defp observe(answer, name, max_wait, metadata) do
-    case answer do
-      {:delay, ms} = delay ->
-        if max_wait == nil, do: refused(name, ms, :delay, nil, metadata)
-        delay
-
-      {:booked, ms} ->
-        Events.emit(name, :booked, %{delay_ms: ms}, metadata)
-        {:delay, ms}
-
-      {:over_budget, ms} ->
-        refused(name, ms, :over_budget, max_wait, metadata)
-        {:delay, ms}
-
-      other ->
-        answer(other)
-    end
-  end
-
-  defp refused(name, ms, reason, max_wait, metadata) do
-    Events.emit(name, :refused, %{delay_ms: ms}, fn ->
-      Map.merge(metadata.(), %{reason: reason, max_wait_ms: max_wait})
-    end)
   end
 
   @doc """
   Blocks the caller until the request is admitted, then returns `:ok`.
 
   The cost is booked at once (first come, first served); the caller sleeps in its own
-  process, then claims the booking. When the wait would exceed `:max_wait_ms` (default
-  `Bourse.Defaults.rate_limit_max_wait_ms/0`) it returns at once, paying nothing:
-  `{:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: ms}}`.
+  process, then claims the booking. When the wait would exceed `:max_wait_ms` (a positive
+  integer of at most `4_294_967_295`, default `Bourse.Defaults.rate_limit_max_wait_ms/0`)
+  it returns at once, paying nothing:
+  `{:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: ms}}`. A caller that
+  already holds a booking for this check gets the same answer, at once, when the
+  booking's remaining wait exceeds the budget; the booking stays, to be claimed later.
   """
   @spec wait_for_capacity(
           key(),
@@ -205,44 +193,117 @@ defmodule Bourse.RateLimiter do
     do: wait_for_capacity(key, limit, cost, @default, opts)
 
   def wait_for_capacity(key, limit, cost, name, opts) do
-    with {:ok, max_wait} <-
-           max_wait_option(opts, Bourse.Defaults.rate_limit_max_wait_ms(), name) do
-      await(name, [self(), key, limit, cost, max_wait], nil)
+    route = Router.route(name)
+
+    default = Bourse.Defaults.rate_limit_max_wait_ms()
+
+    with {:ok, max_wait} <- options(opts, default, route, {:key, key}) do
+      await(route, name, [self(), key, limit, cost, max_wait], nil)
     end
   end
 
   # `since`: when the caller first slept (monotonic ms), `nil` until it does.
-  defp await(name, [_owner, key, _limit, cost, max_wait] = args, since) do
+  defp await(route, name, [_owner, key, _limit, cost, max_wait] = args, since) do
     metadata = fn -> %{key: key, cost: cost} end
 
-    case run(name, :check_one, args) do
+    case route |> routed(name, :check_one, args) |> observe(route, max_wait, metadata) do
       :ok when since == nil ->
         :ok
 
       :ok ->
         waited_ms = System.monotonic_time(:millisecond) - since
-        Events.emit(name, :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
+        Events.emit_to(sink(route), :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
         :ok
 
-      {wait, ms} when wait in [:booked, :delay] ->
-        if wait == :booked, do: Events.emit(name, :booked, %{delay_ms: ms}, metadata)
+      # Booked, or early for the caller's booking: within the budget either way.
+      {:delay, ms} ->
         since = since || System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        await(name, args, since)
+        await(route, name, args, since)
 
       {:over_budget, ms} ->
-        refused(name, ms, :over_budget, max_wait, metadata)
-
-        {:error,
-         Error.rate_limited(ms,
-           exchange: exchange_of(key),
-           message: "waiting would take #{ms} ms, more than max_wait_ms allows"
-         )}
+        {:error, over_budget(ms, max_wait, exchange({:key, key}))}
 
       other ->
-        answer(other)
+        failed(other, {:key, key})
     end
   end
+
+  # What a check's answer means to its caller, with the event it calls for (never for
+  # `:ok`): one place for probes and waiters (SPEC §4, §8). A waiter's `{:delay, ms}` is
+  # its own booking, not ready yet: past the budget it is `{:held, ms, max_wait}`, refused
+  # by `failed/2` while the booking stays.
+  defp observe(answer, route, max_wait, metadata) do
+    case answer do
+      {:delay, ms} when max_wait == nil ->
+        refused(route, ms, :delay, nil, metadata)
+        {:delay, ms}
+
+      {:delay, ms} when ms > max_wait ->
+        {:held, ms, max_wait}
+
+      {:booked, ms} ->
+        Events.emit_to(sink(route), :booked, %{delay_ms: ms}, metadata)
+        {:delay, ms}
+
+      {:over_budget, ms} ->
+        refused(route, ms, :over_budget, max_wait, metadata)
+        {:over_budget, ms}
+
+      other ->
+        other
+    end
+  end
+
+  defp refused(route, ms, reason, max_wait, metadata) do
+    Events.emit_to(sink(route), :refused, %{delay_ms: ms}, fn ->
+      Map.merge(metadata.(), %{reason: reason, max_wait_ms: max_wait})
+    end)
+  end
+
+  # Shapes an answer that is not a plain success: errors as `%Bourse.Error{}` carrying
+  # the exchange of `source` (`{:key, key}`, `{:checks, checks}`, `{:exchange, id}`,
+  # `{:target, pause_target}` or `nil`) when it can be read.
+  defp failed({:held, ms, max_wait}, source),
+    do: {:error, over_budget(ms, max_wait, exchange(source))}
+
+  defp failed({:error, message}, source) when is_binary(message),
+    do: {:error, Error.with_exchange(Error.invalid(message), exchange(source))}
+
+  defp failed({:error, %Error{} = error}, source),
+    do: {:error, Error.with_exchange(error, exchange(source))}
+
+  defp failed(answer, _source), do: answer
+
+  defp over_budget(ms, max_wait, exchange) do
+    Error.rate_limited(ms,
+      exchange: exchange,
+      message:
+        "#{if exchange, do: "#{exchange}: "}waiting #{ms} ms exceeds max_wait_ms #{max_wait}"
+    )
+  end
+
+  # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
+  # of one call name several exchanges.
+  defp exchange({:checks, checks}), do: checks_exchange(checks, nil, 1024)
+  defp exchange({:exchange, exchange}) when is_binary(exchange), do: exchange
+  defp exchange({:target, exchange}) when is_binary(exchange), do: exchange
+  defp exchange({:target, target}), do: exchange({:key, target})
+
+  defp exchange({:key, key}) when is_tuple(key) and tuple_size(key) in 2..3,
+    do: exchange({:exchange, elem(key, 0)})
+
+  defp exchange(_source), do: nil
+
+  defp checks_exchange([{key, _limit, _cost} | rest], found, left) when left > 0 do
+    case {exchange({:key, key}), found} do
+      {nil, found} -> checks_exchange(rest, found, left - 1)
+      {exchange, found} when found in [nil, exchange] -> checks_exchange(rest, exchange, left - 1)
+      _several -> nil
+    end
+  end
+
+  defp checks_exchange(_rest, found, _left), do: found
 
   ## Bookkeeping
 
@@ -251,31 +312,29 @@ defmodule Bourse.RateLimiter do
   than the capacity while in debt, `0` for an unknown key. `period` is ignored.
   """
   @spec get_cost(key(), term(), GenServer.name()) :: number() | error()
-  def get_cost(key, _period, name \\ @default) do
-    name |> run(:borrowed, [key]) |> answer()
-  end
+  def get_cost(key, _period, name \\ @default),
+    do: name |> run(:borrowed, [key]) |> failed({:key, key})
 
   @doc """
   Debits `cost` without checking: usage spent elsewhere. The bucket may go into debt; on
   a key without a definition yet, the debt waits for the key's first check.
   """
   @spec record_request(key(), number(), GenServer.name()) :: :ok | error()
-  def record_request(key, cost \\ 1, name \\ @default) do
-    name |> run(:record, [key, cost]) |> answer()
-  end
+  def record_request(key, cost \\ 1, name \\ @default),
+    do: name |> run(:record, [key, cost]) |> failed({:key, key})
 
   @doc "Forgets a key: it is as new, and its bookings are dropped."
   @spec reset(key(), GenServer.name()) :: :ok | error()
-  def reset(key, name \\ @default), do: name |> run(:reset, [key]) |> answer()
+  def reset(key, name \\ @default), do: name |> run(:reset, [key]) |> failed({:key, key})
 
   @doc "Forgets every key of one exchange; other exchanges are untouched."
   @spec reset_exchange(String.t(), GenServer.name()) :: :ok | error()
   def reset_exchange(exchange_id, name \\ @default),
-    do: name |> run(:reset_exchange, [exchange_id]) |> answer()
+    do: name |> run(:reset_exchange, [exchange_id]) |> failed({:exchange, exchange_id})
 
   @doc "Forgets every key."
   @spec reset_all(GenServer.name()) :: :ok | error()
-  def reset_all(name \\ @default), do: name |> run(:reset_all, []) |> answer()
+  def reset_all(name \\ @default), do: name |> run(:reset_all, []) |> failed(nil)
 
   @doc """
   Holds every bucket of `target` for `ms` milliseconds, for every caller at once: probes
@@ -285,8 +344,10 @@ defmodule Bourse.RateLimiter do
   """
   @spec pause(pause_target(), non_neg_integer(), GenServer.name()) :: :ok | error()
   def pause(target, ms, name \\ @default) do
-    with :ok <- name |> run(:pause, [target, ms]) |> answer() do
-      Events.emit(name, :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
+    route = Router.route(name)
+
+    with :ok <- route |> routed(name, :pause, [target, ms]) |> failed({:target, target}) do
+      Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
     end
   end
 
@@ -313,18 +374,12 @@ defmodule Bourse.RateLimiter do
   """
   @spec stats(GenServer.name()) :: %{atom() => non_neg_integer()} | error()
   def stats(name \\ @default) do
-    case route(name) do
-      {backend, handle, events} -> stats(backend, handle, events)
-      elsewhere -> elsewhere(elsewhere, name, :stats)
+    case Router.route(name) do
+      {backend, handle, events, _pid} -> Server.stats(backend, handle, events)
+      {:remote, pid} -> Router.call(pid, :stats)
+      elsewhere -> routed(elsewhere, name, :stats, [])
     end
-    |> answer()
-  end
-
-  defp stats(backend, handle, events) do
-    case backend.stats(handle) do
-      %{} = stats -> Map.merge(stats, Events.counts(events), fn _, table, own -> table + own end)
-      error -> error
-    end
+    |> failed(nil)
   end
 
   @doc """
@@ -337,16 +392,19 @@ defmodule Bourse.RateLimiter do
   def busiest(count \\ 10, name \\ @default)
 
   def busiest(count, name) when is_integer(count) and count in 1..@max_busiest do
-    with rows when is_list(rows) <- name |> run(:busiest, [count]) |> answer() do
+    with rows when is_list(rows) <- name |> run(:busiest, [count]) |> failed(nil) do
       Enum.map(rows, fn {key, info} -> Map.merge(info, Events.describe_key(key)) end)
     end
   end
 
   def busiest(count, name) do
-    count_invalid(name)
+    route = Router.route(name)
+    count_invalid(route)
 
     {:error,
-     Error.invalid("count must be an integer from 1 to #{@max_busiest}, got #{inspect(count)}")}
+     Error.invalid(
+       "count must be an integer from 1 to #{@max_busiest}, got #{Error.describe(count)}"
+     )}
   end
 
   ## Exchange feedback
@@ -406,7 +464,7 @@ defmodule Bourse.RateLimiter do
   """
   @spec sync(key(), number(), non_neg_integer(), GenServer.name()) :: number() | error()
   def sync(key, allowance, window_left_ms, name \\ @default),
-    do: name |> run(:sync, [key, allowance, window_left_ms]) |> answer()
+    do: name |> run(:sync, [key, allowance, window_left_ms]) |> failed({:key, key})
 
   @doc """
   A snapshot of one key, or `nil` when the limiter holds nothing for it (never seen, or
@@ -425,7 +483,7 @@ defmodule Bourse.RateLimiter do
     * `:pause_ms` – milliseconds left of a pause covering the key (`nil` when none).
   """
   @spec inspect_key(key(), GenServer.name()) :: key_info() | nil | error()
-  def inspect_key(key, name \\ @default), do: name |> run(:inspect, [key]) |> answer()
+  def inspect_key(key, name \\ @default), do: name |> run(:inspect, [key]) |> failed({:key, key})
 
   ## Supervision
 
@@ -454,296 +512,52 @@ defmodule Bourse.RateLimiter do
         machine using that server (`Bourse.RateLimiter.Backend.Redis`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
-    * `:booking_slack_ms` – how long a booking may be claimed after its ready time
-      (default `Bourse.Defaults.booking_slack_ms/0`);
-    * `:sweep_interval_ms` – how often full idle buckets are dropped (default 1000);
+    * `:booking_slack_ms` – how long a booking may be claimed after its ready time, 0 to
+      86_400_000 ms (default `Bourse.Defaults.booking_slack_ms/0`);
+    * `:sweep_interval_ms` – how often full idle buckets are dropped, 1 to 86_400_000
+      ms (default 1000);
     * `:on_event` – a function `fn event, measurements, metadata -> ... end` or
       `{module, function, extra_args}` called with every event the limiter emits (see
       `Bourse.RateLimiter.Events`).
 
+  Any other option is refused, naming it. Every failure to start is
+  `{:error, %Bourse.Error{}}` (`:invalid_parameters` for the options), but for
+  `{:error, {:already_started, pid}}` when a limiter already runs under the name.
+
   The bucket table outlives a crash of the limiter's process: the restarted process,
-  started with the same name, re-attaches to it, so spent tokens stay spent.
+  started with the same name, re-attaches to it, so spent tokens stay spent. A limiter
+  stopped cleanly (by its supervisor, or `GenServer.stop/1`) withdraws its table: calls
+  then exit with `:noproc`, as for a limiter never started, and a limiter started again
+  under that name begins with a new table.
   """
   @spec start_link(keyword()) :: GenServer.on_start() | error()
   def start_link(opts \\ []) do
-    with {:ok, config} <- config(opts) do
-      GenServer.start_link(__MODULE__, config, name: config.name)
+    with {:ok, config} <- Options.start(opts), do: Server.start_link(config)
+  end
+
+  ## Routing: local names reach the table from the caller's process, others go through
+  ## the limiter's process.
+
+  defp run(name, fun, args), do: name |> Router.route() |> routed(name, fun, args)
+
+  defp routed({backend, handle, _events, _pid}, _name, fun, args),
+    do: apply(backend, fun, [handle | args])
+
+  defp routed({:remote, pid}, _name, fun, args), do: Router.call(pid, {:run, fun, args})
+  defp routed(:noproc, name, _fun, _args), do: Router.noproc(name)
+  defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
+
+  # Where the events of a routed call go.
+  defp sink({_backend, _handle, events, _pid}), do: events
+  defp sink({:remote, pid}), do: {:remote, pid}
+  defp sink(_), do: nil
+
+  defp options(opts, default, route, source) do
+    with {:error, _} = error <- Options.max_wait(opts, default) do
+      count_invalid(route)
+      failed(error, source)
     end
   end
 
-  @impl true
-  def init(config) do
-    slot = {__MODULE__, config.name}
-
-    {previous, previous_events} =
-      case :persistent_term.get(slot, nil) do
-        {backend, handle, events} when backend == config.backend -> {handle, events}
-        _ -> {nil, nil}
-      end
-
-    case config.backend.attach(previous, Map.to_list(config)) do
-      {:ok, handle} ->
-        events = Events.new(config.name, config.on_event, previous_events)
-        # What callers read on every check: `route/1`.
-        entry = {config.backend, handle, events}
-        if :persistent_term.get(slot, nil) !== entry, do: :persistent_term.put(slot, entry)
-        schedule_sweep(config)
-
-        {:ok,
-         Map.merge(config, %{
-           handle: handle,
-           events: events,
-           lapsed: lapsed(config.backend, handle, events)
-         })}
-
-      {:error, reason} ->
-        {:stop, reason}
-    end
-  end
-
-  @impl true
-  def handle_call({:run, fun, args}, _from, state) do
-    {:reply, apply(state.backend, fun, [state.handle | args]), state}
-  catch
-    # Should a caller's request crash this process, its crash report must not show the
-    # caller's key (an API key) in the stacktrace's arguments.
-    kind, reason -> :erlang.raise(kind, reason, without_arguments(__STACKTRACE__))
-  end
-
-  def handle_call(:stats, _from, state) do
-    {:reply, stats(state.backend, state.handle, state.events), state}
-  end
-
-  # Events and counts of callers that reach this limiter through its process.
-  @impl true
-  def handle_cast({:emit, event, measurements, metadata}, state) do
-    Events.dispatch(state.events, event, measurements, metadata)
-    {:noreply, state}
-  end
-
-  def handle_cast(:count_invalid, state) do
-    Events.count_invalid(state.events)
-    {:noreply, state}
-  end
-
-  # A crash report does not show the arguments of the last request either (OTP 25 formats
-  # gen_server crash reports with format_status/1).
-  @doc false
-  def format_status(status), do: Map.replace_lazy(status, :message, &redact_request/1)
-
-  defp redact_request({:"$gen_call", from, request}),
-    do: {:"$gen_call", from, redact_request(request)}
-
-  defp redact_request({:run, fun, args}) when is_list(args), do: {:run, fun, length(args)}
-  defp redact_request(request), do: request
-
-  defp without_arguments(stacktrace) do
-    Enum.map(stacktrace, fn
-      {module, fun, args, location} when is_list(args) -> {module, fun, length(args), location}
-      entry -> entry
-    end)
-  end
-
-  @impl true
-  def handle_info(:sweep, state) do
-    state.backend.sweep(state.handle)
-    schedule_sweep(state)
-    {:noreply, report_lapses(state)}
-  end
-
-  # The table counts lapsed bookings when it next looks at them (the sweep looks at all);
-  # the difference since the last sweep is one `:lapsed` event.
-  defp report_lapses(%{lapsed: before} = state) do
-    case lapsed(state.backend, state.handle, state.events) do
-      now when is_integer(now) and is_integer(before) and now > before ->
-        Events.dispatch(state.events, :lapsed, %{count: now - before}, %{})
-        %{state | lapsed: now}
-
-      now ->
-        %{state | lapsed: now || before}
-    end
-  end
-
-  # The table's lapse counter, read only when someone listens.
-  defp lapsed(backend, handle, events) do
-    with true <- Events.listening?(events),
-         %{lapsed: lapsed} <- backend.stats(handle) do
-      lapsed
-    else
-      _ -> nil
-    end
-  end
-
-  defp schedule_sweep(config), do: Process.send_after(self(), :sweep, config.sweep_interval_ms)
-
-  defp config(opts) do
-    with true <- Keyword.keyword?(opts) || {:error, "options must be a keyword list"},
-         {:ok, name} <- name_option(Keyword.get(opts, :name, @default)),
-         {:ok, backend, backend_opts} <- backend_option(Keyword.get(opts, :backend, :nif)),
-         {:ok, busy} <- boolean_option(opts, :assume_busy_at_start, false),
-         {:ok, slack} <-
-           integer_option(opts, :booking_slack_ms, Bourse.Defaults.booking_slack_ms(), 0),
-         {:ok, sweep} <- integer_option(opts, :sweep_interval_ms, 1000, 1),
-         {:ok, on_event} <- on_event_option(Keyword.get(opts, :on_event)) do
-      {:ok,
-       %{
-         name: name,
-         backend: backend,
-         backend_opts: backend_opts,
-         assume_busy_at_start: busy,
-         booking_slack_ms: slack,
-         sweep_interval_ms: sweep,
-         on_event: on_event
-       }}
-    else
-      {:error, message} -> {:error, Error.invalid(message)}
-    end
-  end
-
-  defp name_option(name) when is_atom(name) and not is_nil(name), do: {:ok, name}
-  defp name_option({:global, _} = name), do: {:ok, name}
-  defp name_option({:via, module, _} = name) when is_atom(module), do: {:ok, name}
-
-  defp name_option(other),
-    do:
-      {:error,
-       "name must be an atom, {:global, term} or {:via, module, term}, got #{inspect(other)}"}
-
-  defp backend_option({:daemon, address}), do: backend_option({:daemon, address, []})
-
-  defp backend_option({:daemon, address, opts}) do
-    with {:ok, daemon_opts} <- @backends.daemon.options(address, opts),
-         do: {:ok, @backends.daemon, daemon_opts}
-  end
-
-  defp backend_option({:redis, url}), do: backend_option({:redis, url, []})
-
-  defp backend_option({:redis, url, opts}) do
-    with {:ok, redis_opts} <- @backends.redis.options(url, opts),
-         do: {:ok, @backends.redis, redis_opts}
-  end
-
-  defp backend_option(backend) do
-    case @backends do
-      %{^backend => module} when backend not in [:daemon, :redis] ->
-        {:ok, module, []}
-
-      _ ->
-        {:error,
-         "unknown backend #{inspect(backend)}; expected :nif, :port, {:daemon, address}, " <>
-           "{:daemon, address, opts}, {:redis, url} or {:redis, url, opts}"}
-    end
-  end
-
-  defp on_event_option(on_event) do
-    if is_nil(on_event) or Events.callback?(on_event),
-      do: {:ok, on_event},
-      else:
-        {:error,
-         "on_event must be a 3-arity function or {module, function, extra_args}, " <>
-           "got #{inspect(on_event)}"}
-  end
-
-  defp boolean_option(opts, key, default) do
-    case Keyword.get(opts, key, default) do
-      value when is_boolean(value) -> {:ok, value}
-      other -> {:error, "#{key} must be a boolean, got #{inspect(other)}"}
-    end
-  end
-
-  defp integer_option(opts, key, default, min) do
-    case Keyword.get(opts, key, default) do
-      value when is_integer(value) and value >= min -> {:ok, value}
-      other -> {:error, "#{key} must be an integer >= #{min}, got #{inspect(other)}"}
-    end
-  end
-
-  defp max_wait_option(opts, default, name) do
-    with {:error, _} = error <- max_wait_option(opts, default) do
-      count_invalid(name)
-      error
-    end
-  end
-
-  defp max_wait_option(opts, default) do
-    cond do
-      not Keyword.keyword?(opts) ->
-        {:error, Error.invalid("options must be a keyword list, got #{inspect(opts)}")}
-
-      Keyword.keys(opts) -- [:max_wait_ms] != [] ->
-        {:error,
-         Error.invalid("unknown options #{inspect(Keyword.keys(opts) -- [:max_wait_ms])}")}
-
-      true ->
-        case Keyword.get(opts, :max_wait_ms, default) do
-          # nil (a probe) only where the default is nil: check_rates without a budget.
-          ms when (is_integer(ms) and ms > 0) or (is_nil(ms) and is_nil(default)) ->
-            {:ok, ms}
-
-          other ->
-            {:error,
-             Error.invalid("max_wait_ms must be a positive integer, got #{inspect(other)}")}
-        end
-    end
-  end
-
-  ## Routing: local names reach the table directly; other names go through the process.
-
-  defp run(name, fun, args) do
-    case route(name) do
-      {backend, handle, _events} -> apply(backend, fun, [handle | args])
-      elsewhere -> elsewhere(elsewhere, name, {:run, fun, args})
-    end
-  end
-
-  defp elsewhere({:remote, server}, _name, request), do: GenServer.call(server, request)
-  defp elsewhere(:noproc, name, _request), do: exit({:noproc, {__MODULE__, :run, [name]}})
-
-  defp elsewhere(:invalid, name, _request),
-    do: {:error, Error.invalid("not a limiter name: #{describe_name(name)}")}
-
-  # A binary in the name's place may well be an API key: never show it.
-  defp describe_name(name) when is_binary(name), do: "a binary (#{byte_size(name)} bytes)"
-  defp describe_name(name), do: inspect(name)
-
-  @doc false
-  # Where the events of the limiter `name` go from this process: its sink for a local
-  # limiter, `{:remote, server}` for one reached through its process, or `nil`.
-  @spec events(GenServer.name()) :: Events.t() | {:remote, GenServer.server()} | nil
-  def events(name) do
-    case route(name) do
-      {_backend, _handle, events} -> events
-      {:remote, server} -> {:remote, server}
-      _ -> nil
-    end
-  end
-
-  defp count_invalid(name) do
-    case events(name) do
-      {:remote, server} -> GenServer.cast(server, :count_invalid)
-      nil -> :ok
-      events -> Events.count_invalid(events)
-    end
-  end
-
-  # The `:persistent_term` entry of a local limiter, `{backend, handle, events}`.
-  defp route(name) when is_atom(name) and not is_nil(name),
-    do: :persistent_term.get({__MODULE__, name}, :noproc)
-
-  defp route({:global, _} = name), do: {:remote, name}
-  defp route({:via, module, _} = name) when is_atom(module), do: {:remote, name}
-
-  defp route({name, node} = server) when is_atom(name) and is_atom(node) do
-    if node == node(), do: route(name), else: {:remote, server}
-  end
-
-  defp route(pid) when is_pid(pid), do: {:remote, pid}
-  defp route(_), do: :invalid
-
-  defp answer({:error, message}) when is_binary(message), do: {:error, Error.invalid(message)}
-  defp answer({wait, ms}) when wait in [:booked, :over_budget], do: {:delay, ms}
-  defp answer(answer), do: answer
-
-  defp exchange_of(key) when is_tuple(key) and tuple_size(key) in [2, 3], do: elem(key, 0)
-  defp exchange_of(_), do: nil
+  defp count_invalid(route), do: route |> sink() |> Events.count_invalid()
 end

@@ -124,8 +124,9 @@ defmodule Bourse.SecretsTest do
     name = {:global, {:secrets_crash, System.unique_integer([:positive])}}
     start_supervised!({RateLimiter, name: name}, id: :crashing)
     pid = GenServer.whereis(name)
-    # A request no backend function answers: the process crashes on a caller's key.
-    request = {:run, :no_such_function, [{"binance", @secret, "ip"}]}
+    # A request with arguments no backend function takes: the process crashes on a
+    # caller's key.
+    request = {:run, :check_one, [{"binance", @secret, "ip"}]}
 
     log =
       capture_log(fn ->

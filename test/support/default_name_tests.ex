@@ -177,6 +177,22 @@ defmodule Bourse.DefaultNameContractTests do
           assert retry == (cost - 1) * 1000
           assert retry > default
         end
+
+        test "a rate_limit_max_wait_ms out of range is :invalid_parameters, paying nothing" do
+          # A wait of 10^10 ms: more than Process.sleep/1 accepts.
+          slow = %{capacity: 1, refill_per_sec: 1.0e-7}
+
+          for bad <- [4_294_967_296, 10 ** 11, 0, -1, 1.5, :infinity, "30000"] do
+            Application.put_env(:bourse, :rate_limit_max_wait_ms, bad)
+            message = assert_invalid(RateLimiter.wait_for_capacity({"ex", "slow"}, slow, 2))
+            assert message =~ "rate_limit_max_wait_ms"
+            assert RateLimiter.get_cost({"ex", "slow"}, 1) == 0
+          end
+
+          # An explicit :max_wait_ms does not read the env.
+          assert {:error, %Bourse.Error{type: :rate_limit_exceeded}} =
+                   RateLimiter.wait_for_capacity({"ex", "slow"}, slow, 2, max_wait_ms: 10)
+        end
       end
     end
   end

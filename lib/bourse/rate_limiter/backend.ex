@@ -1,7 +1,9 @@
 defmodule Bourse.RateLimiter.Backend do
   @moduledoc """
-  Where a limiter's buckets live. `Bourse.RateLimiter` validates names and options,
-  routes calls and shapes answers; a backend only carries them to a bucket table.
+  Where a limiter's buckets live. `Bourse.RateLimiter` routes calls and shapes answers
+  (`Bourse.RateLimiter.Options` checks the limiter's options,
+  `Bourse.RateLimiter.Router` its names); a backend checks its own part of the `:backend`
+  option (`c:options/1`) and carries calls to a bucket table.
 
   Answers of the check callbacks:
 
@@ -18,6 +20,14 @@ defmodule Bourse.RateLimiter.Backend do
   @type error :: {:error, String.t() | Bourse.Error.t()}
   @type check_answer ::
           :ok | {:delay, pos_integer()} | {:booked, pos_integer()} | {:over_budget, pos_integer()}
+
+  @doc """
+  Checks the arguments of the backend in the `:backend` option of
+  `Bourse.RateLimiter.start_link/1`: the elements after its name (`[]` for `:port`,
+  `[address, opts]` for `{:daemon, address, opts}`). Returns what `attach/2` finds in its
+  options as `:backend_opts`, or `{:error, message}`.
+  """
+  @callback options(args :: [term()]) :: {:ok, keyword()} | {:error, String.t()}
 
   @doc """
   Returns the handle to use from now on. `previous` is the handle an earlier incarnation

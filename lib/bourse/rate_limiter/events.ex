@@ -58,6 +58,7 @@ defmodule Bourse.RateLimiter.Events do
   require Logger
 
   alias Bourse.Fingerprint
+  alias Bourse.RateLimiter.Router
 
   @typedoc "An event's last name segment, e.g. `:refused`."
   @type event :: atom()
@@ -96,12 +97,24 @@ defmodule Bourse.RateLimiter.Events do
   def emit(name, event, measurements, metadata)
       when is_atom(event) and is_map(measurements) and
              (is_map(metadata) or is_function(metadata, 0)) do
-    case Bourse.RateLimiter.events(name) do
-      %__MODULE__{} = events -> dispatch(events, event, measurements, metadata)
-      {:remote, server} -> GenServer.cast(server, {:emit, event, measurements, prepare(metadata)})
-      nil -> :ok
+    case Router.route(name) do
+      {_backend, _handle, events, _pid} -> emit_to(events, event, measurements, metadata)
+      {:remote, pid} -> emit_to({:remote, pid}, event, measurements, metadata)
+      _none -> :ok
     end
   end
+
+  @doc false
+  # Emits to the sink a caller already holds: a local limiter's, `{:remote, pid}` for a
+  # limiter reached through its process, or `nil` (no limiter: nothing is emitted).
+  @spec emit_to(t() | {:remote, pid()} | nil, event(), map(), map() | (() -> map())) :: :ok
+  def emit_to(%__MODULE__{} = events, event, measurements, metadata),
+    do: dispatch(events, event, measurements, metadata)
+
+  def emit_to({:remote, pid}, event, measurements, metadata),
+    do: GenServer.cast(pid, {:emit, event, measurements, prepare(metadata)})
+
+  def emit_to(nil, _event, _measurements, _metadata), do: :ok
 
   @doc false
   # The sink of a starting limiter; `previous` is its earlier incarnation's, whose
@@ -197,8 +210,11 @@ defmodule Bourse.RateLimiter.Events do
   def describe_target(exchange), do: %{exchange: exchange, credential: nil, axis: nil}
 
   @doc false
-  @spec count_invalid(t()) :: :ok
+  # Counts a call refused as malformed before it reached the bucket table.
+  @spec count_invalid(t() | {:remote, pid()} | nil) :: :ok
   def count_invalid(%__MODULE__{counters: counters}), do: :atomics.add(counters, @invalid, 1)
+  def count_invalid({:remote, pid}), do: GenServer.cast(pid, :count_invalid)
+  def count_invalid(nil), do: :ok
 
   @doc false
   # What the Elixir side counted: malformed input refused before reaching the table, and

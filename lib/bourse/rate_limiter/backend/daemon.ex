@@ -65,6 +65,13 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     "#{System.pid()}.#{Base.url_encode64(:rand.bytes(6))}"
   end
 
+  @impl true
+  def options([address]), do: options(address, [])
+  def options([address, opts]), do: options(address, opts)
+
+  def options(_args),
+    do: {:error, "backend :daemon takes {:daemon, address} or {:daemon, address, opts}"}
+
   @doc """
   Checks a daemon address and the options of `{:daemon, address, opts}`; returns what
   `attach/2` expects in `:backend_opts`, or `{:error, message}`.

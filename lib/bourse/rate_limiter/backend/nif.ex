@@ -12,6 +12,10 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   alias Bourse.Native
 
   @impl true
+  def options([]), do: {:ok, []}
+  def options(args), do: {:error, "backend :nif takes no arguments, got #{length(args)}"}
+
+  @impl true
   def attach(table, _opts) when is_reference(table), do: {:ok, table}
 
   def attach(_previous, opts) do

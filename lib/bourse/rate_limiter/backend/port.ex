@@ -15,9 +15,10 @@ defmodule Bourse.RateLimiter.Backend.Port do
   `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
   assumed every bucket busy at start (docs/CONTRACT.md, P6). If the limiter process crashes, the port
   lives on and the restarted limiter takes it over: spent tokens stay spent. A limiter
-  started under the name of one whose port is gone (stopped, or not taken over within 5
-  s) starts its daemon with `--assume-busy-at-start` too: the exchange may still count
-  what the previous one spent.
+  restarted after a crash whose port is gone (not taken over within 5 s) starts its
+  daemon with `--assume-busy-at-start` too: the exchange may still count what the
+  previous one spent. A limiter stopped cleanly stops its daemon; one started again under
+  its name is a new one (`:assume_busy_at_start` as given).
 
   The limiter's `:assume_busy_at_start`, `:booking_slack_ms` and `:sweep_interval_ms`
   become the daemon's command-line options.
@@ -30,6 +31,10 @@ defmodule Bourse.RateLimiter.Backend.Port do
   # Every request the limiter accepts fits (1024 checks of long, escaped keys).
   @max_frame_bytes 64 * 1024 * 1024
   @timeout 5_000
+
+  @impl true
+  def options([]), do: {:ok, []}
+  def options(args), do: {:error, "backend :port takes no arguments, got #{length(args)}"}
 
   @impl true
   def attach(previous, opts), do: run_daemon(previous, [], opts)

@@ -58,6 +58,11 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     Port.run_daemon(previous, redis_args, opts)
   end
 
+  @impl true
+  def options([url]), do: options(url, [])
+  def options([url, opts]), do: options(url, opts)
+  def options(_args), do: {:error, "backend :redis takes {:redis, url} or {:redis, url, opts}"}
+
   @doc """
   Checks the URL and the options of `{:redis, url, opts}`; returns what `attach/2` expects
   in `:backend_opts`, or `{:error, message}`.

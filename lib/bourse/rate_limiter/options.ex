@@ -1,0 +1,170 @@
+defmodule Bourse.RateLimiter.Options do
+  @moduledoc """
+  The options of `Bourse.RateLimiter.start_link/1` and of the calls that take a budget,
+  checked before anything starts or is paid. Every refusal is an `:invalid_parameters`
+  `Bourse.Error` naming the option; a bad value is described by its type and size
+  (`Bourse.Error.describe/1`), never printed whole.
+
+  The `:backend` option names a backend (`:nif`, `:port`, `:daemon`, `:redis`), alone or
+  as the first element of a tuple; the backend module checks the rest of it
+  (`c:Bourse.RateLimiter.Backend.options/1`).
+  """
+
+  alias Bourse.Error
+  alias Bourse.RateLimiter.Backend
+
+  @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon, redis: Backend.Redis}
+  @start_options [
+    :name,
+    :backend,
+    :assume_busy_at_start,
+    :booking_slack_ms,
+    :sweep_interval_ms,
+    :on_event
+  ]
+
+  # What `Process.sleep/1` accepts, so that a waiter can always sleep its delay.
+  @max_wait_ms 4_294_967_295
+  # The longest booking slack and sweep interval, one day, as `bourse_daemon` accepts.
+  @max_interval_ms 86_400_000
+
+  @typedoc "A limiter's configuration, as `Bourse.RateLimiter.Server` starts with it."
+  @type config :: %{
+          name: GenServer.name(),
+          backend: module(),
+          backend_opts: keyword(),
+          assume_busy_at_start: boolean(),
+          booking_slack_ms: non_neg_integer(),
+          sweep_interval_ms: pos_integer(),
+          on_event: Bourse.RateLimiter.Events.callback() | nil
+        }
+
+  @doc "The largest `:max_wait_ms` a call accepts: #{@max_wait_ms} (about 49.7 days)."
+  @spec max_wait_ms() :: pos_integer()
+  def max_wait_ms, do: @max_wait_ms
+
+  @doc "Checks the options of `Bourse.RateLimiter.start_link/1`."
+  @spec start(term()) :: {:ok, config()} | {:error, Error.t()}
+  def start(opts) do
+    with :ok <- keyword(opts, "start_link/1 options", @start_options),
+         {:ok, name} <- name(Keyword.get(opts, :name, Bourse.RateLimiter)),
+         {:ok, backend, backend_opts} <- backend(Keyword.get(opts, :backend, :nif)),
+         {:ok, busy} <- boolean(opts, :assume_busy_at_start, false),
+         {:ok, slack} <-
+           integer(opts, :booking_slack_ms, Bourse.Defaults.booking_slack_ms(), 0),
+         {:ok, sweep} <- integer(opts, :sweep_interval_ms, 1000, 1),
+         {:ok, on_event} <- on_event(Keyword.get(opts, :on_event)) do
+      {:ok,
+       %{
+         name: name,
+         backend: backend,
+         backend_opts: backend_opts,
+         assume_busy_at_start: busy,
+         booking_slack_ms: slack,
+         sweep_interval_ms: sweep,
+         on_event: on_event
+       }}
+    else
+      {:error, message} -> {:error, Error.invalid(message)}
+    end
+  end
+
+  @doc """
+  The budget of a waiter from a call's options: `{:ok, ms}`, or `{:ok, default}` when
+  `opts` has no `:max_wait_ms` (`nil` for `check_rates/3`: a probe). A budget, given or
+  from the application env, is a positive integer of at most `max_wait_ms/0`.
+  """
+  @spec max_wait(term(), pos_integer() | nil) :: {:ok, pos_integer() | nil} | {:error, Error.t()}
+  def max_wait(opts, default) do
+    with :ok <- keyword(opts, "options", [:max_wait_ms]),
+         {:ok, ms} <- budget(Keyword.fetch(opts, :max_wait_ms), default) do
+      {:ok, ms}
+    else
+      {:error, message} -> {:error, Error.invalid(message)}
+    end
+  end
+
+  defp budget(:error, nil), do: {:ok, nil}
+  defp budget(:error, default), do: budget(default, "config :bourse, rate_limit_max_wait_ms")
+  defp budget({:ok, ms}, _default), do: budget(ms, "max_wait_ms")
+  defp budget(ms, _what) when is_integer(ms) and ms in 1..@max_wait_ms, do: {:ok, ms}
+
+  defp budget(other, what) do
+    {:error, "#{what} must be an integer from 1 to #{@max_wait_ms}, got #{Error.describe(other)}"}
+  end
+
+  defp keyword(opts, what, known) do
+    cond do
+      not Keyword.keyword?(opts) ->
+        {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
+
+      (unknown = Enum.uniq(Keyword.keys(opts) -- known)) != [] ->
+        {:error,
+         "unknown #{what} #{Enum.map_join(unknown, ", ", &inspect/1)}; expected " <>
+           Enum.map_join(known, ", ", &inspect/1)}
+
+      true ->
+        :ok
+    end
+  end
+
+  defp name(name) when is_atom(name) and not is_nil(name), do: {:ok, name}
+  defp name({:global, _} = name), do: {:ok, name}
+  defp name({:via, module, _} = name) when is_atom(module), do: {:ok, name}
+
+  defp name(other) do
+    {:error,
+     "name must be an atom, {:global, term} or {:via, module, term}, got #{Error.describe(other)}"}
+  end
+
+  defp backend(backend) do
+    {kind, args} =
+      case backend do
+        kind when is_atom(kind) ->
+          {kind, []}
+
+        tuple when is_tuple(tuple) and tuple_size(tuple) in 2..3 ->
+          {elem(tuple, 0), tl(Tuple.to_list(tuple))}
+
+        other ->
+          {other, []}
+      end
+
+    case @backends do
+      %{^kind => module} ->
+        with {:ok, backend_opts} <- module.options(args), do: {:ok, module, backend_opts}
+
+      _ ->
+        {:error,
+         "unknown backend #{Error.describe(backend)}; expected :nif, :port, {:daemon, address}, " <>
+           "{:daemon, address, opts}, {:redis, url} or {:redis, url, opts}"}
+    end
+  end
+
+  defp on_event(on_event) do
+    if is_nil(on_event) or Bourse.RateLimiter.Events.callback?(on_event),
+      do: {:ok, on_event},
+      else:
+        {:error,
+         "on_event must be a 3-arity function or {module, function, extra_args}, " <>
+           "got #{Error.describe(on_event)}"}
+  end
+
+  defp boolean(opts, key, default) do
+    case Keyword.get(opts, key, default) do
+      value when is_boolean(value) -> {:ok, value}
+      other -> {:error, "#{key} must be a boolean, got #{Error.describe(other)}"}
+    end
+  end
+
+  defp integer(opts, key, default, min) do
+    case Keyword.get(opts, key, default) do
+      value when is_integer(value) and value in min..@max_interval_ms ->
+        {:ok, value}
+
+      other ->
+        {:error,
+         "#{key} must be an integer from #{min} to #{@max_interval_ms}, got #{Error.describe(other)}"}
+    end
+  end
+end

@@ -1,0 +1,164 @@
+defmodule Bourse.RateLimiter.Router do
+  @moduledoc """
+  Where a call to a limiter name goes.
+
+  A running limiter publishes its backend, its bucket table's handle, its event sink and
+  its pid in `:persistent_term` under its name (`publish/2`); a caller of a local name
+  reads that entry and reaches the table from its own process, without the limiter's mailbox.
+  Every other name (`{:global, _}`, `{:via, _, _}`, `{name, node}` on another node, a
+  pid) is resolved to a process, which is called only once it is known to be a limiter
+  (`Bourse.RateLimiter.Server`): a pid or name of any other process is refused with
+  `:invalid_parameters` and that process is left alone.
+
+  A limiter that stopped, or whose process is dead, answers like one never started (the
+  call exits with `:noproc`), also while its entry is still published: a limiter killed
+  without a clean stop leaves its entry for its restarted process to take over (SPEC P6).
+  """
+
+  alias Bourse.Error
+
+  @typedoc "What a local limiter publishes: `{backend, handle, events, server_pid}`."
+  @type entry :: {module(), term(), Bourse.RateLimiter.Events.t(), pid()}
+
+  @typedoc """
+  A resolved name: the entry of a local limiter, a limiter process to call, or why the
+  name reaches no limiter.
+  """
+  @type route :: entry() | {:remote, pid()} | :noproc | {:invalid, String.t()}
+
+  @remote_timeout 5_000
+
+  ## Publishing (by the limiter process)
+
+  @doc "The entry published under the name `name`, whoever published it, or `nil`."
+  @spec published(GenServer.name()) :: entry() | nil
+  def published(name), do: :persistent_term.get(slot(name), nil)
+
+  @doc """
+  Publishes `entry` under `name` (rewritten only when it changed). Callers read it for
+  local names; for every name, a restarted limiter finds its predecessor's table there.
+  """
+  @spec publish(GenServer.name(), entry()) :: :ok
+  def publish(name, entry) do
+    if published(name) !== entry, do: :persistent_term.put(slot(name), entry)
+    :ok
+  end
+
+  @doc "Removes the entry of `name` if the process `owner` published it."
+  @spec unpublish(GenServer.name(), pid()) :: :ok
+  def unpublish(name, owner) do
+    case published(name) do
+      {_backend, _handle, _events, ^owner} -> :persistent_term.erase(slot(name))
+      _ -> false
+    end
+
+    :ok
+  end
+
+  defp slot(name), do: {Bourse.RateLimiter, name}
+
+  ## Routing (by callers)
+
+  @doc "Resolves `name` (any `GenServer.name()` or a pid) to a `t:route/0`."
+  @spec route(term()) :: route()
+  def route(name) when is_atom(name) and name != nil do
+    case :persistent_term.get({Bourse.RateLimiter, name}, nil) do
+      {_backend, _handle, _events, owner} = entry ->
+        if :erlang.is_process_alive(owner), do: entry, else: registered(name)
+
+      nil ->
+        registered(name)
+    end
+  end
+
+  def route({:global, global} = name), do: name |> whereis(fn -> :global.whereis_name(global) end)
+
+  def route({:via, module, via} = name) when is_atom(module),
+    do: whereis(name, fn -> module.whereis_name(via) end)
+
+  def route({local, node} = name) when is_atom(local) and is_atom(node) and local != nil do
+    cond do
+      node == node() -> route(local)
+      node == nil -> invalid(name)
+      true -> ask(node, {local, node}, local)
+    end
+  end
+
+  def route(pid) when is_pid(pid) and node(pid) == node(), do: limiter(pid)
+  def route(pid) when is_pid(pid), do: ask(node(pid), pid, pid)
+  def route(name), do: invalid(name)
+
+  # A local name without a published entry: a limiter still starting (it answers through
+  # its process once started), another process (refused) or nothing.
+  defp registered(name) do
+    case Process.whereis(name) do
+      nil -> :noproc
+      pid -> limiter(pid, name)
+    end
+  end
+
+  defp whereis(name, lookup) do
+    case lookup.() do
+      pid when is_pid(pid) and node(pid) == node() -> limiter(pid, name)
+      pid when is_pid(pid) -> ask(node(pid), pid, name)
+      _ -> :noproc
+    end
+  rescue
+    # `{:via, NotAModule, _}`, or a registry that does not know the name's shape.
+    _ -> invalid(name)
+  end
+
+  defp limiter(pid, name \\ nil) do
+    cond do
+      :proc_lib.translate_initial_call(pid) == {Bourse.RateLimiter.Server, :init, 1} ->
+        {:remote, pid}
+
+      Process.alive?(pid) ->
+        {:invalid, "not a limiter: #{describe(name || pid)} is another process"}
+
+      true ->
+        :noproc
+    end
+  end
+
+  # A name or pid on another node is resolved there, where its process can be looked at.
+  defp ask(node, server, name) do
+    case :erpc.call(node, __MODULE__, :route, [server], @remote_timeout) do
+      {:remote, pid} -> {:remote, pid}
+      {_backend, _handle, _events, pid} -> {:remote, pid}
+      :noproc -> :noproc
+      {:invalid, _} -> invalid(name)
+    end
+  catch
+    # The node is down or unreachable, or runs no `:bourse`.
+    :error, {:erpc, _} -> :noproc
+    :error, {:exception, :undef, _} -> invalid(name)
+  end
+
+  defp invalid(name), do: {:invalid, "not a limiter name: #{describe(name)}"}
+
+  @doc "Calls the limiter process `pid` (a `{:remote, pid}` route) with `request`."
+  @spec call(pid(), term()) :: term()
+  def call(pid, request), do: GenServer.call(pid, request)
+
+  @doc "The exit of a call to a name that reaches no running limiter, as `GenServer.call/2`'s."
+  @spec noproc(term()) :: no_return()
+  def noproc(name), do: exit({:noproc, {Bourse.RateLimiter, :call, [name]}})
+
+  @doc "The `:invalid_parameters` error of a route refused as `{:invalid, message}`."
+  @spec error(String.t()) :: {:error, Error.t()}
+  def error(message), do: {:error, Error.invalid(message)}
+
+  # Names are shown, but a binary (an API key, perhaps) or a large term only by its shape.
+  defp describe(name) when is_atom(name), do: inspect(name)
+  defp describe({:global, _}), do: "{:global, term}"
+
+  defp describe({:via, module, _}) when is_atom(module),
+    do: "{:via, #{inspect(module)}, term}"
+
+  defp describe({local, node}) when is_atom(local) and is_atom(node),
+    do: inspect({local, node})
+
+  defp describe(pid) when is_pid(pid), do: inspect(pid)
+  defp describe(other), do: Error.describe(other)
+end

@@ -1,0 +1,231 @@
+defmodule Bourse.RateLimiter.Server do
+  @moduledoc """
+  The process of a limiter (`Bourse.RateLimiter.start_link/1`).
+
+  It attaches its backend's bucket table (taking over the one its previous incarnation
+  left after a crash, SPEC P6), publishes it for local callers (`Bourse.RateLimiter.Router`),
+  runs the periodic sweep and reports lapsed bookings, and answers the callers that reach
+  it through its mailbox (`{:global, _}` and `{:via, _, _}` names, other nodes, pids).
+
+  Stopped cleanly (`:normal`, `:shutdown`), it withdraws its table: the name then answers
+  like one never started, and nothing of it is left. Unexpected messages are logged and
+  ignored.
+  """
+
+  use GenServer
+
+  require Logger
+
+  alias Bourse.Error
+  alias Bourse.RateLimiter.{Events, Options, Router}
+
+  # The backend callbacks a caller may ask the process to run for it.
+  @callbacks [
+    :check_one,
+    :check_many,
+    :record,
+    :borrowed,
+    :sync,
+    :reset,
+    :reset_exchange,
+    :reset_all,
+    :pause,
+    :inspect,
+    :busiest
+  ]
+
+  @doc "Starts the limiter process for a checked configuration (`Options.start/1`)."
+  @spec start_link(Options.config()) :: GenServer.on_start()
+  def start_link(config), do: GenServer.start_link(__MODULE__, config, name: config.name)
+
+  @doc """
+  Counters of the limiter whose table is `handle` on `backend` and whose sink is
+  `events`: the table's and those kept beside it (`Bourse.RateLimiter.stats/1`).
+  """
+  @spec stats(module(), term(), Events.t()) :: map() | {:error, term()}
+  def stats(backend, handle, events) do
+    case backend.stats(handle) do
+      %{} = stats -> Map.merge(stats, Events.counts(events), fn _, table, own -> table + own end)
+      error -> error
+    end
+  end
+
+  @impl true
+  def init(config) do
+    # A clean stop by the supervisor runs `terminate/2`, which withdraws the table.
+    Process.flag(:trap_exit, true)
+
+    {previous, previous_events} =
+      case Router.published(config.name) do
+        {backend, handle, events, _pid} when backend == config.backend -> {handle, events}
+        _ -> {nil, nil}
+      end
+
+    case attach(config, previous) do
+      {:ok, handle} ->
+        events = Events.new(config.name, config.on_event, previous_events)
+        Router.publish(config.name, {config.backend, handle, events, self()})
+        schedule_sweep(config)
+
+        {:links, links} = Process.info(self(), :links)
+
+        {:ok,
+         Map.merge(config, %{
+           handle: handle,
+           events: events,
+           lapsed: lapsed(config.backend, handle, events),
+           linked: MapSet.new(links)
+         })}
+
+      {:error, error} ->
+        {:stop, error}
+    end
+  end
+
+  # Every failure to start is a `%Bourse.Error{}`.
+  defp attach(config, previous) do
+    case config.backend.attach(previous, Map.to_list(config)) do
+      {:ok, handle} -> {:ok, handle}
+      {:error, %Error{} = error} -> {:error, error}
+      {:error, reason} -> {:error, cannot_start(config, reason)}
+    end
+  rescue
+    exception -> {:error, cannot_start(config, Exception.message(exception))}
+  end
+
+  defp cannot_start(config, reason) do
+    reason = if is_binary(reason), do: reason, else: Error.describe(reason)
+    Error.unavailable("cannot start the limiter's #{inspect(config.backend)} backend: #{reason}")
+  end
+
+  @impl true
+  def handle_call({:run, fun, args}, _from, state) when fun in @callbacks and is_list(args) do
+    {:reply, apply(state.backend, fun, [state.handle | args]), state}
+  catch
+    # Should a caller's request crash this process, its crash report must not show the
+    # caller's key (an API key) in the stacktrace's arguments.
+    kind, reason -> :erlang.raise(kind, reason, without_arguments(__STACKTRACE__))
+  end
+
+  def handle_call(:stats, _from, state) do
+    {:reply, stats(state.backend, state.handle, state.events), state}
+  end
+
+  def handle_call(request, _from, state) do
+    unexpected("call", request, state)
+    {:reply, {:error, Error.invalid("not a limiter request")}, state}
+  end
+
+  # Events and counts of callers that reach this limiter through its process.
+  @impl true
+  def handle_cast({:emit, event, measurements, metadata}, state)
+      when is_atom(event) and is_map(measurements) and is_map(metadata) do
+    Events.dispatch(state.events, event, measurements, metadata)
+    {:noreply, state}
+  end
+
+  def handle_cast(:count_invalid, state) do
+    Events.count_invalid(state.events)
+    {:noreply, state}
+  end
+
+  def handle_cast(request, state) do
+    unexpected("cast", request, state)
+    {:noreply, state}
+  end
+
+  @impl true
+  def handle_info(:sweep, state) do
+    state.backend.sweep(state.handle)
+    schedule_sweep(state)
+    {:noreply, report_lapses(state)}
+  end
+
+  # A process the backend linked (its connection) that fails takes the limiter with it,
+  # as it would without trapping exits; one that ends normally does not. An `:EXIT`
+  # message from any other process is only a message.
+  def handle_info({:EXIT, pid, reason} = message, state) do
+    cond do
+      not MapSet.member?(state.linked, pid) ->
+        unexpected("message", message, state)
+        {:noreply, state}
+
+      reason == :normal ->
+        {:noreply, %{state | linked: MapSet.delete(state.linked, pid)}}
+
+      true ->
+        {:stop, reason, state}
+    end
+  end
+
+  def handle_info(message, state) do
+    unexpected("message", message, state)
+    {:noreply, state}
+  end
+
+  @impl true
+  def terminate(reason, state) do
+    if reason in [:normal, :shutdown] or match?({:shutdown, _}, reason),
+      do: Router.unpublish(state.name, self())
+  end
+
+  # A crash report does not show the arguments of the last request either (OTP 25 formats
+  # gen_server crash reports with format_status/1).
+  @doc false
+  def format_status(status), do: Map.replace_lazy(status, :message, &redact_request/1)
+
+  defp redact_request({:"$gen_call", from, request}),
+    do: {:"$gen_call", from, redact_request(request)}
+
+  defp redact_request({:run, fun, args}) when is_list(args), do: {:run, fun, length(args)}
+  defp redact_request(request), do: request
+
+  defp without_arguments(stacktrace) do
+    Enum.map(stacktrace, fn
+      {module, fun, args, location} when is_list(args) -> {module, fun, length(args), location}
+      entry -> entry
+    end)
+  end
+
+  # Shown by shape only: a message may hold an API key.
+  defp unexpected(kind, message, state) do
+    Logger.warning(
+      "Bourse.RateLimiter #{inspect(state.name)} ignored an unexpected #{kind}: " <>
+        describe_message(message)
+    )
+  end
+
+  defp describe_message(message) when is_tuple(message) and tuple_size(message) > 0 do
+    case elem(message, 0) do
+      tag when is_atom(tag) -> "a tuple of #{tuple_size(message)} elements tagged #{inspect(tag)}"
+      _ -> Error.describe(message)
+    end
+  end
+
+  defp describe_message(message), do: Error.describe(message)
+
+  # The table counts lapsed bookings when it next looks at them (the sweep looks at all);
+  # the difference since the last sweep is one `:lapsed` event.
+  defp report_lapses(%{lapsed: before} = state) do
+    case lapsed(state.backend, state.handle, state.events) do
+      now when is_integer(now) and is_integer(before) and now > before ->
+        Events.dispatch(state.events, :lapsed, %{count: now - before}, %{})
+        %{state | lapsed: now}
+
+      now ->
+        %{state | lapsed: now || before}
+    end
+  end
+
+  # The table's lapse counter, read only when someone listens.
+  defp lapsed(backend, handle, events) do
+    with true <- Events.listening?(events),
+         %{lapsed: lapsed} <- backend.stats(handle) do
+      lapsed
+    else
+      _ -> nil
+    end
+  end
+
+  defp schedule_sweep(config), do: Process.send_after(self(), :sweep, config.sweep_interval_ms)
+end

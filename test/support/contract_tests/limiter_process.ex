@@ -1,0 +1,185 @@
+defmodule Bourse.ContractTests.LimiterProcess do
+  @moduledoc false
+  # SPEC §8 "The limiter process": unknown messages, names of other processes, a stopped
+  # limiter, unknown and out-of-range start options.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "the limiter process" do
+        @describetag :capture_log
+
+        test "unknown messages, casts and calls are logged and ignored",
+             %{name: name, start_name: start_name} do
+          pid = limiter_pid(start_name)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+
+          log =
+            ExUnit.CaptureLog.capture_log(fn ->
+              send(pid, :cleanup)
+              send(pid, {:sweep, "SECRET-KEY-IN-A-MESSAGE"})
+              send(pid, {:EXIT, self(), :normal})
+              send(pid, {:EXIT, self(), :boom})
+              GenServer.cast(pid, {:bogus, "SECRET-KEY-IN-A-MESSAGE"})
+
+              assert {:error, %Bourse.Error{type: :invalid_parameters}} =
+                       GenServer.call(pid, {:bogus, "SECRET-KEY-IN-A-MESSAGE"})
+
+              assert {:error, %Bourse.Error{type: :invalid_parameters}} =
+                       GenServer.call(pid, {:run, :sweep, []})
+
+              # Everything before it has been handled once a call is answered.
+              assert is_map(Bourse.RateLimiter.stats(name))
+            end)
+
+          assert Process.alive?(pid)
+          assert limiter_pid(start_name) == pid
+          assert log =~ "ignored an unexpected message"
+          refute log =~ "SECRET-KEY-IN-A-MESSAGE"
+          assert_about(get_cost({"ex", "k"}, 1, name), 1, 0.01)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+        end
+
+        test "a pid or name of another process is :invalid_parameters; it is left alone",
+             %{name: name} do
+          id = System.unique_integer([:positive])
+          registry = :"process_registry_#{id}"
+          start_supervised!({Registry, keys: :unique, name: registry})
+          agent_name = :"agent_#{id}"
+
+          agent =
+            start_supervised!(%{
+              id: :agent,
+              start: {Agent, :start_link, [fn -> :untouched end, [name: agent_name]]}
+            })
+
+          :yes = :global.register_name({:agent, id}, agent)
+          {:ok, _} = Registry.register(registry, :me, nil)
+          server = start_supervised!({Task, fn -> Process.sleep(:infinity) end}, id: :task)
+
+          others = [
+            agent,
+            agent_name,
+            {agent_name, node()},
+            {:global, {:agent, id}},
+            {:via, Registry, {registry, :me}},
+            server,
+            self()
+          ]
+
+          for other <- others, {label, call} <- every_call(other) do
+            answer = call.()
+
+            assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} = answer,
+                   "#{label} with #{inspect(other)} answered #{inspect(answer)}"
+
+            assert message =~ "not a limiter"
+            assert Process.alive?(agent), "#{label} with #{inspect(other)} killed the Agent"
+          end
+
+          assert Agent.get(agent, & &1) == :untouched
+          assert Process.alive?(server)
+
+          # A :via module that does not exist, or that cannot resolve names: refused too.
+          for bad <- [{:via, NotAModule, :x}, {:via, :no_such_module, :x}, {:via, Registry, :x}] do
+            for {label, call} <- every_call(bad) do
+              assert {:error, %Bourse.Error{type: :invalid_parameters}} = call.(),
+                     "#{label} with #{inspect(bad)}"
+            end
+          end
+
+          # The limiter itself still answers, by name and by pid.
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, GenServer.whereis(name))
+        end
+
+        test "a stopped limiter answers like one never started", %{backend: backend} do
+          name = :"stopped_#{System.unique_integer([:positive])}"
+          never = :"never_started_#{System.unique_integer([:positive])}"
+          children = [{Bourse.RateLimiter, name: name, backend: backend}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+
+          Supervisor.stop(supervisor)
+
+          for {label, call} <- every_call(name) do
+            assert {:noproc, _} = catch_exit(call.()), "#{label} after the stop"
+          end
+
+          for {label, call} <- every_call(never) do
+            assert {:noproc, _} = catch_exit(call.()), "#{label} on a limiter never started"
+          end
+
+          # Nothing of it is left.
+          assert :persistent_term.get({Bourse.RateLimiter, name}, nil) == nil
+        end
+
+        test "a killed limiter that is not restarted answers like one never started",
+             %{backend: backend} do
+          name = :"killed_#{System.unique_integer([:positive])}"
+          {:ok, pid} = Bourse.RateLimiter.start_link(name: name, backend: backend)
+          Process.unlink(pid)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+          ref = Process.monitor(pid)
+          Process.exit(pid, :kill)
+          assert_receive {:DOWN, ^ref, :process, ^pid, :killed}, 5_000
+
+          for {label, call} <- every_call(name) do
+            assert {:noproc, _} = catch_exit(call.()), "#{label} after the kill"
+          end
+        end
+
+        test "unknown and out-of-range start options are refused, naming the option",
+             %{backend: backend} do
+          name = :"refused_#{System.unique_integer([:positive])}"
+
+          for {opts, named} <- [
+                {[backned: :port], ":backned"},
+                {[name_: :x], ":name_"},
+                {[max_wait_ms: 100], ":max_wait_ms"},
+                {[booking_slack_ms: 10 ** 30], "booking_slack_ms"},
+                {[booking_slack_ms: 86_400_001], "booking_slack_ms"},
+                {[sweep_interval_ms: 10 ** 30], "sweep_interval_ms"},
+                {[on_event: fn -> :ok end], "on_event"}
+              ] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+                     Bourse.RateLimiter.start_link([name: name, backend: backend] ++ opts),
+                   "accepted #{inspect(opts)}"
+
+            assert message =~ named
+            assert Process.whereis(name) == nil
+          end
+
+          # A bad value is described, not printed whole.
+          assert {:error, %Bourse.Error{message: message}} =
+                   Bourse.RateLimiter.start_link(name: String.duplicate("k", 10_000))
+
+          assert byte_size(message) < 200
+        end
+      end
+
+      # Every public call of `Bourse.RateLimiter` on the limiter `name`.
+      defp every_call(name) do
+        key = {"ex", "k"}
+
+        [
+          {"check_rate", fn -> check_rate(key, @still, 1, name) end},
+          {"check_rates", fn -> check_rates([{key, @still, 1}], name) end},
+          {"check_rates with a budget",
+           fn -> check_rates([{key, @still, 1}], name, max_wait_ms: 10) end},
+          {"wait_for_capacity", fn -> wait_for_capacity(key, @still, 1, name, []) end},
+          {"get_cost", fn -> get_cost(key, 1, name) end},
+          {"record_request", fn -> record_request(key, 1, name) end},
+          {"reset", fn -> reset(key, name) end},
+          {"reset_exchange", fn -> reset_exchange("ex", name) end},
+          {"reset_all", fn -> reset_all(name) end},
+          {"pause", fn -> pause("ex", 10, name) end},
+          {"stats", fn -> Bourse.RateLimiter.stats(name) end},
+          {"busiest", fn -> Bourse.RateLimiter.busiest(5, name) end},
+          {"inspect_key", fn -> Bourse.RateLimiter.inspect_key(key, name) end},
+          {"sync", fn -> Bourse.RateLimiter.sync(key, 5, 1_000, name) end}
+        ]
+      end
+    end
+  end
+end
