@@ -230,7 +230,7 @@ defmodule Bourse.RateLimiter do
   end
 
   # What a check's answer means to its caller, with the event it calls for (never for
-  # `:ok`): one place for probes and waiters (SPEC §4, §8). A waiter's `{:delay, ms}` is
+  # `:ok`): one place for probes and waiters (docs/CONTRACT.md §4, §8). A waiter's `{:delay, ms}` is
   # its own booking, not ready yet: past the budget it is `{:held, ms, max_wait}`, refused
   # by `failed/2` while the booking stays.
   defp observe(answer, route, max_wait, metadata) do

@@ -12,7 +12,7 @@ defmodule Bourse.RateLimiter.Router do
 
   A limiter that stopped, or whose process is dead, answers like one never started (the
   call exits with `:noproc`), also while its entry is still published: a limiter killed
-  without a clean stop leaves its entry for its restarted process to take over (SPEC P6).
+  without a clean stop leaves its entry for its restarted process to take over (docs/CONTRACT.md, P6).
   """
 
   alias Bourse.Error

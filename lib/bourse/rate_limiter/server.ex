@@ -3,7 +3,7 @@ defmodule Bourse.RateLimiter.Server do
   The process of a limiter (`Bourse.RateLimiter.start_link/1`).
 
   It attaches its backend's bucket table (taking over the one its previous incarnation
-  left after a crash, SPEC P6), publishes it for local callers (`Bourse.RateLimiter.Router`),
+  left after a crash, docs/CONTRACT.md, P6), publishes it for local callers (`Bourse.RateLimiter.Router`),
   runs the periodic sweep and reports lapsed bookings, and answers the callers that reach
   it through its mailbox (`{:global, _}` and `{:via, _, _}` names, other nodes, pids).
 

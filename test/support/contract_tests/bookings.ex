@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.Bookings do
   @moduledoc false
-  # SPEC §4: waiters book, queue, claim, come back early, lapse.
+  # docs/CONTRACT.md §4: waiters book, queue, claim, come back early, lapse.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

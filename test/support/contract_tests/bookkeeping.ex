@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.Bookkeeping do
   @moduledoc false
-  # SPEC §3: `record_request`, `get_cost` and the resets.
+  # docs/CONTRACT.md §3: `record_request`, `get_cost` and the resets.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.Bucket do
   @moduledoc false
-  # SPEC §2: one bucket: full at start, rounding, over-capacity costs, changed definitions.
+  # docs/CONTRACT.md §2: one bucket: full at start, rounding, over-capacity costs, changed definitions.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.BudgetsAndErrors do
   @moduledoc false
-  # SPEC §8 "Budgets" and "Errors": the bounds of max_wait_ms, a held booking and a
+  # docs/CONTRACT.md §8 "Budgets" and "Errors": the bounds of max_wait_ms, a held booking and a
   # shorter budget, and what an error carries.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 

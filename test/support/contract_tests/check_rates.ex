@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.CheckRates do
   @moduledoc false
-  # SPEC §3: `check_rates`: all or nothing, the longest wait, coalescing, conflicts.
+  # docs/CONTRACT.md §3: `check_rates`: all or nothing, the longest wait, coalescing, conflicts.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.KeysAndLimits do
   @moduledoc false
-  # SPEC §1: keys, and the forms of a limit.
+  # docs/CONTRACT.md §1: keys, and the forms of a limit.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

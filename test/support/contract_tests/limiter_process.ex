@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.LimiterProcess do
   @moduledoc false
-  # SPEC §8 "The limiter process": unknown messages, names of other processes, a stopped
+  # docs/CONTRACT.md §8 "The limiter process": unknown messages, names of other processes, a stopped
   # limiter, unknown and out-of-range start options.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 

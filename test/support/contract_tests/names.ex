@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.Names do
   @moduledoc false
-  # SPEC §3: every call with every name form.
+  # docs/CONTRACT.md §3: every call with every name form.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

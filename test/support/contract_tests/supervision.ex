@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.Supervision do
   @moduledoc false
-  # SPEC §6 and P6: start options, `child_spec/1`, `start_link/1`, a crash of the limiter process.
+  # docs/CONTRACT.md §6 and P6: start options, `child_spec/1`, `start_link/1`, a crash of the limiter process.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do

@@ -1,6 +1,6 @@
 defmodule Bourse.ContractTests.WaitForCapacity do
   @moduledoc false
-  # SPEC §3-4: `wait_for_capacity`: book, sleep in the caller, claim; budgets; P2.
+  # docs/CONTRACT.md §3-4: `wait_for_capacity`: book, sleep in the caller, claim; budgets; P2.
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do
