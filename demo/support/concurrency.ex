@@ -1,7 +1,8 @@
 defmodule Demo.Concurrency do
   @moduledoc """
   Many processes of one VM sharing one bucket, and the BEAM version of the field report's
-  frozen event loop: a heartbeat beside a thousand waiters.
+  frozen event loop: a heartbeat beside a thousand waiters (the field report:
+  docs/CONTRACT.md, Sources).
   """
 
   alias Bourse.RateLimiter

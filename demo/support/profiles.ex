@@ -10,7 +10,7 @@ defmodule Demo.Profiles do
   alias Demo.{Client, Table}
 
   # {label, profile, axis, the counter scaled to a few seconds, how it is scaled,
-  #  mock options, field report}
+  #  mock options, what the field report (docs/CONTRACT.md, Sources) measured}
   defp cases do
     [
       {"Binance-like", :binance_spot, "ip", %{limit: 40, window_ms: 2_000},

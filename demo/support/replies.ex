@@ -1,8 +1,9 @@
 defmodule Demo.Replies do
   @moduledoc """
-  The field report's scripted replies, each played by a scripted mock exchange to the
-  adapter loop (`Bourse.Testing.AdapterLoop`: wait_for_capacity, GET, observe_response,
-  retry or return), all at once, one exchange id each.
+  The field report's scripted replies (docs/CONTRACT.md, Sources), each played by a
+  scripted mock exchange to the adapter loop (`Bourse.Testing.AdapterLoop`:
+  wait_for_capacity, GET, observe_response, retry or return), all at once, one exchange id
+  each.
   """
 
   alias Bourse.Error
