@@ -544,7 +544,8 @@ defmodule Bourse.RateLimiter do
     do: apply(backend, fun, [handle | args])
 
   defp routed({:remote, pid}, _name, fun, args), do: Router.call(pid, {:run, fun, args})
-  defp routed(:noproc, name, _fun, _args), do: Router.noproc(name)
+  defp routed(:noproc, name, _fun, _args), do: Router.exit_as_call(:noproc, name)
+  defp routed({:exit, reason}, name, _fun, _args), do: Router.exit_as_call(reason, name)
   defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
 
   # Where the events of a routed call go.

@@ -22,9 +22,11 @@ defmodule Bourse.RateLimiter.Router do
 
   @typedoc """
   A resolved name: the entry of a local limiter, a limiter process to call, or why the
-  name reaches no limiter.
+  name reaches no limiter (`:noproc`, `{:exit, reason}` for a node that cannot be asked,
+  `{:invalid, message}`).
   """
-  @type route :: entry() | {:remote, pid()} | :noproc | {:invalid, String.t()}
+  @type route ::
+          entry() | {:remote, pid()} | :noproc | {:exit, term()} | {:invalid, String.t()}
 
   @remote_timeout 5_000
 
@@ -130,8 +132,9 @@ defmodule Bourse.RateLimiter.Router do
       {:invalid, _} -> invalid(name)
     end
   catch
-    # The node is down or unreachable, or runs no `:bourse`.
-    :error, {:erpc, _} -> :noproc
+    # The node is down or unreachable (as `GenServer.call/2` exits), or runs no `:bourse`.
+    :error, {:erpc, :noconnection} -> {:exit, {:nodedown, node}}
+    :error, {:erpc, reason} -> {:exit, reason}
     :error, {:exception, :undef, _} -> invalid(name)
   end
 
@@ -141,9 +144,12 @@ defmodule Bourse.RateLimiter.Router do
   @spec call(pid(), term()) :: term()
   def call(pid, request), do: GenServer.call(pid, request)
 
-  @doc "The exit of a call to a name that reaches no running limiter, as `GenServer.call/2`'s."
-  @spec noproc(term()) :: no_return()
-  def noproc(name), do: exit({:noproc, {Bourse.RateLimiter, :call, [name]}})
+  @doc """
+  Exits as `GenServer.call/2` does for a name that reaches no running limiter (`reason`
+  `:noproc`, or why its node could not be asked).
+  """
+  @spec exit_as_call(term(), term()) :: no_return()
+  def exit_as_call(reason, name), do: exit({reason, {Bourse.RateLimiter, :call, [name]}})
 
   @doc "The `:invalid_parameters` error of a route refused as `{:invalid, message}`."
   @spec error(String.t()) :: {:error, Error.t()}
