@@ -1,6 +1,7 @@
 defmodule Bourse.Fuzz do
   @moduledoc """
-  Random malformed calls of every public function of `Bourse.RateLimiter`, from a seeded
+  Random malformed calls of the public functions of `Bourse.RateLimiter` (all but
+  `observe_response/6`, `child_spec/1` and the default-name arities), from a seeded
   generator, so that a failure can be replayed with its seed.
 
   Each call puts one malformed term (bignums such as `10 ** 400`, floats out of range,
@@ -89,7 +90,8 @@ defmodule Bourse.Fuzz do
       {"inspect_key key", :key, &RateLimiter.inspect_key(&1, name)},
       {"sync key", :key, &RateLimiter.sync(&1, 1, 1_000, name)},
       {"sync allowance", :allowance, &RateLimiter.sync(probe, &1, 1_000, name)},
-      {"sync window", :ms, &RateLimiter.sync(probe, 1, &1, name)}
+      {"sync window", :ms, &RateLimiter.sync(probe, 1, &1, name)},
+      {"start_link options", :start_options, &RateLimiter.start_link/1}
     ]
 
     {{label, kind, fun}, s} = pick(choices, s)
@@ -210,6 +212,36 @@ defmodule Bourse.Fuzz do
     ])
   end
 
+  # Never starts a limiter: one option in each is malformed.
+  defp malformed(:start_options, fx, s) do
+    name = [name: :"fuzz_never_started_#{System.unique_integer([:positive])}"]
+
+    one_of(s, [
+      fn s -> non_list_garbage(fx, s) end,
+      fn s ->
+        with_value(&[{&1, 1} | name], garbage(fx, s))
+      end,
+      fn s ->
+        with_value(&[name: &1], retry(&garbage(fx, &1), &(not is_atom(&1) or &1 == nil), s))
+      end,
+      fn s -> with_value(&([backend: &1] ++ name), non_atom_garbage(fx, s)) end,
+      fn s -> with_value(&([booking_slack_ms: &1] ++ name), bad_interval(fx, s)) end,
+      fn s -> with_value(&([sweep_interval_ms: &1] ++ name), bad_interval(fx, s)) end,
+      fn s ->
+        with_value(
+          &([assume_busy_at_start: &1] ++ name),
+          retry(&garbage(fx, &1), &(not is_boolean(&1)), s)
+        )
+      end,
+      fn s ->
+        with_value(
+          &([on_event: &1] ++ name),
+          retry(&garbage(fx, &1), &(&1 != nil and not is_function(&1, 3)), s)
+        )
+      end
+    ])
+  end
+
   defp malformed(:allowance, fx, s) do
     one_of(s, [
       fn s -> {fx.big, s} end,
@@ -312,6 +344,18 @@ defmodule Bourse.Fuzz do
       fn s -> {0, s} end,
       fn s -> {-1_000, s} end,
       fn s -> {fx.big, s} end,
+      fn s -> non_number_garbage(fx, s) end
+    ])
+  end
+
+  # Never a booking slack or sweep interval (0 or 1 to 86_400_000).
+  defp bad_interval(fx, s) do
+    one_of(s, [
+      fn s -> {-1, s} end,
+      fn s -> {86_400_001, s} end,
+      fn s -> {fx.big, s} end,
+      fn s -> {1.5, s} end,
+      fn s -> {nil, s} end,
       fn s -> non_number_garbage(fx, s) end
     ])
   end

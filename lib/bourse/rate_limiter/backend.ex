@@ -8,7 +8,9 @@ defmodule Bourse.RateLimiter.Backend do
   Answers of the check callbacks:
 
     * `:ok` – paid (or claimed against the caller's own booking);
-    * `{:delay, ms}` – nothing paid;
+    * `{:delay, ms}` – nothing paid; to a waiter (`max_wait` not `nil`), only ever its
+      own booking, ready in `ms` (`Bourse.RateLimiter` refuses it when `ms` exceeds the
+      waiter's budget, leaving the booking);
     * `{:booked, ms}` – a waiter's booking, paid and ready in `ms`;
     * `{:over_budget, ms}` – the wait exceeds `max_wait`; nothing paid;
     * `{:error, message}` – malformed input, or `{:error, %Bourse.Error{}}`.
