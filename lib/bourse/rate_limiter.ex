@@ -62,7 +62,14 @@ defmodule Bourse.RateLimiter do
 
   Malformed input (keys, limits, costs, options, names) is answered with
   `{:error, %Bourse.Error{type: :invalid_parameters, message: ...}}` naming what is wrong;
-  nothing is paid and nothing crashes.
+  nothing is paid and nothing crashes. A name that is not a limiter's (another process,
+  `{:via, NotAModule, _}`) is malformed too, and that process is never called; a limiter
+  that is not running exits the caller with `:noproc`, as `GenServer.call/2` would.
+
+  Every error carries the `:exchange` of the call's key when it can be read (for
+  `check_rates/3`, when its checks name one exchange). Messages describe a bad value by
+  its type and size and never show an API key; a wait over the budget reads
+  `"okx: waiting 1000 ms exceeds max_wait_ms 40"`.
   """
 
   alias Bourse.Error
