@@ -531,11 +531,11 @@ defmodule Bourse.RateLimiter do
   `{:error, %Bourse.Error{}}` (`:invalid_parameters` for the options), but for
   `{:error, {:already_started, pid}}` when a limiter already runs under the name.
 
-  The bucket table outlives a crash of the limiter's process: the restarted process,
-  started with the same name, re-attaches to it, so spent tokens stay spent. A limiter
-  stopped cleanly (by its supervisor, or `GenServer.stop/1`) withdraws its table: calls
-  then exit with `:noproc`, as for a limiter never started, and a limiter started again
-  under that name begins with a new table.
+  The bucket table outlives the limiter's process: a limiter started under the same name
+  within 5 s (its supervisor's restart, after a crash or with its siblings) re-attaches to
+  it, so spent tokens stay spent. Once the process has ended, calls exit with `:noproc`,
+  as for a limiter never started; 5 s later the table is dropped, and a limiter started
+  under that name then begins with a new one.
   """
   @spec start_link(keyword()) :: GenServer.on_start() | error()
   def start_link(opts \\ []) do

@@ -10,9 +10,10 @@ defmodule Bourse.RateLimiter.Router do
   (`Bourse.RateLimiter.Server`): a pid or name of any other process is refused with
   `:invalid_parameters` and that process is left alone.
 
-  A limiter that stopped, or whose process is dead, answers like one never started (the
-  call exits with `:noproc`), also while its entry is still published: a limiter killed
-  without a clean stop leaves its entry for its restarted process to take over (docs/CONTRACT.md, P6).
+  A limiter whose process has ended (stopped or crashed) answers like one never started
+  (the call exits with `:noproc`), also while its entry is still published: the entry
+  stays a few seconds for a restarted limiter to take its table over (docs/CONTRACT.md,
+  P6), then it is withdrawn (`withdraw_when_down/3`).
   """
 
   alias Bourse.Error
@@ -46,13 +47,24 @@ defmodule Bourse.RateLimiter.Router do
     :ok
   end
 
-  @doc "Removes the entry of `name` if the process `owner` published it."
-  @spec unpublish(GenServer.name(), pid()) :: :ok
-  def unpublish(name, owner) do
-    case published(name) do
-      {_backend, _handle, _events, ^owner} -> :persistent_term.erase(slot(name))
-      _ -> false
-    end
+  @doc """
+  Withdraws the entry `owner` published under `name` once `owner` has been down for
+  `grace_ms`, unless a successor has published its own by then. Returns at once.
+  """
+  @spec withdraw_when_down(GenServer.name(), pid(), non_neg_integer()) :: :ok
+  def withdraw_when_down(name, owner, grace_ms) do
+    spawn(fn ->
+      ref = Process.monitor(owner)
+
+      receive do
+        {:DOWN, ^ref, :process, _pid, _reason} -> Process.sleep(grace_ms)
+      end
+
+      case published(name) do
+        {_backend, _handle, _events, ^owner} -> :persistent_term.erase(slot(name))
+        _successor_or_none -> false
+      end
+    end)
 
     :ok
   end

@@ -7,9 +7,10 @@ defmodule Bourse.RateLimiter.Server do
   runs the periodic sweep and reports lapsed bookings, and answers the callers that reach
   it through its mailbox (`{:global, _}` and `{:via, _, _}` names, other nodes, pids).
 
-  Stopped cleanly (`:normal`, `:shutdown`), it withdraws its table: the name then answers
-  like one never started, and nothing of it is left. Unexpected messages are logged and
-  ignored.
+  Once it has ended (stopped, or crashed), its name answers like one never started. Its
+  table stays published for 5 s, for a limiter started again under that name
+  (by a supervisor's restart) to take over; then it is withdrawn, and nothing of it is
+  left. Unexpected messages are logged and ignored.
   """
 
   use GenServer
@@ -18,6 +19,10 @@ defmodule Bourse.RateLimiter.Server do
 
   alias Bourse.Error
   alias Bourse.RateLimiter.{Events, Options, Router}
+
+  # How long the table of a limiter that ended waits for a successor to take it over, as
+  # long as the port's connection (Bourse.RateLimiter.Backend.Connection) waits.
+  @takeover_ms 5_000
 
   # The backend callbacks a caller may ask the process to run for it.
   @callbacks [
@@ -52,9 +57,6 @@ defmodule Bourse.RateLimiter.Server do
 
   @impl true
   def init(config) do
-    # A clean stop by the supervisor runs `terminate/2`, which withdraws the table.
-    Process.flag(:trap_exit, true)
-
     {previous, previous_events} =
       case Router.published(config.name) do
         {backend, handle, events, _pid} when backend == config.backend -> {handle, events}
@@ -65,16 +67,14 @@ defmodule Bourse.RateLimiter.Server do
       {:ok, handle} ->
         events = Events.new(config.name, config.on_event, previous_events)
         Router.publish(config.name, {config.backend, handle, events, self()})
+        Router.withdraw_when_down(config.name, self(), @takeover_ms)
         schedule_sweep(config)
-
-        {:links, links} = Process.info(self(), :links)
 
         {:ok,
          Map.merge(config, %{
            handle: handle,
            events: events,
-           lapsed: lapsed(config.backend, handle, events),
-           linked: MapSet.new(links)
+           lapsed: lapsed(config.backend, handle, events)
          })}
 
       {:error, error} ->
@@ -141,32 +141,9 @@ defmodule Bourse.RateLimiter.Server do
     {:noreply, report_lapses(state)}
   end
 
-  # A process the backend linked (its connection) that fails takes the limiter with it,
-  # as it would without trapping exits; one that ends normally does not. An `:EXIT`
-  # message from any other process is only a message.
-  def handle_info({:EXIT, pid, reason} = message, state) do
-    cond do
-      not MapSet.member?(state.linked, pid) ->
-        unexpected("message", message, state)
-        {:noreply, state}
-
-      reason == :normal ->
-        {:noreply, %{state | linked: MapSet.delete(state.linked, pid)}}
-
-      true ->
-        {:stop, reason, state}
-    end
-  end
-
   def handle_info(message, state) do
     unexpected("message", message, state)
     {:noreply, state}
-  end
-
-  @impl true
-  def terminate(reason, state) do
-    if reason in [:normal, :shutdown] or match?({:shutdown, _}, reason),
-      do: Router.unpublish(state.name, self())
   end
 
   # A crash report does not show the arguments of the last request either (OTP 25 formats

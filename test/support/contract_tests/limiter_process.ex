@@ -110,8 +110,11 @@ defmodule Bourse.ContractTests.LimiterProcess do
             assert {:noproc, _} = catch_exit(call.()), "#{label} on a limiter never started"
           end
 
-          # Nothing of it is left.
-          assert :persistent_term.get({Bourse.RateLimiter, name}, nil) == nil
+          # Nothing of it is left once a successor could no longer take its table over.
+          eventually(
+            fn -> :persistent_term.get({Bourse.RateLimiter, name}, nil) == nil end,
+            15_000
+          )
         end
 
         test "a killed limiter that is not restarted answers like one never started",
@@ -127,6 +130,25 @@ defmodule Bourse.ContractTests.LimiterProcess do
           for {label, call} <- every_call(name) do
             assert {:noproc, _} = catch_exit(call.()), "#{label} after the kill"
           end
+
+          eventually(
+            fn -> :persistent_term.get({Bourse.RateLimiter, name}, nil) == nil end,
+            15_000
+          )
+        end
+
+        test "a limiter started again soon under the name of a stopped one keeps its spent tokens",
+             %{backend: backend} do
+          name = :"restarted_#{System.unique_integer([:positive])}"
+          limit = %{@still | capacity: 2}
+          children = [{Bourse.RateLimiter, name: name, backend: backend}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          drain({"ex", "k"}, limit, 2, name)
+          Supervisor.stop(supervisor)
+
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          assert {:delay, _} = check_rate({"ex", "k"}, limit, 1, name)
+          Supervisor.stop(supervisor)
         end
 
         test "unknown and out-of-range start options are refused, naming the option",

@@ -15,10 +15,9 @@ defmodule Bourse.RateLimiter.Backend.Port do
   `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
   assumed every bucket busy at start (docs/CONTRACT.md, P6). If the limiter process crashes, the port
   lives on and the restarted limiter takes it over: spent tokens stay spent. A limiter
-  restarted after a crash whose port is gone (not taken over within 5 s) starts its
-  daemon with `--assume-busy-at-start` too: the exchange may still count what the
-  previous one spent. A limiter stopped cleanly stops its daemon; one started again under
-  its name is a new one (`:assume_busy_at_start` as given).
+  started within 5 s of the end of one of the same name whose port is gone (stopped, or
+  not taken over in time) starts its daemon with `--assume-busy-at-start` too: the
+  exchange may still count what the previous one spent.
 
   The limiter's `:assume_busy_at_start`, `:booking_slack_ms` and `:sweep_interval_ms`
   become the daemon's command-line options.
