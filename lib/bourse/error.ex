@@ -90,19 +90,28 @@ defmodule Bourse.Error do
     do: Integer.to_string(value)
 
   def describe(value) when is_integer(value),
-    do: "an integer of #{byte_size(:binary.encode_unsigned(abs(value)))} bytes"
+    do: "an integer of #{count(byte_size(:binary.encode_unsigned(abs(value))), "byte")}"
 
-  def describe(value) when is_binary(value), do: "a binary of #{byte_size(value)} bytes"
-  def describe(value) when is_bitstring(value), do: "a bitstring of #{bit_size(value)} bits"
+  def describe(value) when is_binary(value), do: "a binary of #{count(byte_size(value), "byte")}"
+
+  def describe(value) when is_bitstring(value),
+    do: "a bitstring of #{count(bit_size(value), "bit")}"
+
   def describe([]), do: "[]"
   def describe(value) when is_list(value), do: "a list"
-  def describe(value) when is_map(value), do: "a map of #{map_size(value)} keys"
+  def describe(value) when is_map(value), do: "a map of #{count(map_size(value), "key")}"
   def describe({}), do: "{}"
-  def describe(value) when is_tuple(value), do: "a tuple of #{tuple_size(value)} elements"
+
+  def describe(value) when is_tuple(value),
+    do: "a tuple of #{count(tuple_size(value), "element")}"
+
   def describe(value) when is_pid(value), do: "a pid"
   def describe(value) when is_reference(value), do: "a reference"
   def describe(value) when is_port(value), do: "a port"
   def describe(value) when is_function(value), do: "a function"
+
+  defp count(1, unit), do: "1 #{unit}"
+  defp count(n, unit), do: "#{n} #{unit}s"
 
   @doc """
   `error` with its `:exchange` set to `exchange` when it has none and `exchange` is an

@@ -3,6 +3,8 @@ defmodule Bourse.ErrorTest do
 
   alias Bourse.Error
 
+  doctest Bourse.Error, only: [describe: 1]
+
   test "invalid/1 builds an :invalid_parameters error carrying its message" do
     error = Error.invalid("cost must be >= 0")
     assert %Error{type: :invalid_parameters, message: "cost must be >= 0", stop: false} = error
@@ -34,5 +36,34 @@ defmodule Bourse.ErrorTest do
 
   test "the exception can be raised with keyword fields" do
     assert_raise Error, "invalid parameters", fn -> raise Error, type: :invalid_parameters end
+  end
+
+  test "describe/1 shows a value in bounded size, never a binary's bytes" do
+    assert Error.describe(-1) == "-1"
+    assert Error.describe(1.5) == "1.5"
+    assert Error.describe(nil) == "nil"
+    assert Error.describe(:binary.copy("SECRET", 1_000_000)) == "a binary of 6000000 bytes"
+    assert Error.describe(<<1::3>>) == "a bitstring of 3 bits"
+    assert Error.describe(Enum.to_list(1..1_000_000)) == "a list"
+    assert Error.describe(%{a: 1}) == "a map of 1 key"
+    assert Error.describe({1}) == "a tuple of 1 element"
+    assert Error.describe({1, 2}) == "a tuple of 2 elements"
+    assert Error.describe(self()) == "a pid"
+    assert Error.describe(make_ref()) == "a reference"
+    assert Error.describe(fn -> :ok end) == "a function"
+
+    for term <- [10 ** 100_000, -(10 ** 100_000), Enum.reduce(1..100_000, [], &[&1 | &2])] do
+      assert byte_size(Error.describe(term)) < 40
+    end
+  end
+
+  test "with_exchange/2 fills an exchange id in, never over one already there" do
+    assert %Error{exchange: "okx"} = Error.with_exchange(Error.invalid("x"), "okx")
+    assert %Error{exchange: nil} = Error.with_exchange(Error.invalid("x"), :okx)
+
+    assert %Error{exchange: nil} =
+             Error.with_exchange(Error.invalid("x"), :binary.copy("k", 1025))
+
+    assert %Error{exchange: "a"} = Error.with_exchange(%Error{type: :x, exchange: "a"}, "b")
   end
 end

@@ -174,7 +174,7 @@ defmodule Bourse.RateLimiter.Server do
 
   defp describe_message(message) when is_tuple(message) and tuple_size(message) > 0 do
     case elem(message, 0) do
-      tag when is_atom(tag) -> "a tuple of #{tuple_size(message)} elements tagged #{inspect(tag)}"
+      tag when is_atom(tag) -> "#{Error.describe(message)} tagged #{inspect(tag)}"
       _ -> Error.describe(message)
     end
   end
