@@ -1,9 +1,12 @@
 # Benchmarks, printed side by side, never asserted: `make bench`.
 #
-#   1. the core crate (cargo bench -p bourse_core): ns per check in pure Rust;
-#   2. from Elixir, one workload through the NIF backend (Bourse.RateLimiter.check_rate/4),
-#      a GenServer-serialised token bucket and a pure-Elixir GCRA on :ets.update_counter,
-#      at 1, 8 and 64 concurrent callers on 1 key and on 1,000 keys;
+#   1. the core crate (cargo run --release -p bourse_core --example checks): ns per check in
+#      pure Rust, and instructions per check counted by valgrind's callgrind;
+#   2. from Elixir, interleaved in one run: Bourse.RateLimiter.check_rate/4 (the NIF
+#      backend) and four peers written in bench/support/ (a GenServer-serialised bucket, a
+#      GCRA on :ets.update_counter, a token bucket on :atomics compare-exchange, a token
+#      bucket on :ets.lookup/:ets.insert) at 1, 8 and 64 callers on 1, 8 and 1,000 keys,
+#      with the ratio to the fastest peer; then check_rates/2 over 3 buckets against one;
 #   3. checks/s through the port backend and a shared bourse_daemon over loopback TCP;
 #   4. resident memory after 1,000,000 distinct keys, and after the sweep dropped them.
 #
@@ -16,11 +19,22 @@
 for file <- ["table.ex", "os_processes.ex"],
     do: Code.require_file(file, Path.join([__DIR__, "..", "demo", "support"]))
 
-for file <- ["loop.ex", "runner.ex", "public_api.ex", "genserver_bucket.ex", "ets_gcra.ex"],
+for file <-
+      ~w(loop.ex runner.ex public_api.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
+         atomics_token_bucket.ex ets_token_bucket.ex),
     do: Code.require_file(file, Path.join(__DIR__, "support"))
 
 defmodule Bench do
-  alias Bench.{EtsGcra, GenServerBucket, PublicAPI, Runner}
+  alias Bench.{
+    AtomicsTokenBucket,
+    CheckRates,
+    EtsGcra,
+    EtsTokenBucket,
+    GenServerBucket,
+    PublicAPI,
+    Runner
+  }
+
   alias Demo.{OSProcesses, Table}
   alias Bourse.RateLimiter
 
@@ -63,77 +77,155 @@ defmodule Bench do
 
   ## 1. Core crate
 
+  @example "checks"
+  @instruction_counts [100_000, 200_000]
+
   @doc false
   def core do
-    IO.puts(
-      "## 1. Core table in Rust (cargo bench -p bourse_core; building it may take a while)\n"
-    )
+    IO.puts("""
+    ## 1. Core table in Rust (cargo run --release -p bourse_core --example #{@example})
+    Median of 5 rounds of 1,000,000 checks per thread, the workloads interleaved round by
+    round; every check admitted. Two threads: wall time per check of both together.
+    """)
 
-    cargo(["bench", "-q", "-p", "bourse_core", "--bench", "core"])
+    cargo(["build", "-q", "--release", "-p", "bourse_core", "--example", @example])
+    example = Path.expand("../target/release/examples/#{@example}", __DIR__)
+    {_, 0} = System.cmd(example, [], into: IO.stream())
+    IO.puts("")
+    instructions(example)
+  end
+
+  # Instructions per check from callgrind: the difference between two runs of different
+  # counts, so that start-up and the table's creation cancel out.
+  defp instructions(example) do
+    if System.find_executable("valgrind") do
+      IO.puts("""
+      Instructions per check (valgrind --tool=callgrind, #{Enum.join(@instruction_counts, " and ")} \
+      checks, the difference divided by the difference of the counts; independent of the load):
+      """)
+
+      rows =
+        for {label, workload} <- [
+              {"1 key (hot)", "hot"},
+              {"10,000 keys", "10k"},
+              {"3-bucket check, 1 credential", "3-bucket"}
+            ] do
+          [low, high] = Enum.map(@instruction_counts, &collected(example, workload, &1))
+          [count_low, count_high] = @instruction_counts
+          [label, round((high - low) / (count_high - count_low))]
+        end
+
+      Table.print(["Core check, 1 thread", "Instructions per check"], rows)
+      IO.puts("")
+    else
+      IO.puts("valgrind not found: no instruction counts\n")
+    end
+  end
+
+  defp collected(example, workload, count) do
+    {output, 0} =
+      System.cmd(
+        "valgrind",
+        ["--tool=callgrind", "--callgrind-out-file=/dev/null", example] ++
+          ["--count", "#{count}", workload],
+        stderr_to_stdout: true
+      )
+
+    [_, instructions] = Regex.run(~r/Collected : (\d+)/, output)
+    String.to_integer(instructions)
   end
 
   # Runs cargo in the repository, echoing its output.
   defp cargo(args) do
     {_, status} = System.cmd("cargo", args, cd: Path.expand("..", __DIR__), into: IO.stream())
     if status != 0, do: IO.puts("cargo #{Enum.join(args, " ")} failed with status #{status}")
-    IO.puts("")
   end
 
   ## 2. Elixir
 
+  @workloads [{1, 1}, {1, 1_000}, {8, 1}, {8, 8}, {8, 1_000}, {64, 1}, {64, 1_000}]
+  @three_axes ["request", "ip", "order"]
+
   @doc false
   def elixir do
     IO.puts("""
-    ## 2. From Elixir: median of 5 runs of about #{@run_ms} ms each, after a warm-up
+    ## 2. From Elixir: ns per check, median of 5 runs of about #{@run_ms} ms each
+    Every implementation is warmed up, then the 5 rounds run each of them once, in turn.
     ns/check is wall time divided by all callers' checks, so it falls below one call's
-    latency when callers run in parallel.
+    latency when callers run in parallel. Every check is admitted. The peers are written
+    in bench/support/, each after the design it is named for.
     """)
 
     {:ok, _} = RateLimiter.start_link(name: Bench.Limiter)
-    {:ok, server} = GenServerBucket.start_link()
-    table = EtsGcra.new()
 
     implementations = [
-      {"NIF (check_rate/4)", PublicAPI, Bench.Limiter},
-      {"GenServer", GenServerBucket, server},
-      {"ETS GCRA", EtsGcra, table}
+      {"check_rate/4", PublicAPI, fn -> Bench.Limiter end},
+      {"GenServer bucket", GenServerBucket, fn -> elem(GenServerBucket.start_link(), 1) end},
+      {"ETS update_counter GCRA", EtsGcra, &EtsGcra.new/0},
+      {":atomics CAS token bucket", AtomicsTokenBucket, &AtomicsTokenBucket.new/0},
+      {"ETS lookup/insert token bucket", EtsTokenBucket, &EtsTokenBucket.new/0}
     ]
 
     rows =
-      for keys <- [1, 1_000], callers <- [1, 8, 64] do
+      for {callers, key_count} <- @workloads do
+        keys = Runner.keys(key_count)
+
         workload =
-          "#{callers} caller#{if callers > 1, do: "s"}, #{thousands(keys)} key#{if keys > 1, do: "s"}"
+          "#{callers} · #{thousands(key_count)}#{if key_count == 1 and callers > 1, do: " (hot key)"}"
 
         IO.write("  #{workload}:")
 
-        [nif, genserver, ets] =
-          for {label, module, handle} <- implementations do
-            result = Runner.measure(module, handle, Runner.keys(keys), callers, @run_ms)
-            IO.write(" #{label} #{round(result.ns_per_check)} ns")
-            result
-          end
-
-        IO.puts("")
-
-        [workload] ++
-          Enum.map([nif, genserver, ets], &round(&1.ns_per_check)) ++
-          Enum.map([nif, genserver, ets], &per_second(&1.checks_per_second)) ++
-          [ratio(nif, genserver), ratio(nif, ets)]
+        # A fresh handle per workload: every peer starts from an empty table, as the NIF
+        # limiter's keys of other workloads do not slow its own.
+        timed = for {_label, module, new} <- implementations, do: {module, new.(), keys}
+        [own | peers] = Runner.compare(timed, callers, @run_ms)
+        ns = Enum.map([own | peers], &round(&1.ns_per_check))
+        IO.puts(" " <> Enum.join(ns, " / ") <> " ns")
+        fastest = Enum.min_by(peers, & &1.ns_per_check)
+        [workload | ns] ++ [ratio(fastest.ns_per_check, own.ns_per_check)]
       end
 
     IO.puts("")
 
     Table.print(
+      ["callers · keys"] ++
+        Enum.map(implementations, &elem(&1, 0)) ++ ["check_rate/4 vs fastest peer"],
+      rows
+    )
+
+    IO.puts("")
+    three_buckets()
+  end
+
+  # check_rates/2 over three buckets of one credential against check_rate/4 on one, from
+  # one process, interleaved.
+  defp three_buckets do
+    rows =
+      for key_count <- [1, 1_000] do
+        [single, three] =
+          Runner.compare(
+            [
+              {PublicAPI, Bench.Limiter, Runner.keys(key_count, "single")},
+              {CheckRates, Bench.Limiter, CheckRates.checks(key_count, @three_axes)}
+            ],
+            1,
+            @run_ms
+          )
+
+        [
+          "1 · #{thousands(key_count)}",
+          round(single.ns_per_check),
+          round(three.ns_per_check),
+          ratio(three.ns_per_check, single.ns_per_check)
+        ]
+      end
+
+    Table.print(
       [
-        "Workload",
-        "NIF ns/check",
-        "GenServer ns/check",
-        "ETS GCRA ns/check",
-        "NIF checks/s",
-        "GenServer checks/s",
-        "ETS GCRA checks/s",
-        "NIF vs GenServer",
-        "NIF vs ETS GCRA"
+        "callers · credentials",
+        "check_rate/4, 1 bucket",
+        "check_rates/2, 3 buckets",
+        "3 buckets vs 1"
       ],
       rows
     )
@@ -141,8 +233,7 @@ defmodule Bench do
     IO.puts("")
   end
 
-  defp ratio(a, b),
-    do: :erlang.float_to_binary(a.checks_per_second / b.checks_per_second, decimals: 1) <> "×"
+  defp ratio(a, b), do: :erlang.float_to_binary(a / b, decimals: 2) <> "×"
 
   defp per_second(x) when x >= 1.0e6, do: :erlang.float_to_binary(x / 1.0e6, decimals: 2) <> " M"
   defp per_second(x), do: :erlang.float_to_binary(x / 1.0e3, decimals: 0) <> " k"
@@ -173,6 +264,7 @@ defmodule Bench do
     """)
 
     cargo(["run", "-q", "--release", "-p", "bourse_daemon", "--example", "daemon_bench"])
+    IO.puts("")
   end
 
   defp backend_rows(daemon_address) do
