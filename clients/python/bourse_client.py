@@ -3,7 +3,7 @@
 Several programs on one host share one limiter by talking to one daemon, so that together
 they stay under an exchange's limits. Start the daemon in server mode:
 
-    bourse_daemon --listen 127.0.0.1:7400        # or: --socket /run/bourse.sock
+    BOURSE_DAEMON_SECRET=... bourse_daemon --listen 127.0.0.1:7400   # or: --socket /run/bourse.sock
 
 then, from any number of processes:
 
@@ -26,6 +26,11 @@ then, from any number of processes:
         # After a 429 with Retry-After: 30, hold every bucket of that credential.
         limiter.pause("binance", 30_000, credential="API-KEY")
 
+Over TCP the client proves the daemon's shared secret (the HMAC-SHA256 of the nonce in the
+daemon's hello; the secret itself is never sent): pass secret=b"...", else it is read from
+the environment variable BOURSE_DAEMON_SECRET. A Unix socket needs none (its file is
+owner-only). Answers never hold an API key: busiest() shows fingerprints.
+
 Keys are (exchange, credential, axis): credential None is the exchange's public pool, axis
 defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},
 {"requests": n, "period": ms}, {"requests": n} (period 1000 ms) or None (no limit).
@@ -39,7 +44,10 @@ max_wait_ms and no owner uses the connection. The wire protocol is docs/PROTOCOL
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 import socket
 import threading
 import time
@@ -102,7 +110,8 @@ def key(exchange: str, credential: Optional[str], axis: str = "request") -> dict
 class BourseClient:
     """One connection to a bourse_daemon server (TCP (host, port) or a Unix socket path)."""
 
-    def __init__(self, address: Address, timeout: Optional[float] = 30.0):
+    def __init__(self, address: Address, timeout: Optional[float] = 30.0,
+                 secret: Optional[bytes] = None):
         if isinstance(address, str):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -124,6 +133,23 @@ class BourseClient:
             raise BourseError("protocol", f"the daemon speaks protocol {hello.get('protocol')!r}, "
                                           f"this client {PROTOCOL_VERSION}")
         self.server = hello.get("server")
+        auth = hello.get("auth")
+        if auth is not None:
+            self._prove(auth, secret)
+
+    def _prove(self, auth: dict, secret: Optional[bytes]) -> None:
+        if secret is None:
+            secret = os.environ.get("BOURSE_DAEMON_SECRET", "").encode() or None
+        if secret is None or auth.get("scheme") != "hmac-sha256":
+            self.close()
+            raise BourseError("unauthorized", "the daemon asks for its shared secret: pass "
+                                              "secret= or set BOURSE_DAEMON_SECRET")
+        proof = hmac.new(secret, auth["nonce"].encode(), hashlib.sha256).hexdigest()
+        try:
+            self.request("auth", proof=proof)
+        except BourseError:
+            self.close()
+            raise
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -132,7 +158,8 @@ class BourseClient:
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
-            line = json.dumps({"op": op, "id": request_id, **fields}, allow_nan=False)
+            # The id first: the daemon attributes even a malformed frame by it.
+            line = json.dumps({"id": request_id, "op": op, **fields}, allow_nan=False)
             try:
                 self._sock.sendall(line.encode() + b"\n")
                 raw = self._reader.readline()

@@ -18,12 +18,16 @@ defmodule Bourse.Fingerprint do
   @type t :: String.t() | :public
 
   @doc """
-  The fingerprint of a credential: `:public` stays `:public`; any other term (a binary
-  API key, or something malformed passed in its place) becomes `"key:1a2b3c4d"`.
+  The fingerprint of a credential: `:public` stays `:public`, a fingerprint stays itself;
+  any other term (a binary API key, or something malformed passed in its place) becomes
+  `"key:1a2b3c4d"`.
   """
   @spec of(term()) :: t()
   def of(:public), do: :public
-  def of(credential) when is_binary(credential), do: digest(credential)
+  # Rows of a daemon or Redis carry fingerprints already: they are kept as they are.
+  def of(credential) when is_binary(credential),
+    do: if(fingerprint?(credential), do: credential, else: digest(credential))
+
   def of(other), do: digest(:erlang.term_to_binary(other))
 
   @doc "Whether `term` already is a fingerprint (`\"key:\"` and 8 lowercase hex digits)."

@@ -31,6 +31,9 @@ def daemon_binary() -> str:
     return str(ROOT / "target" / "debug" / "bourse_daemon")
 
 
+SECRET = b"python-test-secret-0123"
+
+
 class Daemon:
     """A daemon on a free loopback port and a Unix socket, stopped with SIGTERM."""
 
@@ -39,7 +42,8 @@ class Daemon:
         self.socket = os.path.join(self.dir.name, "bourse.sock")
         self.process = subprocess.Popen(
             [daemon_binary(), "--listen", "127.0.0.1:0", "--socket", self.socket, *extra],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            env={**os.environ, "BOURSE_DAEMON_SECRET": SECRET.decode()})
         tcp = self.process.stdout.readline().split()
         unix = self.process.stdout.readline().split()
         assert tcp[:2] == ["listening", "tcp"] and unix[:2] == ["listening", "unix"], (tcp, unix)
@@ -68,7 +72,7 @@ with BourseClient(sys.argv[2]) as limiter:
 class BourseClientTest(unittest.TestCase):
     def setUp(self):
         self.daemon = Daemon("--booking-slack-ms", "5000")
-        self.client = BourseClient(self.daemon.tcp)
+        self.client = BourseClient(self.daemon.tcp, secret=SECRET)
 
     def tearDown(self):
         self.client.close()

@@ -20,15 +20,24 @@ defmodule Bourse.DaemonServer do
 
   @type t :: %__MODULE__{os_pid: pos_integer(), tcp: String.t() | nil, unix: Path.t() | nil}
 
-  @doc "Starts a daemon with `args` and waits until every listener is bound."
+  @secret "test-daemon-secret-0123456789"
+
+  @doc """
+  Starts a daemon with `args` and waits until every listener is bound. Its TCP clients
+  prove the secret `secret/0`, which this VM's `BOURSE_DAEMON_SECRET` holds from then on
+  (where the daemon backend reads it).
+  """
   @spec start([String.t()]) :: t()
   def start(args) do
+    System.put_env("BOURSE_DAEMON_SECRET", @secret)
+
     port =
       Port.open({:spawn_executable, PortBackend.executable()}, [
         :binary,
         :exit_status,
         {:line, 4096},
-        args: args
+        args: args,
+        env: [{~c"BOURSE_DAEMON_SECRET", String.to_charlist(@secret)}]
       ])
 
     {:os_pid, os_pid} = Port.info(port, :os_pid)
@@ -46,6 +55,10 @@ defmodule Bourse.DaemonServer do
       30_000 -> flunk("bourse_daemon did not report its listeners")
     end
   end
+
+  @doc "The shared secret of the daemons started here."
+  @spec secret() :: String.t()
+  def secret, do: @secret
 
   @doc "Sends a signal (`\"TERM\"`, `\"KILL\"`, `\"STOP\"`, `\"CONT\"`) to the daemon."
   @spec signal(t(), String.t()) :: :ok

@@ -6,6 +6,7 @@
 //! server shared by daemons on several machines.
 
 mod cli;
+mod fingerprint;
 mod protocol;
 mod redis;
 mod server;
@@ -19,13 +20,13 @@ use std::time::Duration;
 use bourse_core::{Config, Table};
 use tokio::runtime::Runtime;
 
-use crate::cli::{Command, Mode, Options};
+use crate::cli::{Command, Options, Transport};
 use crate::protocol::{Service, PROTOCOL_VERSION, SERVER};
 use crate::redis::RedisStore;
 use crate::store::{Memory, Store};
 
 fn main() -> ExitCode {
-    let options = match cli::parse(std::env::args().skip(1)) {
+    let options = match cli::parse(std::env::args().skip(1), &cli::Process) {
         Ok(Command::Help) => {
             print!("{}", cli::USAGE);
             return ExitCode::SUCCESS;
@@ -34,15 +35,21 @@ fn main() -> ExitCode {
             println!("{SERVER} (protocol {PROTOCOL_VERSION})");
             return ExitCode::SUCCESS;
         }
-        Ok(Command::Run(options)) => options,
+        Ok(Command::Run(options)) => *options,
         Err(message) => {
             eprintln!("bourse_daemon: {message}\n\n{}", cli::USAGE);
             return ExitCode::from(2);
         }
     };
-    let runtime = match options.mode {
-        Mode::Stdio => tokio::runtime::Builder::new_current_thread(),
-        Mode::Server { .. } => tokio::runtime::Builder::new_multi_thread(),
+    // In --stdio mode Redis requests run as tasks while the main thread reads.
+    let runtime = match (&options.transport, &options.redis) {
+        (Transport::Stdio, None) => tokio::runtime::Builder::new_current_thread(),
+        (Transport::Stdio, Some(_)) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(1);
+            builder
+        }
+        (Transport::Server { .. }, _) => tokio::runtime::Builder::new_multi_thread(),
     }
     .enable_all()
     .build();
@@ -64,6 +71,8 @@ fn main() -> ExitCode {
                 let _context = runtime.enter();
                 RedisStore::new(redis::Options {
                     url: redis.url,
+                    password: redis.password,
+                    key_secret: redis.key_secret,
                     prefix: redis.prefix,
                     timeout: Duration::from_millis(redis.timeout_ms),
                     config,
@@ -82,18 +91,21 @@ fn main() -> ExitCode {
 
 /// Serves `store` in the transport the options name, until told to stop.
 fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
-    let service = Arc::new(Service::new(store, options.max_frame_bytes));
+    let access = options.access;
+    let service = Arc::new(Service::new(store, options.max_frame_bytes, access.secret));
     let sweep_interval = Duration::from_millis(options.sweep_interval_ms);
-    match options.mode {
-        Mode::Stdio => stdio::run(service, &runtime, options.max_frame_bytes, sweep_interval),
-        Mode::Server { tcp, unix } => {
-            let served = runtime.block_on(server::run(
-                service,
-                &tcp,
-                &unix,
-                options.max_frame_bytes,
-                sweep_interval,
-            ));
+    match options.transport {
+        Transport::Stdio => stdio::run(service, &runtime, options.max_frame_bytes, sweep_interval),
+        Transport::Server { tcp, unix } => {
+            let limits = server::Limits {
+                max_frame_bytes: options.max_frame_bytes,
+                max_connections: descriptors_for(access.max_connections),
+                idle_timeout: (access.idle_timeout_ms > 0)
+                    .then(|| Duration::from_millis(access.idle_timeout_ms)),
+                socket_mode: access.socket_mode,
+            };
+            let served =
+                runtime.block_on(server::run(service, &tcp, &unix, limits, sweep_interval));
             // Connections that outlived the drain must not hold the exit.
             runtime.shutdown_timeout(Duration::from_secs(1));
             match served {
@@ -105,4 +117,40 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
             }
         }
     }
+}
+
+/// File descriptors kept for listeners, Redis, the runtime and the connections that have
+/// not proved the secret yet.
+const SPARE_DESCRIPTORS: u64 = 64 + server::MAX_UNPROVED as u64;
+
+/// `wanted` connections if the descriptor limit allows them (raising the soft limit
+/// towards the hard one if needed), else as many as it does: connections past the limit
+/// would fail `accept` and never be told why.
+fn descriptors_for(wanted: usize) -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write `limit`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return wanted;
+    }
+    let needed = wanted as u64 + SPARE_DESCRIPTORS;
+    if limit.rlim_cur < needed {
+        let raised = libc::rlimit {
+            rlim_cur: needed.min(limit.rlim_max),
+            rlim_max: limit.rlim_max,
+        };
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        }
+    }
+    let allowed = limit.rlim_cur.saturating_sub(SPARE_DESCRIPTORS).max(1) as usize;
+    if allowed < wanted {
+        eprintln!(
+            "bourse_daemon: serving at most {allowed} connections (the descriptor limit is {})",
+            limit.rlim_cur
+        );
+    }
+    wanted.min(allowed)
 }

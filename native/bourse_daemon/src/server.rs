@@ -1,18 +1,19 @@
 //! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON.
-//! Each connection is one task answering its lines in order; answers to pipelined requests
-//! are written together once no complete line is left in the input.
+//! Each connection is one task. Unix sockets are created owner-only (or owner and group);
+//! TCP clients prove the shared secret before anything but `hello` is served. Connections
+//! are bounded in number, and closed when idle.
 
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::protocol::Service;
 use crate::store::Store;
@@ -21,6 +22,23 @@ use crate::store::Store;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Answers are written out once this many bytes are pending, even mid-batch.
 const WRITE_CHUNK: usize = 64 * 1024;
+/// How long a connection that must prove the secret may take to do it.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Requests of one connection running at once on a remote store; past it, reading waits.
+const MAX_RUNNING: usize = 4096;
+/// TCP connections that have not proved the secret yet, at most.
+pub const MAX_UNPROVED: usize = 64;
+
+/// What bounds the connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_frame_bytes: usize,
+    pub max_connections: usize,
+    /// A connection that sends nothing for this long is closed.
+    pub idle_timeout: Option<Duration>,
+    /// The permission bits of the Unix socket files (0o600 or 0o660).
+    pub socket_mode: u32,
+}
 
 /// Binds every listener, prints `listening ...` lines, serves until SIGTERM or SIGINT, then
 /// drains connections and removes the socket files.
@@ -28,7 +46,7 @@ pub async fn run<S: Store>(
     service: Arc<Service<S>>,
     tcp: &[SocketAddr],
     unix: &[PathBuf],
-    max_frame_bytes: usize,
+    limits: Limits,
     sweep_interval: Duration,
 ) -> Result<(), String> {
     let mut terminate =
@@ -50,8 +68,7 @@ pub async fn run<S: Store>(
     }
     for path in unix {
         remove_stale_socket(path)?;
-        let listener = UnixListener::bind(path)
-            .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+        let listener = bind_unix(path, limits.socket_mode)?;
         sockets.0.push(path.clone());
         lines.push_str(&format!("listening unix {}\n", path.display()));
         unix_listeners.push(listener);
@@ -68,7 +85,9 @@ pub async fn run<S: Store>(
     let (alive, mut all_ended) = mpsc::channel::<()>(1);
     let context = Context {
         service: Arc::clone(&service),
-        max_frame_bytes,
+        limits,
+        connections: Arc::new(Semaphore::new(limits.max_connections)),
+        unproved: Arc::default(),
         shutdown,
         _alive: alive,
     };
@@ -107,10 +126,26 @@ pub async fn run<S: Store>(
     Ok(())
 }
 
+/// Binds a Unix socket whose file has `mode` from the start: the process umask is narrowed
+/// around `bind`, so no other user can connect in between.
+fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, String> {
+    let cannot = |e: io::Error| format!("cannot listen on {}: {e}", path.display());
+    // SAFETY: umask only changes this process's file-creation mask; no other thread
+    // creates files while the listeners are bound.
+    let previous = unsafe { libc::umask(0o777 & !(mode as libc::mode_t)) };
+    let bound = UnixListener::bind(path);
+    unsafe { libc::umask(previous) };
+    let listener = bound.map_err(cannot)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(cannot)?;
+    Ok(listener)
+}
+
 /// What every accept loop and connection task shares.
 struct Context<S: Store> {
     service: Arc<Service<S>>,
-    max_frame_bytes: usize,
+    limits: Limits,
+    connections: Arc<Semaphore>,
+    unproved: Arc<Unproved>,
     shutdown: watch::Receiver<bool>,
     /// Dropped when the task holding this context ends.
     _alive: mpsc::Sender<()>,
@@ -121,7 +156,9 @@ impl<S: Store> Clone for Context<S> {
     fn clone(&self) -> Self {
         Self {
             service: Arc::clone(&self.service),
-            max_frame_bytes: self.max_frame_bytes,
+            limits: self.limits,
+            connections: Arc::clone(&self.connections),
+            unproved: Arc::clone(&self.unproved),
             shutdown: self.shutdown.clone(),
             _alive: self._alive.clone(),
         }
@@ -134,7 +171,8 @@ enum Listener {
 }
 
 impl Listener {
-    /// Accepts one connection and spawns its task.
+    /// Accepts one connection and spawns its task; past the connection limit, the
+    /// connection is told so and closed.
     async fn accept<S: Store>(&self, context: &Context<S>) -> io::Result<()> {
         match self {
             Self::Tcp(listener) => {
@@ -142,14 +180,97 @@ impl Listener {
                 // Small answers must not wait for Nagle (best effort: a reset peer is
                 // found out by its first read).
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve(stream, context.clone()));
+                spawn(stream, context, true);
             }
             Self::Unix(listener) => {
                 let (stream, _) = listener.accept().await?;
-                tokio::spawn(serve(stream, context.clone()));
+                spawn(stream, context, false);
             }
         }
         Ok(())
+    }
+}
+
+/// Serves `stream`. A Unix connection needs a connection slot at once; a TCP connection
+/// takes one when it has proved the secret, and until then holds one of the few places
+/// of [`Unproved`]. Past the limit a connection is told so and closed.
+fn spawn<T, S>(stream: T, context: &Context<S>, prove: bool)
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: Store,
+{
+    if prove {
+        let entry = context.unproved.admit();
+        tokio::spawn(serve(stream, context.clone(), Slot::Unproved(entry)));
+        return;
+    }
+    match Arc::clone(&context.connections).try_acquire_owned() {
+        Ok(permit) => {
+            tokio::spawn(serve(
+                stream,
+                context.clone(),
+                Slot::Held { _permit: permit },
+            ));
+        }
+        Err(_) => {
+            tokio::spawn(refuse(stream, context.limits.max_connections));
+        }
+    }
+}
+
+/// Tells a connection past the limit so, and closes it.
+async fn refuse<T: AsyncWrite + Unpin>(mut stream: T, max: usize) {
+    let line = format!(
+        "{{\"ok\":false,\"error\":{{\"type\":\"unavailable\",\"message\":\
+         \"the daemon serves at most {max} connections (--max-connections)\"}}}}\n"
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.write_all(line.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}
+
+/// What a connection holds to be served.
+enum Slot {
+    /// A connection slot, given back when the connection ends.
+    Held { _permit: OwnedSemaphorePermit },
+    /// A place among the connections that have not proved the secret yet; notified when
+    /// a newer one takes it.
+    Unproved(Arc<Evictable>),
+}
+
+/// A connection that may be closed to make room.
+pub struct Evictable {
+    evicted: tokio::sync::Notify,
+}
+
+/// The connections that have not proved the secret: at most [`MAX_UNPROVED`]; a new one
+/// closes the oldest, so that connections that never prove anything (another local user's)
+/// cannot keep a real client out.
+#[derive(Default)]
+struct Unproved {
+    waiting: std::sync::Mutex<std::collections::VecDeque<Arc<Evictable>>>,
+}
+
+impl Unproved {
+    fn admit(&self) -> Arc<Evictable> {
+        let entry = Arc::new(Evictable {
+            evicted: tokio::sync::Notify::new(),
+        });
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if waiting.len() >= MAX_UNPROVED {
+            if let Some(oldest) = waiting.pop_front() {
+                oldest.evicted.notify_one();
+            }
+        }
+        waiting.push_back(Arc::clone(&entry));
+        entry
+    }
+
+    fn leave(&self, entry: &Arc<Evictable>) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.retain(|other| !Arc::ptr_eq(other, entry));
     }
 }
 
@@ -169,16 +290,26 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
     }
 }
 
-/// Answers one connection's lines in order until it closes, sends an oversized frame, or the
-/// daemon shuts down (then the lines already received are answered first).
+/// Answers one connection's lines until it closes, sends an oversized frame, stays idle past
+/// its timeout, or the daemon shuts down (then the lines already received are answered
+/// first). With the in-memory table lines are answered in order; with a remote store each
+/// runs as a task and its answer is written as soon as it is ready.
 async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     mut context: Context<S>,
+    mut slot: Slot,
 ) {
-    let service = &context.service;
-    let session = service.session();
-    let mut input = Lines::new(context.max_frame_bytes);
+    let prove = matches!(slot, Slot::Unproved(_));
+    let service = Arc::clone(&context.service);
+    let idle = context.limits.idle_timeout;
+    let session = Arc::new(service.session(prove, idle.map(|idle| idle.as_millis() as u64)));
+    let mut input = Lines::new(context.limits.max_frame_bytes);
     let mut out = Vec::with_capacity(4096);
+    let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
+    let mut running = 0usize;
+    let opened = Instant::now();
+    let mut active = opened;
+    let mut closing = false;
     loop {
         loop {
             match input.next() {
@@ -187,15 +318,36 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                     if line.iter().all(u8::is_ascii_whitespace) {
                         continue;
                     }
-                    service.handle(&session, line, &mut out).await;
+                    let number = session.next_frame();
+                    if S::REMOTE {
+                        running += 1;
+                        let (service, session) = (Arc::clone(&service), Arc::clone(&session));
+                        let (line, answered) = (line.to_vec(), answered.clone());
+                        tokio::spawn(async move {
+                            let mut out = Vec::with_capacity(128);
+                            service.handle(&session, number, &line, &mut out).await;
+                            out.push(b'\n');
+                            let _ = answered.send(out);
+                        });
+                        continue;
+                    }
+                    service.handle(&session, number, line, &mut out).await;
                     out.push(b'\n');
                     if out.len() >= WRITE_CHUNK && send(&mut stream, &mut out).await.is_err() {
                         return;
                     }
                 }
                 Next::TooLarge => {
-                    service.frame_too_large(&mut out, context.max_frame_bytes);
+                    let number = session.next_frame();
+                    service.frame_too_large(&mut out, number, context.limits.max_frame_bytes);
                     out.push(b'\n');
+                    while running > 0 {
+                        let Some(answer) = answers.recv().await else {
+                            break;
+                        };
+                        running -= 1;
+                        out.extend_from_slice(&answer);
+                    }
                     let _ = send(&mut stream, &mut out).await;
                     let _ = stream.shutdown().await;
                     linger(&mut stream, Duration::from_secs(1)).await;
@@ -208,23 +360,67 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
             return;
         }
         if *context.shutdown.borrow_and_update() {
+            closing = true;
+        }
+        if closing && running == 0 {
             break;
         }
+        // Proved: from now on it needs a connection slot.
+        if let Slot::Unproved(entry) = &slot {
+            if session.authenticated() {
+                context.unproved.leave(entry);
+                match Arc::clone(&context.connections).try_acquire_owned() {
+                    Ok(permit) => slot = Slot::Held { _permit: permit },
+                    Err(_) => return refuse(stream, context.limits.max_connections).await,
+                }
+            }
+        }
+        let evicted = async {
+            match &slot {
+                Slot::Unproved(entry) => entry.evicted.notified().await,
+                Slot::Held { .. } => std::future::pending().await,
+            }
+        };
+        // Until it proves the secret a connection has AUTH_TIMEOUT; then its idle timeout.
+        let deadline = if session.authenticated() {
+            idle.map(|idle| active + idle)
+        } else {
+            Some(opened + idle.map_or(AUTH_TIMEOUT, |idle| idle.min(AUTH_TIMEOUT)))
+        };
+        let expired = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            read = input.fill(&mut stream) => match read {
+            read = input.fill(&mut stream), if !closing && running < MAX_RUNNING => match read {
                 Ok(0) => {
                     if input.has_partial() {
-                        service.truncated_frame(&mut out);
+                        let number = session.next_frame();
+                        service.truncated_frame(&mut out, number);
                         out.push(b'\n');
-                        let _ = send(&mut stream, &mut out).await;
                     }
-                    break;
+                    closing = true;
                 }
-                Ok(_) => {}
+                Ok(_) => active = Instant::now(),
                 Err(_) => return,
             },
-            _ = context.shutdown.changed() => {}
+            Some(answer) = answers.recv(), if running > 0 => {
+                running -= 1;
+                out.extend_from_slice(&answer);
+                while let Ok(answer) = answers.try_recv() {
+                    running -= 1;
+                    out.extend_from_slice(&answer);
+                }
+            }
+            _ = context.shutdown.changed(), if !closing => {}
+            () = expired, if running == 0 && !closing => break,
+            () = evicted, if running == 0 && !closing => break,
         }
+    }
+    if let Slot::Unproved(entry) = &slot {
+        context.unproved.leave(entry);
     }
     let _ = stream.shutdown().await;
     if *context.shutdown.borrow() {

@@ -1,17 +1,22 @@
 //! `--stdio`: one client (an Erlang port) on stdin/stdout, 4-byte big-endian length-prefixed
-//! JSON frames, answered in order. Plain blocking I/O on the main thread: there is only one
-//! stream; each request runs to completion on `runtime` (at once for the in-memory table,
-//! one round trip for Redis) before the next is read.
+//! JSON frames. Blocking reads on the main thread: there is only one stream. With the
+//! in-memory table each request is answered before the next is read, and pipelined answers
+//! share a write; with a remote store (Redis) each request runs as a task and its answer is
+//! written as soon as it is ready, so one slow answer holds back no other.
 
-use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Stdout, Write};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::Runtime;
 
-use crate::protocol::Service;
+use crate::protocol::{Service, Session};
 use crate::store::Store;
+
+/// How long a stop waits for the answers of requests still running on a remote store.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What reading one frame found.
 enum Frame {
@@ -23,82 +28,141 @@ enum Frame {
     TooLarge,
 }
 
+/// What the reader and the tasks answering share.
+struct Shared<S: Store> {
+    service: Arc<Service<S>>,
+    session: Session,
+    writer: Mutex<BufWriter<Stdout>>,
+    /// Requests running on the remote store.
+    running: AtomicUsize,
+    /// Set by SIGTERM: requests read from now on are not run.
+    stopping: AtomicBool,
+}
+
+impl<S: Store> Shared<S> {
+    /// Writes one answer (`out` starts with 4 bytes for its length) and flushes.
+    fn send(&self, out: &mut [u8], flush: bool) -> io::Result<()> {
+        let length = (out.len() - 4) as u32;
+        out[..4].copy_from_slice(&length.to_be_bytes());
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        writer.write_all(out)?;
+        if flush {
+            writer.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Waits (at most [`DRAIN_TIMEOUT`]) for the requests still running, then flushes.
+    fn drain(&self) {
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = self
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .flush();
+    }
+}
+
 /// Serves until stdin closes (exit 0), a frame is too large (exit 1) or SIGTERM (exit 0,
-/// after the answer being written is flushed).
+/// after the answers of the requests already running are written).
 pub fn run<S: Store>(
     service: Arc<Service<S>>,
     runtime: &Runtime,
     max_frame_bytes: usize,
     sweep_interval: Duration,
 ) -> ExitCode {
-    let writer = Arc::new(Mutex::new(BufWriter::with_capacity(
-        64 * 1024,
-        io::stdout(),
-    )));
-    if let Err(error) = watch_signals(Arc::clone(&writer)) {
+    let shared = Arc::new(Shared {
+        session: service.session(false, None),
+        service,
+        writer: Mutex::new(BufWriter::with_capacity(64 * 1024, io::stdout())),
+        running: AtomicUsize::new(0),
+        stopping: AtomicBool::new(false),
+    });
+    if let Err(error) = watch_signals(Arc::clone(&shared)) {
         eprintln!("bourse_daemon: cannot install signal handlers: {error}");
         return ExitCode::FAILURE;
     }
-    let sweeper = Arc::clone(&service);
+    let sweeper = Arc::clone(&shared.service);
     std::thread::spawn(move || loop {
         std::thread::sleep(sweep_interval);
         sweeper.store().sweep();
     });
 
-    let session = service.session();
     let mut reader = BufReader::with_capacity(64 * 1024, io::stdin().lock());
     let mut frame = Vec::new();
     let mut out = Vec::with_capacity(256);
     loop {
         let found = read_frame(&mut reader, &mut frame, max_frame_bytes);
-        // Held from answering to flushing, so SIGTERM lets the answer in progress out.
-        let mut writer = writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let number = shared.session.next_frame();
         out.clear();
         out.extend_from_slice(&[0; 4]);
-        let done = match found {
+        let written = match found {
             Ok(Frame::Data) => {
-                runtime.block_on(service.handle(&session, &frame, &mut out));
-                None
+                // Counted as running before `stopping` is read: a stop either sees it
+                // running and waits for its answer, or it sees the stop and runs nothing.
+                shared.running.fetch_add(1, Ordering::SeqCst);
+                if shared.stopping.load(Ordering::SeqCst) {
+                    shared.running.fetch_sub(1, Ordering::SeqCst);
+                    continue;
+                }
+                if S::REMOTE {
+                    spawn(&shared, runtime, number, frame.clone());
+                    continue;
+                }
+                let session = &shared.session;
+                runtime.block_on(shared.service.handle(session, number, &frame, &mut out));
+                // Pipelined requests share a write: flush when no further one is waiting.
+                let sent = shared.send(&mut out, reader.buffer().is_empty());
+                shared.running.fetch_sub(1, Ordering::SeqCst);
+                sent
             }
-            Ok(Frame::Closed) => Some(ExitCode::SUCCESS),
+            Ok(Frame::Closed) => {
+                shared.drain();
+                return ExitCode::SUCCESS;
+            }
             Ok(Frame::TooLarge) => {
-                service.frame_too_large(&mut out, max_frame_bytes);
+                shared
+                    .service
+                    .frame_too_large(&mut out, number, max_frame_bytes);
+                let _ = shared.send(&mut out, true);
                 eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
-                Some(ExitCode::FAILURE)
+                shared.drain();
+                return ExitCode::FAILURE;
             }
             Err(error) => {
                 eprintln!("bourse_daemon: reading stdin: {error}");
-                Some(ExitCode::FAILURE)
+                return ExitCode::FAILURE;
             }
         };
-        let written = if out.len() > 4 {
-            let length = (out.len() - 4) as u32;
-            out[..4].copy_from_slice(&length.to_be_bytes());
-            writer.write_all(&out)
-        } else {
-            Ok(())
-        };
-        // Flush when no further request is already waiting: pipelined requests share a write.
-        let flushed = written.and_then(|()| {
-            if done.is_some() || reader.buffer().is_empty() {
-                writer.flush()
-            } else {
-                Ok(())
-            }
-        });
-        match (done, flushed) {
-            (Some(code), _) => return code,
-            (None, Ok(())) => {}
+        match written {
+            Ok(()) => {}
             // The VM closed the port.
-            (None, Err(error)) if error.kind() == ErrorKind::BrokenPipe => {
-                return ExitCode::SUCCESS
-            }
-            (None, Err(error)) => {
+            Err(error) if error.kind() == ErrorKind::BrokenPipe => return ExitCode::SUCCESS,
+            Err(error) => {
                 eprintln!("bourse_daemon: writing stdout: {error}");
                 return ExitCode::FAILURE;
             }
         }
     }
+}
+
+/// Runs one request on the remote store as a task; its answer is written when ready.
+/// The caller counted it as running.
+fn spawn<S: Store>(shared: &Arc<Shared<S>>, runtime: &Runtime, number: u64, frame: Vec<u8>) {
+    let shared = Arc::clone(shared);
+    runtime.spawn(async move {
+        let mut out = vec![0; 4];
+        shared
+            .service
+            .handle(&shared.session, number, &frame, &mut out)
+            .await;
+        // A closed stdout is found by the reader (stdin closes with it).
+        let _ = shared.send(&mut out, true);
+        shared.running.fetch_sub(1, Ordering::SeqCst);
+    });
 }
 
 /// Reads one length-prefixed frame into `frame`.
@@ -122,9 +186,10 @@ fn read_frame(reader: &mut impl BufRead, frame: &mut Vec<u8>, max: usize) -> io:
     }
 }
 
-/// SIGTERM: wait for the answer in progress, flush, exit 0. SIGINT is ignored: Ctrl-C in
-/// the BEAM shell reaches the port too, and the port's life follows the VM's (stdin).
-fn watch_signals<W: Write + Send + 'static>(writer: Arc<Mutex<W>>) -> io::Result<()> {
+/// SIGTERM: run nothing more, wait for the answers of the requests running, flush, exit 0.
+/// SIGINT is ignored: Ctrl-C in the BEAM shell reaches the port too, and the port's life
+/// follows the VM's (stdin).
+fn watch_signals<S: Store>(shared: Arc<Shared<S>>) -> io::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -144,8 +209,9 @@ fn watch_signals<W: Write + Send + 'static>(writer: Arc<Mutex<W>>) -> io::Result
                 }
             }
         });
-        let mut writer = writer.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = writer.flush();
+        shared.stopping.store(true, Ordering::SeqCst);
+        // The answer being written in memory mode completes under the writer's lock.
+        shared.drain();
         std::process::exit(0);
     });
     Ok(())

@@ -4,10 +4,31 @@
 
 use std::future::{ready, Future};
 
+use crate::fingerprint;
+
 use bourse_core::{
-    Check, Clock, Config, InvalidInput, Key, KeyInfo, KeyRef, Mode, MonotonicClock, Outcome,
+    Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode, MonotonicClock, Outcome,
     PauseTarget, Stats, Table,
 };
+
+/// A key as answers show it: the credential only by its fingerprint
+/// ([`crate::fingerprint::shown`]), `None` for the public pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShownKey {
+    pub exchange: Vec<u8>,
+    pub credential: Option<String>,
+    pub axis: Vec<u8>,
+}
+
+impl ShownKey {
+    pub fn of(key: KeyRef) -> Self {
+        Self {
+            exchange: key.exchange.to_vec(),
+            credential: key.credential.map(fingerprint::shown),
+            axis: key.axis.to_vec(),
+        }
+    }
+}
 
 /// Why a store did not carry out a request.
 #[derive(Debug)]
@@ -24,6 +45,11 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// The operations of the protocol, on validated input. Every method of a shared store may
 /// fail with [`StoreError::Unavailable`]; none of them may hang.
 pub trait Store: Send + Sync + 'static {
+    /// Whether answers wait on another server: transports then run each request as a task
+    /// of its own and send its answer as soon as it is ready, in any order. The in-memory
+    /// table answers at once, in order.
+    const REMOTE: bool;
+
     fn config(&self) -> Config;
 
     /// Checks one bucket; `owner` identifies the caller's bookings.
@@ -61,7 +87,7 @@ pub trait Store: Send + Sync + 'static {
     fn busiest(
         &self,
         count: usize,
-    ) -> impl Future<Output = StoreResult<Vec<(Key, KeyInfo)>>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<(ShownKey, KeyInfo)>>> + Send;
 
     fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send;
 
@@ -93,6 +119,8 @@ impl<C: Clock> Memory<C> {
 }
 
 impl<C: Clock> Store for Memory<C> {
+    const REMOTE: bool = false;
+
     fn config(&self) -> Config {
         self.table.config()
     }
@@ -147,8 +175,12 @@ impl<C: Clock> Store for Memory<C> {
     fn busiest(
         &self,
         count: usize,
-    ) -> impl Future<Output = StoreResult<Vec<(Key, KeyInfo)>>> + Send {
-        ready(Ok(self.table.busiest(count)))
+    ) -> impl Future<Output = StoreResult<Vec<(ShownKey, KeyInfo)>>> + Send {
+        let rows = self.table.busiest(count);
+        ready(Ok(rows
+            .into_iter()
+            .map(|(key, info)| (ShownKey::of(key.as_ref()), info))
+            .collect()))
     }
 
     fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send {

@@ -374,14 +374,17 @@ fn idle_buckets_expire_once_they_behave_as_new() {
     let server = daemon(&redis, &["--booking-slack-ms", "100"]);
     let mut t = server.connect();
     let k = key("e", Some("ttl"));
-    let bucket = "bourse:{1:e}:b:3:ttl:7:request";
-    let pttl = |redis: &Redis| -> i64 { redis.query(::redis::cmd("PTTL").arg(bucket)) };
     // Capacity 10 at 10/s: full again 1 s after paying, plus a 1 s margin.
     t.call(check(
         &k,
         json!({"capacity": 10, "refill_per_sec": 10}),
         10.0,
     ));
+    let names: Vec<String> = redis.query(::redis::cmd("KEYS").arg("bourse:{1:e}:b:h*:7:request"));
+    let [bucket] = names.as_slice() else {
+        panic!("{names:?}")
+    };
+    let pttl = |redis: &Redis| -> i64 { redis.query(::redis::cmd("PTTL").arg(bucket)) };
     let ttl = pttl(&redis);
     assert!((1000..=2000).contains(&ttl), "{ttl}");
     // A refused over-capacity probe keeps the bucket past the delay it answered.
@@ -706,4 +709,212 @@ fn the_script_answers_as_the_core_does() {
     let stats = |t: &mut dyn Transport| t.call(json!({"op": "stats"}))["stats"].clone();
     let (a, b) = (stats(&mut m), stats(&mut r));
     assert_eq!(a, b, "counters differ");
+}
+
+/// A signal to `pid` with the system's `kill` command.
+fn kill(signal: &str, pid: u32) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+}
+
+/// Requests sent without waiting, answers read later.
+trait Pipelined {
+    fn send_request(&mut self, request: &Value);
+    fn recv_answer(&mut self) -> Value;
+}
+
+impl Pipelined for StdioDaemon {
+    fn send_request(&mut self, request: &Value) {
+        self.send_frame(&serde_json::to_vec(request).unwrap());
+    }
+    fn recv_answer(&mut self) -> Value {
+        self.recv_frame().expect("an answer")
+    }
+}
+
+impl Pipelined for LineClient<TcpStream> {
+    fn send_request(&mut self, request: &Value) {
+        self.send(request);
+    }
+    fn recv_answer(&mut self) -> Value {
+        self.recv()
+    }
+}
+
+/// Sends `n` checks of one key at once on `send`, then collects their answers with the time
+/// each took, by id.
+fn burst(n: u64, k: &Value, limit: &Value, t: &mut impl Pipelined) -> Vec<(Value, Duration)> {
+    let started = Instant::now();
+    for id in 0..n {
+        let mut request = check(k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        t.send_request(&request);
+    }
+    let mut answers: Vec<(Value, Duration)> = (0..n)
+        .map(|_| (t.recv_answer(), started.elapsed()))
+        .collect();
+    answers.sort_by_key(|(answer, _)| answer["id"].as_u64());
+    answers
+}
+
+/// With Redis stopped (SIGSTOP) under load, every caller is told `unavailable` within the
+/// Redis timeout and a small slack, not one after another; once Redis resumes it runs the
+/// scripts it had received, and none of them pays: they refuse work past their deadline.
+#[test]
+fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let timeout_ms = 500;
+    let timeout = timeout_ms.to_string();
+    let args = [
+        "--redis",
+        url.as_str(),
+        "--redis-timeout-ms",
+        timeout.as_str(),
+    ];
+    let limit = json!({"capacity": 20, "refill_per_sec": 0.001});
+    let mut stdio = StdioDaemon::start(&args);
+    let server = Server::tcp(&args);
+    let mut tcp = server.connect();
+    for (name, k) in [
+        ("stdio", key("f", Some("stdio"))),
+        ("tcp", key("f", Some("tcp"))),
+    ] {
+        let t: &mut dyn Transport = if name == "stdio" {
+            &mut stdio
+        } else {
+            &mut tcp
+        };
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    }
+    kill("STOP", redis.child.id());
+    let stdio_answers = burst(20, &key("f", Some("stdio")), &limit, &mut stdio);
+    let tcp_answers = burst(20, &key("f", Some("tcp")), &limit, &mut tcp);
+    kill("CONT", redis.child.id());
+    // Generous for a loaded 2-core machine; before, answers came one timeout after another
+    // (20 × 500 ms), or all after the port's own 5 s.
+    let slack = Duration::from_millis(1500);
+    for (name, answers) in [("stdio", &stdio_answers), ("tcp", &tcp_answers)] {
+        let slowest = answers.iter().map(|(_, took)| *took).max().unwrap();
+        eprintln!("{name}: 20 callers with Redis stopped, slowest answer after {slowest:?}");
+        for (answer, took) in answers.iter() {
+            assert_eq!(answer["error"]["type"], "unavailable", "{name}: {answer}");
+            assert!(
+                *took <= Duration::from_millis(timeout_ms) + slack,
+                "{name}: {answer} after {took:?}"
+            );
+        }
+    }
+    // Redis ran what it had received; nothing of it was paid.
+    sleep_ms(300);
+    for (name, k) in [
+        ("stdio", key("f", Some("stdio"))),
+        ("tcp", key("f", Some("tcp"))),
+    ] {
+        let t: &mut dyn Transport = if name == "stdio" {
+            &mut stdio
+        } else {
+            &mut tcp
+        };
+        let info = t.call(json!({"op": "inspect", "key": k}));
+        let tokens = info["info"]["tokens"].as_f64().unwrap();
+        eprintln!("{name}: tokens after SIGCONT {tokens} (19 expected)");
+        assert!(
+            tokens > 18.99,
+            "{name}: calls told unavailable paid: {info}"
+        );
+    }
+}
+
+/// Redis killed: calls are told `unavailable` at once; restarted empty on the same port,
+/// the daemon reconnects and reloads its script, and nothing refused was paid.
+#[test]
+fn a_killed_redis_restarted_empty_serves_again_and_refusals_paid_nothing() {
+    let Some(mut redis) = Redis::start() else {
+        return;
+    };
+    let url = redis.url();
+    let mut stdio = StdioDaemon::start(&["--redis", &url, "--redis-timeout-ms", "500"]);
+    let k = key("g", Some("k"));
+    let limit = json!({"capacity": 20, "refill_per_sec": 0.001});
+    assert_eq!(
+        stdio.call(check(&k, limit.clone(), 1.0))["result"],
+        "admitted"
+    );
+    kill("KILL", redis.child.id());
+    let _ = redis.child.wait();
+    let answers = burst(20, &k, &limit, &mut stdio);
+    for (answer, took) in &answers {
+        assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+        assert!(*took < Duration::from_secs(2), "{answer} after {took:?}");
+    }
+    redis = Redis::on_port(redis.port);
+    eventually("the daemon serves again", || {
+        stdio.call(check(&k, limit.clone(), 1.0))["result"] == "admitted"
+    });
+    let tokens = stdio.call(json!({"op": "inspect", "key": k}))["info"]["tokens"]
+        .as_f64()
+        .unwrap();
+    assert!(tokens > 18.99, "{tokens}");
+    drop(redis);
+}
+
+/// Everything the limiter writes expires: 10,000 exchanges leave no key without a TTL.
+#[test]
+fn nothing_in_redis_lives_forever() {
+    let Some(redis) = Redis::start() else { return };
+    let mut stdio = StdioDaemon::start(&["--redis", &redis.url(), "--assume-busy-at-start"]);
+    let limit = json!({"capacity": 5, "refill_per_sec": 1});
+    let n = 10_000;
+    // In batches, so that no request waits behind thousands on a loaded machine.
+    for batch in 0..n / 200 {
+        for i in batch * 200..(batch + 1) * 200 {
+            let mut request = check(&key(&format!("x{i}"), Some("k")), limit.clone(), 1.0);
+            request["id"] = json!(i);
+            stdio.send_frame(&serde_json::to_vec(&request).unwrap());
+        }
+        // With assume_busy_at_start new buckets start empty: refused, but recorded.
+        for _ in 0..200 {
+            let answer = stdio.recv_frame().unwrap();
+            assert_eq!(answer["result"], "delay", "{answer}");
+        }
+    }
+    let pause = json!({"op": "pause", "target": {"exchange": "x1", "credential": "k"}, "ms": 1000});
+    assert_eq!(stdio.call(pause), json!({"ok": true}));
+    stdio.call(json!({"op": "record", "key": key("y", Some("k")), "cost": 2}));
+    let booked = json!({"op": "check", "key": key("x2", Some("k")), "limit": limit, "cost": 5, "max_wait_ms": 60_000});
+    assert_eq!(stdio.call(booked)["ok"], true);
+    let mut cursor = 0u64;
+    let (mut keys, mut forever) = (0, Vec::new());
+    loop {
+        let (next, names): (u64, Vec<String>) =
+            redis.query(::redis::cmd("SCAN").arg(cursor).arg("COUNT").arg(5000));
+        for name in names {
+            keys += 1;
+            let ttl: i64 = redis.query(::redis::cmd("PTTL").arg(&name));
+            // -2: expired since the scan, as it should.
+            if ttl == -1 {
+                forever.push(name);
+            }
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    eprintln!(
+        "{keys} keys in Redis after {n} exchanges, {} without a TTL",
+        forever.len()
+    );
+    assert!(keys > n as usize);
+    assert!(
+        forever.is_empty(),
+        "{} keys without a TTL, e.g. {:?}",
+        forever.len(),
+        &forever[..forever.len().min(3)]
+    );
 }

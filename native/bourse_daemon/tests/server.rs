@@ -75,6 +75,7 @@ fn clients_share_one_bucket() {
             let addr = addr.clone();
             thread::spawn(move || {
                 let mut client = LineClient::new(std::net::TcpStream::connect(addr).unwrap());
+                common::authenticate(&mut client, common::SECRET.as_bytes());
                 (0..20)
                     .filter(|_| {
                         let answer = client.call(json!({"op": "check", "key": key("shared", Some("k")),

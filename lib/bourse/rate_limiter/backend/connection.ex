@@ -62,9 +62,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `previous` handle if its connection is alive and connected to the same target (it is
   adopted: linked to the caller), else a new connection.
 
-  Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`, and
+  Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`,
   `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
-  always when it replaces a previous one).
+  always when it replaces a previous one), `:env` (the port's environment: secrets never
+  go on its command line) and `:secret` (what a socket proves when the daemon asks).
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
@@ -75,7 +76,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def attach(nil, target, opts) do
     timeout = Keyword.fetch!(opts, :timeout)
-    init_arg = {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout}
+
+    init_arg =
+      {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
+       Keyword.take(opts, [:env, :secret])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {:ok,
@@ -102,7 +106,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @spec request(t(), map()) :: map() | {:error, String.t() | Error.t()}
   def request(%__MODULE__{} = handle, request) do
     id = System.unique_integer([:positive])
-    payload = :jiffy.encode(Map.put(request, :id, id))
+    payload = encode(id, request)
 
     case :ets.lookup(handle.table, :stream) do
       [{:stream, nil, down}] ->
@@ -177,8 +181,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   ## The process
 
+  # The id comes first: the daemon reads it even from a frame that is not valid JSON, so
+  # every answer finds its caller.
+  defp encode(id, request), do: :jiffy.encode({[{:id, id} | Map.to_list(request)]})
+
   @impl true
-  def init({target, limiter, assume_busy, timeout}) do
+  def init({target, limiter, assume_busy, timeout, secrets}) do
     Process.flag(:trap_exit, true)
 
     state = %{
@@ -197,7 +205,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       backoff_ms: @first_backoff_ms,
       connected_before: false,
       limiter: limiter,
-      orphan_timer: nil
+      orphan_timer: nil,
+      env: Keyword.get(secrets, :env, []),
+      secret: Keyword.get(secrets, :secret)
     }
 
     publish(state, nil)
@@ -289,6 +299,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info(:reopen, %{stream: nil} = state), do: {:noreply, reopen(state)}
+
+  # The daemon closes connections idle for longer than its idle timeout.
+  def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
+    hello = framed(:socket, hello_request(), 0)
+    state = %{state | outbox: [state.outbox | hello], queued: state.queued + 1}
+    {:noreply, state |> keepalive(idle_ms) |> flush_soon()}
+  end
+
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
   # Exits of ports already replaced, stale timers, messages of closed sockets.
   def handle_info(_message, state), do: {:noreply, state}
@@ -493,7 +511,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         :exit_status,
         :use_stdio,
         busy_limits_port: {64 * 1024, 1024 * 1024},
-        args: flags
+        args: flags,
+        env: state.env
       ])
 
     with {:ok, hello} <- port_handshake(port) do
@@ -505,7 +524,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp open(%{target: {:socket, address}} = state) do
     with {:ok, socket} <- connect(address, state.timeout),
-         {:ok, hello} <- socket_handshake(socket) do
+         {:ok, hello} <- socket_handshake(socket, state.secret) do
       if state.connected_before and hello["assume_busy_at_start"] == false do
         Logger.warning(
           "#{describe(state.target)}: reconnected to a daemon started without " <>
@@ -514,9 +533,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         )
       end
 
-      {:ok, connected(state, socket, hello)}
+      {:ok, state |> connected(socket, hello) |> keepalive(hello["idle_timeout_ms"])}
     end
   end
+
+  # A hello every third of the daemon's idle timeout keeps a quiet connection open.
+  defp keepalive(state, idle_ms) when is_integer(idle_ms) and idle_ms > 0 do
+    Process.send_after(self(), {:keepalive, state.stream, idle_ms}, max(div(idle_ms, 3), 1))
+    state
+  end
+
+  defp keepalive(state, _idle_ms), do: state
 
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
@@ -550,10 +577,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       [send_timeout: timeout, send_timeout_close: true]
   end
 
-  defp socket_handshake(socket) do
+  defp socket_handshake(socket, secret) do
     with :ok <- tagged(:gen_tcp.send(socket, [hello_request(), ?\n]), "cannot send"),
          {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
          {:ok, hello} <- hello(line),
+         :ok <- prove(socket, hello, secret),
          :ok <- :inet.setopts(socket, packet: :raw, active: true) do
       {:ok, hello}
     else
@@ -562,6 +590,40 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         error
     end
   end
+
+  # A daemon reached over TCP asks for proof of the shared secret: the HMAC-SHA256 of the
+  # nonce in its hello. The secret itself is never sent.
+  defp prove(_socket, %{"auth" => nil}, _secret), do: :ok
+
+  defp prove(_socket, %{"auth" => %{}}, nil) do
+    {:error,
+     "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
+       "secret_file: option"}
+  end
+
+  defp prove(socket, %{"auth" => %{"scheme" => "hmac-sha256", "nonce" => nonce}}, secret) do
+    proof = :crypto.mac(:hmac, :sha256, secret, nonce) |> Base.encode16(case: :lower)
+
+    with :ok <-
+           tagged(
+             :gen_tcp.send(socket, [encode(0, %{op: "auth", proof: proof}), ?\n]),
+             "cannot send"
+           ),
+         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no answer to auth") do
+      case decode(line) do
+        {:ok, %{"ok" => true}} ->
+          :ok
+
+        _ ->
+          {:error, "the daemon refused the proof of the shared secret (is it the same secret?)"}
+      end
+    end
+  end
+
+  defp prove(_socket, %{"auth" => _}, _secret),
+    do: {:error, "the daemon asks for a proof this client does not know"}
+
+  defp prove(_socket, _hello, _secret), do: :ok
 
   defp port_handshake(port) do
     hello = hello_request()
@@ -586,7 +648,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp hello_request, do: :jiffy.encode(%{op: "hello", id: 0})
+  defp hello_request, do: encode(0, %{op: "hello"})
 
   defp hello(frame) do
     case decode(frame) do

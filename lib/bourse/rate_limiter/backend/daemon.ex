@@ -10,11 +10,21 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       {Bourse.RateLimiter, name: MyApp.Limiter, backend: {:daemon, {:unix, "/run/bourse.sock"}}}
 
   `address` is `"IP:PORT"` (`"127.0.0.1:7878"`, `"[::1]:7878"`, `"localhost:7878"`),
-  `{ip_tuple, port}` or `{:unix, path}`. The protocol has no authentication, so only
-  loopback addresses and Unix sockets are accepted unless the backend is given as
-  `{:daemon, address, allow_remote: true}` (then host names are accepted too). Another
-  option of that form: `timeout: ms`, how long a call waits for its answer (default
-  #{5_000}).
+  `{ip_tuple, port}` or `{:unix, path}`. Requests travel in clear, so only loopback
+  addresses and Unix sockets are accepted unless the backend is given as
+  `{:daemon, address, allow_remote: true}` (then host names are accepted too). Other
+  options of that form: `timeout: ms`, how long a call waits for its answer (default
+  #{5_000}), and `secret_file: path`.
+
+  ## Access
+
+  A Unix socket is owner-only (the daemon's `--socket-mode 660` lets its group in too).
+  Over TCP the daemon serves nothing but `hello` until the client proves the shared
+  secret it was started with: the HMAC-SHA256 of a nonce from the daemon's hello; the
+  secret never travels. The limiter reads the secret from `secret_file:` (a trailing
+  newline is ignored) or else from the environment variable `BOURSE_DAEMON_SECRET`, when
+  it connects. Answers never hold an API key: `busiest` shows fingerprints
+  (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined
   (newline-delimited JSON, see `Bourse.RateLimiter.Backend.Protocol`); each calling
@@ -44,6 +54,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   alias Bourse.RateLimiter.Backend.Connection
 
   @default_timeout 5_000
+  @options [:allow_remote, :timeout, :secret_file]
 
   @typedoc "Where the daemon listens."
   @type address ::
@@ -53,10 +64,28 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   def attach(previous, opts) do
     daemon = Keyword.fetch!(opts, :backend_opts)
 
-    Connection.attach(previous, {:socket, daemon[:address]},
-      timeout: daemon[:timeout],
-      owner_prefix: owner_prefix()
-    )
+    with {:ok, secret} <- secret(daemon[:secret_file]) do
+      Connection.attach(previous, {:socket, daemon[:address]},
+        timeout: daemon[:timeout],
+        owner_prefix: owner_prefix(),
+        secret: secret
+      )
+    end
+  end
+
+  defp secret(nil), do: {:ok, System.get_env("BOURSE_DAEMON_SECRET")}
+
+  defp secret(path) do
+    case File.read(path) do
+      {:ok, secret} ->
+        {:ok, String.trim_trailing(secret, "\n")}
+
+      {:error, reason} ->
+        {:error,
+         Bourse.Error.invalid(
+           "cannot read the daemon secret_file #{path}: #{:file.format_error(reason)}"
+         )}
+    end
   end
 
   # Pids are only unique within one VM: the prefix tells this VM's apart from every other
@@ -81,8 +110,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     with :ok <- known_options(opts),
          {:ok, allow_remote} <- allow_remote(opts),
          {:ok, timeout} <- timeout(opts),
+         {:ok, secret_file} <- secret_file(opts),
          {:ok, address} <- address(address, allow_remote) do
-      {:ok, address: address, timeout: timeout}
+      {:ok, [address: address, timeout: timeout] ++ secret_file}
     end
   end
 
@@ -91,9 +121,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       not Keyword.keyword?(opts) ->
         {:error, "daemon options must be a keyword list, got #{inspect(opts)}"}
 
-      Keyword.keys(opts) -- [:allow_remote, :timeout] != [] ->
-        {:error,
-         "unknown daemon options #{inspect(Keyword.keys(opts) -- [:allow_remote, :timeout])}"}
+      Keyword.keys(opts) -- @options != [] ->
+        {:error, "unknown daemon options #{inspect(Keyword.keys(opts) -- @options)}"}
 
       true ->
         :ok
@@ -111,6 +140,14 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     case Keyword.get(opts, :timeout, @default_timeout) do
       ms when is_integer(ms) and ms > 0 -> {:ok, ms}
       other -> {:error, "daemon timeout must be a positive integer (ms), got #{inspect(other)}"}
+    end
+  end
+
+  defp secret_file(opts) do
+    case Keyword.fetch(opts, :secret_file) do
+      :error -> {:ok, []}
+      {:ok, path} when is_binary(path) and path != "" -> {:ok, secret_file: path}
+      {:ok, other} -> {:error, "secret_file must be a path, got #{inspect(other)}"}
     end
   end
 
@@ -170,7 +207,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   end
 
   defp remote(address) do
-    "daemon address #{address} is not loopback: the protocol has no authentication; " <>
+    "daemon address #{address} is not loopback: requests travel in clear; " <>
       "use {:daemon, address, allow_remote: true} on a trusted network"
   end
 end

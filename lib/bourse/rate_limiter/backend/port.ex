@@ -60,7 +60,8 @@ defmodule Bourse.RateLimiter.Backend.Port do
 
       Connection.attach(previous, {:port, executable, args},
         timeout: @timeout,
-        assume_busy_at_start: opts[:assume_busy_at_start]
+        assume_busy_at_start: opts[:assume_busy_at_start],
+        env: Keyword.get(opts, :env, [])
       )
     else
       {:error, "bourse_daemon not found at #{executable}: run mix compile"}

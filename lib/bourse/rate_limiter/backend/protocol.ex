@@ -8,11 +8,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defines every callback of `Bourse.RateLimiter.Backend` but `attach/2`, over a
   `Bourse.RateLimiter.Backend.Connection` handle.
 
-  The caller's process checks the shape of every term before anything is sent (keys,
-  `:public`, limit maps, `nil`, lists, binaries that JSON can carry) and answers malformed
-  input with `{:error, message}`, as the NIF does. Numbers travel as they are: the daemon
-  judges their ranges (`cost: -1`, `capacity: 1.0e308`) and its message comes back the same
-  way. Booking owners are the calling pids, rendered as strings.
+  The caller's process only turns terms into the wire format: key tuples into key objects,
+  limit maps into objects, numbers (of any size) and UTF-8 binaries as they are, and any
+  other term as its shape alone (`{"$term": "tuple", "arity": 4}`, docs/PROTOCOL.md,
+  "Values"). The daemon judges everything with `bourse_core`'s rules, as the NIF does, and
+  its error comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the
+  same message and exchange. Only a binary that is not UTF-8 cannot travel as JSON: it is
+  refused here. Booking owners are the calling pids, rendered as strings.
 
   ## Codec
 
@@ -27,9 +29,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   alias Bourse.Error
   alias Bourse.RateLimiter.Backend.Connection
 
-  @max_key_part_bytes 1024
   @max_checks 1024
-  @max_busiest 10_000
   @info_fields ~w(tokens borrowed debt bookings booked_cost next_ready_ms pause_ms)a
   @stats_fields ~w(admitted claimed delayed booked over_budget lapsed paused debited invalid buckets bookings)a
 
@@ -78,65 +78,55 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_one(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_one(handle, owner, key, limit, cost, max_wait) do
-    with {:ok, key} <- key(key),
-         {:ok, limit} <- limit(limit),
-         {:ok, cost} <- number(cost, "cost") do
-      %{op: "check", key: key, limit: limit, cost: cost}
-      |> owned_by(handle, owner, max_wait)
-      |> run(handle, &outcome/1)
-    end
+    wire(fn -> %{op: "check", key: key(key), limit: limit(limit), cost: value(cost)} end)
+    |> owned_by(handle, owner, max_wait)
+    |> run(handle, &outcome/1)
   end
 
   @doc "`check_rates/3`: all or nothing over several buckets."
   @spec check_many(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_many(handle, owner, checks, max_wait) do
-    with {:ok, checks} <- checks(checks, 0, []) do
-      %{op: "check_many", checks: checks}
-      |> owned_by(handle, owner, max_wait)
-      |> run(handle, &outcome/1)
-    end
+    wire(fn -> %{op: "check_many", checks: checks(checks)} end)
+    |> owned_by(handle, owner, max_wait)
+    |> run(handle, &outcome/1)
   end
 
   @doc "`record_request/3`."
   @spec record(handle(), term(), term()) :: :ok | error()
   def record(handle, key, cost) do
-    with {:ok, key} <- key(key), {:ok, cost} <- number(cost, "cost") do
-      run(%{op: "record", key: key, cost: cost}, handle, &done/1)
-    end
+    wire(fn -> %{op: "record", key: key(key), cost: value(cost)} end) |> run(handle, &done/1)
   end
 
   @doc "`get_cost/3`: the tokens borrowed from the key's bucket."
   @spec borrowed(handle(), term()) :: number() | error()
   def borrowed(handle, key) do
-    with {:ok, key} <- key(key) do
-      run(%{op: "get_cost", key: key}, handle, &field(&1, "borrowed"))
-    end
+    wire(fn -> %{op: "get_cost", key: key(key)} end) |> run(handle, &field(&1, "borrowed"))
   end
 
   @doc "Lowers the key's tokens to what the exchange still allows; returns the tokens taken."
   @spec sync(handle(), term(), term(), term()) :: number() | error()
   def sync(handle, key, allowance, window_left_ms) do
-    with {:ok, key} <- key(key),
-         {:ok, allowance} <- number(allowance, "allowance"),
-         {:ok, window_left_ms} <- integer(window_left_ms, "window_left_ms") do
-      %{op: "sync", key: key, allowance: allowance, window_left_ms: window_left_ms}
-      |> run(handle, &field(&1, "taken"))
-    end
+    wire(fn ->
+      %{
+        op: "sync",
+        key: key(key),
+        allowance: value(allowance),
+        window_left_ms: value(window_left_ms)
+      }
+    end)
+    |> run(handle, &field(&1, "taken"))
   end
 
   @doc "`reset/2`."
   @spec reset(handle(), term()) :: :ok | error()
-  def reset(handle, key) do
-    with {:ok, key} <- key(key), do: run(%{op: "reset", key: key}, handle, &done/1)
-  end
+  def reset(handle, key),
+    do: wire(fn -> %{op: "reset", key: key(key)} end) |> run(handle, &done/1)
 
   @doc "`reset_exchange/2`."
   @spec reset_exchange(handle(), term()) :: :ok | error()
   def reset_exchange(handle, exchange) do
-    with {:ok, exchange} <- part(exchange, "exchange_id") do
-      run(%{op: "reset_exchange", exchange: exchange}, handle, &done/1)
-    end
+    wire(fn -> %{op: "reset_exchange", exchange: value(exchange)} end) |> run(handle, &done/1)
   end
 
   @doc "`reset_all/1`."
@@ -146,20 +136,17 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
   def pause(handle, target, ms) do
-    with {:ok, target} <- pause_target(target),
-         {:ok, ms} <- integer(ms, "pause (milliseconds)") do
-      run(%{op: "pause", target: target, ms: ms}, handle, &done/1)
-    end
+    wire(fn -> %{op: "pause", target: pause_target(target), ms: value(ms)} end)
+    |> run(handle, &done/1)
   end
 
   @doc "A snapshot of one key, or `nil` when the table does not hold it."
   @spec inspect(handle(), term()) :: map() | nil | error()
   def inspect(handle, key) do
-    with {:ok, key} <- key(key) do
-      run(%{op: "inspect", key: key}, handle, fn answer ->
-        with {:ok, info} <- Map.fetch(answer, "info"), do: info(info)
-      end)
-    end
+    wire(fn -> %{op: "inspect", key: key(key)} end)
+    |> run(handle, fn answer ->
+      with {:ok, info} <- Map.fetch(answer, "info"), do: info(info)
+    end)
   end
 
   @doc "The daemon's counters since it started, and its live buckets and bookings."
@@ -170,12 +157,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     end)
   end
 
-  @doc "The `count` keys with the most tokens borrowed (at most #{@max_busiest})."
+  @doc "The `count` keys with the most tokens borrowed (credentials as fingerprints)."
   @spec busiest(handle(), term()) :: [{tuple(), map()}] | error()
-  def busiest(_handle, 0), do: []
-
-  def busiest(handle, count) when is_integer(count) and count > 0 do
-    run(%{op: "busiest", count: min(count, @max_busiest)}, handle, fn
+  def busiest(handle, count) do
+    wire(fn -> %{op: "busiest", count: value(count)} end)
+    |> run(handle, fn
       %{"keys" => rows} when is_list(rows) ->
         for %{"key" => key, "info" => info} <- rows, do: {key_term(key), info(info)}
 
@@ -184,16 +170,16 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     end)
   end
 
-  def busiest(_handle, count),
-    do: {:error, "count must be a non-negative integer, got #{describe(count)}"}
-
   @doc "Drops idle full buckets now; returns how many."
   @spec sweep(handle()) :: non_neg_integer() | error()
   def sweep(handle), do: run(%{op: "sweep"}, handle, &field(&1, "dropped"))
 
   ## Sending
 
-  # Sends `request` and shapes a successful answer with `shape`.
+  # Sends `request` and shapes a successful answer with `shape`; the daemon's errors come
+  # back as it wrote them.
+  defp run({:error, _} = error, _handle, _shape), do: error
+
   defp run(request, handle, shape) do
     case Connection.request(handle, request) do
       %{"ok" => true} = answer ->
@@ -204,6 +190,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
       %{"ok" => false, "error" => %{"type" => "unavailable", "message" => message}} ->
         {:error, Error.unavailable(message)}
+
+      %{"ok" => false, "error" => %{"type" => "invalid_parameters", "message" => message} = error}
+      when is_binary(message) ->
+        {:error, %Error{type: :invalid_parameters, message: message, exchange: error["exchange"]}}
 
       %{"ok" => false, "error" => %{"message" => message}} when is_binary(message) ->
         {:error, message}
@@ -221,9 +211,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
 
   # The booking owner, and `max_wait_ms` for a waiter (a probe has none).
+  defp owned_by({:error, _} = error, _handle, _owner, _max_wait), do: error
+
   defp owned_by(request, handle, owner, max_wait) do
     request = Map.put(request, :owner, Connection.owner(handle, owner))
-    if max_wait, do: Map.put(request, :max_wait_ms, max_wait), else: request
+    if max_wait, do: Map.put(request, :max_wait_ms, value(max_wait)), else: request
   end
 
   ## Answers
@@ -271,127 +263,104 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp key_term(%{"exchange" => exchange, "credential" => credential, "axis" => axis}),
     do: {exchange, credential || :public, axis}
 
-  ## Requests: shapes are checked here, ranges by the daemon
+  ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
 
-  defp key({exchange, credential, axis}) do
-    with {:ok, exchange} <- part(exchange, "exchange_id"),
-         {:ok, credential} <- credential(credential),
-         {:ok, axis} <- part(axis, "bucket_axis") do
-      {:ok, %{exchange: exchange, credential: credential, axis: axis}}
+  # A request built by `build`, or the error of a term JSON cannot carry.
+  defp wire(build) do
+    build.()
+  catch
+    {:not_json, message} -> {:error, %Error{type: :invalid_parameters, message: message}}
+  end
+
+  # A key tuple as the daemon's key object; anything else as its value (the daemon names
+  # its shape).
+  defp key({exchange, credential, axis}),
+    do: %{exchange: value(exchange), credential: credential(credential), axis: value(axis)}
+
+  defp key({exchange, credential}),
+    do: %{exchange: value(exchange), credential: credential(credential)}
+
+  defp key(other), do: value(other)
+
+  # `:public` is the daemon's null; `nil` is a value like any other.
+  defp credential(:public), do: :null
+  defp credential(nil), do: %{"$term": "nil"}
+  defp credential(credential), do: value(credential)
+
+  # A limit map with its keys (atoms by name, any other key by a placeholder, so that the
+  # daemon sees the map's size and which limit keys it has), `nil` as null.
+  defp limit(nil), do: :null
+
+  defp limit(%{} = limit) when not is_struct(limit) do
+    limit
+    |> Enum.with_index()
+    |> Map.new(fn
+      {{key, value}, _i} when is_atom(key) -> {Atom.to_string(key), value(value)}
+      {{_key, value}, i} -> {"$key#{i}", value(value)}
+    end)
+  end
+
+  defp limit(other), do: value(other)
+
+  # A proper list of at most @max_checks checks, each `{key, limit, cost}` as an object;
+  # anything else as its value.
+  defp checks(checks) when is_list(checks) do
+    case bounded_length(checks, 0) do
+      length when is_integer(length) -> Enum.map(checks, &check/1)
+      _ -> value(checks)
     end
   end
 
-  defp key({exchange, credential}), do: key({exchange, credential, "request"})
+  defp checks(other), do: value(other)
 
-  defp key(other) do
-    {:error,
-     "key must be {exchange_id, credential_key, bucket_axis} or {exchange_id, credential_key}, " <>
-       "got #{shape(other)}"}
-  end
+  defp check({key, limit, cost}), do: %{key: key(key), limit: limit(limit), cost: value(cost)}
+  defp check(other), do: value(other)
 
-  # A credential is an API key: messages show what kind of term it is, never its contents.
-  defp credential(:public), do: {:ok, :null}
+  defp pause_target(exchange) when is_binary(exchange), do: %{exchange: value(exchange)}
 
-  defp credential(credential),
-    do: part(credential, "credential_key (a binary or :public)", &shape/1)
-
-  defp part(value, what, show \\ &describe/1)
-
-  defp part(value, what, show) when is_binary(value) do
-    cond do
-      byte_size(value) > @max_key_part_bytes ->
-        {:error, "#{what} is longer than #{@max_key_part_bytes} bytes"}
-
-      not String.valid?(value) ->
-        {:error, "#{what} must be valid UTF-8 for the daemon, got #{show.(value)}"}
-
-      true ->
-        {:ok, value}
-    end
-  end
-
-  defp part(value, what, show), do: {:error, "#{what} must be a binary, got #{show.(value)}"}
-
-  defp limit(nil), do: {:ok, :null}
-
-  defp limit(%{capacity: capacity, refill_per_sec: refill} = limit) when map_size(limit) == 2 do
-    with {:ok, capacity} <- number(capacity, "capacity"),
-         {:ok, refill} <- number(refill, "refill_per_sec") do
-      {:ok, %{capacity: capacity, refill_per_sec: refill}}
-    end
-  end
-
-  defp limit(%{requests: requests, period: period} = limit) when map_size(limit) == 2 do
-    with {:ok, requests} <- number(requests, "requests"),
-         {:ok, period} <- number(period, "period") do
-      {:ok, %{requests: requests, period: period}}
-    end
-  end
-
-  defp limit(%{requests: requests} = limit) when map_size(limit) == 1 do
-    with {:ok, requests} <- number(requests, "requests"), do: {:ok, %{requests: requests}}
-  end
-
-  defp limit(other) do
-    {:error,
-     "limit must be %{capacity: c, refill_per_sec: r}, %{requests: n, period: ms}, " <>
-       "%{requests: n} or nil, got #{describe(other)}"}
-  end
-
-  defp checks([], _count, acc), do: {:ok, Enum.reverse(acc)}
-
-  defp checks([_ | _], @max_checks, _acc),
-    do: {:error, "at most #{@max_checks} checks in one call"}
-
-  defp checks([{key, limit, cost} | rest], count, acc) do
-    with {:ok, key} <- key(key),
-         {:ok, limit} <- limit(limit),
-         {:ok, cost} <- number(cost, "cost") do
-      checks(rest, count + 1, [%{key: key, limit: limit, cost: cost} | acc])
-    end
-  end
-
-  defp checks([other | _], _count, _acc),
-    do: {:error, "each check must be {key, limit, cost}, got #{shape(other)}"}
-
-  defp checks(_improper, _count, _acc),
-    do: {:error, "checks must be a proper list of {key, limit, cost}"}
-
-  defp pause_target(exchange) when is_binary(exchange) do
-    with {:ok, exchange} <- part(exchange, "exchange_id"), do: {:ok, %{exchange: exchange}}
-  end
-
-  defp pause_target({exchange, credential}) do
-    with {:ok, exchange} <- part(exchange, "exchange_id"),
-         {:ok, credential} <- credential(credential) do
-      {:ok, %{exchange: exchange, credential: credential}}
-    end
-  end
+  defp pause_target({exchange, credential}),
+    do: %{exchange: value(exchange), credential: credential(credential)}
 
   defp pause_target({_, _, _} = key), do: key(key)
+  defp pause_target(other), do: value(other)
 
-  defp pause_target(other) do
-    {:error,
-     "pause target must be a key, {exchange_id, credential_key} or an exchange id, " <>
-       "got #{shape(other)}"}
+  # A scalar as JSON holds it; any other term as its shape alone (`{"$term": kind, ...}`,
+  # docs/PROTOCOL.md): the daemon needs no more to name what is wrong, and never more than
+  # the kind and size of a value that may be an API key travels.
+  defp value(value) when is_binary(value) do
+    if String.valid?(value),
+      do: value,
+      else:
+        throw(
+          {:not_json,
+           "a binary that is not UTF-8 (#{byte_size(value)} bytes) cannot travel in the " <>
+             "daemon's JSON protocol: use the NIF backend for such keys"}
+        )
   end
 
-  defp number(value, _what) when is_number(value), do: {:ok, value}
-  defp number(value, what), do: {:error, "#{what} must be a number, got #{describe(value)}"}
+  defp value(value) when is_number(value) or is_boolean(value), do: value
+  defp value(nil), do: :null
+  defp value(value) when is_atom(value), do: %{"$term": "atom"}
+  defp value(value) when is_bitstring(value), do: %{"$term": "bitstring"}
+  defp value(value) when is_tuple(value), do: %{"$term": "tuple", arity: tuple_size(value)}
+  defp value(value) when is_map(value), do: %{"$term": "map", size: map_size(value)}
+  defp value(value) when is_pid(value), do: %{"$term": "pid"}
+  defp value(value) when is_port(value), do: %{"$term": "port"}
+  defp value(value) when is_reference(value), do: %{"$term": "reference"}
+  defp value(value) when is_function(value), do: %{"$term": "function"}
 
-  defp integer(value, _what) when is_integer(value), do: {:ok, value}
+  defp value(value) when is_list(value) do
+    case bounded_length(value, 0) do
+      :improper -> %{"$term": "improper_list"}
+      :long -> %{"$term": "list"}
+      length -> %{"$term": "list", len: length}
+    end
+  end
 
-  defp integer(value, what),
-    do: {:error, "#{what} must be a non-negative integer, got #{describe(value)}"}
-
-  defp describe(term), do: Kernel.inspect(term, limit: 8, printable_limit: 64)
-
-  # What kind of term it is, for terms that may hold an API key.
-  defp shape(term) when is_tuple(term), do: "a tuple of #{tuple_size(term)} elements"
-  defp shape(term) when is_list(term), do: "a list"
-  defp shape(term) when is_binary(term), do: "a binary"
-  defp shape(term) when is_atom(term), do: "an atom"
-  defp shape(term) when is_number(term), do: "a number"
-  defp shape(term) when is_map(term), do: "a map"
-  defp shape(_term), do: "a function, pid, port or reference"
+  # A list's length up to @max_checks + 1 (`:long` past it), or `:improper`; never walks
+  # further.
+  defp bounded_length(_list, length) when length > @max_checks, do: :long
+  defp bounded_length([], length), do: length
+  defp bounded_length([_ | tail], length), do: bounded_length(tail, length + 1)
+  defp bounded_length(_tail, _length), do: :improper
 end

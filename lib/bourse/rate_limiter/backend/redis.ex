@@ -16,6 +16,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   several buckets pays on all or none whatever the other machines do (docs/PROTOCOL.md,
   "Redis").
 
+  A password in the URL (`redis://:secret@host:6379`) reaches the daemon in its
+  environment (`BOURSE_REDIS_PASSWORD`), never on its command line. Redis key names hold
+  keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
+  `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
+  every limiter on that Redis.
+
   Options of `{:redis, url, opts}`:
 
     * `:prefix` – every Redis key starts with it (default `"bourse"`); limiters share
@@ -45,17 +51,38 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @impl true
   def attach(previous, opts) do
     redis = Keyword.fetch!(opts, :backend_opts)
+    {url, password} = split_password(redis[:url])
 
     redis_args = [
       "--redis",
-      redis[:url],
+      url,
       "--redis-prefix",
       redis[:prefix],
       "--redis-timeout-ms",
       Integer.to_string(redis[:redis_timeout_ms])
     ]
 
-    Port.run_daemon(previous, redis_args, opts)
+    env = if password, do: [{~c"BOURSE_REDIS_PASSWORD", String.to_charlist(password)}], else: []
+    Port.run_daemon(previous, redis_args, Keyword.put(opts, :env, env))
+  end
+
+  # The password goes to the daemon in its environment, never on its command line (which
+  # every local user can read in /proc).
+  defp split_password(url) do
+    case URI.parse(url) do
+      %URI{userinfo: userinfo} = uri when is_binary(userinfo) ->
+        case String.split(userinfo, ":", parts: 2) do
+          [user, password] ->
+            user = if user == "", do: nil, else: user
+            {URI.to_string(%{uri | userinfo: user}), URI.decode_www_form(password)}
+
+          [_user] ->
+            {url, nil}
+        end
+
+      _ ->
+        {url, nil}
+    end
   end
 
   @impl true

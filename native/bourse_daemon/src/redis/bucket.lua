@@ -6,24 +6,34 @@
 -- stored with %.17g, which round-trips every double. Redis >= 5 replicates a script's
 -- effects, not the script, so reading TIME is allowed.
 --
--- Layout (P is the prefix, E the exchange as <byte length>:<bytes>, C the credential as
--- <length>:<bytes> or "-" for the public pool, A the axis as <length>:<bytes>). Every key of
--- an exchange carries the hash tag {E}, so on Redis Cluster it lives in one slot:
+-- Layout 2 (P is the prefix, E the exchange as <byte length>:<bytes>, C "h" and the
+-- credential's keyed fingerprint (32 hex digits) or "-" for the public pool, A the axis as
+-- <length>:<bytes>). No name holds a credential. Every key of an exchange carries the hash
+-- tag {E}, so on Redis Cluster it lives in one slot:
 --
 --   P:{E}:b:C:A  hash    c, r: the definition (absent while the key only has debt);
 --                        b, t: b + r * (now - t) tokens have accrued since the last payment;
+--                        f: the credential's shown fingerprint ("key:" and 8 hex digits);
 --                        w:<booking id>: "<ready_at> <cost>" of each booking
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:e{E}       string  when this exchange's state began (for assume_busy_at_start); not
 --                        dropped by resets, so a reset never looks like lost state
 --
--- Buckets expire by themselves (PEXPIRE on every write) once they would behave as new:
--- full, no bookings left, idle for longer than the delay they last answered.
+-- Everything expires: buckets by themselves (PEXPIRE on every write) once they would behave
+-- as new (full, no bookings left, idle for longer than the delay they last answered);
+-- bookings with their bucket; pauses after their last end; an exchange's marker a day
+-- after its last check, or after its longest-lived bucket if later.
+--
+-- ARGV[1] is the operation, ARGV[2] the deadline: the latest time (µs, Redis clock) at which
+-- the caller still waits for the answer, 0 for none. Past it the script does nothing and
+-- answers the error "LATE <now>": the caller was told Redis was unavailable, so its work
+-- must not be done.
 
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
 local MARGIN = 1e6 -- µs a key outlives the moment it would behave as new
 local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
+local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -65,6 +75,10 @@ local function load(key, now)
 end
 
 local function save(key, bucket)
+  if bucket.shown and bucket.shown ~= '' then
+    redis.call('HSET', key, 'f', bucket.shown)
+    bucket.shown = nil
+  end
   if bucket.c then
     redis.call('HSET', key, 'c', fmt(bucket.c), 'r', fmt(bucket.r), 'b', fmt(bucket.b), 't', fmt(bucket.t))
   else
@@ -136,6 +150,18 @@ local function keep(item, now, delay)
   if last[2] then
     redis.call('PEXPIRE', item.wkey, ms)
   end
+  return ms
+end
+
+-- Keeps each exchange's marker a day past this check, or past its longest-lived bucket.
+local function keep_markers(markers)
+  for marker, ms in pairs(markers) do
+    local left = redis.call('PTTL', marker)
+    local want = math.max(ms, math.ceil(MARKER_TTL / 1000))
+    if left ~= -2 and left < want then
+      redis.call('PEXPIRE', marker, want)
+    end
+  end
 end
 
 -- The uncapped tokens for a request under definition (c, r): a changed definition starts
@@ -186,7 +212,7 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
     if item.bucket.dirty then
       save(item.key, item.bucket)
     end
-    keep(item, now, math.max(ready - now, 0))
+    item.kept = keep(item, now, math.max(ready - now, 0))
   end
   if ready <= now then
     return { 'claimed', 0, 0, lapsed }
@@ -197,16 +223,29 @@ end
 -- check: KEYS = per item its bucket and bookings keys, then per exchange group its pauses
 -- and marker keys. ARGV = 'check', booking id, max_wait_ms (0: a probe), slack (µs),
 -- assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential pause
--- field, key pause field. Items are distinct keys (the caller coalesced them).
--- Returns {result, ms, paused (0/1), lapsed bookings}.
+-- field, key pause field, shown fingerprint. Items are distinct keys (the caller coalesced
+-- them). Returns {result, ms, paused (0/1), lapsed bookings, now}.
+local decide
+
 local function check(now)
+  local items, answer = decide(now)
+  local markers = {}
+  for _, item in ipairs(items) do
+    markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+  end
+  keep_markers(markers)
+  answer[5] = now
+  return answer
+end
+
+decide = function(now)
   local id, max_wait, slack = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local busy, n = ARGV[5] == '1', tonumber(ARGV[6])
   local items = {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
   for i = 1, n do
-    local a = 6 + (i - 1) * 6
+    local a = 6 + (i - 1) * 7
     local item = {
       key = KEYS[2 * i - 1],
       wkey = KEYS[2 * i],
@@ -216,11 +255,13 @@ local function check(now)
     }
     local group = tonumber(ARGV[a + 4])
     local pauses, marker = KEYS[2 * n + 2 * group - 1], KEYS[2 * n + 2 * group]
+    item.marker = marker
     local bucket = load(item.key, now)
     if not bucket or not bucket.c then
       -- A new key, or one with only recorded debt, takes this definition now.
       local start = initial_tokens(item.c, item.r, now, marker, busy)
       bucket = { c = item.c, r = item.r, b = (bucket and bucket.b or 0) + start, t = now, dirty = true }
+      bucket.shown = ARGV[a + 7]
     end
     item.bucket = bucket
     lapsed = lapsed + drop_lapsed(item, now)
@@ -243,16 +284,16 @@ local function check(now)
     items[i] = item
   end
   if claim_ready then
-    return claim(items, id, now, claim_ready, pause_until, slack, lapsed)
+    return items, claim(items, id, now, claim_ready, pause_until, slack, lapsed)
   end
   local paused = pause_until > ready and 1 or 0
   ready = math.max(ready, pause_until)
   if ready <= now then
     for _, item in ipairs(items) do
       pay(item, now, now)
-      keep(item, now, 0)
+      item.kept = keep(item, now, 0)
     end
-    return { 'admitted', 0, 0, lapsed }
+    return items, { 'admitted', 0, 0, lapsed }
   end
   local ms = delay_ms(now, ready)
   if max_wait > 0 and ms <= max_wait then
@@ -260,28 +301,28 @@ local function check(now)
       pay(item, now, ready)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
-      keep(item, now, ready - now)
+      item.kept = keep(item, now, ready - now)
     end
-    return { 'booked', ms, paused, lapsed }
+    return items, { 'booked', ms, paused, lapsed }
   end
   -- Refused: nothing paid; a new bucket is recorded (its accrual starts now).
   for _, item in ipairs(items) do
     if item.bucket.dirty then
       save(item.key, item.bucket)
     end
-    keep(item, now, ready - now)
+    item.kept = keep(item, now, ready - now)
   end
-  return { max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed }
+  return items, { max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed }
 end
 
--- record: KEYS = bucket, bookings; ARGV = 'record', cost. Debits without checking; a key
--- without a definition keeps the debt for its first check.
+-- record: KEYS = bucket, bookings; ARGV = 'record', cost, shown fingerprint. Debits without
+-- checking; a key without a definition keeps the debt for its first check.
 local function record(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local cost = tonumber(ARGV[2])
   local bucket = load(item.key, now)
   if not bucket then
-    bucket = { b = -cost, t = now }
+    bucket = { b = -cost, t = now, shown = ARGV[3] }
   elseif bucket.c then
     bucket.b = tokens(bucket, now) - cost
     bucket.t = now
@@ -326,8 +367,8 @@ end
 
 -- info: KEYS = per key its bucket, bookings and pauses keys; ARGV = 'info', then per key
 -- its credential and key pause fields. Per key: false when unknown, else {c, r, tokens,
--- borrowed, debt, bookings, booked cost, µs to the earliest booking, µs of pause left}
--- (strings; '' for none). Reads only: lapsed bookings are skipped, not dropped.
+-- borrowed, debt, bookings, booked cost, µs to the earliest booking, µs of pause left, shown
+-- fingerprint} (strings; '' for none). Reads only: lapsed bookings are skipped, not dropped.
 local function info(now)
   local rows = {}
   for i = 1, #KEYS / 3 do
@@ -362,6 +403,7 @@ local function info(now)
         fmt(booked),
         next_ready and fmt(math.max(next_ready - now, 0)) or '',
         pause_until > now and fmt(pause_until - now) or '',
+        redis.call('HGET', key, 'f') or '',
       }
     else
       rows[i] = false
@@ -412,6 +454,12 @@ local ops = {
 
 local op = ops[ARGV[1]]
 if not op then
-  return redis.error_reply('bourse: unknown script op ' .. tostring(ARGV[1]))
+  return redis.error_reply('bourse: unknown script op')
 end
-return op(clock())
+local deadline = tonumber(ARGV[2]) or 0
+table.remove(ARGV, 2)
+local now = clock()
+if deadline > 0 and now > deadline then
+  return redis.error_reply('LATE ' .. string.format('%d', now))
+end
+return op(now)

@@ -7,29 +7,49 @@
 //!
 //! Every call is bounded by a timeout. When Redis cannot be reached the answer is
 //! [`StoreError::Unavailable`] and nothing is admitted; the connection is re-established
-//! by the next call.
+//! by the next call. A call answered `Unavailable` never pays later: each script carries
+//! a deadline on the Redis server's own clock ([`ServerClock`]) and refuses to run past it,
+//! so a Redis that was stopped and resumes does not run the work of callers already told
+//! it was unavailable.
+//!
+//! Credentials never appear in key names: they are replaced by keyed fingerprints
+//! ([`Keyed`]); the bucket keeps the displayed fingerprint for `busiest`.
+
+mod clock;
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::{Client, FromRedisValue, RedisError, Script, ScriptInvocation};
+use ::redis::{
+    Client, FromRedisValue, IntoConnectionInfo, RedisError, Script, ScriptInvocation, ToRedisArgs,
+};
 use bourse_core::{
-    Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
+    Check, Config, InvalidInput, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
 };
 
-use crate::store::{Store, StoreError, StoreResult};
+use crate::fingerprint::{self, Keyed};
+use crate::store::{ShownKey, Store, StoreError, StoreResult};
+use clock::ServerClock;
 
 const SCRIPT: &str = include_str!("bucket.lua");
+/// Starts the message of a script that found its deadline passed, before the Redis time.
+const LATE: &str = "late:";
+/// Script calls in flight at once on the connection; further calls wait their turn (within
+/// their timeout), so that a burst does not make every call miss its deadline.
+const MAX_IN_FLIGHT: usize = 64;
 /// Keys asked of each `SCAN` step by table-wide operations.
 const SCAN_COUNT: usize = 1000;
 
 /// How to reach Redis and name the keys.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// `redis://[user:password@]host:port[/db]`, or `unix:///path`.
+    /// `redis://[user@]host:port[/db]`, or `unix:///path`.
     pub url: String,
+    pub password: Option<String>,
+    /// The key of the fingerprints in key names.
+    pub key_secret: Option<Vec<u8>>,
     /// Every key starts with `PREFIX:`; daemons sharing a prefix share their buckets.
     pub prefix: String,
     /// The longest wait for one Redis command (connecting included).
@@ -58,6 +78,9 @@ fn bump(counter: &AtomicU64, by: u64) {
 pub struct RedisStore {
     connection: ConnectionManager,
     script: Script,
+    clock: ServerClock,
+    in_flight: tokio::sync::Semaphore,
+    names: Keyed,
     prefix: Vec<u8>,
     timeout: Duration,
     config: Config,
@@ -69,8 +92,17 @@ impl RedisStore {
     /// answers `unavailable` until Redis is back. Must run inside a Tokio runtime.
     pub fn new(options: Options) -> Result<Self, String> {
         check_prefix(&options.prefix)?;
-        let client = Client::open(options.url.as_str())
+        let mut info = options
+            .url
+            .as_str()
+            .into_connection_info()
             .map_err(|error| format!("--redis {:?}: {error}", options.url))?;
+        if let Some(password) = &options.password {
+            let settings = info.redis_settings().clone().set_password(password);
+            info = info.set_redis_settings(settings);
+        }
+        let client =
+            Client::open(info).map_err(|error| format!("--redis {:?}: {error}", options.url))?;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.timeout))
             .set_response_timeout(Some(options.timeout))
@@ -80,6 +112,9 @@ impl RedisStore {
         Ok(Self {
             connection,
             script: Script::new(SCRIPT),
+            clock: ServerClock::new(options.timeout),
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
+            names: Keyed::new(options.key_secret.as_deref()),
             prefix: options.prefix.into_bytes(),
             timeout: options.timeout,
             config: options.config,
@@ -87,20 +122,56 @@ impl RedisStore {
         })
     }
 
-    /// Runs the script, bounded by the timeout. A call that found the connection lost is
-    /// sent once more on the fresh connection it triggered (a lost answer can only make the
-    /// retry pay twice: the safe side).
-    async fn invoke<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> StoreResult<T> {
+    /// Runs the script, bounded by the timeout: the script is told the latest moment, on
+    /// the Redis clock, at which it may still run. A call that found the connection lost is
+    /// sent once more on the fresh connection it triggered (with the same deadline).
+    async fn invoke<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
+        let started = Instant::now();
         let mut connection = self.connection.clone();
-        self.bounded(async {
-            match invocation.invoke_async(&mut connection).await {
-                Err(error) if lost_connection(&error) => {
-                    invocation.invoke_async(&mut connection).await
+        let answer = self
+            .bounded(async {
+                // Never closed: acquiring only waits.
+                let _turn = self.in_flight.acquire().await;
+                let deadline = match self.clock.deadline(started) {
+                    Some(deadline) => deadline,
+                    None => {
+                        self.sample_time(&mut connection).await?;
+                        self.clock.deadline(started).unwrap_or(0)
+                    }
+                };
+                let invocation = call.invocation(&self.script, deadline);
+                match invocation.invoke_async(&mut connection).await {
+                    Err(error) if lost_connection(&error) => {
+                        invocation.invoke_async(&mut connection).await
+                    }
+                    answer => answer,
                 }
-                answer => answer,
+            })
+            .await;
+        if let Err(StoreError::Unavailable(message)) = &answer {
+            if let Some(now) = message.strip_prefix(LATE) {
+                self.clock.observe(now.parse().unwrap_or(0), Instant::now());
+                return Err(StoreError::Unavailable(format!(
+                    "redis ran the request after its deadline ({} ms after it was sent); \
+                     it was refused and nothing was paid",
+                    started.elapsed().as_millis()
+                )));
             }
-        })
-        .await
+        }
+        answer
+    }
+
+    /// Reads the Redis clock (`TIME`), to place deadlines on it.
+    /// Sent once more if the connection was lost, as scripts are.
+    async fn sample_time(&self, connection: &mut ConnectionManager) -> Result<(), RedisError> {
+        let time = ::redis::cmd("TIME");
+        let (seconds, micros): (u64, u64) = match time.query_async(connection).await {
+            Err(error) if lost_connection(&error) => time.query_async(connection).await?,
+            answer => answer?,
+        };
+        self.clock
+            .observe(seconds * 1_000_000 + micros, Instant::now());
+        Ok(())
     }
 
     /// Sends one command, bounded by the timeout, once more if the connection was lost.
@@ -121,6 +192,9 @@ impl RedisStore {
     ) -> StoreResult<T> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
+                format!("{LATE}{}", error.detail().unwrap_or_default()),
+            )),
             Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
             Err(_) => Err(StoreError::Unavailable(format!(
                 "redis did not answer within {} ms",
@@ -130,7 +204,7 @@ impl RedisStore {
     }
 
     fn names(&self, key: &KeyRef) -> KeyNames {
-        KeyNames::new(&self.prefix, key)
+        KeyNames::new(&self.prefix, key, &self.names)
     }
 
     /// One `SCAN` step over keys matching `pattern`: the next cursor and a page of names.
@@ -146,21 +220,39 @@ impl RedisStore {
     }
 
     /// Visits every bucket with its snapshot, one `SCAN` page at a time.
-    async fn scan_buckets(&self, mut visit: impl FnMut(Key, KeyInfo)) -> StoreResult<()> {
+    async fn scan_buckets(&self, mut visit: impl FnMut(ShownKey, KeyInfo)) -> StoreResult<()> {
         let mut pattern = self.prefix.clone();
         pattern.extend_from_slice(b":{*");
         let mut cursor = 0;
         loop {
             let (next, names) = self.scan_step(&pattern, cursor).await?;
-            let keys: Vec<Key> = names
+            let keys: Vec<NamedKey> = names
                 .iter()
                 .filter_map(|name| decode_bucket_name(&self.prefix, name))
                 .collect();
             if !keys.is_empty() {
-                let infos = self.infos(&keys).await?;
+                let names: Vec<KeyNames> = keys
+                    .iter()
+                    .map(|key| {
+                        KeyNames::from_parts(
+                            &self.prefix,
+                            &key.exchange,
+                            key.credential.as_deref(),
+                            &key.axis,
+                        )
+                    })
+                    .collect();
+                let infos = self.infos(&names).await?;
                 for (key, info) in keys.into_iter().zip(infos) {
-                    if let Some(info) = info {
-                        visit(key, info);
+                    if let Some((info, shown)) = info {
+                        let shown = ShownKey {
+                            exchange: key.exchange,
+                            credential: key
+                                .credential
+                                .map(|_| shown.unwrap_or_else(|| "key:unknown".into())),
+                            axis: key.axis,
+                        };
+                        visit(shown, info);
                     }
                 }
             }
@@ -171,20 +263,23 @@ impl RedisStore {
         }
     }
 
-    /// Snapshots of `keys` (`None` for a key Redis does not hold).
-    async fn infos(&self, keys: &[Key]) -> StoreResult<Vec<Option<KeyInfo>>> {
-        let mut invocation = self.script.prepare_invoke();
-        invocation.arg("info");
-        for key in keys {
-            let names = self.names(&key.as_ref());
-            invocation
-                .key(names.bucket)
+    /// Snapshots of the keys named `keys` (`None` for a key Redis does not hold), with the
+    /// shown fingerprint of their credential.
+    async fn infos(
+        &self,
+        keys: &[KeyNames],
+    ) -> StoreResult<Vec<Option<(KeyInfo, Option<String>)>>> {
+        let mut call = Call::default();
+        call.arg("info");
+        for names in keys {
+            let names = names.clone();
+            call.key(names.bucket)
                 .key(names.bookings)
                 .key(names.pauses)
                 .arg(names.credential_pause)
                 .arg(names.key_pause);
         }
-        let rows: Vec<Option<Vec<String>>> = self.invoke(&invocation).await?;
+        let rows: Vec<Option<Vec<String>>> = self.invoke(&call).await?;
         rows.into_iter()
             .map(|row| row.map(|fields| info_from(&fields)).transpose())
             .collect()
@@ -225,6 +320,8 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    const REMOTE: bool = true;
+
     fn config(&self) -> Config {
         self.config
     }
@@ -245,9 +342,8 @@ impl Store for RedisStore {
             Mode::Probe => 0,
             Mode::Wait { max_wait_ms } => max_wait_ms,
         };
-        let mut invocation = self.script.prepare_invoke();
-        invocation
-            .arg("check")
+        let mut call = Call::default();
+        call.arg("check")
             .arg(format!("{owner}:{}", signature(&items)))
             .arg(max_wait)
             .arg(self.config.booking_slack_ms.saturating_mul(1000))
@@ -267,21 +363,22 @@ impl Store for RedisStore {
                 last_exchange = Some(item.key.exchange);
                 groups.push(names.clone());
             }
-            invocation
-                .key(names.bucket)
+            call.key(names.bucket)
                 .key(names.bookings)
                 .arg(item.limit.capacity())
                 .arg(item.limit.refill_per_sec())
                 .arg(item.cost)
                 .arg(groups.len())
                 .arg(names.credential_pause)
-                .arg(names.key_pause);
+                .arg(names.key_pause)
+                .arg(shown(item.key.credential));
         }
         for group in groups {
-            invocation.key(group.pauses).key(group.marker);
+            call.key(group.pauses).key(group.marker);
         }
-        let (result, ms, paused, lapsed): (String, u64, u64, u64) =
-            self.invoke(&invocation).await?;
+        let (result, ms, paused, lapsed, now): (String, u64, u64, u64, u64) =
+            self.invoke(&call).await?;
+        self.clock.observe(now, Instant::now());
         let outcome = match result.as_str() {
             "admitted" => Outcome::Admitted,
             "claimed" => Outcome::Claimed,
@@ -300,41 +397,40 @@ impl Store for RedisStore {
 
     async fn record(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
         let names = self.names(&key);
-        let mut invocation = self.script.prepare_invoke();
-        invocation
-            .key(names.bucket)
+        let mut call = Call::default();
+        call.key(names.bucket)
             .key(names.bookings)
             .arg("record")
-            .arg(cost);
-        let _: String = self.invoke(&invocation).await?;
+            .arg(cost)
+            .arg(shown(key.credential));
+        let _: String = self.invoke(&call).await?;
         bump(&self.counters.debited, 1);
         Ok(())
     }
 
     async fn sync(&self, key: KeyRef<'_>, allowance: f64, window_left_ms: u64) -> StoreResult<f64> {
         let names = self.names(&key);
-        let mut invocation = self.script.prepare_invoke();
-        invocation
-            .key(names.bucket)
+        let mut call = Call::default();
+        call.key(names.bucket)
             .key(names.bookings)
             .arg("sync")
             .arg(allowance)
             .arg(window_left_ms);
-        number(&self.invoke::<String>(&invocation).await?)
+        number(&self.invoke::<String>(&call).await?)
     }
 
     async fn borrowed(&self, key: KeyRef<'_>) -> StoreResult<f64> {
-        let mut invocation = self.script.prepare_invoke();
-        invocation.key(self.names(&key).bucket).arg("borrowed");
-        number(&self.invoke::<String>(&invocation).await?)
+        let mut call = Call::default();
+        call.key(self.names(&key).bucket).arg("borrowed");
+        number(&self.invoke::<String>(&call).await?)
     }
 
     async fn inspect(&self, key: KeyRef<'_>) -> StoreResult<Option<KeyInfo>> {
-        let mut infos = self.infos(&[key.to_owned_key()]).await?;
-        Ok(infos.pop().flatten())
+        let mut infos = self.infos(&[self.names(&key)]).await?;
+        Ok(infos.pop().flatten().map(|(info, _)| info))
     }
 
-    async fn busiest(&self, count: usize) -> StoreResult<Vec<(Key, KeyInfo)>> {
+    async fn busiest(&self, count: usize) -> StoreResult<Vec<(ShownKey, KeyInfo)>> {
         let mut rows = Vec::new();
         self.scan_buckets(|key, info| {
             if info.borrowed > 0.0 || info.bookings > 0 {
@@ -349,14 +445,13 @@ impl Store for RedisStore {
 
     async fn reset(&self, key: KeyRef<'_>) -> StoreResult<()> {
         let names = self.names(&key);
-        let mut invocation = self.script.prepare_invoke();
-        invocation
-            .key(names.bucket)
+        let mut call = Call::default();
+        call.key(names.bucket)
             .key(names.bookings)
             .key(names.pauses)
             .arg("reset")
             .arg(names.key_pause);
-        let _: String = self.invoke(&invocation).await?;
+        let _: String = self.invoke(&call).await?;
         Ok(())
     }
 
@@ -385,19 +480,20 @@ impl Store for RedisStore {
         let (exchange, field) = match &target {
             PauseTarget::Exchange(exchange) => (exchange.as_slice(), b"x".to_vec()),
             PauseTarget::Credential(exchange, credential) => {
-                let mut field = b"c:".to_vec();
-                credential_part(&mut field, credential.as_deref());
+                let fingerprint = credential
+                    .as_deref()
+                    .map(|credential| self.names.of(credential));
+                let field = [b"c:".as_slice(), &credential_part(fingerprint.as_deref())].concat();
                 (exchange.as_slice(), field)
             }
             PauseTarget::Key(key) => (key.exchange(), self.names(&key.as_ref()).key_pause),
         };
-        let mut invocation = self.script.prepare_invoke();
-        invocation
-            .key(pauses_name(&self.prefix, exchange))
+        let mut call = Call::default();
+        call.key(pauses_name(&self.prefix, exchange))
             .arg("pause")
             .arg(field)
             .arg(ms);
-        let _: String = self.invoke(&invocation).await?;
+        let _: String = self.invoke(&call).await?;
         Ok(())
     }
 
@@ -432,6 +528,43 @@ impl Store for RedisStore {
 
     fn count_invalid(&self) {
         bump(&self.counters.invalid, 1);
+    }
+}
+
+/// The keys and arguments of one script call; the first argument names the operation.
+#[derive(Default)]
+struct Call {
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Call {
+    fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
+        self.keys.extend(key.to_redis_args());
+        self
+    }
+
+    fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+
+    /// The invocation, with `deadline` (µs on the Redis clock, 0 for none) after the
+    /// operation: bucket.lua reads it first.
+    fn invocation<'a>(&self, script: &'a Script, deadline: u64) -> ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        for key in &self.keys {
+            invocation.key(key);
+        }
+        let (op, args) = self
+            .args
+            .split_first()
+            .map_or((&[][..], &[][..]), |(op, args)| (op.as_slice(), args));
+        invocation.arg(op).arg(deadline);
+        for arg in args {
+            invocation.arg(arg);
+        }
+        invocation
     }
 }
 
@@ -494,12 +627,17 @@ fn part(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
-/// `-` for the public pool, else the credential as a part.
-fn credential_part(out: &mut Vec<u8>, credential: Option<&[u8]>) {
+/// `-` for the public pool, else `h` and the credential's keyed fingerprint (32 hex digits).
+fn credential_part(credential: Option<&str>) -> Vec<u8> {
     match credential {
-        Some(credential) => part(out, credential),
-        None => out.push(b'-'),
+        Some(fingerprint) => [b"h".as_slice(), fingerprint.as_bytes()].concat(),
+        None => b"-".to_vec(),
     }
+}
+
+/// The fingerprint `busiest` shows for a credential; empty for the public pool.
+fn shown(credential: Option<&[u8]>) -> String {
+    credential.map(fingerprint::shown).unwrap_or_default()
 }
 
 /// `PREFIX:{E}`: the hash tag every key of the exchange starts with.
@@ -529,30 +667,44 @@ struct KeyNames {
 }
 
 impl KeyNames {
-    fn new(prefix: &[u8], key: &KeyRef) -> Self {
-        let mut credential = Vec::new();
-        credential_part(&mut credential, key.credential);
+    /// The names of `key`, its credential replaced by its keyed fingerprint.
+    fn new(prefix: &[u8], key: &KeyRef, keyed: &Keyed) -> Self {
+        let credential = key.credential.map(|credential| keyed.of(credential));
+        Self::from_parts(prefix, key.exchange, credential.as_deref(), key.axis)
+    }
+
+    /// The names of a key given its credential's keyed fingerprint (`None`: public).
+    fn from_parts(prefix: &[u8], exchange: &[u8], credential: Option<&str>, axis: &[u8]) -> Self {
+        let mut credential = credential_part(credential);
         let mut suffix = credential.clone();
         suffix.push(b':');
-        part(&mut suffix, key.axis);
-        let tag = tagged(prefix, key.exchange);
+        part(&mut suffix, axis);
+        let tag = tagged(prefix, exchange);
         let named = |kind: &[u8]| [tag.as_slice(), kind, &suffix].concat();
         let mut marker = prefix.to_vec();
         marker.extend_from_slice(b":e");
         marker.extend_from_slice(&tag[prefix.len() + 1..]);
+        credential.splice(0..0, b"c:".iter().copied());
         Self {
             bucket: named(b":b:"),
             bookings: named(b":w:"),
-            pauses: pauses_name(prefix, key.exchange),
+            pauses: pauses_name(prefix, exchange),
             marker,
-            credential_pause: [b"c:".as_slice(), &credential].concat(),
+            credential_pause: credential,
             key_pause: [b"k:".as_slice(), &suffix].concat(),
         }
     }
 }
 
+/// A key as its bucket's name holds it: the credential by its keyed fingerprint.
+struct NamedKey {
+    exchange: Vec<u8>,
+    credential: Option<String>,
+    axis: Vec<u8>,
+}
+
 /// The key of a bucket's name, or `None` for any other name.
-fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<Key> {
+fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<NamedKey> {
     fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
         let colon = rest.iter().position(|&b| b == b':')?;
         let length: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
@@ -568,23 +720,36 @@ fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<Key> {
             rest = after;
             None
         }
-        None => Some(take_part(&mut rest)?),
+        None => {
+            let after = rest.strip_prefix(b"h")?;
+            let (hex, after) = after.split_at_checked(32)?;
+            rest = after;
+            Some(std::str::from_utf8(hex).ok()?.to_string())
+        }
     };
     rest = rest.strip_prefix(b":")?;
     let axis = take_part(&mut rest)?;
-    rest.is_empty()
-        .then(|| KeyRef::new(exchange, credential, axis).to_owned_key())
+    rest.is_empty().then(|| NamedKey {
+        exchange: exchange.to_vec(),
+        credential,
+        axis: axis.to_vec(),
+    })
 }
 
 fn number(text: &str) -> StoreResult<f64> {
-    text.parse()
-        .map_err(|_| StoreError::Unavailable(format!("the Redis script answered {text:?}")))
+    text.parse().map_err(|_| {
+        StoreError::Unavailable(format!(
+            "the Redis script answered a non-number of {} bytes",
+            text.len()
+        ))
+    })
 }
 
-/// A snapshot from the script's `info` row (see bucket.lua).
-fn info_from(fields: &[String]) -> StoreResult<KeyInfo> {
-    let malformed = || StoreError::Unavailable(format!("malformed bucket in Redis: {fields:?}"));
-    let [c, r, tokens, borrowed, debt, bookings, booked, next_ready, pause] = fields else {
+/// A snapshot from the script's `info` row (see bucket.lua), and the shown fingerprint of
+/// its credential when the bucket holds one.
+fn info_from(fields: &[String]) -> StoreResult<(KeyInfo, Option<String>)> {
+    let malformed = || StoreError::Unavailable("malformed bucket in Redis".into());
+    let [c, r, tokens, borrowed, debt, bookings, booked, next_ready, pause, shown] = fields else {
         return Err(malformed());
     };
     let optional = |text: &String| -> StoreResult<Option<f64>> {
@@ -599,7 +764,7 @@ fn info_from(fields: &[String]) -> StoreResult<KeyInfo> {
         _ => None,
     };
     let micros_to_ms = |micros: f64| (micros / 1000.0).ceil() as u64;
-    Ok(KeyInfo {
+    let info = KeyInfo {
         limit,
         tokens: number(tokens)?,
         borrowed: number(borrowed)?,
@@ -608,7 +773,8 @@ fn info_from(fields: &[String]) -> StoreResult<KeyInfo> {
         booked_cost: number(booked)?,
         next_ready_ms: optional(next_ready)?.map(micros_to_ms),
         pause_ms: optional(pause)?.map(|micros| micros_to_ms(micros).max(1)),
-    })
+    };
+    Ok((info, (!shown.is_empty()).then(|| shown.clone())))
 }
 
 #[cfg(test)]
@@ -620,33 +786,47 @@ mod tests {
     }
 
     #[test]
-    fn names_are_unambiguous_and_tagged_by_exchange() {
+    fn names_hold_no_credential_and_are_tagged_by_exchange() {
+        let keyed = Keyed::new(None);
         let public = KeyRef::new(b"binance", None, b"ip");
-        let empty = KeyRef::new(b"binance", Some(b""), b"ip");
-        let a = KeyNames::new(b"bourse", &public);
-        let b = KeyNames::new(b"bourse", &empty);
+        let secret = KeyRef::new(b"binance", Some(b"SECRET-KEY"), b"ip");
+        let a = KeyNames::new(b"bourse", &public, &keyed);
+        let b = KeyNames::new(b"bourse", &secret, &keyed);
+        let h = keyed.of(b"SECRET-KEY");
         assert_eq!(a.bucket, b"bourse:{7:binance}:b:-:2:ip");
-        assert_eq!(b.bucket, b"bourse:{7:binance}:b:0::2:ip");
+        assert_eq!(
+            b.bucket,
+            format!("bourse:{{7:binance}}:b:h{h}:2:ip").as_bytes()
+        );
         assert_eq!(a.bookings, b"bourse:{7:binance}:w:-:2:ip");
         assert_eq!(a.pauses, b"bourse:{7:binance}:p");
         assert_eq!(a.marker, b"bourse:e{7:binance}");
         assert_eq!(a.key_pause, b"k:-:2:ip");
-        assert_eq!(b.credential_pause, b"c:0:");
+        assert_eq!(b.credential_pause, format!("c:h{h}").as_bytes());
+        for names in [&a, &b] {
+            for name in [
+                &names.bucket,
+                &names.bookings,
+                &names.credential_pause,
+                &names.key_pause,
+            ] {
+                assert!(!String::from_utf8_lossy(name).contains("SECRET"));
+            }
+        }
         // Separators inside the parts cannot make two keys collide.
         let tricky = KeyRef::new(b"a:b", Some(b"}:b:"), b"x:1:y");
-        let names = KeyNames::new(b"p", &tricky);
+        let names = KeyNames::new(b"p", &tricky, &keyed);
+        let decoded = decode_bucket_name(b"p", &names.bucket).unwrap();
         assert_eq!(
-            decode_bucket_name(b"p", &names.bucket).unwrap().as_ref(),
-            tricky
+            (
+                decoded.exchange.as_slice(),
+                decoded.credential,
+                decoded.axis.as_slice()
+            ),
+            (&b"a:b"[..], Some(keyed.of(b"}:b:")), &b"x:1:y"[..])
         );
-        for key in [public, empty] {
-            assert_eq!(
-                decode_bucket_name(b"bourse", &KeyNames::new(b"bourse", &key).bucket)
-                    .unwrap()
-                    .as_ref(),
-                key
-            );
-        }
+        let decoded = decode_bucket_name(b"bourse", &a.bucket).unwrap();
+        assert_eq!(decoded.credential, None);
         assert!(decode_bucket_name(b"bourse", &a.bookings).is_none());
         assert!(decode_bucket_name(b"bourse", &a.pauses).is_none());
         assert!(decode_bucket_name(b"other", &a.bucket).is_none());

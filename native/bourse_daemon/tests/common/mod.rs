@@ -13,6 +13,14 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 pub const DAEMON: &str = env!("CARGO_BIN_EXE_bourse_daemon");
+
+/// The binary under test: `BOURSE_DAEMON_UNDER_TEST` (to run these tests against another
+/// build), else this build's.
+pub fn daemon_binary() -> String {
+    std::env::var("BOURSE_DAEMON_UNDER_TEST").unwrap_or_else(|_| DAEMON.to_string())
+}
+/// The shared secret of the daemons these tests start (given in their environment).
+pub const SECRET: &str = "test-secret-0123456789";
 /// Generous: the machine is shared with other builds.
 pub const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -78,8 +86,9 @@ impl Server {
             .iter()
             .filter(|arg| matches!(**arg, "--listen" | "--socket"))
             .count();
-        let mut child = Command::new(DAEMON)
+        let mut child = Command::new(daemon_binary())
             .args(args)
+            .env("BOURSE_DAEMON_SECRET", SECRET)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -114,7 +123,15 @@ impl Server {
             .to_string()
     }
 
+    /// A TCP client that proved the secret.
     pub fn connect(&self) -> LineClient<TcpStream> {
+        let mut client = self.connect_unproved();
+        authenticate(&mut client, SECRET.as_bytes());
+        client
+    }
+
+    /// A TCP client that did not prove anything yet.
+    pub fn connect_unproved(&self) -> LineClient<TcpStream> {
         let stream = TcpStream::connect(self.tcp_addr()).expect("connect");
         stream.set_nodelay(true).expect("nodelay");
         LineClient::new(stream)
@@ -128,6 +145,29 @@ impl Drop for Server {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The proof of `secret` over `nonce`: hex HMAC-SHA256, as docs/PROTOCOL.md says.
+pub fn proof(secret: &[u8], nonce: &str) -> String {
+    use hmac::{Hmac, Mac};
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).expect("hmac key");
+    mac.update(nonce.as_bytes());
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `hello`, then `auth` with the proof of `secret`; returns the auth answer.
+pub fn authenticate<S: Stream>(client: &mut LineClient<S>, secret: &[u8]) -> Value {
+    let hello = client.call(json!({"op": "hello"}));
+    let nonce = hello["auth"]["nonce"].as_str().expect("a nonce to prove");
+    let answer = client.call(json!({"op": "auth", "proof": proof(secret, nonce)}));
+    if secret == SECRET.as_bytes() {
+        assert_eq!(answer, json!({"ok": true}));
+    }
+    answer
 }
 
 /// Streams both TCP and Unix sockets can be.
@@ -222,7 +262,7 @@ pub struct StdioDaemon {
 
 impl StdioDaemon {
     pub fn start(extra: &[&str]) -> Self {
-        let mut child = Command::new(DAEMON)
+        let mut child = Command::new(daemon_binary())
             .arg("--stdio")
             .args(extra)
             .stdin(Stdio::piped())
@@ -309,8 +349,13 @@ pub fn exercise_every_op(t: &mut impl Transport) {
             .unwrap()
     };
     let admitted_before = admitted(t);
+    let mut hello = t.call(json!({"op": "hello", "id": 1}));
+    // Servers close idle connections; a port has none.
+    if let Some(fields) = hello.as_object_mut() {
+        fields.remove("idle_timeout_ms");
+    }
     assert_eq!(
-        t.call(json!({"op": "hello", "id": 1})),
+        hello,
         json!({"ok": true, "protocol": 1, "server": concat!("bourse_daemon ", env!("CARGO_PKG_VERSION")),
                "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 1})
     );
@@ -327,7 +372,7 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     waiter["max_wait_ms"] = json!(5000);
     assert_eq!(t.call(waiter)["result"], "over_budget");
     let mut booker = check.clone();
-    booker["max_wait_ms"] = json!(10_000_000_000u64);
+    booker["max_wait_ms"] = json!(4_294_967_295u64);
     booker["owner"] = json!("me");
     assert_eq!(t.call(booker)["result"], "booked");
     assert_eq!(
@@ -403,11 +448,11 @@ pub fn exercise_bad_requests(t: &mut impl Transport) {
         (b"{not json", "malformed JSON"),
         (b"\"hello\"", "must be a JSON object"),
         (br#"{"op":"launch","id":3}"#, "unknown op"),
-        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"requests":"5"},"id":4}"#, "limit.requests must be a number"),
+        (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"requests":"5"},"id":4}"#, "requests must be a finite number > 0"),
         (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"requests":5},"cost":-1}"#, "cost"),
         (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"capacity":1,"refill_per_sec":0}}"#, "refill_per_sec"),
         (br#"{"op":"check","key":{"exchange":"b","credential":null},"limit":null,"max_wait_ms":0}"#, "max_wait_ms"),
-        (br#"{"op":"pause","target":{"exchange":"b"},"ms":"soon"}"#, "ms must be an integer"),
+        (br#"{"op":"pause","target":{"exchange":"b"},"ms":"soon"}"#, "pause (in milliseconds) must be an integer"),
     ];
     let before = t.call(json!({"op": "stats"}))["stats"]["invalid"]
         .as_u64()

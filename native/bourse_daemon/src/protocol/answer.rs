@@ -1,0 +1,177 @@
+//! Answers encoded as JSON objects (no framing): the hot path written directly, the rest
+//! through `serde_json`.
+
+use bourse_core::{InvalidInput, KeyInfo, Outcome, Stats};
+use serde_json::{json, Value};
+
+use crate::store::ShownKey;
+
+use super::{PROTOCOL_VERSION, SERVER};
+
+/// What a request answers, before encoding.
+pub enum Answer {
+    Done,
+    Outcome(Outcome),
+    Borrowed(f64),
+    Taken(f64),
+    Info(Option<KeyInfo>),
+    Stats(Stats),
+    Hello(Hello),
+    Swept(usize),
+    Busiest(Vec<(ShownKey, KeyInfo)>),
+}
+
+/// What a `hello` tells the client.
+pub struct Hello {
+    pub assume_busy_at_start: bool,
+    pub max_frame_bytes: usize,
+    /// The nonce to prove the secret over, while the connection has not proved it.
+    pub nonce: Option<String>,
+    pub idle_timeout_ms: Option<u64>,
+}
+
+/// Where an answer goes: the request's id, or for a frame whose id could not be read, its
+/// position on the connection (1 for the first frame).
+#[derive(Clone, Copy)]
+pub enum To<'a> {
+    Id(Option<&'a Value>),
+    Frame(u64),
+}
+
+impl To<'_> {
+    fn write(self, out: &mut Vec<u8>) {
+        match self {
+            To::Id(None) => {}
+            To::Id(Some(id)) => {
+                out.extend_from_slice(b",\"id\":");
+                write_value(out, id);
+            }
+            To::Frame(n) => {
+                out.extend_from_slice(b",\"frame\":");
+                out.extend_from_slice(n.to_string().as_bytes());
+            }
+        }
+    }
+}
+
+/// Appends `answer` as one JSON object whose last member is its id (or frame).
+pub fn encode(out: &mut Vec<u8>, to: To, answer: Answer) {
+    let body = match answer {
+        Answer::Outcome(outcome) => {
+            let (result, ms) = match outcome {
+                Outcome::Admitted => ("admitted", None),
+                Outcome::Claimed => ("claimed", None),
+                Outcome::Delay(ms) => ("delay", Some(ms)),
+                Outcome::Booked(ms) => ("booked", Some(ms)),
+                Outcome::OverBudget(ms) => ("over_budget", Some(ms)),
+            };
+            // The hot path, written directly.
+            out.extend_from_slice(b"{\"ok\":true,\"result\":\"");
+            out.extend_from_slice(result.as_bytes());
+            out.push(b'"');
+            if let Some(ms) = ms {
+                out.extend_from_slice(b",\"ms\":");
+                out.extend_from_slice(ms.to_string().as_bytes());
+            }
+            to.write(out);
+            out.push(b'}');
+            return;
+        }
+        Answer::Done => json!({"ok": true}),
+        Answer::Borrowed(borrowed) => json!({"ok": true, "borrowed": borrowed}),
+        Answer::Taken(taken) => json!({"ok": true, "taken": taken}),
+        Answer::Info(info) => json!({"ok": true, "info": info.as_ref().map(info_json)}),
+        Answer::Stats(stats) => json!({"ok": true, "stats": stats_json(&stats)}),
+        Answer::Hello(hello) => {
+            let mut body = json!({
+                "ok": true,
+                "protocol": PROTOCOL_VERSION,
+                "server": SERVER,
+                "assume_busy_at_start": hello.assume_busy_at_start,
+                "max_frame_bytes": hello.max_frame_bytes,
+            });
+            if let Some(nonce) = hello.nonce {
+                body["auth"] = json!({"scheme": "hmac-sha256", "nonce": nonce});
+            }
+            if let Some(ms) = hello.idle_timeout_ms {
+                body["idle_timeout_ms"] = json!(ms);
+            }
+            body
+        }
+        Answer::Swept(dropped) => json!({"ok": true, "dropped": dropped}),
+        Answer::Busiest(rows) => json!({
+            "ok": true,
+            "keys": rows
+                .iter()
+                .map(|(key, info)| json!({"key": key_json(key), "info": info_json(info)}))
+                .collect::<Vec<_>>(),
+        }),
+    };
+    close(out, &body, to);
+}
+
+/// Appends an error answer of `kind` (`invalid_parameters`, `unavailable`, ...), naming
+/// the request's exchange when it could be read.
+pub fn error(out: &mut Vec<u8>, to: To, kind: &str, error: &InvalidInput) {
+    let mut body = json!({"ok": false, "error": {"type": kind, "message": error.message()}});
+    if let Some(exchange) = error.exchange() {
+        body["error"]["exchange"] = json!(String::from_utf8_lossy(exchange));
+    }
+    close(out, &body, to);
+}
+
+/// Writes the object `body` with `to` appended as its last member.
+fn close(out: &mut Vec<u8>, body: &Value, to: To) {
+    write_value(out, body);
+    if out.last() == Some(&b'}') {
+        out.pop();
+        to.write(out);
+        out.push(b'}');
+    }
+}
+
+fn write_value(out: &mut Vec<u8>, value: &Value) {
+    // Writing a `Value` to a Vec cannot fail: its keys are strings and Vec writes succeed.
+    let _ = serde_json::to_writer(out, value);
+}
+
+fn key_json(key: &ShownKey) -> Value {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    json!({
+        "exchange": text(&key.exchange),
+        "credential": key.credential,
+        "axis": text(&key.axis),
+    })
+}
+
+fn info_json(info: &KeyInfo) -> Value {
+    json!({
+        "limit": info.limit.map(|limit| json!({
+            "capacity": limit.capacity(),
+            "refill_per_sec": limit.refill_per_sec(),
+        })),
+        "tokens": info.tokens,
+        "borrowed": info.borrowed,
+        "debt": info.debt,
+        "bookings": info.bookings,
+        "booked_cost": info.booked_cost,
+        "next_ready_ms": info.next_ready_ms,
+        "pause_ms": info.pause_ms,
+    })
+}
+
+fn stats_json(stats: &Stats) -> Value {
+    json!({
+        "admitted": stats.admitted,
+        "claimed": stats.claimed,
+        "delayed": stats.delayed,
+        "booked": stats.booked,
+        "over_budget": stats.over_budget,
+        "lapsed": stats.lapsed,
+        "paused": stats.paused,
+        "debited": stats.debited,
+        "invalid": stats.invalid,
+        "buckets": stats.buckets,
+        "bookings": stats.bookings,
+    })
+}

@@ -1,0 +1,332 @@
+//! Protocol version 1 (docs/PROTOCOL.md): a frame is parsed into a typed [`Request`]
+//! (`request`), run on the store (this process's table, or Redis) and its answer encoded
+//! (`answer`). Transports only frame bytes; nothing a client sends can panic.
+
+mod answer;
+mod request;
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use bourse_core::{InvalidInput, Outcome};
+use hmac::{Hmac, Mac};
+use serde_json::Value;
+use sha2::Sha256;
+
+use crate::store::{Memory, Store, StoreError};
+use answer::{encode, error, Answer, Hello, To};
+use request::{Owner, Request};
+
+pub const PROTOCOL_VERSION: u64 = 1;
+pub const SERVER: &str = concat!("bourse_daemon ", env!("CARGO_PKG_VERSION"));
+
+/// The store and what every connection shares.
+pub struct Service<S: Store = Memory> {
+    store: S,
+    /// The transport's frame limit, reported by `hello` so clients can refuse larger requests.
+    max_frame_bytes: usize,
+    /// The shared secret TCP clients prove (`auth`).
+    secret: Option<Vec<u8>>,
+    /// Keyed hashing of owner ids: a client cannot forge another connection's default owner.
+    owners: RandomState,
+    connections: AtomicU64,
+}
+
+/// One client connection: the owner of requests that name none, and whether it proved the
+/// secret.
+pub struct Session {
+    default_owner: u64,
+    /// The nonce its `auth` must answer, while it has not proved the secret.
+    nonce: Option<String>,
+    authenticated: AtomicBool,
+    idle_timeout_ms: Option<u64>,
+    frames: AtomicU64,
+}
+
+impl Session {
+    /// Numbers the next frame read on this connection (from 1).
+    pub fn next_frame(&self) -> u64 {
+        self.frames.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether requests other than `hello` and `auth` are served.
+    pub fn authenticated(&self) -> bool {
+        self.authenticated.load(Ordering::Relaxed)
+    }
+}
+
+/// Why a request got no answer of its own.
+enum Failure {
+    Invalid(InvalidInput),
+    /// Only the store could judge it (conflicting definitions); it counted it already.
+    Refused(InvalidInput),
+    /// The store cannot be reached: nothing was admitted.
+    Unavailable(String),
+    Unauthorized(&'static str),
+}
+
+impl From<InvalidInput> for Failure {
+    fn from(invalid: InvalidInput) -> Self {
+        Self::Invalid(invalid)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Invalid(error) => Self::Refused(error),
+            StoreError::Unavailable(message) => Self::Unavailable(message),
+        }
+    }
+}
+
+const UNAUTHORIZED: &str =
+    "authenticate first: send auth with the HMAC-SHA256 of the hello's nonce under the shared secret";
+
+impl<S: Store> Service<S> {
+    pub fn new(store: S, max_frame_bytes: usize, secret: Option<Vec<u8>>) -> Self {
+        Self {
+            store,
+            max_frame_bytes,
+            secret,
+            owners: RandomState::new(),
+            connections: AtomicU64::new(0),
+        }
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// A new connection, with an owner id of its own. `prove` when it must prove the
+    /// secret before anything but `hello` is served.
+    pub fn session(&self, prove: bool, idle_timeout_ms: Option<u64>) -> Session {
+        let n = self.connections.fetch_add(1, Ordering::Relaxed);
+        Session {
+            default_owner: self.owners.hash_one(("connection", n)),
+            nonce: prove.then(nonce),
+            authenticated: AtomicBool::new(!prove),
+            idle_timeout_ms,
+            frames: AtomicU64::new(0),
+        }
+    }
+
+    /// Answers frame number `number` of `session`, appending one JSON object (no framing)
+    /// to `out`. Every answer carries the request's id when it could be read, else the
+    /// frame's number.
+    pub async fn handle(&self, session: &Session, number: u64, frame: &[u8], out: &mut Vec<u8>) {
+        let request = match serde_json::from_slice::<Value>(frame) {
+            Ok(Value::Object(fields)) => fields,
+            Ok(other) => {
+                let message = format!(
+                    "a request must be a JSON object, got {}",
+                    request::shape(&other)
+                );
+                return self.invalid(out, To::Frame(number), &InvalidInput::new(message));
+            }
+            Err(parse) => {
+                let id = leading_id(frame);
+                let to = id.as_ref().map_or(To::Frame(number), |id| To::Id(Some(id)));
+                return self.invalid(out, to, &InvalidInput::new(malformed(&parse)));
+            }
+        };
+        let to = To::Id(request.get("id"));
+        let failure = match Request::parse(&request) {
+            Ok(request) => match self.execute(session, request).await {
+                Ok(answer) => return encode(out, to, answer),
+                Err(failure) => failure,
+            },
+            Err(invalid) => Failure::Invalid(invalid),
+        };
+        match failure {
+            Failure::Invalid(invalid) => self.invalid(out, to, &invalid),
+            Failure::Refused(invalid) => error(out, to, "invalid_parameters", &invalid),
+            Failure::Unavailable(message) => {
+                error(out, to, "unavailable", &InvalidInput::new(message))
+            }
+            Failure::Unauthorized(message) => {
+                error(out, to, "unauthorized", &InvalidInput::new(message))
+            }
+        }
+    }
+
+    /// The answer to a frame longer than `max` bytes; the transport then closes.
+    pub fn frame_too_large(&self, out: &mut Vec<u8>, number: u64, max: usize) {
+        self.store.count_invalid();
+        let message = format!("frame longer than {max} bytes (--max-frame-bytes); closing");
+        error(
+            out,
+            To::Frame(number),
+            "frame_too_large",
+            &InvalidInput::new(message),
+        );
+    }
+
+    /// The answer to bytes left without their end when the stream closed.
+    pub fn truncated_frame(&self, out: &mut Vec<u8>, number: u64) {
+        let message = "the stream ended in the middle of a frame; it was not executed";
+        self.invalid(out, To::Frame(number), &InvalidInput::new(message));
+    }
+
+    fn invalid(&self, out: &mut Vec<u8>, to: To, invalid: &InvalidInput) {
+        self.store.count_invalid();
+        error(out, to, "invalid_parameters", invalid);
+    }
+
+    /// Runs one valid request.
+    async fn execute(&self, session: &Session, request: Request<'_>) -> Result<Answer, Failure> {
+        if !session.authenticated() && !request.before_auth() {
+            return Err(Failure::Unauthorized(UNAUTHORIZED));
+        }
+        let store = &self.store;
+        Ok(match request {
+            Request::Hello => Answer::Hello(Hello {
+                assume_busy_at_start: store.config().assume_busy_at_start,
+                max_frame_bytes: self.max_frame_bytes,
+                nonce: (!session.authenticated())
+                    .then(|| session.nonce.clone())
+                    .flatten(),
+                idle_timeout_ms: session.idle_timeout_ms,
+            }),
+            Request::Auth { proof } => {
+                self.authenticate(session, proof)?;
+                Answer::Done
+            }
+            Request::Check {
+                checks,
+                owner,
+                mode,
+            } => {
+                let owner = self.owner(session, owner);
+                Answer::Outcome(match checks.as_slice() {
+                    [] => Outcome::Admitted,
+                    [check] => store.check_one(owner, *check, mode).await?,
+                    checks => store.check(owner, checks, mode).await?,
+                })
+            }
+            Request::Record { key, cost } => {
+                store.record(key, cost).await?;
+                Answer::Done
+            }
+            Request::GetCost { key } => Answer::Borrowed(store.borrowed(key).await?),
+            Request::Sync {
+                key,
+                allowance,
+                window_left_ms,
+            } => Answer::Taken(store.sync(key, allowance, window_left_ms).await?),
+            Request::Reset { key } => {
+                store.reset(key).await?;
+                Answer::Done
+            }
+            Request::ResetExchange { exchange } => {
+                store.reset_exchange(exchange).await?;
+                Answer::Done
+            }
+            Request::ResetAll => {
+                store.reset_all().await?;
+                Answer::Done
+            }
+            Request::Pause { target, ms } => {
+                store.pause(target, ms).await?;
+                Answer::Done
+            }
+            Request::Inspect { key } => Answer::Info(store.inspect(key).await?),
+            Request::Busiest { count } => Answer::Busiest(store.busiest(count).await?),
+            Request::Stats => Answer::Stats(store.stats().await?),
+            Request::Sweep => Answer::Swept(store.sweep()),
+        })
+    }
+
+    /// Checks an `auth` proof: the HMAC-SHA256, under the secret, of the session's nonce.
+    fn authenticate(&self, session: &Session, proof: &str) -> Result<(), Failure> {
+        let (Some(secret), Some(nonce)) = (&self.secret, &session.nonce) else {
+            // Nothing to prove on this connection.
+            return Ok(());
+        };
+        let proof = decode_hex(proof).ok_or(Failure::Unauthorized(
+            "proof must be 64 hex digits (the HMAC-SHA256 of the hello's nonce)",
+        ))?;
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret)
+            .map_err(|_| Failure::Unauthorized("the daemon's secret is unusable"))?;
+        mac.update(nonce.as_bytes());
+        mac.verify_slice(&proof)
+            .map_err(|_| Failure::Unauthorized("wrong proof: the secret differs"))?;
+        session.authenticated.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The booking owner: the connection's own, or a named one (hashed).
+    fn owner(&self, session: &Session, owner: Owner) -> u64 {
+        match owner {
+            Owner::Connection => session.default_owner,
+            Owner::Named(name) => self.owners.hash_one(("string", name)),
+            Owner::Numbered(n) => self.owners.hash_one(("integer", Some(n))),
+        }
+    }
+}
+
+/// 32 random bytes in hex, for a connection to prove the secret over.
+fn nonce() -> String {
+    let mut bytes = [0u8; 32];
+    // Without the system's randomness, the nonce is still unique per connection: derived
+    // from a keyed hash of the time and a counter (`RandomState` keys come from the OS too).
+    if getrandom::fill(&mut bytes).is_err() {
+        let state = RandomState::new();
+        for (i, chunk) in bytes.chunks_mut(8).enumerate() {
+            let word = state.hash_one((i, std::time::SystemTime::now()));
+            chunk.copy_from_slice(&word.to_le_bytes());
+        }
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() != 64 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Describes a frame that is not JSON, without quoting it.
+fn malformed(error: &serde_json::Error) -> String {
+    let reason = match error.classify() {
+        serde_json::error::Category::Eof => "it ends in the middle of a value".to_string(),
+        _ => {
+            // serde_json's messages name the problem and its position, never the input.
+            let text = error.to_string();
+            text.split(" at line ").next().unwrap_or(&text).to_string()
+        }
+    };
+    format!("malformed JSON ({reason}, column {})", error.column())
+}
+
+/// The id of a frame that is not valid JSON, when its first member is `"id"` with an integer
+/// or a short plain string: clients that put the id first have every answer attributed.
+fn leading_id(frame: &[u8]) -> Option<Value> {
+    let rest = frame.trim_ascii_start().strip_prefix(b"{")?;
+    let rest = rest.trim_ascii_start().strip_prefix(b"\"id\"")?;
+    let rest = rest
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
+    let end = match rest.first()? {
+        b'"' => 1 + rest[1..].iter().take(64).position(|&b| b == b'"')? + 1,
+        // An integer of at most 40 characters, ended within the frame.
+        _ => rest
+            .iter()
+            .take(41)
+            .position(|&b| !(b.is_ascii_digit() || b == b'-'))?,
+    };
+    let token = rest.get(..end)?;
+    if token.contains(&b'\\') {
+        return None;
+    }
+    serde_json::from_slice(token).ok()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,875 @@
+//! The protocol against the in-memory table on a manual clock.
+
+use super::*;
+use bourse_core::rules::MAX_KEY_PART_BYTES;
+use serde_json::json;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Waker};
+
+use bourse_core::{Config, ManualClock, Table};
+
+struct Fixture {
+    clock: ManualClock,
+    service: Service<Memory<ManualClock>>,
+    session: Session,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let clock = ManualClock::new();
+        let table = Table::with_clock(Config::default(), clock.clone());
+        let service = Service::new(Memory::new(table), 65_536, None);
+        let session = service.session(false, None);
+        Self {
+            clock,
+            service,
+            session,
+        }
+    }
+
+    fn call_as(&self, session: &Session, request: &str) -> Value {
+        let mut out = Vec::new();
+        {
+            // The in-memory store answers without waiting.
+            let handled = pin!(self.service.handle(
+                session,
+                session.next_frame(),
+                request.as_bytes(),
+                &mut out
+            ));
+            let polled = handled.poll(&mut Context::from_waker(Waker::noop()));
+            assert!(polled.is_ready(), "the in-memory store made a request wait");
+        }
+        serde_json::from_slice(&out).expect("answers are JSON")
+    }
+
+    fn call(&self, request: &str) -> Value {
+        self.call_as(&self.session, request)
+    }
+
+    fn stat(&self, name: &str) -> u64 {
+        self.call(r#"{"op":"stats"}"#)["stats"][name]
+            .as_u64()
+            .unwrap()
+    }
+}
+
+const KEY: &str = r#"{"exchange":"binance","credential":"k1"}"#;
+
+fn check(limit: &str, extra: &str) -> String {
+    format!(r#"{{"op":"check","key":{KEY},"limit":{limit}{extra}}}"#)
+}
+
+#[test]
+fn hello_names_the_protocol() {
+    let f = Fixture::new();
+    assert_eq!(
+        f.call(r#"{"op":"hello","id":7}"#),
+        json!({"ok": true, "protocol": 1, "server": SERVER,
+               "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 7})
+    );
+}
+
+#[test]
+fn probes_admit_then_delay_without_paying() {
+    let f = Fixture::new();
+    let limit = r#"{"requests":2,"period":1000}"#;
+    for _ in 0..2 {
+        assert_eq!(
+            f.call(&check(limit, "")),
+            json!({"ok": true, "result": "admitted"})
+        );
+    }
+    assert_eq!(
+        f.call(&check(limit, r#","id":"a""#)),
+        json!({"ok": true, "result": "delay", "ms": 500, "id": "a"})
+    );
+    assert_eq!(
+        f.call(&check(limit, "")),
+        json!({"ok": true, "result": "delay", "ms": 500})
+    );
+    f.clock.advance_ms(500);
+    assert_eq!(f.call(&check(limit, ""))["result"], "admitted");
+    // The same definition written as capacity and refill is the same bucket.
+    f.clock.advance_ms(500);
+    assert_eq!(
+        f.call(&check(r#"{"capacity":2,"refill_per_sec":2.0}"#, "")),
+        json!({"ok": true, "result": "admitted"})
+    );
+    // No limit: validated, then nothing happens.
+    assert_eq!(
+        f.call(&check("null", r#","cost":1000"#))["result"],
+        "admitted"
+    );
+    assert_eq!(
+        f.call(&check(r#"{"requests":2}"#, r#","cost":1"#))["result"],
+        "delay"
+    );
+}
+
+#[test]
+fn waiters_book_and_claim_by_owner() {
+    let f = Fixture::new();
+    let limit = r#"{"capacity":1,"refill_per_sec":10}"#;
+    assert_eq!(
+        f.call(&check(limit, r#","max_wait_ms":1000"#))["result"],
+        "admitted"
+    );
+    let booked = f.call(&check(limit, r#","max_wait_ms":1000,"owner":"a""#));
+    assert_eq!(booked, json!({"ok": true, "result": "booked", "ms": 100}));
+    // Another owner queues behind; a budget too short books nothing.
+    assert_eq!(
+        f.call(&check(limit, r#","max_wait_ms":1000,"owner":5"#))["ms"],
+        200
+    );
+    assert_eq!(
+        f.call(&check(limit, r#","max_wait_ms":250,"owner":"5""#)),
+        json!({"ok": true, "result": "over_budget", "ms": 300})
+    );
+    assert_eq!(f.stat("bookings"), 2);
+    // Early: the remaining wait; on time: claimed, from any connection, not charged again.
+    f.clock.advance_ms(40);
+    assert_eq!(
+        f.call(&check(limit, r#","owner":"a""#)),
+        json!({"ok": true, "result": "delay", "ms": 60})
+    );
+    f.clock.advance_ms(60);
+    let other = f.service.session(false, None);
+    assert_eq!(
+        f.call_as(&other, &check(limit, r#","owner":"a""#))["result"],
+        "claimed"
+    );
+    f.clock.advance_ms(100);
+    assert_eq!(
+        f.call(&check(limit, r#","owner":5,"max_wait_ms":1"#))["result"],
+        "claimed"
+    );
+    assert_eq!(f.stat("bookings"), 0);
+    assert_eq!(f.stat("claimed"), 2);
+}
+
+#[test]
+fn the_default_owner_is_the_connection() {
+    let f = Fixture::new();
+    let limit = r#"{"capacity":1,"refill_per_sec":10}"#;
+    f.call(&check(limit, ""));
+    assert_eq!(f.call(&check(limit, r#","max_wait_ms":1000"#))["ms"], 100);
+    let other = f.service.session(false, None);
+    assert_eq!(
+        f.call_as(&other, &check(limit, r#","max_wait_ms":1000"#))["ms"],
+        200
+    );
+    f.clock.advance_ms(100);
+    assert_eq!(f.call(&check(limit, ""))["result"], "claimed");
+    assert_eq!(f.call_as(&other, &check(limit, ""))["result"], "delay");
+}
+
+#[test]
+fn check_many_is_all_or_nothing() {
+    let f = Fixture::new();
+    let a = r#"{"key":{"exchange":"x","credential":null},"limit":{"requests":3},"cost":2}"#;
+    let b = r#"{"key":{"exchange":"x","credential":null,"axis":"ip"},"limit":{"requests":1}}"#;
+    let many =
+        |checks: &str, extra: &str| format!(r#"{{"op":"check_many","checks":[{checks}]{extra}}}"#);
+    assert_eq!(
+        f.call(&many("", "")),
+        json!({"ok": true, "result": "admitted"})
+    );
+    assert_eq!(f.call(&many(&format!("{a},{b}"), ""))["result"], "admitted");
+    // `b` is empty: `a` must not pay either.
+    assert_eq!(f.call(&many(&format!("{a},{b}"), ""))["result"], "delay");
+    let x = r#"{"exchange":"x","credential":null}"#;
+    assert!(
+        f.call(&format!(r#"{{"op":"get_cost","key":{x}}}"#))["borrowed"]
+            .as_f64()
+            .unwrap()
+            < 2.01
+    );
+    // Coalesced: the same key twice is charged once at the combined cost.
+    f.clock.advance_ms(1000);
+    let half = r#"{"key":{"exchange":"x","credential":null},"limit":{"requests":3}}"#;
+    assert_eq!(
+        f.call(&many(
+            &format!("{half},{half},{half}"),
+            r#","max_wait_ms":10"#
+        ))["result"],
+        "admitted"
+    );
+    // Conflicting definitions: an error, nothing paid, counted once.
+    f.clock.advance_ms(1000);
+    let other = r#"{"key":{"exchange":"x","credential":null},"limit":{"requests":4}}"#;
+    let answer = f.call(&many(&format!("{half},{other}"), r#","id":1"#));
+    assert_eq!(answer["ok"], false);
+    assert_eq!(answer["id"], 1);
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("conflicting"));
+    assert_eq!(f.stat("invalid"), 1);
+    // A check without limit is dropped and does not conflict.
+    let free = r#"{"key":{"exchange":"x","credential":null},"limit":null,"cost":99}"#;
+    assert_eq!(
+        f.call(&many(&format!("{half},{free}"), ""))["result"],
+        "admitted"
+    );
+}
+
+#[test]
+fn record_get_cost_and_resets() {
+    let f = Fixture::new();
+    let key = |exchange: &str| format!(r#"{{"exchange":"{exchange}","credential":"k"}}"#);
+    let get = |exchange: &str| {
+        f.call(&format!(
+            r#"{{"op":"get_cost","key":{},"period":60000}}"#,
+            key(exchange)
+        ))["borrowed"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!(get("a"), 0.0);
+    assert_eq!(
+        f.call(&format!(r#"{{"op":"record","key":{},"cost":3}}"#, key("a"))),
+        json!({"ok": true})
+    );
+    f.call(&format!(r#"{{"op":"record","key":{}}}"#, key("b")));
+    assert_eq!((get("a"), get("b")), (3.0, 1.0));
+    let info = f.call(&format!(r#"{{"op":"inspect","key":{}}}"#, key("a")));
+    assert_eq!(info["info"]["limit"], Value::Null);
+    assert_eq!(info["info"]["debt"], 3.0);
+    f.call(&format!(r#"{{"op":"reset","key":{}}}"#, key("a")));
+    assert_eq!(
+        f.call(&format!(r#"{{"op":"inspect","key":{}}}"#, key("a"))),
+        json!({"ok": true, "info": null})
+    );
+    f.call(&format!(r#"{{"op":"record","key":{}}}"#, key("a")));
+    assert_eq!(
+        f.call(r#"{"op":"reset_exchange","exchange":"b"}"#),
+        json!({"ok": true})
+    );
+    assert_eq!((get("a"), get("b")), (1.0, 0.0));
+    assert_eq!(f.call(r#"{"op":"reset_all"}"#), json!({"ok": true}));
+    assert_eq!(get("a"), 0.0);
+    assert_eq!(f.stat("debited"), 3);
+}
+
+#[test]
+fn sync_lowers_tokens_to_what_the_exchange_allows() {
+    let f = Fixture::new();
+    let sync = |allowance: &str, window_left_ms: u64| {
+        f.call(&format!(
+            r#"{{"op":"sync","key":{KEY},"allowance":{allowance},"window_left_ms":{window_left_ms},"id":3}}"#
+        ))
+    };
+    // An unknown key is left alone.
+    assert_eq!(sync("5", 0), json!({"ok": true, "taken": 0.0, "id": 3}));
+    f.call(&check(r#"{"capacity":10,"refill_per_sec":1}"#, ""));
+    // 9 tokens; the exchange allows 5 more in a window ending in 2 s, which refills 2.
+    assert_eq!(sync("5", 2000)["taken"], 6.0);
+    let borrowed = f.call(&format!(r#"{{"op":"get_cost","key":{KEY}}}"#))["borrowed"].clone();
+    assert_eq!(borrowed, 7.0);
+    // Never raises the tokens; a negative allowance puts the bucket in debt.
+    assert_eq!(sync("100", 0)["taken"], 0.0);
+    assert_eq!(sync("-2.5", 0)["taken"], 5.5);
+    let info = f.call(&format!(r#"{{"op":"inspect","key":{KEY}}}"#))["info"].clone();
+    assert_eq!(info["debt"], 2.5);
+}
+
+#[test]
+fn pauses_hold_their_targets() {
+    let f = Fixture::new();
+    let limit = r#"{"requests":100}"#;
+    let on = |key: &str| format!(r#"{{"op":"check","key":{key},"limit":{limit}}}"#);
+    let k1 = r#"{"exchange":"binance","credential":"k1"}"#;
+    let k2 = r#"{"exchange":"binance","credential":"k2","axis":"order"}"#;
+    let public = r#"{"exchange":"binance","credential":null}"#;
+    let other = r#"{"exchange":"okx","credential":"k1"}"#;
+    let pause =
+        |target: &str, ms: u64| f.call(&format!(r#"{{"op":"pause","target":{target},"ms":{ms}}}"#));
+    assert_eq!(
+        pause(
+            r#"{"exchange":"binance","credential":"k1","axis":"request"}"#,
+            100
+        ),
+        json!({"ok": true})
+    );
+    assert_eq!(
+        f.call(&on(k1)),
+        json!({"ok": true, "result": "delay", "ms": 100})
+    );
+    assert_eq!(f.call(&on(k2))["result"], "admitted");
+    pause(r#"{"exchange":"binance","credential":null}"#, 200);
+    assert_eq!(f.call(&on(public))["ms"], 200);
+    assert_eq!(f.call(&on(k2))["result"], "admitted");
+    pause(r#"{"exchange":"binance"}"#, 300);
+    assert_eq!(f.call(&on(k2))["ms"], 300);
+    assert_eq!(f.call(&on(other))["result"], "admitted");
+    let info = f.call(&format!(r#"{{"op":"inspect","key":{k2}}}"#));
+    assert_eq!(info["info"]["pause_ms"], 300);
+    f.clock.advance_ms(300);
+    assert_eq!(f.call(&on(k1))["result"], "admitted");
+    assert_eq!(pause(r#"{"exchange":"binance"}"#, 0), json!({"ok": true}));
+}
+
+#[test]
+fn stats_sweep_and_busiest() {
+    let f = Fixture::new();
+    let limit = r#"{"capacity":4,"refill_per_sec":4}"#;
+    f.call(&check(limit, r#","cost":3"#));
+    f.call(&format!(
+        r#"{{"op":"check","key":{{"exchange":"e","credential":null}},"limit":{limit}}}"#
+    ));
+    let busiest = f.call(r#"{"op":"busiest","count":1}"#);
+    assert_eq!(busiest["keys"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        busiest["keys"][0]["key"],
+        json!({"exchange": "binance", "credential": crate::fingerprint::shown(b"k1"), "axis": "request"})
+    );
+    assert_eq!(busiest["keys"][0]["info"]["borrowed"], 3.0);
+    assert_eq!(
+        f.call(r#"{"op":"sweep"}"#),
+        json!({"ok": true, "dropped": 0})
+    );
+    f.clock.advance_ms(10_000);
+    assert_eq!(
+        f.call(r#"{"op":"sweep","id":null}"#),
+        json!({"ok": true, "dropped": 2, "id": null})
+    );
+    let stats = f.call(r#"{"op":"stats"}"#)["stats"].clone();
+    for name in [
+        "admitted",
+        "claimed",
+        "delayed",
+        "booked",
+        "over_budget",
+        "lapsed",
+        "paused",
+        "debited",
+        "invalid",
+        "buckets",
+        "bookings",
+    ] {
+        assert!(stats[name].is_u64(), "{name} missing from {stats}");
+    }
+    assert_eq!(
+        (stats["admitted"].as_u64(), stats["buckets"].as_u64()),
+        (Some(2), Some(0))
+    );
+}
+
+#[test]
+fn errors_never_echo_a_credential() {
+    let f = Fixture::new();
+    let secret = "SECRET-API-KEY-123";
+    let limit = r#"{"requests":1}"#;
+    let requests = [
+        format!(r#"{{"op":"check","key":"{secret}","limit":{limit}}}"#),
+        format!(r#"{{"op":"check","key":["binance","{secret}"],"limit":{limit}}}"#),
+        format!(
+            r#"{{"op":"check","key":{{"exchange":"b","credential":["{secret}"]}},"limit":{limit}}}"#
+        ),
+        format!(r#"{{"op":"check_many","checks":["{secret}"]}}"#),
+        format!(r#"{{"op":"pause","target":"{secret}","ms":1}}"#),
+    ];
+    for request in requests {
+        let answer = f.call(&request);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(!message.is_empty(), "{request}: {answer}");
+        assert!(
+            !message.contains("SECRET"),
+            "{request}: {message:?} echoes the credential"
+        );
+    }
+}
+
+#[test]
+fn malformed_requests_name_the_problem_and_touch_nothing() {
+    let f = Fixture::new();
+    let big = "x".repeat(MAX_KEY_PART_BYTES + 1);
+    let deep = format!("{}{}", "[".repeat(1000), "]".repeat(1000));
+    let cases: Vec<(String, &str)> = vec![
+        ("".into(), "malformed JSON"),
+        ("{".into(), "malformed JSON"),
+        ("\u{0}".into(), "malformed JSON"),
+        (deep, "malformed JSON"),
+        ("[1]".into(), "must be a JSON object"),
+        ("{}".into(), "missing field op"),
+        (r#"{"op":1}"#.into(), "op must be a string"),
+        (r#"{"op":"nope"}"#.into(), "unknown op"),
+        (r#"{"op":"hello","x":1}"#.into(), "unknown field \"x\""),
+        (r#"{"op":"check","limit":null}"#.into(), "missing field key"),
+        (
+            format!(r#"{{"op":"check","key":{KEY}}}"#),
+            "missing field limit",
+        ),
+        (
+            r#"{"op":"check","key":"binance","limit":null}"#.into(),
+            "key must be {exchange_id, credential_key, bucket_axis}",
+        ),
+        (
+            r#"{"op":"check","key":{"credential":null},"limit":null}"#.into(),
+            "missing field exchange",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b"},"limit":null}"#.into(),
+            "missing field credential",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":1,"credential":null},"limit":null}"#.into(),
+            "exchange_id must be a binary of at most 1024 bytes, got 1",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":2},"limit":null}"#.into(),
+            "credential_key must be :public or a binary",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":null,"axis":null},"limit":null}"#
+                .into(),
+            "bucket_axis must be a binary of at most 1024 bytes, got nil",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":null,"axes":"ip"},"limit":null}"#
+                .into(),
+            "unknown field \"axes\" in a key",
+        ),
+        (
+            format!(
+                r#"{{"op":"check","key":{{"exchange":"{big}","credential":null}},"limit":null}}"#
+            ),
+            "at most 1024 bytes",
+        ),
+        (check("5", ""), "limit must be %{capacity: c, refill_per_sec: r}, %{requests: n, period: ms}, %{requests: n} or nil, got 5"),
+        (check("{}", ""), "got an empty map"),
+        (
+            check(r#"{"capacity":1}"#, ""),
+            "got a map of 1 key",
+        ),
+        (
+            check(r#"{"capacity":"1","refill_per_sec":1}"#, ""),
+            "capacity must be a finite number > 0 and at most 1.0e12, got a binary of 1 byte",
+        ),
+        (
+            check(r#"{"capacity":0,"refill_per_sec":1}"#, ""),
+            "capacity must be a finite number > 0",
+        ),
+        (
+            check(r#"{"capacity":1,"refill_per_sec":-1}"#, ""),
+            "refill_per_sec must be",
+        ),
+        (
+            check(r#"{"capacity":1e13,"refill_per_sec":1}"#, ""),
+            "capacity must be",
+        ),
+        (
+            check(r#"{"requests":10,"refill_per_sec":1}"#, ""),
+            "or nil, got a map of 2 keys",
+        ),
+        (check(r#"{"period":10}"#, ""), "or nil, got a map of 1 key"),
+        (check(r#"{"requests":10,"period":0}"#, ""), "period must be"),
+        (
+            check(r#"{"requests":10,"rate":1}"#, ""),
+            "or nil, got a map of 2 keys",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","cost":-1"#),
+            "cost must be a finite number >= 0 and at most 1.0e12, got -1",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","cost":1e13"#),
+            "cost must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","cost":"1""#),
+            "cost must be a finite number >= 0",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","cost":null"#),
+            "cost must be a finite number >= 0",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","cost":1e999"#),
+            "cost must be a finite number >= 0 and at most 1.0e12, got Infinity",
+        ),
+        (check("null", r#","cost":-1"#), "cost"),
+        (
+            check(r#"{"requests":1}"#, r#","max_wait_ms":0"#),
+            "max_wait_ms must be an integer from 1 to 4294967295, got 0",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","max_wait_ms":1.5"#),
+            "max_wait_ms must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","max_wait_ms":-5"#),
+            "max_wait_ms must be",
+        ),
+        (
+            check(
+                r#"{"requests":1}"#,
+                r#","max_wait_ms":99999999999999999999999"#,
+            ),
+            "max_wait_ms must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","owner":null"#),
+            "owner must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","owner":1.5"#),
+            "owner must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","owner":[1]"#),
+            "owner must be",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","max_wait":100"#),
+            "unknown field \"max_wait\"",
+        ),
+        (r#"{"op":"check_many"}"#.into(), "missing field checks"),
+        (
+            r#"{"op":"check_many","checks":{}}"#.into(),
+            "checks must be a list of at most 1024 {key, limit, cost}, got an empty map",
+        ),
+        (
+            r#"{"op":"check_many","checks":[1]}"#.into(),
+            "each check must be {key, limit, cost}, got 1",
+        ),
+        (
+            format!(
+                r#"{{"op":"check_many","checks":[{{"key":{KEY},"limit":null}},{{"key":{KEY},"limit":null,"cost":-1}}]}}"#
+            ),
+            "cost must be a finite number >= 0 and at most 1.0e12, got -1",
+        ),
+        (
+            format!(r#"{{"op":"check_many","checks":[{{"key":{KEY},"limit":{{"requests":0}}}}]}}"#),
+            "requests must be a finite number > 0",
+        ),
+        (
+            format!(r#"{{"op":"check_many","checks":[{{"key":{KEY},"limit":null,"owner":1}}]}}"#),
+            "unknown field \"owner\" in a check",
+        ),
+        (
+            format!(r#"{{"op":"record","key":{KEY},"cost":-3}}"#),
+            "cost",
+        ),
+        (r#"{"op":"get_cost"}"#.into(), "missing field key"),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"window_left_ms":0}}"#),
+            "missing field allowance",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":1}}"#),
+            "missing field window_left_ms",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":"1","window_left_ms":0}}"#),
+            "allowance must be a finite number from -1.0e12 to 1.0e12, got a binary of 1 byte",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":-1e13,"window_left_ms":0}}"#),
+            "allowance must be a finite number",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":-1}}"#),
+            "window_left_ms must be an integer from 0 to 4294967295",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":1.5}}"#),
+            "window_left_ms must be an integer from 0 to 4294967295",
+        ),
+        (
+            format!(r#"{{"op":"sync","key":{KEY},"allowance":1,"window_left_ms":0,"cost":1}}"#),
+            "unknown field \"cost\"",
+        ),
+        (
+            r#"{"op":"sync","key":"k","allowance":1,"window_left_ms":0}"#.into(),
+            "key must be {exchange_id, credential_key, bucket_axis}",
+        ),
+        (
+            r#"{"op":"reset_exchange","exchange":null}"#.into(),
+            "exchange_id must be a binary of at most 1024 bytes, got nil",
+        ),
+        (
+            r#"{"op":"reset_all","exchange":"b"}"#.into(),
+            "unknown field \"exchange\"",
+        ),
+        (
+            r#"{"op":"pause","target":{"exchange":"b"}}"#.into(),
+            "missing field ms",
+        ),
+        (
+            r#"{"op":"pause","target":{"exchange":"b"},"ms":-1}"#.into(),
+            "pause (in milliseconds) must be an integer from 0 to 4294967295, got -1",
+        ),
+        (
+            r#"{"op":"pause","target":"b","ms":1}"#.into(),
+            "pause target must be a key, {exchange_id, credential_key} or an exchange_id, got a binary of 1 byte",
+        ),
+        (
+            r#"{"op":"pause","target":{"credential":"k"},"ms":1}"#.into(),
+            "missing field exchange",
+        ),
+        (
+            r#"{"op":"pause","target":{"exchange":"b","axis":"ip"},"ms":1}"#.into(),
+            "missing field credential",
+        ),
+        (
+            r#"{"op":"pause","target":{"exchange":"b","cred":"k"},"ms":1}"#.into(),
+            "unknown field \"cred\"",
+        ),
+        (r#"{"op":"busiest","count":0}"#.into(), "count must be an integer from 1 to 10000"),
+        (
+            r#"{"op":"busiest","count":10001}"#.into(),
+            "count must be an integer from 1 to 10000, got 10001",
+        ),
+    ];
+    let total = cases.len() as u64;
+    for (request, expected) in cases {
+        let answer = f.call(&request);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(answer["ok"], false, "{request}");
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
+        assert!(
+            message.contains(expected),
+            "{request}: {message:?} lacks {expected:?}"
+        );
+    }
+    assert_eq!(f.stat("invalid"), total);
+    assert_eq!(f.stat("buckets"), 0);
+    // The id is echoed whenever the request was an object.
+    let answer = f.call(r#"{"op":"nope","id":{"n":[1]}}"#);
+    assert_eq!(answer["id"], json!({"n": [1]}));
+}
+
+#[test]
+fn frame_errors() {
+    let f = Fixture::new();
+    let mut out = Vec::new();
+    f.service.frame_too_large(&mut out, 3, 64);
+    let answer: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(answer["error"]["type"], "frame_too_large");
+    out.clear();
+    f.service.truncated_frame(&mut out, 4);
+    let answer: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    assert_eq!(f.stat("invalid"), 2);
+}
+
+#[test]
+fn every_answer_names_its_request() {
+    let f = Fixture::new();
+    let big = "1".repeat(401);
+    // A number beyond a double, as capacity or cost: answered at once, with the id.
+    for limit in [
+        format!(r#"{{"capacity":{big},"refill_per_sec":1}}"#),
+        r#"{"capacity":1,"refill_per_sec":1e400}"#.to_string(),
+    ] {
+        let answer = f.call(&check(&limit, r#","id":41"#));
+        assert_eq!(
+            (answer["ok"].clone(), answer["id"].clone()),
+            (json!(false), json!(41)),
+            "{answer}"
+        );
+        assert!(answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("must be a finite number"));
+    }
+    let answer = f.call(&check(
+        r#"{"requests":1}"#,
+        &format!(r#","cost":{big},"id":42"#),
+    ));
+    assert_eq!(answer["id"], 42);
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    // Frames that are not JSON: the id when it comes first, else the frame's number.
+    let deep = "[".repeat(100_000);
+    for (frame, to) in [
+        (
+            format!(r#"{{"id":7,"op":"check","key":{deep}"#),
+            json!({"id": 7}),
+        ),
+        (
+            r#"{ "id" : "x-1" , "op":"#.to_string(),
+            json!({"id": "x-1"}),
+        ),
+        (format!(r#"{{"id":{big},"op":"#), json!({"frame": 0})),
+        (
+            r#"{"id":123456789012345678901234567890,"op":"#.into(),
+            json!({"id": 123456789012345678901234567890u128}),
+        ),
+        ("{\"id\":8,\"op\":\"\u{0}".into(), json!({"id": 8})),
+        (
+            format!(r#"{{"op":"check","id":9,"key":{deep}"#),
+            json!({"frame": 0}),
+        ),
+        ("[1,2]".into(), json!({"frame": 0})),
+    ] {
+        let session = f.service.session(false, None);
+        for _ in 0..4 {
+            session.next_frame();
+        }
+        let mut out = Vec::new();
+        {
+            let handled = pin!(f.service.handle(&session, 5, frame.as_bytes(), &mut out));
+            assert!(handled
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_ready());
+        }
+        let answer: Value = serde_json::from_slice(&out).expect("answers are JSON");
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+        match to.get("id") {
+            Some(id) => assert_eq!(&answer["id"], id, "{answer}"),
+            None => assert_eq!(answer["frame"], 5, "{answer}"),
+        }
+    }
+}
+
+#[test]
+fn one_call_checks_at_most_1024_buckets() {
+    let f = Fixture::new();
+    let item = format!(r#"{{"key":{KEY},"limit":{{"requests":5000}}}}"#);
+    let many = |n: usize| {
+        format!(
+            r#"{{"op":"check_many","checks":[{}]}}"#,
+            vec![item.as_str(); n].join(",")
+        )
+    };
+    assert_eq!(f.call(&many(1024))["result"], "admitted");
+    let answer = f.call(&many(1025));
+    assert_eq!(
+        answer["error"]["message"],
+        "checks must be a list of at most 1024 {key, limit, cost}, got a list of more than 1024 elements"
+    );
+    assert_eq!(
+        f.call(&format!(r#"{{"op":"get_cost","key":{KEY}}}"#))["borrowed"],
+        1024.0
+    );
+}
+
+#[test]
+fn misplaced_credentials_are_described_by_type_and_size() {
+    let f = Fixture::new();
+    let secret = "SECRET-API-KEY-123";
+    let requests = [
+        format!(r#"{{"op":"check","key":{KEY},"limit":{{"requests":1}},"cost":"{secret}"}}"#),
+        format!(
+            r#"{{"op":"check","key":{{"exchange":"b","credential":null,"axis":["{secret}"]}},"limit":null}}"#
+        ),
+        format!(
+            r#"{{"op":"check","key":{{"exchange":{{"b":"{secret}"}},"credential":null}},"limit":null}}"#
+        ),
+        format!(r#"{{"op":"reset_exchange","exchange":["{secret}"]}}"#),
+        format!(r#"{{"op":"sync","key":{KEY},"allowance":"{secret}","window_left_ms":0}}"#),
+        format!(r#"{{"op":"{secret}"}}"#),
+        format!(r#"{{"op":"hello","{secret}":1}}"#),
+        format!(r#"{{"op":"check","key":{KEY},"limit":{{"requests":"{secret}"}}}}"#),
+        format!(r#"{{"op":"check","key":{KEY},"limit":"{secret}"}}"#),
+        format!(r#"{{"op":"check","key":{KEY},"limit":null,"owner":["{secret}"]}}"#),
+        format!(r#"{{"op":"check","key":{KEY},"limit":null,"max_wait_ms":"{secret}"}}"#),
+        format!(r#"{{"op":"pause","target":{{"exchange":"b"}},"ms":"{secret}"}}"#),
+        format!(r#"{{"op":"{secret}"#),
+    ];
+    for request in requests {
+        let answer = f.call(&request);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(!message.is_empty(), "{request}: {answer}");
+        assert!(!message.contains("SECRET"), "{request}: {message:?}");
+    }
+    let answer = f.call(&format!(
+        r#"{{"op":"check","key":{KEY},"limit":{{"requests":1}},"cost":"{secret}"}}"#
+    ));
+    assert_eq!(
+        answer["error"]["message"],
+        "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 18 bytes"
+    );
+}
+
+#[test]
+fn connections_that_must_prove_the_secret_serve_nothing_else_before() {
+    use hmac::{Hmac, Mac};
+    let clock = ManualClock::new();
+    let table = Table::with_clock(Config::default(), clock);
+    let service = Service::new(
+        Memory::new(table),
+        65_536,
+        Some(b"0123456789abcdef".to_vec()),
+    );
+    let call = |session: &Session, request: &str| -> Value {
+        let mut out = Vec::new();
+        {
+            let number = session.next_frame();
+            let handled = pin!(service.handle(session, number, request.as_bytes(), &mut out));
+            assert!(handled
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_ready());
+        }
+        serde_json::from_slice(&out).unwrap()
+    };
+    let session = service.session(true, Some(1000));
+    let hello = call(&session, r#"{"op":"hello","id":1}"#);
+    assert_eq!(hello["auth"]["scheme"], "hmac-sha256");
+    assert_eq!(hello["idle_timeout_ms"], 1000);
+    let nonce = hello["auth"]["nonce"].as_str().unwrap().to_string();
+    assert_eq!(nonce.len(), 64);
+    for request in [
+        r#"{"op":"reset_all","id":2}"#.to_string(),
+        r#"{"op":"busiest","id":2}"#.to_string(),
+        r#"{"op":"pause","target":{"exchange":"b"},"ms":86400000,"id":2}"#.to_string(),
+        check(r#"{"requests":1}"#, r#","id":2"#),
+    ] {
+        let answer = call(&session, &request);
+        assert_eq!(
+            (answer["error"]["type"].as_str(), answer["id"].as_u64()),
+            (Some("unauthorized"), Some(2)),
+            "{request}"
+        );
+    }
+    // A wrong proof, or a proof for another connection's nonce, is refused.
+    let prove = |secret: &[u8], nonce: &str| {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
+        mac.update(nonce.as_bytes());
+        crate::fingerprint::hex(&mac.finalize().into_bytes())
+    };
+    let wrong = call(
+        &session,
+        &format!(
+            r#"{{"op":"auth","proof":"{}"}}"#,
+            prove(b"another-secret-1", &nonce)
+        ),
+    );
+    assert_eq!(wrong["error"]["type"], "unauthorized");
+    let other = service.session(true, None);
+    let other_nonce = call(&other, r#"{"op":"hello"}"#)["auth"]["nonce"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let replayed = call(
+        &session,
+        &format!(
+            r#"{{"op":"auth","proof":"{}"}}"#,
+            prove(b"0123456789abcdef", &other_nonce)
+        ),
+    );
+    assert_eq!(replayed["error"]["type"], "unauthorized");
+    assert_eq!(
+        call(&session, r#"{"op":"stats"}"#)["error"]["type"],
+        "unauthorized"
+    );
+    let proved = call(
+        &session,
+        &format!(
+            r#"{{"op":"auth","proof":"{}","id":3}}"#,
+            prove(b"0123456789abcdef", &nonce)
+        ),
+    );
+    assert_eq!(proved, json!({"ok": true, "id": 3}));
+    assert_eq!(
+        call(&session, &check(r#"{"requests":1}"#, ""))["result"],
+        "admitted"
+    );
+    assert!(call(&session, r#"{"op":"hello"}"#).get("auth").is_none());
+    // Connections that need no proof (Unix sockets) are served at once.
+    let local = service.session(false, None);
+    assert_eq!(call(&local, r#"{"op":"stats"}"#)["ok"], true);
+}

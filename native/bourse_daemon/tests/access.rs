@@ -1,0 +1,249 @@
+//! Who may use a daemon: the Unix socket is owner-only whatever the umask, TCP clients must
+//! prove the shared secret, answers hold no credential, and idle or unproved connections
+//! cannot keep a real client out.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use common::{authenticate, daemon_binary, key, LineClient, Transport, SECRET};
+
+/// A daemon started by `sh` with a shell prelude (`umask 000`, `ulimit -n 256`); killed when
+/// dropped.
+struct Shell {
+    child: Child,
+    listening: Vec<String>,
+}
+
+impl Shell {
+    fn start(prelude: &str, args: &[&str]) -> Self {
+        let mut script = format!("{prelude}; exec \"$0\"");
+        for i in 1..=args.len() {
+            script.push_str(&format!(" \"${i}\""));
+        }
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg(daemon_binary())
+            .args(args)
+            .env("BOURSE_DAEMON_SECRET", SECRET)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn sh");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let listeners = args
+            .iter()
+            .filter(|a| matches!(**a, "--listen" | "--socket"))
+            .count();
+        let listening = (0..listeners)
+            .map(|_| {
+                let mut line = String::new();
+                stdout.read_line(&mut line).expect("listening line");
+                line.trim_end().to_string()
+            })
+            .collect();
+        Self { child, listening }
+    }
+
+    fn tcp(&self) -> String {
+        self.listening
+            .iter()
+            .find_map(|line| line.strip_prefix("listening tcp "))
+            .expect("a TCP listener")
+            .to_string()
+    }
+}
+
+impl Drop for Shell {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A directory every user may enter, for a socket another user tries to reach.
+fn open_dir(name: &str) -> PathBuf {
+    let dir = common::temp_path(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+#[test]
+fn the_socket_is_owner_only_whatever_the_umask_or_shared_with_a_group() {
+    let dir = open_dir("umask");
+    for (flags, mode) in [(&[][..], 0o600), (&["--socket-mode", "660"][..], 0o660)] {
+        let path = dir.join("d.sock");
+        let path_text = path.to_str().unwrap();
+        let mut args = vec!["--socket", path_text];
+        args.extend_from_slice(flags);
+        let _daemon = Shell::start("umask 000", &args);
+        let found = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(found, mode, "socket mode {found:o} under umask 000");
+        // The owner is served.
+        let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+        assert_eq!(client.call(json!({"op": "stats"}))["ok"], true);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What another local user (`nobody`) manages against a daemon started under umask 000:
+/// one line per attempt, printed by a Python script run as that user.
+const INTRUDER: &str = r#"
+import json, socket, sys
+path, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    s = socket.socket(socket.AF_UNIX); s.connect(path); print("unix: connected")
+except OSError as e:
+    print("unix: refused", e.errno)
+s = socket.create_connection((host, port)); f = s.makefile("rb")
+def call(request):
+    s.sendall(json.dumps(request).encode() + b"\n"); return json.loads(f.readline())
+print("hello:", json.dumps(sorted(call({"op": "hello"}))))
+for request in [{"op": "busiest"}, {"op": "reset_all"},
+                {"op": "pause", "target": {"exchange": "binance"}, "ms": 86400000},
+                {"op": "auth", "proof": "00" * 32}, {"op": "busiest"}]:
+    answer = call(request)
+    print(request["op"] + ":", answer.get("error", {}).get("type", "served"), json.dumps(answer))
+"#;
+
+#[test]
+fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
+    // The system's Python: another user cannot run one under /root.
+    let python = "/usr/bin/python3";
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout == b"0\n");
+    let usable = Command::new("setpriv").arg("--version").output().is_ok()
+        && std::path::Path::new(python).exists();
+    if root.ok() != Some(true) || !usable {
+        eprintln!("SKIPPED: needs root, setpriv and {python} to run a client as nobody");
+        return;
+    }
+    let dir = open_dir("intruder");
+    let path = dir.join("d.sock");
+    let daemon = Shell::start(
+        "umask 000",
+        &[
+            "--socket",
+            path.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+    );
+    // The owner puts a credential in the table.
+    let mut owner = LineClient::new(UnixStream::connect(&path).unwrap());
+    let limit = json!({"capacity": 5, "refill_per_sec": 0.001});
+    let k = key("binance", Some("SECRET-API-KEY-42"));
+    assert_eq!(
+        owner.call(json!({"op": "check", "key": k, "limit": limit, "cost": 3}))["result"],
+        "admitted"
+    );
+    let tcp = daemon.tcp();
+    let (host, port) = tcp.rsplit_once(':').unwrap();
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            python,
+            "-c",
+            INTRUDER,
+        ])
+        .args([path.to_str().unwrap(), host, port])
+        .env_remove("BOURSE_DAEMON_SECRET")
+        .output()
+        .expect("run python3 as nobody");
+    let seen = String::from_utf8_lossy(&output.stdout).to_string();
+    eprintln!(
+        "as nobody:\n{seen}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success());
+    assert!(seen.contains("unix: refused 13"), "{seen}");
+    assert!(seen.contains(r#""auth""#), "hello offers the proof: {seen}");
+    for op in ["busiest", "reset_all", "pause", "auth"] {
+        assert!(
+            seen.contains(&format!("{op}: unauthorized")),
+            "{op}: {seen}"
+        );
+    }
+    assert!(
+        !seen.contains("served") && !seen.contains("SECRET"),
+        "{seen}"
+    );
+    // Nothing was reset or paused.
+    let info = owner.call(json!({"op": "inspect", "key": k}))["info"].clone();
+    assert_eq!(
+        (
+            info["borrowed"].as_f64().map(f64::round),
+            info["pause_ms"].clone()
+        ),
+        (Some(3.0), Value::Null)
+    );
+    // The owner's `busiest` shows a fingerprint, never the key.
+    let busiest = owner.call(json!({"op": "busiest"}));
+    assert!(!busiest.to_string().contains("SECRET"), "{busiest}");
+    assert!(busiest["keys"][0]["key"]["credential"]
+        .as_str()
+        .unwrap()
+        .starts_with("key:"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn idle_and_unproved_connections_cannot_lock_out_a_real_client() {
+    // Few descriptors, as on a host with `ulimit -n 256`.
+    let daemon = Shell::start("ulimit -n 256", &["--listen", "127.0.0.1:0"]);
+    let addr = daemon.tcp();
+    let idle: Vec<TcpStream> = (0..300)
+        .filter_map(|_| TcpStream::connect(&addr).ok())
+        .collect();
+    assert!(idle.len() >= 250, "{} connections", idle.len());
+    let stream = TcpStream::connect(&addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut client = LineClient::new(stream);
+    client
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(
+        authenticate(&mut client, SECRET.as_bytes()),
+        json!({"ok": true})
+    );
+    let answer =
+        client.call(json!({"op": "check", "key": key("x", None), "limit": {"requests": 5}}));
+    assert_eq!(answer["result"], "admitted");
+    drop(idle);
+}
+
+#[test]
+fn idle_connections_are_closed() {
+    let daemon = Shell::start(
+        "true",
+        &["--listen", "127.0.0.1:0", "--idle-timeout-ms", "300"],
+    );
+    let stream = TcpStream::connect(daemon.tcp()).unwrap();
+    let mut client = LineClient::new(stream);
+    authenticate(&mut client, SECRET.as_bytes());
+    assert_eq!(client.call(json!({"op": "hello"}))["idle_timeout_ms"], 300);
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(
+        client.recv_line(),
+        None,
+        "still open after its idle timeout"
+    );
+}

@@ -1,0 +1,121 @@
+defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
+  # One table of malformed inputs through the four backends: the same %Bourse.Error{}
+  # (type, message, exchange) from each, since every one asks bourse_core's rules.
+  use ExUnit.Case, async: false
+
+  alias Bourse.DaemonServer
+  alias Bourse.RateLimiter.Backend.{Daemon, NIF, Port, Redis}
+  alias Bourse.RedisServer
+
+  @moduletag :capture_log
+
+  @limit %{capacity: 10, refill_per_sec: 10}
+  @key {"binance", "api-key", "request"}
+  @secret "SECRET-" <> String.duplicate("k", 40)
+
+  setup_all do
+    socket =
+      Path.join(System.tmp_dir!(), "bourse-parity-#{System.unique_integer([:positive])}.sock")
+
+    daemon = DaemonServer.start(["--socket", socket])
+    redis = RedisServer.start()
+    opts = [assume_busy_at_start: false, booking_slack_ms: 250, sweep_interval_ms: 1000]
+    {:ok, nif} = NIF.attach(nil, opts)
+    {:ok, port} = Port.attach(nil, opts)
+    {:ok, daemon_opts} = Daemon.options({:unix, daemon.unix}, [])
+    {:ok, unix} = Daemon.attach(nil, Keyword.put(opts, :backend_opts, daemon_opts))
+    {:ok, redis_opts} = Redis.options(redis.url, [])
+    {:ok, via_redis} = Redis.attach(nil, Keyword.put(opts, :backend_opts, redis_opts))
+
+    on_exit(fn ->
+      DaemonServer.stop(daemon)
+      RedisServer.stop(redis)
+    end)
+
+    %{backends: [{NIF, nif}, {Port, port}, {Daemon, unix}, {Redis, via_redis}]}
+  end
+
+  defp calls do
+    me = self()
+
+    [
+      {:check_one, [me, @key, @limit, @secret, nil]},
+      {:check_one, [me, @key, @limit, -1, nil]},
+      {:check_one, [me, @key, @limit, -0.5, nil]},
+      {:check_one, [me, @key, @limit, 10 ** 400, nil]},
+      {:check_one, [me, @key, @limit, 1.0e13, nil]},
+      {:check_one, [me, @key, @limit, nil, nil]},
+      {:check_one, [me, @key, @limit, [1, 2], nil]},
+      {:check_one, [me, @key, @limit, {1}, nil]},
+      {:check_one, [me, @key, @limit, %{a: 1}, nil]},
+      {:check_one, [me, @key, @limit, :one, nil]},
+      {:check_one, [me, @key, @limit, me, nil]},
+      {:check_one, [me, @key, @limit, 1, 0]},
+      {:check_one, [me, @key, @limit, 1, 4_294_967_296]},
+      {:check_one, [me, @key, %{capacity: 10 ** 400, refill_per_sec: 1}, 1, nil]},
+      {:check_one, [me, @key, %{capacity: 0, refill_per_sec: 1}, 1, nil]},
+      {:check_one, [me, @key, %{capacity: 1, refill_per_sec: @secret}, 1, nil]},
+      {:check_one, [me, @key, %{requests: 10, period: 0}, 1, nil]},
+      {:check_one, [me, @key, %{requests: -1}, 1, nil]},
+      {:check_one, [me, @key, %{foo: 1}, 1, nil]},
+      {:check_one, [me, @key, %{"capacity" => 1, "refill_per_sec" => 1}, 1, nil]},
+      {:check_one, [me, @key, [capacity: 1], 1, nil]},
+      {:check_one, [me, @key, @secret, 1, nil]},
+      {:check_one, [me, {:binance, "k"}, @limit, 1, nil]},
+      {:check_one, [me, {{"binance", @secret}, "ip"}, @limit, 1, nil]},
+      {:check_one, [me, {"binance", [@secret]}, @limit, 1, nil]},
+      {:check_one, [me, {"binance", nil}, @limit, 1, nil]},
+      {:check_one, [me, {"binance", "k", :ip}, @limit, 1, nil]},
+      {:check_one, [me, {"binance", "k", "request", 4}, @limit, 1, nil]},
+      {:check_one, [me, {"binance", String.duplicate("k", 1025)}, @limit, 1, nil]},
+      {:check_one, [me, @secret, @limit, 1, nil]},
+      {:check_many, [me, [{@key, @limit}], nil]},
+      {:check_many, [me, [@secret], nil]},
+      {:check_many, [me, [{@key, @limit, 1} | :tail], nil]},
+      {:check_many, [me, List.duplicate({@key, @limit, 1}, 1025), nil]},
+      {:check_many, [me, %{}, nil]},
+      {:check_many, [me, [{@key, @limit, 1}, {@key, %{capacity: 5, refill_per_sec: 1}, 1}], nil]},
+      {:record, [@key, @secret]},
+      {:record, [@key, -3]},
+      {:sync, [@key, @secret, 0]},
+      {:sync, [@key, 1, -1]},
+      {:reset, [{@secret}]},
+      {:reset_exchange, [[@secret]]},
+      {:reset_exchange, [:binance]},
+      {:pause, [{"binance", @secret}, @secret]},
+      {:pause, [{"binance", "k"}, -1]},
+      {:pause, [42, 1]},
+      {:inspect, [{"binance", 1}]},
+      {:borrowed, [{1, "k"}]}
+    ]
+  end
+
+  test "the same malformed input gets the same error from every backend", %{backends: backends} do
+    for {callback, args} <- calls() do
+      [{NIF, _} = nif | others] = backends
+      want = answer(nif, callback, args)
+
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} = want,
+             "NIF #{callback}: #{inspect(want)}"
+
+      refute message =~ "SECRET"
+
+      for {backend, _} = other <- others do
+        got = answer(other, callback, args)
+
+        assert got == want,
+               "#{inspect(backend)}.#{callback}: #{inspect(got)}\n  NIF: #{inspect(want)}"
+      end
+    end
+  end
+
+  defp answer({backend, handle}, callback, args) do
+    case apply(backend, callback, [handle | args]) do
+      {:error, %Bourse.Error{} = error} ->
+        {:error, Map.take(error, [:__struct__, :type, :message, :exchange])}
+
+      other ->
+        other
+    end
+  end
+end
