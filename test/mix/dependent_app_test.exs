@@ -152,6 +152,82 @@ defmodule Bourse.DependentAppTest do
     end
   end
 
+  test "the README's shared-daemon commands run as written from the application", ctx do
+    [_, section] = String.split(File.read!(@readme), "\n## Backends", parts: 2)
+    [section | _] = String.split(section, "\n## ", parts: 2)
+
+    [daemon, elixir_client, python_client] =
+      Regex.scan(~r/^```sh\n(.*?)^```/ms, section, capture: :all_but_first) |> List.flatten()
+
+    # The README's address, moved to a free port.
+    port = free_port()
+
+    moved =
+      &(&1
+        |> String.replace("127.0.0.1:7878", "127.0.0.1:#{port}")
+        |> String.replace("7878)", "#{port})"))
+
+    env = [{"MIX_ENV", "dev"}, {"PATH", ctx.cargo_path}, {"BOURSE_NATIVE_PREBUILT_DIR", nil}]
+
+    server =
+      Port.open({:spawn_executable, System.find_executable("sh")}, [
+        :binary,
+        :exit_status,
+        :stderr_to_stdout,
+        args: ["-c", moved.(daemon)],
+        cd: ctx.app,
+        env:
+          for(
+            {k, v} <- env,
+            do: {String.to_charlist(k), if(v, do: String.to_charlist(v), else: false)}
+          )
+      ])
+
+    # A port's program leads a process group of its own: sh, then mix's VM.
+    {:os_pid, os_pid} = Port.info(server, :os_pid)
+    on_exit(fn -> System.cmd("sh", ["-c", "kill -- -#{os_pid}"], stderr_to_stdout: true) end)
+    assert_receive {^server, {:data, "listening tcp 127.0.0.1:" <> _}}, 120_000
+
+    # The clients run where the daemon's secret was exported, as in a user's shell.
+    address = "127.0.0.1:#{port}"
+
+    [secret] =
+      for pid <- File.ls!("/proc"),
+          {:ok, cmdline} <- [File.read("/proc/#{pid}/cmdline")],
+          [program, "--listen", ^address | _] <- [String.split(cmdline, <<0>>)],
+          Path.basename(program) == "bourse_daemon",
+          variable <- String.split(File.read!("/proc/#{pid}/environ"), <<0>>),
+          "BOURSE_DAEMON_SECRET=" <> secret <- [variable],
+          do: secret
+
+    env = [{"BOURSE_DAEMON_SECRET", secret} | env]
+
+    assert {output, 0} =
+             System.cmd("sh", ["-c", moved.(elixir_client)],
+               cd: ctx.app,
+               env: env,
+               stderr_to_stdout: true
+             )
+
+    assert output == ":ok\n:ok\n"
+
+    assert {output, 0} =
+             System.cmd("sh", ["-c", moved.(python_client)],
+               cd: @checkout,
+               env: env,
+               stderr_to_stdout: true
+             )
+
+    assert output =~ ~r/^True \d+\n$/
+  end
+
+  defp free_port do
+    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
+    {:ok, port} = :inet.port(socket)
+    :gen_tcp.close(socket)
+    port
+  end
+
   defp compile_prebuilt(ctx), do: mix(ctx, ["compile"], "prod", prebuilt_env(ctx))
 
   defp prebuilt_env(ctx),
