@@ -56,6 +56,10 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
   # Runs `fun` in the fixture project, as Mix runs a dependency's compilers.
   defp in_project(%{project: project}, fun) do
     Mix.Project.in_project(:bourse, project, fn _ -> fun.() end)
+  after
+    # Leaving a project makes the next message of Mix.shell() name the project below it:
+    # other tests of this VM would read "==> bourse" first.
+    Mix.Shell.printable_app_name()
   end
 
   defp compile(ctx, args \\ []), do: in_project(ctx, fn -> BourseNative.run(args) end)
