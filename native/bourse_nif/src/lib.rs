@@ -7,7 +7,11 @@ use bourse_core::{
     Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Shape,
     Stats, Table,
 };
-use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, ResourceArc, Term, TermType};
+use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
+
+mod handle;
+
+use handle::Handle;
 
 mod atoms {
     rustler::atoms! {
@@ -17,14 +21,6 @@ mod atoms {
         limit, tokens, borrowed, debt, booked_cost, next_ready_ms, pause_ms,
     }
 }
-
-pub struct TableResource(Table);
-
-#[rustler::resource_impl]
-impl rustler::Resource for TableResource {}
-
-// The table's locks never poison: a panic (caught by rustler) leaves it usable.
-impl std::panic::RefUnwindSafe for TableResource {}
 
 type Decoded<T> = Result<T, InvalidInput>;
 
@@ -239,17 +235,18 @@ fn answer<'a>(env: Env<'a>, table: &Table, run: impl FnOnce() -> Decoded<Term<'a
 }
 
 #[rustler::nif]
-fn new_table(assume_busy_at_start: bool, booking_slack_ms: u64) -> ResourceArc<TableResource> {
-    ResourceArc::new(TableResource(Table::new(Config {
+fn new_table(env: Env, assume_busy_at_start: bool, booking_slack_ms: u64) -> Term {
+    let config = Config {
         assume_busy_at_start,
         booking_slack_ms,
-    })))
+    };
+    handle::new(env, Table::new(config))
 }
 
 #[rustler::nif]
 fn check_one<'a>(
     env: Env<'a>,
-    table: ResourceArc<TableResource>,
+    table: Handle<'a>,
     owner_term: Term<'a>,
     key_term: Term<'a>,
     limit_term: Term<'a>,
@@ -290,7 +287,7 @@ fn check(term: Term) -> Decoded<Option<Check>> {
 #[rustler::nif]
 fn check_many<'a>(
     env: Env<'a>,
-    table: ResourceArc<TableResource>,
+    table: Handle<'a>,
     owner_term: Term<'a>,
     checks_term: Term<'a>,
     max_wait_term: Term<'a>,
@@ -310,7 +307,7 @@ fn check_many<'a>(
 #[rustler::nif]
 fn record<'a>(
     env: Env<'a>,
-    table: ResourceArc<TableResource>,
+    table: Handle<'a>,
     key_term: Term<'a>,
     cost_term: Term<'a>,
 ) -> Term<'a> {
@@ -326,7 +323,7 @@ fn record<'a>(
 #[rustler::nif]
 fn sync<'a>(
     env: Env<'a>,
-    table: ResourceArc<TableResource>,
+    table: Handle<'a>,
     key_term: Term<'a>,
     allowance: Term<'a>,
     window_left_ms: Term<'a>,
@@ -345,7 +342,7 @@ fn sync<'a>(
 }
 
 #[rustler::nif]
-fn borrowed<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'a>) -> Term<'a> {
+fn borrowed<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         Ok(table.borrowed(key(key_term)?).encode(env))
@@ -353,7 +350,7 @@ fn borrowed<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<
 }
 
 #[rustler::nif]
-fn reset<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'a>) -> Term<'a> {
+fn reset<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         table.reset(key(key_term)?);
@@ -362,11 +359,7 @@ fn reset<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'a>
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn reset_exchange<'a>(
-    env: Env<'a>,
-    table: ResourceArc<TableResource>,
-    exchange: Term<'a>,
-) -> Term<'a> {
+fn reset_exchange<'a>(env: Env<'a>, table: Handle<'a>, exchange: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         table.reset_exchange(key_part(exchange, KeyPart::Exchange)?);
@@ -375,13 +368,13 @@ fn reset_exchange<'a>(
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn reset_all(table: ResourceArc<TableResource>) -> Atom {
+fn reset_all(table: Handle) -> Atom {
     table.0.reset_all();
     atoms::ok()
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn sweep(table: ResourceArc<TableResource>) -> usize {
+fn sweep(table: Handle) -> usize {
     table.0.sweep()
 }
 
@@ -408,12 +401,7 @@ fn pause_target(term: Term) -> Decoded<PauseTarget> {
 }
 
 #[rustler::nif]
-fn pause<'a>(
-    env: Env<'a>,
-    table: ResourceArc<TableResource>,
-    target: Term<'a>,
-    ms: Term<'a>,
-) -> Term<'a> {
+fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         let target = pause_target(target)?;
@@ -462,7 +450,7 @@ fn info_term<'a>(env: Env<'a>, info: &KeyInfo) -> Term<'a> {
 }
 
 #[rustler::nif]
-fn inspect<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'a>) -> Term<'a> {
+fn inspect<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         Ok(match table.inspect(key(key_term)?) {
@@ -473,7 +461,7 @@ fn inspect<'a>(env: Env<'a>, table: ResourceArc<TableResource>, key_term: Term<'
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn busiest<'a>(env: Env<'a>, table: ResourceArc<TableResource>, count: Term<'a>) -> Term<'a> {
+fn busiest<'a>(env: Env<'a>, table: Handle<'a>, count: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         let rows = table.busiest(rules::busiest_count(number(count))?);
@@ -486,7 +474,7 @@ fn busiest<'a>(env: Env<'a>, table: ResourceArc<TableResource>, count: Term<'a>)
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn stats(env: Env, table: ResourceArc<TableResource>) -> Term {
+fn stats<'a>(env: Env<'a>, table: Handle<'a>) -> Term<'a> {
     let Stats {
         admitted,
         claimed,
@@ -516,4 +504,8 @@ fn stats(env: Env, table: ResourceArc<TableResource>) -> Term {
     Term::map_from_pairs(env, &pairs).expect("distinct keys")
 }
 
-rustler::init!("Elixir.Bourse.Native");
+fn load(env: Env, _info: Term) -> bool {
+    handle::open_type(env)
+}
+
+rustler::init!("Elixir.Bourse.Native", load = load);
