@@ -9,7 +9,10 @@ use bourse_core::{
 };
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
 
+mod entry;
 mod handle;
+
+use entry::in_place_nif;
 
 use handle::Handle;
 
@@ -243,17 +246,14 @@ fn new_table(env: Env, assume_busy_at_start: bool, booking_slack_ms: u64) -> Ter
     handle::new(env, Table::new(config))
 }
 
-#[rustler::nif]
-fn check_one<'a>(
-    env: Env<'a>,
-    table: Handle<'a>,
-    owner_term: Term<'a>,
-    key_term: Term<'a>,
-    limit_term: Term<'a>,
-    cost_term: Term<'a>,
-    max_wait_term: Term<'a>,
-) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("check_one", 6, check_one);
+
+/// `check_one(table, owner, key, limit, cost, max_wait)`.
+fn check_one<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
+    let [table, owner_term, key_term, limit_term, cost_term, max_wait_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         let key = key(key_term)?;
         let checked = || {
@@ -284,15 +284,14 @@ fn check(term: Term) -> Decoded<Option<Check>> {
     Ok(limit.map(|limit| Check { key, limit, cost }))
 }
 
-#[rustler::nif]
-fn check_many<'a>(
-    env: Env<'a>,
-    table: Handle<'a>,
-    owner_term: Term<'a>,
-    checks_term: Term<'a>,
-    max_wait_term: Term<'a>,
-) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("check_many", 4, check_many);
+
+/// `check_many(table, owner, checks, max_wait)`.
+fn check_many<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+    let [table, owner_term, checks_term, max_wait_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
         let terms = bounded_list(checks_term).map_err(rules::not_a_check_list)?;
