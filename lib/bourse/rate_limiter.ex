@@ -73,7 +73,7 @@ defmodule Bourse.RateLimiter do
   """
 
   alias Bourse.Error
-  alias Bourse.RateLimiter.{Events, Feedback, Options, Router, Server}
+  alias Bourse.RateLimiter.{Backend, Events, Feedback, Options, Router, Server}
 
   @default __MODULE__
   @max_busiest 10_000
@@ -119,9 +119,13 @@ defmodule Bourse.RateLimiter do
   def check_rate(key, limit, cost \\ 1, name \\ @default) do
     route = Router.route(name)
 
-    # The hot path: a direct call to the backend, no argument list built for `apply/3`.
+    # The hot path: a direct call to the backend, no argument list built for `apply/3`;
+    # the default backend named, so that the call is not looked up by its module.
     answer =
       case route do
+        {Backend.NIF, table, _events, _pid} ->
+          Backend.NIF.check_one(table, self(), key, limit, cost, nil)
+
         {backend, handle, _events, _pid} ->
           backend.check_one(handle, self(), key, limit, cost, nil)
 
