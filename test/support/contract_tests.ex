@@ -12,9 +12,8 @@ defmodule Bourse.ContractTests do
     * `:backend` – the `:backend` start option of every limiter (required);
     * `:extra_opts` – more start options for every limiter of the module (default `[]`);
     * `:async` – default `true`;
-    * `:fuzz` – the random malformed calls of the P5 tests (`Bourse.Fuzz`): `calls:` how
-      many (default 20_000), `bignums:` whether integers go past what a float holds
-      (default `true`);
+    * `:fuzz_calls` – how many random malformed calls (`Bourse.Fuzz`) the P5 tests make
+      (default 20_000);
     * `:skip` – groups of tests that do not apply to the backend, each skipped with a
       reason: `:crash` (P6 by killing the limiter process), `:concurrency`, `:names`,
       `:table_options` (`:assume_busy_at_start` and `:booking_slack_ms` set per limiter:
@@ -43,7 +42,7 @@ defmodule Bourse.ContractTests do
     extra_opts = Keyword.get(opts, :extra_opts, [])
     async = Keyword.get(opts, :async, true)
     skipped = Keyword.get(opts, :skip, [])
-    fuzz = Keyword.merge([calls: 20_000, bignums: true], Keyword.get(opts, :fuzz, []))
+    fuzz_calls = Keyword.get(opts, :fuzz_calls, 20_000)
 
     quote location: :keep do
       use Bourse.ContractCase,
@@ -67,7 +66,7 @@ defmodule Bourse.ContractTests do
         ]
 
       @contract_skip unquote(skipped)
-      @fuzz unquote(fuzz)
+      @fuzz_calls unquote(fuzz_calls)
 
       # Refills so slow that nothing accrues during a test: one token per 1000 s.
       @still %{capacity: 10, refill_per_sec: 0.001}

@@ -19,16 +19,13 @@ defmodule Bourse.Fuzz do
   `count` malformed calls on the limiter `name` as `{label, fun}`, from `seed` (an
   integer). `probe` is a valid key defined by `limit`, mixed into some calls: they must
   not pay on it.
-
-  Options: `bignums: false` makes the largest integers `10 ** 30` instead of
-  `10 ** 400` (beyond what a JSON number decoded as a float can hold).
   """
-  @spec calls(GenServer.name(), tuple(), map(), pos_integer(), integer(), keyword()) :: [
+  @spec calls(GenServer.name(), tuple(), map(), pos_integer(), integer()) :: [
           {String.t(), (() -> term())}
         ]
-  def calls(name, probe, limit, count, seed, opts \\ []) do
+  def calls(name, probe, limit, count, seed) do
     state = :rand.seed_s(:exsss, seed)
-    fixtures = fixtures(Keyword.get(opts, :bignums, true))
+    fixtures = fixtures()
 
     {calls, _state} =
       Enum.map_reduce(1..count, state, fn i, state ->
@@ -40,9 +37,9 @@ defmodule Bourse.Fuzz do
   end
 
   # Terms too costly to build per call, built once.
-  defp fixtures(bignums) do
+  defp fixtures do
     %{
-      big: if(bignums, do: 10 ** 400, else: 10 ** 30),
+      big: 10 ** 400,
       huge: Enum.map(@huge_sizes, &:binary.copy("k", &1)),
       deep_list: Enum.reduce(1..10_000, [], fn _, acc -> [acc] end),
       deep_tuple: Enum.reduce(1..10_000, "ex", fn _, acc -> {acc} end),

@@ -4,14 +4,10 @@ defmodule Bourse.RateLimiter.ContractDaemonTest do
   # the tests run one at a time on a table cleared before each. Its booking slack is the
   # one the contract's booking tests ask for; the tests that set table options per
   # limiter, or need limiters with buckets of their own, do not apply.
-  # The random malformed calls leave out integers beyond a float (10 ** 400): bourse_daemon
-  # answers a frame holding one as malformed JSON without the request's id, so its caller
-  # waits for its timeout and gets :unavailable.
   use Bourse.ContractTests,
     backend: {:daemon, "set in setup_all"},
     async: false,
-    skip: [:table_options, :own_table],
-    fuzz: [bignums: false]
+    skip: [:table_options, :own_table]
 
   alias Bourse.DaemonServer
 

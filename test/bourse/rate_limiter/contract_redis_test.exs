@@ -4,14 +4,10 @@ defmodule Bourse.RateLimiter.ContractRedisTest do
   # started here, so the tests run one at a time on a Redis cleared before each. The tests
   # that set table options per limiter (assume_busy_at_start follows the Redis state, not
   # the limiter's start), or need limiters with buckets of their own, do not apply.
-  # The random malformed calls leave out integers beyond a float (10 ** 400): bourse_daemon
-  # answers a frame holding one as malformed JSON without the request's id, so its caller
-  # waits for its timeout and gets :unavailable.
   use Bourse.ContractTests,
     backend: {:redis, "set in setup_all"},
     async: false,
-    skip: [:table_options, :own_table],
-    fuzz: [bignums: false]
+    skip: [:table_options, :own_table]
 
   alias Bourse.RedisServer
 

@@ -32,7 +32,7 @@ defmodule Bourse.ContractTests.Malformed do
         end
 
         @tag timeout: 300_000
-        test "#{@fuzz[:calls]} random malformed calls: each :invalid_parameters, then correct answers",
+        test "#{@fuzz_calls} random malformed calls: each :invalid_parameters, then correct answers",
              %{name: name, start_name: start_name} do
           probe = {"probe", "k", "request"}
           assert :ok = check_rate(probe, @still, 1, name)
@@ -42,8 +42,8 @@ defmodule Bourse.ContractTests.Malformed do
 
           # In rounds, each followed by correct answers on the probe.
           for round <- 1..10 do
-            count = div(@fuzz[:calls], 10)
-            calls = Bourse.Fuzz.calls(name, probe, @still, count, seed + round, @fuzz)
+            count = div(@fuzz_calls, 10)
+            calls = Bourse.Fuzz.calls(name, probe, @still, count, seed + round)
             failures = failing_malformed(calls)
 
             assert failures == [],
