@@ -174,15 +174,19 @@ fn limit(term: Term) -> Decoded<Option<Limit>> {
     let not_a_limit = || rules::not_a_limit(shape(term));
     let size = term.map_size().map_err(|_| not_a_limit())?;
     let field = |name: Atom| term.map_get(name).ok();
-    let limit = match (size, field(atoms::capacity()), field(atoms::requests())) {
-        (2, Some(capacity), None) => {
+    let limit = match (size, field(atoms::capacity())) {
+        // Two keys, one of them `capacity`: the other must be `refill_per_sec`.
+        (2, Some(capacity)) => {
             let refill = field(atoms::refill_per_sec()).ok_or_else(not_a_limit)?;
             rules::limit(number(capacity), number(refill))?
         }
-        (1, None, Some(requests)) => rules::limit_per_period(number(requests), None)?,
-        (2, None, Some(requests)) => {
-            let period = field(atoms::period()).ok_or_else(not_a_limit)?;
-            rules::limit_per_period(number(requests), Some(number(period)))?
+        (1 | 2, None) => {
+            let requests = field(atoms::requests()).ok_or_else(not_a_limit)?;
+            let period = match size {
+                2 => Some(number(field(atoms::period()).ok_or_else(not_a_limit)?)),
+                _ => None,
+            };
+            rules::limit_per_period(number(requests), period)?
         }
         _ => return Err(not_a_limit()),
     };
