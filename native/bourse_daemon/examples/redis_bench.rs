@@ -1,16 +1,22 @@
-//! Checks per second and latency of `bourse_daemon --redis` on loopback, one and several
-//! clients, single-bucket and three-bucket checks, next to the in-memory daemon with the same
-//! clients. Each client waits for every answer (one check in flight), so the latency is a
-//! full round trip: client -> daemon -> Redis script -> daemon -> client. Prints a table;
-//! asserts nothing.
+//! Checks per second and latency of `bourse_daemon --redis` and `--redis-cluster` on
+//! loopback, 1, 8 and 64 clients, single-bucket and three-bucket checks, next to the
+//! in-memory daemon with the same clients. Each client waits for every answer (one check in
+//! flight), so the latency is a full round trip: client -> daemon -> Redis script -> daemon
+//! -> client. The keys spread over 16 exchanges (so, on the cluster, over every master).
+//! Prints a table; asserts nothing.
 //!
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
 //! target/release/examples/redis_bench [--redis redis://127.0.0.1:PORT] [--seconds S]
 //! ```
 //!
-//! Without `--redis` it starts its own `redis-server` (no persistence) on a free port and
-//! stops it at the end.
+//! Without `--redis` it starts its own `redis-server` (no persistence) on a free port; it
+//! always starts its own cluster (three masters, three replicas, see
+//! tests/cluster_support), and stops them at the end. Without `redis-cli --cluster` the
+//! cluster rows are left out.
+
+#[path = "../tests/cluster_support/mod.rs"]
+mod cluster_support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -59,19 +65,28 @@ fn main() {
         format!("redis://127.0.0.1:{port}")
     });
     let run_for = Duration::from_secs_f64(seconds);
+    let cluster = cluster_support::Cluster::start(2000);
+    let seeds = cluster
+        .as_ref()
+        .map(|cluster| cluster.urls())
+        .unwrap_or_default();
 
     println!(
-        "bourse_daemon through Redis ({url}), {seconds} s per row, one check in flight per client"
+        "bourse_daemon through Redis ({url}) and a Redis Cluster of 3 masters + 3 replicas, \
+         {seconds} s per row, one check in flight per client"
     );
     println!(
         "{:<10} {:<9} {:>7} {:>10} {:>10} {:>9} {:>9}",
         "store", "buckets", "clients", "checks", "checks/s", "p50 µs", "p99 µs"
     );
-    for store in ["memory", "redis"] {
-        let mut daemon = start_daemon(store, &url);
+    for store in ["memory", "redis", "cluster"] {
+        if store == "cluster" && seeds.is_empty() {
+            continue;
+        }
+        let mut daemon = start_daemon(store, &url, &seeds);
         let addr = listening_addr(&mut daemon);
         for buckets in [1, 3] {
-            for clients in [1, 8] {
+            for clients in [1, 8, 64] {
                 let (checks, mut latencies) = run(&addr, clients, buckets, run_for);
                 latencies.sort_unstable();
                 let quantile = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
@@ -90,21 +105,30 @@ fn main() {
         let _ = daemon.kill();
         let _ = daemon.wait();
     }
+    drop(cluster);
     if let Some(mut redis) = own_redis {
         let _ = redis.kill();
         let _ = redis.wait();
     }
 }
 
-fn start_daemon(store: &str, url: &str) -> Child {
+fn start_daemon(store: &str, url: &str, seeds: &[String]) -> Child {
     let path = std::env::current_exe()
         .ok()
         .and_then(|exe| Some(exe.parent()?.parent()?.join("bourse_daemon")))
         .unwrap_or_else(|| PathBuf::from("bourse_daemon"));
     let mut command = Command::new(&path);
     command.args(["--listen", "127.0.0.1:0"]);
-    if store == "redis" {
-        command.args(["--redis", url]);
+    match store {
+        "redis" => {
+            command.args(["--redis", url]);
+        }
+        "cluster" => {
+            for seed in &seeds[..2] {
+                command.args(["--redis-cluster", seed]);
+            }
+        }
+        _ => {}
     }
     command
         .stdout(Stdio::piped())
@@ -165,16 +189,17 @@ fn requests(client: usize, buckets: usize) -> Vec<String> {
     (0..KEYS_PER_CLIENT)
         .map(|i| {
             let credential = format!("c{client}-{i}");
+            let exchange = format!("bench{}", i % 16);
             if buckets == 1 {
                 format!(
-                    r#"{{"op":"check","key":{{"exchange":"bench","credential":"{credential}"}},"limit":{limit}}}"#
+                    r#"{{"op":"check","key":{{"exchange":"{exchange}","credential":"{credential}"}},"limit":{limit}}}"#
                 ) + "\n"
             } else {
                 let checks: Vec<String> = ["request", "ip", "order"][..buckets]
                     .iter()
                     .map(|axis| {
                         format!(
-                            r#"{{"key":{{"exchange":"bench","credential":"{credential}","axis":"{axis}"}},"limit":{limit}}}"#
+                            r#"{{"key":{{"exchange":"{exchange}","credential":"{credential}","axis":"{axis}"}},"limit":{limit}}}"#
                         )
                     })
                     .collect();

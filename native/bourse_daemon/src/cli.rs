@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::redis::Servers;
+
 pub const USAGE: &str = "\
 Usage: bourse_daemon --stdio [OPTIONS]
        bourse_daemon (--listen 127.0.0.1:PORT | --socket PATH)... [OPTIONS]
@@ -42,6 +44,11 @@ Storage:
                             nothing is admitted; the connection is retried on each request.
                             The URL may not hold a password: it comes from the file named by
                             --redis-password-file PATH, or from BOURSE_REDIS_PASSWORD.
+  --redis-cluster URL       The buckets live in a Redis Cluster found through this seed node
+                            (redis://[user@]HOST:PORT; repeat for more seeds), instead of
+                            --redis. Each check runs on the master of its exchange's slot;
+                            a check over several exchanges is refused. The password comes
+                            as for --redis. Failover: see docs/PROTOCOL.md.
   --redis-key-secret-file P Key of the fingerprints that stand for credentials in Redis key
                             names (else BOURSE_REDIS_KEY_SECRET, else a fixed key: names
                             are then plain SHA-256 fingerprints). Every daemon sharing the
@@ -128,7 +135,7 @@ impl std::fmt::Debug for Access {
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisOptions {
-    pub url: String,
+    pub servers: Servers,
     pub password: Option<String>,
     pub key_secret: Option<Vec<u8>>,
     pub prefix: String,
@@ -139,7 +146,7 @@ pub struct RedisOptions {
 impl std::fmt::Debug for RedisOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisOptions")
-            .field("url", &self.url)
+            .field("servers", &self.servers)
             .field("password", &self.password.as_ref().map(|_| "<set>"))
             .field("key_secret", &self.key_secret.as_ref().map(|_| "<set>"))
             .field("prefix", &self.prefix)
@@ -205,6 +212,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
     let mut sweep_interval_ms = 1000;
     let mut max_frame_bytes = 65536;
     let mut redis_url = None;
+    let mut cluster_seeds = Vec::new();
     let mut redis_prefix = None;
     let mut redis_timeout_ms = None;
     let mut redis_password_file = None;
@@ -263,6 +271,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
                 )? as usize
             }
             "--redis" => redis_url = Some(value("--redis")?),
+            "--redis-cluster" => cluster_seeds.push(value("--redis-cluster")?),
             "--redis-password-file" => redis_password_file = Some(value("--redis-password-file")?),
             "--redis-key-secret-file" => {
                 redis_key_secret_file = Some(value("--redis-key-secret-file")?)
@@ -346,9 +355,19 @@ pub fn parse<I: IntoIterator<Item = String>>(
             return Err("choose a mode: --stdio, --listen ADDR or --socket PATH".into())
         }
     };
-    let redis = match redis_url {
-        Some(url) => {
-            if has_password(&url) {
+    let servers = match (redis_url, cluster_seeds.is_empty()) {
+        (Some(_), false) => return Err("choose one of --redis and --redis-cluster".into()),
+        (Some(url), true) => Some(Servers::One(url)),
+        (None, false) => Some(Servers::Cluster(cluster_seeds)),
+        (None, true) => None,
+    };
+    let redis = match servers {
+        Some(servers) => {
+            let urls = match &servers {
+                Servers::One(url) => std::slice::from_ref(url),
+                Servers::Cluster(seeds) => seeds.as_slice(),
+            };
+            if urls.iter().any(|url| has_password(url)) {
                 return Err(
                     "--redis URL must not hold a password (the command line is public): \
                             use --redis-password-file PATH or BOURSE_REDIS_PASSWORD"
@@ -364,7 +383,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
             .map(|bytes| String::from_utf8(bytes).map_err(|_| "the Redis password must be UTF-8"))
             .transpose()?;
             Some(RedisOptions {
-                url,
+                servers,
                 password,
                 key_secret: read_secret(
                     env,
@@ -383,7 +402,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
         {
             return Err(
                 "--redis-prefix, --redis-timeout-ms, --redis-password-file and \
-                        --redis-key-secret-file need --redis URL"
+                        --redis-key-secret-file need --redis or --redis-cluster"
                     .into(),
             )
         }
@@ -607,7 +626,7 @@ mod tests {
         assert_eq!(
             o.redis,
             Some(RedisOptions {
-                url: "redis://127.0.0.1:6379".into(),
+                servers: Servers::One("redis://127.0.0.1:6379".into()),
                 password: None,
                 key_secret: None,
                 prefix: "bourse".into(),
@@ -624,6 +643,19 @@ mod tests {
         assert_eq!(
             o.redis.map(|r| (r.prefix, r.timeout_ms)),
             Some(("team".into(), 50))
+        );
+        let o = options(&[
+            "--stdio",
+            "--redis-cluster",
+            "redis://127.0.0.1:7000",
+            "--redis-cluster=redis://127.0.0.1:7001",
+        ]);
+        assert_eq!(
+            o.redis.map(|r| r.servers),
+            Some(Servers::Cluster(vec![
+                "redis://127.0.0.1:7000".into(),
+                "redis://127.0.0.1:7001".into()
+            ]))
         );
         assert_eq!(run(&["--stdio", "--help"]), Ok(Command::Help));
         assert_eq!(run(&["-V"]), Ok(Command::Version));
@@ -646,6 +678,21 @@ mod tests {
             &["--socket", ""],
             &["--stdio", "--redis"],
             &["--stdio", "--redis-prefix", "x"],
+            &["--stdio", "--redis-cluster"],
+            &[
+                "--stdio",
+                "--redis",
+                "redis://h:1",
+                "--redis-cluster",
+                "redis://h:2",
+            ],
+            &[
+                "--stdio",
+                "--redis-cluster",
+                "redis://h:1",
+                "--redis-cluster",
+                "redis://:pw@h:2",
+            ],
             &[
                 "--stdio",
                 "--redis",

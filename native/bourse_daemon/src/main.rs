@@ -70,7 +70,7 @@ fn main() -> ExitCode {
             let store = {
                 let _context = runtime.enter();
                 RedisStore::new(redis::Options {
-                    url: redis.url,
+                    servers: redis.servers,
                     password: redis.password,
                     key_secret: redis.key_secret,
                     prefix: redis.prefix,

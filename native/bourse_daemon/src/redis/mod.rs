@@ -16,14 +16,15 @@
 //! ([`Keyed`]); the bucket keeps the displayed fingerprint for `busiest`.
 
 mod clock;
+mod connection;
 
+use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{
-    Client, FromRedisValue, IntoConnectionInfo, RedisError, Script, ScriptInvocation, ToRedisArgs,
+    ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, ServerErrorKind, ToRedisArgs,
 };
 use bourse_core::{
     Check, Config, InvalidInput, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
@@ -32,6 +33,8 @@ use bourse_core::{
 use crate::fingerprint::{self, Keyed};
 use crate::store::{ShownKey, Store, StoreError, StoreResult};
 use clock::ServerClock;
+pub use connection::Servers;
+use connection::{hash_tag, Connection, ScanNode};
 
 const SCRIPT: &str = include_str!("bucket.lua");
 /// Starts the message of a script that found its deadline passed, before the Redis time.
@@ -45,8 +48,8 @@ const SCAN_COUNT: usize = 1000;
 /// How to reach Redis and name the keys.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// `redis://[user@]host:port[/db]`, or `unix:///path`.
-    pub url: String,
+    /// One server (`redis://[user@]host:port[/db]`, `unix:///path`) or a cluster's seeds.
+    pub servers: Servers,
     pub password: Option<String>,
     /// The key of the fingerprints in key names.
     pub key_secret: Option<Vec<u8>>,
@@ -76,7 +79,7 @@ fn bump(counter: &AtomicU64, by: u64) {
 }
 
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     script: Script,
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
@@ -92,23 +95,11 @@ impl RedisStore {
     /// answers `unavailable` until Redis is back. Must run inside a Tokio runtime.
     pub fn new(options: Options) -> Result<Self, String> {
         check_prefix(&options.prefix)?;
-        let mut info = options
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(|error| format!("--redis {:?}: {error}", options.url))?;
-        if let Some(password) = &options.password {
-            let settings = info.redis_settings().clone().set_password(password);
-            info = info.set_redis_settings(settings);
-        }
-        let client =
-            Client::open(info).map_err(|error| format!("--redis {:?}: {error}", options.url))?;
-        let manager = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.timeout))
-            .set_response_timeout(Some(options.timeout))
-            .set_number_of_retries(0);
-        let connection = ConnectionManager::new_lazy_with_config(client, manager)
-            .map_err(|error| format!("cannot prepare the Redis connection: {error}"))?;
+        let connection = Connection::open(
+            &options.servers,
+            options.password.as_deref(),
+            options.timeout,
+        )?;
         Ok(Self {
             connection,
             script: Script::new(SCRIPT),
@@ -144,6 +135,13 @@ impl RedisStore {
                     Err(error) if lost_connection(&error) => {
                         invocation.invoke_async(&mut connection).await
                     }
+                    // Still missing after the reload on every master known (a replica
+                    // promoted since): EVAL runs it on that node and caches it there.
+                    Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        call.eval(SCRIPT, deadline)
+                            .query_async(&mut connection)
+                            .await
+                    }
                     answer => answer,
                 }
             })
@@ -163,7 +161,7 @@ impl RedisStore {
 
     /// Reads the Redis clock (`TIME`), to place deadlines on it.
     /// Sent once more if the connection was lost, as scripts are.
-    async fn sample_time(&self, connection: &mut ConnectionManager) -> Result<(), RedisError> {
+    async fn sample_time(&self, connection: &mut Connection) -> Result<(), RedisError> {
         let time = ::redis::cmd("TIME");
         let (seconds, micros): (u64, u64) = match time.query_async(connection).await {
             Err(error) if lost_connection(&error) => time.query_async(connection).await?,
@@ -207,25 +205,50 @@ impl RedisStore {
         KeyNames::new(&self.prefix, key, &self.names)
     }
 
-    /// One `SCAN` step over keys matching `pattern`: the next cursor and a page of names.
-    async fn scan_step(&self, pattern: &[u8], cursor: u64) -> StoreResult<(u64, Vec<Vec<u8>>)> {
+    /// Starts a table-wide `SCAN` of every node holding keys: the server, or each master.
+    async fn scan(&self) -> StoreResult<Scan> {
+        let mut connection = self.connection.clone();
+        let mut nodes = self.bounded(connection.scan_nodes()).await?;
+        nodes.reverse();
+        Ok(Scan { nodes, cursor: 0 })
+    }
+
+    /// The next page of names matching `pattern`, or `None` once every node was scanned.
+    async fn scan_step(
+        &self,
+        scan: &mut Scan,
+        pattern: &[u8],
+    ) -> StoreResult<Option<Vec<Vec<u8>>>> {
+        let Some(node) = scan.nodes.last() else {
+            return Ok(None);
+        };
         let mut command = ::redis::cmd("SCAN");
         command
-            .arg(cursor)
+            .arg(scan.cursor)
             .arg("MATCH")
             .arg(pattern)
             .arg("COUNT")
             .arg(SCAN_COUNT);
-        self.command(&command).await
+        let (next, names): (u64, Vec<Vec<u8>>) = match node {
+            ScanNode::Server => self.command(&command).await?,
+            node => {
+                let mut connection = self.connection.clone();
+                self.bounded(connection.query_on(node, &command)).await?
+            }
+        };
+        scan.cursor = next;
+        if next == 0 {
+            scan.nodes.pop();
+        }
+        Ok(Some(names))
     }
 
     /// Visits every bucket with its snapshot, one `SCAN` page at a time.
     async fn scan_buckets(&self, mut visit: impl FnMut(ShownKey, KeyInfo)) -> StoreResult<()> {
         let mut pattern = self.prefix.clone();
         pattern.extend_from_slice(b":{*");
-        let mut cursor = 0;
-        loop {
-            let (next, names) = self.scan_step(&pattern, cursor).await?;
+        let mut scan = self.scan().await?;
+        while let Some(names) = self.scan_step(&mut scan, &pattern).await? {
             let keys: Vec<NamedKey> = names
                 .iter()
                 .filter_map(|name| decode_bucket_name(&self.prefix, name))
@@ -256,16 +279,38 @@ impl RedisStore {
                     }
                 }
             }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
         }
+        Ok(())
     }
 
     /// Snapshots of the keys named `keys` (`None` for a key Redis does not hold), with the
-    /// shown fingerprint of their credential.
+    /// shown fingerprint of their credential. On a cluster one script call per hash tag.
     async fn infos(
+        &self,
+        keys: &[KeyNames],
+    ) -> StoreResult<Vec<Option<(KeyInfo, Option<String>)>>> {
+        if !self.connection.is_cluster() {
+            return self.infos_in_slot(keys).await;
+        }
+        let mut slots: BTreeMap<&[u8], Vec<usize>> = BTreeMap::new();
+        for (index, names) in keys.iter().enumerate() {
+            slots
+                .entry(hash_tag(&names.bucket))
+                .or_default()
+                .push(index);
+        }
+        let mut infos = vec![None; keys.len()];
+        for indices in slots.into_values() {
+            let group: Vec<KeyNames> = indices.iter().map(|&i| keys[i].clone()).collect();
+            for (index, info) in indices.into_iter().zip(self.infos_in_slot(&group).await?) {
+                infos[index] = info;
+            }
+        }
+        Ok(infos)
+    }
+
+    /// [`Self::infos`] of keys that share one slot.
+    async fn infos_in_slot(
         &self,
         keys: &[KeyNames],
     ) -> StoreResult<Vec<Option<(KeyInfo, Option<String>)>>> {
@@ -287,19 +332,30 @@ impl RedisStore {
 
     /// Deletes every key matching `pattern`, one `SCAN` page at a time.
     async fn unlink_matching(&self, pattern: &[u8]) -> StoreResult<()> {
-        let mut cursor = 0;
-        loop {
-            let (next, names) = self.scan_step(pattern, cursor).await?;
+        let mut scan = self.scan().await?;
+        while let Some(names) = self.scan_step(&mut scan, pattern).await? {
             if !names.is_empty() {
                 let mut unlink = ::redis::cmd("UNLINK");
                 unlink.arg(names);
                 let _: u64 = self.command(&unlink).await?;
             }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
         }
+        Ok(())
+    }
+
+    /// On a cluster a script runs on the one node serving its slot: a check over buckets of
+    /// several exchanges (several hash tags) is refused rather than split, which would not
+    /// be atomic.
+    fn one_slot(&self, items: &[Check]) -> StoreResult<()> {
+        let exchange = items[0].key.exchange;
+        if !self.connection.is_cluster() || items.iter().all(|i| i.key.exchange == exchange) {
+            return Ok(());
+        }
+        self.count_invalid();
+        Err(StoreError::Invalid(InvalidInput::new(
+            "on a Redis Cluster the buckets of one check must all be of one exchange \
+             (its keys share one hash tag, so one slot)",
+        )))
     }
 
     fn count_outcome(&self, outcome: Outcome, paused: bool, lapsed: u64) {
@@ -338,6 +394,7 @@ impl Store for RedisStore {
         if items.is_empty() {
             return Ok(Outcome::Admitted);
         }
+        self.one_slot(&items)?;
         let max_wait = match mode {
             Mode::Probe => 0,
             Mode::Wait { max_wait_ms } => max_wait_ms,
@@ -532,6 +589,13 @@ impl Store for RedisStore {
 }
 
 /// The keys and arguments of one script call; the first argument names the operation.
+/// Where a table-wide `SCAN` stands: the nodes left to scan (the current one last) and the
+/// cursor in the current one.
+struct Scan {
+    nodes: Vec<ScanNode>,
+    cursor: u64,
+}
+
 #[derive(Default)]
 struct Call {
     keys: Vec<Vec<u8>>,
@@ -547,6 +611,19 @@ impl Call {
     fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
         self.args.extend(arg.to_redis_args());
         self
+    }
+
+    /// The call as `EVAL` with the script's source, arguments as in [`Self::invocation`]:
+    /// it runs, and is cached, on whichever node serves the keys.
+    fn eval(&self, source: &str, deadline: u64) -> ::redis::Cmd {
+        let mut command = ::redis::cmd("EVAL");
+        command.arg(source).arg(self.keys.len()).arg(&self.keys);
+        let (op, args) = self
+            .args
+            .split_first()
+            .map_or((&[][..], &[][..]), |(op, args)| (op.as_slice(), args));
+        command.arg(op).arg(deadline).arg(args);
+        command
     }
 
     /// The invocation, with `deadline` (µs on the Redis clock, 0 for none) after the

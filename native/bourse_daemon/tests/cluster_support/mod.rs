@@ -90,6 +90,11 @@ fn runs(program: &str, args: &[&str]) -> Option<String> {
 impl Cluster {
     /// Three masters with a replica each; failure detection after `node_timeout_ms`.
     pub fn start(node_timeout_ms: u64) -> Option<Self> {
+        Self::start_at(free_port(), node_timeout_ms)
+    }
+
+    /// As [`Cluster::start`], with the first node on `port`.
+    pub fn start_at(port: u16, node_timeout_ms: u64) -> Option<Self> {
         if runs("redis-server", &["--version"]).is_none() {
             eprintln!("SKIPPED: no redis-server binary on PATH (make deps installs it)");
             return None;
@@ -116,9 +121,8 @@ impl Cluster {
             dir,
             node_timeout_ms,
         };
-        for _ in 0..6 {
-            let port = free_port();
-            let node = cluster.spawn(port);
+        for n in 0..6 {
+            let node = cluster.spawn(if n == 0 { port } else { free_port() });
             cluster.nodes.push(node);
         }
         for node in &cluster.nodes {

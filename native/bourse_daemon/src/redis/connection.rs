@@ -1,0 +1,291 @@
+//! How the store reaches Redis: one server, or a Redis Cluster through its seed nodes.
+//!
+//! Both are one [`Connection`], an `aio::ConnectionLike`, so the store sends the same
+//! commands and scripts to either. On a cluster each script call goes to the master serving
+//! the slot of its keys (every key of one call carries one hash tag); the cluster client
+//! follows `MOVED` and `ASK`, and retries `TRYAGAIN` and `CLUSTERDOWN` until the timeout.
+//! A script missing on a node (a promoted replica, a restarted node) is loaded again on
+//! every master by the `NOSCRIPT` fallback of `ScriptInvocation::invoke_async`.
+
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::{ClusterClientBuilder, ClusterConfig};
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
+};
+use ::redis::{
+    Client, Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value,
+};
+
+/// The longest pause between two tries of a cluster request (milliseconds): a slot that
+/// moved or a master that took over is found again within this.
+const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 50);
+/// Tries of one cluster request; the timeout ends them sooner.
+const CLUSTER_RETRIES: u32 = 25;
+
+/// Where the buckets live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Servers {
+    /// One Redis server (or a primary behind a fixed address).
+    One(String),
+    /// A Redis Cluster, found through these seed nodes.
+    Cluster(Vec<String>),
+}
+
+/// A connection to one server or to a whole cluster; cheap to clone (clones share it).
+#[derive(Clone)]
+pub enum Connection {
+    One(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// A node a table-wide `SCAN` runs on.
+pub enum ScanNode {
+    /// The only server.
+    Server,
+    /// One master of the cluster.
+    Master { host: String, port: u16 },
+}
+
+impl Connection {
+    /// Prepares the connection without waiting for it: the first command connects. Every
+    /// command is bounded by `timeout`, connecting, redirections and retries included.
+    /// Must run inside a Tokio runtime.
+    pub fn open(
+        servers: &Servers,
+        password: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        match servers {
+            Servers::One(url) => {
+                let mut info = url
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|error| format!("--redis {url:?}: {error}"))?;
+                if let Some(password) = password {
+                    let settings = info.redis_settings().clone().set_password(password);
+                    info = info.set_redis_settings(settings);
+                }
+                let client =
+                    Client::open(info).map_err(|error| format!("--redis {url:?}: {error}"))?;
+                let manager = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(0);
+                ConnectionManager::new_lazy_with_config(client, manager)
+                    .map(Self::One)
+                    .map_err(|error| format!("cannot prepare the Redis connection: {error}"))
+            }
+            Servers::Cluster(seeds) => {
+                for seed in seeds {
+                    seed.as_str()
+                        .into_connection_info()
+                        .map_err(|error| format!("--redis-cluster {seed:?}: {error}"))?;
+                }
+                let (min_wait, max_wait) = CLUSTER_RETRY_WAIT_MS;
+                let mut builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .overall_response_timeout(Some(timeout))
+                    .retries(CLUSTER_RETRIES)
+                    .min_retry_wait(min_wait)
+                    .max_retry_wait(max_wait);
+                if let Some(password) = password {
+                    builder = builder.password(password);
+                }
+                let client = builder
+                    .build()
+                    .map_err(|error| format!("--redis-cluster: {error}"))?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(timeout)
+                    .set_response_timeout(timeout);
+                Ok(Self::Cluster(
+                    client.get_pending_async_connection_with_config(config),
+                ))
+            }
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+
+    /// The nodes that together hold every key: the server, or each master serving slots.
+    pub async fn scan_nodes(&mut self) -> RedisResult<Vec<ScanNode>> {
+        match self {
+            Self::One(_) => Ok(vec![ScanNode::Server]),
+            Self::Cluster(cluster) => {
+                let mut command = ::redis::cmd("CLUSTER");
+                command.arg("NODES");
+                let text: String = cluster
+                    .route_command(
+                        command,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                    )
+                    .await
+                    .and_then(|value| Ok(String::from_redis_value(value)?))?;
+                Ok(masters(&text))
+            }
+        }
+    }
+
+    /// Runs `command` on `node`.
+    pub async fn query_on<T: FromRedisValue>(
+        &mut self,
+        node: &ScanNode,
+        command: &Cmd,
+    ) -> RedisResult<T> {
+        match (self, node) {
+            (Self::Cluster(cluster), ScanNode::Master { host, port }) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                let value = cluster.route_command(command.clone(), routing).await?;
+                Ok(T::from_redis_value(value)?)
+            }
+            (connection, _) => command.query_async(connection).await,
+        }
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, command: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::One(connection) => connection.req_packed_command(command),
+            // The crate loads scripts on every node, replicas included: one replica down
+            // would then fail the reload. Every master is enough: only masters run them.
+            Self::Cluster(cluster) => {
+                if is_script_load(command) {
+                    let routing = RoutingInfo::MultiNode((
+                        MultipleNodeRoutingInfo::AllMasters,
+                        Some(ResponsePolicy::AllSucceeded),
+                    ));
+                    Box::pin(cluster.route_command(command.clone(), routing))
+                } else {
+                    cluster.req_packed_command(command)
+                }
+            }
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::One(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(cluster) => cluster.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::One(connection) => connection.get_db(),
+            Self::Cluster(cluster) => cluster.get_db(),
+        }
+    }
+}
+
+fn is_script_load(command: &Cmd) -> bool {
+    let mut args = command.args_iter().map(|arg| match arg {
+        ::redis::Arg::Simple(bytes) => bytes,
+        _ => b"",
+    });
+    matches!(
+        (args.next(), args.next()),
+        (Some(a), Some(b)) if a.eq_ignore_ascii_case(b"SCRIPT") && b.eq_ignore_ascii_case(b"LOAD")
+    )
+}
+
+/// The masters serving slots in a `CLUSTER NODES` answer.
+fn masters(text: &str) -> Vec<ScanNode> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags: Vec<&str> = fields.get(2)?.split(',').collect();
+            let serves_slots = fields.len() > 8;
+            if !flags.contains(&"master") || flags.contains(&"fail") || !serves_slots {
+                return None;
+            }
+            // ip:port@cport[,hostname]
+            let address = fields[1].split(['@', ',']).next()?;
+            let (host, port) = address.rsplit_once(':')?;
+            Some(ScanNode::Master {
+                host: host.to_string(),
+                port: port.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// The part of `name` Redis Cluster hashes to choose its slot: the bytes between the first
+/// `{` and the next `}` when not empty, else the whole name. Names with one hash tag
+/// always share a slot.
+pub fn hash_tag(name: &[u8]) -> &[u8] {
+    name.iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let length = name[open + 1..].iter().position(|&b| b == b'}')?;
+            (length > 0).then(|| &name[open + 1..open + 1 + length])
+        })
+        .unwrap_or(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_tags_follow_redis() {
+        assert_eq!(hash_tag(b"bourse:{7:binance}:b:-:2:ip"), b"7:binance");
+        assert_eq!(hash_tag(b"p:e{3:okx}"), b"3:okx");
+        // The first `}` after the first `{` closes the tag; an empty tag hashes the name.
+        assert_eq!(hash_tag(b"a{b}c}d"), b"b");
+        assert_eq!(hash_tag(b"a{}b{c}"), b"a{}b{c}");
+        assert_eq!(hash_tag(b"no tag"), b"no tag");
+        assert_eq!(hash_tag(b"open{only"), b"open{only");
+    }
+
+    #[test]
+    fn masters_serving_slots_are_scanned() {
+        let nodes = "\
+a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7002@17002 master - 0 0 2 connected 5461-10922 [5000->-a1]
+c3 127.0.0.1:7003@17003,host.example master,fail - 0 0 3 connected
+d4 127.0.0.1:7004@17004 slave a1 0 0 1 connected
+e5 ::1:7005@17005 master - 0 0 4 connected 10923-16383
+f6 127.0.0.1:7006@17006 master - 0 0 5 connected
+";
+        let found: Vec<(String, u16)> = masters(nodes)
+            .into_iter()
+            .map(|node| match node {
+                ScanNode::Master { host, port } => (host, port),
+                ScanNode::Server => unreachable!(),
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("127.0.0.1".to_string(), 7001),
+                ("127.0.0.1".to_string(), 7002),
+                ("::1".to_string(), 7005)
+            ]
+        );
+    }
+
+    #[test]
+    fn only_script_load_is_rerouted() {
+        let mut load = ::redis::cmd("script");
+        load.arg("load").arg("return 1");
+        assert!(is_script_load(&load));
+        let mut other = ::redis::cmd("SCRIPT");
+        other.arg("EXISTS");
+        assert!(!is_script_load(&other));
+        assert!(!is_script_load(&::redis::cmd("EVALSHA")));
+    }
+}

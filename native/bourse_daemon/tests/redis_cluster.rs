@@ -1,0 +1,443 @@
+//! `--redis-cluster`: the buckets in a real Redis Cluster (three masters, three replicas)
+//! started by each test on loopback, shared by several daemon processes; a master killed
+//! under load, a slot moved under load.
+//!
+//! The tests skip, saying so, only where no cluster can be created (`redis-server` or a
+//! `redis-cli` with `--cluster` missing). Time is the Redis servers' real clock.
+
+mod cluster_support;
+mod common;
+
+use std::net::TcpListener;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use cluster_support::Cluster;
+use common::{key, Server, Transport};
+
+/// A server-mode daemon on `cluster` through two of its nodes as seeds.
+fn daemon(cluster: &Cluster, extra: &[&str]) -> Server {
+    let urls = cluster.urls();
+    let mut args = vec!["--redis-cluster", &urls[0], "--redis-cluster", &urls[3]];
+    args.extend_from_slice(extra);
+    Server::tcp(&args)
+}
+
+fn check(k: &Value, limit: Value, cost: f64) -> Value {
+    json!({"op": "check", "key": k, "limit": limit, "cost": cost})
+}
+
+fn borrowed(t: &mut impl Transport, k: &Value) -> f64 {
+    t.call(json!({"op": "get_cost", "key": k}))["borrowed"]
+        .as_f64()
+        .unwrap()
+}
+
+/// The port of the live master holding a key whose name contains `part`.
+fn master_holding(cluster: &Cluster, part: &str) -> u16 {
+    let masters: Vec<u16> = cluster
+        .topology()
+        .expect("a live node")
+        .into_iter()
+        .filter(|n| n.master && !n.failed && !n.slots.is_empty())
+        .map(|n| n.port)
+        .collect();
+    masters
+        .into_iter()
+        .find(|&port| {
+            cluster
+                .query::<Vec<String>>(port, ::redis::cmd("KEYS").arg("*"))
+                .unwrap_or_default()
+                .iter()
+                .any(|name| name.contains(part))
+        })
+        .unwrap_or_else(|| panic!("no master holds a key with {part:?}"))
+}
+
+#[test]
+fn a_cluster_serves_every_op_shares_buckets_and_keeps_checks_atomic() {
+    // A daemon started before the cluster: unavailable at once, served once it is up.
+    let first = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let early = Server::tcp(&[
+        "--redis-cluster",
+        &format!("redis://127.0.0.1:{first}"),
+        "--redis-timeout-ms",
+        "300",
+    ]);
+    let mut e = early.connect();
+    let k = key("early", None);
+    let started = Instant::now();
+    let answer = e.call(check(&k, json!({"requests": 5}), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let Some(cluster) = Cluster::start_at(first, 2000) else {
+        return;
+    };
+    common::eventually("the early daemon is served by the cluster", || {
+        e.call(check(&k, json!({"requests": 5}), 1.0))["result"] == "admitted"
+    });
+    let server = daemon(&cluster, &[]);
+    common::exercise_every_op(&mut server.connect());
+    common::exercise_bad_requests(&mut server.connect());
+    let mut t = server.connect();
+
+    // Buckets of many exchanges land on every master; table-wide ops see them all.
+    let slow = json!({"capacity": 5, "refill_per_sec": 0.001});
+    for n in 0..30 {
+        let k = key(&format!("exchange{n}"), Some("k"));
+        assert_eq!(t.call(check(&k, slow.clone(), 2.0))["result"], "admitted");
+    }
+    let holding: std::collections::BTreeSet<u16> = (0..30)
+        .map(|n| master_holding(&cluster, &format!("exchange{n}}}")))
+        .collect();
+    assert_eq!(
+        holding.len(),
+        3,
+        "the exchanges should spread over the masters"
+    );
+    let stats = t.call(json!({"op": "stats"}))["stats"].clone();
+    assert_eq!(stats["buckets"], 30, "{stats}");
+    let busiest = t.call(json!({"op": "busiest", "count": 100}));
+    assert_eq!(busiest["keys"].as_array().unwrap().len(), 30);
+    assert_eq!(
+        t.call(json!({"op": "reset_exchange", "exchange": "exchange7"})),
+        json!({"ok": true})
+    );
+    assert_eq!(borrowed(&mut t, &key("exchange7", Some("k"))), 0.0);
+    assert!(borrowed(&mut t, &key("exchange8", Some("k"))) > 1.9);
+
+    // A check over two exchanges would span slots: refused, nothing paid.
+    let a = key("exchange1", Some("k"));
+    let b = key("exchange2", Some("k"));
+    let spanning = t.call(json!({"op": "check_many", "checks": [
+        {"key": a, "limit": slow}, {"key": b, "limit": slow},
+    ]}));
+    assert_eq!(
+        spanning["error"]["type"], "invalid_parameters",
+        "{spanning}"
+    );
+    assert!(
+        spanning["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("one exchange"),
+        "{spanning}"
+    );
+    assert!((borrowed(&mut t, &a) - 2.0).abs() < 0.01);
+
+    // Scripts flushed from every node (as after a restart): loaded again, nothing refused.
+    for url in cluster.urls() {
+        let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+        let _: Option<String> = cluster.query(port, ::redis::cmd("SCRIPT").arg("FLUSH"));
+    }
+    for n in 0..6 {
+        let k = key(&format!("exchange{n}"), Some("k"));
+        assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    }
+
+    // A dead seed among the seeds: the live one is enough.
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dead_url = format!("redis://127.0.0.1:{dead}");
+    let live_url = cluster.urls()[1].clone();
+    let seeded = Server::tcp(&["--redis-cluster", &dead_url, "--redis-cluster", &live_url]);
+    assert!((borrowed(&mut seeded.connect(), &key("exchange8", Some("k"))) - 2.0).abs() < 0.01);
+
+    // Several daemons, concurrent multi-bucket checks over one credential's bucket and the
+    // exchange's public ip bucket: all buckets paid or none (P4).
+    let daemons: Vec<Server> = (0..3).map(|_| daemon(&cluster, &[])).collect();
+    let credential = key("binance", Some("atomic"));
+    let ip = json!({"exchange": "binance", "credential": null, "axis": "ip"});
+    let request = json!({"op": "check_many", "checks": [
+        {"key": credential, "limit": {"capacity": 50, "refill_per_sec": 0.001}},
+        {"key": ip, "limit": {"capacity": 30, "refill_per_sec": 0.001}},
+    ]});
+    let admitted: u64 = thread::scope(|scope| {
+        let workers: Vec<_> = daemons
+            .iter()
+            .map(|server| {
+                let request = request.clone();
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    (0..40)
+                        .filter(|_| t.call(request.clone())["result"] == "admitted")
+                        .count() as u64
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    assert_eq!(admitted, 30);
+    assert!((borrowed(&mut t, &credential) - 30.0).abs() < 0.01);
+    assert!((borrowed(&mut t, &ip) - 30.0).abs() < 0.01);
+
+    // Two daemons hammering one bucket through the cluster stay within C + r*T (P1).
+    let (capacity, refill) = (20.0, 50.0);
+    let run_for = Duration::from_secs(2);
+    let started = Instant::now();
+    let admitted: u64 = thread::scope(|scope| {
+        let workers: Vec<_> = daemons[..2]
+            .iter()
+            .flat_map(|server| [server, server])
+            .map(|server| {
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    let k = key("binance", Some("shared"));
+                    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
+                    let mut admitted = 0;
+                    while started.elapsed() < run_for {
+                        if t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted" {
+                            admitted += 1;
+                        }
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let bound = capacity + refill * elapsed;
+    eprintln!(
+        "2 daemons x 2 clients on the cluster: admitted {admitted}, bound C + r*T = {bound:.1}"
+    );
+    assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
+    assert!(
+        admitted as f64 >= 0.5 * refill * elapsed,
+        "admitted only {admitted}"
+    );
+
+    assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
+    assert_eq!(t.call(json!({"op": "stats"}))["stats"]["buckets"], 0);
+    let left: Vec<String> = cluster
+        .keys()
+        .into_iter()
+        .filter(|name| name.contains(":b:") || name.contains(":w:"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// What one worker saw: per answer, when it came (since the start), how long it took, and
+/// what it was.
+struct Answer {
+    at: Duration,
+    took: Duration,
+    kind: &'static str,
+}
+
+fn classify(answer: &Value) -> &'static str {
+    match (answer["result"].as_str(), answer["error"]["type"].as_str()) {
+        (Some("admitted"), _) => "admitted",
+        (Some("delay"), _) => "delay",
+        (_, Some("unavailable")) => "unavailable",
+        _ => panic!("unexpected answer {answer}"),
+    }
+}
+
+/// Runs `workers` clients per daemon checking `k` until `stop`, returning every answer.
+fn load(
+    daemons: &[Server],
+    workers: usize,
+    k: &Value,
+    limit: &Value,
+    started: Instant,
+    stop: Duration,
+    during: impl FnOnce(),
+) -> Vec<Answer> {
+    thread::scope(|scope| {
+        let handles: Vec<_> = daemons
+            .iter()
+            .flat_map(|server| std::iter::repeat_n(server, workers))
+            .map(|server| {
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    let mut answers = Vec::new();
+                    while started.elapsed() < stop {
+                        let sent = Instant::now();
+                        let answer = t.call(check(k, limit.clone(), 1.0));
+                        answers.push(Answer {
+                            at: started.elapsed(),
+                            took: sent.elapsed(),
+                            kind: classify(&answer),
+                        });
+                    }
+                    answers
+                })
+            })
+            .collect();
+        during();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    })
+}
+
+fn count(answers: &[Answer], kind: &str) -> usize {
+    answers.iter().filter(|a| a.kind == kind).count()
+}
+
+/// A master killed under load: while no master serves its slot, answers are `unavailable`
+/// within the Redis timeout (nothing admitted, nothing hangs); once its replica has taken
+/// over, checks are admitted again by themselves. Admitted across the failover is reported
+/// against C + r*T: a promoted replica may lack the last writes (asynchronous replication),
+/// which can cost at most one capacity more; with --assume-busy-at-start nothing more.
+#[test]
+fn a_master_killed_under_load_fails_over() {
+    let Some(mut cluster) = Cluster::start(1000) else {
+        return;
+    };
+    let timeout_ms = 500;
+    let timeout = timeout_ms.to_string();
+    let daemons: Vec<Server> = (0..2)
+        .map(|_| daemon(&cluster, &["--redis-timeout-ms", &timeout]))
+        .collect();
+    let k = key("failover", Some("k"));
+    let (capacity, refill) = (20.0, 50.0);
+    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
+    assert_eq!(
+        daemons[0].connect().call(check(&k, limit.clone(), 0.0))["result"],
+        "admitted"
+    );
+    let victim = master_holding(&cluster, "failover}");
+    let started = Instant::now();
+    let kill_at = Duration::from_secs(1);
+    let stop = Duration::from_secs(7);
+    let mut killed = None;
+    let answers = load(&daemons, 2, &k, &limit, started, stop, || {
+        thread::sleep(kill_at);
+        killed = Some(started.elapsed());
+        cluster.kill(victim);
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let killed = killed.unwrap();
+    let unavailable: Vec<&Answer> = answers.iter().filter(|a| a.kind == "unavailable").collect();
+    let first_unavailable = unavailable.iter().map(|a| a.at).min();
+    let recovered = answers
+        .iter()
+        .filter(|a| a.kind == "admitted" && a.at > killed)
+        .map(|a| a.at - a.took)
+        .filter(|&sent| unavailable.iter().all(|u| u.at <= sent))
+        .min();
+    let slowest = answers.iter().map(|a| a.took).max().unwrap();
+    let admitted = count(&answers, "admitted");
+    let bound = capacity + refill * elapsed;
+    eprintln!(
+        "failover: {} answers in {elapsed:.1} s; master killed at {:.2} s; {} unavailable \
+         (first at {:?}); admitted again {:?} after the kill; slowest answer {slowest:?} \
+         (timeout {timeout_ms} ms); admitted {admitted} vs C + r*T = {bound:.1} \
+         (+ C = {:.1} allowed for writes lost in the failover)",
+        answers.len(),
+        killed.as_secs_f64(),
+        unavailable.len(),
+        first_unavailable,
+        recovered.map(|r| r - killed),
+        bound + capacity,
+    );
+    assert!(!unavailable.is_empty(), "the failover went unnoticed");
+    assert!(
+        recovered.is_some(),
+        "never admitted again after the failover"
+    );
+    // Nothing hangs: the timeout answers (with slack for a loaded machine).
+    assert!(
+        slowest < Duration::from_millis(timeout_ms + 1500),
+        "an answer took {slowest:?}"
+    );
+    assert!(
+        admitted as f64 <= bound + capacity,
+        "admitted {admitted} > {}",
+        bound + capacity
+    );
+}
+
+/// A slot moved to another master key by key while daemons check a bucket in it. While the
+/// slot is half moved, the bucket's script (several keys, some not yet created) is answered
+/// `ASK` by the old master and `TRYAGAIN` by the new one: the daemon retries until its
+/// timeout, so a move shorter than the timeout refuses nothing, and a longer one answers
+/// `unavailable` (never admitted) only while it lasts. The bucket stays within C + r*T.
+#[test]
+fn a_slot_moved_under_load_keeps_serving() {
+    let Some(cluster) = Cluster::start(2000) else {
+        return;
+    };
+    let daemons: Vec<Server> = (0..2).map(|_| daemon(&cluster, &[])).collect();
+    let k = key("reshard", Some("k"));
+    let (capacity, refill) = (20.0, 50.0);
+    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
+    let mut t = daemons[0].connect();
+    assert_eq!(t.call(check(&k, limit.clone(), 0.0))["result"], "admitted");
+    // More keys in the slot, so that it is half moved for a while.
+    for n in 0..20 {
+        let other = key("reshard", Some(&format!("k{n}")));
+        t.call(check(&other, limit.clone(), 1.0));
+    }
+    let from = master_holding(&cluster, "reshard}");
+    let to = cluster.other_master(from);
+    let slot = cluster_support::key_slot(
+        cluster
+            .keys()
+            .iter()
+            .find(|name| name.contains("reshard}"))
+            .unwrap()
+            .as_bytes(),
+    );
+    let started = Instant::now();
+    let mut moved = 0;
+    let mut window = Duration::ZERO..Duration::ZERO;
+    let answers = load(
+        &daemons,
+        2,
+        &k,
+        &limit,
+        started,
+        Duration::from_secs(3),
+        || {
+            thread::sleep(Duration::from_millis(500));
+            window.start = started.elapsed();
+            moved = cluster.move_slot(slot, to, Duration::from_millis(10));
+            window.end = started.elapsed();
+        },
+    );
+    let refused: Vec<&Answer> = answers.iter().filter(|a| a.kind == "unavailable").collect();
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = count(&answers, "admitted");
+    let bound = capacity + refill * elapsed;
+    eprintln!(
+        "resharding: slot {slot} ({moved} keys) moved from {from} to {to} in {:?}; {} answers, \
+         {} unavailable, admitted {admitted} vs C + r*T = {bound:.1}",
+        window.end - window.start,
+        answers.len(),
+        refused.len(),
+    );
+    assert!(moved >= 20, "moved {moved} keys");
+    assert_eq!(cluster.master_of_slot(slot), to);
+    for answer in refused {
+        let sent = answer.at - answer.took;
+        assert!(
+            sent >= window.start && sent <= window.end,
+            "unavailable for a check sent at {sent:?}, outside the move {window:?}"
+        );
+    }
+    assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
+    assert!(
+        admitted as f64 >= 0.5 * refill * elapsed,
+        "admitted only {admitted}"
+    );
+    // The bucket and its neighbours are served from the new master.
+    assert_eq!(master_holding(&cluster, "reshard}"), to);
+    let many = json!({"op": "check_many", "checks": [
+        {"key": key("reshard", Some("k1")), "limit": limit},
+        {"key": {"exchange": "reshard", "credential": null, "axis": "ip"}, "limit": limit},
+    ]});
+    assert_eq!(t.call(many)["result"], "admitted");
+}
