@@ -520,7 +520,8 @@ defmodule Bourse.RateLimiter do
         shared with other OS processes and programs, at `"127.0.0.1:PORT"` or
         `{:unix, path}` (`Bourse.RateLimiter.Backend.Daemon`);
       * `{:redis, url}` or `{:redis, url, opts}` – in Redis, shared by limiters on every
-        machine using that server (`Bourse.RateLimiter.Backend.Redis`);
+        machine using that server; `{:redis, [url, ...]}` (seed nodes) in a Redis Cluster
+        (`Bourse.RateLimiter.Backend.Redis`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time, 0 to

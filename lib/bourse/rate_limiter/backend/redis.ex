@@ -1,9 +1,13 @@
 defmodule Bourse.RateLimiter.Backend.Redis do
   @moduledoc """
   `backend: {:redis, url}`: the buckets live in Redis, shared by every limiter, on any
-  machine, that uses the same Redis server and key prefix.
+  machine, that uses the same Redis server and key prefix. `backend: {:redis, [url, ...]}`,
+  a list of seed nodes, means a Redis Cluster (even with one seed).
 
       {Bourse.RateLimiter, name: MyApp.Limiter, backend: {:redis, "redis://10.0.0.5:6379"}}
+      {Bourse.RateLimiter,
+       name: MyApp.Limiter,
+       backend: {:redis, ["redis://10.0.0.5:7000", "redis://10.0.0.6:7000"]}}
       {Bourse.RateLimiter,
        name: MyApp.Limiter,
        backend: {:redis, "redis://10.0.0.5:6379/2", prefix: "bots", redis_timeout_ms: 500},
@@ -17,7 +21,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   "Redis").
 
   A password in the URL (`redis://:secret@host:6379`) reaches the daemon in its
-  environment (`BOURSE_REDIS_PASSWORD`), never on its command line. Redis key names hold
+  environment (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one
+  password: the first seed's that holds one). Redis key names hold
   keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
   `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
   every limiter on that Redis.
@@ -38,6 +43,22 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   Nothing is admitted: calls answer `{:error, %Bourse.Error{type: :unavailable}}` within
   the Redis timeout, never hang, and work again as soon as Redis answers (the daemon
   reconnects by itself). The limiter starts even while Redis is down.
+
+  ## Redis Cluster
+
+  Every key of one exchange carries one hash tag, so it lives in one slot: each check runs
+  on the master serving it, atomically, whatever the number of buckets of that exchange it
+  checks. A `check_rates/3` over buckets of several exchanges would span slots: it is
+  refused with `:invalid_parameters` rather than split. The daemon follows the cluster as
+  slots move (`MOVED`, `ASK`, `TRYAGAIN` retried within `:redis_timeout_ms`).
+
+  While no master serves a slot (a master died and its replica has not yet taken over),
+  checks answer `:unavailable` within `:redis_timeout_ms` and nothing is admitted.
+  Replication is asynchronous: a replica that takes over may lack the master's last
+  writes, so tokens paid just before the failover can be spent again, at most one capacity
+  per bucket. With `assume_busy_at_start: true` a bucket whose master changed since it
+  was last paid starts over as if empty at the change, so a failover never hands out more
+  than the bound (docs/PROTOCOL.md, "Redis Cluster").
   """
 
   use Bourse.RateLimiter.Backend.Protocol
@@ -47,20 +68,34 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @default_prefix "bourse"
   @default_redis_timeout_ms 1_000
   @schemes ~w(redis rediss unix)
+  @max_seeds 64
 
   @impl true
   def attach(previous, opts) do
     redis = Keyword.fetch!(opts, :backend_opts)
-    {url, password} = split_password(redis[:url])
 
-    redis_args = [
-      "--redis",
-      url,
-      "--redis-prefix",
-      redis[:prefix],
-      "--redis-timeout-ms",
-      Integer.to_string(redis[:redis_timeout_ms])
-    ]
+    # One password for the whole cluster: the first seed's that has one.
+    {servers, password} =
+      case redis[:url] do
+        url when is_binary(url) ->
+          {url, password} = split_password(url)
+          {["--redis", url], password}
+
+        seeds ->
+          split = Enum.map(seeds, &split_password/1)
+
+          {Enum.flat_map(split, fn {seed, _} -> ["--redis-cluster", seed] end),
+           Enum.find_value(split, fn {_, password} -> password end)}
+      end
+
+    redis_args =
+      servers ++
+        [
+          "--redis-prefix",
+          redis[:prefix],
+          "--redis-timeout-ms",
+          Integer.to_string(redis[:redis_timeout_ms])
+        ]
 
     env = if password, do: [{~c"BOURSE_REDIS_PASSWORD", String.to_charlist(password)}], else: []
     Port.run_daemon(previous, redis_args, Keyword.put(opts, :env, env))
@@ -91,8 +126,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   def options(_args), do: {:error, "backend :redis takes {:redis, url} or {:redis, url, opts}"}
 
   @doc """
-  Checks the URL and the options of `{:redis, url, opts}`; returns what `attach/2` expects
-  in `:backend_opts`, or `{:error, message}`.
+  Checks the URL (or the cluster's seed URLs) and the options of `{:redis, url, opts}`;
+  returns what `attach/2` expects in `:backend_opts`, or `{:error, message}`.
   """
   @spec options(term(), term()) :: {:ok, keyword()} | {:error, String.t()}
   def options(url, opts) do
@@ -119,6 +154,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     end
   end
 
+  defp url(seeds) when is_list(seeds), do: seeds(seeds, 0, [])
+
   defp url(url) when is_binary(url) do
     case URI.parse(url) do
       %URI{scheme: scheme} when scheme in @schemes ->
@@ -132,6 +169,29 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   defp url(other), do: {:error, bad_url(other)}
+
+  # A cluster's seeds: 1 to @max_seeds redis:// or rediss:// URLs (a proper list).
+  defp seeds([], count, seeds) when count > 0, do: {:ok, Enum.reverse(seeds)}
+
+  defp seeds([seed | rest], count, seeds) when is_binary(seed) and count < @max_seeds do
+    case URI.parse(seed) do
+      %URI{scheme: scheme, host: host}
+      when scheme in ~w(redis rediss) and host not in [nil, ""] ->
+        if String.contains?(seed, <<0>>),
+          do: {:error, bad_seeds()},
+          else: seeds(rest, count + 1, [seed | seeds])
+
+      _ ->
+        {:error, bad_seeds()}
+    end
+  end
+
+  defp seeds(_, _, _), do: {:error, bad_seeds()}
+
+  defp bad_seeds do
+    "redis cluster seeds must be a list of 1 to #{@max_seeds} URLs " <>
+      "\"redis://HOST:PORT\" or \"rediss://HOST:PORT\""
+  end
 
   defp bad_url(url) do
     "redis URL must be a string \"redis://HOST:PORT[/DB]\", \"rediss://...\" or " <>
