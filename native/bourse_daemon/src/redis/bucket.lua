@@ -17,7 +17,8 @@
 --                        w:<booking id>: "<ready_at> <cost>" of each booking
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
---   P:e{E}       string  when this exchange's state began (for assume_busy_at_start); not
+--   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
+--                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
 --
 -- Everything expires: buckets by themselves (PEXPIRE on every write) once they would behave
@@ -106,18 +107,42 @@ local function borrowed(bucket, now)
   return -bucket.b
 end
 
--- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
--- empty when this exchange's state began in this Redis.
-local function initial_tokens(c, r, now, marker, busy)
-  local began = tonumber(redis.call('GET', marker))
-  if not began then
-    redis.call('SET', marker, fmt(now))
-    began = now
+-- When this exchange's state began on this Redis node. The marker holds the time and, once
+-- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
+-- under another run_id lies next to buckets that may lack that node's last payments (a
+-- replica that took over after a failover lacks what was not yet replicated; a restarted
+-- node lacks what was not yet saved; a slot moved to another master is the safe side): for
+-- such a limiter the state began again now. Other limiters only create a missing marker.
+local function state_began(marker, now, busy)
+  local node = busy and string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or nil
+  local value = redis.call('GET', marker)
+  local began, by
+  if value then
+    began, by = string.match(value, '^(%S+) ?(%S*)$')
+    began = tonumber(began)
   end
+  if not began or (node and by ~= node) then
+    began = now
+    redis.call('SET', marker, fmt(now) .. (node and ' ' .. node or ''))
+  end
+  return began
+end
+
+-- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
+-- empty when this exchange's state began.
+local function initial_tokens(c, r, now, began, busy)
   if busy then
     return math.min(c, r * (math.max(now - began, 0) / 1e6))
   end
   return c
+end
+
+-- With assume_busy_at_start, a bucket last paid before its exchange's state began holds at
+-- most what refilled since: as if it had been empty then (a debt is kept).
+local function empty_since(bucket, began)
+  bucket.b = math.min(bucket.b + bucket.r * ((began - bucket.t) / 1e6), 0)
+  bucket.t = began
+  bucket.dirty = true
 end
 
 -- Drops bookings whose slack ran out (their cost stays paid); returns how many.
@@ -241,7 +266,7 @@ end
 decide = function(now)
   local id, max_wait, slack = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local busy, n = ARGV[5] == '1', tonumber(ARGV[6])
-  local items = {}
+  local items, began = {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
   for i = 1, n do
@@ -256,10 +281,17 @@ decide = function(now)
     local group = tonumber(ARGV[a + 4])
     local pauses, marker = KEYS[2 * n + 2 * group - 1], KEYS[2 * n + 2 * group]
     item.marker = marker
+    if busy and not began[group] then
+      began[group] = state_began(marker, now, true)
+    end
     local bucket = load(item.key, now)
+    if busy and bucket and bucket.c and bucket.t < began[group] then
+      empty_since(bucket, began[group])
+    end
     if not bucket or not bucket.c then
       -- A new key, or one with only recorded debt, takes this definition now.
-      local start = initial_tokens(item.c, item.r, now, marker, busy)
+      began[group] = began[group] or state_began(marker, now, false)
+      local start = initial_tokens(item.c, item.r, now, began[group], busy)
       bucket = { c = item.c, r = item.r, b = (bucket and bucket.b or 0) + start, t = now, dirty = true }
       bucket.shown = ARGV[a + 7]
     end

@@ -273,6 +273,48 @@ impl Cluster {
         let _ = node.child.wait();
     }
 
+    /// Sends `signal` (`STOP`, `CONT`) to the node on `port`.
+    pub fn signal(&self, port: u16, signal: &str) {
+        let node = self
+            .nodes
+            .iter()
+            .find(|node| node.port == port)
+            .expect("a node on that port");
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(node.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} {port}");
+    }
+
+    /// The port of the replica of the master on `port`.
+    pub fn replica_of(&self, port: u16) -> u16 {
+        let id = self.node_id(port);
+        self.topology()
+            .expect("a live node")
+            .into_iter()
+            .find(|n| !n.master && n.master_id.as_deref() == Some(id.as_str()))
+            .unwrap_or_else(|| panic!("no replica of {port}"))
+            .port
+    }
+
+    /// Cuts the master on `port` off from its replica, which then misses every write until
+    /// the end: the replica is stopped (SIGSTOP) and its replication link closed. Returns
+    /// the replica's port; `signal(replica, "CONT")` resumes it.
+    pub fn cut_replica(&self, port: u16) -> u16 {
+        let replica = self.replica_of(port);
+        self.signal(replica, "STOP");
+        let _: Option<u64> = node_query(
+            port,
+            ::redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("replica"),
+        );
+        replica
+    }
+
     /// Restarts a killed node on its port with its cluster configuration: it rejoins, as a
     /// replica of whoever took over its slots.
     pub fn restart(&mut self, port: u16) {
