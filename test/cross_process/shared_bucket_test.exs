@@ -48,6 +48,34 @@ defmodule Bourse.CrossProcess.SharedBucketTest do
            "limiters of their own admitted only #{own_run.admitted} (bound #{own_run.bound})"
   end
 
+  @tag skip: Bourse.RedisCluster.unavailable()
+  test "a Redis Cluster keeps two VMs and a program on a daemon within one bucket" do
+    cluster = Bourse.RedisCluster.start()
+    on_exit(fn -> Bourse.RedisCluster.stop(cluster) end)
+    seeds = Enum.take(cluster.urls, 2)
+
+    daemon =
+      DaemonServer.start(
+        ["--listen", "127.0.0.1:0"] ++ Enum.flat_map(seeds, &["--redis-cluster", &1])
+      )
+
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    backend = "cluster:" <> Enum.join(seeds, ",")
+
+    cluster_run =
+      run("Redis Cluster", [
+        elixir_worker(backend),
+        elixir_worker(backend),
+        python_worker(daemon.tcp)
+      ])
+
+    assert cluster_run.admitted <= cluster_run.bound,
+           "#{cluster_run.admitted} admitted through the cluster, more than #{cluster_run.bound}"
+
+    assert cluster_run.admitted >= 0.5 * cluster_run.bound,
+           "only #{cluster_run.admitted} admitted (bound #{cluster_run.bound})"
+  end
+
   # Runs the workers at once (they start hammering at the same wall-clock time, a few
   # seconds ahead so that every VM has booted, even on a loaded machine) and
   # prints what each admitted, the total and the bound C + r * T, T from the earliest

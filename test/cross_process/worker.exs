@@ -2,7 +2,8 @@
 #
 #     elixir -pa _build/test/lib/bourse/ebin test/cross_process/worker.exs BACKEND START_AT_MS DURATION_MS
 #
-# BACKEND is "nif" (a limiter of its own) or a daemon address ("127.0.0.1:PORT", shared).
+# BACKEND is "nif" (a limiter of its own), a daemon address ("127.0.0.1:PORT", shared) or
+# "cluster:" and the comma-separated seeds of a Redis Cluster (shared).
 # From START_AT_MS (wall clock) it checks one bucket (capacity 5, 20/s) for DURATION_MS,
 # sleeping the delays it is told, then prints
 # "admitted=N start_us=S end_us=E" with the wall-clock times of its first and last check.
@@ -30,7 +31,14 @@ defmodule Worker do
 end
 
 [backend, start_at_ms, duration_ms] = System.argv()
-backend = if backend == "nif", do: :nif, else: {:daemon, backend}
+
+backend =
+  case backend do
+    "nif" -> :nif
+    "cluster:" <> seeds -> {:redis, String.split(seeds, ",")}
+    address -> {:daemon, address}
+  end
+
 {:ok, _} = Bourse.RateLimiter.start_link(name: :worker, backend: backend)
 
 Process.sleep(max(String.to_integer(start_at_ms) - System.os_time(:millisecond), 0))
