@@ -71,6 +71,44 @@ defmodule Bourse.RateLimiter.ContractRedisClusterTest do
       assert_about(Bourse.RateLimiter.get_cost({"binance", "k"}, 1, name), 1, 0.01)
     end
 
+    test "a master killed: :unavailable within the timeout, nothing admitted, then served again",
+         %{backend: {:redis, seeds}, cluster: cluster} do
+      name = :cluster_failover_limiter
+      backend = {:redis, seeds, redis_timeout_ms: 500}
+      start_supervised!({Bourse.RateLimiter, name: name, backend: backend}, id: name)
+      key = {"failover", "k"}
+      # Nothing refills during the test, however long the failover takes.
+      limit = %{capacity: 1_000, refill_per_sec: 1.0e-6}
+      assert :ok = Bourse.RateLimiter.check_rate(key, limit, 1, name)
+      # The payment is on the replica too (replication is asynchronous).
+      RedisCluster.wait_healthy(cluster)
+      slot = RedisCluster.key_slot(cluster, "{8:failover}")
+      RedisCluster.kill(cluster, RedisCluster.master_of_slot(cluster, slot))
+
+      answers =
+        Stream.repeatedly(fn ->
+          timed(fn -> Bourse.RateLimiter.check_rate(key, limit, 1, name) end)
+        end)
+        |> Enum.reduce_while([], fn {ms, answer}, answers ->
+          if answer == :ok or length(answers) > 200,
+            do: {:halt, [{ms, answer} | answers]},
+            else: {:cont, [{ms, answer} | answers]}
+        end)
+
+      assert {_, :ok} = hd(answers), "never served again: #{inspect(Enum.take(answers, 3))}"
+      refused = tl(answers)
+      assert refused != [], "the failover went unnoticed"
+
+      for {ms, answer} <- refused do
+        assert {:error, %Bourse.Error{type: :unavailable}} = answer
+        assert ms < 2_000, "an answer took #{ms} ms"
+      end
+
+      # Every refusal paid nothing: one check before, one after.
+      assert_about(Bourse.RateLimiter.get_cost(key, 1, name), 2, 0.01)
+      RedisCluster.wait_healthy(cluster)
+    end
+
     test "bad cluster seeds are :invalid_parameters" do
       for seeds <- [
             [],
