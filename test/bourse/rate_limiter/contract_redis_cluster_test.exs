@@ -3,13 +3,13 @@ defmodule Bourse.RateLimiter.ContractRedisClusterTest do
   # Redis Cluster (three masters, three replicas) started here: `backend: {:redis, seeds}`.
   # As with one Redis server, the limiters share the buckets, so the tests run one at a
   # time on a cluster cleared before each, and the tests of per-limiter table options do
-  # not apply. The random malformed calls are those of the one-server test (no integers
-  # beyond a float, see there), fewer of them: the same daemon answers them.
+  # not apply. Fewer random malformed calls than elsewhere: the same daemon as on one
+  # Redis server answers them.
   use Bourse.ContractTests,
     backend: {:redis, ["set in setup_all"]},
     async: false,
     skip: [:table_options, :own_table],
-    fuzz: [bignums: false, calls: 5_000]
+    fuzz_calls: 5_000
 
   alias Bourse.RedisCluster
 
