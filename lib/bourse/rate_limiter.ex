@@ -166,7 +166,16 @@ defmodule Bourse.RateLimiter do
     route = Router.route(name)
 
     with {:ok, max_wait} <- options(opts, nil, route, {:checks, checks}) do
-      case routed(route, name, :check_many, [self(), checks, max_wait]) do
+      answer =
+        case route do
+          {Backend.NIF, table, _events, _pid} ->
+            Backend.NIF.check_many(table, self(), checks, max_wait)
+
+          elsewhere ->
+            routed(elsewhere, name, :check_many, [self(), checks, max_wait])
+        end
+
+      case answer do
         :ok ->
           :ok
 
