@@ -12,7 +12,7 @@
 #
 # `mix run bench/run.exs core elixir daemon memory` runs only the sections named.
 #
-# Every check uses capacity 1.0e9 and refill 1.0e9/s, so every check is admitted and all
+# Every check uses capacity 1.0e12 and refill 1.0e9/s, so every check is admitted and all
 # implementations do the same work. Figures drift on a shared machine; compare the ratios
 # of one run.
 
