@@ -8,6 +8,7 @@ use bourse_core::{
     Stats, Table,
 };
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
+use smallvec::SmallVec;
 
 mod entry;
 mod handle;
@@ -53,25 +54,30 @@ fn list_cell(term: Term) -> Option<(Term, Term)> {
     Some(unsafe { (Term::new(env, head), Term::new(env, tail)) })
 }
 
-/// The elements of a proper list of at most `MAX_CHECKS` elements, walking at most one
+/// The length of a proper list of at most `MAX_CHECKS` elements, walking at most one
 /// cell more; otherwise the list's shape.
-fn bounded_list(term: Term) -> Result<Vec<Term>, Shape> {
-    let mut elements = Vec::new();
+fn bounded_len(term: Term) -> Result<usize, Shape> {
+    let mut len = 0;
     let mut rest = term;
-    while let Some((head, tail)) = list_cell(rest) {
-        if elements.len() == MAX_CHECKS {
+    while let Some((_, tail)) = list_cell(rest) {
+        if len == MAX_CHECKS {
             return Err(Shape::List { len: None });
         }
-        elements.push(head);
+        len += 1;
         rest = tail;
     }
     if rest.is_empty_list() {
-        Ok(elements)
-    } else if elements.is_empty() {
+        Ok(len)
+    } else if len == 0 {
         Err(shape(term))
     } else {
         Err(Shape::ImproperList)
     }
+}
+
+/// The elements of a list whose shape `bounded_len` accepted.
+fn elements(list: Term) -> impl Iterator<Item = Term> {
+    std::iter::successors(list_cell(list), |&(_, tail)| list_cell(tail)).map(|(head, _)| head)
 }
 
 /// What `term` is, without reading a binary's bytes or walking more than `MAX_CHECKS`
@@ -91,10 +97,8 @@ fn shape(term: Term) -> Shape {
             .map_or(Shape::BigInteger, Shape::Integer),
         TermType::Float => term.decode::<f64>().map_or(Shape::Other, Shape::Float),
         TermType::List if term.is_empty_list() => Shape::List { len: Some(0) },
-        TermType::List => match bounded_list(term) {
-            Ok(elements) => Shape::List {
-                len: Some(elements.len()),
-            },
+        TermType::List => match bounded_len(term) {
+            Ok(len) => Shape::List { len: Some(len) },
             Err(shape) => shape,
         },
         TermType::Tuple => match rustler::types::tuple::get_tuple(term) {
@@ -298,9 +302,10 @@ fn check_many<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     };
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
-        let terms = bounded_list(checks_term).map_err(rules::not_a_check_list)?;
-        let mut checks = Vec::with_capacity(terms.len());
-        for term in terms {
+        bounded_len(checks_term).map_err(rules::not_a_check_list)?;
+        // On the stack up to a few buckets: no allocation for the common multi-bucket check.
+        let mut checks: SmallVec<[Check; 8]> = SmallVec::new();
+        for term in elements(checks_term) {
             checks.extend(check(term)?);
         }
         Ok(outcome(env, table.check(owner(owner_term), &checks, mode)?))
