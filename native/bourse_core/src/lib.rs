@@ -10,14 +10,20 @@
 //! [`ManualClock`].
 
 mod bucket;
+mod buckets;
 mod clock;
+mod engine;
 mod key;
 mod limit;
+mod pauses;
 pub mod rules;
 mod table;
+mod types;
 
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use engine::{coalesce, signature};
 pub use key::{Key, KeyRef};
 pub use limit::Limit;
 pub use rules::{InvalidInput, Shape};
-pub use table::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats, Table};
+pub use table::Table;
+pub use types::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};

@@ -1,211 +1,44 @@
-//! The sharded bucket table: checks, bookings, debt, pauses, resets and the sweep.
+//! The sharded bucket table: the buckets of each key behind one of 64 locks, the pauses,
+//! and the operations over them (checks, debt, resets, the sweep).
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::bucket::{Booking, Bucket, MAX_WAIT_NS};
+use crate::bucket::{Bucket, MAX_WAIT_NS};
+use crate::buckets::Buckets;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
+use crate::engine::{self, delay_ms, fold_signature, Item, Request};
 use crate::key::{Key, KeyRef};
 use crate::limit::Limit;
-use crate::rules::{self, InvalidInput, DEFAULT_BOOKING_SLACK_MS};
+use crate::pauses::Pauses;
+use crate::rules::InvalidInput;
+use crate::types::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 
 const SHARDS: usize = 64;
 
-/// Options fixed when a table is created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Config {
-    /// Buckets first seen within their fill time after start begin as if empty at start.
-    pub assume_busy_at_start: bool,
-    /// How long past its ready time a booking may still be claimed.
-    pub booking_slack_ms: u64,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            assume_busy_at_start: false,
-            booking_slack_ms: DEFAULT_BOOKING_SLACK_MS,
-        }
-    }
-}
-
-/// One bucket of a check: `cost` tokens from `key`'s bucket defined by `limit`.
-#[derive(Debug, Clone, Copy)]
-pub struct Check<'a> {
-    /// The bucket's key.
-    pub key: KeyRef<'a>,
-    /// The bucket's definition.
-    pub limit: Limit,
-    /// Tokens to pay, `>= 0`.
-    pub cost: f64,
-}
-
-/// How the caller treats a delay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Asks only: a delay pays and reserves nothing.
-    Probe,
-    /// Will sleep the delay and come back: a delay within `max_wait_ms` is booked.
-    Wait {
-        /// The longest delay the caller accepts, in milliseconds.
-        max_wait_ms: u64,
-    },
-}
-
-/// The answer to a check. Delays are whole milliseconds, rounded up, at least 1.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Paid now on every bucket.
-    Admitted,
-    /// Admitted against the caller's own booking, without a second charge.
-    Claimed,
-    /// Not admitted; nothing paid (a probe's refusal, or a booking not ready yet).
-    Delay(u64),
-    /// Paid and booked: the caller's booking is ready in this many milliseconds.
-    Booked(u64),
-    /// The wait exceeds the caller's budget; nothing paid.
-    OverBudget(u64),
-}
-
-/// What a pause applies to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PauseTarget {
-    /// Every key of an exchange.
-    Exchange(Vec<u8>),
-    /// An exchange's credential; `None` is the public pool.
-    Credential(Vec<u8>, Option<Vec<u8>>),
-    /// One key.
-    Key(Key),
-}
-
-impl PauseTarget {
-    fn covers(&self, key: &KeyRef) -> bool {
-        match self {
-            Self::Exchange(exchange) => key.exchange == exchange.as_slice(),
-            Self::Credential(exchange, credential) => {
-                key.exchange == exchange.as_slice() && key.credential == credential.as_deref()
-            }
-            Self::Key(paused) => paused.as_ref() == *key,
-        }
-    }
-
-    /// The exchange the pause applies to.
-    pub fn exchange(&self) -> &[u8] {
-        match self {
-            Self::Exchange(exchange) | Self::Credential(exchange, _) => exchange,
-            Self::Key(key) => key.exchange(),
-        }
-    }
-}
-
-/// Counters since the table was created.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Checks paid now.
-    pub admitted: u64,
-    /// Checks admitted against the caller's booking.
-    pub claimed: u64,
-    /// Delays answered without paying.
-    pub delayed: u64,
-    /// Waiters booked.
-    pub booked: u64,
-    /// Waiters refused because the delay exceeded their budget.
-    pub over_budget: u64,
-    /// Bookings not claimed within the slack.
-    pub lapsed: u64,
-    /// Answers (delays, bookings, refusals) held back by a pause.
-    pub paused: u64,
-    /// Costs debited without checking.
-    pub debited: u64,
-    /// Malformed requests refused.
-    pub invalid: u64,
-    /// Buckets held now.
-    pub buckets: u64,
-    /// Bookings held now.
-    pub bookings: u64,
-}
-
-/// A snapshot of one key.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KeyInfo {
-    /// The key's definition; `None` while it has only `record` debt.
-    pub limit: Option<Limit>,
-    /// Tokens now, capped at the capacity; negative while in debt.
-    pub tokens: f64,
-    /// `capacity - tokens`, at least 0 (the pending debt for a key without definition).
-    pub borrowed: f64,
-    /// How far below zero the bucket is, or the pending debt of an undefined key.
-    pub debt: f64,
-    /// Bookings held on the key.
-    pub bookings: usize,
-    /// Their total cost.
-    pub booked_cost: f64,
-    /// Milliseconds until the earliest booking is ready, if any.
-    pub next_ready_ms: Option<u64>,
-    /// Milliseconds left of a pause covering the key, if any.
-    pub pause_ms: Option<u64>,
-}
-
 #[derive(Default)]
 struct Shard {
-    buckets: HashTable<Bucket>,
+    buckets: Buckets,
     stats: Stats,
 }
 
 #[repr(align(128))]
 struct Padded<T>(T);
 
-struct Pause {
-    target: PauseTarget,
-    until: u64,
-}
-
-/// A prepared bucket of a check: hashed, coalesced, with its shard slot.
-#[derive(Clone, Copy)]
-struct Item<'a> {
-    key: KeyRef<'a>,
-    hash: u64,
-    slot: usize,
-    limit: Limit,
-    cost: f64,
-}
-
-/// The bucket table. All operations are safe to call from many threads at once.
+/// The bucket table. All operations are safe to call from many threads at once; none
+/// holds a shard's lock for more than a few hundred buckets' work.
 pub struct Table<C: Clock = MonotonicClock> {
     clock: C,
     config: Config,
     started_at: u64,
     hasher: foldhash::fast::RandomState,
     shards: Box<[Padded<Mutex<Shard>>]>,
-    pauses: RwLock<Vec<Pause>>,
-    /// The latest end of any pause: past it, checks skip the pause list.
+    pauses: RwLock<Pauses>,
+    /// The latest end of any pause: past it, checks skip the pauses.
     pause_horizon: AtomicU64,
     invalid: AtomicU64,
-}
-
-/// Identifies a coalesced check, so its owner can claim the booking it made.
-fn signature(items: &[Item]) -> u64 {
-    items.iter().fold(0x243f_6a88_85a3_08d3, |acc: u64, item| {
-        (acc.rotate_left(23) ^ item.hash ^ item.cost.to_bits()).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-    })
-}
-
-/// What a check needs besides its buckets.
-#[derive(Clone, Copy)]
-struct Request {
-    owner: u64,
-    signature: u64,
-    mode: Mode,
-    now: u64,
-    /// The end of the latest pause covering the check, or 0.
-    pause_until: u64,
-}
-
-fn delay_ms(from: u64, to: u64) -> u64 {
-    to.saturating_sub(from).div_ceil(NANOS_PER_MS).max(1)
 }
 
 impl Table<MonotonicClock> {
@@ -219,15 +52,16 @@ impl<C: Clock> Table<C> {
     /// An empty table on `clock`.
     pub fn with_clock(config: Config, clock: C) -> Self {
         let started_at = clock.now();
+        let hasher = foldhash::fast::RandomState::default();
         Self {
             clock,
             config,
             started_at,
-            hasher: foldhash::fast::RandomState::default(),
+            hasher,
             shards: (0..SHARDS)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
-            pauses: RwLock::new(Vec::new()),
+            pauses: RwLock::new(Pauses::new(hasher)),
             pause_horizon: AtomicU64::new(0),
             invalid: AtomicU64::new(0),
         }
@@ -275,7 +109,7 @@ impl<C: Clock> Table<C> {
         let request = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        self.decide(&mut [bucket], &[item], &mut shard.stats, request)
+        engine::decide(&mut [bucket], &[item], &mut shard.stats, request)
     }
 
     /// Checks several buckets all-or-nothing. Repeated keys are coalesced into one combined
@@ -286,7 +120,8 @@ impl<C: Clock> Table<C> {
             [single] => return Ok(self.check_one(owner, *single, mode)),
             _ => {}
         }
-        let mut items: Vec<Item> = checks
+        let coalesced = engine::coalesce(checks).inspect_err(|_| self.count_invalid())?;
+        let mut coalesced: Vec<Item> = coalesced
             .iter()
             .map(|check| Item {
                 key: check.key,
@@ -297,36 +132,7 @@ impl<C: Clock> Table<C> {
             })
             .collect();
         // Shards in ascending order: every multi-bucket check locks them in this order.
-        items.sort_by(|a, b| {
-            (
-                Self::shard_index(a.hash),
-                a.hash,
-                a.key.exchange,
-                a.key.credential,
-                a.key.axis,
-            )
-                .cmp(&(
-                    Self::shard_index(b.hash),
-                    b.hash,
-                    b.key.exchange,
-                    b.key.credential,
-                    b.key.axis,
-                ))
-        });
-        let mut coalesced: Vec<Item> = Vec::with_capacity(items.len());
-        for item in items {
-            match coalesced.last_mut() {
-                Some(last) if last.hash == item.hash && last.key == item.key => {
-                    if last.limit != item.limit {
-                        self.count_invalid();
-                        return Err(rules::conflicting_definitions(&last.limit, &item.limit)
-                            .for_exchange(item.key.exchange));
-                    }
-                    last.cost += item.cost;
-                }
-                _ => coalesced.push(item),
-            }
-        }
+        coalesced.sort_by_key(|item| (Self::shard_index(item.hash), item.hash));
         let mut shard_indices: Vec<usize> = Vec::with_capacity(coalesced.len());
         for item in &mut coalesced {
             let index = Self::shard_index(item.hash);
@@ -348,11 +154,9 @@ impl<C: Clock> Table<C> {
             .map(|item| self.take_bucket(&mut guards[item.slot].buckets, item, now))
             .collect();
         let mut borrowed: Vec<&mut Bucket> = buckets.iter_mut().collect();
-        let outcome = self.decide(&mut borrowed, &coalesced, &mut guards[0].stats, request);
+        let outcome = engine::decide(&mut borrowed, &coalesced, &mut guards[0].stats, request);
         for (item, bucket) in coalesced.iter().zip(buckets) {
-            guards[item.slot]
-                .buckets
-                .insert_unique(item.hash, bucket, |b| b.hash);
+            guards[item.slot].buckets.insert(bucket);
         }
         Ok(outcome)
     }
@@ -364,179 +168,32 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         Request {
             owner,
-            signature: signature(items),
+            signature: fold_signature(items.iter().map(|item| (item.hash, item.cost))),
             mode,
             now,
             pause_until: self.pause_until(items, now),
+            slack_ns: self.config.booking_slack_ms.saturating_mul(NANOS_PER_MS),
         }
     }
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
-    fn bucket<'s>(
-        &self,
-        buckets: &'s mut HashTable<Bucket>,
-        item: &Item,
-        now: u64,
-    ) -> &'s mut Bucket {
+    fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
         let tokens = self.initial_tokens(&item.limit, now);
-        let bucket = buckets
-            .entry(
-                item.hash,
-                |b| b.hash == item.hash && b.key.as_ref() == item.key,
-                |b| b.hash,
-            )
-            .or_insert_with(|| {
-                Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
-            })
-            .into_mut();
+        let bucket = buckets.get_or_insert_with(item.hash, &item.key, || {
+            Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
+        });
         bucket.define(item.limit, tokens, now);
         bucket
     }
 
-    /// Like [`Table::bucket`], but removes the bucket from its table.
-    fn take_bucket(&self, buckets: &mut HashTable<Bucket>, item: &Item, now: u64) -> Bucket {
+    /// Like [`Table::bucket`], but removes the bucket from its shard.
+    fn take_bucket(&self, buckets: &mut Buckets, item: &Item, now: u64) -> Bucket {
         let tokens = self.initial_tokens(&item.limit, now);
-        let mut bucket = match buckets.find_entry(item.hash, |b| {
-            b.hash == item.hash && b.key.as_ref() == item.key
-        }) {
-            Ok(entry) => entry.remove().0,
-            Err(_) => Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now),
-        };
+        let mut bucket = buckets.take(item.hash, &item.key).unwrap_or_else(|| {
+            Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
+        });
         bucket.define(item.limit, tokens, now);
         bucket
-    }
-
-    /// Admits, books or refuses a check over `buckets` (aligned with `items`).
-    fn decide(
-        &self,
-        buckets: &mut [&mut Bucket],
-        items: &[Item],
-        stats: &mut Stats,
-        request: Request,
-    ) -> Outcome {
-        let Request {
-            owner,
-            signature,
-            mode,
-            now,
-            pause_until,
-        } = request;
-        // When could every bucket pay, and does the caller hold a booking for this check?
-        let mut ready = now;
-        let mut claim_ready: Option<u64> = Some(0);
-        for (bucket, item) in buckets.iter_mut().zip(items) {
-            stats.lapsed += bucket.drop_lapsed(now) as u64;
-            claim_ready = claim_ready.and_then(|at| {
-                bucket
-                    .bookings
-                    .iter()
-                    .find(|b| b.owner == owner && b.signature == signature)
-                    .map(|b| at.max(b.ready_at))
-            });
-            let start = bucket.start_under(&item.limit, now);
-            ready = ready.max(Bucket::ready_at(&item.limit, item.cost, start, now));
-        }
-        if let Some(booked_ready) = claim_ready {
-            return self.claim(buckets, stats, request, booked_ready);
-        }
-        stats.paused += u64::from(pause_until > ready);
-        ready = ready.max(pause_until);
-        if ready <= now {
-            stats.admitted += 1;
-            Self::pay_all(buckets, items, now, now, None);
-            return Outcome::Admitted;
-        }
-        let ms = delay_ms(now, ready);
-        match mode {
-            Mode::Wait { max_wait_ms } if ms <= max_wait_ms => {
-                stats.booked += 1;
-                let booking = Booking {
-                    owner,
-                    signature,
-                    cost: 0.0,
-                    ready_at: ready,
-                    lapse_at: ready.saturating_add(self.config.booking_slack_ms * NANOS_PER_MS),
-                };
-                Self::pay_all(buckets, items, now, ready, Some(booking));
-                Outcome::Booked(ms)
-            }
-            _ => {
-                for bucket in buckets.iter_mut() {
-                    bucket.touch(now, ready - now);
-                }
-                if mode == Mode::Probe {
-                    stats.delayed += 1;
-                    Outcome::Delay(ms)
-                } else {
-                    stats.over_budget += 1;
-                    Outcome::OverBudget(ms)
-                }
-            }
-        }
-    }
-
-    /// Pays every item as of `at`, recording `booking` (with each item's cost) if given.
-    fn pay_all(
-        buckets: &mut [&mut Bucket],
-        items: &[Item],
-        now: u64,
-        at: u64,
-        booking: Option<Booking>,
-    ) {
-        for (bucket, item) in buckets.iter_mut().zip(items) {
-            let start = bucket.start_under(&item.limit, now);
-            bucket.pay(item.limit, item.cost, start, now, at);
-            bucket.touch(now, at - now);
-            if let Some(booking) = &booking {
-                bucket.bookings.push(Booking {
-                    cost: item.cost,
-                    ..booking.clone()
-                });
-            }
-        }
-    }
-
-    /// The caller comes back for its booking: admitted from its ready time, held by a pause
-    /// that began since, never charged again.
-    fn claim(
-        &self,
-        buckets: &mut [&mut Bucket],
-        stats: &mut Stats,
-        request: Request,
-        booked_ready: u64,
-    ) -> Outcome {
-        let Request {
-            owner,
-            signature,
-            now,
-            pause_until,
-            ..
-        } = request;
-        let ready = booked_ready.max(pause_until);
-        let lapse_at = ready.saturating_add(self.config.booking_slack_ms * NANOS_PER_MS);
-        for bucket in buckets.iter_mut() {
-            let position = bucket
-                .bookings
-                .iter()
-                .position(|b| b.owner == owner && b.signature == signature)
-                .expect("booking found in the planning pass");
-            if ready <= now {
-                bucket.bookings.swap_remove(position);
-            } else {
-                let booking = &mut bucket.bookings[position];
-                booking.ready_at = ready;
-                booking.lapse_at = lapse_at;
-            }
-            bucket.touch(now, ready.saturating_sub(now));
-        }
-        if ready <= now {
-            stats.claimed += 1;
-            Outcome::Claimed
-        } else {
-            stats.delayed += 1;
-            stats.paused += u64::from(pause_until > booked_ready);
-            Outcome::Delay(delay_ms(now, ready))
-        }
     }
 
     /// Debits `cost` from `key` without checking (usage spent elsewhere). On a key without
@@ -546,17 +203,15 @@ impl<C: Clock> Table<C> {
         let mut shard = self.lock(hash);
         let now = self.clock.now();
         shard.stats.debited += 1;
-        match shard.buckets.find_mut(hash, |b| b.key.as_ref() == key) {
+        match shard.buckets.find_mut(hash, &key) {
             Some(bucket) => {
                 bucket.debit(cost, now);
                 bucket.touch(now, 0);
             }
             None => {
-                shard.buckets.insert_unique(
-                    hash,
-                    Bucket::debt_only(key.to_owned_key(), hash, cost, now),
-                    |b| b.hash,
-                );
+                shard
+                    .buckets
+                    .insert(Bucket::debt_only(key.to_owned_key(), hash, cost, now));
             }
         }
     }
@@ -569,7 +224,7 @@ impl<C: Clock> Table<C> {
         let hash = self.hash(&key);
         let mut shard = self.lock(hash);
         let now = self.clock.now();
-        let Some(bucket) = shard.buckets.find_mut(hash, |b| b.key.as_ref() == key) else {
+        let Some(bucket) = shard.buckets.find_mut(hash, &key) else {
             return 0.0;
         };
         let Some(limit) = bucket.limit else {
@@ -588,7 +243,7 @@ impl<C: Clock> Table<C> {
         let shard = self.lock(hash);
         shard
             .buckets
-            .find(hash, |b| b.key.as_ref() == key)
+            .find(hash, &key)
             .map_or(0.0, |bucket| bucket.borrowed(now))
     }
 
@@ -596,9 +251,9 @@ impl<C: Clock> Table<C> {
     pub fn inspect(&self, key: KeyRef) -> Option<KeyInfo> {
         let hash = self.hash(&key);
         let now = self.clock.now();
-        let pause_ms = self.pause_ms(&key, now);
+        let pause_ms = self.pause_ms(&key, hash, now);
         let mut shard = self.lock(hash);
-        let bucket = shard.buckets.find_mut(hash, |b| b.key.as_ref() == key)?;
+        let bucket = shard.buckets.find_mut(hash, &key)?;
         let lapsed = bucket.drop_lapsed(now);
         let info = Self::info(bucket, now, pause_ms);
         shard.stats.lapsed += lapsed as u64;
@@ -645,7 +300,8 @@ impl<C: Clock> Table<C> {
         rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
         rows.truncate(count);
         for (key, info) in &mut rows {
-            info.pause_ms = self.pause_ms(&key.as_ref(), now);
+            let key = key.as_ref();
+            info.pause_ms = self.pause_ms(&key, self.hash(&key), now);
         }
         rows
     }
@@ -653,73 +309,74 @@ impl<C: Clock> Table<C> {
     /// Forgets `key`: its bucket, its bookings and a pause on that key alone.
     pub fn reset(&self, key: KeyRef) {
         let hash = self.hash(&key);
-        if let Ok(entry) = self
-            .lock(hash)
-            .buckets
-            .find_entry(hash, |b| b.key.as_ref() == key)
-        {
-            entry.remove();
-        }
-        self.pauses
-            .write()
-            .retain(|pause| pause.target != PauseTarget::Key(key.to_owned_key()));
+        let bucket = self.lock(hash).buckets.take(hash, &key);
+        drop(bucket);
+        self.pauses.write().remove_key(&key, hash);
     }
 
-    /// Forgets every key and pause of `exchange`, one shard at a time.
-    pub fn reset_exchange(&self, exchange: &[u8]) {
+    /// Runs `keep` over every bucket a few hundred at a time, dropping those it refuses, and
+    /// shrinks shards whose occupancy fell. Returns how many buckets were dropped.
+    fn retain(&self, mut keep: impl FnMut(&mut Bucket, u64, &mut Stats) -> bool) -> usize {
+        let mut dropped = 0;
         for shard in self.shards.iter() {
-            shard
-                .0
-                .lock()
-                .buckets
-                .retain(|bucket| bucket.key.exchange() != exchange);
+            let mut cursor = Some(0);
+            while let Some(at) = cursor {
+                let mut guard = shard.0.lock();
+                let now = self.clock.now();
+                let Shard { buckets, stats } = &mut *guard;
+                let before = buckets.len();
+                cursor = buckets.retain_step(at, |bucket| keep(bucket, now, stats));
+                dropped += before - buckets.len();
+                let emptied = buckets.take_emptied();
+                // Straight to a waiting check, if any: otherwise this loop would take the
+                // lock again before the woken check runs.
+                MutexGuard::unlock_fair(guard);
+                drop(emptied);
+            }
         }
-        self.pauses
-            .write()
-            .retain(|pause| pause.target.exchange() != exchange);
+        dropped
     }
 
-    /// Forgets everything but the counters.
+    /// Forgets every key and pause of `exchange`, a few hundred buckets at a time.
+    pub fn reset_exchange(&self, exchange: &[u8]) {
+        self.retain(|bucket, _, _| bucket.key.exchange() != exchange);
+        self.pauses.write().remove_exchange(exchange);
+    }
+
+    /// Forgets everything but the counters. Each shard's buckets are freed after its lock
+    /// is released.
     pub fn reset_all(&self) {
         for shard in self.shards.iter() {
-            shard.0.lock().buckets.clear();
+            let buckets = std::mem::take(&mut shard.0.lock().buckets);
+            drop(buckets);
         }
         self.pauses.write().clear();
     }
 
-    /// Drops buckets that behave exactly as new ones (full, idle, no bookings, no debt) and
-    /// ended pauses. Returns how many buckets were dropped.
+    /// Drops buckets that behave exactly as new ones (full, idle, no bookings, no debt),
+    /// lapsed bookings and ended pauses, and shrinks shards whose occupancy fell. Returns
+    /// how many buckets were dropped.
     pub fn sweep(&self) -> usize {
-        let now = self.clock.now();
-        let mut dropped = 0;
-        for shard in self.shards.iter() {
-            let mut shard = shard.0.lock();
-            let before = shard.buckets.len();
-            let mut lapsed = 0;
-            shard.buckets.retain(|bucket| {
-                lapsed += bucket.drop_lapsed(now);
-                !bucket.sweepable(now)
-            });
-            shard.stats.lapsed += lapsed as u64;
-            dropped += before - shard.buckets.len();
-        }
-        self.pauses.write().retain(|pause| pause.until > now);
+        let dropped = self.retain(|bucket, now, stats| {
+            stats.lapsed += bucket.drop_lapsed(now) as u64;
+            !bucket.sweepable(now)
+        });
+        self.pauses.write().drop_ended(self.clock.now());
         dropped
     }
 
     /// Holds every bucket of `target` for `ms` milliseconds: nothing is admitted until
-    /// then; waiters book behind the pause. Overlapping pauses keep the later end.
-    pub fn pause(&self, target: PauseTarget, ms: u64) {
+    /// then; waiters book behind the pause. Overlapping pauses keep the later end. Past
+    /// [`crate::rules::MAX_PAUSES`] pauses (ended ones count until the next sweep), a new
+    /// target is refused.
+    pub fn pause(&self, target: PauseTarget, ms: u64) -> Result<(), InvalidInput> {
         let until = self
             .clock
             .now()
             .saturating_add(ms.saturating_mul(NANOS_PER_MS).min(MAX_WAIT_NS));
-        let mut pauses = self.pauses.write();
-        match pauses.iter_mut().find(|pause| pause.target == target) {
-            Some(pause) => pause.until = pause.until.max(until),
-            None => pauses.push(Pause { target, until }),
-        }
+        self.pauses.write().add(&target, until)?;
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
+        Ok(())
     }
 
     /// The end of the latest pause covering any of `items`, or 0.
@@ -728,22 +385,15 @@ impl<C: Clock> Table<C> {
             return 0;
         }
         let pauses = self.pauses.read();
-        pauses
+        items
             .iter()
-            .filter(|pause| items.iter().any(|item| pause.target.covers(&item.key)))
-            .map(|pause| pause.until)
+            .map(|item| pauses.until(&item.key, item.hash))
             .max()
             .unwrap_or(0)
     }
 
-    fn pause_ms(&self, key: &KeyRef, now: u64) -> Option<u64> {
-        let until = self
-            .pauses
-            .read()
-            .iter()
-            .filter(|pause| pause.target.covers(key))
-            .map(|pause| pause.until)
-            .max()?;
+    fn pause_ms(&self, key: &KeyRef, hash: u64, now: u64) -> Option<u64> {
+        let until = self.pauses.read().until(key, hash);
         (until > now).then(|| delay_ms(now, until))
     }
 

@@ -302,8 +302,10 @@ fn pauses_hold_every_bucket_of_the_target() {
     t.pause(
         PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
         2_000,
-    );
-    t.pause(PauseTarget::Key(key("ip").to_owned_key()), 500);
+    )
+    .unwrap();
+    t.pause(PauseTarget::Key(key("ip").to_owned_key()), 500)
+        .unwrap();
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(2000));
     assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(2000));
     // Other credentials are untouched.
@@ -327,7 +329,8 @@ fn a_pause_that_starts_after_booking_holds_the_claim() {
     let l = limit(1.0, 10.0);
     t.record(key("request"), 1.0);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Booked(100));
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000);
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000)
+        .unwrap();
     clock.advance_ms(100);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Delay(900));
     clock.advance_ms(900);
@@ -342,7 +345,8 @@ fn resets_forget_keys_bookings_and_pauses() {
     t.record(key("request"), 10.0);
     t.record(key("ip"), 10.0);
     t.record(okx, 3.0);
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000);
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000)
+        .unwrap();
     t.reset(key("ip"));
     assert_eq!(t.inspect(key("ip")), None);
     assert_eq!(t.borrowed(key("request")), 10.0);

@@ -199,8 +199,7 @@ impl<C: Clock> Store for Memory<C> {
     }
 
     fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send {
-        self.table.pause(target, ms);
-        ready(Ok(()))
+        ready(self.table.pause(target, ms).map_err(StoreError::Invalid))
     }
 
     fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send {

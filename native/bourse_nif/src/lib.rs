@@ -414,7 +414,7 @@ fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) ->
     answer(env, table, || {
         let target = pause_target(target)?;
         let ms = rules::pause_ms(number(ms)).map_err(|err| err.for_exchange(target.exchange()))?;
-        table.pause(target, ms);
+        table.pause(target, ms)?;
         Ok(atoms::ok().encode(env))
     })
 }

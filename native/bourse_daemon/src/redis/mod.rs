@@ -19,7 +19,6 @@ mod clock;
 mod connection;
 
 use std::collections::BTreeMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -27,7 +26,8 @@ use ::redis::{
     ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, ServerErrorKind, ToRedisArgs,
 };
 use bourse_core::{
-    Check, Config, InvalidInput, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Stats,
+    coalesce, signature, Check, Config, InvalidInput, KeyInfo, KeyRef, Limit, Mode, Outcome,
+    PauseTarget, Stats,
 };
 
 use crate::fingerprint::{self, Keyed};
@@ -660,41 +660,6 @@ fn check_prefix(prefix: &str) -> Result<(), String> {
             "--redis-prefix must be 1 to 64 characters among A-Z a-z 0-9 _ - . :, got {prefix:?}"
         ))
     }
-}
-
-/// Repeated keys charged once at their combined cost, sorted by key; one key with two
-/// definitions is an error (the same message as the core's).
-fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput> {
-    let mut sorted = checks.to_vec();
-    let parts = |check: &Check<'a>| (check.key.exchange, check.key.credential, check.key.axis);
-    sorted.sort_by(|a, b| parts(a).cmp(&parts(b)));
-    let mut items: Vec<Check<'a>> = Vec::with_capacity(sorted.len());
-    for check in sorted {
-        match items.last_mut() {
-            Some(last) if last.key == check.key => {
-                if last.limit != check.limit {
-                    return Err(bourse_core::rules::conflicting_definitions(
-                        &last.limit,
-                        &check.limit,
-                    )
-                    .for_exchange(check.key.exchange));
-                }
-                last.cost += check.cost;
-            }
-            _ => items.push(check),
-        }
-    }
-    Ok(items)
-}
-
-/// Identifies a coalesced check, so its owner can claim the booking it made.
-fn signature(items: &[Check]) -> u64 {
-    let mut hasher = DefaultHasher::new();
-    for item in items {
-        item.key.hash(&mut hasher);
-        item.cost.to_bits().hash(&mut hasher);
-    }
-    hasher.finish()
 }
 
 /// Appends `<byte length>:<bytes>`: unambiguous whatever the bytes.

@@ -1,0 +1,206 @@
+//! How long table-wide work and many pauses hold up a check, printed, never asserted:
+//! `cargo run --release -p bourse_core --example latency`.
+//!
+//! 1. One thread checks a hot key in a loop, timing every check, while another inserts
+//!    1,000,000 distinct keys and then sweeps them all: the slowest hot-key checks in
+//!    each phase show how long growth and the sweep hold a shard.
+//! 2. Checks of a key that no pause covers, with 0 and with 20,000 pauses in force.
+//! 3. Resident memory before, after the 1,000,000 keys and after the sweep.
+//!
+//! Where allowed (root, or `CAP_SYS_NICE`), the two threads of part 1 run under
+//! `SCHED_FIFO` so that other processes cannot preempt them: the slowest checks then show
+//! the table, not the machine's load.
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use bourse_core::{Check, Config, KeyRef, Limit, Mode, PauseTarget, Table};
+
+const KEYS: usize = 1_000_000;
+const PAUSES: usize = 20_000;
+
+/// Phases of the background thread, as the hot-key thread sees them.
+const INSERTING: u8 = 0;
+const SWEEPING: u8 = 1;
+const DONE: u8 = 2;
+
+/// Runs the calling thread under `SCHED_FIFO` if allowed; says whether it does.
+fn real_time() -> bool {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: sets the calling thread's policy; `param` is a valid sched_param.
+    unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_FIFO, &param) == 0 }
+}
+
+fn resident_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches(" kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(0.0);
+    kb / 1024.0
+}
+
+/// Latencies of one phase: slowest, 99.99th percentile, median (µs), and the count.
+fn summary(mut latencies: Vec<Duration>) -> String {
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+    format!(
+        "slowest {:>8.1} µs   p99.99 {:>6.1} µs   median {:>5.2} µs   ({} checks)",
+        at(1.0),
+        at(0.9999),
+        at(0.5),
+        latencies.len()
+    )
+}
+
+fn hot_key_during_growth_and_sweep() {
+    let table = Table::new(Config::default());
+    // Refilled within a microsecond: every inserted key can be swept at once.
+    let quick = Limit::new(1.0, 1e6).unwrap();
+    let hot = Limit::new(1e12, 1e12).unwrap();
+    let phase = AtomicU8::new(INSERTING);
+    let rss_before = resident_mb();
+    let (mut real, mut slowest_insert, mut rss_inserted) = (false, Duration::ZERO, 0.0);
+    let (mut dropped, mut sweep_time) = (0, Duration::ZERO);
+    let (inserting, sweeping) = std::thread::scope(|scope| {
+        let hot_thread = scope.spawn(|| {
+            real_time();
+            let key = KeyRef::new(b"binance", Some(b"hot"), b"request");
+            let mut phases = [Vec::new(), Vec::new()];
+            loop {
+                let now = phase.load(Ordering::Relaxed);
+                if now == DONE {
+                    break;
+                }
+                let started = Instant::now();
+                black_box(table.check_one(
+                    1,
+                    Check {
+                        key,
+                        limit: hot,
+                        cost: 1.0,
+                    },
+                    Mode::Probe,
+                ));
+                phases[now as usize].push(started.elapsed());
+                // Sleeping between checks keeps both threads within the kernel's budget
+                // for real-time threads (they would be stopped for 50 ms each second).
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            phases
+        });
+        let worker = scope.spawn(|| {
+            let fifo = real_time();
+            let mut slowest_insert = Duration::ZERO;
+            let mut name = String::new();
+            for i in 0..KEYS {
+                name.clear();
+                name.push_str("key-");
+                name.push_str(&i.to_string());
+                let key = KeyRef::new(b"binance", Some(name.as_bytes()), b"request");
+                let check = Check {
+                    key,
+                    limit: quick,
+                    cost: 1.0,
+                };
+                let started = Instant::now();
+                black_box(table.check_one(2, check, Mode::Probe));
+                slowest_insert = slowest_insert.max(started.elapsed());
+                if i % 256 == 0 {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            let rss = resident_mb();
+            // A fresh period of the real-time budget for the sweep.
+            std::thread::sleep(Duration::from_millis(1100));
+            phase.store(SWEEPING, Ordering::Relaxed);
+            let started = Instant::now();
+            let dropped = table.sweep();
+            let sweep_time = started.elapsed();
+            phase.store(DONE, Ordering::Relaxed);
+            (fifo, slowest_insert, rss, dropped, sweep_time)
+        });
+        let [inserting, sweeping] = hot_thread.join().unwrap();
+        let (fifo, slowest, rss, swept, time) = worker.join().unwrap();
+        (real, slowest_insert, rss_inserted, dropped, sweep_time) =
+            (fifo, slowest, rss, swept, time);
+        (inserting, sweeping)
+    });
+    println!("## Hot-key checks while another thread works on the same table");
+    let policy = if real {
+        "SCHED_FIFO"
+    } else {
+        "ordinary scheduling: figures include preemption"
+    };
+    println!("({policy})");
+    println!(
+        "inserting {KEYS} keys (slowest insert {:.1} µs): {}",
+        slowest_insert.as_secs_f64() * 1e6,
+        summary(inserting)
+    );
+    println!(
+        "sweeping them ({dropped} dropped in {:.0} ms): {}",
+        sweep_time.as_secs_f64() * 1e3,
+        summary(sweeping)
+    );
+    println!();
+    println!("## Resident memory (VmRSS)");
+    println!("before: {rss_before:.1} MB");
+    println!("after {KEYS} keys: {rss_inserted:.1} MB");
+    println!(
+        "after the sweep: {:.1} MB ({} buckets left)",
+        resident_mb(),
+        table.stats().buckets
+    );
+    println!();
+}
+
+fn checks_with_pauses() {
+    let table = Table::new(Config::default());
+    let limit = Limit::new(1e12, 1e12).unwrap();
+    let key = KeyRef::new(b"okx", Some(b"unpaused"), b"request");
+    let time = |table: &Table| {
+        let rounds = 200_000;
+        let started = Instant::now();
+        for _ in 0..rounds {
+            black_box(table.check_one(
+                1,
+                Check {
+                    key,
+                    limit,
+                    cost: 1.0,
+                },
+                Mode::Probe,
+            ));
+        }
+        started.elapsed().as_secs_f64() * 1e9 / rounds as f64
+    };
+    let without = time(&table);
+    for i in 0..PAUSES {
+        let credential = format!("paused-{i}");
+        let key = KeyRef::new(b"binance", Some(credential.as_bytes()), b"request");
+        table
+            .pause(PauseTarget::Key(key.to_owned_key()), 60_000)
+            .unwrap();
+    }
+    let with = time(&table);
+    println!("## A check of a key no pause covers");
+    println!("no pauses: {without:.0} ns/check");
+    println!(
+        "{PAUSES} pauses in force: {with:.0} ns/check ({:.1}x)",
+        with / without
+    );
+}
+
+fn main() {
+    hot_key_during_growth_and_sweep();
+    checks_with_pauses();
+}

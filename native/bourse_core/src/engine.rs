@@ -1,0 +1,214 @@
+//! The check engine: over the buckets of one check, decides whether it is admitted,
+//! claimed, booked or refused, and pays accordingly. It takes no lock and reads no clock:
+//! the table hands it the buckets, locked, and the time.
+
+use crate::bucket::{Booking, Bucket};
+use crate::clock::NANOS_PER_MS;
+use crate::key::KeyRef;
+use crate::limit::Limit;
+use crate::rules::{self, InvalidInput};
+use crate::types::{Check, Mode, Outcome, Stats};
+
+/// A prepared bucket of a check: hashed, coalesced, with its shard slot.
+#[derive(Clone, Copy)]
+pub(crate) struct Item<'a> {
+    pub key: KeyRef<'a>,
+    pub hash: u64,
+    /// Which of the check's locked shards holds the bucket.
+    pub slot: usize,
+    pub limit: Limit,
+    pub cost: f64,
+}
+
+/// What a check needs besides its buckets.
+#[derive(Clone, Copy)]
+pub(crate) struct Request {
+    pub owner: u64,
+    pub signature: u64,
+    pub mode: Mode,
+    pub now: u64,
+    /// The end of the latest pause covering the check, or 0.
+    pub pause_until: u64,
+    /// How long past its ready time a booking may be claimed, in nanoseconds.
+    pub slack_ns: u64,
+}
+
+/// Whole milliseconds from `from` to `to`, rounded up, at least 1.
+pub(crate) fn delay_ms(from: u64, to: u64) -> u64 {
+    to.saturating_sub(from).div_ceil(NANOS_PER_MS).max(1)
+}
+
+/// Folds the key hashes and costs of a coalesced check into the signature its booking is
+/// claimed by.
+pub(crate) fn fold_signature(parts: impl Iterator<Item = (u64, f64)>) -> u64 {
+    parts.fold(0x243f_6a88_85a3_08d3, |acc: u64, (hash, cost)| {
+        (acc.rotate_left(23) ^ hash ^ cost.to_bits()).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    })
+}
+
+/// The signature of a coalesced check (see [`coalesce`]) for stores outside this process:
+/// the same for the same checks in every process and run, so a waiter that comes back
+/// through another connection claims its booking.
+pub fn signature(checks: &[Check]) -> u64 {
+    let hasher = foldhash::fast::FixedState::with_seed(0x5eed_b0a5_5e00_0001);
+    fold_signature(checks.iter().map(|check| {
+        use std::hash::BuildHasher;
+        (hasher.hash_one(check.key), check.cost)
+    }))
+}
+
+/// Repeated keys charged once at their combined cost, sorted by key; one key with two
+/// definitions is an error naming both, in the order given, and the key's exchange.
+pub fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput> {
+    let mut sorted = checks.to_vec();
+    let parts = |check: &Check<'a>| (check.key.exchange, check.key.credential, check.key.axis);
+    // Stable: of two checks of one key, the first given stays first.
+    sorted.sort_by(|a, b| parts(a).cmp(&parts(b)));
+    let mut coalesced: Vec<Check<'a>> = Vec::with_capacity(sorted.len());
+    for check in sorted {
+        match coalesced.last_mut() {
+            Some(last) if last.key == check.key => {
+                if last.limit != check.limit {
+                    return Err(rules::conflicting_definitions(&last.limit, &check.limit)
+                        .for_exchange(check.key.exchange));
+                }
+                last.cost += check.cost;
+            }
+            _ => coalesced.push(check),
+        }
+    }
+    Ok(coalesced)
+}
+
+/// Admits, books or refuses a check over `buckets` (aligned with `items`).
+pub(crate) fn decide(
+    buckets: &mut [&mut Bucket],
+    items: &[Item],
+    stats: &mut Stats,
+    request: Request,
+) -> Outcome {
+    let Request {
+        owner,
+        signature,
+        mode,
+        slack_ns,
+        now,
+        pause_until,
+    } = request;
+    // When could every bucket pay, and does the caller hold a booking for this check?
+    let mut ready = now;
+    let mut claim_ready: Option<u64> = Some(0);
+    for (bucket, item) in buckets.iter_mut().zip(items) {
+        stats.lapsed += bucket.drop_lapsed(now) as u64;
+        claim_ready = claim_ready.and_then(|at| {
+            bucket
+                .bookings
+                .iter()
+                .find(|b| b.owner == owner && b.signature == signature)
+                .map(|b| at.max(b.ready_at))
+        });
+        let start = bucket.start_under(&item.limit, now);
+        ready = ready.max(Bucket::ready_at(&item.limit, item.cost, start, now));
+    }
+    if let Some(booked_ready) = claim_ready {
+        return claim(buckets, stats, request, booked_ready);
+    }
+    stats.paused += u64::from(pause_until > ready);
+    ready = ready.max(pause_until);
+    if ready <= now {
+        stats.admitted += 1;
+        pay_all(buckets, items, now, now, None);
+        return Outcome::Admitted;
+    }
+    let ms = delay_ms(now, ready);
+    match mode {
+        Mode::Wait { max_wait_ms } if ms <= max_wait_ms => {
+            stats.booked += 1;
+            let booking = Booking {
+                owner,
+                signature,
+                cost: 0.0,
+                ready_at: ready,
+                lapse_at: ready.saturating_add(slack_ns),
+            };
+            pay_all(buckets, items, now, ready, Some(booking));
+            Outcome::Booked(ms)
+        }
+        _ => {
+            for bucket in buckets.iter_mut() {
+                bucket.touch(now, ready - now);
+            }
+            if mode == Mode::Probe {
+                stats.delayed += 1;
+                Outcome::Delay(ms)
+            } else {
+                stats.over_budget += 1;
+                Outcome::OverBudget(ms)
+            }
+        }
+    }
+}
+
+/// Pays every item as of `at`, recording `booking` (with each item's cost) if given.
+fn pay_all(
+    buckets: &mut [&mut Bucket],
+    items: &[Item],
+    now: u64,
+    at: u64,
+    booking: Option<Booking>,
+) {
+    for (bucket, item) in buckets.iter_mut().zip(items) {
+        let start = bucket.start_under(&item.limit, now);
+        bucket.pay(item.limit, item.cost, start, now, at);
+        bucket.touch(now, at - now);
+        if let Some(booking) = &booking {
+            bucket.bookings.push(Booking {
+                cost: item.cost,
+                ..booking.clone()
+            });
+        }
+    }
+}
+
+/// The caller comes back for its booking: admitted from its ready time, held by a pause
+/// that began since, never charged again.
+fn claim(
+    buckets: &mut [&mut Bucket],
+    stats: &mut Stats,
+    request: Request,
+    booked_ready: u64,
+) -> Outcome {
+    let Request {
+        owner,
+        signature,
+        now,
+        pause_until,
+        slack_ns,
+        ..
+    } = request;
+    let ready = booked_ready.max(pause_until);
+    let lapse_at = ready.saturating_add(slack_ns);
+    for bucket in buckets.iter_mut() {
+        let position = bucket
+            .bookings
+            .iter()
+            .position(|b| b.owner == owner && b.signature == signature)
+            .expect("booking found in the planning pass");
+        if ready <= now {
+            bucket.bookings.swap_remove(position);
+        } else {
+            let booking = &mut bucket.bookings[position];
+            booking.ready_at = ready;
+            booking.lapse_at = lapse_at;
+        }
+        bucket.touch(now, ready.saturating_sub(now));
+    }
+    if ready <= now {
+        stats.claimed += 1;
+        Outcome::Claimed
+    } else {
+        stats.delayed += 1;
+        stats.paused += u64::from(pause_until > booked_ready);
+        Outcome::Delay(delay_ms(now, ready))
+    }
+}

@@ -1,0 +1,131 @@
+//! The table's public types: checks and their answers, pause targets, options, counters
+//! and key snapshots.
+
+use crate::key::{Key, KeyRef};
+use crate::limit::Limit;
+use crate::rules::DEFAULT_BOOKING_SLACK_MS;
+
+/// Options fixed when a table is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Buckets first seen within their fill time after start begin as if empty at start.
+    pub assume_busy_at_start: bool,
+    /// How long past its ready time a booking may still be claimed.
+    pub booking_slack_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            assume_busy_at_start: false,
+            booking_slack_ms: DEFAULT_BOOKING_SLACK_MS,
+        }
+    }
+}
+
+/// One bucket of a check: `cost` tokens from `key`'s bucket defined by `limit`.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The bucket's key.
+    pub key: KeyRef<'a>,
+    /// The bucket's definition.
+    pub limit: Limit,
+    /// Tokens to pay, `>= 0`.
+    pub cost: f64,
+}
+
+/// How the caller treats a delay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Asks only: a delay pays and reserves nothing.
+    Probe,
+    /// Will sleep the delay and come back: a delay within `max_wait_ms` is booked.
+    Wait {
+        /// The longest delay the caller accepts, in milliseconds.
+        max_wait_ms: u64,
+    },
+}
+
+/// The answer to a check. Delays are whole milliseconds, rounded up, at least 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Paid now on every bucket.
+    Admitted,
+    /// Admitted against the caller's own booking, without a second charge.
+    Claimed,
+    /// Not admitted; nothing paid (a probe's refusal, or a booking not ready yet).
+    Delay(u64),
+    /// Paid and booked: the caller's booking is ready in this many milliseconds.
+    Booked(u64),
+    /// The wait exceeds the caller's budget; nothing paid.
+    OverBudget(u64),
+}
+
+/// What a pause applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PauseTarget {
+    /// Every key of an exchange.
+    Exchange(Vec<u8>),
+    /// An exchange's credential; `None` is the public pool.
+    Credential(Vec<u8>, Option<Vec<u8>>),
+    /// One key.
+    Key(Key),
+}
+
+impl PauseTarget {
+    /// The exchange the pause applies to.
+    pub fn exchange(&self) -> &[u8] {
+        match self {
+            Self::Exchange(exchange) | Self::Credential(exchange, _) => exchange,
+            Self::Key(key) => key.exchange(),
+        }
+    }
+}
+
+/// Counters since the table was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Checks paid now.
+    pub admitted: u64,
+    /// Checks admitted against the caller's booking.
+    pub claimed: u64,
+    /// Delays answered without paying.
+    pub delayed: u64,
+    /// Waiters booked.
+    pub booked: u64,
+    /// Waiters refused because the delay exceeded their budget.
+    pub over_budget: u64,
+    /// Bookings not claimed within the slack.
+    pub lapsed: u64,
+    /// Answers (delays, bookings, refusals) held back by a pause.
+    pub paused: u64,
+    /// Costs debited without checking.
+    pub debited: u64,
+    /// Malformed requests refused.
+    pub invalid: u64,
+    /// Buckets held now.
+    pub buckets: u64,
+    /// Bookings held now.
+    pub bookings: u64,
+}
+
+/// A snapshot of one key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyInfo {
+    /// The key's definition; `None` while it has only `record` debt.
+    pub limit: Option<Limit>,
+    /// Tokens now, capped at the capacity; negative while in debt.
+    pub tokens: f64,
+    /// `capacity - tokens`, at least 0 (the pending debt for a key without definition).
+    pub borrowed: f64,
+    /// How far below zero the bucket is, or the pending debt of an undefined key.
+    pub debt: f64,
+    /// Bookings held on the key.
+    pub bookings: usize,
+    /// Their total cost.
+    pub booked_cost: f64,
+    /// Milliseconds until the earliest booking is ready, if any.
+    pub next_ready_ms: Option<u64>,
+    /// Milliseconds left of a pause covering the key, if any.
+    pub pause_ms: Option<u64>,
+}
