@@ -29,6 +29,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   require Logger
 
   alias Bourse.Error
+  alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
   @enforce_keys [:pid, :table, :owner_prefix, :timeout]
   defstruct @enforce_keys
@@ -52,7 +53,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           | {:socket, {:unix, Path.t()}}
 
   @protocol_version 1
-  @handshake_timeout 5_000
   @first_backoff_ms 50
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
@@ -181,9 +181,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   ## The process
 
+  @doc false
   # The id comes first: the daemon reads it even from a frame that is not valid JSON, so
   # every answer finds its caller.
-  defp encode(id, request), do: :jiffy.encode({[{:id, id} | Map.to_list(request)]})
+  @spec encode(integer(), map()) :: iodata()
+  def encode(id, request), do: :jiffy.encode({[{:id, id} | Map.to_list(request)]})
 
   @impl true
   def init({target, limiter, assume_busy, timeout, secrets}) do
@@ -191,6 +193,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     state = %{
       target: target,
+      transport: transport(target),
       timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       assume_busy: assume_busy,
@@ -218,13 +221,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {:ok, state}
 
       # A port that cannot start is a configuration error; a daemon may come up later.
-      {:error, reason} when elem(target, 0) == :port ->
-        {:stop, reason}
-
       {:error, reason} ->
-        Logger.warning("#{describe(target)}: #{reason}; retrying")
-        Process.link(limiter)
-        {:ok, down(state, reason)}
+        if state.transport.start_without_it?() do
+          Logger.warning("#{describe(state)}: #{reason}; retrying")
+          Process.link(limiter)
+          {:ok, down(state, reason)}
+        else
+          {:stop, reason}
+        end
     end
   end
 
@@ -255,7 +259,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     state = %{
       state
       | in_flight: Map.put(state.in_flight, id, reply_to),
-        outbox: [state.outbox | framed(elem(state.target, 0), payload, size)],
+        outbox: [state.outbox | state.transport.frame(payload, size)],
         queued: state.queued + 1
     }
 
@@ -266,29 +270,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     do: {:noreply, %{state | in_flight: Map.delete(state.in_flight, id)}}
 
   def handle_info(:flush, state), do: flush(%{state | flushing: false})
-
-  def handle_info({stream, {:data, chunk}}, %{stream: stream} = state),
-    do: port_data(chunk, state)
-
-  def handle_info({:tcp, stream, data}, %{stream: stream} = state),
-    do: socket_data(data, state)
-
-  # A port is reopened at once; a socket after its backoff.
-  def handle_info({stream, {:exit_status, status}}, %{stream: stream} = state) do
-    {:noreply, reopen(broken(state, "the port process exited with status #{status}"))}
-  end
-
-  def handle_info({:EXIT, stream, reason}, %{target: {:port, _, _}, stream: stream} = state) do
-    {:noreply, reopen(broken(state, "the port closed (#{inspect(reason)})"))}
-  end
-
-  def handle_info({:tcp_closed, stream}, %{stream: stream} = state) do
-    {:noreply, reopen_later(broken(state, "the daemon closed the connection"))}
-  end
-
-  def handle_info({:tcp_error, stream, reason}, %{stream: stream} = state) do
-    {:noreply, reopen_later(broken(state, "connection error #{inspect(reason)}"))}
-  end
 
   def handle_info({:EXIT, limiter, reason}, %{limiter: limiter} = state) do
     case reason do
@@ -302,13 +283,29 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # The daemon closes connections idle for longer than its idle timeout.
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
-    hello = framed(:socket, hello_request(), 0)
+    hello = state.transport.frame(hello_request(), 0)
     state = %{state | outbox: [state.outbox | hello], queued: state.queued + 1}
     {:noreply, state |> keepalive(idle_ms) |> flush_soon()}
   end
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
-  # Exits of ports already replaced, stale timers, messages of closed sockets.
+
+  # Answers and the end of the stream; anything else (exits of ports already replaced,
+  # stale timers, messages of closed sockets) is dropped.
+  def handle_info(message, %{stream: stream} = state) when stream != nil do
+    case state.transport.received(message, stream) do
+      {:data, data} ->
+        {answers, partial} = state.transport.answers(state.partial, data)
+        incoming(answers, %{state | partial: partial})
+
+      {:down, reason} ->
+        {:noreply, reconnect(broken(state, reason))}
+
+      :other ->
+        {:noreply, state}
+    end
+  end
+
   def handle_info(_message, state), do: {:noreply, state}
 
   defp orphaned(state) do
@@ -356,53 +353,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp read_all(state), do: {:noreply, state}
 
-  # Port frames are 4-byte big-endian lengths and JSON; a frame in pieces is joined once all
-  # of it is there (`partial`: the pieces, their size, the size they must reach).
-  defp port_data(chunk, %{partial: {[], 0, _wanted}} = state), do: port_frames(chunk, state)
+  defp incoming([], state), do: read_all(state)
 
-  defp port_data(chunk, %{partial: {pieces, held, wanted}} = state) do
-    held = held + byte_size(chunk)
-
-    if held < wanted,
-      do: {:noreply, %{state | partial: {[pieces, chunk], held, wanted}}},
-      else: port_frames(IO.iodata_to_binary([pieces, chunk]), state)
-  end
-
-  defp port_frames(<<size::32, frame::binary-size(size), rest::binary>>, state) do
-    case answered(state, frame) do
-      {:ok, state} -> port_frames(rest, state)
-      {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
-    end
-  end
-
-  defp port_frames(<<>>, state), do: read_all(%{state | partial: {[], 0, 4}})
-
-  defp port_frames(<<size::32, _::binary>> = rest, state),
-    do: read_all(%{state | partial: {[rest], byte_size(rest), size + 4}})
-
-  defp port_frames(rest, state), do: read_all(%{state | partial: {[rest], byte_size(rest), 4}})
-
-  # Socket answers are lines; `partial` holds the start of a line not ended yet.
-  defp socket_data(data, state) do
-    case :binary.split(data, "\n", [:global]) do
-      [unended] ->
-        {:noreply, %{state | partial: [state.partial, unended]}}
-
-      [end_of_first | lines] when state.partial != [] ->
-        first = IO.iodata_to_binary([state.partial, end_of_first])
-        socket_lines([first | lines], %{state | partial: []})
-
-      lines ->
-        socket_lines(lines, state)
-    end
-  end
-
-  defp socket_lines([""], state), do: read_all(state)
-  defp socket_lines([unended], state), do: read_all(%{state | partial: unended})
-
-  defp socket_lines([line | lines], state) do
-    case answered(state, line) do
-      {:ok, state} -> socket_lines(lines, state)
+  defp incoming([answer | answers], state) do
+    case answered(state, answer) do
+      {:ok, state} -> incoming(answers, state)
       {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
     end
   end
@@ -421,7 +376,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       # An answer to a caller that gave up already, or an error without an id. Not shown:
       # answers hold keys, and keys hold API keys.
       _unmatched ->
-        Logger.debug("#{describe(state.target)}: dropped an answer no caller waits for")
+        Logger.debug("#{describe(state)}: dropped an answer no caller waits for")
         {:ok, state}
     end
   end
@@ -446,7 +401,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp decode(frame) do
+  @doc false
+  @spec decode(binary()) :: {:ok, map()} | :error
+  def decode(frame) do
     case :jiffy.decode(frame, [:return_maps, {:null_term, nil}]) do
       %{} = answer -> {:ok, answer}
       _ -> :error
@@ -458,10 +415,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # The stream is gone: new calls fail at once, the stream is closed, then every caller in
   # flight is failed and requests not written yet are dropped.
   defp broken(state, reason) do
-    Logger.warning("#{describe(state.target)}: #{reason}")
+    Logger.warning("#{describe(state)}: #{reason}")
     state = %{state | down_reason: reason}
     error = {:error, Error.unavailable(publish(state, nil))}
-    close(state)
+    state.transport.close(state.stream)
     for {_id, reply_to} <- state.in_flight, do: send(reply_to, {reply_to, error})
     %{state | stream: nil, in_flight: %{}, outbox: [], queued: 0, unanswered: 0, partial: []}
   end
@@ -473,11 +430,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     down
   end
 
-  defp unavailable(state), do: "#{describe(state.target)} is unavailable: #{state.down_reason}"
+  defp unavailable(state), do: "#{describe(state)} is unavailable: #{state.down_reason}"
 
   # A port is reopened at once; a socket after its backoff.
-  defp reconnect(%{target: {:port, _, _}} = state), do: reopen(state)
-  defp reconnect(state), do: reopen_later(state)
+  defp reconnect(state) do
+    case state.transport.reopen() do
+      :at_once -> reopen(state)
+      :after_backoff -> reopen_later(state)
+    end
+  end
 
   defp reopen(state) do
     case open(state) do
@@ -499,41 +460,30 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     %{state | backoff_ms: min(state.backoff_ms * 2, @max_backoff_ms)}
   end
 
-  ## Transports
+  ## The stream
 
-  defp open(%{target: {:port, executable, args}} = state) do
-    flags = if state.assume_busy, do: ["--assume-busy-at-start" | args], else: args
+  defp transport({:port, _executable, _args}), do: PortStream
+  defp transport({:socket, _address}), do: SocketStream
 
-    port =
-      Port.open({:spawn_executable, executable}, [
-        :stream,
-        :binary,
-        :exit_status,
-        :use_stdio,
-        busy_limits_port: {64 * 1024, 1024 * 1024},
-        args: flags,
-        env: state.env
-      ])
+  defp describe(state), do: state.transport.describe(state.target)
 
-    with {:ok, hello} <- port_handshake(port) do
-      {:ok, connected(state, port, hello)}
-    end
-  rescue
-    error -> {:error, "cannot start #{executable}: #{Exception.message(error)}"}
-  end
+  # One write for every request waiting.
+  defp write(%{outbox: []}), do: :ok
+  defp write(state), do: state.transport.write(state.stream, state.outbox)
 
-  defp open(%{target: {:socket, address}} = state) do
-    with {:ok, socket} <- connect(address, state.timeout),
-         {:ok, hello} <- socket_handshake(socket, state.secret) do
+  defp open(state) do
+    settings = Map.take(state, [:assume_busy, :env, :secret, :timeout])
+
+    with {:ok, stream, hello} <- state.transport.open(state.target, settings) do
       if state.connected_before and hello["assume_busy_at_start"] == false do
         Logger.warning(
-          "#{describe(state.target)}: reconnected to a daemon started without " <>
+          "#{describe(state)}: reconnected to a daemon started without " <>
             "--assume-busy-at-start; if it restarted, its buckets started full while the " <>
             "exchange still counts the previous run"
         )
       end
 
-      {:ok, state |> connected(socket, hello) |> keepalive(hello["idle_timeout_ms"])}
+      {:ok, state |> connected(stream, hello) |> keepalive(hello["idle_timeout_ms"])}
     end
   end
 
@@ -547,110 +497,27 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
-    if state.connected_before, do: Logger.info("#{describe(state.target)}: connected again")
+    if state.connected_before, do: Logger.info("#{describe(state)}: connected again")
     publish(state, hello["max_frame_bytes"])
 
     %{
       state
       | stream: stream,
-        partial: if(elem(state.target, 0) == :port, do: {[], 0, 4}, else: []),
+        partial: state.transport.no_partial(),
         backoff_ms: @first_backoff_ms,
         connected_before: true,
         assume_busy: true
     }
   end
 
-  defp connect({:tcp, host, port}, timeout) do
-    opts = [nodelay: true] ++ socket_opts(timeout)
-    tagged(:gen_tcp.connect(host, port, opts, @handshake_timeout), "cannot connect")
-  end
+  @doc false
+  @spec hello_request() :: iodata()
+  def hello_request, do: encode(0, %{op: "hello"})
 
-  defp connect({:unix, path}, timeout) do
-    opts = socket_opts(timeout)
-    tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
-  end
-
-  # A write to a daemon that does not read gives up after the callers' timeout; the socket
-  # then closes, as part of a line may have gone. Lines until the hello, then bytes.
-  defp socket_opts(timeout) do
-    [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
-      [send_timeout: timeout, send_timeout_close: true]
-  end
-
-  defp socket_handshake(socket, secret) do
-    with :ok <- tagged(:gen_tcp.send(socket, [hello_request(), ?\n]), "cannot send"),
-         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
-         {:ok, hello} <- hello(line),
-         :ok <- prove(socket, hello, secret),
-         :ok <- :inet.setopts(socket, packet: :raw, active: true) do
-      {:ok, hello}
-    else
-      error ->
-        :gen_tcp.close(socket)
-        error
-    end
-  end
-
-  # A daemon reached over TCP asks for proof of the shared secret: the HMAC-SHA256 of the
-  # nonce in its hello. The secret itself is never sent.
-  defp prove(_socket, %{"auth" => nil}, _secret), do: :ok
-
-  defp prove(_socket, %{"auth" => %{}}, nil) do
-    {:error,
-     "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
-       "secret_file: option"}
-  end
-
-  defp prove(socket, %{"auth" => %{"scheme" => "hmac-sha256", "nonce" => nonce}}, secret) do
-    proof = :crypto.mac(:hmac, :sha256, secret, nonce) |> Base.encode16(case: :lower)
-
-    with :ok <-
-           tagged(
-             :gen_tcp.send(socket, [encode(0, %{op: "auth", proof: proof}), ?\n]),
-             "cannot send"
-           ),
-         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no answer to auth") do
-      case decode(line) do
-        {:ok, %{"ok" => true}} ->
-          :ok
-
-        _ ->
-          {:error, "the daemon refused the proof of the shared secret (is it the same secret?)"}
-      end
-    end
-  end
-
-  defp prove(_socket, %{"auth" => _}, _secret),
-    do: {:error, "the daemon asks for a proof this client does not know"}
-
-  defp prove(_socket, _hello, _secret), do: :ok
-
-  defp port_handshake(port) do
-    hello = hello_request()
-    Port.command(port, framed(:port, hello, IO.iodata_length(hello)))
-    port_hello(port, "")
-  end
-
-  defp port_hello(port, received) do
-    receive do
-      {^port, {:data, chunk}} ->
-        case received <> chunk do
-          <<size::32, frame::binary-size(size), _::binary>> -> hello(frame)
-          incomplete -> port_hello(port, incomplete)
-        end
-
-      {^port, {:exit_status, status}} ->
-        {:error, "it exited with status #{status}"}
-    after
-      @handshake_timeout ->
-        Port.close(port)
-        {:error, "no hello within #{@handshake_timeout} ms"}
-    end
-  end
-
-  defp hello_request, do: encode(0, %{op: "hello"})
-
-  defp hello(frame) do
+  @doc false
+  # The daemon's hello answer, if it speaks this protocol.
+  @spec hello(binary()) :: {:ok, map()} | {:error, String.t()}
+  def hello(frame) do
     case decode(frame) do
       {:ok, %{"protocol" => @protocol_version, "max_frame_bytes" => max} = hello}
       when is_integer(max) ->
@@ -660,39 +527,4 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {:error, "not a bourse_daemon speaking protocol #{@protocol_version}: #{inspect(frame)}"}
     end
   end
-
-  defp framed(:port, payload, size), do: [<<size::32>>, payload]
-  defp framed(:socket, payload, _size), do: [payload, ?\n]
-
-  # One write for every request waiting. A port busy with earlier requests is not waited for
-  # (`:busy`): this process must stay free to read answers and to fail callers.
-  defp write(%{outbox: []}), do: :ok
-
-  defp write(%{target: {:port, _, _}, stream: port, outbox: outbox}) do
-    if Port.command(port, outbox, [:nosuspend]), do: :ok, else: :busy
-  rescue
-    ArgumentError -> {:error, :closed}
-  end
-
-  defp write(%{stream: socket, outbox: outbox}), do: :gen_tcp.send(socket, outbox)
-
-  defp close(%{target: {:port, _, _}, stream: port}) do
-    Port.close(port)
-  rescue
-    # It closed already.
-    ArgumentError -> true
-  end
-
-  defp close(%{stream: socket}), do: :gen_tcp.close(socket)
-
-  defp tagged({:error, reason}, what), do: {:error, "#{what}: #{:inet.format_error(reason)}"}
-  defp tagged(ok, _what), do: ok
-
-  defp describe({:port, executable, _args}), do: "bourse_daemon port (#{executable})"
-  defp describe({:socket, {:unix, path}}), do: "bourse_daemon at unix:#{path}"
-
-  defp describe({:socket, {:tcp, host, port}}) when is_tuple(host),
-    do: "bourse_daemon at #{:inet.ntoa(host)}:#{port}"
-
-  defp describe({:socket, {:tcp, host, port}}), do: "bourse_daemon at #{host}:#{port}"
 end

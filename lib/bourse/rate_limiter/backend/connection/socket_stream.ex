@@ -1,0 +1,137 @@
+defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
+  @moduledoc false
+  # A connection to a `bourse_daemon` server on TCP or a Unix socket: lines until the hello
+  # (and the proof of the shared secret, over TCP), then raw bytes holding
+  # newline-terminated answers. Reconnected after a backoff; the limiter may start while
+  # the daemon is not up yet.
+
+  @behaviour Bourse.RateLimiter.Backend.Connection.Transport
+
+  alias Bourse.RateLimiter.Backend.Connection
+
+  @handshake_timeout 5_000
+
+  @impl true
+  def open({:socket, address}, settings) do
+    with {:ok, socket} <- connect(address, settings.timeout),
+         {:ok, hello} <- handshake(socket, settings.secret) do
+      {:ok, socket, hello}
+    end
+  end
+
+  defp connect({:tcp, host, port}, timeout) do
+    opts = [nodelay: true] ++ socket_opts(timeout)
+    tagged(:gen_tcp.connect(host, port, opts, @handshake_timeout), "cannot connect")
+  end
+
+  defp connect({:unix, path}, timeout) do
+    opts = socket_opts(timeout)
+    tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
+  end
+
+  # A write to a daemon that does not read gives up after the callers' timeout; the socket
+  # then closes, as part of a line may have gone. Lines until the hello, then bytes.
+  defp socket_opts(timeout) do
+    [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
+      [send_timeout: timeout, send_timeout_close: true]
+  end
+
+  defp handshake(socket, secret) do
+    with :ok <- tagged(:gen_tcp.send(socket, [Connection.hello_request(), ?\n]), "cannot send"),
+         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
+         {:ok, hello} <- Connection.hello(line),
+         :ok <- prove(socket, hello, secret),
+         :ok <- :inet.setopts(socket, packet: :raw, active: true) do
+      {:ok, hello}
+    else
+      error ->
+        :gen_tcp.close(socket)
+        error
+    end
+  end
+
+  # A daemon reached over TCP asks for proof of the shared secret: the HMAC-SHA256 of the
+  # nonce in its hello. The secret itself is never sent.
+  defp prove(_socket, %{"auth" => nil}, _secret), do: :ok
+
+  defp prove(_socket, %{"auth" => %{}}, nil) do
+    {:error,
+     "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
+       "secret_file: option"}
+  end
+
+  defp prove(socket, %{"auth" => %{"scheme" => "hmac-sha256", "nonce" => nonce}}, secret) do
+    proof = :crypto.mac(:hmac, :sha256, secret, nonce) |> Base.encode16(case: :lower)
+    request = [Connection.encode(0, %{op: "auth", proof: proof}), ?\n]
+
+    with :ok <- tagged(:gen_tcp.send(socket, request), "cannot send"),
+         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no answer to auth") do
+      case Connection.decode(line) do
+        {:ok, %{"ok" => true}} ->
+          :ok
+
+        _ ->
+          {:error, "the daemon refused the proof of the shared secret (is it the same secret?)"}
+      end
+    end
+  end
+
+  defp prove(_socket, %{"auth" => _}, _secret),
+    do: {:error, "the daemon asks for a proof this client does not know"}
+
+  defp prove(_socket, _hello, _secret), do: :ok
+
+  defp tagged({:error, reason}, what), do: {:error, "#{what}: #{:inet.format_error(reason)}"}
+  defp tagged(ok, _what), do: ok
+
+  @impl true
+  def frame(payload, _size), do: [payload, ?\n]
+
+  @impl true
+  def write(socket, iodata), do: :gen_tcp.send(socket, iodata)
+
+  @impl true
+  def close(socket), do: :gen_tcp.close(socket)
+
+  @impl true
+  def received({:tcp, socket, data}, socket), do: {:data, data}
+  def received({:tcp_closed, socket}, socket), do: {:down, "the daemon closed the connection"}
+
+  def received({:tcp_error, socket, reason}, socket),
+    do: {:down, "connection error #{inspect(reason)}"}
+
+  def received(_message, _socket), do: :other
+
+  # `partial` holds the start of a line not ended yet.
+  @impl true
+  def no_partial, do: []
+
+  @impl true
+  def answers(partial, data) do
+    case :binary.split(data, "\n", [:global]) do
+      [unended] ->
+        {[], [partial, unended]}
+
+      [end_of_first | lines] ->
+        {lines, [last]} = Enum.split(lines, -1)
+        {[IO.iodata_to_binary([partial, end_of_first]) | lines], last_partial(last)}
+    end
+  end
+
+  defp last_partial(""), do: []
+  defp last_partial(unended), do: unended
+
+  @impl true
+  def reopen, do: :after_backoff
+
+  @impl true
+  def start_without_it?, do: true
+
+  @impl true
+  def describe({:socket, {:unix, path}}), do: "bourse_daemon at unix:#{path}"
+
+  def describe({:socket, {:tcp, host, port}}) when is_tuple(host),
+    do: "bourse_daemon at #{:inet.ntoa(host)}:#{port}"
+
+  def describe({:socket, {:tcp, host, port}}), do: "bourse_daemon at #{host}:#{port}"
+end

@@ -1,0 +1,47 @@
+defmodule Bourse.RateLimiter.Backend.Connection.Transport do
+  @moduledoc false
+  # One kind of stream to a bourse_daemon, for `Bourse.RateLimiter.Backend.Connection`:
+  # opening it (with the hello), framing requests, writing, reading answers, closing.
+  # `Bourse.RateLimiter.Backend.Connection.PortStream` is a `--stdio` port,
+  # `Bourse.RateLimiter.Backend.Connection.SocketStream` a TCP or Unix socket.
+
+  @typedoc "An open stream."
+  @type stream :: port() | :gen_tcp.socket()
+
+  @typedoc "What `open/2` may use: the port's flags and environment, a socket's secret."
+  @type settings :: %{
+          assume_busy: boolean(),
+          env: [{charlist(), charlist()}],
+          secret: String.t() | nil,
+          timeout: pos_integer()
+        }
+
+  @doc "Opens the stream to `target` and says hello; the daemon's hello answer."
+  @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, String.t()}
+
+  @doc "One request as it goes on the stream."
+  @callback frame(payload :: iodata(), size :: non_neg_integer()) :: iodata()
+
+  @doc "Writes requests; `:busy` when the daemon is behind with its input."
+  @callback write(stream(), iodata()) :: :ok | :busy | {:error, term()}
+
+  @callback close(stream()) :: :ok
+
+  @doc "What a message to the connection process means for `stream`."
+  @callback received(message :: term(), stream()) ::
+              {:data, binary()} | {:down, String.t()} | :other
+
+  @doc "What is left of an answer not complete yet, before any data."
+  @callback no_partial() :: term()
+
+  @doc "The complete answers in `partial` and `data`, and what is left."
+  @callback answers(partial :: term(), data :: binary()) :: {[binary()], term()}
+
+  @doc "Whether a broken stream is reopened at once (a port) or after a backoff."
+  @callback reopen() :: :at_once | :after_backoff
+
+  @doc "Whether the limiter may start while the stream cannot be opened."
+  @callback start_without_it?() :: boolean()
+
+  @callback describe(target :: term()) :: String.t()
+end
