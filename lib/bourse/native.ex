@@ -2,7 +2,8 @@ defmodule Bourse.Native do
   @moduledoc false
   # The NIF over the Rust bucket table (native/bourse_nif). Loaded from priv/native when
   # this module loads; every function answers malformed input with
-  # `{:error, message, exchange_id | nil}`.
+  # `{:error, message, exchange_id | nil}`. The core's bounds (`bounds/0`) are read once,
+  # at load, into `:persistent_term` (`bound/1`).
 
   @on_load :load_nif
 
@@ -16,7 +17,7 @@ defmodule Bourse.Native do
 
     case :erlang.load_nif(path, 0) do
       :ok ->
-        :ok
+        :persistent_term.put({__MODULE__, :bounds}, bounds())
 
       {:error, {reason, text}} ->
         IO.warn("Bourse.Native: cannot load #{path}: #{reason} #{text}", [])
@@ -24,6 +25,14 @@ defmodule Bourse.Native do
     end
   end
 
+  @doc false
+  # A bound or default of the core's rules: `:max_key_part_bytes`, `:max_checks`,
+  # `:max_busiest`, `:max_pauses`, `:default_booking_slack_ms`, `:max_ms`, `:max_amount`.
+  def bound(name), do: Map.fetch!(:persistent_term.get({__MODULE__, :bounds}), name)
+
+  def bounds, do: :erlang.nif_error(:not_loaded)
+  def check_key(_key), do: :erlang.nif_error(:not_loaded)
+  def check_limit(_limit), do: :erlang.nif_error(:not_loaded)
   def new_table(_assume_busy_at_start, _booking_slack_ms), do: :erlang.nif_error(:not_loaded)
 
   def check_one(_table, _owner, _key, _limit, _cost, _max_wait),

@@ -210,6 +210,11 @@ defmodule Bourse.ContractCase do
     opts_are = fn bad -> RateLimiter.check_rates([good], name, bad) end
     wait_opts_are = fn bad -> RateLimiter.wait_for_capacity(probe, limit, 1, name, bad) end
     other_limit = %{capacity: 10, refill_per_sec: 2}
+    used = [{"x-mbx-used-weight-1m", "10"}]
+
+    observe = fn status, headers, name, opts ->
+      RateLimiter.observe_response("binance", "k", status, headers, name, opts)
+    end
 
     [
       # keys
@@ -328,7 +333,31 @@ defmodule Bourse.ContractCase do
       {"pause: negative duration", fn -> RateLimiter.pause(probe, -1, name) end},
       {"pause: float duration", fn -> RateLimiter.pause(probe, 1.5, name) end},
       {"pause: atom duration", fn -> RateLimiter.pause(probe, :x, name) end},
-      {"pause: string duration", fn -> RateLimiter.pause(probe, "10", name) end}
+      {"pause: string duration", fn -> RateLimiter.pause(probe, "10", name) end},
+      # exchange feedback
+      {"observe_response: {:via, NotAModule, _} name",
+       fn -> observe.(200, [], {:via, NotAModule, :x}, []) end},
+      {"observe_response: huge credential, status 200",
+       fn -> RateLimiter.observe_response("binance", :binary.copy("k", 65_536), 200, [], name) end},
+      {"observe_response: deep map exchange id",
+       fn -> RateLimiter.observe_response(deep_map, "k", 200, [], name) end},
+      {"observe_response: deep list options", fn -> observe.(200, [], name, deep_list) end},
+      {"observe_response: deep list options, default name",
+       fn -> RateLimiter.observe_response("binance", "k", 200, [], deep_list) end},
+      {"observe_response: deep tuple header", fn -> observe.(200, [deep_tuple], name, []) end},
+      {"observe_response: status 200.0", fn -> observe.(200.0, [], name, []) end},
+      {"observe_response: deep map status", fn -> observe.(deep_map, [], name, []) end},
+      {"observe_response: deep map headers",
+       fn -> observe.(200, %{"a" => deep_map}, name, []) end},
+      {"observe_response: bignum capacity in limits:",
+       fn ->
+         observe.(200, used, name, limits: %{"ip" => %{capacity: 10 ** 400, refill_per_sec: 1}})
+       end},
+      {"observe_response: huge axis in limits:",
+       fn -> observe.(200, used, name, limits: %{huge => %{capacity: 10, refill_per_sec: 1}}) end},
+      {"observe_response: a struct as limits:",
+       fn -> observe.(200, used, name, limits: %URI{}) end},
+      {"observe_response: deep tuple body", fn -> observe.(200, [], name, body: deep_tuple) end}
     ]
   end
 end

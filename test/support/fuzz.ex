@@ -1,7 +1,7 @@
 defmodule Bourse.Fuzz do
   @moduledoc """
   Random malformed calls of the public functions of `Bourse.RateLimiter` (all but
-  `observe_response/6`, `child_spec/1` and the default-name arities), from a seeded
+  `child_spec/1` and the default-name arities, except `observe_response/5`), from a seeded
   generator, so that a failure can be replayed with its seed.
 
   Each call puts one malformed term (bignums such as `10 ** 400`, floats out of range,
@@ -14,6 +14,8 @@ defmodule Bourse.Fuzz do
   alias Bourse.RateLimiter
 
   @huge_sizes [1_025, 65_536, 1_048_576]
+  # A header that has `observe_response` read the bucket definitions of `limits:`.
+  @used_weight [{"x-mbx-used-weight-1m", "10"}]
 
   @doc """
   `count` malformed calls on the limiter `name` as `{label, fun}`, from `seed` (an
@@ -88,7 +90,20 @@ defmodule Bourse.Fuzz do
       {"sync key", :key, &RateLimiter.sync(&1, 1, 1_000, name)},
       {"sync allowance", :allowance, &RateLimiter.sync(probe, &1, 1_000, name)},
       {"sync window", :ms, &RateLimiter.sync(probe, 1, &1, name)},
-      {"start_link options", :start_options, &RateLimiter.start_link/1}
+      {"start_link options", :start_options, &RateLimiter.start_link/1},
+      {"observe_response exchange id", :exchange,
+       &RateLimiter.observe_response(&1, "k", 200, [], name, [])},
+      {"observe_response credential", :credential,
+       &RateLimiter.observe_response("ex", &1, 200, [], name, [])},
+      {"observe_response status", :status,
+       &RateLimiter.observe_response("ex", "k", &1, [], name, [])},
+      {"observe_response headers", :headers,
+       &RateLimiter.observe_response("binance", "k", 200, &1, name, [])},
+      {"observe_response options", :feedback_options,
+       &RateLimiter.observe_response("binance", "k", 200, @used_weight, name, &1)},
+      {"observe_response options, default name", :feedback_options,
+       &RateLimiter.observe_response("binance", "k", 200, @used_weight, &1)},
+      {"observe_response name", :name, &RateLimiter.observe_response("ex", "k", 200, [], &1, [])}
     ]
 
     {{label, kind, fun}, s} = pick(choices, s)
@@ -239,6 +254,48 @@ defmodule Bourse.Fuzz do
     ])
   end
 
+  defp malformed(:credential, fx, s), do: bad_credential(fx, s)
+
+  defp malformed(:status, fx, s) do
+    one_of(s, [
+      fn s -> {99, s} end,
+      fn s -> {600, s} end,
+      fn s -> {200.0, s} end,
+      fn s -> {"200", s} end,
+      fn s -> retry(&garbage(fx, &1), &(not is_integer(&1) or &1 not in 100..599), s) end
+    ])
+  end
+
+  defp malformed(:headers, fx, s) do
+    one_of(s, [
+      fn s -> retry(&garbage(fx, &1), &(not is_list(&1) and not is_map(&1)), s) end,
+      fn s -> {fx.deep_list, s} end,
+      fn s -> {[{"retry-after", "1"} | :tail], s} end,
+      fn s -> with_value(&[{"retry-after", "1"}, &1], garbage(fx, s)) end,
+      fn s -> with_value(&[{&1, "1"}], non_text_garbage(fx, s)) end,
+      fn s -> with_value(&[{"x-mbx-used-weight-1m", &1}], non_text_garbage(fx, s)) end,
+      fn s -> with_value(&%{"retry-after" => &1}, non_text_garbage(fx, s)) end,
+      fn s -> {[{"a", "b", "c"}], s} end
+    ])
+  end
+
+  # Lists only: another term in their place is a name (an atom is a valid one).
+  defp malformed(:feedback_options, fx, s) do
+    one_of(s, [
+      fn s -> {fx.deep_list, s} end,
+      fn s -> {[:body], s} end,
+      fn s -> {[bogus: 1], s} end,
+      fn s -> {[{"body", "x"}], s} end,
+      fn s -> {[{:body, "x"} | :tail], s} end,
+      fn s -> with_value(&[body: &1], retry(&garbage(fx, &1), &(not body?(&1)), s)) end,
+      fn s -> with_value(&[limits: &1], retry(&garbage(fx, &1), &(&1 != %{}), s)) end,
+      fn s -> with_value(&[limits: %{"ip" => &1}], malformed(:limit, fx, s)) end,
+      fn s ->
+        with_value(&[limits: %{&1 => %{capacity: 10, refill_per_sec: 1}}], bad_part(fx, s))
+      end
+    ])
+  end
+
   defp malformed(:allowance, fx, s) do
     one_of(s, [
       fn s -> {fx.big, s} end,
@@ -305,6 +362,12 @@ defmodule Bourse.Fuzz do
   defp non_list_garbage(fx, s), do: retry(&garbage(fx, &1), &(not is_list(&1)), s)
   defp non_atom_garbage(fx, s), do: retry(&garbage(fx, &1), &(not is_atom(&1)), s)
   defp non_binary_garbage(fx, s), do: retry(&garbage(fx, &1), &(not is_binary(&1)), s)
+
+  defp non_text_garbage(fx, s),
+    do: retry(&garbage(fx, &1), &(not is_binary(&1) and not is_list(&1)), s)
+
+  defp body?(term), do: is_nil(term) or is_binary(term) or is_map(term) or is_list(term)
+
   defp non_number_garbage(fx, s), do: retry(&garbage(fx, &1), &(not is_number(&1)), s)
 
   # Never a credential: anything but a binary of at most 1024 bytes or `:public`.

@@ -137,14 +137,12 @@ defmodule Bourse.RateLimiter.Feedback do
       config :bourse, :header_limits, %{"x-used-weight" => 10, "x-mbx-used-weight-1m" => 2_400}
   """
 
-  alias Bourse.{Error, RateLimiter}
-  alias Bourse.RateLimiter.{Backoff, BodySignal, Events, RetryAfter}
+  alias Bourse.{Error, Native, RateLimiter}
+  alias Bourse.RateLimiter.{Backoff, BodySignal, Events, RetryAfter, Router}
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
   @max_window_ms 86_400_000
-  # The core's bound on amounts; allowances beyond it mean nothing anyway.
-  @max_amount 1.0e12
 
   @used_counters %{
     "x-mbx-used-weight-1m" => {"ip", 60_000},
@@ -210,11 +208,11 @@ defmodule Bourse.RateLimiter.Feedback do
     do:
       invalid(
         "put_header_limits/2 takes an exchange id (a binary) and a map of header to limit, " <>
-          "got #{short(exchange_id)} and #{short(limits)}"
+          "got #{Error.describe(exchange_id)} and #{Error.describe(limits)}"
       )
 
   defp header_limit({header, limit}, {:ok, acc}) when is_binary(header) do
-    if is_nil(limit) or (is_number(limit) and limit > 0 and limit <= @max_amount),
+    if is_nil(limit) or (is_number(limit) and limit > 0 and limit <= Native.bound(:max_amount)),
       do: {:cont, {:ok, Map.put(acc, String.downcase(header), limit)}},
       else: {:halt, bad_header_limit(header, limit)}
   end
@@ -225,7 +223,7 @@ defmodule Bourse.RateLimiter.Feedback do
     do:
       invalid(
         "a header limit must be a header name => a positive number or nil, " <>
-          "got #{short(header)} => #{short(limit)}"
+          "got #{Error.describe(header)} => #{Error.describe(limit)}"
       )
 
   # The limits set for one exchange.
@@ -255,7 +253,7 @@ defmodule Bourse.RateLimiter.Feedback do
         end
 
       other ->
-        invalid("config :bourse, :header_limits must be a map, got #{short(other)}")
+        invalid("config :bourse, :header_limits must be a map, got #{Error.describe(other)}")
     end
   end
 
@@ -272,7 +270,7 @@ defmodule Bourse.RateLimiter.Feedback do
     with :ok <- check_name(name),
          :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
-         {:ok, body, definitions} <- options(opts),
+         {:ok, body, definitions} <- options(opts, exchange_id, credential_key),
          {:ok, axes} <- axes(),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
@@ -280,50 +278,71 @@ defmodule Bourse.RateLimiter.Feedback do
       now = System.os_time(:millisecond)
       signal = BodySignal.find(exchange_id, status, body, found, now)
       react(exchange_id, credential_key, status, found, signal, name)
+    else
+      {:error, %Error{} = error} -> {:error, Error.with_exchange(error, exchange_id)}
     end
   end
 
-  defp options(opts) do
+  defp options(opts, exchange_id, credential) do
     with true <- Keyword.keyword?(opts) || {:not_keyword, opts},
          {known, []} <- Keyword.split(opts, [:body, :limits]),
          {:ok, body} <- body(Keyword.get(known, :body)),
-         {:ok, definitions} <- definitions(Keyword.get(known, :limits, %{})) do
+         {:ok, definitions} <-
+           definitions(Keyword.get(known, :limits, %{}), exchange_id, credential) do
       {:ok, body, definitions}
     else
       {:error, %Error{}} = error ->
         error
 
       {:not_keyword, opts} ->
-        invalid("options must be a keyword list, got #{short(opts)}")
+        invalid("options must be a keyword list, got #{Error.describe(opts)}")
 
-      {_known, other} ->
-        invalid("unknown options #{short(Keyword.keys(other))}; expected :body or :limits")
+      {_known, [{option, _value} | _]} ->
+        invalid("unknown option #{inspect(option)}; expected :body or :limits")
     end
   end
 
   # `limits:` – the definitions of the credential's buckets by axis, as the adapter
-  # passes them to its checks: header sync then reads no definition from the table.
-  defp definitions(limits) when is_map(limits) do
-    if Enum.all?(limits, &definition?/1),
-      do: {:ok, limits},
-      else:
-        invalid(
-          "limits must be a map of axis => %{capacity: c, refill_per_sec: r} (positive numbers), " <>
-            "got #{short(limits)}"
-        )
+  # passes them to its checks: header sync then reads no definition from the table. Each
+  # axis and definition is held to the rules of every check (`Bourse.Native`).
+  defp definitions(limits, exchange_id, credential)
+       when is_map(limits) and not is_struct(limits) do
+    Enum.reduce_while(limits, {:ok, limits}, fn {axis, definition}, ok ->
+      case definition(exchange_id, credential, axis, definition) do
+        :ok -> {:cont, ok}
+        error -> {:halt, error}
+      end
+    end)
   end
 
-  defp definitions(other),
+  defp definitions(other, _exchange_id, _credential),
     do:
       invalid(
-        "limits must be a map of axis => %{capacity: c, refill_per_sec: r}, got #{short(other)}"
+        "limits must be a map of axis => %{capacity: c, refill_per_sec: r}, " <>
+          "got #{Error.describe(other)}"
       )
 
-  defp definition?({axis, %{capacity: c, refill_per_sec: r}})
-       when is_binary(axis) and is_number(c) and c > 0 and is_number(r) and r > 0,
-       do: true
+  defp definition(exchange_id, credential, axis, definition) do
+    with :ok <- native(Native.check_key({exchange_id, credential, axis}), "limits: "),
+         %{capacity: _, refill_per_sec: _} when map_size(definition) == 2 <- definition do
+      native(Native.check_limit(definition), "limits: ")
+    else
+      {:error, %Error{}} = error ->
+        error
 
-  defp definition?(_other), do: false
+      _other ->
+        invalid(
+          "limits: each definition must be %{capacity: c, refill_per_sec: r}, " <>
+            "got #{Error.describe(definition)}"
+        )
+    end
+  end
+
+  # The answer of a rule of the core, as every call gives it.
+  defp native(:ok, _prefix), do: :ok
+
+  defp native({:error, message, exchange}, prefix),
+    do: {:error, Error.with_exchange(Error.invalid(prefix <> message), exchange)}
 
   defp body(body) when is_nil(body) or is_binary(body) or is_map(body) or is_list(body),
     do: {:ok, body}
@@ -331,39 +350,27 @@ defmodule Bourse.RateLimiter.Feedback do
   defp body(other),
     do:
       invalid(
-        "body must be a binary, a decoded JSON map or list, or nil, got #{describe_term(other)}"
+        "body must be a binary, a decoded JSON map or list, or nil, got #{Error.describe(other)}"
       )
 
-  defp describe_term(term) when is_tuple(term), do: "a tuple of #{tuple_size(term)} elements"
-  defp describe_term(term), do: short(term)
+  # A reply may need no call to the bucket table: the name is resolved here, and a name
+  # that is not a limiter's is refused (that process is never called). A limiter not
+  # running exits the caller only when a call to its table is needed.
+  defp check_name(name) do
+    case Router.route(name) do
+      {:invalid, message} -> invalid(message)
+      _reachable_or_not -> :ok
+    end
+  end
 
-  # A reply may need no call to the bucket table: the name's form is checked here.
-  defp check_name(name) when is_atom(name) and not is_nil(name), do: :ok
-  defp check_name({:global, _}), do: :ok
-  defp check_name({:via, module, _}) when is_atom(module), do: :ok
-  defp check_name({name, node}) when is_atom(name) and is_atom(node), do: :ok
-  defp check_name(pid) when is_pid(pid), do: :ok
-
-  defp check_name(name) when is_binary(name),
-    do: invalid("not a limiter name: a binary (#{byte_size(name)} bytes)")
-
-  defp check_name(name), do: invalid("not a limiter name: #{short(name)}")
-
-  defp check_credential(exchange_id, credential_key)
-       when is_binary(exchange_id) and (is_binary(credential_key) or credential_key == :public),
-       do: :ok
-
-  defp check_credential(exchange_id, _credential_key),
-    do:
-      invalid(
-        "exchange_id must be a binary and credential_key a binary or :public " <>
-          "(a credential is never shown), got exchange_id #{inspect(exchange_id)}"
-      )
+  # The key-part rules of every call, from the core.
+  defp check_credential(exchange_id, credential_key),
+    do: native(Native.check_key({exchange_id, credential_key}), "")
 
   defp check_status(status) when is_integer(status) and status in 100..599, do: :ok
 
   defp check_status(status),
-    do: invalid("status must be an HTTP status code (100..599), got #{inspect(status)}")
+    do: invalid("status must be an HTTP status code (100..599), got #{Error.describe(status)}")
 
   ## 429, 418, body signals and backoff
 
@@ -494,7 +501,9 @@ defmodule Bourse.RateLimiter.Feedback do
   defp definition(given, _key, _name), do: given
 
   defp sync(key, allowance, left, name) do
-    allowance = allowance |> max(-@max_amount) |> min(@max_amount)
+    # The core's bound on amounts; allowances beyond it mean nothing anyway.
+    max_amount = Native.bound(:max_amount)
+    allowance = allowance |> max(-max_amount) |> min(max_amount)
     RateLimiter.sync(key, allowance, left, name)
   end
 
@@ -536,7 +545,7 @@ defmodule Bourse.RateLimiter.Feedback do
         Enum.reduce_while(overrides, {:ok, @default_axes}, &axis/2)
 
       other ->
-        invalid("config :bourse, :header_axes must be a map, got #{inspect(other)}")
+        invalid("config :bourse, :header_axes must be a map, got #{Error.describe(other)}")
     end
   end
 
@@ -592,7 +601,8 @@ defmodule Bourse.RateLimiter.Feedback do
   defp collect(headers, wanted) when is_list(headers), do: pairs(headers, wanted, %{})
 
   defp collect(headers, _wanted),
-    do: invalid("headers must be a list of {name, value} or a map, got #{inspect(headers)}")
+    do:
+      invalid("headers must be a list of {name, value} or a map, got #{Error.describe(headers)}")
 
   defp pairs([], _wanted, found), do: {:ok, found}
 
@@ -613,7 +623,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp pairs(_improper, _wanted, _found), do: invalid("headers must be a proper list")
 
   defp bad_header(header),
-    do: invalid("headers must be {name, value} binaries or charlists, got #{inspect(header)}")
+    do:
+      invalid(
+        "headers must be {name, value} binaries or charlists, got #{Error.describe(header)}"
+      )
 
   # A value, or a list of values (the first counts); charlists as :httpc returns them.
   defp value([]), do: {:ok, nil}
@@ -640,9 +653,6 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp text(_other), do: :error
-
-  # A value as an error message shows it: bounded.
-  defp short(term), do: inspect(term, limit: 8, printable_limit: 64)
 
   defp invalid(message), do: {:error, Error.invalid(message)}
 end

@@ -10,6 +10,7 @@ use bourse_core::{
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
 use smallvec::SmallVec;
 
+mod bounds;
 mod entry;
 mod handle;
 
@@ -224,6 +225,11 @@ fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {
 /// `{:error, message, exchange_id | nil}`; the input is counted as malformed.
 fn error<'a>(env: Env<'a>, table: &Table, err: InvalidInput) -> Term<'a> {
     table.count_invalid();
+    error_term(env, err)
+}
+
+/// `{:error, message, exchange_id | nil}`.
+fn error_term(env: Env, err: InvalidInput) -> Term {
     let exchange = match err.exchange() {
         Some(exchange) => binary(env, exchange),
         None => atoms::nil().encode(env),

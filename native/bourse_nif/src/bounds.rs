@@ -1,0 +1,58 @@
+//! The core's rules for Elixir code that checks its input before any table is reached
+//! (`Bourse.RateLimiter.observe_response/6`): the decoders of the table's calls, and the
+//! bounds of `bourse_core::rules`, so that Elixir repeats none of them.
+
+use bourse_core::rules::{
+    DEFAULT_BOOKING_SLACK_MS, MAX_AMOUNT, MAX_BUSIEST, MAX_CHECKS, MAX_KEY_PART_BYTES, MAX_MS,
+    MAX_PAUSES,
+};
+use bourse_core::InvalidInput;
+use rustler::{Encoder, Env, Term};
+
+use crate::{atoms, error_term, key, limit};
+
+mod names {
+    rustler::atoms! {
+        max_key_part_bytes, max_checks, max_busiest, max_pauses, default_booking_slack_ms,
+        max_ms, max_amount,
+    }
+}
+
+fn verdict(env: Env, checked: Result<(), InvalidInput>) -> Term {
+    match checked {
+        Ok(()) => atoms::ok().encode(env),
+        Err(err) => error_term(env, err),
+    }
+}
+
+/// `check_key(key)`: `:ok`, or the `{:error, message, exchange_id | nil}` a table's call
+/// answers for that key.
+#[rustler::nif]
+fn check_key<'a>(env: Env<'a>, key_term: Term<'a>) -> Term<'a> {
+    verdict(env, key(key_term).map(|_| ()))
+}
+
+/// `check_limit(limit)`: `:ok` (also for `nil`), or the error a check answers for it.
+#[rustler::nif]
+fn check_limit<'a>(env: Env<'a>, limit_term: Term<'a>) -> Term<'a> {
+    verdict(env, limit(limit_term).map(|_| ()))
+}
+
+/// `bounds()`: the bounds and defaults of `bourse_core::rules`, as a map.
+#[rustler::nif]
+fn bounds(env: Env) -> Term {
+    let integers = [
+        (names::max_key_part_bytes(), MAX_KEY_PART_BYTES as u64),
+        (names::max_checks(), MAX_CHECKS as u64),
+        (names::max_busiest(), MAX_BUSIEST as u64),
+        (names::max_pauses(), MAX_PAUSES as u64),
+        (names::default_booking_slack_ms(), DEFAULT_BOOKING_SLACK_MS),
+        (names::max_ms(), MAX_MS),
+    ];
+    let mut pairs: Vec<(Term, Term)> = integers
+        .iter()
+        .map(|&(name, value)| (name.encode(env), value.encode(env)))
+        .collect();
+    pairs.push((names::max_amount().encode(env), MAX_AMOUNT.encode(env)));
+    Term::map_from_pairs(env, &pairs).expect("distinct keys")
+}
