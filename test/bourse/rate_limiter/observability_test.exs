@@ -380,8 +380,10 @@ defmodule Bourse.RateLimiter.ObservabilityTest do
   end
 end
 
-defmodule Bourse.RateLimiter.TelemetryTest do
-  # Not async: the stand-in `:telemetry` module below is global while it exists.
+defmodule Bourse.RateLimiter.TelemetryStandInTest do
+  # Not async: the stand-in `:telemetry` module below is global while it exists. It
+  # passes on the events of this test's two limiters only: limiters of other tests, still
+  # running or winding down, may emit while it exists.
   use ExUnit.Case, async: false
 
   alias Bourse.RateLimiter
@@ -391,24 +393,26 @@ defmodule Bourse.RateLimiter.TelemetryTest do
     # calls it when it is loadable at start, and not otherwise.
     test "events go to :telemetry.execute/3 when it is loaded at start" do
       Process.register(self(), :bourse_telemetry_test)
+      name = :"observability_telemetry_#{System.unique_integer([:positive])}"
+      without = :"#{name}_without"
 
       Code.compile_string("""
       defmodule :telemetry do
         def execute(event, measurements, metadata) do
-          if pid = Process.whereis(:bourse_telemetry_test),
+          pid = Process.whereis(:bourse_telemetry_test)
+
+          if pid && metadata[:limiter] in #{inspect([name, without])},
             do: send(pid, {:telemetry, event, measurements, metadata})
         end
       end
       """)
-
-      name = :"observability_telemetry_#{System.unique_integer([:positive])}"
 
       try do
         start_supervised!({RateLimiter, name: name}, id: :telemetry)
         assert :ok = RateLimiter.pause("okx", 7, name)
 
         assert_received {:telemetry, [:bourse, :rate_limiter, :paused], %{ms: 7},
-                         %{exchange: "okx"}}
+                         %{exchange: "okx", limiter: ^name}}
       after
         :code.purge(:telemetry)
         :code.delete(:telemetry)
@@ -416,8 +420,8 @@ defmodule Bourse.RateLimiter.TelemetryTest do
       end
 
       stop_supervised!(:telemetry)
-      start_supervised!({RateLimiter, name: :"#{name}_without"}, id: :no_telemetry)
-      assert :ok = RateLimiter.pause("okx", 7, :"#{name}_without")
+      start_supervised!({RateLimiter, name: without}, id: :no_telemetry)
+      assert :ok = RateLimiter.pause("okx", 7, without)
       refute_received {:telemetry, _, _, _}
     end
   end
