@@ -1,8 +1,8 @@
 //! Checks per second and latency of `bourse_daemon --redis` and `--redis-cluster` on
 //! loopback, 1, 8 and 64 clients, single-bucket and three-bucket checks, next to the
-//! in-memory daemon with the same clients. Each client waits for every answer (one check in
-//! flight), so the latency is a full round trip: client -> daemon -> Redis script -> daemon
-//! -> client. The keys spread over 16 exchanges (so, on the cluster, over every master).
+//! in-memory daemon with the same clients, each on the daemon's Unix socket. Each client
+//! waits for every answer (one check in flight), so the latency is a full round trip:
+//! client -> daemon -> Redis script -> daemon -> client. The keys spread over 16 exchanges (so, on the cluster, over every master).
 //! Prints a table; asserts nothing.
 //!
 //! ```text
@@ -20,7 +20,8 @@ mod cluster_support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -83,7 +84,12 @@ fn main() {
         if store == "cluster" && seeds.is_empty() {
             continue;
         }
-        let mut daemon = start_daemon(store, &url, &seeds);
+        // A Unix socket: owner-only, so no secret to prove (a TCP listener needs one).
+        let socket = std::env::temp_dir().join(format!(
+            "bourse-redis-bench-{}-{store}.sock",
+            std::process::id()
+        ));
+        let mut daemon = start_daemon(store, &url, &seeds, &socket);
         let addr = listening_addr(&mut daemon);
         for buckets in [1, 3] {
             for clients in [1, 8, 64] {
@@ -104,6 +110,7 @@ fn main() {
         }
         let _ = daemon.kill();
         let _ = daemon.wait();
+        let _ = std::fs::remove_file(&socket);
     }
     drop(cluster);
     if let Some(mut redis) = own_redis {
@@ -112,13 +119,13 @@ fn main() {
     }
 }
 
-fn start_daemon(store: &str, url: &str, seeds: &[String]) -> Child {
+fn start_daemon(store: &str, url: &str, seeds: &[String], socket: &Path) -> Child {
     let path = std::env::current_exe()
         .ok()
         .and_then(|exe| Some(exe.parent()?.parent()?.join("bourse_daemon")))
         .unwrap_or_else(|| PathBuf::from("bourse_daemon"));
     let mut command = Command::new(&path);
-    command.args(["--listen", "127.0.0.1:0"]);
+    command.arg("--socket").arg(socket);
     match store {
         "redis" => {
             command.args(["--redis", url]);
@@ -142,7 +149,7 @@ fn listening_addr(child: &mut Child) -> String {
         .read_line(&mut line)
         .expect("listening line");
     line.trim()
-        .strip_prefix("listening tcp ")
+        .strip_prefix("listening unix ")
         .expect("a listening line")
         .to_string()
 }
@@ -155,8 +162,7 @@ fn run(addr: &str, clients: usize, buckets: usize, run_for: Duration) -> (usize,
             let addr = addr.to_string();
             thread::spawn(move || {
                 let requests = requests(client, buckets);
-                let stream = TcpStream::connect(&addr).expect("connect");
-                stream.set_nodelay(true).expect("nodelay");
+                let stream = UnixStream::connect(&addr).expect("connect");
                 let mut writer = stream.try_clone().expect("clone");
                 let mut reader = BufReader::new(stream);
                 let mut latencies = Vec::new();

@@ -827,6 +827,31 @@ mod tests {
         Limit::new(c, 1.0).unwrap()
     }
 
+    /// On a cluster every key one check or pause touches must be in one slot.
+    #[test]
+    fn every_name_of_an_exchange_shares_one_hash_tag() {
+        let keyed = Keyed::new(None);
+        for exchange in [&b"binance"[..], b"a}b", b"{x}", b"", b"}{"] {
+            let tags: Vec<Vec<u8>> = [
+                KeyRef::new(exchange, None, b"ip"),
+                KeyRef::new(exchange, Some(b"k1"), b"request"),
+                KeyRef::new(exchange, Some(b"}{"), b"{order}"),
+            ]
+            .iter()
+            .flat_map(|key| {
+                let names = KeyNames::new(b"bourse", key, &keyed);
+                [names.bucket, names.bookings, names.pauses, names.marker]
+            })
+            .map(|name| hash_tag(&name).to_vec())
+            .collect();
+            assert!(
+                tags.iter().all(|tag| *tag == tags[0]),
+                "{:?}: {tags:?}",
+                String::from_utf8_lossy(exchange)
+            );
+        }
+    }
+
     #[test]
     fn names_hold_no_credential_and_are_tagged_by_exchange() {
         let keyed = Keyed::new(None);
