@@ -84,12 +84,16 @@ defmodule DaemonBench do
 
   defp start_server do
     executable = RateLimiter.Backend.Port.executable()
+    # The shared secret TCP clients prove; the daemon backend reads it from this VM's env.
+    secret = Base.encode64(:crypto.strong_rand_bytes(24))
+    System.put_env("BOURSE_DAEMON_SECRET", secret)
 
     port =
       Port.open({:spawn_executable, executable}, [
         :binary,
         {:line, 256},
-        args: ["--listen", "127.0.0.1:0"]
+        args: ["--listen", "127.0.0.1:0"],
+        env: [{~c"BOURSE_DAEMON_SECRET", String.to_charlist(secret)}]
       ])
 
     receive do

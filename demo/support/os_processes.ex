@@ -23,7 +23,11 @@ defmodule Demo.OSProcesses do
     end
   end
 
+  # The shared secret TCP clients prove goes in this VM's environment: the daemon, the
+  # daemon backend and the worker VMs read it there.
   defp start_daemon do
+    System.put_env("BOURSE_DAEMON_SECRET", Base.encode64(:crypto.strong_rand_bytes(24)))
+
     daemon =
       open(Application.app_dir(:bourse, "priv/native/bourse_daemon"), ["--listen", "127.0.0.1:0"])
 
