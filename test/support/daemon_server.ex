@@ -60,12 +60,12 @@ defmodule Bourse.DaemonServer do
   @spec secret() :: String.t()
   def secret, do: @secret
 
-  @doc "Sends a signal (`\"TERM\"`, `\"KILL\"`, `\"STOP\"`, `\"CONT\"`) to the daemon."
+  @doc """
+  Sends a signal (`"TERM"`, `"KILL"`, `"STOP"`, `"CONT"`) to the daemon; after `"STOP"`,
+  returns once all its threads are stopped (`Bourse.OsSignal.send/2`).
+  """
   @spec signal(t(), String.t()) :: :ok
-  def signal(%__MODULE__{os_pid: os_pid}, signal) do
-    {_, 0} = System.cmd("kill", ["-#{signal}", Integer.to_string(os_pid)])
-    :ok
-  end
+  def signal(%__MODULE__{os_pid: os_pid}, signal), do: Bourse.OsSignal.send(os_pid, signal)
 
   @doc "Stops the daemon (SIGTERM) and waits until it is gone."
   @spec stop(t()) :: :ok

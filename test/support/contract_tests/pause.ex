@@ -11,7 +11,7 @@ defmodule Bourse.ContractTests.Pause do
           key = {"ex", "k", "request"}
           assert :ok = pause(key, 5_000, name)
 
-          first = assert_delay(check_rate(key, limit, 1, name), 4_000..5_000)
+          first = assert_delay(check_rate(key, limit, 1, name), 2_000..5_000)
           assert_delay(check_rate({"ex", "k"}, limit, 1, name), 1..first)
 
           assert_delay(

@@ -66,7 +66,7 @@ defmodule Bourse.RateLimiter.Backend.HostileTest do
         assert {:error, %Error{type: :invalid_parameters, message: message}} = answer,
                "#{label}: #{inspect(answer)}"
 
-        assert ms < 1_000, "#{label}: #{ms} ms"
+        assert ms < 3_000, "#{label}: #{ms} ms"
         assert byte_size(message) < 300, "#{label}: #{message}"
       end
 
@@ -107,8 +107,7 @@ defmodule Bourse.RateLimiter.Backend.HostileTest do
     end
   end
 
-  defp redis_signal(redis, signal),
-    do: {_, 0} = System.cmd("kill", ["-#{signal}", "#{redis.os_pid}"])
+  defp redis_signal(redis, signal), do: Bourse.OsSignal.send(redis.os_pid, signal)
 
   test "a stopped Redis: every caller gets :unavailable within the Redis timeout, and none pays" do
     redis = RedisServer.start()
@@ -134,7 +133,7 @@ defmodule Bourse.RateLimiter.Backend.HostileTest do
     for {answer, ms} <- answers do
       assert {:error, %Error{type: :unavailable}} = answer
       # Before: every caller waited 5,001 ms.
-      assert ms <= 500 + 1_500, "#{ms} ms"
+      assert ms <= 500 + 3_000, "#{ms} ms"
     end
 
     # Redis ran the scripts it had received, past their deadline: none of them paid.

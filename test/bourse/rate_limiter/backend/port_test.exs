@@ -25,7 +25,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   # Requests in flight are noted by id in the connection's state.
   defp in_flight(handle), do: map_size(:sys.get_state(handle.pid).in_flight)
 
-  defp kill(signal, os_pid), do: {_, 0} = System.cmd("kill", ["-#{signal}", os_pid])
+  defp kill(signal, os_pid), do: Bourse.OsSignal.send(String.to_integer(os_pid), signal)
 
   test "kill -9 of the daemon: callers in flight get :unavailable, then a replacement that assumes every bucket busy",
        %{name: name, handle: handle} do
