@@ -22,7 +22,10 @@ defmodule Bourse.MixProject do
 
   def application do
     # :jiffy (Debian's erlang-jiffy) encodes the JSON of the port and daemon backends.
-    [extra_applications: [:logger, :inets, :crypto, jiffy: :optional]]
+    [
+      mod: {Bourse.Application, []},
+      extra_applications: [:logger, :inets, :crypto, jiffy: :optional]
+    ]
   end
 
   defp elixirc_paths(:test), do: ["lib", "test/support"]

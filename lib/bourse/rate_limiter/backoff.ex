@@ -4,7 +4,8 @@ defmodule Bourse.RateLimiter.Backoff do
   and credential, from which `Bourse.RateLimiter.Feedback` backs off 1 s, 2 s, 4 s, ...
 
   It is kept in this VM, beside the buckets rather than in them: in a public ETS table
-  owned by a small process of its own, started on first use. Reading and clearing it
+  owned by a small process of its own, which the `:bourse` application's supervisor
+  starts with the application and restarts should it die. Reading and clearing it
   costs no call to the bucket table (a 2xx costs no round trip to a daemon or Redis),
   and it never shows as a bucket in `Bourse.RateLimiter.busiest/2` or `mix bourse.top`.
 
@@ -14,8 +15,9 @@ defmodule Bourse.RateLimiter.Backoff do
       and if it is still full a new credential is not counted (its backoff stays at
       1 s).
     * Each VM counts for itself: programs sharing a limiter daemon or Redis share the
-      pauses, not the count. Should the owning process be killed, the counts start again
-      from zero.
+      pauses, not the count. Should the owning process be killed, its supervisor starts
+      it again and the counts start again from zero; while the application is not
+      started nothing is counted (every backoff stays at 1 s).
   """
 
   use GenServer
@@ -27,12 +29,16 @@ defmodule Bourse.RateLimiter.Backoff do
   @typedoc "Whose count: `{limiter name, a digest of the exchange id and credential}`."
   @type key :: {GenServer.name(), binary()}
 
+  @doc "Starts the owner of the table (the `:bourse` application does)."
+  @spec start_link(term()) :: GenServer.on_start()
+  def start_link(_opts), do: GenServer.start_link(__MODULE__, [], name: __MODULE__)
+
   @doc "The count for `key` (0 when none, or lapsed)."
   @spec count(key()) :: non_neg_integer()
   def count(key) do
     now = System.monotonic_time(:millisecond)
 
-    case :ets.lookup(table(), key) do
+    case :ets.lookup(@table, key) do
       [{^key, count, lapses_at}] when lapses_at > now -> count
       _ -> 0
     end
@@ -44,13 +50,12 @@ defmodule Bourse.RateLimiter.Backoff do
   @spec bump(key()) :: non_neg_integer()
   def bump(key) do
     now = System.monotonic_time(:millisecond)
-    table = table()
 
     # A lapsed entry counts from zero again (deleted only if no one updated it since).
     known? =
-      case :ets.lookup(table, key) do
+      case :ets.lookup(@table, key) do
         [{^key, _count, lapses_at} = entry] when lapses_at <= now ->
-          :ets.delete_object(table, entry)
+          :ets.delete_object(@table, entry)
           false
 
         [_live] ->
@@ -60,15 +65,15 @@ defmodule Bourse.RateLimiter.Backoff do
           false
       end
 
-    if known? or room?(table, now) do
-      count = :ets.update_counter(table, key, {2, 1}, {key, 0, 0})
-      :ets.update_element(table, key, {3, now + @lapse_ms})
+    if known? or room?(@table, now) do
+      count = :ets.update_counter(@table, key, {2, 1}, {key, 0, 0})
+      :ets.update_element(@table, key, {3, now + @lapse_ms})
       count - 1
     else
       0
     end
   rescue
-    # The owner was killed between two calls: counting starts again.
+    # No table: the owner is being restarted, or the application is not started.
     ArgumentError -> 0
   end
 
@@ -95,24 +100,6 @@ defmodule Bourse.RateLimiter.Backoff do
     end
   end
 
-  # The table, starting its owner if need be (two callers racing both get it).
-  defp table do
-    case :ets.whereis(@table) do
-      :undefined ->
-        pid =
-          case GenServer.start(__MODULE__, [], name: __MODULE__) do
-            {:ok, pid} -> pid
-            {:error, {:already_started, pid}} -> pid
-          end
-
-        # Answered once the owner's init has created the table.
-        GenServer.call(pid, :table)
-
-      table ->
-        table
-    end
-  end
-
   @impl true
   def init([]) do
     :ets.new(@table, [
@@ -125,7 +112,4 @@ defmodule Bourse.RateLimiter.Backoff do
 
     {:ok, nil}
   end
-
-  @impl true
-  def handle_call(:table, _from, state), do: {:reply, :ets.whereis(@table), state}
 end

@@ -6,6 +6,30 @@ defmodule Bourse.RateLimiter.BackoffTest do
 
   defp key(i), do: {__MODULE__, "digest-#{i}"}
 
+  test "the :bourse application supervises the table's owner: killed, it is started again" do
+    assert {Bourse.Application, []} = Application.spec(:bourse, :mod)
+    owner = Process.whereis(Backoff)
+    assert is_pid(owner), "no owner before the first limited reply"
+    assert [{Backoff, ^owner, :worker, _}] = Supervisor.which_children(Bourse.Supervisor)
+
+    ref = Process.monitor(owner)
+    Process.exit(owner, :kill)
+    assert_receive {:DOWN, ^ref, :process, ^owner, :killed}
+
+    Bourse.ContractCase.eventually(fn ->
+      match?(
+        [{Backoff, pid, :worker, _}] when is_pid(pid) and pid != owner,
+        Supervisor.which_children(Bourse.Supervisor)
+      )
+    end)
+
+    # Counting starts again from zero, in the new owner's table.
+    key = key(:restarted)
+    assert Backoff.bump(key) == 0
+    assert Backoff.bump(key) == 1
+    assert :ok = Backoff.clear(key)
+  end
+
   test "concurrent limited replies each count once; clear forgets" do
     key = key(:concurrent)
 
