@@ -27,5 +27,11 @@ defmodule Bourse.Defaults do
   `config :bourse, booking_slack_ms: ms`, default `250`.
   """
   @spec booking_slack_ms() :: non_neg_integer()
-  def booking_slack_ms, do: Application.get_env(:bourse, :booking_slack_ms, 250)
+  def booking_slack_ms,
+    do:
+      Application.get_env(
+        :bourse,
+        :booking_slack_ms,
+        Bourse.Native.bound(:default_booking_slack_ms)
+      )
 end

@@ -76,7 +76,6 @@ defmodule Bourse.RateLimiter do
   alias Bourse.RateLimiter.{Backend, Events, Feedback, Options, Router, Server}
 
   @default __MODULE__
-  @max_busiest 10_000
   @typedoc "Rate limiter key: `{exchange_id, api_key | :public, bucket_axis}`."
   @type key ::
           {String.t(), String.t() | :public, String.t()} | {String.t(), String.t() | :public}
@@ -305,7 +304,9 @@ defmodule Bourse.RateLimiter do
 
   # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
   # of one call name several exchanges.
-  defp exchange({:checks, checks}), do: checks_exchange(checks, nil, 1024)
+  defp exchange({:checks, checks}),
+    do: checks_exchange(checks, nil, Bourse.Native.bound(:max_checks))
+
   defp exchange({:exchange, exchange}) when is_binary(exchange), do: exchange
   defp exchange({:target, exchange}) when is_binary(exchange), do: exchange
   defp exchange({:target, target}), do: exchange({:key, target})
@@ -403,28 +404,16 @@ defmodule Bourse.RateLimiter do
   end
 
   @doc """
-  The `count` (1 to #{@max_busiest}) busiest keys – most tokens borrowed, or holding
+  The `count` (an integer from 1 to 10,000) busiest keys – most tokens borrowed, or holding
   bookings – busiest first. Each row has the fields of `inspect_key/2` and the key as
   `:exchange`, `:credential` (its fingerprint, `Bourse.Fingerprint.of/1`) and `:axis`.
   `mix bourse.top` prints them as a table.
   """
   @spec busiest(pos_integer(), GenServer.name()) :: [map()] | error()
-  def busiest(count \\ 10, name \\ @default)
-
-  def busiest(count, name) when is_integer(count) and count in 1..@max_busiest do
+  def busiest(count \\ 10, name \\ @default) do
     with rows when is_list(rows) <- name |> run(:busiest, [count]) |> failed(nil) do
       Enum.map(rows, fn {key, info} -> Map.merge(info, Events.describe_key(key)) end)
     end
-  end
-
-  def busiest(count, name) do
-    route = Router.route(name)
-    count_invalid(route)
-
-    {:error,
-     Error.invalid(
-       "count must be an integer from 1 to #{@max_busiest}, got #{Error.describe(count)}"
-     )}
   end
 
   ## Exchange feedback

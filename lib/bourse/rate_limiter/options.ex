@@ -10,7 +10,7 @@ defmodule Bourse.RateLimiter.Options do
   (`c:Bourse.RateLimiter.Backend.options/1`).
   """
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.Backend
 
   @backends %{nif: Backend.NIF, port: Backend.Port, daemon: Backend.Daemon, redis: Backend.Redis}
@@ -23,8 +23,6 @@ defmodule Bourse.RateLimiter.Options do
     :on_event
   ]
 
-  # What `Process.sleep/1` accepts, so that a waiter can always sleep its delay.
-  @max_wait_ms 4_294_967_295
   # The longest booking slack and sweep interval, one day, as `bourse_daemon` accepts.
   @max_interval_ms 86_400_000
 
@@ -38,10 +36,6 @@ defmodule Bourse.RateLimiter.Options do
           sweep_interval_ms: pos_integer(),
           on_event: Bourse.RateLimiter.Events.callback() | nil
         }
-
-  @doc "The largest `:max_wait_ms` a call accepts: #{@max_wait_ms} (about 49.7 days)."
-  @spec max_wait_ms() :: pos_integer()
-  def max_wait_ms, do: @max_wait_ms
 
   @doc "Checks the options of `Bourse.RateLimiter.start_link/1`."
   @spec start(term()) :: {:ok, config()} | {:error, Error.t()}
@@ -72,7 +66,9 @@ defmodule Bourse.RateLimiter.Options do
   @doc """
   The budget of a waiter from a call's options: `{:ok, ms}`, or `{:ok, default}` when
   `opts` has no `:max_wait_ms` (`nil` for `check_rates/3`: a probe). A budget, given or
-  from the application env, is a positive integer of at most `max_wait_ms/0`.
+  from the application env, is a positive integer of at most the core's `MAX_MS`,
+  4_294_967_295: what `Process.sleep/1` accepts, so that a waiter can always sleep its
+  delay.
   """
   @spec max_wait(term(), pos_integer() | nil) :: {:ok, pos_integer() | nil} | {:error, Error.t()}
   def max_wait(opts, default) do
@@ -87,10 +83,17 @@ defmodule Bourse.RateLimiter.Options do
   defp budget(:error, nil), do: {:ok, nil}
   defp budget(:error, default), do: budget(default, "config :bourse, rate_limit_max_wait_ms")
   defp budget({:ok, ms}, _default), do: budget(ms, "max_wait_ms")
-  defp budget(ms, _what) when is_integer(ms) and ms in 1..@max_wait_ms, do: {:ok, ms}
 
-  defp budget(other, what) do
-    {:error, "#{what} must be an integer from 1 to #{@max_wait_ms}, got #{Error.describe(other)}"}
+  defp budget(ms, what) when is_integer(ms) and ms >= 1 do
+    if ms <= Native.bound(:max_ms), do: {:ok, ms}, else: budget_error(what, ms)
+  end
+
+  defp budget(other, what), do: budget_error(what, other)
+
+  defp budget_error(what, other) do
+    {:error,
+     "#{what} must be an integer from 1 to #{Native.bound(:max_ms)}, " <>
+       "got #{Error.describe(other)}"}
   end
 
   defp keyword(opts, what, known) do

@@ -26,10 +26,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   in the daemon, for the port alone.)
   """
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.Backend.Connection
-
-  @max_checks 1024
   @info_fields ~w(tokens borrowed debt bookings booked_cost next_ready_ms pause_ms)a
   @stats_fields ~w(admitted claimed delayed booked over_budget lapsed paused debited invalid buckets bookings)a
 
@@ -302,7 +300,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp limit(other), do: value(other)
 
-  # A proper list of at most @max_checks checks, each `{key, limit, cost}` as an object;
+  # A proper list of at most the core's `MAX_CHECKS` checks, each `{key, limit, cost}` as an object;
   # anything else as its value.
   defp checks(checks) when is_list(checks) do
     case bounded_length(checks, 0) do
@@ -357,10 +355,12 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     end
   end
 
-  # A list's length up to @max_checks + 1 (`:long` past it), or `:improper`; never walks
-  # further.
-  defp bounded_length(_list, length) when length > @max_checks, do: :long
-  defp bounded_length([], length), do: length
-  defp bounded_length([_ | tail], length), do: bounded_length(tail, length + 1)
-  defp bounded_length(_tail, _length), do: :improper
+  # A list's length up to the core's `MAX_CHECKS` + 1 (`:long` past it), or `:improper`;
+  # never walks further.
+  defp bounded_length(list, length), do: bounded_length(list, length, Native.bound(:max_checks))
+
+  defp bounded_length(_list, length, max) when length > max, do: :long
+  defp bounded_length([], length, _max), do: length
+  defp bounded_length([_ | tail], length, max), do: bounded_length(tail, length + 1, max)
+  defp bounded_length(_tail, _length, _max), do: :improper
 end
