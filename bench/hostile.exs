@@ -1,0 +1,118 @@
+# How long NIF calls take on hostile input and while the table grows and is swept,
+# printed, never asserted: `mix run bench/hostile.exs`.
+#
+#   1. The median and the slowest of 20 calls for each malformed input (a 10 MB binary as
+#      a cost, lists of 10,000,000 checks, a bignum, deep terms...): every one runs on a
+#      normal scheduler, so none may take much more than 100 µs. Times are wall time in
+#      the caller: on a loaded machine the slowest includes waits for a scheduler.
+#   2. The slowest hot-key check_rate/4 while another process checks 1,000,000 new keys,
+#      and while the limiter's sweep drops them again.
+
+defmodule Bench.Hostile do
+  alias Bourse.RateLimiter
+
+  @limiter Bench.Hostile.Limiter
+  @limit %{capacity: 10, refill_per_sec: 10}
+  @key {"binance", "api-key", "request"}
+  @keys 1_000_000
+
+  def main do
+    {:ok, _} = RateLimiter.start_link(name: @limiter, sweep_interval_ms: 100)
+    malformed()
+    growth_and_sweep()
+  end
+
+  defp malformed do
+    huge = :binary.copy("s", 10 * 1024 * 1024)
+    long = List.duplicate({@key, @limit, 1}, 10_000_000)
+    improper = Enum.reduce(1..1_000_000, :tail, fn _, tail -> [{@key, @limit, 1} | tail] end)
+    deep = Enum.reduce(1..100_000, "x", fn _, inner -> {inner} end)
+    wide_map = Map.new(1..100_000, &{&1, &1})
+
+    cases = [
+      {"a 10 MB binary as cost", fn -> RateLimiter.check_rate(@key, @limit, huge, @limiter) end},
+      {"a 10 MB binary as exchange_id",
+       fn -> RateLimiter.check_rate({huge, "k"}, @limit, 1, @limiter) end},
+      {"10,000,000 checks", fn -> RateLimiter.check_rates(long, @limiter) end},
+      {"an improper list of 1,000,000 checks",
+       fn -> RateLimiter.check_rates(improper, @limiter) end},
+      {"10 ** 400 as cost", fn -> RateLimiter.check_rate(@key, @limit, 10 ** 400, @limiter) end},
+      {"a tuple nested 100,000 deep as key",
+       fn -> RateLimiter.check_rate(deep, @limit, 1, @limiter) end},
+      {"a map of 100,000 keys as limit",
+       fn -> RateLimiter.check_rate(@key, wide_map, 1, @limiter) end},
+      {"1,024 valid checks (the most allowed)",
+       fn -> RateLimiter.check_rates(Enum.take(long, 1024), @limiter) end}
+    ]
+
+    IO.puts("## 20 calls per malformed input: median and slowest (µs)\n")
+
+    for {label, call} <- cases do
+      times = Enum.sort(for _ <- 1..20, do: elem(:timer.tc(call), 0))
+      columns = Enum.map([Enum.at(times, 10), List.last(times)], &String.pad_leading("#{&1}", 8))
+      IO.puts(String.pad_trailing(label, 40) <> Enum.join(columns))
+    end
+
+    IO.puts("")
+  end
+
+  defp growth_and_sweep do
+    parent = self()
+    hot = spawn_link(fn -> hot_loop(parent, :inserting, %{inserting: [], sweeping: []}) end)
+
+    # Capacity 1 refilled in a microsecond: each key can be swept right after its check.
+    quick = %{capacity: 1, refill_per_sec: 1_000_000}
+    inserter = Task.async(fn -> touch(quick, 0) end)
+    Task.await(inserter, :infinity)
+    send(hot, {:phase, :sweeping})
+    wait_for_sweep()
+    send(hot, :stop)
+
+    latencies =
+      receive do
+        {:latencies, latencies} -> latencies
+      end
+
+    IO.puts("## Hot-key check_rate/4 while another process works on the same table (µs)\n")
+
+    for phase <- [:inserting, :sweeping] do
+      sorted = Enum.sort(latencies[phase])
+      at = fn q -> Enum.at(sorted, round((length(sorted) - 1) * q)) end
+
+      IO.puts(
+        "#{phase} #{@keys} keys: slowest #{at.(1.0)}, p99.99 #{at.(0.9999)}, " <>
+          "median #{at.(0.5)} (#{length(sorted)} checks)"
+      )
+    end
+  end
+
+  defp touch(_limit, @keys), do: :ok
+
+  defp touch(limit, i) do
+    :ok = RateLimiter.check_rate({"binance", "key-#{i}", "request"}, limit, 1, @limiter)
+    touch(limit, i + 1)
+  end
+
+  defp wait_for_sweep do
+    Process.sleep(100)
+    if RateLimiter.stats(@limiter).buckets > 1, do: wait_for_sweep()
+  end
+
+  defp hot_loop(parent, phase, latencies) do
+    receive do
+      {:phase, next} ->
+        hot_loop(parent, next, latencies)
+
+      :stop ->
+        send(parent, {:latencies, latencies})
+    after
+      0 ->
+        started = System.monotonic_time(:microsecond)
+        RateLimiter.check_rate(@key, %{capacity: 1.0e12, refill_per_sec: 1.0e12}, 1, @limiter)
+        took = System.monotonic_time(:microsecond) - started
+        hot_loop(parent, phase, Map.update!(latencies, phase, &[took | &1]))
+    end
+  end
+end
+
+Bench.Hostile.main()
