@@ -4,20 +4,16 @@
 
 use crate::bucket::{Booking, Bucket};
 use crate::clock::NANOS_PER_MS;
-use crate::key::KeyRef;
-use crate::limit::Limit;
 use crate::rules::{self, InvalidInput};
 use crate::types::{Check, Mode, Outcome, Stats};
 
 /// A prepared bucket of a check: hashed, coalesced, with its shard slot.
 #[derive(Clone, Copy)]
 pub(crate) struct Item<'a> {
-    pub key: KeyRef<'a>,
+    pub check: Check<'a>,
     pub hash: u64,
     /// Which of the check's locked shards holds the bucket.
     pub slot: usize,
-    pub limit: Limit,
-    pub cost: f64,
 }
 
 /// What a check needs besides its buckets.
@@ -61,23 +57,38 @@ pub fn signature(checks: &[Check]) -> u64 {
 /// definitions is an error naming both, in the order given, and the key's exchange.
 pub fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput> {
     let mut sorted = checks.to_vec();
-    let parts = |check: &Check<'a>| (check.key.exchange, check.key.credential, check.key.axis);
     // Stable: of two checks of one key, the first given stays first.
-    sorted.sort_by(|a, b| parts(a).cmp(&parts(b)));
-    let mut coalesced: Vec<Check<'a>> = Vec::with_capacity(sorted.len());
-    for check in sorted {
-        match coalesced.last_mut() {
-            Some(last) if last.key == check.key => {
-                if last.limit != check.limit {
-                    return Err(rules::conflicting_definitions(&last.limit, &check.limit)
-                        .for_exchange(check.key.exchange));
+    sorted.sort_by(|a, b| a.key.cmp(&b.key));
+    merge_runs(&mut sorted, |check| check)?;
+    Ok(sorted)
+}
+
+/// The coalescing rule, over `items` sorted so that the checks of one key are adjacent
+/// (first given first): each run becomes its first check at the run's combined cost; a run
+/// with two definitions is an error naming both and the key's exchange.
+pub(crate) fn merge_runs<'a, T>(
+    items: &mut Vec<T>,
+    check: impl Fn(&mut T) -> &mut Check<'a>,
+) -> Result<(), InvalidInput> {
+    let mut kept = 0;
+    for next in 0..items.len() {
+        let current = *check(&mut items[next]);
+        if kept > 0 {
+            let last = check(&mut items[kept - 1]);
+            if last.key == current.key {
+                if last.limit != current.limit {
+                    return Err(rules::conflicting_definitions(&last.limit, &current.limit)
+                        .for_exchange(current.key.exchange));
                 }
-                last.cost += check.cost;
+                last.cost += current.cost;
+                continue;
             }
-            _ => coalesced.push(check),
         }
+        items.swap(kept, next);
+        kept += 1;
     }
-    Ok(coalesced)
+    items.truncate(kept);
+    Ok(())
 }
 
 /// Admits, books or refuses a check over `buckets` (aligned with `items`).
@@ -107,8 +118,13 @@ pub(crate) fn decide(
                 .find(|b| b.owner == owner && b.signature == signature)
                 .map(|b| at.max(b.ready_at))
         });
-        let start = bucket.start_under(&item.limit, now);
-        ready = ready.max(Bucket::ready_at(&item.limit, item.cost, start, now));
+        let start = bucket.start_under(&item.check.limit, now);
+        ready = ready.max(Bucket::ready_at(
+            &item.check.limit,
+            item.check.cost,
+            start,
+            now,
+        ));
     }
     if let Some(booked_ready) = claim_ready {
         return claim(buckets, stats, request, booked_ready);
@@ -158,12 +174,12 @@ fn pay_all(
     booking: Option<Booking>,
 ) {
     for (bucket, item) in buckets.iter_mut().zip(items) {
-        let start = bucket.start_under(&item.limit, now);
-        bucket.pay(item.limit, item.cost, start, now, at);
+        let start = bucket.start_under(&item.check.limit, now);
+        bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
         if let Some(booking) = &booking {
             bucket.bookings.push(Booking {
-                cost: item.cost,
+                cost: item.check.cost,
                 ..booking.clone()
             });
         }

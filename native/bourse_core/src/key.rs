@@ -3,7 +3,7 @@
 use std::hash::{Hash, Hasher};
 
 /// A key as the caller holds it; `credential: None` is the shared `:public` pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct KeyRef<'a> {
     /// The exchange id (`"binance"`).
     pub exchange: &'a [u8],

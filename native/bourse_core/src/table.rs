@@ -99,11 +99,9 @@ impl<C: Clock> Table<C> {
     pub fn check_one(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
         let hash = self.hash(&check.key);
         let item = Item {
-            key: check.key,
+            check,
             hash,
             slot: 0,
-            limit: check.limit,
-            cost: check.cost,
         };
         let mut guard = self.lock(hash);
         let request = self.request(std::slice::from_ref(&item), owner, mode);
@@ -120,19 +118,25 @@ impl<C: Clock> Table<C> {
             [single] => return Ok(self.check_one(owner, *single, mode)),
             _ => {}
         }
-        let coalesced = engine::coalesce(checks).inspect_err(|_| self.count_invalid())?;
-        let mut coalesced: Vec<Item> = coalesced
+        let mut coalesced: Vec<Item> = checks
             .iter()
-            .map(|check| Item {
-                key: check.key,
+            .map(|&check| Item {
+                check,
                 hash: self.hash(&check.key),
                 slot: 0,
-                limit: check.limit,
-                cost: check.cost,
             })
             .collect();
-        // Shards in ascending order: every multi-bucket check locks them in this order.
-        coalesced.sort_by_key(|item| (Self::shard_index(item.hash), item.hash));
+        // Shards in ascending order: every multi-bucket check locks them in this order. A
+        // key's checks end up adjacent, first given first (the sort is stable).
+        coalesced.sort_by(|a, b| {
+            (Self::shard_index(a.hash), a.hash, a.check.key).cmp(&(
+                Self::shard_index(b.hash),
+                b.hash,
+                b.check.key,
+            ))
+        });
+        engine::merge_runs(&mut coalesced, |item| &mut item.check)
+            .inspect_err(|_| self.count_invalid())?;
         let mut shard_indices: Vec<usize> = Vec::with_capacity(coalesced.len());
         for item in &mut coalesced {
             let index = Self::shard_index(item.hash);
@@ -168,7 +172,7 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         Request {
             owner,
-            signature: fold_signature(items.iter().map(|item| (item.hash, item.cost))),
+            signature: fold_signature(items.iter().map(|item| (item.hash, item.check.cost))),
             mode,
             now,
             pause_until: self.pause_until(items, now),
@@ -178,21 +182,33 @@ impl<C: Clock> Table<C> {
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
     fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
-        let tokens = self.initial_tokens(&item.limit, now);
-        let bucket = buckets.get_or_insert_with(item.hash, &item.key, || {
-            Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
+        let tokens = self.initial_tokens(&item.check.limit, now);
+        let bucket = buckets.get_or_insert_with(item.hash, &item.check.key, || {
+            Bucket::defined(
+                item.check.key.to_owned_key(),
+                item.hash,
+                item.check.limit,
+                tokens,
+                now,
+            )
         });
-        bucket.define(item.limit, tokens, now);
+        bucket.define(item.check.limit, tokens, now);
         bucket
     }
 
     /// Like [`Table::bucket`], but removes the bucket from its shard.
     fn take_bucket(&self, buckets: &mut Buckets, item: &Item, now: u64) -> Bucket {
-        let tokens = self.initial_tokens(&item.limit, now);
-        let mut bucket = buckets.take(item.hash, &item.key).unwrap_or_else(|| {
-            Bucket::defined(item.key.to_owned_key(), item.hash, item.limit, tokens, now)
+        let tokens = self.initial_tokens(&item.check.limit, now);
+        let mut bucket = buckets.take(item.hash, &item.check.key).unwrap_or_else(|| {
+            Bucket::defined(
+                item.check.key.to_owned_key(),
+                item.hash,
+                item.check.limit,
+                tokens,
+                now,
+            )
         });
-        bucket.define(item.limit, tokens, now);
+        bucket.define(item.check.limit, tokens, now);
         bucket
     }
 
@@ -387,7 +403,7 @@ impl<C: Clock> Table<C> {
         let pauses = self.pauses.read();
         items
             .iter()
-            .map(|item| pauses.until(&item.key, item.hash))
+            .map(|item| pauses.until(&item.check.key, item.hash))
             .max()
             .unwrap_or(0)
     }
