@@ -41,11 +41,6 @@ impl Buckets {
         self.table.len() + self.old.len()
     }
 
-    /// Every bucket, in no order.
-    pub fn iter(&self) -> impl Iterator<Item = &Bucket> {
-        self.table.iter().chain(self.old.iter())
-    }
-
     pub fn find(&self, hash: u64, key: &KeyRef) -> Option<&Bucket> {
         let found = self.table.find(hash, matches(hash, key));
         found.or_else(|| self.old.find(hash, matches(hash, key)))

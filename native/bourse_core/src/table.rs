@@ -302,17 +302,15 @@ impl<C: Clock> Table<C> {
 
     /// The `count` keys with the most tokens borrowed, busiest first.
     pub fn busiest(&self, count: usize) -> Vec<(Key, KeyInfo)> {
-        let now = self.clock.now();
         let mut rows: Vec<(Key, KeyInfo)> = Vec::new();
-        for shard in self.shards.iter() {
-            let shard = shard.0.lock();
-            for bucket in shard.buckets.iter() {
-                let borrowed = bucket.borrowed(now);
-                if borrowed > 0.0 || !bucket.bookings.is_empty() {
-                    rows.push((bucket.key.clone(), Self::info(bucket, now, None)));
-                }
+        // A few hundred buckets per lock, as the sweep does.
+        self.retain(|bucket, now, _| {
+            if bucket.borrowed(now) > 0.0 || !bucket.bookings.is_empty() {
+                rows.push((bucket.key.clone(), Self::info(bucket, now, None)));
             }
-        }
+            true
+        });
+        let now = self.clock.now();
         rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
         rows.truncate(count);
         for (key, info) in &mut rows {
@@ -436,12 +434,12 @@ impl<C: Clock> Table<C> {
             total.paused += s.paused;
             total.debited += s.debited;
             total.buckets += shard.buckets.len() as u64;
-            total.bookings += shard
-                .buckets
-                .iter()
-                .map(|b| b.bookings.len() as u64)
-                .sum::<u64>();
         }
+        // Bookings are counted a few hundred buckets per lock, as the sweep does.
+        self.retain(|bucket, _, _| {
+            total.bookings += bucket.bookings.len() as u64;
+            true
+        });
         total
     }
 }
