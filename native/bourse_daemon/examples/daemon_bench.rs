@@ -1,19 +1,21 @@
 //! Throughput of `bourse_daemon`: checks per second over stdio (`{packet, 4}` frames) and
-//! over loopback TCP with 1 and 8 clients, pipelined in windows of requests in flight, on
+//! over its Unix socket with 1 and 8 clients, pipelined in windows of requests in flight, on
 //! distinct keys and on one hot key. Prints a table; asserts nothing.
 //!
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
-//! target/release/examples/daemon_bench [--daemon PATH] [--connect 127.0.0.1:PORT]
+//! target/release/examples/daemon_bench [--daemon PATH] [--connect SOCKET_PATH]
 //!                                      [--checks N] [--window W]
 //! ```
 //!
 //! `--daemon` defaults to the `bourse_daemon` built next to this example; `--connect` uses a
-//! running server for the TCP rows instead of starting one. Limits are large enough that
-//! every check is admitted: this measures the protocol and table path, not refusals.
+//! running server's Unix socket for the socket rows instead of starting one. (A socket is
+//! owner-only, so there is no secret to prove; a TCP listener needs one.) Limits are large
+//! enough that every check is admitted: this measures the protocol and table path, not
+//! refusals.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,7 +36,7 @@ fn main() {
         Err(message) => {
             eprintln!("daemon_bench: {message}");
             eprintln!(
-                "usage: daemon_bench [--daemon PATH] [--connect HOST:PORT] [--checks N] [--window W]"
+                "usage: daemon_bench [--daemon PATH] [--connect SOCKET_PATH] [--checks N] [--window W]"
             );
             std::process::exit(2);
         }
@@ -56,10 +58,13 @@ fn main() {
         report(&label, options.checks, elapsed);
     }
 
+    let socket =
+        std::env::temp_dir().join(format!("bourse_daemon_bench_{}.sock", std::process::id()));
     let (server, addr) = match &options.connect {
         Some(addr) => (None, addr.clone()),
         None => {
-            let mut child = spawn(&options.daemon, &["--listen", "127.0.0.1:0"], false);
+            let path = socket.to_str().expect("a UTF-8 temporary path");
+            let mut child = spawn(&options.daemon, &["--socket", path], false);
             let addr = listening_addr(&mut child);
             (Some(child), addr)
         }
@@ -68,18 +73,19 @@ fn main() {
     for clients in [1, 8] {
         for hot in [false, true] {
             scenario += 1;
-            let label = format!("tcp, {clients} client(s), {}", keys_label(hot));
+            let label = format!("socket, {clients} client(s), {}", keys_label(hot));
             let per_client = options.checks / clients;
-            let elapsed = run_tcp(&addr, clients, per_client, options.window, hot, scenario);
+            let elapsed = run_socket(&addr, clients, per_client, options.window, hot, scenario);
             report(&label, per_client * clients, elapsed);
         }
     }
     scenario += 1;
     let unpipelined = options.checks / 10;
-    let elapsed = run_tcp(&addr, 1, unpipelined, 1, false, scenario);
-    report("tcp, 1 client, no pipelining", unpipelined, elapsed);
+    let elapsed = run_socket(&addr, 1, unpipelined, 1, false, scenario);
+    report("socket, 1 client, no pipelining", unpipelined, elapsed);
     if let Some(server) = server {
         stop(server);
+        let _ = std::fs::remove_file(&socket);
     }
 }
 
@@ -159,7 +165,7 @@ fn listening_addr(child: &mut Child) -> String {
         .read_line(&mut line)
         .expect("read the listening line");
     line.trim()
-        .strip_prefix("listening tcp ")
+        .strip_prefix("listening unix ")
         .unwrap_or_else(|| panic!("unexpected daemon output {line:?}"))
         .to_string()
 }
@@ -211,7 +217,7 @@ fn run_stdio(daemon: &mut Child, options: &Options, hot: bool) -> Duration {
     started.elapsed()
 }
 
-fn run_tcp(
+fn run_socket(
     addr: &str,
     clients: usize,
     per_client: usize,
@@ -222,8 +228,7 @@ fn run_tcp(
     let start = std::sync::Arc::new(std::sync::Barrier::new(clients + 1));
     let workers: Vec<_> = (0..clients)
         .map(|client| {
-            let stream = TcpStream::connect(addr).expect("connect to the daemon");
-            stream.set_nodelay(true).expect("nodelay");
+            let stream = UnixStream::connect(addr).expect("connect to the daemon");
             let requests = requests(client, hot, scenario);
             let start = std::sync::Arc::clone(&start);
             std::thread::spawn(move || {
