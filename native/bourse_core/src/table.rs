@@ -184,13 +184,7 @@ impl<C: Clock> Table<C> {
     fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
         let tokens = self.initial_tokens(&item.check.limit, now);
         let bucket = buckets.get_or_insert_with(item.hash, &item.check.key, || {
-            Bucket::defined(
-                item.check.key.to_owned_key(),
-                item.hash,
-                item.check.limit,
-                tokens,
-                now,
-            )
+            Self::new_bucket(item, tokens, now)
         });
         bucket.define(item.check.limit, tokens, now);
         bucket
@@ -199,17 +193,22 @@ impl<C: Clock> Table<C> {
     /// Like [`Table::bucket`], but removes the bucket from its shard.
     fn take_bucket(&self, buckets: &mut Buckets, item: &Item, now: u64) -> Bucket {
         let tokens = self.initial_tokens(&item.check.limit, now);
-        let mut bucket = buckets.take(item.hash, &item.check.key).unwrap_or_else(|| {
-            Bucket::defined(
-                item.check.key.to_owned_key(),
-                item.hash,
-                item.check.limit,
-                tokens,
-                now,
-            )
-        });
+        let mut bucket = buckets
+            .take(item.hash, &item.check.key)
+            .unwrap_or_else(|| Self::new_bucket(item, tokens, now));
         bucket.define(item.check.limit, tokens, now);
         bucket
+    }
+
+    /// A bucket for `item`'s key, first seen now, holding `tokens`.
+    fn new_bucket(item: &Item, tokens: f64, now: u64) -> Bucket {
+        Bucket::defined(
+            item.check.key.to_owned_key(),
+            item.hash,
+            item.check.limit,
+            tokens,
+            now,
+        )
     }
 
     /// Debits `cost` from `key` without checking (usage spent elsewhere). On a key without
