@@ -288,15 +288,21 @@ impl Cluster {
         assert!(status.success(), "kill -{signal} {port}");
     }
 
-    /// The port of the replica of the master on `port`.
+    /// The port of the replica of the master on `port`, once the node asked knows it as one
+    /// (a replica's role reaches the other nodes by gossip, some time after it attached).
     pub fn replica_of(&self, port: u16) -> u16 {
         let id = self.node_id(port);
-        self.topology()
-            .expect("a live node")
-            .into_iter()
-            .find(|n| !n.master && n.master_id.as_deref() == Some(id.as_str()))
-            .unwrap_or_else(|| panic!("no replica of {port}"))
-            .port
+        let mut replica = None;
+        eventually(&format!("a replica of {port}"), || {
+            replica = self.topology().and_then(|nodes| {
+                nodes
+                    .into_iter()
+                    .find(|n| !n.master && n.master_id.as_deref() == Some(id.as_str()))
+                    .map(|n| n.port)
+            });
+            replica.is_some()
+        });
+        replica.expect("found above")
     }
 
     /// Cuts the master on `port` off from its replica, which then misses every write until
