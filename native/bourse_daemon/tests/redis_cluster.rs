@@ -415,8 +415,10 @@ fn a_master_killed_under_load_fails_over() {
 }
 
 /// Whether a live master other than `dead` serves `slot`.
+/// Whether any live node, in its own view, has a master other than `dead` serving `slot`
+/// (the promoted replica knows first: asking one node only would see the promotion late).
 fn served(cluster: &Cluster, slot: u16, dead: u16) -> bool {
-    cluster.topology().is_some_and(|nodes| {
+    cluster.views().iter().any(|nodes| {
         nodes.iter().any(|n| {
             n.master
                 && !n.failed

@@ -231,6 +231,18 @@ impl Cluster {
         })
     }
 
+    /// Every live node's own view of the cluster (views differ until gossip has spread a
+    /// change: a promoted replica knows it is a master before the others do).
+    pub fn views(&self) -> Vec<Vec<NodeInfo>> {
+        self.live_ports()
+            .into_iter()
+            .filter_map(|port| {
+                let text: String = node_query(port, ::redis::cmd("CLUSTER").arg("NODES"))?;
+                Some(parse_nodes(&text))
+            })
+            .collect()
+    }
+
     /// The port of the master serving `slot` now.
     pub fn master_of_slot(&self, slot: u16) -> u16 {
         self.topology()
