@@ -47,6 +47,8 @@ defmodule Bourse.Native do
   def reset_all(_table), do: :erlang.nif_error(:not_loaded)
   def sweep(_table), do: :erlang.nif_error(:not_loaded)
   def pause(_table, _target, _ms), do: :erlang.nif_error(:not_loaded)
+  def back_off(_table, _credential, _scope), do: :erlang.nif_error(:not_loaded)
+  def reset_backoff(_table, _credential), do: :erlang.nif_error(:not_loaded)
   def inspect(_table, _key), do: :erlang.nif_error(:not_loaded)
   def busiest(_table, _count), do: :erlang.nif_error(:not_loaded)
   def stats(_table), do: :erlang.nif_error(:not_loaded)

@@ -9,6 +9,7 @@
 //! Time comes from a [`Clock`], so the semantics are testable to the nanosecond with a
 //! [`ManualClock`].
 
+mod backoffs;
 mod bucket;
 mod buckets;
 mod clock;
@@ -26,4 +27,4 @@ pub use key::{Key, KeyRef};
 pub use limit::Limit;
 pub use rules::{InvalidInput, Shape};
 pub use table::Table;
-pub use types::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
+pub use types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};

@@ -20,6 +20,14 @@ pub const MAX_CHECKS: usize = 1024;
 pub const MAX_BUSIEST: usize = 10_000;
 /// Most pauses in force at once in one table.
 pub const MAX_PAUSES: usize = 100_000;
+/// Most credentials whose backoff is counted at once in one table.
+pub const MAX_BACKOFFS: usize = 10_000;
+/// The backoff after a limited reply without a usable wait, when none came just before.
+pub const FIRST_BACKOFF_MS: u64 = 1000;
+/// The longest backoff.
+pub const MAX_BACKOFF_MS: u64 = 300_000;
+/// How long a backoff count lasts after the last limited reply that counted into it.
+pub const BACKOFF_LAPSE_MS: u64 = 600_000;
 /// How long past its ready time a booking may still be claimed, unless configured.
 pub const DEFAULT_BOOKING_SLACK_MS: u64 = 250;
 /// Longest budget, pause, booking slack or exchange window, in milliseconds: what
@@ -375,6 +383,27 @@ pub fn too_many_pauses() -> InvalidInput {
     ))
 }
 
+/// The backoff after `count` consecutive limited replies without a usable wait:
+/// [`FIRST_BACKOFF_MS`], doubling with each, at most [`MAX_BACKOFF_MS`].
+pub fn backoff_ms(count: u32) -> u64 {
+    // The cap is reached long before the shift could overflow.
+    (FIRST_BACKOFF_MS << count.min(30)).min(MAX_BACKOFF_MS)
+}
+
+/// A backoff counts for a credential, `{exchange_id, credential_key}`.
+pub fn not_a_credential(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "credential must be {{exchange_id, credential_key}}, got {given}"
+    ))
+}
+
+/// A backoff pauses the credential's buckets or the whole exchange's.
+pub fn not_a_backoff_scope(given: Shape) -> InvalidInput {
+    InvalidInput::new(format!(
+        "scope must be :credential or :exchange, got {given}"
+    ))
+}
+
 /// The booking slack of a table: an integer of milliseconds from 0 to [`MAX_MS`].
 pub fn booking_slack_ms(given: Shape) -> Result<u64, InvalidInput> {
     integer_in("booking_slack_ms", given, 0, MAX_MS)
@@ -554,6 +583,16 @@ mod tests {
         assert!(busiest_count(Shape::Integer(0)).is_err());
         assert_eq!(booking_slack_ms(Shape::Integer(0)), Ok(0));
         assert!(window_left_ms(Shape::Integer(MAX_MS as i64 + 1)).is_err());
+    }
+
+    #[test]
+    fn backoffs_double_up_to_their_cap() {
+        let steps: Vec<u64> = (0..10).map(backoff_ms).collect();
+        assert_eq!(
+            steps,
+            [1000, 2000, 4000, 8000, 16_000, 32_000, 64_000, 128_000, 256_000, 300_000]
+        );
+        assert_eq!(backoff_ms(u32::MAX), MAX_BACKOFF_MS);
     }
 
     #[test]

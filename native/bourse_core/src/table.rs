@@ -1,11 +1,12 @@
 //! The sharded bucket table: the buckets of each key behind one of 64 locks, the pauses,
-//! and the operations over them (checks, debt, resets, the sweep).
+//! the backoff counts, and the operations over them (checks, debt, resets, the sweep).
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
+use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
 use crate::buckets::Buckets;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
@@ -13,8 +14,8 @@ use crate::engine::{self, delay_ms, fold_signature, Item, Request};
 use crate::key::{Key, KeyRef};
 use crate::limit::Limit;
 use crate::pauses::Pauses;
-use crate::rules::InvalidInput;
-use crate::types::{Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
+use crate::rules::{self, InvalidInput};
+use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 
 const SHARDS: usize = 64;
 
@@ -36,6 +37,8 @@ pub struct Table<C: Clock = MonotonicClock> {
     hasher: foldhash::fast::RandomState,
     shards: Box<[Padded<Mutex<Shard>>]>,
     pauses: RwLock<Pauses>,
+    /// Taken after `pauses` when both are.
+    backoffs: Mutex<Backoffs>,
     /// The latest end of any pause: past it, checks skip the pauses.
     pause_horizon: AtomicU64,
     invalid: AtomicU64,
@@ -62,6 +65,7 @@ impl<C: Clock> Table<C> {
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
             pauses: RwLock::new(Pauses::new(hasher)),
+            backoffs: Mutex::new(Backoffs::new(hasher)),
             pause_horizon: AtomicU64::new(0),
             invalid: AtomicU64::new(0),
         }
@@ -354,9 +358,10 @@ impl<C: Clock> Table<C> {
     pub fn reset_exchange(&self, exchange: &[u8]) {
         self.retain(|bucket, _, _| bucket.key.exchange() != exchange);
         self.pauses.write().remove_exchange(exchange);
+        self.backoffs.lock().remove_exchange(exchange);
     }
 
-    /// Forgets everything but the counters. Each shard's buckets are freed after its lock
+    /// Forgets every bucket, pause and backoff count, but not the statistics. Each shard's buckets are freed after its lock
     /// is released.
     pub fn reset_all(&self) {
         for shard in self.shards.iter() {
@@ -364,17 +369,20 @@ impl<C: Clock> Table<C> {
             drop(buckets);
         }
         self.pauses.write().clear();
+        self.backoffs.lock().clear();
     }
 
     /// Drops buckets that behave exactly as new ones (full, idle, no bookings, no debt),
-    /// lapsed bookings and ended pauses, and shrinks shards whose occupancy fell. Returns
+    /// lapsed bookings, ended pauses and lapsed backoff counts, and shrinks shards whose occupancy fell. Returns
     /// how many buckets were dropped.
     pub fn sweep(&self) -> usize {
         let dropped = self.retain(|bucket, now, stats| {
             stats.lapsed += bucket.drop_lapsed(now) as u64;
             !bucket.sweepable(now)
         });
-        self.pauses.write().drop_ended(self.clock.now());
+        let now = self.clock.now();
+        self.pauses.write().drop_ended(now);
+        self.backoffs.lock().drop_lapsed(now);
         dropped
     }
 
@@ -390,6 +398,43 @@ impl<C: Clock> Table<C> {
         self.pauses.write().add(&target, until)?;
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Counts a limited reply without a usable wait for `exchange`'s `credential` (`None`:
+    /// the public pool) and pauses `scope` for the backoff: [`rules::backoff_ms`] of the
+    /// consecutive replies counted before this one (which lapse
+    /// [`rules::BACKOFF_LAPSE_MS`] after the last). Returns the pause in milliseconds. A
+    /// pause refused (see [`Table::pause`]) counts nothing.
+    pub fn back_off(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+        scope: BackoffScope,
+    ) -> Result<u64, InvalidInput> {
+        let counted = KeyRef::new(exchange, credential, b"");
+        let target = match scope {
+            BackoffScope::Credential => {
+                PauseTarget::Credential(exchange.to_vec(), credential.map(<[u8]>::to_vec))
+            }
+            BackoffScope::Exchange => PauseTarget::Exchange(exchange.to_vec()),
+        };
+        let mut pauses = self.pauses.write();
+        let mut backoffs = self.backoffs.lock();
+        let now = self.clock.now();
+        let count = backoffs.count(&counted, now);
+        let ms = rules::backoff_ms(count);
+        let until = now.saturating_add(ms * NANOS_PER_MS);
+        pauses.add(&target, until)?;
+        self.pause_horizon.fetch_max(until, Ordering::SeqCst);
+        backoffs.set(&counted, count.saturating_add(1), now);
+        Ok(ms)
+    }
+
+    /// Forgets the backoff count of `exchange`'s `credential`: the next backoff is the first.
+    pub fn reset_backoff(&self, exchange: &[u8], credential: Option<&[u8]>) {
+        self.backoffs
+            .lock()
+            .remove(&KeyRef::new(exchange, credential, b""));
     }
 
     /// The end of the latest pause covering any of `items`, or 0.

@@ -82,6 +82,15 @@ impl PauseTarget {
     }
 }
 
+/// What a backoff pauses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackoffScope {
+    /// Every bucket of the credential that was limited.
+    Credential,
+    /// Every bucket of its exchange (the exchange limits by IP).
+    Exchange,
+}
+
 /// Counters since the table was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {

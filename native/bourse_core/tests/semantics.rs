@@ -1,6 +1,9 @@
 //! Exact scenarios on a manual clock: delays in whole milliseconds, token counts to the unit.
 
-use bourse_core::{Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table};
+use bourse_core::rules::{BACKOFF_LAPSE_MS, MAX_PAUSES};
+use bourse_core::{
+    BackoffScope, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
+};
 
 const ME: u64 = 1;
 const OTHER: u64 = 2;
@@ -335,6 +338,62 @@ fn a_pause_that_starts_after_booking_holds_the_claim() {
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Delay(900));
     clock.advance_ms(900);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Claimed);
+}
+
+#[test]
+fn backoffs_double_per_limited_reply_and_pause_their_scope() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    let me = Some(&b"api-key"[..]);
+    let credential = BackoffScope::Credential;
+    let steps: Vec<u64> = (0..4)
+        .map(|_| t.back_off(b"binance", me, credential).unwrap())
+        .collect();
+    assert_eq!(steps, [1000, 2000, 4000, 8000]);
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(8000));
+    // Per credential: another one, and the public pool, count for themselves.
+    assert_eq!(t.back_off(b"binance", Some(b"k2"), credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", None, credential), Ok(1000));
+    // The whole exchange's buckets, counted for the credential limited.
+    let okx = KeyRef::new(b"okx", Some(b"other"), b"request");
+    assert_eq!(t.back_off(b"okx", me, BackoffScope::Exchange), Ok(1000));
+    assert_eq!(
+        t.check_one(ME, check(okx, l, 1.0), Mode::Probe),
+        Outcome::Delay(1000)
+    );
+    // A success starts the count again; so does a lapse after the last limited reply.
+    t.reset_backoff(b"binance", me);
+    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    clock.advance_ms(BACKOFF_LAPSE_MS - 1);
+    assert_eq!(t.back_off(b"binance", me, credential), Ok(2000));
+    clock.advance_ms(BACKOFF_LAPSE_MS);
+    t.sweep();
+    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    // Resets forget the counts with the pauses.
+    t.reset_exchange(b"binance");
+    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    t.reset_all();
+    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    // Never a bucket: nothing shows among the keys.
+    assert!(t.busiest(10).is_empty());
+    assert_eq!(t.inspect(KeyRef::new(b"binance", me, b"")), None);
+}
+
+#[test]
+fn a_backoff_refused_for_want_of_room_for_its_pause_counts_nothing() {
+    let (t, _) = table();
+    for i in 0..MAX_PAUSES {
+        let key = KeyRef::new(b"ex", Some(format!("{i}").as_bytes()), b"ip").to_owned_key();
+        t.pause(PauseTarget::Key(key), 60_000).unwrap();
+    }
+    let me = Some(&b"api-key"[..]);
+    let refused = t.back_off(b"binance", me, BackoffScope::Credential);
+    assert_eq!(refused.unwrap_err().exchange(), Some(&b"binance"[..]));
+    t.reset_exchange(b"ex");
+    assert_eq!(
+        t.back_off(b"binance", me, BackoffScope::Credential),
+        Ok(1000)
+    );
 }
 
 #[test]

@@ -4,8 +4,8 @@
 
 use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
 use bourse_core::{
-    Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome, PauseTarget, Shape,
-    Stats, Table,
+    BackoffScope, Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome,
+    PauseTarget, Shape, Stats, Table,
 };
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
 use smallvec::SmallVec;
@@ -24,6 +24,7 @@ mod atoms {
         capacity, refill_per_sec, requests, period,
         admitted, claimed, delayed, lapsed, paused, debited, invalid, buckets, bookings,
         limit, tokens, borrowed, debt, booked_cost, next_ready_ms, pause_ms,
+        credential, exchange,
     }
 }
 
@@ -421,6 +422,50 @@ fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) ->
         let target = pause_target(target)?;
         let ms = rules::pause_ms(number(ms)).map_err(|err| err.for_exchange(target.exchange()))?;
         table.pause(target, ms)?;
+        Ok(atoms::ok().encode(env))
+    })
+}
+
+/// `{exchange_id, credential_key}`: the credential a backoff counts for.
+fn backoff_credential<'a>(term: Term<'a>) -> Decoded<(&'a [u8], Option<&'a [u8]>)> {
+    let Some([exchange, cred]) = tuple(term) else {
+        return Err(rules::not_a_credential(shape(term)));
+    };
+    let exchange = key_part(exchange, KeyPart::Exchange)?;
+    let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
+    Ok((exchange, credential))
+}
+
+/// `back_off(table, {exchange_id, credential_key}, :credential | :exchange)`: the pause
+/// set, in milliseconds.
+#[rustler::nif]
+fn back_off<'a>(
+    env: Env<'a>,
+    table: Handle<'a>,
+    credential: Term<'a>,
+    scope: Term<'a>,
+) -> Term<'a> {
+    let table = &table.0;
+    answer(env, table, || {
+        let (exchange, credential) = backoff_credential(credential)?;
+        let scope = if is_atom(scope, atoms::credential()) {
+            BackoffScope::Credential
+        } else if is_atom(scope, atoms::exchange()) {
+            BackoffScope::Exchange
+        } else {
+            return Err(rules::not_a_backoff_scope(shape(scope)).for_exchange(exchange));
+        };
+        Ok(table.back_off(exchange, credential, scope)?.encode(env))
+    })
+}
+
+/// `reset_backoff(table, {exchange_id, credential_key})`.
+#[rustler::nif]
+fn reset_backoff<'a>(env: Env<'a>, table: Handle<'a>, credential: Term<'a>) -> Term<'a> {
+    let table = &table.0;
+    answer(env, table, || {
+        let (exchange, credential) = backoff_credential(credential)?;
+        table.reset_backoff(exchange, credential);
         Ok(atoms::ok().encode(env))
     })
 }

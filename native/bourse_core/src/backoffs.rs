@@ -1,0 +1,153 @@
+//! Backoff counts: consecutive limited replies without a usable wait, per credential, each
+//! lapsing [`BACKOFF_LAPSE_MS`] after the last reply that counted into it.
+
+use std::hash::BuildHasher;
+
+use hashbrown::hash_table::Entry;
+use hashbrown::HashTable;
+
+use crate::clock::NANOS_PER_MS;
+use crate::key::{Key, KeyRef};
+use crate::rules::{BACKOFF_LAPSE_MS, MAX_BACKOFFS};
+
+/// A credential packed as a key (`{exchange, credential, ""}`), its count and when it lapses.
+struct Count {
+    key: Key,
+    hash: u64,
+    count: u32,
+    lapses_at: u64,
+}
+
+/// The backoff counts of one table, at most [`MAX_BACKOFFS`].
+pub(crate) struct Backoffs {
+    hasher: foldhash::fast::RandomState,
+    counts: HashTable<Count>,
+}
+
+impl Backoffs {
+    pub fn new(hasher: foldhash::fast::RandomState) -> Self {
+        Self {
+            hasher,
+            counts: HashTable::new(),
+        }
+    }
+
+    /// The count of `credential` at `now`: 0 when it has none, or it lapsed.
+    pub fn count(&self, credential: &KeyRef, now: u64) -> u32 {
+        let hash = self.hasher.hash_one(credential);
+        self.counts
+            .find(hash, |count| {
+                count.hash == hash && count.key.as_ref() == *credential
+            })
+            .filter(|count| count.lapses_at > now)
+            .map_or(0, |count| count.count)
+    }
+
+    /// Sets the count of `credential` to `count`, lapsing [`BACKOFF_LAPSE_MS`] after `now`.
+    /// When [`MAX_BACKOFFS`] credentials are counted, lapsed counts are dropped first; if
+    /// none has lapsed, a new credential is not counted (its next backoff is the first).
+    pub fn set(&mut self, credential: &KeyRef, count: u32, now: u64) {
+        let lapses_at = now.saturating_add(BACKOFF_LAPSE_MS * NANOS_PER_MS);
+        let hash = self.hasher.hash_one(credential);
+        let known = |entry: &Count| entry.hash == hash && entry.key.as_ref() == *credential;
+        if self.counts.len() >= MAX_BACKOFFS && self.counts.find(hash, known).is_none() {
+            self.drop_lapsed(now);
+            if self.counts.len() >= MAX_BACKOFFS {
+                return;
+            }
+        }
+        match self.counts.entry(hash, known, |entry| entry.hash) {
+            Entry::Occupied(mut entry) => {
+                let entry = entry.get_mut();
+                entry.count = count;
+                entry.lapses_at = lapses_at;
+            }
+            Entry::Vacant(vacant) => {
+                vacant.insert(Count {
+                    key: credential.to_owned_key(),
+                    hash,
+                    count,
+                    lapses_at,
+                });
+            }
+        }
+    }
+
+    /// Forgets the count of `credential`.
+    pub fn remove(&mut self, credential: &KeyRef) {
+        let hash = self.hasher.hash_one(credential);
+        if let Ok(entry) = self.counts.find_entry(hash, |count| {
+            count.hash == hash && count.key.as_ref() == *credential
+        }) {
+            entry.remove();
+        }
+    }
+
+    /// Forgets the counts of every credential of `exchange`.
+    pub fn remove_exchange(&mut self, exchange: &[u8]) {
+        self.counts.retain(|count| count.key.exchange() != exchange);
+    }
+
+    /// Forgets every count.
+    pub fn clear(&mut self) {
+        *self = Self::new(self.hasher);
+    }
+
+    /// Drops the counts that lapsed by `now`.
+    pub fn drop_lapsed(&mut self, now: u64) {
+        self.counts.retain(|count| count.lapses_at > now);
+        if self.counts.len() < self.counts.capacity() / 4 {
+            self.counts.shrink_to(0, |count| count.hash);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn credential(i: usize) -> Vec<u8> {
+        format!("key-{i}").into_bytes()
+    }
+
+    #[test]
+    fn counts_lapse_and_are_per_credential() {
+        let mut backoffs = Backoffs::new(foldhash::fast::RandomState::default());
+        let a = KeyRef::new(b"ex", Some(b"a"), b"");
+        let public = KeyRef::new(b"ex", None, b"");
+        backoffs.set(&a, 2, 0);
+        assert_eq!(backoffs.count(&a, 0), 2);
+        assert_eq!(backoffs.count(&public, 0), 0);
+        let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
+        assert_eq!(backoffs.count(&a, lapse - 1), 2);
+        assert_eq!(backoffs.count(&a, lapse), 0);
+        backoffs.remove(&a);
+        assert_eq!(backoffs.count(&a, 0), 0);
+    }
+
+    #[test]
+    fn the_number_of_counts_is_bounded_and_lapsed_ones_make_room() {
+        let mut backoffs = Backoffs::new(foldhash::fast::RandomState::default());
+        let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
+        for i in 0..MAX_BACKOFFS {
+            backoffs.set(&KeyRef::new(b"ex", Some(&credential(i)), b""), 1, 0);
+        }
+        let late = credential(MAX_BACKOFFS);
+        let late = KeyRef::new(b"ex", Some(&late), b"");
+        backoffs.set(&late, 1, 1);
+        assert_eq!(
+            backoffs.count(&late, 1),
+            0,
+            "full: a new credential is not counted"
+        );
+        // A counted credential still counts on.
+        let first = credential(0);
+        let first = KeyRef::new(b"ex", Some(&first), b"");
+        backoffs.set(&first, 2, lapse - 1);
+        assert_eq!(backoffs.count(&first, lapse - 1), 2);
+        // Once the others lapsed, the new one is counted.
+        backoffs.set(&late, 1, lapse);
+        assert_eq!(backoffs.count(&late, lapse), 1);
+        assert_eq!(backoffs.counts.len(), 2);
+    }
+}
