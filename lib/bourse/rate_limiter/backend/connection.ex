@@ -3,12 +3,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
   `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
 
-  Callers encode their request (with an `id`) in their own process and send it here; this
-  process writes every request that is waiting when it gets to run as one write, reads the
-  answers (many per read when they were pipelined), matches each to its caller by `id` and
-  sends it on; the caller decodes it, so that decoding runs in parallel too. One writer per
-  stream means no contention on the port or socket, and one system call for many requests
-  on both sides.
+  Callers encode their request (with an `id`) and write it to the stream themselves, in
+  their own process, after noting its route (the `id` and an alias of the call) in this
+  process's table; this process only reads the answers (many per read when they were
+  pipelined), finds each one's `id` without decoding it, takes its route from the table and
+  sends it there; the caller decodes it. A request thus costs one message between
+  processes, and encoding, writing and decoding run in parallel in the callers. Each write
+  goes whole into the port's or socket's queue in the VM, so writers never interleave; a
+  caller that finds the queue full (the daemon is behind with its input) tries again every
+  millisecond until its deadline, and never blocks.
+
+  Whoever takes a route from the table answers its caller: this process with the answer or
+  the failure of the stream, or the caller itself when it gives up at its deadline. A caller
+  that gave up deactivates its alias first, so an answer that comes later goes nowhere; the
+  route of a caller that died goes with its answer.
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
@@ -109,10 +117,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     payload = encode(id, request)
 
     case :ets.lookup(handle.table, :stream) do
-      [{:stream, nil, down}] ->
+      [{:stream, nil, _transport, _max, down}] ->
         {:error, Error.unavailable(down)}
 
-      [{:stream, max, _down}] ->
+      [{:stream, stream, transport, max, _down}] ->
         case IO.iodata_length(payload) do
           size when size > max ->
             {:error,
@@ -120,7 +128,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
                "(#{max}, its --max-frame-bytes)"}
 
           size ->
-            handle |> call(id, payload, size) |> decoded(id)
+            deadline = System.monotonic_time(:millisecond) + handle.timeout
+            frame = transport.frame(payload, size)
+            handle |> call(id, {stream, transport, frame}, deadline) |> decoded(id)
         end
     end
   rescue
@@ -128,35 +138,62 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> {:error, gone()}
   end
 
-  # The answer comes to an alias of this call: once the call gives up, nothing more does.
-  defp call(handle, id, payload, size) do
-    ref = :erlang.monitor(:process, handle.pid, [{:alias, :demonitor}])
-    send(handle.pid, {:request, id, ref, payload, size})
+  # The caller writes its own request, after noting its route (the id and an alias of this
+  # call) for the connection, which reads the answer and sends it there. Whoever takes the
+  # route from the table answers: the connection with the answer (or the failure of the
+  # stream), or the caller that gives up; once the alias is gone, nothing more arrives.
+  defp call(handle, id, write, deadline) do
+    reply_to = :erlang.alias([:reply])
+    :ets.insert(handle.table, {id, reply_to})
 
-    receive do
-      {^ref, answer} ->
-        Process.demonitor(ref, [:flush])
-        answer
+    case write(write, deadline) do
+      :ok ->
+        receive do
+          {^reply_to, answer} -> answer
+        after
+          max(deadline - System.monotonic_time(:millisecond), 0) ->
+            give_up(handle, id, reply_to, did_not_answer(handle))
+        end
 
-      {:DOWN, ^ref, _, _, _} ->
-        {:error, gone()}
-    after
-      handle.timeout ->
-        send(handle.pid, {:cancel, id})
-        give_up(ref, "bourse_daemon did not answer within #{handle.timeout} ms")
+      :busy ->
+        give_up(handle, id, reply_to, did_not_answer(handle))
+
+      {:error, _reason} ->
+        give_up(handle, id, reply_to, "the connection to bourse_daemon broke")
+    end
+  end
+
+  # A stream busy with earlier requests (the daemon is behind with its input, or stopped) is
+  # tried again every millisecond until the deadline: a caller never blocks on it.
+  defp write({stream, transport, frame} = write, deadline) do
+    case transport.write(stream, frame) do
+      :busy ->
+        if System.monotonic_time(:millisecond) < deadline do
+          Process.sleep(1)
+          write(write, deadline)
+        else
+          :busy
+        end
+
+      done ->
+        done
     end
   end
 
   # An answer (or a failure) sent before the alias went away still counts.
-  defp give_up(ref, message) do
-    Process.demonitor(ref, [:flush])
+  defp give_up(handle, id, reply_to, message) do
+    :erlang.unalias(reply_to)
+    :ets.delete(handle.table, id)
 
     receive do
-      {^ref, answer} -> answer
+      {^reply_to, answer} -> answer
     after
       0 -> {:error, Error.unavailable(message)}
     end
   end
+
+  defp did_not_answer(handle),
+    do: "bourse_daemon did not answer within #{handle.timeout} ms"
 
   # Answers come as the daemon wrote them, unless the connection had to decode one to find
   # its id.
@@ -198,11 +235,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       assume_busy: assume_busy,
       stream: nil,
-      in_flight: %{},
-      outbox: [],
-      queued: 0,
-      unanswered: 0,
-      flushing: false,
       partial: [],
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
@@ -213,7 +245,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       secret: Keyword.get(secrets, :secret)
     }
 
-    publish(state, nil)
+    publish(state, nil, nil)
 
     case open(state) do
       {:ok, state} ->
@@ -249,28 +281,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     do: {:reply, :other_target, state}
 
   @impl true
-  def handle_info({:request, _id, reply_to, _payload, _size}, %{stream: nil} = state) do
-    send(reply_to, {reply_to, {:error, Error.unavailable(unavailable(state))}})
-    {:noreply, state}
-  end
-
-  # Written with every other request that is waiting by the time `:flush` comes.
-  def handle_info({:request, id, reply_to, payload, size}, state) do
-    state = %{
-      state
-      | in_flight: Map.put(state.in_flight, id, reply_to),
-        outbox: [state.outbox | state.transport.frame(payload, size)],
-        queued: state.queued + 1
-    }
-
-    {:noreply, flush_soon(state)}
-  end
-
-  def handle_info({:cancel, id}, state),
-    do: {:noreply, %{state | in_flight: Map.delete(state.in_flight, id)}}
-
-  def handle_info(:flush, state), do: flush(%{state | flushing: false})
-
   def handle_info({:EXIT, limiter, reason}, %{limiter: limiter} = state) do
     case reason do
       shutdown when shutdown in [:normal, :shutdown] -> {:stop, shutdown, state}
@@ -281,11 +291,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def handle_info(:reopen, %{stream: nil} = state), do: {:noreply, reopen(state)}
 
-  # The daemon closes connections idle for longer than its idle timeout.
+  # The daemon closes connections idle for longer than its idle timeout. A stream too busy
+  # to take the hello is not idle.
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
-    hello = state.transport.frame(hello_request(), 0)
-    state = %{state | outbox: [state.outbox | hello], queued: state.queued + 1}
-    {:noreply, state |> keepalive(idle_ms) |> flush_soon()}
+    hello = hello_request()
+
+    case state.transport.write(stream, state.transport.frame(hello, IO.iodata_length(hello))) do
+      {:error, reason} -> {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
+      _written_or_busy -> {:noreply, keepalive(state, idle_ms)}
+    end
   end
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
@@ -313,47 +327,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     %{state | limiter: nil, orphan_timer: timer}
   end
 
-  defp flush(state) do
-    case write(state) do
-      :ok ->
-        unanswered = state.unanswered + state.queued
-        {:noreply, %{state | outbox: [], queued: 0, unanswered: unanswered}}
-
-      # The daemon is behind with its input (or stopped): try again soon; callers give up
-      # at their deadline meanwhile.
-      :busy ->
-        Process.send_after(self(), :flush, 1)
-        {:noreply, %{state | flushing: true}}
-
-      {:error, reason} ->
-        {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
-    end
-  end
-
-  # Requests wait (1 ms at most) while fewer of them are queued than written and not answered
-  # yet: when many callers call at once, they go out in batches about as large as the ones
-  # in flight, with few writes and reads on both sides; one caller alone never waits.
-  defp flush_soon(%{flushing: true} = state), do: state
-
-  defp flush_soon(%{queued: queued, unanswered: unanswered} = state)
-       when queued >= unanswered do
-    send(self(), :flush)
-    %{state | flushing: true}
-  end
-
-  defp flush_soon(state) do
-    Process.send_after(self(), :flush, 1)
-    %{state | flushing: true}
-  end
-
-  # Answers came in: what waits may go out now.
-  defp read_all(%{queued: queued, unanswered: unanswered} = state)
-       when queued > 0 and queued >= unanswered,
-       do: flush(state)
-
-  defp read_all(state), do: {:noreply, state}
-
-  defp incoming([], state), do: read_all(state)
+  defp incoming([], state), do: {:noreply, state}
 
   defp incoming([answer | answers], state) do
     case answered(state, answer) do
@@ -363,12 +337,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp answered(state, frame) do
-    state = %{state | unanswered: max(state.unanswered - 1, 0)}
-
     with {:ok, id, answer} <- answer_id(frame),
-         {reply_to, in_flight} when reply_to != nil <- Map.pop(state.in_flight, id) do
+         [{^id, reply_to}] <- :ets.take(state.table, id) do
       send(reply_to, {reply_to, answer})
-      {:ok, %{state | in_flight: in_flight}}
+      {:ok, state}
     else
       :error ->
         {:error, not_protocol_json()}
@@ -412,21 +384,26 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     _, _ -> :error
   end
 
-  # The stream is gone: new calls fail at once, the stream is closed, then every caller in
-  # flight is failed and requests not written yet are dropped.
+  # The stream is gone: new calls fail at once, the stream is closed (a caller writing to it
+  # from now on fails), then every caller in flight is failed.
   defp broken(state, reason) do
     Logger.warning("#{describe(state)}: #{reason}")
     state = %{state | down_reason: reason}
-    error = {:error, Error.unavailable(publish(state, nil))}
+    error = {:error, Error.unavailable(publish(state, nil, nil))}
     state.transport.close(state.stream)
-    for {_id, reply_to} <- state.in_flight, do: send(reply_to, {reply_to, error})
-    %{state | stream: nil, in_flight: %{}, outbox: [], queued: 0, unanswered: 0, partial: []}
+
+    for id <- :ets.select(state.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [:"$1"]}]),
+        {^id, reply_to} <- :ets.take(state.table, id),
+        do: send(reply_to, {reply_to, error})
+
+    %{state | stream: nil, partial: []}
   end
 
-  # What callers read before they send: the daemon's frame limit, or `nil` and why it is down.
-  defp publish(state, max_frame_bytes) do
+  # What callers read before they write: the stream and the daemon's frame limit, or `nil`
+  # and why it is down.
+  defp publish(state, stream, max_frame_bytes) do
     down = unavailable(state)
-    :ets.insert(state.table, {:stream, max_frame_bytes, down})
+    :ets.insert(state.table, {:stream, stream, state.transport, max_frame_bytes, down})
     down
   end
 
@@ -450,7 +427,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # Still down, for `reason`: callers are told so; try again later.
   defp down(state, reason) do
     state = %{state | down_reason: reason}
-    publish(state, nil)
+    publish(state, nil, nil)
     reopen_later(state)
   end
 
@@ -466,10 +443,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp transport({:socket, _address}), do: SocketStream
 
   defp describe(state), do: state.transport.describe(state.target)
-
-  # One write for every request waiting.
-  defp write(%{outbox: []}), do: :ok
-  defp write(state), do: state.transport.write(state.stream, state.outbox)
 
   defp open(state) do
     settings = Map.take(state, [:assume_busy, :env, :secret, :timeout])
@@ -498,7 +471,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state)}: connected again")
-    publish(state, hello["max_frame_bytes"])
+    publish(state, stream, hello["max_frame_bytes"])
 
     %{
       state

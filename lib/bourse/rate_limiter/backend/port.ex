@@ -6,9 +6,9 @@ defmodule Bourse.RateLimiter.Backend.Port do
   down.
 
   The port is owned by a `Bourse.RateLimiter.Backend.Connection` process linked to the
-  limiter. Callers encode their checks in their own process; the connection pipelines the
-  requests of every caller on the port and replies to each when its answer comes back.
-  Each calling process owns its own bookings.
+  limiter. Callers encode their checks and write them to the port in their own process,
+  pipelined with every other caller's; the connection reads the answers and sends each to
+  its caller. Each calling process owns its own bookings.
 
   If the daemon dies (even `kill -9`), callers in flight get
   `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with

@@ -173,6 +173,20 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
   end
 
+  test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 200})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    DaemonServer.signal(daemon, "STOP")
+    assert unavailable?(RateLimiter.check_rate({"ex", "late"}, @limit, 1, name))
+    DaemonServer.signal(daemon, "CONT")
+
+    # The daemon answers the late request first (answers come in order), then this one.
+    eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+    assert {:messages, []} = Process.info(self(), :messages)
+  end
+
   test "a request over the daemon's frame limit is refused before it is sent; the connection goes on" do
     daemon = start_daemon(["--listen", "127.0.0.1:0", "--max-frame-bytes", "1024"])
     name = start_limiter({:daemon, daemon.tcp})

@@ -22,8 +22,9 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     Integer.to_string(os_pid)
   end
 
-  # Requests in flight are noted by id in the connection's state.
-  defp in_flight(handle), do: map_size(:sys.get_state(handle.pid).in_flight)
+  # Each request in flight has its route (id and reply alias) in the connection's table.
+  defp in_flight(handle),
+    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
 
   defp kill(signal, os_pid), do: Bourse.OsSignal.send(String.to_integer(os_pid), signal)
 
@@ -101,6 +102,27 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     eventually(fn ->
       RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name) == :ok
     end)
+  end
+
+  test "callers killed while their requests are in flight: the answers go nowhere, the port serves on",
+       %{name: name, handle: handle} do
+    os_pid = os_pid(handle)
+    kill("STOP", os_pid)
+    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+
+    callers =
+      for i <- 1..8,
+          do: spawn(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
+
+    eventually(fn -> in_flight(handle) == 8 end)
+    Enum.each(callers, &Process.exit(&1, :kill))
+    kill("CONT", os_pid)
+
+    # Their answers came and were dropped with their routes.
+    eventually(fn -> in_flight(handle) == 0 end)
+    assert Process.alive?(handle.pid)
+    assert :ok = RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name)
+    assert {:messages, []} = Process.info(self(), :messages)
   end
 
   test "the largest request the limiter accepts fits in one frame", %{name: name} do

@@ -1,7 +1,8 @@
 defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @moduledoc false
-  # A `bourse_daemon --stdio` run as an Erlang port: frames are a 4-byte big-endian length
-  # and the JSON. The port is reopened at once when it dies (with --assume-busy-at-start:
+  # A `bourse_daemon --stdio` run as an Erlang port in `{:packet, 4}` mode: the VM frames
+  # each request (a 4-byte big-endian length, then the JSON) and hands each answer over as
+  # one message, so frames are never split or joined here. The port is reopened at once when it dies (with --assume-busy-at-start:
   # its table would be new), and a port that cannot start is a configuration error.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
@@ -16,7 +17,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
 
     port =
       Port.open({:spawn_executable, executable}, [
-        :stream,
+        {:packet, 4},
         :binary,
         :exit_status,
         :use_stdio,
@@ -26,22 +27,19 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
       ])
 
     hello = Connection.hello_request()
-    Port.command(port, frame(hello, IO.iodata_length(hello)))
+    Port.command(port, hello)
 
-    with {:ok, hello} <- hello(port, "") do
+    with {:ok, hello} <- hello(port) do
       {:ok, port, hello}
     end
   rescue
     error -> {:error, "cannot start #{executable}: #{Exception.message(error)}"}
   end
 
-  defp hello(port, received) do
+  defp hello(port) do
     receive do
-      {^port, {:data, chunk}} ->
-        case received <> chunk do
-          <<size::32, frame::binary-size(size), _::binary>> -> Connection.hello(frame)
-          incomplete -> hello(port, incomplete)
-        end
+      {^port, {:data, frame}} ->
+        Connection.hello(frame)
 
       {^port, {:exit_status, status}} ->
         {:error, "it exited with status #{status}"}
@@ -53,10 +51,10 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   end
 
   @impl true
-  def frame(payload, size), do: [<<size::32>>, payload]
+  def frame(payload, _size), do: payload
 
-  # A port busy with earlier requests is not waited for: the connection must stay free to
-  # read answers and to fail callers.
+  # A port busy with earlier requests is not waited for: its callers try again until their
+  # deadline.
   @impl true
   def write(port, iodata) do
     if Port.command(port, iodata, [:nosuspend]), do: :ok, else: :busy
@@ -82,31 +80,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def received({:EXIT, port, reason}, port), do: {:down, "the port closed (#{inspect(reason)})"}
   def received(_message, _port), do: :other
 
-  # `partial`: the pieces of a frame not complete yet, their size, the size they must reach;
-  # a frame in pieces is joined once all of it is there.
   @impl true
-  def no_partial, do: {[], 0, 4}
+  def no_partial, do: nil
 
   @impl true
-  def answers({[], 0, _wanted}, chunk), do: frames(chunk, [])
-
-  def answers({pieces, held, wanted}, chunk) do
-    held = held + byte_size(chunk)
-
-    if held < wanted,
-      do: {[], {[pieces, chunk], held, wanted}},
-      else: frames(IO.iodata_to_binary([pieces, chunk]), [])
-  end
-
-  defp frames(<<size::32, frame::binary-size(size), rest::binary>>, acc),
-    do: frames(rest, [frame | acc])
-
-  defp frames(<<>>, acc), do: {Enum.reverse(acc), no_partial()}
-
-  defp frames(<<size::32, _::binary>> = rest, acc),
-    do: {Enum.reverse(acc), {[rest], byte_size(rest), size + 4}}
-
-  defp frames(rest, acc), do: {Enum.reverse(acc), {[rest], byte_size(rest), 4}}
+  def answers(nil, frame), do: {[frame], nil}
 
   @impl true
   def reopen, do: :at_once

@@ -29,10 +29,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     tagged(:gen_tcp.connect({:local, path}, 0, opts, @handshake_timeout), "cannot connect")
   end
 
-  # A write to a daemon that does not read gives up after the callers' timeout; the socket
-  # then closes, as part of a line may have gone. Lines until the hello, then bytes.
+  # Callers write their requests themselves: a write the socket cannot take at once waits
+  # in the VM's queue for the socket (past 1 MiB of them, writers are told it is busy); one
+  # left there for longer than the callers' timeout closes the socket. Lines until the
+  # hello, then bytes.
   defp socket_opts(timeout) do
     [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
+      [high_watermark: 1024 * 1024, low_watermark: 512 * 1024] ++
       [send_timeout: timeout, send_timeout_close: true]
   end
 
@@ -87,8 +90,20 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @impl true
   def frame(payload, _size), do: [payload, ?\n]
 
+  # Each write goes whole into the socket's queue, so writers never interleave; one that
+  # finds the queue full is not queued (`:busy`).
   @impl true
-  def write(socket, iodata), do: :gen_tcp.send(socket, iodata)
+  def write(socket, iodata) do
+    if :erlang.port_command(socket, iodata, [:nosuspend]) do
+      receive do
+        {:inet_reply, ^socket, status} -> status
+      end
+    else
+      :busy
+    end
+  rescue
+    ArgumentError -> {:error, :closed}
+  end
 
   @impl true
   def close(socket), do: :gen_tcp.close(socket)
