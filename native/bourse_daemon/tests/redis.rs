@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use common::{eventually, key, LineClient, Server, StdioDaemon, Transport};
+use common::load::{self, assert_conforms};
+use common::{borrowed, check, eventually, key, LineClient, Server, StdioDaemon, Transport};
 
 /// A `redis-server` child on a loopback port; stopped (without saving) when dropped.
 struct Redis {
@@ -103,10 +104,6 @@ fn daemon(redis: &Redis, extra: &[&str]) -> Server {
     Server::tcp(&args)
 }
 
-fn check(k: &Value, limit: Value, cost: f64) -> Value {
-    json!({"op": "check", "key": k, "limit": limit, "cost": cost})
-}
-
 fn ms(answer: &Value) -> u64 {
     answer["ms"]
         .as_u64()
@@ -115,12 +112,6 @@ fn ms(answer: &Value) -> u64 {
 
 fn sleep_ms(ms: u64) {
     thread::sleep(Duration::from_millis(ms));
-}
-
-fn borrowed(t: &mut impl Transport, k: &Value) -> f64 {
-    t.call(json!({"op": "get_cost", "key": k}))["borrowed"]
-        .as_f64()
-        .unwrap()
 }
 
 /// Asserts `ms` is the exact delay less what may have passed on a loaded machine.
@@ -414,42 +405,26 @@ fn several_daemons_share_one_bucket() {
     let Some(redis) = Redis::start() else { return };
     let (capacity, refill) = (20.0, 50.0);
     let daemons: Vec<Server> = (0..4).map(|_| daemon(&redis, &[])).collect();
-    let run_for = Duration::from_secs(2);
+    let k = key("binance", Some("shared"));
+    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
     let started = Instant::now();
-    let counts: Vec<(u64, u64)> = thread::scope(|scope| {
-        let workers: Vec<_> = daemons
-            .iter()
-            .flat_map(|server| [server, server])
-            .map(|server| {
-                scope.spawn(move || {
-                    let mut t = server.connect();
-                    let k = key("binance", Some("shared"));
-                    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
-                    let (mut admitted, mut calls) = (0, 0);
-                    while started.elapsed() < run_for {
-                        calls += 1;
-                        if t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted" {
-                            admitted += 1;
-                        }
-                    }
-                    (admitted, calls)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    });
-    let elapsed = started.elapsed().as_secs_f64();
-    let admitted: u64 = counts.iter().map(|c| c.0).sum();
-    let calls: u64 = counts.iter().map(|c| c.1).sum();
-    let bound = capacity + refill * elapsed;
-    eprintln!(
-        "4 daemons x 2 clients, {calls} checks in {elapsed:.2} s: admitted {admitted}, \
-         bound C + r*T = {bound:.1}"
+    let answers = load::load(
+        &daemons,
+        2,
+        &k,
+        &limit,
+        started,
+        Duration::from_secs(2),
+        || (),
     );
-    assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
-    assert!(
-        admitted as f64 >= 0.5 * refill * elapsed,
-        "admitted only {admitted} of {bound}"
+    let elapsed = started.elapsed().as_secs_f64();
+    let what = format!("4 daemons x 2 clients, {} checks", answers.len());
+    assert_conforms(
+        load::count(&answers, "admitted"),
+        capacity,
+        refill,
+        elapsed,
+        &what,
     );
 }
 
@@ -458,31 +433,7 @@ fn several_daemons_share_one_bucket() {
 fn concurrent_multi_bucket_checks_are_atomic() {
     let Some(redis) = Redis::start() else { return };
     let daemons: Vec<Server> = (0..3).map(|_| daemon(&redis, &[])).collect();
-    let a = key("binance", Some("a"));
-    let ip = json!({"exchange": "binance", "credential": null, "axis": "ip"});
-    let request = json!({"op": "check_many", "checks": [
-        {"key": a, "limit": {"capacity": 50, "refill_per_sec": 0.001}},
-        {"key": ip, "limit": {"capacity": 30, "refill_per_sec": 0.001}},
-    ]});
-    let admitted: u64 = thread::scope(|scope| {
-        let workers: Vec<_> = daemons
-            .iter()
-            .map(|server| {
-                let request = request.clone();
-                scope.spawn(move || {
-                    let mut t = server.connect();
-                    (0..40)
-                        .filter(|_| t.call(request.clone())["result"] == "admitted")
-                        .count() as u64
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
-    });
-    assert_eq!(admitted, 30);
-    let mut t = daemons[0].connect();
-    assert!((borrowed(&mut t, &a) - 30.0).abs() < 0.01);
-    assert!((borrowed(&mut t, &ip) - 30.0).abs() < 0.01);
+    load::assert_multi_bucket_checks_atomic(&daemons, "a");
 }
 
 /// Redis restarts empty mid-run: answers while it is down are errors (nothing admitted);
@@ -780,20 +731,18 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
     let mut stdio = StdioDaemon::start(&args);
     let server = Server::tcp(&args);
     let mut tcp = server.connect();
-    for (name, k) in [
-        ("stdio", key("f", Some("stdio"))),
-        ("tcp", key("f", Some("tcp"))),
-    ] {
-        let t: &mut dyn Transport = if name == "stdio" {
-            &mut stdio
-        } else {
-            &mut tcp
-        };
-        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
-    }
+    let (stdio_key, tcp_key) = (key("f", Some("stdio")), key("f", Some("tcp")));
+    assert_eq!(
+        stdio.call(check(&stdio_key, limit.clone(), 1.0))["result"],
+        "admitted"
+    );
+    assert_eq!(
+        tcp.call(check(&tcp_key, limit.clone(), 1.0))["result"],
+        "admitted"
+    );
     kill("STOP", redis.child.id());
-    let stdio_answers = burst(20, &key("f", Some("stdio")), &limit, &mut stdio);
-    let tcp_answers = burst(20, &key("f", Some("tcp")), &limit, &mut tcp);
+    let stdio_answers = burst(20, &stdio_key, &limit, &mut stdio);
+    let tcp_answers = burst(20, &tcp_key, &limit, &mut tcp);
     kill("CONT", redis.child.id());
     // Generous for a loaded 2-core machine; before, answers came one timeout after another
     // (20 × 500 ms), or all after the port's own 5 s.
@@ -811,15 +760,11 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
     }
     // Redis ran what it had received; nothing of it was paid.
     sleep_ms(300);
-    for (name, k) in [
-        ("stdio", key("f", Some("stdio"))),
-        ("tcp", key("f", Some("tcp"))),
-    ] {
-        let t: &mut dyn Transport = if name == "stdio" {
-            &mut stdio
-        } else {
-            &mut tcp
-        };
+    let transports: [(&str, &mut dyn Transport, &Value); 2] = [
+        ("stdio", &mut stdio, &stdio_key),
+        ("tcp", &mut tcp, &tcp_key),
+    ];
+    for (name, t, k) in transports {
         let info = t.call(json!({"op": "inspect", "key": k}));
         let tokens = info["info"]["tokens"].as_f64().unwrap();
         eprintln!("{name}: tokens after SIGCONT {tokens} (19 expected)");

@@ -12,10 +12,11 @@ use std::net::TcpListener;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use cluster_support::Cluster;
-use common::{key, Server, Transport};
+use common::load::{assert_conforms, assert_multi_bucket_checks_atomic, count, load, Answer};
+use common::{borrowed, check, key, Server, Transport};
 
 /// A server-mode daemon on `cluster` through two of its nodes as seeds.
 fn daemon(cluster: &Cluster, extra: &[&str]) -> Server {
@@ -23,16 +24,6 @@ fn daemon(cluster: &Cluster, extra: &[&str]) -> Server {
     let mut args = vec!["--redis-cluster", &urls[0], "--redis-cluster", &urls[3]];
     args.extend_from_slice(extra);
     Server::tcp(&args)
-}
-
-fn check(k: &Value, limit: Value, cost: f64) -> Value {
-    json!({"op": "check", "key": k, "limit": limit, "cost": cost})
-}
-
-fn borrowed(t: &mut impl Transport, k: &Value) -> f64 {
-    t.call(json!({"op": "get_cost", "key": k}))["borrowed"]
-        .as_f64()
-        .unwrap()
 }
 
 /// The port of the live master holding a key whose name contains `part`.
@@ -155,65 +146,23 @@ fn a_cluster_serves_every_op_shares_buckets_and_keeps_checks_atomic() {
     // Several daemons, concurrent multi-bucket checks over one credential's bucket and the
     // exchange's public ip bucket: all buckets paid or none (P4).
     let daemons: Vec<Server> = (0..3).map(|_| daemon(&cluster, &[])).collect();
-    let credential = key("binance", Some("atomic"));
-    let ip = json!({"exchange": "binance", "credential": null, "axis": "ip"});
-    let request = json!({"op": "check_many", "checks": [
-        {"key": credential, "limit": {"capacity": 50, "refill_per_sec": 0.001}},
-        {"key": ip, "limit": {"capacity": 30, "refill_per_sec": 0.001}},
-    ]});
-    let admitted: u64 = thread::scope(|scope| {
-        let workers: Vec<_> = daemons
-            .iter()
-            .map(|server| {
-                let request = request.clone();
-                scope.spawn(move || {
-                    let mut t = server.connect();
-                    (0..40)
-                        .filter(|_| t.call(request.clone())["result"] == "admitted")
-                        .count() as u64
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
-    });
-    assert_eq!(admitted, 30);
-    assert!((borrowed(&mut t, &credential) - 30.0).abs() < 0.01);
-    assert!((borrowed(&mut t, &ip) - 30.0).abs() < 0.01);
+    assert_multi_bucket_checks_atomic(&daemons, "atomic");
 
     // Two daemons hammering one bucket through the cluster stay within C + r*T (P1).
     let (capacity, refill) = (20.0, 50.0);
-    let run_for = Duration::from_secs(2);
+    let shared = key("binance", Some("shared"));
+    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
     let started = Instant::now();
-    let admitted: u64 = thread::scope(|scope| {
-        let workers: Vec<_> = daemons[..2]
-            .iter()
-            .flat_map(|server| [server, server])
-            .map(|server| {
-                scope.spawn(move || {
-                    let mut t = server.connect();
-                    let k = key("binance", Some("shared"));
-                    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
-                    let mut admitted = 0;
-                    while started.elapsed() < run_for {
-                        if t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted" {
-                            admitted += 1;
-                        }
-                    }
-                    admitted
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
-    });
+    let stop = Duration::from_secs(2);
+    let answers = load(&daemons[..2], 2, &shared, &limit, started, stop, || ());
     let elapsed = started.elapsed().as_secs_f64();
-    let bound = capacity + refill * elapsed;
-    eprintln!(
-        "2 daemons x 2 clients on the cluster: admitted {admitted}, bound C + r*T = {bound:.1}"
-    );
-    assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
-    assert!(
-        admitted as f64 >= 0.5 * refill * elapsed,
-        "admitted only {admitted}"
+    let admitted = count(&answers, "admitted");
+    assert_conforms(
+        admitted,
+        capacity,
+        refill,
+        elapsed,
+        "2 daemons x 2 clients on the cluster",
     );
 
     assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
@@ -224,66 +173,6 @@ fn a_cluster_serves_every_op_shares_buckets_and_keeps_checks_atomic() {
         .filter(|name| name.contains(":b:") || name.contains(":w:"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
-}
-
-/// What one worker saw: per answer, when it came (since the start), how long it took, and
-/// what it was.
-struct Answer {
-    at: Duration,
-    took: Duration,
-    kind: &'static str,
-}
-
-fn classify(answer: &Value) -> &'static str {
-    match (answer["result"].as_str(), answer["error"]["type"].as_str()) {
-        (Some("admitted"), _) => "admitted",
-        (Some("delay"), _) => "delay",
-        (_, Some("unavailable")) => "unavailable",
-        _ => panic!("unexpected answer {answer}"),
-    }
-}
-
-/// Runs `workers` clients per daemon checking `k` until `stop`, returning every answer.
-fn load(
-    daemons: &[Server],
-    workers: usize,
-    k: &Value,
-    limit: &Value,
-    started: Instant,
-    stop: Duration,
-    during: impl FnOnce(),
-) -> Vec<Answer> {
-    thread::scope(|scope| {
-        let handles: Vec<_> = daemons
-            .iter()
-            .flat_map(|server| std::iter::repeat_n(server, workers))
-            .map(|server| {
-                scope.spawn(move || {
-                    let mut t = server.connect();
-                    let mut answers = Vec::new();
-                    while started.elapsed() < stop {
-                        let sent = Instant::now();
-                        let answer = t.call(check(k, limit.clone(), 1.0));
-                        answers.push(Answer {
-                            at: started.elapsed(),
-                            took: sent.elapsed(),
-                            kind: classify(&answer),
-                        });
-                    }
-                    answers
-                })
-            })
-            .collect();
-        during();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect()
-    })
-}
-
-fn count(answers: &[Answer], kind: &str) -> usize {
-    answers.iter().filter(|a| a.kind == kind).count()
 }
 
 /// A master killed under load: while no master serves its slot, answers are `unavailable`

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+pub mod load;
+
 pub const DAEMON: &str = env!("CARGO_BIN_EXE_bourse_daemon");
 
 /// The binary under test: `BOURSE_DAEMON_UNDER_TEST` (to run these tests against another
@@ -336,6 +338,17 @@ impl Drop for StdioDaemon {
 
 pub fn key(exchange: &str, credential: Option<&str>) -> Value {
     json!({"exchange": exchange, "credential": credential})
+}
+
+pub fn check(k: &Value, limit: Value, cost: f64) -> Value {
+    json!({"op": "check", "key": k, "limit": limit, "cost": cost})
+}
+
+/// What `get_cost` answers for `k`.
+pub fn borrowed(t: &mut impl Transport, k: &Value) -> f64 {
+    t.call(json!({"op": "get_cost", "key": k}))["borrowed"]
+        .as_f64()
+        .unwrap()
 }
 
 /// Runs every op once with answers that do not depend on timing: limits are slow enough

@@ -1,0 +1,164 @@
+//! Sends script calls and commands to Redis, each bounded by the timeout. A call that
+//! found the connection lost is sent once more on the fresh connection it triggered.
+//!
+//! A call answered `Unavailable` never pays later: each script carries a deadline on the
+//! Redis server's own clock ([`ServerClock`]) and refuses to run past it, so a Redis that
+//! was stopped and resumes does not run the work of callers already told it was
+//! unavailable.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
+
+use super::clock::ServerClock;
+use super::connection::{Connection, ScanNode};
+use super::script::{Call, SOURCE};
+use crate::store::{StoreError, StoreResult};
+
+/// Starts the message of a script that found its deadline passed, before the Redis time.
+const LATE: &str = "late:";
+/// Script calls in flight at once on the connection; further calls wait their turn (within
+/// their timeout), so that a burst does not make every call miss its deadline.
+const MAX_IN_FLIGHT: usize = 64;
+
+/// The connection, the loaded script and what is known of the Redis clock.
+pub struct Client {
+    connection: Connection,
+    script: Script,
+    clock: ServerClock,
+    in_flight: tokio::sync::Semaphore,
+    timeout: Duration,
+}
+
+impl Client {
+    pub fn new(connection: Connection, timeout: Duration) -> Self {
+        Self {
+            connection,
+            script: Script::new(SOURCE),
+            clock: ServerClock::new(timeout),
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
+            timeout,
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        self.connection.is_cluster()
+    }
+
+    /// Records the Redis time (µs) a script answered with, just received.
+    pub fn observe(&self, redis_us: u64) {
+        self.clock.observe(redis_us, Instant::now());
+    }
+
+    /// Runs the script, bounded by the timeout: the script is told the latest moment, on
+    /// the Redis clock, at which it may still run. A call that found the connection lost is
+    /// sent once more on the fresh connection it triggered (with the same deadline).
+    pub async fn invoke<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
+        let started = Instant::now();
+        let mut connection = self.connection.clone();
+        let answer = self
+            .bounded(async {
+                // Never closed: acquiring only waits.
+                let _turn = self.in_flight.acquire().await;
+                let deadline = match self.clock.deadline(started) {
+                    Some(deadline) => deadline,
+                    None => {
+                        self.sample_time(&mut connection).await?;
+                        self.clock.deadline(started).unwrap_or(0)
+                    }
+                };
+                let invocation = call.invocation(&self.script, deadline);
+                match invocation.invoke_async(&mut connection).await {
+                    Err(error) if lost_connection(&error) => {
+                        invocation.invoke_async(&mut connection).await
+                    }
+                    // Still missing after the reload on every master known (a replica
+                    // promoted since): EVAL runs it on that node and caches it there.
+                    Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        call.eval(deadline).query_async(&mut connection).await
+                    }
+                    answer => answer,
+                }
+            })
+            .await;
+        if let Err(StoreError::Unavailable(message)) = &answer {
+            if let Some(now) = message.strip_prefix(LATE) {
+                self.observe(now.parse().unwrap_or(0));
+                return Err(StoreError::Unavailable(format!(
+                    "redis ran the request after its deadline ({} ms after it was sent); \
+                     it was refused and nothing was paid",
+                    started.elapsed().as_millis()
+                )));
+            }
+        }
+        answer
+    }
+
+    /// Reads the Redis clock (`TIME`), to place deadlines on it.
+    /// Sent once more if the connection was lost, as scripts are.
+    async fn sample_time(&self, connection: &mut Connection) -> Result<(), RedisError> {
+        let time = ::redis::cmd("TIME");
+        let (seconds, micros): (u64, u64) = match time.query_async(connection).await {
+            Err(error) if lost_connection(&error) => time.query_async(connection).await?,
+            answer => answer?,
+        };
+        self.observe(seconds * 1_000_000 + micros);
+        Ok(())
+    }
+
+    /// Sends one command, bounded by the timeout, once more if the connection was lost.
+    pub async fn command<T: FromRedisValue>(&self, command: &Cmd) -> StoreResult<T> {
+        let mut connection = self.connection.clone();
+        self.bounded(async {
+            match command.query_async(&mut connection).await {
+                Err(error) if lost_connection(&error) => command.query_async(&mut connection).await,
+                answer => answer,
+            }
+        })
+        .await
+    }
+
+    /// Sends one command to `node`, bounded by the timeout.
+    pub async fn command_on<T: FromRedisValue>(
+        &self,
+        node: &ScanNode,
+        command: &Cmd,
+    ) -> StoreResult<T> {
+        match node {
+            ScanNode::Server => self.command(command).await,
+            node => {
+                let mut connection = self.connection.clone();
+                self.bounded(connection.query_on(node, command)).await
+            }
+        }
+    }
+
+    /// The nodes that together hold every key.
+    pub async fn scan_nodes(&self) -> StoreResult<Vec<ScanNode>> {
+        let mut connection = self.connection.clone();
+        self.bounded(connection.scan_nodes()).await
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, RedisError>>,
+    ) -> StoreResult<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
+                format!("{LATE}{}", error.detail().unwrap_or_default()),
+            )),
+            Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "redis did not answer within {} ms",
+                self.timeout.as_millis()
+            ))),
+        }
+    }
+}
+
+/// Errors after which the connection manager reconnects.
+fn lost_connection(error: &RedisError) -> bool {
+    error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+}

@@ -1,0 +1,262 @@
+//! The Redis names of the buckets' data (the layout is described in bucket.lua): every name
+//! of an exchange starts with `PREFIX:{E}`, one hash tag, so on Redis Cluster an exchange
+//! lives in one slot. Credentials appear only as keyed fingerprints ([`Keyed`]).
+
+use bourse_core::KeyRef;
+
+use crate::fingerprint::{self, Keyed};
+
+/// A prefix names keys and is matched by `SCAN` patterns: plain characters only.
+pub fn check_prefix(prefix: &str) -> Result<(), String> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+    if !prefix.is_empty() && prefix.len() <= 64 && prefix.chars().all(plain) {
+        Ok(())
+    } else {
+        Err(format!(
+            "--redis-prefix must be 1 to 64 characters among A-Z a-z 0-9 _ - . :, got {prefix:?}"
+        ))
+    }
+}
+
+/// Appends `<byte length>:<bytes>`: unambiguous whatever the bytes.
+fn part(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(bytes.len().to_string().as_bytes());
+    out.push(b':');
+    out.extend_from_slice(bytes);
+}
+
+/// `-` for the public pool, else `h` and the credential's keyed fingerprint (32 hex digits).
+pub fn credential_part(credential: Option<&str>) -> Vec<u8> {
+    match credential {
+        Some(fingerprint) => [b"h".as_slice(), fingerprint.as_bytes()].concat(),
+        None => b"-".to_vec(),
+    }
+}
+
+/// The fingerprint `busiest` shows for a credential; empty for the public pool.
+pub fn shown(credential: Option<&[u8]>) -> String {
+    credential.map(fingerprint::shown).unwrap_or_default()
+}
+
+/// `PREFIX:{E}`: the hash tag every key of the exchange starts with.
+fn tagged(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    let mut name = prefix.to_vec();
+    name.extend_from_slice(b":{");
+    part(&mut name, exchange);
+    name.push(b'}');
+    name
+}
+
+/// The hash of an exchange's pauses.
+pub fn pauses_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    let mut name = tagged(prefix, exchange);
+    name.extend_from_slice(b":p");
+    name
+}
+
+/// The `SCAN` pattern of every key of every exchange (state markers excepted).
+pub fn every_key_pattern(prefix: &[u8]) -> Vec<u8> {
+    let mut pattern = prefix.to_vec();
+    pattern.extend_from_slice(b":{*");
+    pattern
+}
+
+/// The `SCAN` pattern of every key of `exchange` (its state marker excepted).
+pub fn exchange_pattern(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    let mut pattern = prefix.to_vec();
+    pattern.extend_from_slice(b":{");
+    let mut tag = Vec::new();
+    part(&mut tag, exchange);
+    for &byte in &tag {
+        if matches!(byte, b'*' | b'?' | b'[' | b']' | b'\\') {
+            pattern.push(b'\\');
+        }
+        pattern.push(byte);
+    }
+    pattern.extend_from_slice(b"}:*");
+    pattern
+}
+
+/// The Redis names of one key's data (see bucket.lua for the layout).
+#[derive(Clone)]
+pub struct KeyNames {
+    pub bucket: Vec<u8>,
+    pub bookings: Vec<u8>,
+    pub pauses: Vec<u8>,
+    pub marker: Vec<u8>,
+    pub credential_pause: Vec<u8>,
+    pub key_pause: Vec<u8>,
+}
+
+impl KeyNames {
+    /// The names of `key`, its credential replaced by its keyed fingerprint.
+    pub fn new(prefix: &[u8], key: &KeyRef, keyed: &Keyed) -> Self {
+        let credential = key.credential.map(|credential| keyed.of(credential));
+        Self::from_parts(prefix, key.exchange, credential.as_deref(), key.axis)
+    }
+
+    /// The names of a key given its credential's keyed fingerprint (`None`: public).
+    pub fn from_parts(
+        prefix: &[u8],
+        exchange: &[u8],
+        credential: Option<&str>,
+        axis: &[u8],
+    ) -> Self {
+        let mut credential = credential_part(credential);
+        let mut suffix = credential.clone();
+        suffix.push(b':');
+        part(&mut suffix, axis);
+        let tag = tagged(prefix, exchange);
+        let named = |kind: &[u8]| [tag.as_slice(), kind, &suffix].concat();
+        let mut marker = prefix.to_vec();
+        marker.extend_from_slice(b":e");
+        marker.extend_from_slice(&tag[prefix.len() + 1..]);
+        credential.splice(0..0, b"c:".iter().copied());
+        Self {
+            bucket: named(b":b:"),
+            bookings: named(b":w:"),
+            pauses: pauses_name(prefix, exchange),
+            marker,
+            credential_pause: credential,
+            key_pause: [b"k:".as_slice(), &suffix].concat(),
+        }
+    }
+}
+
+/// A key as its bucket's name holds it: the credential by its keyed fingerprint.
+pub struct NamedKey {
+    pub exchange: Vec<u8>,
+    pub credential: Option<String>,
+    pub axis: Vec<u8>,
+}
+
+impl NamedKey {
+    pub fn names(&self, prefix: &[u8]) -> KeyNames {
+        KeyNames::from_parts(
+            prefix,
+            &self.exchange,
+            self.credential.as_deref(),
+            &self.axis,
+        )
+    }
+}
+
+/// The key of a bucket's name, or `None` for any other name.
+pub fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<NamedKey> {
+    fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let colon = rest.iter().position(|&b| b == b':')?;
+        let length: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
+        let value = rest.get(colon + 1..colon + 1 + length)?;
+        *rest = &rest[colon + 1 + length..];
+        Some(value)
+    }
+    let mut rest = name.strip_prefix(prefix)?.strip_prefix(b":{")?;
+    let exchange = take_part(&mut rest)?;
+    rest = rest.strip_prefix(b"}:b:")?;
+    let credential = match rest.strip_prefix(b"-") {
+        Some(after) => {
+            rest = after;
+            None
+        }
+        None => {
+            let after = rest.strip_prefix(b"h")?;
+            let (hex, after) = after.split_at_checked(32)?;
+            rest = after;
+            Some(std::str::from_utf8(hex).ok()?.to_string())
+        }
+    };
+    rest = rest.strip_prefix(b":")?;
+    let axis = take_part(&mut rest)?;
+    rest.is_empty().then(|| NamedKey {
+        exchange: exchange.to_vec(),
+        credential,
+        axis: axis.to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redis::connection::hash_tag;
+
+    /// On a cluster every key one check or pause touches must be in one slot.
+    #[test]
+    fn every_name_of_an_exchange_shares_one_hash_tag() {
+        let keyed = Keyed::new(None);
+        for exchange in [&b"binance"[..], b"a}b", b"{x}", b"", b"}{"] {
+            let tags: Vec<Vec<u8>> = [
+                KeyRef::new(exchange, None, b"ip"),
+                KeyRef::new(exchange, Some(b"k1"), b"request"),
+                KeyRef::new(exchange, Some(b"}{"), b"{order}"),
+            ]
+            .iter()
+            .flat_map(|key| {
+                let names = KeyNames::new(b"bourse", key, &keyed);
+                [names.bucket, names.bookings, names.pauses, names.marker]
+            })
+            .map(|name| hash_tag(&name).to_vec())
+            .collect();
+            assert!(
+                tags.iter().all(|tag| *tag == tags[0]),
+                "{:?}: {tags:?}",
+                String::from_utf8_lossy(exchange)
+            );
+        }
+    }
+
+    #[test]
+    fn names_hold_no_credential_and_are_tagged_by_exchange() {
+        let keyed = Keyed::new(None);
+        let public = KeyRef::new(b"binance", None, b"ip");
+        let secret = KeyRef::new(b"binance", Some(b"SECRET-KEY"), b"ip");
+        let a = KeyNames::new(b"bourse", &public, &keyed);
+        let b = KeyNames::new(b"bourse", &secret, &keyed);
+        let h = keyed.of(b"SECRET-KEY");
+        assert_eq!(a.bucket, b"bourse:{7:binance}:b:-:2:ip");
+        assert_eq!(
+            b.bucket,
+            format!("bourse:{{7:binance}}:b:h{h}:2:ip").as_bytes()
+        );
+        assert_eq!(a.bookings, b"bourse:{7:binance}:w:-:2:ip");
+        assert_eq!(a.pauses, b"bourse:{7:binance}:p");
+        assert_eq!(a.marker, b"bourse:e{7:binance}");
+        assert_eq!(a.key_pause, b"k:-:2:ip");
+        assert_eq!(b.credential_pause, format!("c:h{h}").as_bytes());
+        for names in [&a, &b] {
+            for name in [
+                &names.bucket,
+                &names.bookings,
+                &names.credential_pause,
+                &names.key_pause,
+            ] {
+                assert!(!String::from_utf8_lossy(name).contains("SECRET"));
+            }
+        }
+        // Separators inside the parts cannot make two keys collide.
+        let tricky = KeyRef::new(b"a:b", Some(b"}:b:"), b"x:1:y");
+        let names = KeyNames::new(b"p", &tricky, &keyed);
+        let decoded = decode_bucket_name(b"p", &names.bucket).unwrap();
+        assert_eq!(
+            (
+                decoded.exchange.as_slice(),
+                decoded.credential,
+                decoded.axis.as_slice()
+            ),
+            (&b"a:b"[..], Some(keyed.of(b"}:b:")), &b"x:1:y"[..])
+        );
+        let decoded = decode_bucket_name(b"bourse", &a.bucket).unwrap();
+        assert_eq!(decoded.credential, None);
+        assert!(decode_bucket_name(b"bourse", &a.bookings).is_none());
+        assert!(decode_bucket_name(b"bourse", &a.pauses).is_none());
+        assert!(decode_bucket_name(b"other", &a.bucket).is_none());
+    }
+
+    #[test]
+    fn prefixes_are_plain() {
+        assert!(check_prefix("bourse").is_ok());
+        assert!(check_prefix("team-a:limits.v1").is_ok());
+        for bad in ["", "a*", "a{b}", "a b", &"x".repeat(65)] {
+            assert!(check_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Table-wide walks: `SCAN` of every node holding keys (the server, or each master of a
+//! cluster), one page at a time.
+
+use super::client::Client;
+use super::connection::ScanNode;
+use crate::store::StoreResult;
+
+/// Keys asked of each `SCAN` step.
+const SCAN_COUNT: usize = 1000;
+
+/// Where a table-wide `SCAN` stands: the nodes left to scan (the current one last) and the
+/// cursor in the current one.
+pub struct Scan {
+    nodes: Vec<ScanNode>,
+    cursor: u64,
+}
+
+impl Scan {
+    /// Starts a scan of every node holding keys.
+    pub async fn start(client: &Client) -> StoreResult<Self> {
+        let mut nodes = client.scan_nodes().await?;
+        nodes.reverse();
+        Ok(Self { nodes, cursor: 0 })
+    }
+
+    /// The next page of names matching `pattern`, or `None` once every node was scanned.
+    pub async fn next_page(
+        &mut self,
+        client: &Client,
+        pattern: &[u8],
+    ) -> StoreResult<Option<Vec<Vec<u8>>>> {
+        let Some(node) = self.nodes.last() else {
+            return Ok(None);
+        };
+        let mut command = ::redis::cmd("SCAN");
+        command
+            .arg(self.cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT);
+        let (next, names): (u64, Vec<Vec<u8>>) = client.command_on(node, &command).await?;
+        self.cursor = next;
+        if next == 0 {
+            self.nodes.pop();
+        }
+        Ok(Some(names))
+    }
+}
+
+/// Deletes every key matching `pattern`, one `SCAN` page at a time.
+pub async fn unlink_matching(client: &Client, pattern: &[u8]) -> StoreResult<()> {
+    let mut scan = Scan::start(client).await?;
+    while let Some(names) = scan.next_page(client, pattern).await? {
+        if !names.is_empty() {
+            let mut unlink = ::redis::cmd("UNLINK");
+            unlink.arg(names);
+            let _: u64 = client.command(&unlink).await?;
+        }
+    }
+    Ok(())
+}

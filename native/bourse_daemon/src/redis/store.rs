@@ -1,0 +1,359 @@
+//! [`RedisStore`]: each operation of the protocol as calls of `bucket.lua`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bourse_core::{
+    coalesce, signature, Check, Config, InvalidInput, KeyInfo, KeyRef, Mode, Outcome, PauseTarget,
+    Stats,
+};
+
+use super::answer::{self, Info};
+use super::client::Client;
+use super::connection::{hash_tag, Connection, Servers};
+use super::counters::Counters;
+use super::names::{self, KeyNames};
+use super::scan::{unlink_matching, Scan};
+use super::script::Call;
+use crate::fingerprint::Keyed;
+use crate::store::{ShownKey, Store, StoreError, StoreResult};
+
+/// How to reach Redis and name the keys.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// One server (`redis://[user@]host:port[/db]`, `unix:///path`) or a cluster's seeds.
+    pub servers: Servers,
+    pub password: Option<String>,
+    /// The key of the fingerprints in key names.
+    pub key_secret: Option<Vec<u8>>,
+    /// Every key starts with `PREFIX:`; daemons sharing a prefix share their buckets.
+    pub prefix: String,
+    /// The longest wait for one Redis command (connecting included).
+    pub timeout: Duration,
+    pub config: Config,
+}
+
+pub struct RedisStore {
+    client: Client,
+    names: Keyed,
+    prefix: Vec<u8>,
+    config: Config,
+    counters: Counters,
+}
+
+impl RedisStore {
+    /// Prepares the connection without waiting for it: a daemon started while Redis is down
+    /// answers `unavailable` until Redis is back. Must run inside a Tokio runtime.
+    pub fn new(options: Options) -> Result<Self, String> {
+        names::check_prefix(&options.prefix)?;
+        let connection = Connection::open(
+            &options.servers,
+            options.password.as_deref(),
+            options.timeout,
+        )?;
+        Ok(Self {
+            client: Client::new(connection, options.timeout),
+            names: Keyed::new(options.key_secret.as_deref()),
+            prefix: options.prefix.into_bytes(),
+            config: options.config,
+            counters: Counters::default(),
+        })
+    }
+
+    fn names(&self, key: &KeyRef) -> KeyNames {
+        KeyNames::new(&self.prefix, key, &self.names)
+    }
+
+    /// Visits every bucket with its snapshot, one `SCAN` page at a time.
+    async fn scan_buckets(&self, mut visit: impl FnMut(ShownKey, KeyInfo)) -> StoreResult<()> {
+        let pattern = names::every_key_pattern(&self.prefix);
+        let mut scan = Scan::start(&self.client).await?;
+        while let Some(names) = scan.next_page(&self.client, &pattern).await? {
+            let keys: Vec<names::NamedKey> = names
+                .iter()
+                .filter_map(|name| names::decode_bucket_name(&self.prefix, name))
+                .collect();
+            if keys.is_empty() {
+                continue;
+            }
+            let names: Vec<KeyNames> = keys.iter().map(|key| key.names(&self.prefix)).collect();
+            let infos = self.infos(&names).await?;
+            for (key, info) in keys.into_iter().zip(infos) {
+                if let Some((info, shown)) = info {
+                    let shown = ShownKey {
+                        exchange: key.exchange,
+                        credential: key
+                            .credential
+                            .map(|_| shown.unwrap_or_else(|| "key:unknown".into())),
+                        axis: key.axis,
+                    };
+                    visit(shown, info);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Snapshots of the keys named `keys`, with the shown fingerprint of their credential.
+    /// On a cluster one script call per hash tag.
+    async fn infos(&self, keys: &[KeyNames]) -> StoreResult<Vec<Info>> {
+        if !self.client.is_cluster() {
+            return self.infos_in_slot(keys).await;
+        }
+        let mut slots: BTreeMap<&[u8], Vec<usize>> = BTreeMap::new();
+        for (index, names) in keys.iter().enumerate() {
+            slots
+                .entry(hash_tag(&names.bucket))
+                .or_default()
+                .push(index);
+        }
+        let mut infos = vec![None; keys.len()];
+        for indices in slots.into_values() {
+            let group: Vec<KeyNames> = indices.iter().map(|&i| keys[i].clone()).collect();
+            for (index, info) in indices.into_iter().zip(self.infos_in_slot(&group).await?) {
+                infos[index] = info;
+            }
+        }
+        Ok(infos)
+    }
+
+    /// [`Self::infos`] of keys that share one slot.
+    async fn infos_in_slot(&self, keys: &[KeyNames]) -> StoreResult<Vec<Info>> {
+        let mut call = Call::default();
+        call.arg("info");
+        for names in keys {
+            let names = names.clone();
+            call.key(names.bucket)
+                .key(names.bookings)
+                .key(names.pauses)
+                .arg(names.credential_pause)
+                .arg(names.key_pause);
+        }
+        let rows: Vec<Option<Vec<String>>> = self.client.invoke(&call).await?;
+        rows.into_iter()
+            .map(|row| row.map(|fields| answer::info_from(&fields)).transpose())
+            .collect()
+    }
+
+    /// On a cluster a script runs on the one node serving its slot: a check over buckets of
+    /// several exchanges (several hash tags) is refused rather than split, which would not
+    /// be atomic.
+    fn one_slot(&self, items: &[Check]) -> StoreResult<()> {
+        let exchange = items[0].key.exchange;
+        if !self.client.is_cluster() || items.iter().all(|i| i.key.exchange == exchange) {
+            return Ok(());
+        }
+        self.count_invalid();
+        Err(StoreError::Invalid(InvalidInput::new(
+            "on a Redis Cluster the buckets of one check must all be of one exchange \
+             (its keys share one hash tag, so one slot)",
+        )))
+    }
+}
+
+impl Store for RedisStore {
+    const REMOTE: bool = true;
+
+    fn config(&self) -> Config {
+        self.config
+    }
+
+    async fn check_one(&self, owner: u64, check: Check<'_>, mode: Mode) -> StoreResult<Outcome> {
+        self.check(owner, &[check], mode).await
+    }
+
+    async fn check(&self, owner: u64, checks: &[Check<'_>], mode: Mode) -> StoreResult<Outcome> {
+        let items = coalesce(checks).map_err(|error| {
+            self.count_invalid();
+            StoreError::Invalid(error)
+        })?;
+        if items.is_empty() {
+            return Ok(Outcome::Admitted);
+        }
+        self.one_slot(&items)?;
+        let max_wait = match mode {
+            Mode::Probe => 0,
+            Mode::Wait { max_wait_ms } => max_wait_ms,
+        };
+        let mut call = Call::default();
+        call.arg("check")
+            .arg(format!("{owner}:{}", signature(&items)))
+            .arg(max_wait)
+            .arg(self.config.booking_slack_ms.saturating_mul(1000))
+            .arg(if self.config.assume_busy_at_start {
+                "1"
+            } else {
+                "0"
+            })
+            .arg(items.len());
+        // Items are sorted by exchange: each run of one exchange is a group sharing its
+        // pauses and state marker.
+        let mut groups: Vec<KeyNames> = Vec::new();
+        let mut last_exchange: Option<&[u8]> = None;
+        for item in &items {
+            let names = self.names(&item.key);
+            if last_exchange != Some(item.key.exchange) {
+                last_exchange = Some(item.key.exchange);
+                groups.push(names.clone());
+            }
+            call.key(names.bucket)
+                .key(names.bookings)
+                .arg(item.limit.capacity())
+                .arg(item.limit.refill_per_sec())
+                .arg(item.cost)
+                .arg(groups.len())
+                .arg(names.credential_pause)
+                .arg(names.key_pause)
+                .arg(names::shown(item.key.credential));
+        }
+        for group in groups {
+            call.key(group.pauses).key(group.marker);
+        }
+        let (result, ms, paused, lapsed, now): (String, u64, u64, u64, u64) =
+            self.client.invoke(&call).await?;
+        self.client.observe(now);
+        let outcome = answer::outcome(&result, ms)?;
+        self.counters.outcome(outcome, paused > 0, lapsed);
+        Ok(outcome)
+    }
+
+    async fn record(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
+        let names = self.names(&key);
+        let mut call = Call::default();
+        call.key(names.bucket)
+            .key(names.bookings)
+            .arg("record")
+            .arg(cost)
+            .arg(names::shown(key.credential));
+        let _: String = self.client.invoke(&call).await?;
+        self.counters.debited();
+        Ok(())
+    }
+
+    async fn sync(&self, key: KeyRef<'_>, allowance: f64, window_left_ms: u64) -> StoreResult<f64> {
+        let names = self.names(&key);
+        let mut call = Call::default();
+        call.key(names.bucket)
+            .key(names.bookings)
+            .arg("sync")
+            .arg(allowance)
+            .arg(window_left_ms);
+        answer::number(&self.client.invoke::<String>(&call).await?)
+    }
+
+    async fn borrowed(&self, key: KeyRef<'_>) -> StoreResult<f64> {
+        let mut call = Call::default();
+        call.key(self.names(&key).bucket).arg("borrowed");
+        answer::number(&self.client.invoke::<String>(&call).await?)
+    }
+
+    async fn inspect(&self, key: KeyRef<'_>) -> StoreResult<Option<KeyInfo>> {
+        let mut infos = self.infos(&[self.names(&key)]).await?;
+        Ok(infos.pop().flatten().map(|(info, _)| info))
+    }
+
+    async fn busiest(&self, count: usize) -> StoreResult<Vec<(ShownKey, KeyInfo)>> {
+        let mut rows = Vec::new();
+        self.scan_buckets(|key, info| {
+            if info.borrowed > 0.0 || info.bookings > 0 {
+                rows.push((key, info));
+            }
+        })
+        .await?;
+        rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
+        rows.truncate(count);
+        Ok(rows)
+    }
+
+    async fn reset(&self, key: KeyRef<'_>) -> StoreResult<()> {
+        let names = self.names(&key);
+        let mut call = Call::default();
+        call.key(names.bucket)
+            .key(names.bookings)
+            .key(names.pauses)
+            .arg("reset")
+            .arg(names.key_pause);
+        let _: String = self.client.invoke(&call).await?;
+        Ok(())
+    }
+
+    async fn reset_exchange(&self, exchange: &[u8]) -> StoreResult<()> {
+        let pattern = names::exchange_pattern(&self.prefix, exchange);
+        unlink_matching(&self.client, &pattern).await
+    }
+
+    async fn reset_all(&self) -> StoreResult<()> {
+        let pattern = names::every_key_pattern(&self.prefix);
+        unlink_matching(&self.client, &pattern).await
+    }
+
+    async fn pause(&self, target: PauseTarget, ms: u64) -> StoreResult<()> {
+        let (exchange, field) = match &target {
+            PauseTarget::Exchange(exchange) => (exchange.as_slice(), b"x".to_vec()),
+            PauseTarget::Credential(exchange, credential) => {
+                let fingerprint = credential
+                    .as_deref()
+                    .map(|credential| self.names.of(credential));
+                let field = [
+                    b"c:".as_slice(),
+                    &names::credential_part(fingerprint.as_deref()),
+                ]
+                .concat();
+                (exchange.as_slice(), field)
+            }
+            PauseTarget::Key(key) => (key.exchange(), self.names(&key.as_ref()).key_pause),
+        };
+        let mut call = Call::default();
+        call.key(names::pauses_name(&self.prefix, exchange))
+            .arg("pause")
+            .arg(field)
+            .arg(ms);
+        let _: String = self.client.invoke(&call).await?;
+        Ok(())
+    }
+
+    async fn stats(&self) -> StoreResult<Stats> {
+        let mut stats = self.counters.stats();
+        self.scan_buckets(|_, info| {
+            stats.buckets += 1;
+            stats.bookings += info.bookings as u64;
+        })
+        .await?;
+        Ok(stats)
+    }
+
+    fn sweep(&self) -> usize {
+        // Redis expires idle buckets itself (PEXPIRE on every write).
+        0
+    }
+
+    fn count_invalid(&self) {
+        self.counters.invalid();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bourse_core::Limit;
+
+    use super::*;
+
+    /// The check groups its items by runs of one exchange: coalescing must sort them.
+    #[test]
+    fn coalescing_sums_repeated_keys_and_refuses_conflicts() {
+        let a = KeyRef::new(b"x", None, b"request");
+        let b = KeyRef::new(b"x", Some(b"k"), b"request");
+        let check = |key, c, cost| Check {
+            key,
+            limit: Limit::new(c, 1.0).unwrap(),
+            cost,
+        };
+        let items =
+            coalesce(&[check(b, 5.0, 1.0), check(a, 3.0, 1.0), check(b, 5.0, 2.5)]).unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!((items[0].key, items[0].cost), (a, 1.0));
+        assert_eq!((items[1].key, items[1].cost), (b, 3.5));
+        let error = coalesce(&[check(a, 3.0, 1.0), check(a, 4.0, 1.0)]).unwrap_err();
+        assert!(error.message().contains("conflicting bucket definitions"));
+    }
+}
