@@ -23,7 +23,6 @@ defmodule Bourse.MixProject do
   def application do
     # :jiffy (Debian's erlang-jiffy) encodes the JSON of the port and daemon backends.
     [
-      mod: {Bourse.Application, []},
       extra_applications: [:logger, :inets, :crypto, jiffy: :optional]
     ]
   end

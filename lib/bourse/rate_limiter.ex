@@ -475,6 +475,28 @@ defmodule Bourse.RateLimiter do
   def sync(key, allowance, window_left_ms, name \\ @default),
     do: name |> run(:sync, [key, allowance, window_left_ms]) |> failed({:key, key})
 
+  @doc false
+  # Counts a limited reply without a usable wait for `{exchange_id, credential_key}` in the
+  # limiter's table and pauses `scope` (`:credential` or `:exchange`) for the backoff
+  # (`Bourse.RateLimiter.Feedback`); returns the pause in milliseconds.
+  @spec back_off({String.t(), String.t() | :public}, :credential | :exchange, GenServer.name()) ::
+          pos_integer() | error()
+  def back_off(credential, scope, name) do
+    route = Router.route(name)
+
+    with ms when is_integer(ms) <-
+           route |> routed(name, :back_off, [credential, scope]) |> failed({:key, credential}) do
+      target = if scope == :exchange, do: elem(credential, 0), else: credential
+      Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
+      ms
+    end
+  end
+
+  @doc false
+  @spec reset_backoff({String.t(), String.t() | :public}, GenServer.name()) :: :ok | error()
+  def reset_backoff(credential, name),
+    do: name |> run(:reset_backoff, [credential]) |> failed({:key, credential})
+
   @doc """
   A snapshot of one key, or `nil` when the limiter holds nothing for it (never seen, or
   dropped by the sweep once full and idle, when it behaves as a new full bucket):

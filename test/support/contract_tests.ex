@@ -62,7 +62,10 @@ defmodule Bourse.ContractTests do
           reset: 2,
           reset_exchange: 2,
           reset_all: 1,
-          pause: 3
+          pause: 3,
+          observe_response: 5,
+          stats: 1,
+          busiest: 2
         ]
 
       @contract_skip unquote(skipped)
@@ -79,6 +82,7 @@ defmodule Bourse.ContractTests do
       use Bourse.ContractTests.WaitForCapacity
       use Bourse.ContractTests.Bookkeeping
       use Bourse.ContractTests.Pause
+      use Bourse.ContractTests.Backoff
       use Bourse.ContractTests.Concurrency
       use Bourse.ContractTests.Malformed
       use Bourse.ContractTests.Names

@@ -40,15 +40,21 @@ defmodule Bourse.RateLimiter.Feedback do
     * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
       loop.
 
-  The backoff count is kept beside the buckets, in this VM (`Bourse.RateLimiter.Backoff`):
-  a reply costs no call to the bucket table for it, and it never shows among the
-  buckets. It lapses 10 minutes after the last limited reply.
+  The backoff count is kept in the limiter's bucket table, beside its pauses (in the
+  daemon, or in Redis, for the limiters sharing them): limiters sharing a table share
+  the count, and a limited reply counts and pauses in one call. The count is no bucket:
+  it never shows in `Bourse.RateLimiter.busiest/2` or `mix bourse.top`. It lapses
+  10 minutes after the last limited reply that counted into it, and `reset_exchange/2`
+  and `reset_all/1` forget it; a table counts at most 10,000 credentials at once (when
+  full, a new credential's backoff stays at 1 s).
 
-  Calls to the bucket table per reply: one `pause` per limited reply; per used-weight
-  header present, one `sync`, after an `inspect_key` for the bucket's definition unless
-  the adapter passes it (`limits: %{axis => %{capacity: c, refill_per_sec: r}}`, such as
-  `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical reply with
-  one used-weight header and `limits:` costs one round trip to a daemon or Redis.
+  Calls to the bucket table per reply: one `pause` (or, for the backoff, one
+  `back_off`) per limited reply; one to start the backoff count again per 2xx without a
+  signal; per used-weight header present, one `sync`, after an `inspect_key` for the
+  bucket's definition unless the adapter passes it
+  (`limits: %{axis => %{capacity: c, refill_per_sec: r}}`, such as
+  `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical 2xx reply
+  with one used-weight header and `limits:` costs two round trips to a daemon or Redis.
 
   ## Used-weight headers
 
@@ -138,7 +144,7 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, Native, RateLimiter}
-  alias Bourse.RateLimiter.{Backoff, BodySignal, Events, RetryAfter, Router}
+  alias Bourse.RateLimiter.{BodySignal, Events, RetryAfter, Router}
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
@@ -376,7 +382,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp react(exchange_id, credential, status, found, signal, name) do
     case limited(status, signal) do
-      nil when status in 200..299 -> Backoff.clear(backoff_key(name, exchange_id, credential))
+      nil when status in 200..299 -> RateLimiter.reset_backoff({exchange_id, credential}, name)
       nil -> :ok
       limited -> limit(exchange_id, credential, status, found, limited, name)
     end
@@ -391,11 +397,8 @@ defmodule Bourse.RateLimiter.Feedback do
   defp limited(_status, signal), do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    target = if scope == :exchange, do: exchange_id, else: {exchange_id, credential}
-    backoff_key = backoff_key(name, exchange_id, credential)
-    {wait, why} = wait(found["retry-after"], named_ms, backoff_key)
-
-    with :ok <- pause(target, wait, backoff_key, name) do
+    with {:ok, wait, why} <-
+           wait(found["retry-after"], named_ms, {exchange_id, credential}, scope, name) do
       stop = stop or why == :ban
 
       Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
@@ -420,34 +423,36 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  # A pause refused (a malformed key, the store down) does not count into the backoff.
-  defp pause(target, wait, backoff_key, name) do
-    with {:error, _} = error <- RateLimiter.pause(target, min(wait, @max_ban_ms), name) do
-      Backoff.clear(backoff_key)
-      error
-    end
-  end
-
-  # The credential is kept only as a digest: bounded in size, never the API key itself.
-  defp backoff_key(name, exchange_id, credential) do
-    credential = if credential == :public, do: <<1>>, else: [0 | credential]
-    {name, :crypto.hash(:sha256, [<<byte_size(exchange_id)::32>>, exchange_id, credential])}
-  end
-
-  # Retry-After first, then a wait the reply names in its body, then the backoff.
-  defp wait(retry_after, named_ms, backoff_key) do
+  # Pauses `scope` (the credential's buckets, or the exchange's) for Retry-After first,
+  # then a wait the reply names in its body, then the backoff the limiter counts for the
+  # credential. Returns the wait and where it came from.
+  defp wait(retry_after, named_ms, credential, scope, name) do
     case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
-      {{:ok, ms}, _} -> {ms, :retry_after}
-      {{:stop, ms}, _} -> {ms, :ban}
-      {:error, nil} -> {backoff(Backoff.bump(backoff_key)), :backoff}
-      {:error, named_ms} -> named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms))
+      {{:ok, ms}, _} ->
+        pause(ms, :retry_after, credential, scope, name)
+
+      {{:stop, ms}, _} ->
+        pause(ms, :ban, credential, scope, name)
+
+      {:error, nil} ->
+        backoff(RateLimiter.back_off(credential, scope, name))
+
+      {:error, named_ms} ->
+        named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms), credential, scope, name)
     end
   end
 
-  defp named({:ok, ms}), do: {ms, :named}
-  defp named({:stop, ms}), do: {ms, :ban}
+  defp named({:ok, ms}, credential, scope, name), do: pause(ms, :named, credential, scope, name)
+  defp named({:stop, ms}, credential, scope, name), do: pause(ms, :ban, credential, scope, name)
 
-  defp backoff(count), do: min(1000 * Integer.pow(2, min(count, 20)), @cap_ms)
+  defp pause(ms, why, {exchange_id, _} = credential, scope, name) do
+    target = if scope == :exchange, do: exchange_id, else: credential
+
+    with :ok <- RateLimiter.pause(target, min(ms, @max_ban_ms), name), do: {:ok, ms, why}
+  end
+
+  defp backoff(ms) when is_integer(ms), do: {:ok, ms, :backoff}
+  defp backoff(error), do: error
 
   defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
   defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"

@@ -35,6 +35,8 @@ defmodule Bourse.RateLimiter.Server do
     :reset_exchange,
     :reset_all,
     :pause,
+    :back_off,
+    :reset_backoff,
     :inspect,
     :busiest
   ]

@@ -7,8 +7,8 @@ use std::future::{ready, Future};
 use crate::fingerprint;
 
 use bourse_core::{
-    Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode, MonotonicClock, Outcome,
-    PauseTarget, Stats, Table,
+    BackoffScope, Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode, MonotonicClock,
+    Outcome, PauseTarget, Stats, Table,
 };
 
 /// A key as answers show it: the credential only by its fingerprint
@@ -96,6 +96,22 @@ pub trait Store: Send + Sync + 'static {
     fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send;
 
     fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// Counts a limited reply without a usable wait for the credential and pauses `scope`
+    /// for its backoff; returns the pause in milliseconds ([`Table::back_off`]).
+    fn back_off(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+        scope: BackoffScope,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    /// Forgets the credential's backoff count.
+    fn reset_backoff(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send;
 
@@ -200,6 +216,28 @@ impl<C: Clock> Store for Memory<C> {
 
     fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send {
         ready(self.table.pause(target, ms).map_err(StoreError::Invalid))
+    }
+
+    fn back_off(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+        scope: BackoffScope,
+    ) -> impl Future<Output = StoreResult<u64>> + Send {
+        ready(
+            self.table
+                .back_off(exchange, credential, scope)
+                .map_err(StoreError::Invalid),
+        )
+    }
+
+    fn reset_backoff(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+    ) -> impl Future<Output = StoreResult<()>> + Send {
+        self.table.reset_backoff(exchange, credential);
+        ready(Ok(()))
     }
 
     fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send {

@@ -48,6 +48,14 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @impl true
   def pause(table, target, ms), do: table |> Native.pause(target, ms) |> answer()
   @impl true
+  def back_off(table, credential, scope),
+    do: table |> Native.back_off(credential, scope) |> answer()
+
+  @impl true
+  def reset_backoff(table, credential),
+    do: table |> Native.reset_backoff(credential) |> answer()
+
+  @impl true
   def inspect(table, key), do: table |> Native.inspect(key) |> answer()
   @impl true
   defdelegate stats(table), to: Native

@@ -57,6 +57,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       @impl true
       defdelegate pause(handle, target, ms), to: Protocol
       @impl true
+      defdelegate back_off(handle, credential, scope), to: Protocol
+      @impl true
+      defdelegate reset_backoff(handle, credential), to: Protocol
+      @impl true
       defdelegate inspect(handle, key), to: Protocol
       @impl true
       defdelegate stats(handle), to: Protocol
@@ -130,6 +134,22 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`reset_all/1`."
   @spec reset_all(handle()) :: :ok | error()
   def reset_all(handle), do: run(%{op: "reset_all"}, handle, &done/1)
+
+  @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
+  @spec back_off(handle(), term(), term()) :: pos_integer() | error()
+  def back_off(handle, credential, scope) do
+    wire(fn ->
+      %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
+    end)
+    |> run(handle, &field(&1, "ms"))
+  end
+
+  @doc "Forgets the backoff count of `{exchange_id, credential_key}`."
+  @spec reset_backoff(handle(), term()) :: :ok | error()
+  def reset_backoff(handle, credential) do
+    wire(fn -> %{op: "reset_backoff", credential: backoff_credential(credential)} end)
+    |> run(handle, &done/1)
+  end
 
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
@@ -321,6 +341,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp pause_target({_, _, _} = key), do: key(key)
   defp pause_target(other), do: value(other)
+
+  defp backoff_credential({exchange, credential}),
+    do: %{exchange: value(exchange), credential: credential(credential)}
+
+  defp backoff_credential(other), do: value(other)
+
+  defp scope(scope) when scope in [:credential, :exchange], do: Atom.to_string(scope)
+  defp scope(other), do: value(other)
 
   # A scalar as JSON holds it; any other term as its shape alone (`{"$term": kind, ...}`,
   # docs/PROTOCOL.md): the daemon needs no more to name what is wrong, and never more than

@@ -14,6 +14,8 @@ pub enum Answer {
     Outcome(Outcome),
     Borrowed(f64),
     Taken(f64),
+    /// The pause a backoff set, in milliseconds.
+    Paused(u64),
     Info(Option<KeyInfo>),
     Stats(Stats),
     Hello(Hello),
@@ -80,6 +82,7 @@ pub fn encode(out: &mut Vec<u8>, to: To, answer: Answer) {
         Answer::Done => json!({"ok": true}),
         Answer::Borrowed(borrowed) => json!({"ok": true, "borrowed": borrowed}),
         Answer::Taken(taken) => json!({"ok": true, "taken": taken}),
+        Answer::Paused(ms) => json!({"ok": true, "ms": ms}),
         Answer::Info(info) => json!({"ok": true, "info": info.as_ref().map(info_json)}),
         Answer::Stats(stats) => json!({"ok": true, "stats": stats_json(&stats)}),
         Answer::Hello(hello) => {

@@ -231,6 +231,18 @@ impl<S: Store> Service<S> {
                 store.pause(target, ms).await?;
                 Answer::Done
             }
+            Request::BackOff {
+                exchange,
+                credential,
+                scope,
+            } => Answer::Paused(store.back_off(exchange, credential, scope).await?),
+            Request::ResetBackoff {
+                exchange,
+                credential,
+            } => {
+                store.reset_backoff(exchange, credential).await?;
+                Answer::Done
+            }
             Request::Inspect { key } => Answer::Info(store.inspect(key).await?),
             Request::Busiest { count } => Answer::Busiest(store.busiest(count).await?),
             Request::Stats => Answer::Stats(store.stats().await?),

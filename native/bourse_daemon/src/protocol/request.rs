@@ -7,7 +7,7 @@
 //! `{"$term": KIND}` with `"arity"`, `"size"` or `"len"` (docs/PROTOCOL.md, "Values").
 
 use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
-use bourse_core::{Check, InvalidInput, KeyRef, Limit, Mode, PauseTarget, Shape};
+use bourse_core::{BackoffScope, Check, InvalidInput, KeyRef, Limit, Mode, PauseTarget, Shape};
 use serde_json::{Map, Value};
 
 pub type Result<T> = std::result::Result<T, InvalidInput>;
@@ -56,6 +56,16 @@ pub enum Request<'a> {
     Pause {
         target: PauseTarget,
         ms: u64,
+    },
+    /// Counts a limited reply for a credential and pauses its scope for the backoff.
+    BackOff {
+        exchange: &'a [u8],
+        credential: Option<&'a [u8]>,
+        scope: BackoffScope,
+    },
+    ResetBackoff {
+        exchange: &'a [u8],
+        credential: Option<&'a [u8]>,
     },
     Inspect {
         key: KeyRef<'a>,
@@ -165,6 +175,30 @@ impl<'a> Request<'a> {
                     .map_err(|error| error.for_exchange(target.exchange()))?;
                 Self::Pause { target, ms }
             }
+            "back_off" => {
+                fields(&["credential", "scope"], "a back_off request")?;
+                let (exchange, credential) = backoff_credential(required(request, "credential")?)?;
+                let scope = match required(request, "scope")? {
+                    Value::String(scope) if scope == "credential" => BackoffScope::Credential,
+                    Value::String(scope) if scope == "exchange" => BackoffScope::Exchange,
+                    other => {
+                        return Err(rules::not_a_backoff_scope(shape(other)).for_exchange(exchange))
+                    }
+                };
+                Self::BackOff {
+                    exchange,
+                    credential,
+                    scope,
+                }
+            }
+            "reset_backoff" => {
+                fields(&["credential"], "a reset_backoff request")?;
+                let (exchange, credential) = backoff_credential(required(request, "credential")?)?;
+                Self::ResetBackoff {
+                    exchange,
+                    credential,
+                }
+            }
             "inspect" => {
                 fields(&["key"], "an inspect request")?;
                 Self::Inspect { key: key_field()? }
@@ -204,8 +238,8 @@ impl<'a> Request<'a> {
             _ => {
                 return Err(envelope(format!(
                     "unknown op {}; expected one of check, check_many, record, get_cost, sync, \
-                     reset, reset_exchange, reset_all, pause, inspect, busiest, stats, sweep, \
-                     hello, auth",
+                     reset, reset_exchange, reset_all, pause, back_off, reset_backoff, inspect, \
+                     busiest, stats, sweep, hello, auth",
                     name_of(op)
                 )))
             }
@@ -454,6 +488,24 @@ fn pause_target(value: &Value) -> Result<PauseTarget> {
             PauseTarget::Credential(exchange.to_vec(), Some(credential.to_vec()))
         }
     })
+}
+
+/// `{exchange, credential}` (credential null: the public pool): whose backoff counts, as
+/// the NIF reads `{exchange_id, credential_key}`.
+fn backoff_credential(value: &Value) -> Result<(&[u8], Option<&[u8]>)> {
+    let fields = match value {
+        Value::Object(fields) if !fields.contains_key("$term") => fields,
+        other => return Err(rules::not_a_credential(shape(other))),
+    };
+    only(fields, &["exchange", "credential"], "a credential")?;
+    let exchange = part(required(fields, "exchange")?, KeyPart::Exchange)?;
+    let credential = match required(fields, "credential")? {
+        Value::Null => None,
+        other => {
+            Some(part(other, KeyPart::Credential).map_err(|error| error.for_exchange(exchange))?)
+        }
+    };
+    Ok((exchange, credential))
 }
 
 /// A client-chosen name (an op, a field): quoted when it is short and made of lowercase

@@ -312,6 +312,30 @@ fn pauses_hold_their_targets() {
 }
 
 #[test]
+fn backoffs_double_per_limited_reply_and_are_shared_by_connections() {
+    let f = Fixture::new();
+    let on = r#"{"op":"check","key":{"exchange":"binance","credential":"k1","axis":"ip"},"limit":{"requests":100}}"#;
+    let back_off = |credential: &str, scope: &str| {
+        f.call(&format!(
+            r#"{{"op":"back_off","credential":{{"exchange":"binance","credential":{credential}}},"scope":"{scope}"}}"#
+        ))
+    };
+    assert_eq!(
+        back_off(r#""k1""#, "credential"),
+        json!({"ok": true, "ms": 1000})
+    );
+    assert_eq!(back_off(r#""k1""#, "credential")["ms"], 2000);
+    assert_eq!(f.call(on)["ms"], 2000);
+    assert_eq!(back_off("null", "exchange")["ms"], 1000);
+    assert_eq!(back_off(r#""k1""#, "exchange")["ms"], 4000);
+    let reset = r#"{"op":"reset_backoff","credential":{"exchange":"binance","credential":"k1"}}"#;
+    assert_eq!(f.call(reset), json!({"ok": true}));
+    assert_eq!(back_off(r#""k1""#, "credential")["ms"], 1000);
+    f.clock.advance_ms(bourse_core::rules::BACKOFF_LAPSE_MS);
+    assert_eq!(back_off(r#""k1""#, "credential")["ms"], 1000);
+}
+
+#[test]
 fn stats_sweep_and_busiest() {
     let f = Fixture::new();
     let limit = r#"{"capacity":4,"refill_per_sec":4}"#;
@@ -617,6 +641,28 @@ fn malformed_requests_name_the_problem_and_touch_nothing() {
         (
             r#"{"op":"pause","target":{"exchange":"b","cred":"k"},"ms":1}"#.into(),
             "unknown field \"cred\"",
+        ),
+        (
+            r#"{"op":"back_off","credential":{"exchange":"b","credential":"k"}}"#.into(),
+            "missing field scope",
+        ),
+        (
+            r#"{"op":"back_off","credential":{"exchange":"b","credential":"k"},"scope":"ip"}"#
+                .into(),
+            "scope must be :credential or :exchange, got a binary of 2 bytes",
+        ),
+        (
+            r#"{"op":"back_off","credential":"b","scope":"exchange"}"#.into(),
+            "credential must be {exchange_id, credential_key}, got a binary of 1 byte",
+        ),
+        (
+            r#"{"op":"reset_backoff","credential":{"exchange":"b","credential":"k","axis":"ip"}}"#
+                .into(),
+            "unknown field \"axis\" in a credential",
+        ),
+        (
+            r#"{"op":"reset_backoff","credential":{"exchange":"b","credential":1}}"#.into(),
+            "credential_key must be :public or a binary of at most 1024 bytes, got 1",
         ),
         (r#"{"op":"busiest","count":0}"#.into(), "count must be an integer from 1 to 10000"),
         (

@@ -17,13 +17,16 @@
 --                        w:<booking id>: "<ready_at> <cost>" of each booking
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
+--   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
+--                        wait since its last success
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
 --
 -- Everything expires: buckets by themselves (PEXPIRE on every write) once they would behave
 -- as new (full, no bookings left, idle for longer than the delay they last answered);
--- bookings with their bucket; pauses after their last end; an exchange's marker a day
+-- bookings with their bucket; pauses after their last end; a backoff count its lapse after
+-- the last reply that counted into it; an exchange's marker a day
 -- after its last check, or after its longest-lived bucket if later.
 --
 -- ARGV[1] is the operation, ARGV[2] the deadline: the latest time (µs, Redis clock) at which
@@ -444,11 +447,10 @@ local function info(now)
   return rows
 end
 
--- pause: KEYS = pauses; ARGV = 'pause', field, ms. Overlapping pauses keep the later end;
--- ended ones are dropped and the hash expires after its last end.
-local function pause(now)
-  local pauses, field = KEYS[1], ARGV[2]
-  local ends = now + math.min(tonumber(ARGV[3]) * 1000, MAX_WAIT)
+-- Holds `field` of the pauses hash for `ms`. Overlapping pauses keep the later end; ended
+-- ones are dropped and the hash expires after its last end.
+local function hold(pauses, field, ms, now)
+  local ends = now + math.min(ms * 1000, MAX_WAIT)
   local current = tonumber(redis.call('HGET', pauses, field))
   if not current or current < ends then
     redis.call('HSET', pauses, field, fmt(ends))
@@ -464,6 +466,29 @@ local function pause(now)
     end
   end
   redis.call('PEXPIRE', pauses, math.ceil((last - now + MARGIN) / 1000))
+end
+
+-- pause: KEYS = pauses; ARGV = 'pause', field, ms.
+local function pause(now)
+  hold(KEYS[1], ARGV[2], tonumber(ARGV[3]), now)
+  return 'OK'
+end
+
+-- back_off: KEYS = pauses, the credential's backoff count; ARGV = 'back_off', pause field,
+-- first ms, longest ms, lapse ms (bourse_core::rules). Holds the field for the first
+-- backoff doubled per reply counted before (at most the longest), counts this one (the
+-- count lapses after the lapse); returns the pause in ms.
+local function back_off(now)
+  local count = tonumber(redis.call('GET', KEYS[2])) or 0
+  local ms = math.min(tonumber(ARGV[3]) * 2 ^ math.min(count, 30), tonumber(ARGV[4]))
+  hold(KEYS[1], ARGV[2], ms, now)
+  redis.call('SET', KEYS[2], count + 1, 'PX', ARGV[5])
+  return ms
+end
+
+-- reset_backoff: KEYS = the credential's backoff count; ARGV = 'reset_backoff'.
+local function reset_backoff()
+  redis.call('DEL', KEYS[1])
   return 'OK'
 end
 
@@ -481,6 +506,8 @@ local ops = {
   borrowed = get_borrowed,
   info = info,
   pause = pause,
+  back_off = back_off,
+  reset_backoff = reset_backoff,
   reset = reset,
 }
 

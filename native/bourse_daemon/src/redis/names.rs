@@ -54,6 +54,26 @@ pub fn pauses_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
     name
 }
 
+/// A credential's names: its backoff count, and its field in the exchange's pauses.
+pub struct CredentialNames {
+    pub backoff: Vec<u8>,
+    pub pause: Vec<u8>,
+}
+
+impl CredentialNames {
+    /// The names of `exchange`'s credential given by its keyed fingerprint (`None`: public).
+    pub fn new(prefix: &[u8], exchange: &[u8], credential: Option<&str>) -> Self {
+        let credential = credential_part(credential);
+        let mut backoff = tagged(prefix, exchange);
+        backoff.extend_from_slice(b":o:");
+        backoff.extend_from_slice(&credential);
+        Self {
+            backoff,
+            pause: [b"c:".as_slice(), &credential].concat(),
+        }
+    }
+}
+
 /// The `SCAN` pattern of every key of every exchange (state markers excepted).
 pub fn every_key_pattern(prefix: &[u8]) -> Vec<u8> {
     let mut pattern = prefix.to_vec();
@@ -222,6 +242,14 @@ mod tests {
         assert_eq!(a.marker, b"bourse:e{7:binance}");
         assert_eq!(a.key_pause, b"k:-:2:ip");
         assert_eq!(b.credential_pause, format!("c:h{h}").as_bytes());
+        let credential = CredentialNames::new(b"bourse", b"binance", Some(&h));
+        assert_eq!(
+            credential.backoff,
+            format!("bourse:{{7:binance}}:o:h{h}").as_bytes()
+        );
+        assert_eq!(credential.pause, b.credential_pause);
+        assert_eq!(hash_tag(&credential.backoff), hash_tag(&a.pauses));
+        assert!(decode_bucket_name(b"bourse", &credential.backoff).is_none());
         for names in [&a, &b] {
             for name in [
                 &names.bucket,

@@ -3,16 +3,17 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use bourse_core::rules::{BACKOFF_LAPSE_MS, FIRST_BACKOFF_MS, MAX_BACKOFF_MS};
 use bourse_core::{
-    coalesce, signature, Check, Config, InvalidInput, KeyInfo, KeyRef, Mode, Outcome, PauseTarget,
-    Stats,
+    coalesce, signature, BackoffScope, Check, Config, InvalidInput, KeyInfo, KeyRef, Mode, Outcome,
+    PauseTarget, Stats,
 };
 
 use super::answer::{self, Info};
 use super::client::Client;
 use super::connection::{hash_tag, Connection, Servers};
 use super::counters::Counters;
-use super::names::{self, KeyNames};
+use super::names::{self, CredentialNames, KeyNames};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
 use crate::fingerprint::Keyed;
@@ -62,6 +63,11 @@ impl RedisStore {
 
     fn names(&self, key: &KeyRef) -> KeyNames {
         KeyNames::new(&self.prefix, key, &self.names)
+    }
+
+    fn credential_names(&self, exchange: &[u8], credential: Option<&[u8]>) -> CredentialNames {
+        let fingerprint = credential.map(|credential| self.names.of(credential));
+        CredentialNames::new(&self.prefix, exchange, fingerprint.as_deref())
     }
 
     /// Visits every bucket with its snapshot, one `SCAN` page at a time.
@@ -291,15 +297,8 @@ impl Store for RedisStore {
         let (exchange, field) = match &target {
             PauseTarget::Exchange(exchange) => (exchange.as_slice(), b"x".to_vec()),
             PauseTarget::Credential(exchange, credential) => {
-                let fingerprint = credential
-                    .as_deref()
-                    .map(|credential| self.names.of(credential));
-                let field = [
-                    b"c:".as_slice(),
-                    &names::credential_part(fingerprint.as_deref()),
-                ]
-                .concat();
-                (exchange.as_slice(), field)
+                let names = self.credential_names(exchange, credential.as_deref());
+                (exchange.as_slice(), names.pause)
             }
             PauseTarget::Key(key) => (key.exchange(), self.names(&key.as_ref()).key_pause),
         };
@@ -308,6 +307,36 @@ impl Store for RedisStore {
             .arg("pause")
             .arg(field)
             .arg(ms);
+        let _: String = self.client.invoke(&call).await?;
+        Ok(())
+    }
+
+    async fn back_off(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+        scope: BackoffScope,
+    ) -> StoreResult<u64> {
+        let names = self.credential_names(exchange, credential);
+        let field = match scope {
+            BackoffScope::Credential => names.pause,
+            BackoffScope::Exchange => b"x".to_vec(),
+        };
+        let mut call = Call::default();
+        call.key(names::pauses_name(&self.prefix, exchange))
+            .key(names.backoff)
+            .arg("back_off")
+            .arg(field)
+            .arg(FIRST_BACKOFF_MS)
+            .arg(MAX_BACKOFF_MS)
+            .arg(BACKOFF_LAPSE_MS);
+        self.client.invoke(&call).await
+    }
+
+    async fn reset_backoff(&self, exchange: &[u8], credential: Option<&[u8]>) -> StoreResult<()> {
+        let names = self.credential_names(exchange, credential);
+        let mut call = Call::default();
+        call.key(names.backoff).arg("reset_backoff");
         let _: String = self.client.invoke(&call).await?;
         Ok(())
     }

@@ -1,0 +1,75 @@
+defmodule Bourse.ContractTests.Backoff do
+  @moduledoc false
+  # The backoff of `observe_response/6`: limited replies without a usable wait, counted
+  # per credential in the limiter's table (shared by the limiters sharing it).
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "backoff" do
+        test "429s without Retry-After back off 1 s, 2 s, 4 s per credential; a 2xx starts again",
+             %{name: name} do
+          for ms <- [1000, 2000, 4000] do
+            assert {:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: ^ms}} =
+                     limited_reply("k", 429, name)
+          end
+
+          # Every axis of the credential is held for the last backoff; others are not.
+          assert_delay(check_rate({"ex", "k", "ip"}, @still, 1, name), 3_000..4_000)
+          assert :ok = check_rate({"ex", "k2", "ip"}, @still, 1, name)
+
+          # Each credential, and the public pool, counts for itself.
+          assert {:error, %{retry_after: 1000}} = limited_reply("k2", 429, name)
+          assert {:error, %{retry_after: 1000}} = limited_reply(:public, 429, name)
+          assert {:error, %{retry_after: 8000}} = limited_reply("k", 429, name)
+
+          # A usable Retry-After neither counts nor resets; other statuses leave it alone.
+          assert {:error, %{retry_after: 3000}} =
+                   observe_response("ex", "k", 429, [{"retry-after", "3"}], name)
+
+          assert :ok = observe_response("ex", "k", 503, [], name)
+          assert {:error, %{retry_after: 16_000}} = limited_reply("k", 429, name)
+          assert :ok = observe_response("ex", "k", 200, [], name)
+          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+          assert {:error, %{retry_after: 2000}} = limited_reply("k2", 429, name)
+        end
+
+        test "a 418 without Retry-After backs off the whole exchange, counted for its credential",
+             %{name: name} do
+          assert {:error, %{retry_after: 1000, stop: true}} = limited_reply("k", 418, name)
+          assert_delay(check_rate({"ex", "other", "ip"}, @still, 1, name), 1..1_000)
+          assert :ok = check_rate({"ex2", "k", "ip"}, @still, 1, name)
+          assert {:error, %{retry_after: 2000}} = limited_reply("k", 418, name)
+          assert {:error, %{retry_after: 4000}} = limited_reply("k", 429, name)
+          assert {:error, %{retry_after: 1000}} = limited_reply("other", 418, name)
+        end
+
+        test "the count is no bucket, and resets forget it with the pauses", %{name: name} do
+          %{buckets: buckets, debited: debited} = stats(name)
+          for _ <- 1..3, do: limited_reply("k", 429, name)
+          assert %{buckets: ^buckets, debited: ^debited} = stats(name)
+          assert busiest(10, name) == []
+
+          assert :ok = reset_exchange("ex", name)
+          assert :ok = check_rate({"ex", "k"}, @still, 1, name)
+          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+          assert :ok = reset_all(name)
+          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+        end
+
+        test "limiters sharing a table share the count; others count for themselves",
+             %{name: name, backend: backend} do
+          other = :"limiter_#{System.unique_integer([:positive])}"
+          start_supervised!({Bourse.RateLimiter, name: other, backend: backend}, id: other)
+          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+          shared = :own_table in @contract_skip
+          next = if shared, do: 2000, else: 1000
+          assert {:error, %{retry_after: ^next}} = limited_reply("k", 429, other)
+        end
+      end
+
+      defp limited_reply(credential, status, name),
+        do: observe_response("ex", credential, status, [], name)
+    end
+  end
+end
