@@ -105,7 +105,7 @@ defmodule Bourse.RateLimiter.Exchange do
 
       _ ->
         invalid(
-          "unknown exchange profile #{inspect(name)}; expected one of #{inspect(profiles())}"
+          "unknown exchange profile #{Error.describe(name)}; expected one of #{inspect(profiles())}"
         )
     end
   end
@@ -134,19 +134,18 @@ defmodule Bourse.RateLimiter.Exchange do
   end
 
   def buckets(other, _opts),
-    do: invalid("expected a profile name or a profile map, got #{inspect(other, limit: 5)}")
+    do: invalid("expected a profile name or a profile map, got #{Error.describe(other)}")
 
   @options [:share, :burst, :tier]
 
   defp check_options(opts) do
     cond do
       not Keyword.keyword?(opts) ->
-        invalid("options must be a keyword list, got #{inspect(opts, limit: 5)}")
+        invalid("options must be a keyword list, got #{Error.describe(opts)}")
 
       Keyword.keys(opts) -- @options != [] ->
-        invalid(
-          "unknown options #{inspect(Keyword.keys(opts) -- @options)}; expected #{inspect(@options)}"
-        )
+        [unknown | _] = Keyword.keys(opts) -- @options
+        invalid("unknown option #{Error.describe(unknown)}; expected one of #{inspect(@options)}")
 
       true ->
         :ok
@@ -176,11 +175,11 @@ defmodule Bourse.RateLimiter.Exchange do
 
     if is_number(share) and share > 0 and share <= 1,
       do: {:ok, axis, %{capacity: share * max, refill_per_sec: share * decay}},
-      else: invalid("share must be in (0, 1], got: #{inspect(share)}")
+      else: invalid("share must be in (0, 1], got #{Error.describe(share)}")
   end
 
   defp bucket(counter, _opts),
-    do: invalid("malformed counter in the profile: #{inspect(counter, limit: 8)}")
+    do: invalid("malformed counter in the profile: #{Error.describe(counter)}")
 
   defp share(opts), do: Keyword.get(opts, :share, 0.8)
 

@@ -304,7 +304,7 @@ defmodule Bourse.RateLimiter.Feedback do
         invalid("options must be a keyword list, got #{Error.describe(opts)}")
 
       {_known, [{option, _value} | _]} ->
-        invalid("unknown option #{inspect(option)}; expected :body or :limits")
+        invalid("unknown option #{Error.describe(option)}; expected :body or :limits")
     end
   end
 
@@ -580,7 +580,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp bad_axis(header, setting) do
     invalid(
-      "config :bourse, :header_axes: #{inspect(header)} => #{inspect(setting)} is not " <>
+      "config :bourse, :header_axes: #{Error.describe(header)} => #{Error.describe(setting)} is not " <>
         "an axis, {axis, window_ms} or nil (a new used-counter header needs a window)"
     )
   end

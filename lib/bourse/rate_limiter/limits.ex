@@ -51,16 +51,16 @@ defmodule Bourse.RateLimiter.Limits do
 
     cond do
       not positive?(limit) ->
-        invalid("limit must be a positive number, got: #{inspect(limit)}")
+        invalid("limit must be a positive number, got #{Error.describe(limit)}")
 
       not (positive?(window_ms) and window_ms >= 1) ->
-        invalid("window_ms must be a number >= 1, got: #{inspect(window_ms)}")
+        invalid("window_ms must be a number >= 1, got #{Error.describe(window_ms)}")
 
       not (is_number(share) and share > 0 and share <= 1) ->
-        invalid("share must be in (0, 1], got: #{inspect(share)}")
+        invalid("share must be in (0, 1], got #{Error.describe(share)}")
 
       not (is_number(burst) and burst > 0 and burst < 1) ->
-        invalid("burst must be in (0, 1), got: #{inspect(burst)}")
+        invalid("burst must be in (0, 1), got #{Error.describe(burst)}")
 
       true ->
         do_size(share * limit, burst, window_ms / 1000)
@@ -142,12 +142,12 @@ defmodule Bourse.RateLimiter.Limits do
   end
 
   def from_binance_exchange_info(info, _opts),
-    do: invalid("exchangeInfo must be a map, got: #{inspect(info)}")
+    do: invalid("exchangeInfo must be a map, got #{Error.describe(info)}")
 
   defp exchange_option(opts) do
     case Keyword.get(opts, :exchange) do
       exchange when is_nil(exchange) or is_binary(exchange) -> {:ok, exchange}
-      other -> invalid("exchange must be an exchange id (a binary), got: #{inspect(other)}")
+      other -> invalid("exchange must be an exchange id (a binary), got #{Error.describe(other)}")
     end
   end
 
@@ -203,16 +203,21 @@ defmodule Bourse.RateLimiter.Limits do
   end
 
   defp entry(entry, index),
-    do: invalid("rateLimits entry #{index} is not a map: #{inspect(entry)}")
+    do: invalid("rateLimits entry #{index} must be a map, got #{Error.describe(entry)}")
 
-  defp unique(key, buckets) do
+  defp unique({type, num, interval} = key, buckets) do
+    # The type is the exchange's text: shown when it is a short name, else by its size.
+    type = if type =~ ~r/\A[A-Z_]{1,64}\z/, do: inspect(type), else: Error.describe(type)
+
     if Map.has_key?(buckets, key),
-      do: invalid("duplicate rateLimits entry #{inspect(key)}"),
+      do: invalid("duplicate rateLimits entry {#{type}, #{num}, #{inspect(interval)}}"),
       else: :ok
   end
 
-  defp malformed(index, entry, name),
-    do: invalid("rateLimits entry #{index} has a missing or bad #{name}: #{inspect(entry)}")
+  defp malformed(index, entry, name) do
+    value = Error.describe(field(entry, name))
+    invalid("rateLimits entry #{index} has a missing or bad #{name}, got #{value}")
+  end
 
   defp field(map, name) do
     # `name` is one of this module's literals, so `String.to_atom/1` is bounded.

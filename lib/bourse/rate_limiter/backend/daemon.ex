@@ -51,6 +51,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   use Bourse.RateLimiter.Backend.Protocol
 
+  alias Bourse.Error
   alias Bourse.RateLimiter.Backend.Connection
 
   @default_timeout 5_000
@@ -119,10 +120,13 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   defp known_options(opts) do
     cond do
       not Keyword.keyword?(opts) ->
-        {:error, "daemon options must be a keyword list, got #{inspect(opts)}"}
+        {:error, "daemon options must be a keyword list, got #{Error.describe(opts)}"}
 
       Keyword.keys(opts) -- @options != [] ->
-        {:error, "unknown daemon options #{inspect(Keyword.keys(opts) -- @options)}"}
+        [unknown | _] = Keyword.keys(opts) -- @options
+
+        {:error,
+         "unknown daemon option #{Error.describe(unknown)}; expected one of #{inspect(@options)}"}
 
       true ->
         :ok
@@ -132,14 +136,17 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   defp allow_remote(opts) do
     case Keyword.get(opts, :allow_remote, false) do
       allow when is_boolean(allow) -> {:ok, allow}
-      other -> {:error, "allow_remote must be a boolean, got #{inspect(other)}"}
+      other -> {:error, "allow_remote must be a boolean, got #{Error.describe(other)}"}
     end
   end
 
   defp timeout(opts) do
     case Keyword.get(opts, :timeout, @default_timeout) do
-      ms when is_integer(ms) and ms > 0 -> {:ok, ms}
-      other -> {:error, "daemon timeout must be a positive integer (ms), got #{inspect(other)}"}
+      ms when is_integer(ms) and ms > 0 ->
+        {:ok, ms}
+
+      other ->
+        {:error, "daemon timeout must be a positive integer (ms), got #{Error.describe(other)}"}
     end
   end
 
@@ -147,7 +154,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     case Keyword.fetch(opts, :secret_file) do
       :error -> {:ok, []}
       {:ok, path} when is_binary(path) and path != "" -> {:ok, secret_file: path}
-      {:ok, other} -> {:error, "secret_file must be a path, got #{inspect(other)}"}
+      {:ok, other} -> {:error, "secret_file must be a path, got #{Error.describe(other)}"}
     end
   end
 
@@ -200,10 +207,12 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   defp loopback?(_ip), do: false
 
   defp port_number(port) when port in 1..65_535, do: :ok
-  defp port_number(port), do: {:error, "daemon port must be 1..65535, got #{inspect(port)}"}
+
+  defp port_number(port),
+    do: {:error, "daemon port must be 1..65535, got #{Error.describe(port)}"}
 
   defp bad_address(address) do
-    "daemon address must be \"IP:PORT\", {ip, port} or {:unix, path}, got #{inspect(address)}"
+    "daemon address must be \"IP:PORT\", {ip, port} or {:unix, path}, got #{Error.describe(address)}"
   end
 
   defp remote(address) do

@@ -63,6 +63,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   use Bourse.RateLimiter.Backend.Protocol
 
+  alias Bourse.Error
   alias Bourse.RateLimiter.Backend.Port
 
   @default_prefix "bourse"
@@ -143,11 +144,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   defp known_options(opts) do
     cond do
       not Keyword.keyword?(opts) ->
-        {:error, "redis options must be a keyword list, got #{inspect(opts)}"}
+        {:error, "redis options must be a keyword list, got #{Error.describe(opts)}"}
 
       Keyword.keys(opts) -- [:prefix, :redis_timeout_ms] != [] ->
+        [unknown | _] = Keyword.keys(opts) -- [:prefix, :redis_timeout_ms]
+
         {:error,
-         "unknown redis options #{inspect(Keyword.keys(opts) -- [:prefix, :redis_timeout_ms])}"}
+         "unknown redis option #{Error.describe(unknown)}; expected :prefix or :redis_timeout_ms"}
 
       true ->
         :ok
@@ -195,7 +198,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp bad_url(url) do
     "redis URL must be a string \"redis://HOST:PORT[/DB]\", \"rediss://...\" or " <>
-      "\"unix:///PATH\", got #{inspect(url)}"
+      "\"unix:///PATH\", got #{Error.describe(url)}"
   end
 
   defp prefix(prefix) when is_binary(prefix) do
@@ -207,10 +210,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   defp prefix(other), do: {:error, bad_prefix(other)}
 
   defp bad_prefix(prefix),
-    do: "redis prefix must be 1 to 64 of A-Z a-z 0-9 _ - . :, got #{inspect(prefix)}"
+    do: "redis prefix must be 1 to 64 of A-Z a-z 0-9 _ - . :, got #{Error.describe(prefix)}"
 
   defp redis_timeout(ms) when is_integer(ms) and ms in 1..60_000, do: {:ok, ms}
 
   defp redis_timeout(other),
-    do: {:error, "redis_timeout_ms must be an integer from 1 to 60000, got #{inspect(other)}"}
+    do:
+      {:error,
+       "redis_timeout_ms must be an integer from 1 to 60000, got #{Error.describe(other)}"}
 end

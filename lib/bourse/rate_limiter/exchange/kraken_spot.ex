@@ -50,7 +50,9 @@ defmodule Bourse.RateLimiter.Exchange.KrakenSpot do
 
       _ ->
         {:error,
-         Error.invalid("tier must be :starter, :intermediate or :pro, got #{inspect(tier)}")}
+         Error.invalid(
+           "tier must be :starter, :intermediate or :pro, got #{Error.describe(tier)}"
+         )}
     end
   end
 

@@ -1,0 +1,96 @@
+defmodule Bourse.OptionMessagesTest do
+  # Errors of the Elixir-only options (backends, `Limits`, `Exchange`) describe a bad value
+  # by its type and size (`Bourse.Error.describe/1`): bounded whatever the value, and never
+  # echoing a credential given in the wrong place.
+  use ExUnit.Case, async: true
+
+  alias Bourse.{Error, RateLimiter}
+  alias Bourse.RateLimiter.{Exchange, Limits}
+
+  @secret "SECRET-API-KEY-123"
+  @huge String.duplicate("x", 10_000_000)
+  @long_list Enum.to_list(1..100_000)
+
+  defp assert_described({:error, %Error{type: :invalid_parameters, message: message}}) do
+    assert byte_size(message) < 300, message
+    refute message =~ "SECRET", message
+    refute message =~ "xxxxxxxx", message
+    message
+  end
+
+  defp start(backend),
+    do:
+      RateLimiter.start_link(
+        name: :"option_messages_#{System.unique_integer()}",
+        backend: backend
+      )
+
+  test "daemon options" do
+    for bad <- [@secret, @huge, {@secret, 1}, @long_list] do
+      assert_described(start({:daemon, bad}))
+      assert_described(start({:daemon, "127.0.0.1:7000", timeout: bad}))
+      assert_described(start({:daemon, "127.0.0.1:7000", allow_remote: bad}))
+      assert_described(start({:daemon, "127.0.0.1:7000", secret_file: {bad}}))
+    end
+
+    assert_described(start({:daemon, "127.0.0.1:7000", [{@secret, 1}]}))
+    assert_described(start({:daemon, {{127, 0, 0, 1}, 70_000}, []}))
+
+    assert assert_described(start({:daemon, "127.0.0.1:7000", no_such: 1})) =~
+             "unknown daemon option :no_such"
+  end
+
+  test "redis options" do
+    for bad <- ["http://user:#{@secret}@host:6379", @huge, {@secret}, @long_list] do
+      assert_described(start({:redis, bad}))
+      assert_described(start({:redis, "redis://127.0.0.1:6379", prefix: bad}))
+      assert_described(start({:redis, "redis://127.0.0.1:6379", redis_timeout_ms: bad}))
+    end
+
+    assert_described(start({:redis, "redis://127.0.0.1:6379", [{@secret, 1}]}))
+
+    assert assert_described(start({:redis, "redis://127.0.0.1:6379", no_such: 1})) =~
+             "unknown redis option :no_such"
+  end
+
+  test "Limits" do
+    for bad <- [@secret, @huge, @long_list, %{secret: @secret}] do
+      assert_described(Limits.size(bad, 1000))
+      assert_described(Limits.size(10, bad))
+      assert_described(Limits.size(10, 1000, share: bad))
+      assert_described(Limits.size(10, 1000, burst: bad))
+      assert_described(Limits.from_binance_exchange_info(bad))
+      assert_described(Limits.from_binance_exchange_info(%{"rateLimits" => [bad]}))
+
+      entry = %{
+        "rateLimitType" => "REQUEST_WEIGHT",
+        "interval" => "MINUTE",
+        "intervalNum" => 1,
+        "limit" => bad
+      }
+
+      assert_described(Limits.from_binance_exchange_info(%{"rateLimits" => [entry]}))
+      info = %{"rateLimits" => [%{entry | "limit" => 6000}]}
+      assert_described(Limits.from_binance_exchange_info(info, exchange: {bad}))
+    end
+
+    # A duplicate entry is named, its type by its size unless it is a short name.
+    entry = %{"rateLimitType" => @huge, "interval" => "SECOND", "intervalNum" => 1, "limit" => 5}
+
+    assert assert_described(Limits.from_binance_exchange_info(%{"rateLimits" => [entry, entry]})) =~
+             ~s(duplicate rateLimits entry {a binary of 10000000 bytes, 1, "SECOND"})
+  end
+
+  test "Exchange" do
+    for bad <- [@secret, @huge, @long_list, %{counters: [%{secret: @secret}]}] do
+      assert_described(Exchange.buckets(bad))
+      assert_described(Exchange.buckets(:binance_spot, share: bad))
+      assert_described(Exchange.buckets(:kraken_spot, tier: bad))
+      assert_described(Exchange.buckets(:binance_spot, bad))
+      assert_described(Exchange.profile(bad))
+    end
+
+    assert assert_described(Exchange.buckets(:binance_spot, no_such: 1)) =~
+             "unknown option :no_such"
+  end
+end
