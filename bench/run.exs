@@ -7,7 +7,9 @@
 #      GCRA on :ets.update_counter, a token bucket on :atomics compare-exchange, a token
 #      bucket on :ets.lookup/:ets.insert) at 1, 8 and 64 callers on 1, 8 and 1,000 keys,
 #      with the ratio to the fastest peer; then check_rates/2 over 3 buckets against one;
-#   3. checks/s through the port backend and a shared bourse_daemon over loopback TCP;
+#   3. checks/s, p50 and p99 through the port backend and a shared bourse_daemon on a Unix
+#      socket and on loopback TCP, at 1 and 64 callers, beside the daemon's own ceiling
+#      with pipelined Rust clients;
 #   4. resident memory after 1,000,000 distinct keys, and after the sweep dropped them.
 #
 # `mix run bench/run.exs core elixir daemon memory` runs only the sections named.
@@ -20,7 +22,7 @@ for file <- ["table.ex", "os_processes.ex"],
     do: Code.require_file(file, Path.join([__DIR__, "..", "demo", "support"]))
 
 for file <-
-      ~w(loop.ex runner.ex public_api.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
+      ~w(loop.ex runner.ex latency.ex public_api.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
          atomics_token_bucket.ex ets_token_bucket.ex),
     do: Code.require_file(file, Path.join(__DIR__, "support"))
 
@@ -31,6 +33,7 @@ defmodule Bench do
     EtsGcra,
     EtsTokenBucket,
     GenServerBucket,
+    Latency,
     PublicAPI,
     Runner
   }
@@ -240,69 +243,70 @@ defmodule Bench do
 
   ## 3. Port and daemon
 
+  @daemon_run_ms 500
+  @daemon_callers [1, 64]
+
   @doc false
   def daemon do
     IO.puts("""
-    ## 3. Out of the VM: median of 5 runs of about #{@run_ms} ms each, 1,000 keys
+    ## 3. Out of the VM: median of 3 runs of #{@daemon_run_ms} ms each, 1,000 keys
     Through Bourse.RateLimiter.check_rate/4: the port backend (bourse_daemon --stdio, one
-    per limiter) and a bourse_daemon server on 127.0.0.1 (one TCP connection per limiter,
-    its callers' requests pipelined on it; the last row spreads the keys over 8 limiters,
-    so 8 connections); the NIF for reference.
+    per limiter) and a bourse_daemon server on a Unix socket and on 127.0.0.1 (one
+    connection per limiter, its callers' requests pipelined on it); the NIF for reference.
+    Latency of one check in µs, sampled on one check in 8 of every caller.
+    Load average now: #{load_average()}
     """)
 
-    rows = OSProcesses.with_daemon(&backend_rows/1)
+    rows = OSProcesses.with_socket_daemon(&backend_rows/1)
     IO.puts("")
 
     Table.print(
-      ["Backend", "1 caller checks/s", "8 callers checks/s", "64 callers checks/s"],
+      ["Backend"] ++
+        Enum.flat_map(@daemon_callers, &["#{&1} caller(s) checks/s", "p50 µs", "p99 µs"]),
       rows
     )
 
     IO.puts("""
 
-    The daemon itself, from Rust clients (cargo run --release -p bourse_daemon --example daemon_bench):
+    The daemon itself, from Rust clients in the same run (cargo run --release -p bourse_daemon --example daemon_bench):
     """)
 
     cargo(["run", "-q", "--release", "-p", "bourse_daemon", "--example", "daemon_bench"])
     IO.puts("")
   end
 
-  defp backend_rows(daemon_address) do
-    {:ok, _} = RateLimiter.start_link(name: Bench.NIF)
-    {:ok, _} = RateLimiter.start_link(name: Bench.Port, backend: :port)
+  defp load_average,
+    do: "/proc/loadavg" |> File.read!() |> String.split() |> Enum.take(3) |> Enum.join(" ")
 
-    connections =
-      for i <- 1..8 do
-        name = :"Bench.Daemon#{i}"
-        {:ok, _} = RateLimiter.start_link(name: name, backend: {:daemon, daemon_address})
-        name
-      end
+  defp backend_rows(%{tcp: tcp, unix: unix}) do
+    limiters = [
+      {"NIF", Bench.NIF, []},
+      {"port (stdio)", Bench.Port, backend: :port},
+      {"daemon (Unix socket)", Bench.Unix, backend: {:daemon, {:unix, unix}}},
+      {"daemon (TCP)", Bench.TCP, backend: {:daemon, tcp}}
+    ]
 
     keys = Runner.keys(1_000)
 
-    rows =
-      for {label, limiters} <- [
-            {"NIF", Bench.NIF},
-            {"port (stdio)", Bench.Port},
-            {"daemon (TCP), 1 connection", hd(connections)},
-            {"daemon (TCP), 8 connections", List.to_tuple(connections)}
-          ] do
-        IO.write("  #{label}:")
+    for {label, name, opts} <- limiters do
+      {:ok, pid} = RateLimiter.start_link([name: name] ++ opts)
+      IO.write("  #{label}:")
 
-        per_second =
-          for callers <- [1, 8, 64] do
-            result = Runner.measure(PublicAPI, limiters, keys, callers, @run_ms)
-            IO.write(" #{callers} → #{per_second(result.checks_per_second)}")
-            per_second(result.checks_per_second)
-          end
+      cells =
+        Enum.flat_map(@daemon_callers, fn callers ->
+          result = Latency.measure(name, keys, callers, @daemon_run_ms)
+          IO.write(" #{callers} → #{per_second(result.checks_per_second)}")
+          [per_second(result.checks_per_second), micros(result.p50_us), micros(result.p99_us)]
+        end)
 
-        IO.puts("")
-        [label | per_second]
-      end
-
-    Enum.each(connections, &GenServer.stop/1)
-    rows
+      IO.puts("")
+      GenServer.stop(pid)
+      [label | cells]
+    end
   end
+
+  defp micros(us) when us >= 100, do: Integer.to_string(round(us))
+  defp micros(us), do: :erlang.float_to_binary(us, decimals: 1)
 
   ## 4. Memory
 

@@ -13,25 +13,50 @@ defmodule Demo.OSProcesses do
   `fun` raises. Returns what `fun` returns.
   """
   @spec with_daemon((String.t() -> result)) :: result when result: term()
-  def with_daemon(fun) do
-    {daemon, address} = start_daemon()
+  def with_daemon(fun), do: with_started(["--listen", "127.0.0.1:0"], &fun.(&1.tcp))
+
+  @doc """
+  Like `with_daemon/1`, with the daemon also on a Unix socket in a new temporary
+  directory: `fun` gets `%{tcp: address, unix: path}`.
+  """
+  @spec with_socket_daemon((%{tcp: String.t(), unix: Path.t()} -> result)) :: result
+        when result: term()
+  def with_socket_daemon(fun) do
+    dir = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}")
+    File.mkdir_p!(dir)
 
     try do
-      fun.(address)
+      with_started(["--listen", "127.0.0.1:0", "--socket", Path.join(dir, "daemon.sock")], fun)
+    after
+      File.rm_rf!(dir)
+    end
+  end
+
+  defp with_started(args, fun) do
+    {daemon, listeners} = start_daemon(args)
+
+    try do
+      fun.(listeners)
     after
       stop_daemon(daemon)
     end
   end
 
   # The shared secret TCP clients prove goes in this VM's environment: the daemon, the
-  # daemon backend and the worker VMs read it there.
-  defp start_daemon do
+  # daemon backend and the worker VMs read it there. One line per listener says where.
+  defp start_daemon(args) do
     System.put_env("BOURSE_DAEMON_SECRET", Base.encode64(:crypto.strong_rand_bytes(24)))
+    daemon = open(Application.app_dir(:bourse, "priv/native/bourse_daemon"), args)
 
-    daemon =
-      open(Application.app_dir(:bourse, "priv/native/bourse_daemon"), ["--listen", "127.0.0.1:0"])
+    listeners =
+      for _ <- Enum.filter(args, &(&1 in ["--listen", "--socket"])), into: %{} do
+        case String.split(receive_line(daemon, "listening "), " ", parts: 2) do
+          ["tcp", address] -> {:tcp, address}
+          ["unix", path] -> {:unix, path}
+        end
+      end
 
-    {daemon, receive_line(daemon, "listening tcp ")}
+    {daemon, listeners}
   end
 
   defp stop_daemon(%{os_pid: os_pid}) do
