@@ -1,0 +1,158 @@
+//! Command-line options: the arguments read into flags (`flags`), secrets read from files
+//! or the environment (`secrets`), and the flags judged together into a [`Command`]
+//! (`parse`, here). `usage` is the text of `--help`; `options` the types of a run.
+
+mod flags;
+mod options;
+mod secrets;
+mod usage;
+
+pub use options::{Access, Command, Options, RedisOptions, Transport};
+pub use secrets::{Environment, Process};
+pub use usage::USAGE;
+
+use crate::redis::Servers;
+use flags::{Flags, Read};
+use secrets::{has_password, read_secret};
+
+/// Parses the arguments after the program name. An error is a message for stderr.
+pub fn parse<I: IntoIterator<Item = String>>(
+    args: I,
+    env: &impl Environment,
+) -> Result<Command, String> {
+    let flags = match flags::read(args)? {
+        Read::Help => return Ok(Command::Help),
+        Read::Version => return Ok(Command::Version),
+        Read::Flags(flags) => flags,
+    };
+    let secret = read_secret(
+        env,
+        "--secret-file",
+        flags.secret_file.as_deref(),
+        "BOURSE_DAEMON_SECRET",
+    )?;
+    let transport = transport(&flags, secret.as_deref())?;
+    let redis = redis(&flags, env)?;
+    let Flags {
+        assume_busy_at_start,
+        booking_slack_ms,
+        sweep_interval_ms,
+        max_frame_bytes,
+        socket_mode,
+        max_connections,
+        idle_timeout_ms,
+        ..
+    } = *flags;
+    Ok(Command::Run(Box::new(Options {
+        transport,
+        access: Access {
+            secret,
+            socket_mode,
+            max_connections,
+            idle_timeout_ms,
+        },
+        assume_busy_at_start,
+        booking_slack_ms,
+        sweep_interval_ms,
+        max_frame_bytes,
+        redis,
+    })))
+}
+
+/// Where the clients are: stdio, or listeners (loopback unless allowed; TCP only with a
+/// shared secret of at least 16 bytes).
+fn transport(flags: &Flags, secret: Option<&[u8]>) -> Result<Transport, String> {
+    let Flags {
+        stdio, tcp, unix, ..
+    } = flags;
+    match (*stdio, tcp.is_empty() && unix.is_empty()) {
+        (true, false) => Err("--stdio cannot be combined with --listen or --socket".into()),
+        (true, true) => Ok(Transport::Stdio),
+        (false, false) => {
+            if let Some(remote) = tcp.iter().find(|addr| !addr.ip().is_loopback()) {
+                if !flags.allow_remote {
+                    return Err(format!(
+                        "refusing to listen on {remote}: not a loopback address, and requests \
+                         travel in clear; pass --allow-remote to accept other hosts"
+                    ));
+                }
+            }
+            match secret {
+                None if !tcp.is_empty() => {
+                    return Err("--listen needs a shared secret for its clients to prove: \
+                                --secret-file PATH or BOURSE_DAEMON_SECRET"
+                        .into())
+                }
+                Some(secret) if secret.len() < 16 => {
+                    return Err("the shared secret must be at least 16 bytes".into())
+                }
+                _ => {}
+            }
+            Ok(Transport::Server {
+                tcp: tcp.clone(),
+                unix: unix.clone(),
+            })
+        }
+        (false, true) => Err("choose a mode: --stdio, --listen ADDR or --socket PATH".into()),
+    }
+}
+
+/// Where the buckets live: `None` for this process, else the Redis server or cluster and
+/// its secrets (never in a URL: the command line is public).
+fn redis(flags: &Flags, env: &impl Environment) -> Result<Option<RedisOptions>, String> {
+    let servers = match (&flags.redis_url, flags.cluster_seeds.is_empty()) {
+        (Some(_), false) => return Err("choose one of --redis and --redis-cluster".into()),
+        (Some(url), true) => Servers::One(url.clone()),
+        (None, false) => Servers::Cluster(flags.cluster_seeds.clone()),
+        (None, true)
+            if flags.redis_prefix.is_some()
+                || flags.redis_timeout_ms.is_some()
+                || flags.redis_password_file.is_some()
+                || flags.redis_key_secret_file.is_some() =>
+        {
+            return Err(
+                "--redis-prefix, --redis-timeout-ms, --redis-password-file and \
+                        --redis-key-secret-file need --redis or --redis-cluster"
+                    .into(),
+            )
+        }
+        (None, true) => return Ok(None),
+    };
+    let urls = match &servers {
+        Servers::One(url) => std::slice::from_ref(url),
+        Servers::Cluster(seeds) => seeds.as_slice(),
+    };
+    if urls.iter().any(|url| has_password(url)) {
+        return Err(
+            "--redis URL must not hold a password (the command line is public): \
+                    use --redis-password-file PATH or BOURSE_REDIS_PASSWORD"
+                .into(),
+        );
+    }
+    let password = read_secret(
+        env,
+        "--redis-password-file",
+        flags.redis_password_file.as_deref(),
+        "BOURSE_REDIS_PASSWORD",
+    )?
+    .map(|bytes| String::from_utf8(bytes).map_err(|_| "the Redis password must be UTF-8"))
+    .transpose()?;
+    Ok(Some(RedisOptions {
+        servers,
+        password,
+        key_secret: read_secret(
+            env,
+            "--redis-key-secret-file",
+            flags.redis_key_secret_file.as_deref(),
+            "BOURSE_REDIS_KEY_SECRET",
+        )?,
+        prefix: flags
+            .redis_prefix
+            .clone()
+            .unwrap_or_else(|| "bourse".into()),
+        timeout_ms: flags.redis_timeout_ms.unwrap_or(1000),
+    }))
+}
+
+#[cfg(test)]
+mod tests;

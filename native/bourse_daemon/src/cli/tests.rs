@@ -1,0 +1,256 @@
+//! Tests of the command line.
+
+use std::path::PathBuf;
+
+use super::*;
+
+/// An environment holding `vars`, whose files all read as `file: <path>`.
+struct Fake(Vec<(&'static str, &'static str)>);
+
+impl Environment for Fake {
+    fn var(&self, name: &str) -> Option<String> {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.to_string())
+    }
+    fn read(&self, path: &str) -> Result<Vec<u8>, String> {
+        Ok(format!("file: {path}\n").into_bytes())
+    }
+}
+
+const SECRET: (&str, &str) = ("BOURSE_DAEMON_SECRET", "0123456789abcdef");
+
+fn run_in(env: &Fake, args: &[&str]) -> Result<Command, String> {
+    parse(args.iter().map(|s| s.to_string()), env)
+}
+
+fn run(args: &[&str]) -> Result<Command, String> {
+    run_in(&Fake(vec![SECRET]), args)
+}
+
+#[test]
+fn secrets_come_from_files_or_the_environment_never_argv() {
+    let o = match run(&["--listen", "127.0.0.1:1"]) {
+        Ok(Command::Run(o)) => o,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        o.access.secret.as_deref(),
+        Some(b"0123456789abcdef".as_slice())
+    );
+    assert!(!format!("{o:?}").contains("0123456789abcdef"));
+    let none = Fake(vec![]);
+    let error = run_in(&none, &["--listen", "127.0.0.1:1"]).unwrap_err();
+    assert!(error.contains("needs a shared secret"), "{error}");
+    // A socket alone needs none.
+    assert!(run_in(&none, &["--socket", "/tmp/x"]).is_ok());
+    let o = match run_in(
+        &none,
+        &["--listen", "127.0.0.1:1", "--secret-file", "/s/long-enough"],
+    ) {
+        Ok(Command::Run(o)) => o,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        o.access.secret.as_deref(),
+        Some(b"file: /s/long-enough".as_slice())
+    );
+    let short = Fake(vec![("BOURSE_DAEMON_SECRET", "short")]);
+    assert!(run_in(&short, &["--listen", "127.0.0.1:1"]).is_err());
+    // Redis passwords: never in the URL.
+    for url in [
+        "redis://:pw@h:1",
+        "redis://user:pw@h:1/2",
+        "redis://h:1/?password=pw",
+    ] {
+        let error = run(&["--stdio", "--redis", url]).unwrap_err();
+        assert!(error.contains("must not hold a password"), "{url}: {error}");
+    }
+    let env = Fake(vec![
+        ("BOURSE_REDIS_PASSWORD", "pw"),
+        ("BOURSE_REDIS_KEY_SECRET", "k"),
+    ]);
+    let o = match run_in(&env, &["--stdio", "--redis", "redis://user@h:1"]) {
+        Ok(Command::Run(o)) => o,
+        other => panic!("{other:?}"),
+    };
+    let redis = o.redis.unwrap();
+    assert_eq!(redis.password.as_deref(), Some("pw"));
+    assert_eq!(redis.key_secret.as_deref(), Some(b"k".as_slice()));
+    assert!(!format!("{redis:?}").contains("pw"));
+    let o = match run_in(
+        &env,
+        &[
+            "--stdio",
+            "--redis",
+            "redis://h:1",
+            "--redis-password-file",
+            "/p",
+        ],
+    ) {
+        Ok(Command::Run(o)) => o,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(o.redis.unwrap().password.as_deref(), Some("file: /p"));
+}
+
+#[test]
+fn access_limits() {
+    let o = options(&["--socket", "/tmp/x"]);
+    assert_eq!(
+        (
+            o.access.socket_mode,
+            o.access.max_connections,
+            o.access.idle_timeout_ms
+        ),
+        (0o600, 256, 300_000)
+    );
+    let o = options(&[
+        "--socket",
+        "/tmp/x",
+        "--socket-mode",
+        "660",
+        "--max-connections=3",
+        "--idle-timeout-ms",
+        "0",
+    ]);
+    assert_eq!(
+        (
+            o.access.socket_mode,
+            o.access.max_connections,
+            o.access.idle_timeout_ms
+        ),
+        (0o660, 3, 0)
+    );
+    for bad in [
+        &["--socket", "/x", "--socket-mode", "666"][..],
+        &["--socket", "/x", "--max-connections", "0"],
+    ] {
+        assert!(run(bad).is_err(), "{bad:?}");
+    }
+}
+
+fn options(args: &[&str]) -> Options {
+    match run(args) {
+        Ok(Command::Run(options)) => *options,
+        other => panic!("expected options, got {other:?}"),
+    }
+}
+
+#[test]
+fn defaults_and_values() {
+    let o = options(&["--stdio"]);
+    assert_eq!(o.transport, Transport::Stdio);
+    assert_eq!(
+        (o.booking_slack_ms, o.sweep_interval_ms, o.max_frame_bytes),
+        (250, 1000, 65536)
+    );
+    assert!(!o.assume_busy_at_start);
+    let o = options(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--socket=/tmp/x.sock",
+        "--booking-slack-ms=0",
+        "--sweep-interval-ms",
+        "5",
+        "--max-frame-bytes",
+        "1024",
+        "--assume-busy-at-start",
+    ]);
+    assert_eq!(
+        o.transport,
+        Transport::Server {
+            tcp: vec!["127.0.0.1:0".parse().unwrap()],
+            unix: vec![PathBuf::from("/tmp/x.sock")]
+        }
+    );
+    assert_eq!(
+        (o.booking_slack_ms, o.sweep_interval_ms, o.max_frame_bytes),
+        (0, 5, 1024)
+    );
+    assert!(o.assume_busy_at_start);
+    assert_eq!(o.redis, None);
+    let o = options(&["--stdio", "--redis", "redis://127.0.0.1:6379"]);
+    assert_eq!(
+        o.redis,
+        Some(RedisOptions {
+            servers: Servers::One("redis://127.0.0.1:6379".into()),
+            password: None,
+            key_secret: None,
+            prefix: "bourse".into(),
+            timeout_ms: 1000
+        })
+    );
+    let o = options(&[
+        "--stdio",
+        "--redis=redis://h:1",
+        "--redis-prefix",
+        "team",
+        "--redis-timeout-ms=50",
+    ]);
+    assert_eq!(
+        o.redis.map(|r| (r.prefix, r.timeout_ms)),
+        Some(("team".into(), 50))
+    );
+    let o = options(&[
+        "--stdio",
+        "--redis-cluster",
+        "redis://127.0.0.1:7000",
+        "--redis-cluster=redis://127.0.0.1:7001",
+    ]);
+    assert_eq!(
+        o.redis.map(|r| r.servers),
+        Some(Servers::Cluster(vec![
+            "redis://127.0.0.1:7000".into(),
+            "redis://127.0.0.1:7001".into()
+        ]))
+    );
+    assert_eq!(run(&["--stdio", "--help"]), Ok(Command::Help));
+    assert_eq!(run(&["-V"]), Ok(Command::Version));
+}
+
+#[test]
+fn rejects_bad_arguments() {
+    for bad in [
+        &[][..],
+        &["--stdio", "--listen", "127.0.0.1:1"],
+        &["--bogus"],
+        &["--listen"],
+        &["--listen", "localhost:80"],
+        &["--listen", "0.0.0.0:80"],
+        &["--stdio", "--sweep-interval-ms", "0"],
+        &["--stdio", "--max-frame-bytes", "10"],
+        &["--stdio", "--booking-slack-ms", "-1"],
+        &["--stdio", "--booking-slack-ms", "1e3"],
+        &["--stdio=yes"],
+        &["--socket", ""],
+        &["--stdio", "--redis"],
+        &["--stdio", "--redis-prefix", "x"],
+        &["--stdio", "--redis-cluster"],
+        &[
+            "--stdio",
+            "--redis",
+            "redis://h:1",
+            "--redis-cluster",
+            "redis://h:2",
+        ],
+        &[
+            "--stdio",
+            "--redis-cluster",
+            "redis://h:1",
+            "--redis-cluster",
+            "redis://:pw@h:2",
+        ],
+        &[
+            "--stdio",
+            "--redis",
+            "redis://h:1",
+            "--redis-timeout-ms",
+            "0",
+        ],
+    ] {
+        assert!(run(bad).is_err(), "{bad:?} accepted");
+    }
+    assert!(run(&["--listen", "0.0.0.0:80", "--allow-remote"]).is_ok());
+}
