@@ -111,7 +111,10 @@ defmodule Bench do
         for {label, workload} <- [
               {"1 key (hot)", "hot"},
               {"10,000 keys", "10k"},
-              {"3-bucket check, 1 credential", "3-bucket"}
+              {"3-bucket check, 1 credential", "3-bucket"},
+              {"prepared: 1 key (hot)", "hot-prepared"},
+              {"prepared: 10,000 keys", "10k-prepared"},
+              {"prepared: 3-bucket check, 1 credential", "3-bucket-prepared"}
             ] do
           [low, high] = Enum.map(@instruction_counts, &collected(example, workload, &1))
           [count_low, count_high] = @instruction_counts

@@ -2,42 +2,69 @@
 //!
 //! `cargo run --release -p bourse_core --example checks` prints ns per check (median of 5
 //! rounds) on one hot key, over 10,000 keys, on two threads with keys of their own (and
-//! their throughput over one thread's), and for a 3-bucket check.
+//! their throughput over one thread's), and for a 3-bucket check; then the same with
+//! buckets prepared once ([`Table::prepare`], [`Table::check_prepared`]).
 //!
-//! `checks --count N WORKLOAD` (`hot`, `10k` or `3-bucket`) runs exactly `N` checks of
-//! one workload on one thread and prints nothing: run it under
-//! `valgrind --tool=callgrind` with two counts, and the difference of the instructions
-//! counted, divided by the difference of the counts, is the instructions per check,
-//! whatever the machine's load.
+//! `checks --count N WORKLOAD` (`hot`, `10k`, `3-bucket`, or one of them followed by
+//! `-prepared`) runs exactly `N` checks of one workload on one thread and prints nothing:
+//! run it under `valgrind --tool=callgrind` with two counts, and the difference of the
+//! instructions counted, divided by the difference of the counts, is the instructions per
+//! check, whatever the machine's load.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use bourse_core::{Check, Config, KeyRef, Limit, Mode, Table};
+use bourse_core::{Check, Config, KeyRef, Limit, Mode, PreparedBucket, PreparedCheck, Table};
 
 const CHECKS: usize = 1_000_000;
 const ROUNDS: usize = 5;
 const AXES: [&[u8]; 3] = [b"request", b"ip", b"order"];
 
-/// A workload: how many keys each thread cycles through, and buckets per check.
+/// A workload: how many keys each thread cycles through, buckets per check, and whether
+/// the buckets are prepared once ([`Table::prepare`]) or given as key and limit per check.
 #[derive(Clone, Copy)]
 struct Workload {
     keys: usize,
     buckets: usize,
+    prepared: bool,
 }
 
 const HOT: Workload = Workload {
     keys: 1,
     buckets: 1,
+    prepared: false,
 };
 const MANY: Workload = Workload {
     keys: 10_000,
-    buckets: 1,
+    ..HOT
 };
-const THREE: Workload = Workload {
-    keys: 1,
-    buckets: 3,
-};
+const THREE: Workload = Workload { buckets: 3, ..HOT };
+const WORKLOADS: [(&str, Workload); 6] = [
+    ("hot", HOT),
+    ("10k", MANY),
+    ("3-bucket", THREE),
+    (
+        "hot-prepared",
+        Workload {
+            prepared: true,
+            ..HOT
+        },
+    ),
+    (
+        "10k-prepared",
+        Workload {
+            prepared: true,
+            ..MANY
+        },
+    ),
+    (
+        "3-bucket-prepared",
+        Workload {
+            prepared: true,
+            ..THREE
+        },
+    ),
+];
 
 /// The credentials of `thread`: distinct from every other thread's.
 fn credentials(thread: usize, count: usize) -> Vec<String> {
@@ -50,6 +77,39 @@ fn credentials(thread: usize, count: usize) -> Vec<String> {
 fn checks(table: &Table, thread: usize, workload: Workload, count: usize) {
     let limit = Limit::new(1e9, 1e9).unwrap();
     let names = credentials(thread, workload.keys);
+    let axes = &AXES[..workload.buckets];
+    if workload.prepared {
+        let prepare = |name: &String| -> Vec<PreparedBucket> {
+            axes.iter()
+                .map(|axis| {
+                    table.prepare(KeyRef::new(b"binance", Some(name.as_bytes()), axis), limit)
+                })
+                .collect()
+        };
+        let buckets: Vec<Vec<PreparedBucket>> = names.iter().map(prepare).collect();
+        let mut batch = Vec::with_capacity(workload.buckets);
+        for i in 0..count {
+            match &buckets[i % buckets.len()][..] {
+                [bucket] => {
+                    black_box(table.check_prepared(thread as u64, bucket, 1.0, Mode::Probe));
+                }
+                several => {
+                    batch.clear();
+                    batch.extend(
+                        several
+                            .iter()
+                            .map(|bucket| PreparedCheck { bucket, cost: 1.0 }),
+                    );
+                    black_box(
+                        table
+                            .check_prepared_all(thread as u64, &batch, Mode::Probe)
+                            .unwrap(),
+                    );
+                }
+            }
+        }
+        return;
+    }
     let mut batch = Vec::with_capacity(workload.buckets);
     for i in 0..count {
         let name = names[i % names.len()].as_bytes();
@@ -63,7 +123,7 @@ fn checks(table: &Table, thread: usize, workload: Workload, count: usize) {
             black_box(table.check_one(thread as u64, check, Mode::Probe));
         } else {
             batch.clear();
-            batch.extend(AXES[..workload.buckets].iter().map(|axis| Check {
+            batch.extend(axes.iter().map(|axis| Check {
                 key: KeyRef::new(b"binance", Some(name), axis),
                 limit,
                 cost: 1.0,
@@ -138,15 +198,26 @@ fn medians(works: &[(usize, Work)]) -> Vec<f64> {
 
 fn timings() {
     use Work::{Arithmetic, Checks};
-    let [hot, many, hot_two, many_two, three, spin, spin_two] = medians(&[
+    let prepared = |workload: Workload| Workload {
+        prepared: true,
+        ..workload
+    };
+    let works = [
         (1, Checks(HOT)),
         (1, Checks(MANY)),
         (2, Checks(HOT)),
         (2, Checks(MANY)),
         (1, Checks(THREE)),
+        (1, Checks(prepared(HOT))),
+        (1, Checks(prepared(MANY))),
+        (2, Checks(prepared(HOT))),
+        (1, Checks(prepared(THREE))),
         (1, Arithmetic),
         (2, Arithmetic),
-    ])[..] else {
+    ];
+    let [hot, many, hot_two, many_two, three, p_hot, p_many, p_hot_two, p_three, spin, spin_two] =
+        medians(&works)[..]
+    else {
         unreachable!("one median per workload")
     };
     println!("| workload | ns/check | checks/s | ratio |");
@@ -158,9 +229,10 @@ fn timings() {
             per_second / 1e6
         );
     };
+    let scaling = |one: f64, two: f64| format!("{:.2}× one thread", one / two);
+    let buckets = |three: f64, one: f64| format!("{:.2}× one bucket", three / one);
     row("1 thread, 1 key (hot)", hot, String::new());
     row("1 thread, 10,000 keys", many, String::new());
-    let scaling = |one: f64, two: f64| format!("{:.2}× one thread", one / two);
     row(
         "2 threads, 1 key each (distinct)",
         hot_two,
@@ -174,7 +246,19 @@ fn timings() {
     row(
         "1 thread, 3-bucket check, 1 credential",
         three,
-        format!("{:.2}× one bucket", three / hot),
+        buckets(three, hot),
+    );
+    row("prepared: 1 thread, 1 key (hot)", p_hot, String::new());
+    row("prepared: 1 thread, 10,000 keys", p_many, String::new());
+    row(
+        "prepared: 2 threads, 1 key each (distinct)",
+        p_hot_two,
+        scaling(p_hot, p_hot_two),
+    );
+    row(
+        "prepared: 1 thread, 3-bucket check, 1 credential",
+        p_three,
+        buckets(p_three, p_hot),
     );
     println!(
         "\nThe machine meanwhile: two threads of arithmetic ran {:.2}× one thread's steps.",
@@ -188,15 +272,13 @@ fn main() {
         [] => timings(),
         [flag, count, workload] if flag == "--count" => {
             let count: usize = count.parse().expect("--count takes a number of checks");
-            let workload = match workload.as_str() {
-                "hot" => HOT,
-                "10k" => MANY,
-                "3-bucket" => THREE,
-                other => panic!("unknown workload {other}: hot, 10k or 3-bucket"),
+            let Some(&(_, workload)) = WORKLOADS.iter().find(|(name, _)| name == workload) else {
+                let names: Vec<&str> = WORKLOADS.iter().map(|(name, _)| *name).collect();
+                panic!("unknown workload {workload}: one of {}", names.join(", "));
             };
             let table = Table::new(Config::default());
             checks(&table, 0, workload, count);
         }
-        _ => panic!("usage: checks [--count N hot|10k|3-bucket]"),
+        _ => panic!("usage: checks [--count N WORKLOAD]"),
     }
 }

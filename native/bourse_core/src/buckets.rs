@@ -9,7 +9,7 @@
 use hashbrown::HashTable;
 
 use crate::bucket::Bucket;
-use crate::key::KeyRef;
+use crate::key::Sought;
 
 /// Buckets moved from the old table per insert: the old table is empty long before the
 /// new one (twice its size) fills.
@@ -31,8 +31,8 @@ pub(crate) struct Buckets {
     emptied: Vec<HashTable<Bucket>>,
 }
 
-fn matches<'a>(hash: u64, key: &'a KeyRef<'a>) -> impl Fn(&Bucket) -> bool + 'a {
-    move |bucket| bucket.hash == hash && bucket.key.as_ref() == *key
+fn matches(hash: u64, key: Sought<'_>) -> impl Fn(&Bucket) -> bool + '_ {
+    move |bucket| bucket.hash == hash && key.is(&bucket.key)
 }
 
 impl Buckets {
@@ -41,20 +41,21 @@ impl Buckets {
         self.table.len() + self.old.len()
     }
 
-    pub fn find(&self, hash: u64, key: &KeyRef) -> Option<&Bucket> {
+    pub fn find(&self, hash: u64, key: Sought) -> Option<&Bucket> {
         let found = self.table.find(hash, matches(hash, key));
         found.or_else(|| self.old.find(hash, matches(hash, key)))
     }
 
-    pub fn find_mut(&mut self, hash: u64, key: &KeyRef) -> Option<&mut Bucket> {
-        if self.table.find(hash, matches(hash, key)).is_some() {
-            return self.table.find_mut(hash, matches(hash, key));
+    pub fn find_mut(&mut self, hash: u64, key: Sought) -> Option<&mut Bucket> {
+        let Self { table, old, .. } = self;
+        match table.find_mut(hash, matches(hash, key)) {
+            Some(bucket) => Some(bucket),
+            None => old.find_mut(hash, matches(hash, key)),
         }
-        self.old.find_mut(hash, matches(hash, key))
     }
 
     /// Removes and returns `key`'s bucket.
-    pub fn take(&mut self, hash: u64, key: &KeyRef) -> Option<Bucket> {
+    pub fn take(&mut self, hash: u64, key: Sought) -> Option<Bucket> {
         if let Ok(entry) = self.table.find_entry(hash, matches(hash, key)) {
             return Some(entry.remove().0);
         }
@@ -74,7 +75,7 @@ impl Buckets {
     pub fn get_or_insert_with(
         &mut self,
         hash: u64,
-        key: &KeyRef,
+        key: Sought,
         make: impl FnOnce() -> Bucket,
     ) -> &mut Bucket {
         if self.old.is_empty() && self.table.len() < self.table.capacity() {
@@ -203,6 +204,7 @@ impl Buckets {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::KeyRef;
     use crate::limit::Limit;
     use std::hash::BuildHasher;
 
@@ -216,7 +218,9 @@ mod tests {
     fn find(buckets: &Buckets, hasher: &foldhash::fast::RandomState, i: usize) -> bool {
         let credential = format!("key-{i}");
         let key = KeyRef::new(b"ex", Some(credential.as_bytes()), b"request");
-        buckets.find(hasher.hash_one(key), &key).is_some()
+        buckets
+            .find(hasher.hash_one(key), Sought::Parts(key))
+            .is_some()
     }
 
     #[test]

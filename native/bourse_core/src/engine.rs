@@ -4,6 +4,7 @@
 
 use crate::bucket::{Booking, Bucket};
 use crate::clock::NANOS_PER_MS;
+use crate::key::{Key, Sought};
 use crate::rules::{self, InvalidInput};
 use crate::types::{Check, Mode, Outcome, Stats};
 
@@ -12,8 +13,20 @@ use crate::types::{Check, Mode, Outcome, Stats};
 pub(crate) struct Item<'a> {
     pub check: Check<'a>,
     pub hash: u64,
+    /// The key packed, when the caller prepared it.
+    pub packed: Option<&'a Key>,
     /// Which of the check's locked shards holds the bucket.
     pub slot: usize,
+}
+
+impl Item<'_> {
+    /// The item's key, to look up.
+    pub fn sought(&self) -> Sought<'_> {
+        match self.packed {
+            Some(key) => Sought::Packed(key),
+            None => Sought::Parts(self.check.key),
+        }
+    }
 }
 
 /// What a check needs besides its buckets.
@@ -59,36 +72,38 @@ pub fn coalesce<'a>(checks: &[Check<'a>]) -> Result<Vec<Check<'a>>, InvalidInput
     let mut sorted = checks.to_vec();
     // Stable: of two checks of one key, the first given stays first.
     sorted.sort_by(|a, b| a.key.cmp(&b.key));
-    merge_runs(&mut sorted, |check| check)?;
+    let kept = merge_runs(&mut sorted, |check| check, |a, b| a.key == b.key)?;
+    sorted.truncate(kept);
     Ok(sorted)
 }
 
-/// The coalescing rule, over `items` sorted so that the checks of one key are adjacent
-/// (first given first): each run becomes its first check at the run's combined cost; a run
-/// with two definitions is an error naming both and the key's exchange.
+/// The coalescing rule, over `items` sorted so that the checks of one key (`same_key`) are
+/// adjacent, first given first: each run becomes its first check at the run's combined
+/// cost, and the runs move to the front; returns how many there are. A run with two
+/// definitions is an error naming both and the key's exchange.
 pub(crate) fn merge_runs<'a, T>(
-    items: &mut Vec<T>,
+    items: &mut [T],
     check: impl Fn(&mut T) -> &mut Check<'a>,
-) -> Result<(), InvalidInput> {
+    same_key: impl Fn(&T, &T) -> bool,
+) -> Result<usize, InvalidInput> {
     let mut kept = 0;
     for next in 0..items.len() {
-        let current = *check(&mut items[next]);
-        if kept > 0 {
+        if kept > 0 && same_key(&items[kept - 1], &items[next]) {
+            let current = *check(&mut items[next]);
             let last = check(&mut items[kept - 1]);
-            if last.key == current.key {
-                if last.limit != current.limit {
-                    return Err(rules::conflicting_definitions(&last.limit, &current.limit)
-                        .for_exchange(current.key.exchange));
-                }
-                last.cost += current.cost;
-                continue;
+            if last.limit != current.limit {
+                return Err(rules::conflicting_definitions(&last.limit, &current.limit)
+                    .for_exchange(current.key.exchange));
             }
+            last.cost += current.cost;
+            continue;
         }
-        items.swap(kept, next);
+        if kept != next {
+            items.swap(kept, next);
+        }
         kept += 1;
     }
-    items.truncate(kept);
-    Ok(())
+    Ok(kept)
 }
 
 /// Admits, books or refuses a check over `buckets` (aligned with `items`).

@@ -83,6 +83,40 @@ impl Key {
     }
 }
 
+/// A key looked up in a table: as the caller holds its parts, or packed as stored (a
+/// prepared bucket's), which compares in one piece.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Sought<'a> {
+    Parts(KeyRef<'a>),
+    Packed(&'a Key),
+}
+
+impl Sought<'_> {
+    /// Whether `stored` is this key.
+    pub fn is(&self, stored: &Key) -> bool {
+        match self {
+            Self::Parts(key) => stored.is(key),
+            Self::Packed(key) => stored == *key,
+        }
+    }
+}
+
+impl Key {
+    /// Whether this is `key`: the sizes first, then the bytes of each part.
+    fn is(&self, key: &KeyRef) -> bool {
+        let credential = key.credential.unwrap_or_default();
+        let exchange_end = key.exchange.len();
+        let credential_end = exchange_end + credential.len();
+        self.public == key.credential.is_none()
+            && self.exchange_end as usize == exchange_end
+            && self.credential_end as usize == credential_end
+            && self.bytes.len() == credential_end + key.axis.len()
+            && self.bytes[..exchange_end] == *key.exchange
+            && self.bytes[exchange_end..credential_end] == *credential
+            && self.bytes[credential_end..] == *key.axis
+    }
+}
+
 impl Hash for Key {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.as_ref().hash(state)

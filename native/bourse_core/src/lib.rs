@@ -6,6 +6,12 @@
 //! that much has accrued since the bucket last paid. Waiters book their cost at once and
 //! are served first come, first served; checks over several buckets pay on all or none.
 //!
+//! Adapters that check the same bucket again and again prepare it once
+//! ([`Table::prepare`]: the key packed and hashed, the limit validated) and check the
+//! [`PreparedBucket`] ([`Table::check_prepared`], [`Table::check_prepared_all`]); the
+//! answers are those of [`Table::check_one`] and [`Table::check`] for its key and limit,
+//! from the same code.
+//!
 //! Time comes from a [`Clock`], so the semantics are testable to the nanosecond with a
 //! [`ManualClock`].
 
@@ -17,6 +23,7 @@ mod engine;
 mod key;
 mod limit;
 mod pauses;
+mod prepared;
 pub mod rules;
 mod table;
 mod types;
@@ -25,6 +32,7 @@ pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use engine::{coalesce, signature};
 pub use key::{Key, KeyRef};
 pub use limit::Limit;
+pub use prepared::{PreparedBucket, PreparedCheck};
 pub use rules::{InvalidInput, Shape};
 pub use table::Table;
 pub use types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};

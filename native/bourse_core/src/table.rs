@@ -5,19 +5,28 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
+use smallvec::SmallVec;
 
 use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
 use crate::buckets::Buckets;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, fold_signature, Item, Request};
-use crate::key::{Key, KeyRef};
+use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::Pauses;
+use crate::prepared::{PreparedBucket, PreparedCheck};
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 
 const SHARDS: usize = 64;
+/// Buckets of one multi-bucket check held on the stack; larger checks (up to
+/// [`crate::rules::MAX_CHECKS`]) spill to the heap.
+const INLINE_CHECKS: usize = 8;
+type Items<'a> = SmallVec<[Item<'a>; INLINE_CHECKS]>;
+
+/// Tells tables apart, for the hashes of prepared buckets.
+static NEXT_TABLE_ID: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Default)]
 struct Shard {
@@ -31,6 +40,7 @@ struct Padded<T>(T);
 /// The bucket table. All operations are safe to call from many threads at once; none
 /// holds a shard's lock for more than a few hundred buckets' work.
 pub struct Table<C: Clock = MonotonicClock> {
+    id: u64,
     clock: C,
     config: Config,
     started_at: u64,
@@ -57,6 +67,7 @@ impl<C: Clock> Table<C> {
         let started_at = clock.now();
         let hasher = foldhash::fast::RandomState::default();
         Self {
+            id: NEXT_TABLE_ID.fetch_add(1, Ordering::Relaxed),
             clock,
             config,
             started_at,
@@ -99,74 +110,176 @@ impl<C: Clock> Table<C> {
         }
     }
 
+    /// Packs and hashes `key` once, with `limit`, for [`Table::check_prepared`].
+    pub fn prepare(&self, key: KeyRef, limit: Limit) -> PreparedBucket {
+        PreparedBucket {
+            key: key.to_owned_key(),
+            hash: self.hash(&key),
+            limit,
+            table_id: self.id,
+        }
+    }
+
     /// Checks one bucket. `owner` identifies the caller, for its bookings.
     pub fn check_one(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
-        let hash = self.hash(&check.key);
-        let item = Item {
-            check,
-            hash,
-            slot: 0,
-        };
-        let mut guard = self.lock(hash);
-        let request = self.request(std::slice::from_ref(&item), owner, mode);
-        let shard = &mut *guard;
-        let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        engine::decide(&mut [bucket], &[item], &mut shard.stats, request)
+        self.check_item(owner, self.item(check), mode)
+    }
+
+    /// Checks one prepared bucket, as [`Table::check_one`] checks its key and limit.
+    pub fn check_prepared(
+        &self,
+        owner: u64,
+        bucket: &PreparedBucket,
+        cost: f64,
+        mode: Mode,
+    ) -> Outcome {
+        self.check_item(
+            owner,
+            self.prepared_item(PreparedCheck { bucket, cost }),
+            mode,
+        )
     }
 
     /// Checks several buckets all-or-nothing. Repeated keys are coalesced into one combined
     /// cost; the same key with two definitions is an error and pays nothing.
     pub fn check(&self, owner: u64, checks: &[Check], mode: Mode) -> Result<Outcome, InvalidInput> {
         match checks {
-            [] => return Ok(Outcome::Admitted),
-            [single] => return Ok(self.check_one(owner, *single, mode)),
-            _ => {}
+            [] => Ok(Outcome::Admitted),
+            [single] => Ok(self.check_one(owner, *single, mode)),
+            _ => self.check_items(owner, checks.iter().map(|&c| self.item(c)).collect(), mode),
         }
-        let mut coalesced: Vec<Item> = checks
-            .iter()
-            .map(|&check| Item {
-                check,
-                hash: self.hash(&check.key),
-                slot: 0,
-            })
-            .collect();
+    }
+
+    /// Checks several prepared buckets all-or-nothing, as [`Table::check`] checks keys and
+    /// limits.
+    pub fn check_prepared_all(
+        &self,
+        owner: u64,
+        checks: &[PreparedCheck],
+        mode: Mode,
+    ) -> Result<Outcome, InvalidInput> {
+        match checks {
+            [] => Ok(Outcome::Admitted),
+            [single] => Ok(self.check_item(owner, self.prepared_item(*single), mode)),
+            _ => {
+                let items = checks.iter().map(|&c| self.prepared_item(c)).collect();
+                self.check_items(owner, items, mode)
+            }
+        }
+    }
+
+    fn item<'a>(&self, check: Check<'a>) -> Item<'a> {
+        Item {
+            check,
+            hash: self.hash(&check.key),
+            packed: None,
+            slot: 0,
+        }
+    }
+
+    /// The item of a prepared check; a bucket prepared by another table is hashed again.
+    fn prepared_item<'a>(&self, check: PreparedCheck<'a>) -> Item<'a> {
+        let PreparedCheck { bucket, cost } = check;
+        let key = bucket.key.as_ref();
+        let hash = if bucket.table_id == self.id {
+            bucket.hash
+        } else {
+            self.hash(&key)
+        };
+        Item {
+            check: Check {
+                key,
+                limit: bucket.limit,
+                cost,
+            },
+            hash,
+            packed: Some(&bucket.key),
+            slot: 0,
+        }
+    }
+
+    fn check_item(&self, owner: u64, item: Item, mode: Mode) -> Outcome {
+        let mut guard = self.lock(item.hash);
+        let request = self.request(std::slice::from_ref(&item), owner, mode);
+        let shard = &mut *guard;
+        let bucket = self.bucket(&mut shard.buckets, &item, request.now);
+        engine::decide(&mut [bucket], &[item], &mut shard.stats, request)
+    }
+
+    /// The multi-bucket check, on the stack up to [`INLINE_CHECKS`] buckets.
+    fn check_items(
+        &self,
+        owner: u64,
+        mut items: Items,
+        mode: Mode,
+    ) -> Result<Outcome, InvalidInput> {
         // Shards in ascending order: every multi-bucket check locks them in this order. A
         // key's checks end up adjacent, first given first (the sort is stable).
-        coalesced.sort_by(|a, b| {
+        items.sort_by(|a, b| {
             (Self::shard_index(a.hash), a.hash, a.check.key).cmp(&(
                 Self::shard_index(b.hash),
                 b.hash,
                 b.check.key,
             ))
         });
-        engine::merge_runs(&mut coalesced, |item| &mut item.check)
+        let same_key = |a: &Item, b: &Item| a.hash == b.hash && a.check.key == b.check.key;
+        let kept = engine::merge_runs(&mut items, |item| &mut item.check, same_key)
             .inspect_err(|_| self.count_invalid())?;
-        let mut shard_indices: Vec<usize> = Vec::with_capacity(coalesced.len());
-        for item in &mut coalesced {
+        items.truncate(kept);
+        let mut guards: SmallVec<[MutexGuard<Shard>; INLINE_CHECKS]> = SmallVec::new();
+        let mut locked = usize::MAX;
+        for item in &mut items {
             let index = Self::shard_index(item.hash);
-            if shard_indices.last() != Some(&index) {
-                shard_indices.push(index);
+            if index != locked {
+                guards.push(self.shards[index].0.lock());
+                locked = index;
             }
-            item.slot = shard_indices.len() - 1;
+            item.slot = guards.len() - 1;
         }
-        let mut guards: Vec<MutexGuard<Shard>> = shard_indices
-            .iter()
-            .map(|&index| self.shards[index].0.lock())
+        let request = self.request(&items, owner, mode);
+        let mut shards: SmallVec<[(&mut Buckets, &mut Stats); INLINE_CHECKS]> = guards
+            .iter_mut()
+            .map(|guard| {
+                let Shard { buckets, stats } = &mut **guard;
+                (buckets, stats)
+            })
             .collect();
-        let request = self.request(&coalesced, owner, mode);
-        let now = request.now;
-        // Buckets leave their tables while the check runs (the locks are held), so each can
-        // be borrowed mutably at once; they go back afterwards.
-        let mut buckets: Vec<Bucket> = coalesced
-            .iter()
-            .map(|item| self.take_bucket(&mut guards[item.slot].buckets, item, now))
-            .collect();
-        let mut borrowed: Vec<&mut Bucket> = buckets.iter_mut().collect();
-        let outcome = engine::decide(&mut borrowed, &coalesced, &mut guards[0].stats, request);
-        for (item, bucket) in coalesced.iter().zip(buckets) {
-            guards[item.slot].buckets.insert(bucket);
+        let mut found = self.find_buckets(&mut shards, &items, request.now);
+        if found.len() < items.len() {
+            // First seen: created first, then looked up again (creating may move others).
+            for item in &items {
+                self.bucket(shards[item.slot].0, item, request.now);
+            }
+            found = self.find_buckets(&mut shards, &items, request.now);
         }
-        Ok(outcome)
+        // SAFETY: the items are coalesced, so each pointer is to a different bucket; no
+        // bucket moves until the check ends, since the shards stay locked and nothing is
+        // inserted or removed after the look-ups; the references end with `shards`.
+        let mut buckets: SmallVec<[&mut Bucket; INLINE_CHECKS]> = found
+            .into_iter()
+            .map(|bucket| unsafe { &mut *bucket })
+            .collect();
+        let stats = &mut *shards[0].1;
+        Ok(engine::decide(&mut buckets, &items, stats, request))
+    }
+
+    /// The buckets of `items` that their shards hold, first defined if need be; stops at
+    /// the first missing one.
+    fn find_buckets(
+        &self,
+        shards: &mut [(&mut Buckets, &mut Stats)],
+        items: &[Item],
+        now: u64,
+    ) -> SmallVec<[*mut Bucket; INLINE_CHECKS]> {
+        let mut found = SmallVec::new();
+        for item in items {
+            let Some(bucket) = shards[item.slot].0.find_mut(item.hash, item.sought()) else {
+                break;
+            };
+            self.define(bucket, item, now);
+            found.push(bucket as *mut Bucket);
+        }
+        found
     }
 
     /// What a check of `items` needs besides its buckets, as of now. Called with the
@@ -186,22 +299,19 @@ impl<C: Clock> Table<C> {
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
     fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
-        let tokens = self.initial_tokens(&item.check.limit, now);
-        let bucket = buckets.get_or_insert_with(item.hash, &item.check.key, || {
-            Self::new_bucket(item, tokens, now)
+        let bucket = buckets.get_or_insert_with(item.hash, item.sought(), || {
+            Self::new_bucket(item, self.initial_tokens(&item.check.limit, now), now)
         });
-        bucket.define(item.check.limit, tokens, now);
+        self.define(bucket, item, now);
         bucket
     }
 
-    /// Like [`Table::bucket`], but removes the bucket from its shard.
-    fn take_bucket(&self, buckets: &mut Buckets, item: &Item, now: u64) -> Bucket {
-        let tokens = self.initial_tokens(&item.check.limit, now);
-        let mut bucket = buckets
-            .take(item.hash, &item.check.key)
-            .unwrap_or_else(|| Self::new_bucket(item, tokens, now));
-        bucket.define(item.check.limit, tokens, now);
-        bucket
+    /// Gives a bucket that only has `record` debt the item's limit.
+    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) {
+        if bucket.limit.is_none() {
+            let tokens = self.initial_tokens(&item.check.limit, now);
+            bucket.define(item.check.limit, tokens, now);
+        }
     }
 
     /// A bucket for `item`'s key, first seen now, holding `tokens`.
@@ -222,7 +332,7 @@ impl<C: Clock> Table<C> {
         let mut shard = self.lock(hash);
         let now = self.clock.now();
         shard.stats.debited += 1;
-        match shard.buckets.find_mut(hash, &key) {
+        match shard.buckets.find_mut(hash, Sought::Parts(key)) {
             Some(bucket) => {
                 bucket.debit(cost, now);
                 bucket.touch(now, 0);
@@ -243,7 +353,7 @@ impl<C: Clock> Table<C> {
         let hash = self.hash(&key);
         let mut shard = self.lock(hash);
         let now = self.clock.now();
-        let Some(bucket) = shard.buckets.find_mut(hash, &key) else {
+        let Some(bucket) = shard.buckets.find_mut(hash, Sought::Parts(key)) else {
             return 0.0;
         };
         let Some(limit) = bucket.limit else {
@@ -262,7 +372,7 @@ impl<C: Clock> Table<C> {
         let shard = self.lock(hash);
         shard
             .buckets
-            .find(hash, &key)
+            .find(hash, Sought::Parts(key))
             .map_or(0.0, |bucket| bucket.borrowed(now))
     }
 
@@ -272,7 +382,7 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         let pause_ms = self.pause_ms(&key, hash, now);
         let mut shard = self.lock(hash);
-        let bucket = shard.buckets.find_mut(hash, &key)?;
+        let bucket = shard.buckets.find_mut(hash, Sought::Parts(key))?;
         let lapsed = bucket.drop_lapsed(now);
         let info = Self::info(bucket, now, pause_ms);
         shard.stats.lapsed += lapsed as u64;
@@ -326,7 +436,7 @@ impl<C: Clock> Table<C> {
     /// Forgets `key`: its bucket, its bookings and a pause on that key alone.
     pub fn reset(&self, key: KeyRef) {
         let hash = self.hash(&key);
-        let bucket = self.lock(hash).buckets.take(hash, &key);
+        let bucket = self.lock(hash).buckets.take(hash, Sought::Parts(key));
         drop(bucket);
         self.pauses.write().remove_key(&key, hash);
     }
