@@ -158,7 +158,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       :busy ->
         give_up(handle, id, reply_to, did_not_answer(handle))
 
-      {:error, _reason} ->
+      # A socket closes when a write waited in it for longer than the callers' timeout: the
+      # connection is told, the stream may still look alive to it.
+      {:error, reason} ->
+        {stream, _transport, _frame} = write
+        send(handle.pid, {:write_failed, stream, reason})
         give_up(handle, id, reply_to, "the connection to bourse_daemon broke")
     end
   end
@@ -303,6 +307,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
+
+  def handle_info({:write_failed, stream, reason}, %{stream: stream} = state),
+    do: {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
 
   # Answers and the end of the stream; anything else (exits of ports already replaced,
   # stale timers, messages of closed sockets) is dropped.

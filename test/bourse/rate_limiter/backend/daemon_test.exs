@@ -173,6 +173,32 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
   end
 
+  @tag timeout: 60_000
+  test "a daemon that stops reading megabytes: writers find the socket busy and give up at their timeout" do
+    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    daemon = start_daemon(["--socket", path, "--max-frame-bytes", "67108864"])
+    name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 500})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+    DaemonServer.signal(daemon, "STOP")
+
+    # Each flood is 3 MB the daemon does not read: more than the socket's buffers take, so
+    # the socket is closed when the first of them has waited for the callers' timeout.
+    big = String.duplicate("k", 1000)
+    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, @limit, 1}
+
+    callers =
+      for(_ <- 1..4, do: Task.async(fn -> RateLimiter.check_rates(flood, name) end)) ++
+        for i <- 1..8 do
+          Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, @limit, 1, name) end)
+        end
+
+    for answer <- Task.await_many(callers, 10_000), do: assert(unavailable?(answer))
+
+    # The connection noticed and connects again.
+    DaemonServer.signal(daemon, "CONT")
+    eventually(fn -> RateLimiter.check_rate({"ex", "after"}, @limit, 1, name) == :ok end, 10_000)
+  end
+
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 200})
