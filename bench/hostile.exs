@@ -5,7 +5,10 @@
 #      a cost, lists of 10,000,000 checks, a bignum, deep terms...): every one runs on a
 #      normal scheduler, so none may take much more than 100 µs. Times are wall time in
 #      the caller: on a loaded machine the slowest includes waits for a scheduler.
-#   2. The slowest hot-key check_rate/4 while another process checks 1,000,000 new keys,
+#   2. Valid check lists of the most checks answered inline, and of the most allowed: the
+#      call's time, and the longest stretch its process ran on a normal scheduler (from
+#      tracing its scheduling): a long list continues on a dirty scheduler.
+#   3. The slowest hot-key check_rate/4 while another process checks 1,000,000 new keys,
 #      and while the limiter's sweep drops them again.
 
 defmodule Bench.Hostile do
@@ -19,6 +22,7 @@ defmodule Bench.Hostile do
   def main do
     {:ok, _} = RateLimiter.start_link(name: @limiter, sweep_interval_ms: 100)
     malformed()
+    scheduler_hold()
     growth_and_sweep()
   end
 
@@ -54,6 +58,77 @@ defmodule Bench.Hostile do
     end
 
     IO.puts("")
+  end
+
+  defp scheduler_hold do
+    max_checks = Bourse.Native.bound(:max_checks)
+    inline = Bourse.Native.bound(:max_inline_checks)
+    limit = %{capacity: 1.0e12, refill_per_sec: 1.0e12}
+
+    IO.puts("""
+    ## Valid check lists: the call, and its longest stretch on a normal scheduler (µs)
+    Median and slowest of 20 calls, each from a process of its own whose scheduling is
+    traced. Lists of up to #{inline} checks are answered inline; longer ones continue on a
+    dirty scheduler.
+    """)
+
+    for count <- [inline, max_checks] do
+      list = List.duplicate({@key, limit, 1}, count)
+      runs = for _ <- 1..20, do: traced_call(fn -> RateLimiter.check_rates(list, @limiter) end)
+      {calls, stretches} = Enum.unzip(runs)
+
+      columns =
+        for times <- [calls, stretches],
+            at <- [10, 19],
+            do: String.pad_leading("#{Enum.at(Enum.sort(times), at)}", 8)
+
+      IO.puts(
+        String.pad_trailing("#{count} checks: call; normal scheduler", 40) <> Enum.join(columns)
+      )
+    end
+
+    IO.puts("")
+  end
+
+  # Runs `call` in a new process: its wall time, and the longest time the process ran on
+  # a normal scheduler without leaving it (a dirty NIF call leaves it), in µs.
+  defp traced_call(call) do
+    parent = self()
+
+    pid =
+      spawn(fn ->
+        receive do: (:go -> :ok)
+        {took, :ok} = :timer.tc(call)
+        send(parent, {:took, took})
+      end)
+
+    :erlang.trace(pid, true, [:running, :exiting, :monotonic_timestamp])
+    send(pid, :go)
+    took = receive do: ({:took, took} -> took)
+    {took, longest_stretch(pid, nil, 0)}
+  end
+
+  defp longest_stretch(pid, since, longest) do
+    receive do
+      {:trace_ts, ^pid, :in, {:erts_internal, :dirty_nif_finalizer, 1}, at} ->
+        longest_stretch(pid, at, longest)
+
+      {:trace_ts, ^pid, :in, {Bourse.Native, _, _}, _at} ->
+        # Resumed on a dirty scheduler: not a normal one's time.
+        longest_stretch(pid, nil, longest)
+
+      {:trace_ts, ^pid, into, _mfa, at} when into in [:in, :in_exiting] ->
+        longest_stretch(pid, at, longest)
+
+      {:trace_ts, ^pid, out, _mfa, at} when out in [:out, :out_exiting, :out_exited] ->
+        stretch =
+          if since, do: System.convert_time_unit(at - since, :native, :microsecond), else: 0
+
+        longest = max(longest, stretch)
+        if out == :out_exited, do: longest, else: longest_stretch(pid, nil, longest)
+    after
+      1_000 -> longest
+    end
   end
 
   defp growth_and_sweep do

@@ -1,6 +1,7 @@
 //! The core's rules for Elixir code that checks its input before any table is reached
 //! (`Bourse.RateLimiter.observe_response/6`): the decoders of the table's calls, and the
-//! bounds of `bourse_core::rules`, so that Elixir repeats none of them.
+//! bounds of `bourse_core::rules`, so that Elixir repeats none of them; and the NIF's own
+//! `MAX_INLINE_CHECKS`.
 
 use bourse_core::rules::{
     DEFAULT_BOOKING_SLACK_MS, MAX_AMOUNT, MAX_BUSIEST, MAX_CHECKS, MAX_KEY_PART_BYTES, MAX_MS,
@@ -9,12 +10,12 @@ use bourse_core::rules::{
 use bourse_core::InvalidInput;
 use rustler::{Encoder, Env, Term};
 
-use crate::{atoms, error_term, key, limit};
+use crate::{atoms, error_term, key, limit, MAX_INLINE_CHECKS};
 
 mod names {
     rustler::atoms! {
         max_key_part_bytes, max_checks, max_busiest, max_pauses, default_booking_slack_ms,
-        max_ms, max_amount,
+        max_ms, max_amount, max_inline_checks,
     }
 }
 
@@ -38,7 +39,8 @@ fn check_limit<'a>(env: Env<'a>, limit_term: Term<'a>) -> Term<'a> {
     verdict(env, limit(limit_term).map(|_| ()))
 }
 
-/// `bounds()`: the bounds and defaults of `bourse_core::rules`, as a map.
+/// `bounds()`: the bounds and defaults of `bourse_core::rules`, and the longest check list
+/// answered on a normal scheduler (`max_inline_checks`), as a map.
 #[rustler::nif]
 fn bounds(env: Env) -> Term {
     let integers = [
@@ -48,6 +50,7 @@ fn bounds(env: Env) -> Term {
         (names::max_pauses(), MAX_PAUSES as u64),
         (names::default_booking_slack_ms(), DEFAULT_BOOKING_SLACK_MS),
         (names::max_ms(), MAX_MS),
+        (names::max_inline_checks(), MAX_INLINE_CHECKS as u64),
     ];
     let mut pairs: Vec<(Term, Term)> = integers
         .iter()

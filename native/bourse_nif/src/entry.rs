@@ -1,11 +1,17 @@
 //! NIF entry points that read their arguments in place: `#[rustler::nif]` collects every
 //! call's arguments into a `Vec` (an allocation and a free per call), too dear for the
-//! checks, which are the hot path.
+//! checks, which are the hot path. A call found too long for a normal scheduler continues
+//! on a dirty one ([`on_dirty_scheduler`]).
 
+use std::ffi::CStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use rustler::codegen_runtime::{c_int, NIF_ENV, NIF_TERM};
+use rustler::sys::{enif_schedule_nif, ERL_NIF_DIRTY_JOB_CPU_BOUND};
 use rustler::{Env, Term};
+
+/// The C entry of a NIF, as the VM calls it.
+pub(crate) type RawEntry = unsafe extern "C" fn(NIF_ENV, c_int, *const NIF_TERM) -> NIF_TERM;
 
 /// Registers `$nif: fn(Env, [Term; $arity]) -> Term` as the NIF `$name/$arity` of the
 /// library's module.
@@ -31,6 +37,50 @@ macro_rules! in_place_nif {
 }
 
 pub(crate) use in_place_nif;
+
+/// Defines `$entry`, the C entry that runs `$nif: fn(Env, [Term; $arity]) -> Term` on the
+/// arguments it is given: the continuation [`on_dirty_scheduler`] schedules.
+macro_rules! dirty_entry {
+    ($entry:ident, $arity:literal, $nif:path) => {
+        unsafe extern "C" fn $entry(
+            env: rustler::codegen_runtime::NIF_ENV,
+            argc: rustler::codegen_runtime::c_int,
+            argv: *const rustler::codegen_runtime::NIF_TERM,
+        ) -> rustler::codegen_runtime::NIF_TERM {
+            // SAFETY: `on_dirty_scheduler` schedules it with the `$arity` arguments of a
+            // call of the same arity.
+            unsafe { $crate::entry::run::<$arity>(env, argc, argv, $nif) }
+        }
+    };
+}
+
+pub(crate) use dirty_entry;
+
+/// Continues the current call on a dirty CPU scheduler: `entry` runs there with the same
+/// arguments, and its answer is the call's. Returns the term the current NIF must answer.
+pub(crate) fn on_dirty_scheduler<'a, const N: usize>(
+    env: Env<'a>,
+    name: &CStr,
+    entry: RawEntry,
+    args: [Term<'a>; N],
+) -> Term<'a> {
+    let argv: [NIF_TERM; N] = args.map(|term| term.as_c_arg());
+    // SAFETY: the arguments are terms of the current call's env, which the VM copies
+    // along with the call; the name is NUL-terminated and outlives the call.
+    unsafe {
+        Term::new(
+            env,
+            enif_schedule_nif(
+                env.as_c_arg(),
+                name.as_ptr(),
+                ERL_NIF_DIRTY_JOB_CPU_BOUND as c_int,
+                entry,
+                N as c_int,
+                argv.as_ptr(),
+            ),
+        )
+    }
+}
 
 /// Calls `nif` with the `N` arguments of a NIF call; a panic raises `badarg` in the
 /// caller instead of unwinding into the VM.

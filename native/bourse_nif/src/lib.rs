@@ -1,6 +1,6 @@
 //! Rustler glue between `Bourse.Native` and `bourse_core`: term decoding, the table
 //! resource and answers. Malformed input becomes `{:error, message}`; nothing here sleeps,
-//! and table-wide work runs on dirty schedulers.
+//! and table-wide work and long check lists run on dirty schedulers.
 
 use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
 use bourse_core::{
@@ -299,10 +299,32 @@ fn check(term: Term) -> Decoded<Option<Check>> {
     Ok(limit.map(|limit| Check { key, limit, cost }))
 }
 
-in_place_nif!("check_many", 4, check_many);
+/// The longest check list answered on a normal scheduler: longer ones (up to
+/// `MAX_CHECKS`, ~150 ns per check) continue on a dirty CPU scheduler, so that no call
+/// holds a normal scheduler for more than a few tens of microseconds.
+pub(crate) const MAX_INLINE_CHECKS: usize = 64;
 
-/// `check_many(table, owner, checks, max_wait)`.
+/// Whether a list of `len` checks is answered on a dirty scheduler.
+fn runs_dirty(len: usize) -> bool {
+    len > MAX_INLINE_CHECKS
+}
+
+in_place_nif!("check_many", 4, check_many);
+entry::dirty_entry!(check_many_dirty, 4, check_many_now);
+
+/// `check_many(table, owner, checks, max_wait)`: the list's length is measured first
+/// (walking at most `MAX_CHECKS + 1` cells); a long list continues on a dirty scheduler.
 fn check_many<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+    match bounded_len(args[2]) {
+        Ok(len) if runs_dirty(len) => {
+            entry::on_dirty_scheduler(env, c"check_many", check_many_dirty, args)
+        }
+        _ => check_many_now(env, args),
+    }
+}
+
+/// `check_many` on the scheduler it runs on.
+fn check_many_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     let [table, owner_term, checks_term, max_wait_term] = args;
     let Ok(Handle(table)) = table.decode() else {
         return entry::badarg(env);
@@ -568,3 +590,16 @@ fn load(env: Env, _info: Term) -> bool {
 }
 
 rustler::init!("Elixir.Bourse.Native", load = load);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_check_lists_run_on_a_dirty_scheduler() {
+        assert!(!runs_dirty(1));
+        assert!(!runs_dirty(MAX_INLINE_CHECKS));
+        assert!(runs_dirty(MAX_INLINE_CHECKS + 1));
+        assert!(runs_dirty(MAX_CHECKS));
+    }
+}

@@ -93,4 +93,96 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
     assert invalid(NIF.sync(t, @key, :nan, 0)).message =~ "got an atom"
     assert invalid(NIF.busiest(t, 10_001)).message =~ "count must be an integer from 1 to 10000"
   end
+
+  describe "long check lists" do
+    # A list longer than the NIF answers inline continues on a dirty scheduler, so that no
+    # normal scheduler is held for its whole walk (docs/CONTRACT.md §8, "Cost of bad input").
+    @inline Bourse.Native.bound(:max_inline_checks)
+    @max Bourse.Native.bound(:max_checks)
+    # Nothing accrues during the test.
+    @still %{capacity: 10, refill_per_sec: 0.001}
+
+    # Whether `call`, run in a process of its own, left its normal scheduler for a dirty
+    # one (its scheduling, traced, shows the dirty NIF's finalizer), and its answer.
+    defp scheduled(call) do
+      parent = self()
+
+      pid =
+        spawn(fn ->
+          receive do: (:go -> send(parent, {:answer, call.()}))
+        end)
+
+      :erlang.trace(pid, true, [:running])
+      send(pid, :go)
+      answer = receive do: ({:answer, answer} -> answer)
+      ref = Process.monitor(pid)
+      receive do: ({:DOWN, ^ref, :process, ^pid, _} -> :ok)
+      # Trace messages of a process arrive before the monitor's message.
+      dirty = receive_dirty(pid, false)
+      {if(dirty, do: :dirty, else: :normal), answer}
+    end
+
+    defp receive_dirty(pid, dirty) do
+      receive do
+        {:trace, ^pid, _, {:erts_internal, :dirty_nif_finalizer, 1}} -> receive_dirty(pid, true)
+        {:trace, ^pid, _, _} -> receive_dirty(pid, dirty)
+      after
+        0 -> dirty
+      end
+    end
+
+    defp distinct(count, limit, cost),
+      do: for(i <- 1..count, do: {{"binance", "long-#{i}"}, limit, cost})
+
+    test "up to the inline bound stay on a normal scheduler; longer ones go dirty",
+         %{table: t} do
+      assert @inline < @max
+
+      assert {:normal, :ok} =
+               scheduled(fn -> NIF.check_many(t, self(), distinct(@inline, @limit, 1), nil) end)
+
+      for count <- [@inline + 1, @max] do
+        assert {:dirty, :ok} =
+                 scheduled(fn -> NIF.check_many(t, self(), distinct(count, @limit, 1), nil) end)
+      end
+    end
+
+    test "are answered on a dirty scheduler as inline: paid all or nothing, coalesced, refused",
+         %{table: t} do
+      checks = distinct(@max, @still, 2)
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_many(t, self(), checks, nil) end)
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+
+      # One bucket that cannot pay: a delay, and nothing paid on any other.
+      one = %{capacity: 1, refill_per_sec: 0.001}
+      short = [{{"binance", "drained"}, one, 1}]
+      assert :ok = NIF.check_many(t, self(), short, nil)
+      long = distinct(@max - 1, @still, 1) ++ short
+      assert {:dirty, {:delay, _}} = scheduled(fn -> NIF.check_many(t, self(), long, nil) end)
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+
+      # Repeated keys coalesced: 700 checks of one key at cost 0.01 pay 7 at once.
+      repeated = List.duplicate({{"binance", "repeated"}, @still, 0.01}, 700)
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_many(t, self(), repeated, nil) end)
+      assert_in_delta(NIF.borrowed(t, {"binance", "repeated"}), 7, 0.01)
+
+      # Malformed input and conflicts: the same errors as inline, nothing paid.
+      bad = distinct(@max - 1, @still, 1) ++ [{{"binance", "bad"}, @still, -1}]
+      assert {:dirty, answer} = scheduled(fn -> NIF.check_many(t, self(), bad, nil) end)
+      assert invalid(answer).message =~ "cost must be a finite number >= 0"
+      assert invalid(answer).exchange == "binance"
+
+      conflict = [{{"binance", "long-1"}, one, 1} | Enum.take(checks, @max - 1)]
+      assert {:dirty, answer} = scheduled(fn -> NIF.check_many(t, self(), conflict, nil) end)
+      assert invalid(answer).message =~ "conflicting bucket definitions"
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+
+      # A waiter's long list books, and is claimed by the same caller.
+      booked = distinct(@max - 1, @still, 1) ++ [{{"binance", "drained"}, one, 1}]
+      owner = self()
+
+      assert {:dirty, {:booked, _}} =
+               scheduled(fn -> NIF.check_many(t, owner, booked, 4_294_967_295) end)
+    end
+  end
 end
