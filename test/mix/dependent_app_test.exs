@@ -5,6 +5,8 @@ defmodule Bourse.DependentAppTest do
   # examples run in it.
   use ExUnit.Case, async: false
 
+  import Bourse.Loopback, only: [free_port: 0]
+
   alias Mix.BourseNative.Prebuilt
 
   @moduletag timeout: 900_000
@@ -220,13 +222,6 @@ defmodule Bourse.DependentAppTest do
              )
 
     assert output =~ ~r/^True \d+\n$/
-  end
-
-  defp free_port do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :gen_tcp.close(socket)
-    port
   end
 
   defp compile_prebuilt(ctx), do: mix(ctx, ["compile"], "prod", prebuilt_env(ctx))

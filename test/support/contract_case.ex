@@ -92,6 +92,21 @@ defmodule Bourse.ContractCase do
     end
   end
 
+  @doc """
+  Checks `key` at cost 1 in a loop, as a busy caller does, until `done?.()`; returns how
+  many checks were admitted.
+  """
+  def hammer(key, limit, name, done?, admitted \\ 0) do
+    if done?.() do
+      admitted
+    else
+      case RateLimiter.check_rate(key, limit, 1, name) do
+        :ok -> hammer(key, limit, name, done?, admitted + 1)
+        {:delay, _} -> hammer(key, limit, name, done?, admitted)
+      end
+    end
+  end
+
   @doc "Monotonic milliseconds."
   def now_ms, do: System.monotonic_time(:millisecond)
 

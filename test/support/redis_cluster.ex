@@ -14,6 +14,9 @@ defmodule Bourse.RedisCluster do
   """
 
   import ExUnit.Assertions
+  import Bourse.Loopback, only: [free_port: 0]
+
+  alias Bourse.Loopback
 
   @enforce_keys [:dir, :nodes, :urls]
   defstruct @enforce_keys
@@ -208,24 +211,5 @@ defmodule Bourse.RedisCluster do
 
   defp cli(args), do: System.cmd("redis-cli", args, stderr_to_stdout: true)
 
-  defp free_port do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :gen_tcp.close(socket)
-    port
-  end
-
-  defp wait_until(probe, what, tries \\ 1_200) do
-    cond do
-      probe.() ->
-        :ok
-
-      tries == 0 ->
-        flunk("never happened: #{what}")
-
-      true ->
-        Process.sleep(50)
-        wait_until(probe, what, tries - 1)
-    end
-  end
+  defp wait_until(probe, what), do: Loopback.wait_until(probe, what, 60_000, 50)
 end

@@ -11,7 +11,9 @@ defmodule Bourse.RedisServer do
   installs it).
   """
 
-  import ExUnit.Assertions
+  import Bourse.Loopback, only: [free_port: 0]
+
+  alias Bourse.Loopback
 
   @enforce_keys [:os_pid, :port, :url]
   defstruct @enforce_keys
@@ -57,24 +59,5 @@ defmodule Bourse.RedisServer do
     end
   end
 
-  defp free_port do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :gen_tcp.close(socket)
-    port
-  end
-
-  defp wait_until(probe, what, tries \\ 500) do
-    cond do
-      probe.() ->
-        :ok
-
-      tries == 0 ->
-        flunk("never happened: #{what}")
-
-      true ->
-        Process.sleep(20)
-        wait_until(probe, what, tries - 1)
-    end
-  end
+  defp wait_until(probe, what), do: Loopback.wait_until(probe, what, 10_000)
 end

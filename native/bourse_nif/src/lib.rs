@@ -415,6 +415,16 @@ fn sweep(table: Handle) -> usize {
     table.0.sweep()
 }
 
+/// `{exchange_id, credential_key}`: a credential (every axis of it).
+fn exchange_credential<'a>(term: Term<'a>) -> Decoded<(&'a [u8], Option<&'a [u8]>)> {
+    let Some([exchange, cred]) = tuple(term) else {
+        return Err(rules::not_a_credential(shape(term)));
+    };
+    let exchange = key_part(exchange, KeyPart::Exchange)?;
+    let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
+    Ok((exchange, credential))
+}
+
 /// A full key, `{exchange_id, credential_key}` (every axis of a credential) or an
 /// exchange id.
 fn pause_target(term: Term) -> Decoded<PauseTarget> {
@@ -423,9 +433,8 @@ fn pause_target(term: Term) -> Decoded<PauseTarget> {
             key_part(term, KeyPart::Exchange)?.to_vec(),
         ));
     }
-    if let Some([exchange, cred]) = tuple(term) {
-        let exchange = key_part(exchange, KeyPart::Exchange)?;
-        let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
+    if tuple::<2>(term).is_some() {
+        let (exchange, credential) = exchange_credential(term)?;
         Ok(PauseTarget::Credential(
             exchange.to_vec(),
             credential.map(<[u8]>::to_vec),
@@ -448,16 +457,6 @@ fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) ->
     })
 }
 
-/// `{exchange_id, credential_key}`: the credential a backoff counts for.
-fn backoff_credential<'a>(term: Term<'a>) -> Decoded<(&'a [u8], Option<&'a [u8]>)> {
-    let Some([exchange, cred]) = tuple(term) else {
-        return Err(rules::not_a_credential(shape(term)));
-    };
-    let exchange = key_part(exchange, KeyPart::Exchange)?;
-    let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
-    Ok((exchange, credential))
-}
-
 /// `back_off(table, {exchange_id, credential_key}, :credential | :exchange)`: the pause
 /// set, in milliseconds.
 #[rustler::nif]
@@ -469,7 +468,7 @@ fn back_off<'a>(
 ) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
-        let (exchange, credential) = backoff_credential(credential)?;
+        let (exchange, credential) = exchange_credential(credential)?;
         let scope = if is_atom(scope, atoms::credential()) {
             BackoffScope::Credential
         } else if is_atom(scope, atoms::exchange()) {
@@ -486,7 +485,7 @@ fn back_off<'a>(
 fn reset_backoff<'a>(env: Env<'a>, table: Handle<'a>, credential: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
-        let (exchange, credential) = backoff_credential(credential)?;
+        let (exchange, credential) = exchange_credential(credential)?;
         table.reset_backoff(exchange, credential);
         Ok(atoms::ok().encode(env))
     })

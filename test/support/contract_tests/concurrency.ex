@@ -17,7 +17,10 @@ defmodule Bourse.ContractTests.Concurrency do
           deadline = now_ms() + 1_000
 
           admitted =
-            for(_ <- 1..48, do: Task.async(fn -> hammer_until(key, limit, name, deadline, 0) end))
+            for(
+              _ <- 1..48,
+              do: Task.async(fn -> hammer(key, limit, name, fn -> now_ms() >= deadline end) end)
+            )
             |> Task.await_many(30_000)
             |> Enum.sum()
 
@@ -53,17 +56,6 @@ defmodule Bourse.ContractTests.Concurrency do
 
           for {own, admitted} <- counts do
             assert_about(get_cost(own, 1, name), admitted * 0.25, 0.01)
-          end
-        end
-      end
-
-      defp hammer_until(key, limit, name, deadline, admitted) do
-        if now_ms() >= deadline do
-          admitted
-        else
-          case check_rate(key, limit, 1, name) do
-            :ok -> hammer_until(key, limit, name, deadline, admitted + 1)
-            {:delay, _} -> hammer_until(key, limit, name, deadline, admitted)
           end
         end
       end

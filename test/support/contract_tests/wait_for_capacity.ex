@@ -82,7 +82,7 @@ defmodule Bourse.ContractTests.WaitForCapacity do
 
           hammers =
             for _ <- 1..8 do
-              Task.async(fn -> hammer_until_stopped(key, limit, name, stop, 0) end)
+              Task.async(fn -> hammer(key, limit, name, fn -> :atomics.get(stop, 1) == 1 end) end)
             end
 
           Process.sleep(50)
@@ -97,17 +97,6 @@ defmodule Bourse.ContractTests.WaitForCapacity do
           assert answer == :ok
           # Starved, it would be refused past its 5 s budget.
           assert ms < 4_000, "the cost-8 waiter waited #{ms} ms (about 400 expected)"
-        end
-      end
-
-      defp hammer_until_stopped(key, limit, name, stop, admitted) do
-        if :atomics.get(stop, 1) == 1 do
-          admitted
-        else
-          case check_rate(key, limit, 1, name) do
-            :ok -> hammer_until_stopped(key, limit, name, stop, admitted + 1)
-            {:delay, _} -> hammer_until_stopped(key, limit, name, stop, admitted)
-          end
         end
       end
     end
