@@ -144,9 +144,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # stream), or the caller that gives up; once the alias is gone, nothing more arrives.
   defp call(handle, id, write, deadline) do
     reply_to = :erlang.alias([:reply])
-    :ets.insert(handle.table, {id, reply_to})
 
-    case write(write, deadline) do
+    case write(handle.table, {id, reply_to}, write, deadline) do
       :ok ->
         receive do
           {^reply_to, answer} -> answer
@@ -168,13 +167,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # A stream busy with earlier requests (the daemon is behind with its input, or stopped) is
-  # tried again every millisecond until the deadline: a caller never blocks on it.
-  defp write({stream, transport, frame} = write, deadline) do
+  # tried again every millisecond until the deadline: a caller never blocks on it. The route
+  # is in the table only while a write may have gone: a caller killed while it waits leaves
+  # none behind.
+  defp write(table, route, {stream, transport, frame} = write, deadline) do
+    :ets.insert(table, route)
+
     case transport.write(stream, frame) do
       :busy ->
+        :ets.delete(table, elem(route, 0))
+
         if System.monotonic_time(:millisecond) < deadline do
           Process.sleep(1)
-          write(write, deadline)
+          write(table, route, write, deadline)
         else
           :busy
         end

@@ -125,6 +125,36 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert {:messages, []} = Process.info(self(), :messages)
   end
 
+  @tag timeout: 60_000
+  test "callers killed while they wait for a busy port to take their requests leave nothing behind",
+       %{name: name, handle: handle} do
+    os_pid = os_pid(handle)
+    kill("STOP", os_pid)
+    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+
+    # Megabytes the daemon does not read: the port is busy, later writers wait for it.
+    big = String.duplicate("k", 1000)
+    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
+    flooder = Task.async(fn -> RateLimiter.check_rates(flood, name) end)
+    eventually(fn -> in_flight(handle) == 1 end)
+    Process.sleep(100)
+
+    waiting =
+      for i <- 1..8,
+          do: spawn(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
+
+    Process.sleep(200)
+    Enum.each(waiting, &Process.exit(&1, :kill))
+    kill("CONT", os_pid)
+    # Answered, or given up if the daemon took longer than the timeout to read it all.
+    flooded = Task.await(flooder, 30_000)
+    assert flooded == :ok or match?({:error, %Error{type: :unavailable}}, flooded)
+
+    # The flood's answer came; nothing else was in flight.
+    eventually(fn -> in_flight(handle) == 0 end)
+    assert :ok = RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name)
+  end
+
   test "the largest request the limiter accepts fits in one frame", %{name: name} do
     # 1024 checks of three 1024-byte key parts that JSON must escape (\u0001: six bytes each).
     part = String.duplicate("\u0001", 1024)
