@@ -5,7 +5,7 @@
 # Rows (each the best of ROUNDS rounds, the variants interleaved round by round so that
 # load from other programs hits them alike; compare ratios within one run):
 #
-#   * the NIF called directly (`Bourse.Native.check_one`): the floor, no routing;
+#   * the NIF called directly (`Bourse.Native.check_rate`): the floor, no routing;
 #   * the public API on a limiter without `:on_event` (events off) and with one: the `:ok`
 #     path, which never emits;
 #   * a refused probe (`{:delay, ms}`) without `:on_event`, with a no-op one and with one
@@ -59,8 +59,8 @@ end
 refused = fn name -> fn -> {:delay, _} = RateLimiter.check_rate(shut_key, shut, 1, name) end end
 
 variants = [
-  {"Bourse.Native.check_one (floor: no routing)", calls,
-   fn -> Native.check_one(table, me, key, open, 1, nil) end},
+  {"Bourse.Native.check_rate (floor: no routing)", calls,
+   fn -> Native.check_rate(table, me, key, open, 1, nil) end},
   {"check_rate :ok, events off", calls,
    fn -> RateLimiter.check_rate(key, open, 1, :bench_quiet) end},
   {"check_rate :ok, on_event set", calls,

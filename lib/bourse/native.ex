@@ -36,12 +36,12 @@ defmodule Bourse.Native do
   def check_limit(_limit), do: :erlang.nif_error(:not_loaded)
   def new_table(_assume_busy_at_start, _booking_slack_ms), do: :erlang.nif_error(:not_loaded)
 
-  def check_one(_table, _owner, _key, _limit, _cost, _max_wait),
+  def check_rate(_table, _owner, _key, _limit, _cost, _max_wait),
     do: :erlang.nif_error(:not_loaded)
 
-  def check_many(_table, _owner, _checks, _max_wait), do: :erlang.nif_error(:not_loaded)
-  def record(_table, _key, _cost), do: :erlang.nif_error(:not_loaded)
-  def borrowed(_table, _key), do: :erlang.nif_error(:not_loaded)
+  def check_rates(_table, _owner, _checks, _max_wait), do: :erlang.nif_error(:not_loaded)
+  def record_request(_table, _key, _cost), do: :erlang.nif_error(:not_loaded)
+  def get_cost(_table, _key), do: :erlang.nif_error(:not_loaded)
   def sync(_table, _key, _allowance, _window_left_ms), do: :erlang.nif_error(:not_loaded)
   def reset(_table, _key), do: :erlang.nif_error(:not_loaded)
   def reset_exchange(_table, _exchange), do: :erlang.nif_error(:not_loaded)

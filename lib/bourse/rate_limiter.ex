@@ -123,13 +123,13 @@ defmodule Bourse.RateLimiter do
     answer =
       case route do
         {Backend.NIF, table, _events, _pid} ->
-          Backend.NIF.check_one(table, self(), key, limit, cost, nil)
+          Backend.NIF.check_rate(table, self(), key, limit, cost, nil)
 
         {backend, handle, _events, _pid} ->
-          backend.check_one(handle, self(), key, limit, cost, nil)
+          backend.check_rate(handle, self(), key, limit, cost, nil)
 
         elsewhere ->
-          routed(elsewhere, name, :check_one, [self(), key, limit, cost, nil])
+          routed(elsewhere, name, :check_rate, [self(), key, limit, cost, nil])
       end
 
     case answer do
@@ -168,10 +168,10 @@ defmodule Bourse.RateLimiter do
       answer =
         case route do
           {Backend.NIF, table, _events, _pid} ->
-            Backend.NIF.check_many(table, self(), checks, max_wait)
+            Backend.NIF.check_rates(table, self(), checks, max_wait)
 
           elsewhere ->
-            routed(elsewhere, name, :check_many, [self(), checks, max_wait])
+            routed(elsewhere, name, :check_rates, [self(), checks, max_wait])
         end
 
       case answer do
@@ -225,7 +225,7 @@ defmodule Bourse.RateLimiter do
   defp await(route, name, [_owner, key, _limit, cost, max_wait] = args, since) do
     metadata = fn -> %{key: key, cost: cost} end
 
-    case route |> routed(name, :check_one, args) |> observe(route, max_wait, metadata) do
+    case route |> routed(name, :check_rate, args) |> observe(route, max_wait, metadata) do
       :ok when since == nil ->
         :ok
 
@@ -334,7 +334,7 @@ defmodule Bourse.RateLimiter do
   """
   @spec get_cost(key(), term(), GenServer.name()) :: number() | error()
   def get_cost(key, _period, name \\ @default),
-    do: name |> run(:borrowed, [key]) |> failed({:key, key})
+    do: name |> run(:get_cost, [key]) |> failed({:key, key})
 
   @doc """
   Debits `cost` without checking: usage spent elsewhere. The bucket may go into debt; on
@@ -342,7 +342,7 @@ defmodule Bourse.RateLimiter do
   """
   @spec record_request(key(), number(), GenServer.name()) :: :ok | error()
   def record_request(key, cost \\ 1, name \\ @default),
-    do: name |> run(:record, [key, cost]) |> failed({:key, key})
+    do: name |> run(:record_request, [key, cost]) |> failed({:key, key})
 
   @doc "Forgets a key: it is as new, and its bookings are dropped."
   @spec reset(key(), GenServer.name()) :: :ok | error()

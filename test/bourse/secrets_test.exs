@@ -126,7 +126,7 @@ defmodule Bourse.SecretsTest do
     pid = GenServer.whereis(name)
     # A request with arguments no backend function takes: the process crashes on a
     # caller's key.
-    request = {:run, :check_one, [{"binance", @secret, "ip"}]}
+    request = {:run, :check_rate, [{"binance", @secret, "ip"}]}
 
     log =
       capture_log(fn ->

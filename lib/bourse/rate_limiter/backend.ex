@@ -37,7 +37,7 @@ defmodule Bourse.RateLimiter.Backend do
   """
   @callback attach(previous :: handle() | nil, opts :: keyword()) ::
               {:ok, handle()} | {:error, term()}
-  @callback check_one(
+  @callback check_rate(
               handle(),
               pid(),
               key :: term(),
@@ -46,10 +46,10 @@ defmodule Bourse.RateLimiter.Backend do
               max_wait :: pos_integer() | nil
             ) ::
               check_answer() | error()
-  @callback check_many(handle(), pid(), checks :: term(), max_wait :: pos_integer() | nil) ::
+  @callback check_rates(handle(), pid(), checks :: term(), max_wait :: pos_integer() | nil) ::
               check_answer() | error()
-  @callback record(handle(), key :: term(), cost :: term()) :: :ok | error()
-  @callback borrowed(handle(), key :: term()) :: number() | error()
+  @callback record_request(handle(), key :: term(), cost :: term()) :: :ok | error()
+  @callback get_cost(handle(), key :: term()) :: number() | error()
   @doc "Lowers the key's tokens so that they plus the refill over `window_left_ms` fit `allowance`; returns the tokens taken."
   @callback sync(
               handle(),

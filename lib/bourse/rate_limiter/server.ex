@@ -26,10 +26,10 @@ defmodule Bourse.RateLimiter.Server do
 
   # The backend callbacks a caller may ask the process to run for it.
   @callbacks [
-    :check_one,
-    :check_many,
-    :record,
-    :borrowed,
+    :check_rate,
+    :check_rates,
+    :record_request,
+    :get_cost,
     :sync,
     :reset,
     :reset_exchange,

@@ -53,7 +53,7 @@ pub trait Store: Send + Sync + 'static {
     fn config(&self) -> Config;
 
     /// Checks one bucket; `owner` identifies the caller's bookings.
-    fn check_one(
+    fn check_rate(
         &self,
         owner: u64,
         check: Check<'_>,
@@ -62,14 +62,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Checks several buckets all-or-nothing; repeated keys are coalesced, one key with two
     /// definitions is [`StoreError::Invalid`].
-    fn check(
+    fn check_rates(
         &self,
         owner: u64,
         checks: &[Check<'_>],
         mode: Mode,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send;
 
-    fn record(&self, key: KeyRef<'_>, cost: f64) -> impl Future<Output = StoreResult<()>> + Send;
+    fn record_request(
+        &self,
+        key: KeyRef<'_>,
+        cost: f64,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     /// Lowers `key`'s tokens to what the exchange still allows; returns the tokens taken.
     fn sync(
@@ -79,7 +83,7 @@ pub trait Store: Send + Sync + 'static {
         window_left_ms: u64,
     ) -> impl Future<Output = StoreResult<f64>> + Send;
 
-    fn borrowed(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send;
+    fn get_cost(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send;
 
     fn inspect(&self, key: KeyRef<'_>)
         -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send;
@@ -141,7 +145,7 @@ impl<C: Clock> Store for Memory<C> {
         self.table.config()
     }
 
-    fn check_one(
+    fn check_rate(
         &self,
         owner: u64,
         check: Check<'_>,
@@ -150,7 +154,7 @@ impl<C: Clock> Store for Memory<C> {
         ready(Ok(self.table.check_one(owner, check, mode)))
     }
 
-    fn check(
+    fn check_rates(
         &self,
         owner: u64,
         checks: &[Check<'_>],
@@ -163,7 +167,11 @@ impl<C: Clock> Store for Memory<C> {
         )
     }
 
-    fn record(&self, key: KeyRef<'_>, cost: f64) -> impl Future<Output = StoreResult<()>> + Send {
+    fn record_request(
+        &self,
+        key: KeyRef<'_>,
+        cost: f64,
+    ) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.record(key, cost);
         ready(Ok(()))
     }
@@ -177,7 +185,7 @@ impl<C: Clock> Store for Memory<C> {
         ready(Ok(self.table.sync(key, allowance, window_left_ms)))
     }
 
-    fn borrowed(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send {
+    fn get_cost(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send {
         ready(Ok(self.table.borrowed(key)))
     }
 

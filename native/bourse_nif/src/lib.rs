@@ -261,10 +261,10 @@ fn new_table(env: Env, assume_busy_at_start: bool, booking_slack_ms: u64) -> Ter
     handle::new(env, Table::new(config))
 }
 
-in_place_nif!("check_one", 6, check_one);
+in_place_nif!("check_rate", 6, check_rate);
 
-/// `check_one(table, owner, key, limit, cost, max_wait)`.
-fn check_one<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
+/// `check_rate(table, owner, key, limit, cost, max_wait)`.
+fn check_rate<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
     let [table, owner_term, key_term, limit_term, cost_term, max_wait_term] = args;
     let Ok(Handle(table)) = table.decode() else {
         return entry::badarg(env);
@@ -309,22 +309,22 @@ fn runs_dirty(len: usize) -> bool {
     len > MAX_INLINE_CHECKS
 }
 
-in_place_nif!("check_many", 4, check_many);
-entry::dirty_entry!(check_many_dirty, 4, check_many_now);
+in_place_nif!("check_rates", 4, check_rates);
+entry::dirty_entry!(check_rates_dirty, 4, check_rates_now);
 
-/// `check_many(table, owner, checks, max_wait)`: the list's length is measured first
+/// `check_rates(table, owner, checks, max_wait)`: the list's length is measured first
 /// (walking at most `MAX_CHECKS + 1` cells); a long list continues on a dirty scheduler.
-fn check_many<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     match bounded_len(args[2]) {
         Ok(len) if runs_dirty(len) => {
-            entry::on_dirty_scheduler(env, c"check_many", check_many_dirty, args)
+            entry::on_dirty_scheduler(env, c"check_rates", check_rates_dirty, args)
         }
-        _ => check_many_now(env, args),
+        _ => check_rates_now(env, args),
     }
 }
 
-/// `check_many` on the scheduler it runs on.
-fn check_many_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+/// `check_rates` on the scheduler it runs on.
+fn check_rates_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     let [table, owner_term, checks_term, max_wait_term] = args;
     let Ok(Handle(table)) = table.decode() else {
         return entry::badarg(env);
@@ -342,7 +342,7 @@ fn check_many_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
 }
 
 #[rustler::nif]
-fn record<'a>(
+fn record_request<'a>(
     env: Env<'a>,
     table: Handle<'a>,
     key_term: Term<'a>,
@@ -379,7 +379,7 @@ fn sync<'a>(
 }
 
 #[rustler::nif]
-fn borrowed<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
+fn get_cost<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
         Ok(table.borrowed(key(key_term)?).encode(env))

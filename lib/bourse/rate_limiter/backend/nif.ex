@@ -23,17 +23,17 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   end
 
   @impl true
-  def check_one(table, owner, key, limit, cost, max_wait),
-    do: table |> Native.check_one(owner, key, limit, cost, max_wait) |> answer()
+  def check_rate(table, owner, key, limit, cost, max_wait),
+    do: table |> Native.check_rate(owner, key, limit, cost, max_wait) |> answer()
 
   @impl true
-  def check_many(table, owner, checks, max_wait),
-    do: table |> Native.check_many(owner, checks, max_wait) |> answer()
+  def check_rates(table, owner, checks, max_wait),
+    do: table |> Native.check_rates(owner, checks, max_wait) |> answer()
 
   @impl true
-  def record(table, key, cost), do: table |> Native.record(key, cost) |> answer()
+  def record_request(table, key, cost), do: table |> Native.record_request(key, cost) |> answer()
   @impl true
-  def borrowed(table, key), do: table |> Native.borrowed(key) |> answer()
+  def get_cost(table, key), do: table |> Native.get_cost(key) |> answer()
 
   @impl true
   def sync(table, key, allowance, window_left_ms),

@@ -39,13 +39,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       alias Bourse.RateLimiter.Backend.Protocol
 
       @impl true
-      defdelegate check_one(handle, owner, key, limit, cost, max_wait), to: Protocol
+      defdelegate check_rate(handle, owner, key, limit, cost, max_wait), to: Protocol
       @impl true
-      defdelegate check_many(handle, owner, checks, max_wait), to: Protocol
+      defdelegate check_rates(handle, owner, checks, max_wait), to: Protocol
       @impl true
-      defdelegate record(handle, key, cost), to: Protocol
+      defdelegate record_request(handle, key, cost), to: Protocol
       @impl true
-      defdelegate borrowed(handle, key), to: Protocol
+      defdelegate get_cost(handle, key), to: Protocol
       @impl true
       defdelegate sync(handle, key, allowance, window_left_ms), to: Protocol
       @impl true
@@ -77,32 +77,32 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   ## The callbacks
 
   @doc "`check_rate/4` and `wait_for_capacity/5` on one bucket."
-  @spec check_one(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
+  @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
-  def check_one(handle, owner, key, limit, cost, max_wait) do
+  def check_rate(handle, owner, key, limit, cost, max_wait) do
     wire(fn -> %{op: "check", key: key(key), limit: limit(limit), cost: value(cost)} end)
     |> owned_by(handle, owner, max_wait)
     |> run(handle, &outcome/1)
   end
 
   @doc "`check_rates/3`: all or nothing over several buckets."
-  @spec check_many(handle(), pid(), term(), pos_integer() | nil) ::
+  @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
-  def check_many(handle, owner, checks, max_wait) do
+  def check_rates(handle, owner, checks, max_wait) do
     wire(fn -> %{op: "check_many", checks: checks(checks)} end)
     |> owned_by(handle, owner, max_wait)
     |> run(handle, &outcome/1)
   end
 
   @doc "`record_request/3`."
-  @spec record(handle(), term(), term()) :: :ok | error()
-  def record(handle, key, cost) do
+  @spec record_request(handle(), term(), term()) :: :ok | error()
+  def record_request(handle, key, cost) do
     wire(fn -> %{op: "record", key: key(key), cost: value(cost)} end) |> run(handle, &done/1)
   end
 
   @doc "`get_cost/3`: the tokens borrowed from the key's bucket."
-  @spec borrowed(handle(), term()) :: number() | error()
-  def borrowed(handle, key) do
+  @spec get_cost(handle(), term()) :: number() | error()
+  def get_cost(handle, key) do
     wire(fn -> %{op: "get_cost", key: key(key)} end) |> run(handle, &field(&1, "borrowed"))
   end
 

@@ -201,15 +201,15 @@ impl<S: Store> Service<S> {
                 let owner = self.owner(session, owner);
                 Answer::Outcome(match checks.as_slice() {
                     [] => Outcome::Admitted,
-                    [check] => store.check_one(owner, *check, mode).await?,
-                    checks => store.check(owner, checks, mode).await?,
+                    [check] => store.check_rate(owner, *check, mode).await?,
+                    checks => store.check_rates(owner, checks, mode).await?,
                 })
             }
             Request::Record { key, cost } => {
-                store.record(key, cost).await?;
+                store.record_request(key, cost).await?;
                 Answer::Done
             }
-            Request::GetCost { key } => Answer::Borrowed(store.borrowed(key).await?),
+            Request::GetCost { key } => Answer::Borrowed(store.get_cost(key).await?),
             Request::Sync {
                 key,
                 allowance,

@@ -164,11 +164,16 @@ impl Store for RedisStore {
         self.config
     }
 
-    async fn check_one(&self, owner: u64, check: Check<'_>, mode: Mode) -> StoreResult<Outcome> {
-        self.check(owner, &[check], mode).await
+    async fn check_rate(&self, owner: u64, check: Check<'_>, mode: Mode) -> StoreResult<Outcome> {
+        self.check_rates(owner, &[check], mode).await
     }
 
-    async fn check(&self, owner: u64, checks: &[Check<'_>], mode: Mode) -> StoreResult<Outcome> {
+    async fn check_rates(
+        &self,
+        owner: u64,
+        checks: &[Check<'_>],
+        mode: Mode,
+    ) -> StoreResult<Outcome> {
         let items = coalesce(checks).map_err(|error| {
             self.count_invalid();
             StoreError::Invalid(error)
@@ -223,7 +228,7 @@ impl Store for RedisStore {
         Ok(outcome)
     }
 
-    async fn record(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
+    async fn record_request(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
         let names = self.names(&key);
         let mut call = Call::default();
         call.key(names.bucket)
@@ -247,7 +252,7 @@ impl Store for RedisStore {
         answer::number(&self.client.invoke::<String>(&call).await?)
     }
 
-    async fn borrowed(&self, key: KeyRef<'_>) -> StoreResult<f64> {
+    async fn get_cost(&self, key: KeyRef<'_>) -> StoreResult<f64> {
         let mut call = Call::default();
         call.key(self.names(&key).bucket).arg("borrowed");
         answer::number(&self.client.invoke::<String>(&call).await?)

@@ -20,36 +20,38 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
 
   test "a bad value is described by its type and size, never printed", %{table: t} do
     huge = :binary.copy("s", 10 * 1024 * 1024)
-    error = invalid(NIF.check_one(t, self(), @key, @limit, huge, nil))
+    error = invalid(NIF.check_rate(t, self(), @key, @limit, huge, nil))
 
     assert error.message ==
              "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 10485760 bytes"
 
     assert error.exchange == "binance"
 
-    assert invalid(NIF.check_one(t, self(), {:binance, "k"}, @limit, 1, nil)).message ==
+    assert invalid(NIF.check_rate(t, self(), {:binance, "k"}, @limit, 1, nil)).message ==
              "exchange_id must be a binary of at most 1024 bytes, got an atom"
 
-    error = invalid(NIF.check_one(t, self(), @key, %{foo: 1}, 1, nil))
+    error = invalid(NIF.check_rate(t, self(), @key, %{foo: 1}, 1, nil))
     assert error.message =~ ~r/or nil, got a map of 1 key$/
     assert error.exchange == "binance"
 
-    assert invalid(NIF.check_one(t, self(), @key, @limit, -1, nil)).message =~ ~r/got -1$/
-    assert invalid(NIF.check_one(t, self(), @key, @limit, -0.5, nil)).message =~ ~r/got -0.5$/
-    assert invalid(NIF.check_one(t, self(), @key, @limit, 10 ** 400, nil)).message =~ "64 bits"
-    assert invalid(NIF.check_one(t, self(), @key, @limit, 1.0e13, nil)).message =~ inspect(1.0e13)
+    assert invalid(NIF.check_rate(t, self(), @key, @limit, -1, nil)).message =~ ~r/got -1$/
+    assert invalid(NIF.check_rate(t, self(), @key, @limit, -0.5, nil)).message =~ ~r/got -0.5$/
+    assert invalid(NIF.check_rate(t, self(), @key, @limit, 10 ** 400, nil)).message =~ "64 bits"
+
+    assert invalid(NIF.check_rate(t, self(), @key, @limit, 1.0e13, nil)).message =~
+             inspect(1.0e13)
   end
 
   test "a credential never appears in a message", %{table: t} do
     secret = "secret-" <> :binary.copy("x", 2000)
 
     for answer <- [
-          NIF.check_one(t, self(), {"binance", secret}, @limit, 1, nil),
-          NIF.check_one(t, self(), {"binance", "secret-key", secret}, @limit, 1, nil),
-          NIF.check_one(t, self(), {"binance", "secret-key", :axis}, @limit, 1, nil),
-          NIF.check_one(t, self(), {"binance", "secret-key", "request", 4}, @limit, 1, nil),
-          NIF.check_many(t, self(), [{{"binance", "secret-key"}, @limit}], nil),
-          NIF.record(t, {"binance", "secret-key"}, "secret-key"),
+          NIF.check_rate(t, self(), {"binance", secret}, @limit, 1, nil),
+          NIF.check_rate(t, self(), {"binance", "secret-key", secret}, @limit, 1, nil),
+          NIF.check_rate(t, self(), {"binance", "secret-key", :axis}, @limit, 1, nil),
+          NIF.check_rate(t, self(), {"binance", "secret-key", "request", 4}, @limit, 1, nil),
+          NIF.check_rates(t, self(), [{{"binance", "secret-key"}, @limit}], nil),
+          NIF.record_request(t, {"binance", "secret-key"}, "secret-key"),
           NIF.pause(t, {"binance", "secret-key"}, "secret-key")
         ] do
       error = invalid(answer)
@@ -60,7 +62,7 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
 
   test "conflicting definitions are written as Elixir maps and name the exchange", %{table: t} do
     checks = [{@key, @limit, 1}, {@key, %{capacity: 5, refill_per_sec: 1}, 1}]
-    error = invalid(NIF.check_many(t, self(), checks, nil))
+    error = invalid(NIF.check_rates(t, self(), checks, nil))
 
     assert error.message ==
              "conflicting bucket definitions for one key in a single check: " <>
@@ -71,23 +73,23 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
 
   test "check lists are bounded before they are walked", %{table: t} do
     long = List.duplicate({@key, @limit, 1}, 2_000_000)
-    error = invalid(NIF.check_many(t, self(), long, nil))
+    error = invalid(NIF.check_rates(t, self(), long, nil))
     assert error.message =~ "got a list of more than 1024 elements"
 
-    assert invalid(NIF.check_many(t, self(), [{@key, @limit, 1} | :tail], nil)).message =~
+    assert invalid(NIF.check_rates(t, self(), [{@key, @limit, 1} | :tail], nil)).message =~
              "got an improper list"
 
-    assert invalid(NIF.check_many(t, self(), [{@key, @limit}], nil)).message ==
+    assert invalid(NIF.check_rates(t, self(), [{@key, @limit}], nil)).message ==
              "each check must be {key, limit, cost}, got a tuple of 2 elements"
 
-    assert :ok = NIF.check_many(t, self(), List.duplicate({@key, @limit, 0}, 1024), nil)
+    assert :ok = NIF.check_rates(t, self(), List.duplicate({@key, @limit, 0}, 1024), nil)
   end
 
   test "budgets, pauses and windows are bounded", %{table: t} do
-    assert invalid(NIF.check_one(t, self(), @key, @limit, 1, 4_294_967_296)).message ==
+    assert invalid(NIF.check_rate(t, self(), @key, @limit, 1, 4_294_967_296)).message ==
              "max_wait_ms must be an integer from 1 to 4294967295, got 4294967296"
 
-    assert {:booked, _} = NIF.check_one(t, self(), @key, @limit, 20, 4_294_967_295)
+    assert {:booked, _} = NIF.check_rate(t, self(), @key, @limit, 20, 4_294_967_295)
     assert invalid(NIF.pause(t, "binance", 4_294_967_296)).exchange == "binance"
     assert invalid(NIF.sync(t, @key, 1, -1)).message =~ "window_left_ms must be an integer"
     assert invalid(NIF.sync(t, @key, :nan, 0)).message =~ "got an atom"
@@ -139,50 +141,50 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert @inline < @max
 
       assert {:normal, :ok} =
-               scheduled(fn -> NIF.check_many(t, self(), distinct(@inline, @limit, 1), nil) end)
+               scheduled(fn -> NIF.check_rates(t, self(), distinct(@inline, @limit, 1), nil) end)
 
       for count <- [@inline + 1, @max] do
         assert {:dirty, :ok} =
-                 scheduled(fn -> NIF.check_many(t, self(), distinct(count, @limit, 1), nil) end)
+                 scheduled(fn -> NIF.check_rates(t, self(), distinct(count, @limit, 1), nil) end)
       end
     end
 
     test "are answered on a dirty scheduler as inline: paid all or nothing, coalesced, refused",
          %{table: t} do
       checks = distinct(@max, @still, 2)
-      assert {:dirty, :ok} = scheduled(fn -> NIF.check_many(t, self(), checks, nil) end)
-      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_rates(t, self(), checks, nil) end)
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.get_cost(t, key), 2, 0.01)
 
       # One bucket that cannot pay: a delay, and nothing paid on any other.
       one = %{capacity: 1, refill_per_sec: 0.001}
       short = [{{"binance", "drained"}, one, 1}]
-      assert :ok = NIF.check_many(t, self(), short, nil)
+      assert :ok = NIF.check_rates(t, self(), short, nil)
       long = distinct(@max - 1, @still, 1) ++ short
-      assert {:dirty, {:delay, _}} = scheduled(fn -> NIF.check_many(t, self(), long, nil) end)
-      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+      assert {:dirty, {:delay, _}} = scheduled(fn -> NIF.check_rates(t, self(), long, nil) end)
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.get_cost(t, key), 2, 0.01)
 
       # Repeated keys coalesced: 700 checks of one key at cost 0.01 pay 7 at once.
       repeated = List.duplicate({{"binance", "repeated"}, @still, 0.01}, 700)
-      assert {:dirty, :ok} = scheduled(fn -> NIF.check_many(t, self(), repeated, nil) end)
-      assert_in_delta(NIF.borrowed(t, {"binance", "repeated"}), 7, 0.01)
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_rates(t, self(), repeated, nil) end)
+      assert_in_delta(NIF.get_cost(t, {"binance", "repeated"}), 7, 0.01)
 
       # Malformed input and conflicts: the same errors as inline, nothing paid.
       bad = distinct(@max - 1, @still, 1) ++ [{{"binance", "bad"}, @still, -1}]
-      assert {:dirty, answer} = scheduled(fn -> NIF.check_many(t, self(), bad, nil) end)
+      assert {:dirty, answer} = scheduled(fn -> NIF.check_rates(t, self(), bad, nil) end)
       assert invalid(answer).message =~ "cost must be a finite number >= 0"
       assert invalid(answer).exchange == "binance"
 
       conflict = [{{"binance", "long-1"}, one, 1} | Enum.take(checks, @max - 1)]
-      assert {:dirty, answer} = scheduled(fn -> NIF.check_many(t, self(), conflict, nil) end)
+      assert {:dirty, answer} = scheduled(fn -> NIF.check_rates(t, self(), conflict, nil) end)
       assert invalid(answer).message =~ "conflicting bucket definitions"
-      for {key, _, _} <- checks, do: assert_in_delta(NIF.borrowed(t, key), 2, 0.01)
+      for {key, _, _} <- checks, do: assert_in_delta(NIF.get_cost(t, key), 2, 0.01)
 
       # A waiter's long list books, and is claimed by the same caller.
       booked = distinct(@max - 1, @still, 1) ++ [{{"binance", "drained"}, one, 1}]
       owner = self()
 
       assert {:dirty, {:booked, _}} =
-               scheduled(fn -> NIF.check_many(t, owner, booked, 4_294_967_295) end)
+               scheduled(fn -> NIF.check_rates(t, owner, booked, 4_294_967_295) end)
     end
   end
 end
