@@ -8,7 +8,11 @@
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
 //! target/release/examples/redis_bench [--redis redis://127.0.0.1:PORT] [--seconds S]
+//!     [--store memory|redis|cluster]... [--clients N]...
 //! ```
+//!
+//! `--store` and `--clients` (repeatable) run only the rows of the stores and client counts
+//! named.
 //!
 //! Without `--redis` it starts its own `redis-server` (no persistence) on a free port; it
 //! always starts its own cluster (three masters, three replicas, see
@@ -33,17 +37,36 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut url = None;
     let mut seconds = 3.0;
+    let mut stores = Vec::new();
+    let mut client_counts = Vec::new();
     while let Some(arg) = args.next() {
         match (arg.as_str(), args.next()) {
             ("--redis", Some(value)) => url = Some(value),
+            ("--store", Some(value))
+                if ["memory", "redis", "cluster"].contains(&value.as_str()) =>
+            {
+                stores.push(value)
+            }
+            ("--clients", Some(value)) if value.parse::<usize>().is_ok_and(|n| n > 0) => {
+                client_counts.push(value.parse().unwrap())
+            }
             ("--seconds", Some(value)) if value.parse::<f64>().is_ok_and(|s| s > 0.0) => {
                 seconds = value.parse().unwrap()
             }
             _ => {
-                eprintln!("usage: redis_bench [--redis redis://HOST:PORT] [--seconds S]");
+                eprintln!(
+                    "usage: redis_bench [--redis redis://HOST:PORT] [--seconds S] \
+                     [--store memory|redis|cluster]... [--clients N]..."
+                );
                 std::process::exit(2);
             }
         }
+    }
+    if client_counts.is_empty() {
+        client_counts = vec![1, 8, 64];
+    }
+    if stores.is_empty() {
+        stores = ["memory", "redis", "cluster"].map(String::from).to_vec();
     }
     let mut own_redis = None;
     let url = url.unwrap_or_else(|| {
@@ -66,7 +89,11 @@ fn main() {
         format!("redis://127.0.0.1:{port}")
     });
     let run_for = Duration::from_secs_f64(seconds);
-    let cluster = cluster_support::Cluster::start(2000);
+    let cluster = stores
+        .iter()
+        .any(|store| store == "cluster")
+        .then(|| cluster_support::Cluster::start(2000))
+        .flatten();
     let seeds = cluster
         .as_ref()
         .map(|cluster| cluster.urls())
@@ -80,7 +107,7 @@ fn main() {
         "{:<10} {:<9} {:>7} {:>10} {:>10} {:>9} {:>9}",
         "store", "buckets", "clients", "checks", "checks/s", "p50 µs", "p99 µs"
     );
-    for store in ["memory", "redis", "cluster"] {
+    for store in stores.iter().map(String::as_str) {
         if store == "cluster" && seeds.is_empty() {
             continue;
         }
@@ -92,7 +119,7 @@ fn main() {
         let mut daemon = start_daemon(store, &url, &seeds, &socket);
         let addr = listening_addr(&mut daemon);
         for buckets in [1, 3] {
-            for clients in [1, 8, 64] {
+            for &clients in &client_counts {
                 let (checks, mut latencies) = run(&addr, clients, buckets, run_for);
                 latencies.sort_unstable();
                 let quantile = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];

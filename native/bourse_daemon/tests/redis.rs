@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -709,6 +710,9 @@ fn burst(n: u64, k: &Value, limit: &Value, t: &mut impl Pipelined) -> Vec<(Value
         .map(|_| (t.recv_answer(), started.elapsed()))
         .collect();
     answers.sort_by_key(|(answer, _)| answer["id"].as_u64());
+    // Each request answered once, under its own id.
+    let ids: Vec<Option<u64>> = answers.iter().map(|(a, _)| a["id"].as_u64()).collect();
+    assert_eq!(ids, (0..n).map(Some).collect::<Vec<_>>());
     answers
 }
 
@@ -862,4 +866,104 @@ fn nothing_in_redis_lives_forever() {
         forever.len(),
         &forever[..forever.len().min(3)]
     );
+}
+
+/// Checks pipelined by several clients of several daemons share calls to Redis (the
+/// checks waiting at once run in one script call); one bucket hammered so stays within
+/// C + r * T (P1), and every request is answered once, under its own id.
+#[test]
+fn pipelined_checks_from_several_daemons_share_one_bucket() {
+    let Some(redis) = Redis::start() else { return };
+    let (capacity, refill) = (20.0, 50.0);
+    let daemons: Vec<Server> = (0..3).map(|_| daemon(&redis, &[])).collect();
+    let k = key("binance", Some("pipelined"));
+    let limit = json!({"capacity": capacity, "refill_per_sec": refill});
+    let window = 32;
+    let run_for = Duration::from_secs(2);
+    let started = Instant::now();
+    let counts: Vec<(usize, usize)> = thread::scope(|scope| {
+        let workers: Vec<_> = daemons
+            .iter()
+            .flat_map(|server| [server, server])
+            .map(|server| {
+                let (k, limit) = (&k, &limit);
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    let (mut admitted, mut calls) = (0, 0);
+                    while started.elapsed() < run_for {
+                        for (answer, _) in burst(window, k, limit, &mut t) {
+                            calls += 1;
+                            match load::classify(&answer) {
+                                "admitted" => admitted += 1,
+                                kind => assert_eq!(kind, "delay", "{answer}"),
+                            }
+                        }
+                    }
+                    (admitted, calls)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = counts.iter().map(|c| c.0).sum();
+    let calls: usize = counts.iter().map(|c| c.1).sum();
+    let what = format!("3 daemons x 2 clients, {window} checks in flight each, {calls} checks");
+    assert_conforms(admitted, capacity, refill, elapsed, &what);
+    // Shared calls: fewer script calls than checks.
+    let stats: String = redis.query(::redis::cmd("INFO").arg("commandstats"));
+    let scripts: usize = stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .expect("EVALSHA calls in INFO commandstats");
+    eprintln!("{calls} checks in {scripts} script calls");
+    assert!(scripts < calls, "{scripts} script calls for {calls} checks");
+}
+
+/// The connection to Redis lost after Redis ran a call but before its answer came back
+/// (Redis stopped, the call and a `CLIENT KILL` of the daemon's connection queued behind
+/// it, Redis resumed): the daemon sends the call again on a fresh connection, and the
+/// script, finding the call's run marker, does not run it twice. Every check is answered
+/// once, under its own id, and the bucket paid at most once per check.
+#[test]
+fn a_call_whose_answer_was_lost_is_not_paid_twice() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let k = key("h", Some("k"));
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    // Loads the script and reads the Redis clock: the burst below is one script call.
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let mut killer = TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+    let mut reply = [0u8; 64];
+    killer.write_all(b"PING\r\n").unwrap();
+    let _ = killer.read(&mut reply).unwrap();
+    kill("STOP", redis.child.id());
+    let n = 20;
+    for id in 0..n {
+        let mut request = check(&k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        t.send_request(&request);
+    }
+    // The daemon's call is queued in Redis first, the kill of its connection after it.
+    sleep_ms(300);
+    killer
+        .write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
+        .unwrap();
+    sleep_ms(100);
+    kill("CONT", redis.child.id());
+    let mut ids: Vec<u64> = (0..n)
+        .map(|_| {
+            let answer = t.recv_answer();
+            let kind = load::classify(&answer);
+            assert!(matches!(kind, "admitted" | "unavailable"), "{answer}");
+            answer["id"].as_u64().unwrap()
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..n).collect::<Vec<_>>());
+    let paid = borrowed(&mut t, &k) - 1.0;
+    eprintln!("{n} checks, their call's answer lost: {paid:.2} paid");
+    assert!(paid < n as f64 + 0.01, "paid {paid} for {n} checks");
 }

@@ -248,41 +248,63 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
   return { 'delay', delay_ms(now, ready), pause_until > booked_ready and 1 or 0, lapsed }
 end
 
--- check: KEYS = per item its bucket and bookings keys, then per exchange group its pauses
--- and marker keys. ARGV = 'check', booking id, max_wait_ms (0: a probe), slack (µs),
--- assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential pause
--- field, key pause field, shown fingerprint. Items are distinct keys (the caller coalesced
--- them). Returns {result, ms, paused (0/1), lapsed bookings, now}.
+-- checks: several independent checks in one call, run one after another at one `now`,
+-- each answered as it would be alone. KEYS = the run marker, then each check's keys;
+-- ARGV = 'checks', the marker's lifetime (ms), the count of checks, then per check its
+-- deadline (µs, 0 for none), its count of keys and of arguments, and those arguments.
+-- A check's keys are per item its bucket and bookings keys, then per exchange group its
+-- pauses and marker keys; its arguments the booking id, max_wait_ms (0: a probe), slack
+-- (µs), assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential
+-- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
+-- coalesced them). Returns {now, answers}, per check {result, ms, paused (0/1), lapsed
+-- bookings}, or {'late', 0, 0, 0} for a check past its deadline (it did nothing).
+--
+-- The run marker makes a call run once: a call sent again after the connection was lost
+-- (it may have run) finds the marker, does nothing, and answers the error "RERUN".
 local decide
 
-local function check(now)
-  local items, answer = decide(now)
-  local markers = {}
-  for _, item in ipairs(items) do
-    markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+local function checks(now)
+  if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[2]) then
+    return redis.error_reply('RERUN this call already ran')
+  end
+  local answers, markers = {}, {}
+  local k, a = 1, 4
+  for j = 1, tonumber(ARGV[3]) do
+    local deadline = tonumber(ARGV[a])
+    if deadline > 0 and now > deadline then
+      answers[j] = { 'late', 0, 0, 0 }
+    else
+      local items, answer = decide(now, k, a + 2)
+      for _, item in ipairs(items) do
+        markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+      end
+      answers[j] = answer
+    end
+    k = k + tonumber(ARGV[a + 1])
+    a = a + 3 + tonumber(ARGV[a + 2])
   end
   keep_markers(markers)
-  answer[5] = now
-  return answer
+  return { now, answers }
 end
 
-decide = function(now)
-  local id, max_wait, slack = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-  local busy, n = ARGV[5] == '1', tonumber(ARGV[6])
+-- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
+decide = function(now, k, at)
+  local id, max_wait, slack = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
+  local busy, n = ARGV[at + 4] == '1', tonumber(ARGV[at + 5])
   local items, began = {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
   for i = 1, n do
-    local a = 6 + (i - 1) * 7
+    local a = at + 5 + (i - 1) * 7
     local item = {
-      key = KEYS[2 * i - 1],
-      wkey = KEYS[2 * i],
+      key = KEYS[k + 2 * i - 1],
+      wkey = KEYS[k + 2 * i],
       c = tonumber(ARGV[a + 1]),
       r = tonumber(ARGV[a + 2]),
       cost = tonumber(ARGV[a + 3]),
     }
     local group = tonumber(ARGV[a + 4])
-    local pauses, marker = KEYS[2 * n + 2 * group - 1], KEYS[2 * n + 2 * group]
+    local pauses, marker = KEYS[k + 2 * n + 2 * group - 1], KEYS[k + 2 * n + 2 * group]
     item.marker = marker
     if busy and not began[group] then
       began[group] = state_began(marker, now, true)
@@ -500,7 +522,7 @@ local function reset()
 end
 
 local ops = {
-  check = check,
+  checks = checks,
   record = record,
   sync = sync,
   borrowed = get_borrowed,

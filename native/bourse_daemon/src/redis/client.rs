@@ -1,5 +1,6 @@
 //! Sends script calls and commands to Redis, each bounded by the timeout. A call that
-//! found the connection lost is sent once more on the fresh connection it triggered.
+//! found the connection lost is sent once more on the fresh connection it triggered (a
+//! `checks` call carries a marker that lets it run only once).
 //!
 //! A call answered `Unavailable` never pays later: each script carries a deadline on the
 //! Redis server's own clock ([`ServerClock`]) and refuses to run past it, so a Redis that
@@ -15,6 +16,10 @@ use super::clock::ServerClock;
 use super::connection::{Connection, ScanNode};
 use super::script::{Call, SOURCE};
 use crate::store::{StoreError, StoreResult};
+
+/// What the script answers for one check of a `checks` call: the result, the delay
+/// (ms), whether a pause held it (0/1) and the bookings found lapsed.
+pub type CheckAnswer = (String, u64, u64, u64);
 
 /// Starts the message of a script that found its deadline passed, before the Redis time.
 const LATE: &str = "late:";
@@ -52,8 +57,7 @@ impl Client {
     }
 
     /// Runs the script, bounded by the timeout: the script is told the latest moment, on
-    /// the Redis clock, at which it may still run. A call that found the connection lost is
-    /// sent once more on the fresh connection it triggered (with the same deadline).
+    /// the Redis clock, at which it may still run.
     pub async fn invoke<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
         let started = Instant::now();
         let mut connection = self.connection.clone();
@@ -61,35 +65,83 @@ impl Client {
             .bounded(async {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
-                let deadline = match self.clock.deadline(started) {
-                    Some(deadline) => deadline,
-                    None => {
-                        self.sample_time(&mut connection).await?;
-                        self.clock.deadline(started).unwrap_or(0)
-                    }
-                };
-                let invocation = call.invocation(&self.script, deadline);
-                match invocation.invoke_async(&mut connection).await {
-                    Err(error) if lost_connection(&error) => {
-                        invocation.invoke_async(&mut connection).await
-                    }
-                    // Still missing after the reload on every master known (a replica
-                    // promoted since): EVAL runs it on that node and caches it there.
-                    Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        call.eval(deadline).query_async(&mut connection).await
-                    }
-                    answer => answer,
-                }
+                let deadline = self.deadline(started, &mut connection).await?;
+                self.run(call, deadline, &mut connection).await
             })
             .await;
+        self.late(answer, started)
+    }
+
+    /// Runs the checks `parts` (each sent at its instant, so with its own deadline) as one
+    /// `checks` call that `marker` lets run once; the Redis time and each check's answer.
+    pub async fn invoke_checks(
+        &self,
+        marker: &[u8],
+        parts: &[(Instant, &Call)],
+    ) -> StoreResult<(u64, Vec<CheckAnswer>)> {
+        let started = parts.iter().map(|(sent, _)| *sent).min();
+        let started = started.unwrap_or_else(Instant::now);
+        let mut connection = self.connection.clone();
+        let answer = self
+            .bounded(async {
+                let mut deadlines = Vec::with_capacity(parts.len());
+                for (sent, _) in parts {
+                    deadlines.push(self.deadline(*sent, &mut connection).await?);
+                }
+                let latest = match deadlines.contains(&0) {
+                    true => 0,
+                    false => deadlines.iter().copied().max().unwrap_or(0),
+                };
+                let each = deadlines
+                    .into_iter()
+                    .zip(parts.iter().map(|(_, part)| *part));
+                let call = Call::checks(marker, self.timeout * 2, each);
+                self.run(&call, latest, &mut connection).await
+            })
+            .await;
+        self.late(answer, started)
+    }
+
+    /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` may
+    /// run; the Redis clock is read first while nothing is known of it.
+    async fn deadline(
+        &self,
+        started: Instant,
+        connection: &mut Connection,
+    ) -> Result<u64, RedisError> {
+        if let Some(deadline) = self.clock.deadline(started) {
+            return Ok(deadline);
+        }
+        self.sample_time(connection).await?;
+        Ok(self.clock.deadline(started).unwrap_or(0))
+    }
+
+    /// Sends `call` as `EVALSHA` (loading the script on `NOSCRIPT`), once more on the
+    /// fresh connection if the connection was lost (with the same deadline).
+    async fn run<T: FromRedisValue>(
+        &self,
+        call: &Call,
+        deadline: u64,
+        connection: &mut Connection,
+    ) -> Result<T, RedisError> {
+        let invocation = call.invocation(&self.script, deadline);
+        match invocation.invoke_async(connection).await {
+            Err(error) if lost_connection(&error) => invocation.invoke_async(connection).await,
+            // Still missing after the reload on every master known (a replica promoted
+            // since): EVAL runs it on that node and caches it there.
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                call.eval(deadline).query_async(connection).await
+            }
+            answer => answer,
+        }
+    }
+
+    /// A call refused by the script for running past its deadline, explained.
+    fn late<T>(&self, answer: StoreResult<T>, started: Instant) -> StoreResult<T> {
         if let Err(StoreError::Unavailable(message)) = &answer {
             if let Some(now) = message.strip_prefix(LATE) {
                 self.observe(now.parse().unwrap_or(0));
-                return Err(StoreError::Unavailable(format!(
-                    "redis ran the request after its deadline ({} ms after it was sent); \
-                     it was refused and nothing was paid",
-                    started.elapsed().as_millis()
-                )));
+                return Err(late_refusal(started));
             }
         }
         answer
@@ -149,6 +201,11 @@ impl Client {
             Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
                 format!("{LATE}{}", error.detail().unwrap_or_default()),
             )),
+            Ok(Err(error)) if error.code() == Some("RERUN") => Err(StoreError::Unavailable(
+                "the connection to redis was lost while it ran the request, which was not \
+                 run again: its outcome is unknown"
+                    .into(),
+            )),
             Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
             Err(_) => Err(StoreError::Unavailable(format!(
                 "redis did not answer within {} ms",
@@ -156,6 +213,15 @@ impl Client {
             ))),
         }
     }
+}
+
+/// What a call that Redis ran past its deadline is told.
+pub fn late_refusal(started: Instant) -> StoreError {
+    StoreError::Unavailable(format!(
+        "redis ran the request after its deadline ({} ms after it was sent); \
+         it was refused and nothing was paid",
+        started.elapsed().as_millis()
+    ))
 }
 
 /// Errors after which the connection manager reconnects.

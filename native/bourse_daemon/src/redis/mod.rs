@@ -1,7 +1,8 @@
 //! The Redis store: buckets shared by every daemon that points at one Redis server.
 //!
 //! Each operation on a key is one call of `bucket.lua`, which runs the core's bucket
-//! atomically on the Redis server's clock (`TIME`): local clocks do not matter. Keys of one
+//! atomically on the Redis server's clock (`TIME`): local clocks do not matter. Checks
+//! waiting at the same time share one call. Keys of one
 //! exchange share a hash tag, so on Redis Cluster every check within one exchange touches
 //! one slot.
 //!
@@ -15,6 +16,7 @@
 //! bucket keeps the displayed fingerprint for `busiest`.
 //!
 //! - `store`: [`RedisStore`], each operation as script calls;
+//! - `batch`: concurrent checks gathered into shared calls;
 //! - `script`: one call of `bucket.lua`, as `EVALSHA` or `EVAL`;
 //! - `client`: sends calls and commands within the timeout and the script's deadline;
 //! - `clock`: the Redis clock as seen from here, to place deadlines on it;
@@ -25,6 +27,7 @@
 //! - `counters`: the statistics of this daemon's answers.
 
 mod answer;
+mod batch;
 mod client;
 mod clock;
 mod connection;

@@ -54,6 +54,11 @@ pub fn pauses_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
     name
 }
 
+/// The marker of the call numbered `run`, in the slot of the hash tag `tag`.
+pub fn run_marker(prefix: &[u8], tag: &[u8], run: &str) -> Vec<u8> {
+    [prefix, b":{", tag, b"}:r:", run.as_bytes()].concat()
+}
+
 /// A credential's names: its backoff count, and its field in the exchange's pauses.
 pub struct CredentialNames {
     pub backoff: Vec<u8>,

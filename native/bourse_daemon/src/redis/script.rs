@@ -1,6 +1,8 @@
 //! One call of `bucket.lua`: its keys and arguments, sent as `EVALSHA` (the script loaded
 //! once with `SCRIPT LOAD`, again on `NOSCRIPT`) or, where a node still lacks it, as `EVAL`.
 
+use std::time::Duration;
+
 use ::redis::{Cmd, Script, ScriptInvocation, ToRedisArgs};
 
 /// The source of the script every call runs.
@@ -22,6 +24,31 @@ impl Call {
     pub fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
         self.args.extend(arg.to_redis_args());
         self
+    }
+
+    /// One `checks` call of the checks `parts` (each its keys and arguments, without the
+    /// operation), each with its deadline; `marker` makes it run once, for `lifetime`.
+    pub fn checks<'a>(
+        marker: &[u8],
+        lifetime: Duration,
+        parts: impl ExactSizeIterator<Item = (u64, &'a Call)>,
+    ) -> Self {
+        let mut call = Call::default();
+        call.key(marker)
+            .arg("checks")
+            .arg(lifetime.as_millis() as u64)
+            .arg(parts.len());
+        for (deadline, part) in parts {
+            call.arg(deadline).arg(part.keys.len()).arg(part.args.len());
+            call.keys.extend(part.keys.iter().cloned());
+            call.args.extend(part.args.iter().cloned());
+        }
+        call
+    }
+
+    /// The first key, which names the slot of the call on a cluster.
+    pub fn first_key(&self) -> &[u8] {
+        self.keys.first().map_or(&[], Vec::as_slice)
     }
 
     /// The operation and the arguments after it.

@@ -1,6 +1,7 @@
 //! [`RedisStore`]: each operation of the protocol as calls of `bucket.lua`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bourse_core::rules::{BACKOFF_LAPSE_MS, FIRST_BACKOFF_MS, MAX_BACKOFF_MS};
@@ -10,6 +11,7 @@ use bourse_core::{
 };
 
 use super::answer::{self, Info};
+use super::batch::Batcher;
 use super::client::Client;
 use super::connection::{hash_tag, Connection, Servers};
 use super::counters::Counters;
@@ -35,7 +37,8 @@ pub struct Options {
 }
 
 pub struct RedisStore {
-    client: Client,
+    client: Arc<Client>,
+    checks: Batcher,
     names: Keyed,
     prefix: Vec<u8>,
     config: Config,
@@ -52,10 +55,13 @@ impl RedisStore {
             options.password.as_deref(),
             options.timeout,
         )?;
+        let client = Arc::new(Client::new(connection, options.timeout));
+        let prefix = options.prefix.into_bytes();
         Ok(Self {
-            client: Client::new(connection, options.timeout),
+            checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),
+            client,
             names: Keyed::new(options.key_secret.as_deref()),
-            prefix: options.prefix.into_bytes(),
+            prefix,
             config: options.config,
             counters: Counters::default(),
         })
@@ -187,8 +193,7 @@ impl Store for RedisStore {
             Mode::Wait { max_wait_ms } => max_wait_ms,
         };
         let mut call = Call::default();
-        call.arg("check")
-            .arg(format!("{owner}:{}", signature(&items)))
+        call.arg(format!("{owner}:{}", signature(&items)))
             .arg(max_wait)
             .arg(self.config.booking_slack_ms.saturating_mul(1000))
             .arg(if self.config.assume_busy_at_start {
@@ -220,9 +225,7 @@ impl Store for RedisStore {
         for group in groups {
             call.key(group.pauses).key(group.marker);
         }
-        let (result, ms, paused, lapsed, now): (String, u64, u64, u64, u64) =
-            self.client.invoke(&call).await?;
-        self.client.observe(now);
+        let (result, ms, paused, lapsed) = self.checks.check(call).await?;
         let outcome = answer::outcome(&result, ms)?;
         self.counters.outcome(outcome, paused > 0, lapsed);
         Ok(outcome)

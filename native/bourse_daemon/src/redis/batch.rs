@@ -1,0 +1,180 @@
+//! Concurrent checks share round trips. Each check waits in one queue; a dispatcher takes
+//! every check waiting (up to [`MAX_BATCH`]) into one `checks` call of the script, one
+//! per slot on a cluster, while at most [`BATCHES_IN_FLIGHT`] calls are on their way, so
+//! the checks that arrive meanwhile form the next call. One caller alone gets a call of
+//! its own at once.
+//!
+//! Every check is answered exactly once, with its own outcome or
+//! [`StoreError::Unavailable`]: a call that fails fails each check it carried; a caller
+//! whose timeout passes is answered `Unavailable` at once, and its check, if still
+//! waiting, is dropped, or refused by the script past its deadline.
+
+use std::collections::hash_map::RandomState;
+use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+
+use super::client::{self, CheckAnswer, Client};
+use super::connection::hash_tag;
+use super::names;
+use super::script::Call;
+use crate::store::{StoreError, StoreResult};
+
+/// The most checks in one call: a call holds Redis for all of them.
+const MAX_BATCH: usize = 128;
+/// Calls on their way at once.
+const BATCHES_IN_FLIGHT: usize = 2;
+
+/// One check waiting for its call.
+struct Waiting {
+    part: Call,
+    sent: Instant,
+    reply: oneshot::Sender<StoreResult<CheckAnswer>>,
+}
+
+/// The queue of checks and its dispatcher.
+pub struct Batcher {
+    queue: mpsc::UnboundedSender<Waiting>,
+    timeout: Duration,
+}
+
+impl Batcher {
+    /// Starts the dispatcher; must run inside a Tokio runtime. Calls' run markers are named
+    /// under `prefix`.
+    pub fn start(client: Arc<Client>, prefix: Vec<u8>, timeout: Duration) -> Self {
+        let (queue, waiting) = mpsc::unbounded_channel();
+        let runs = Runs {
+            prefix,
+            process: RandomState::new().hash_one(std::process::id()),
+            next: AtomicU64::new(0),
+        };
+        tokio::spawn(dispatch(client, waiting, runs));
+        Self { queue, timeout }
+    }
+
+    /// Runs one check (its keys and arguments, see bucket.lua), within the timeout.
+    pub async fn check(&self, part: Call) -> StoreResult<CheckAnswer> {
+        let sent = Instant::now();
+        let (reply, answer) = oneshot::channel();
+        let waiting = Waiting { part, sent, reply };
+        if self.queue.send(waiting).is_err() {
+            return Err(StoreError::Unavailable(
+                "the redis dispatcher stopped".into(),
+            ));
+        }
+        match tokio::time::timeout(self.timeout, answer).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::Unavailable(
+                "redis: the check was dropped unanswered".into(),
+            )),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "redis did not answer within {} ms",
+                self.timeout.as_millis()
+            ))),
+        }
+    }
+}
+
+/// Names every call's run marker uniquely: this process's random number and a count.
+struct Runs {
+    prefix: Vec<u8>,
+    process: u64,
+    next: AtomicU64,
+}
+
+impl Runs {
+    fn marker(&self, tag: &[u8]) -> Vec<u8> {
+        let run = self.next.fetch_add(1, Ordering::Relaxed);
+        let run = format!("{:016x}{run:x}", self.process);
+        names::run_marker(&self.prefix, tag, &run)
+    }
+}
+
+async fn dispatch(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Waiting>, runs: Runs) {
+    let turns = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
+    loop {
+        // Never closed: acquiring only waits.
+        let Ok(turn) = turns.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = queue.recv().await else {
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(waiting) => batch.push(waiting),
+                Err(_) => break,
+            }
+        }
+        // Callers that gave up were answered already.
+        batch.retain(|waiting| !waiting.reply.is_closed());
+        let turn = Arc::new(turn);
+        for (tag, checks) in by_slot(&client, batch) {
+            let marker = runs.marker(&tag);
+            tokio::spawn(run(client.clone(), marker, checks, turn.clone()));
+        }
+    }
+}
+
+/// The checks by the hash tag of their keys on a cluster (a call runs on one node); all
+/// together on one server, under the first one's tag.
+fn by_slot(client: &Client, batch: Vec<Waiting>) -> BTreeMap<Vec<u8>, Vec<Waiting>> {
+    let mut slots: BTreeMap<Vec<u8>, Vec<Waiting>> = BTreeMap::new();
+    let mut first = None;
+    for waiting in batch {
+        let tag = hash_tag(waiting.part.first_key()).to_vec();
+        let tag = match client.is_cluster() {
+            true => tag,
+            false => first.get_or_insert(tag).clone(),
+        };
+        slots.entry(tag).or_default().push(waiting);
+    }
+    slots
+}
+
+/// Sends one call and answers each of its checks.
+async fn run(
+    client: Arc<Client>,
+    marker: Vec<u8>,
+    checks: Vec<Waiting>,
+    _turn: Arc<OwnedSemaphorePermit>,
+) {
+    let parts: Vec<(Instant, &Call)> = checks.iter().map(|w| (w.sent, &w.part)).collect();
+    let answer = client.invoke_checks(&marker, &parts).await;
+    drop(parts);
+    match answer {
+        Ok((now, answers)) if answers.len() == checks.len() => {
+            client.observe(now);
+            for (waiting, answer) in checks.into_iter().zip(answers) {
+                let answer = match answer.0.as_str() {
+                    "late" => Err(client::late_refusal(waiting.sent)),
+                    _ => Ok(answer),
+                };
+                let _ = waiting.reply.send(answer);
+            }
+        }
+        Ok((_, answers)) => {
+            let message = format!(
+                "the Redis script answered {} checks of {}",
+                answers.len(),
+                checks.len()
+            );
+            fail(checks, &message);
+        }
+        Err(StoreError::Unavailable(message)) => fail(checks, &message),
+        Err(StoreError::Invalid(error)) => fail(checks, &format!("redis: {}", error.message())),
+    }
+}
+
+fn fail(checks: Vec<Waiting>, message: &str) {
+    for waiting in checks {
+        let _ = waiting
+            .reply
+            .send(Err(StoreError::Unavailable(message.to_string())));
+    }
+}
