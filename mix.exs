@@ -21,10 +21,7 @@ defmodule Bourse.MixProject do
   end
 
   def application do
-    # :jiffy (Debian's erlang-jiffy) encodes the JSON of the port and daemon backends.
-    [
-      extra_applications: [:logger, :inets, :crypto, jiffy: :optional]
-    ]
+    [extra_applications: [:logger, :inets, :crypto]]
   end
 
   defp elixirc_paths(:test), do: ["lib", "test/support"]

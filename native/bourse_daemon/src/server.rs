@@ -1,4 +1,5 @@
-//! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON.
+//! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON, or
+//! length-prefixed external terms once a connection's first `hello` chose them.
 //! Each connection is one task. Unix sockets are created owner-only (or owner and group);
 //! TCP clients prove the shared secret before anything but `hello` is served. Connections
 //! are bounded in number, and closed when idle.
@@ -15,7 +16,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::protocol::Service;
+use crate::protocol::{Codec, Service, Session};
 use crate::store::Store;
 
 /// How long shutdown waits for connections to finish the lines they had received.
@@ -213,19 +214,32 @@ where
             ));
         }
         Err(_) => {
-            tokio::spawn(refuse(stream, context.limits.max_connections));
+            tokio::spawn(refuse::<_, S>(stream, context.limits.max_connections, None));
         }
     }
 }
 
-/// Tells a connection past the limit so, and closes it.
-async fn refuse<T: AsyncWrite + Unpin>(mut stream: T, max: usize) {
-    let line = format!(
-        "{{\"ok\":false,\"error\":{{\"type\":\"unavailable\",\"message\":\
-         \"the daemon serves at most {max} connections (--max-connections)\"}}}}\n"
-    );
+/// Tells a connection past the limit so, and closes it: a JSON line, or for a connection
+/// that chose the external term format (`session`), a term in its frame.
+async fn refuse<T: AsyncWrite + Unpin, S: Store>(
+    mut stream: T,
+    max: usize,
+    chosen: Option<(&Service<S>, &Session)>,
+) {
+    let message = format!("the daemon serves at most {max} connections (--max-connections)");
+    let mut out = Vec::new();
+    match chosen {
+        Some((service, session)) => {
+            service.unavailable(session, &mut out, message);
+            framed(&mut out, 0, session.codec());
+        }
+        None => {
+            let error = serde_json::json!({"ok": false, "error": {"type": "unavailable", "message": message}});
+            out = format!("{error}\n").into_bytes();
+        }
+    }
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let _ = stream.write_all(line.as_bytes()).await;
+        let _ = stream.write_all(&out).await;
         let _ = stream.shutdown().await;
     })
     .await;
@@ -303,7 +317,7 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     let service = Arc::clone(&context.service);
     let idle = context.limits.idle_timeout;
     let session = Arc::new(service.session(prove, idle.map(|idle| idle.as_millis() as u64)));
-    let mut input = Lines::new(context.limits.max_frame_bytes);
+    let mut input = Frames::new(context.limits.max_frame_bytes);
     let mut out = Vec::with_capacity(4096);
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
@@ -313,34 +327,43 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     loop {
         loop {
             match input.next() {
-                Next::Line(range) => {
-                    let line = &input.buf[range];
-                    if line.iter().all(u8::is_ascii_whitespace) {
+                Next::Frame(range) => {
+                    let frame = &input.buf[range];
+                    if input.framing == Framing::Lines && frame.iter().all(u8::is_ascii_whitespace)
+                    {
                         continue;
                     }
                     let number = session.next_frame();
-                    if S::REMOTE {
+                    // The first frame may choose the codec (and framing) of the next ones:
+                    // answered before they are read.
+                    if S::REMOTE && number > 1 {
                         running += 1;
                         let (service, session) = (Arc::clone(&service), Arc::clone(&session));
-                        let (line, answered) = (line.to_vec(), answered.clone());
+                        let (frame, answered) = (frame.to_vec(), answered.clone());
                         tokio::spawn(async move {
                             let mut out = Vec::with_capacity(128);
-                            service.handle(&session, number, &line, &mut out).await;
-                            out.push(b'\n');
+                            service.handle(&session, number, &frame, &mut out).await;
+                            framed(&mut out, 0, session.codec());
                             let _ = answered.send(out);
                         });
                         continue;
                     }
-                    service.handle(&session, number, line, &mut out).await;
-                    out.push(b'\n');
+                    let start = out.len();
+                    service.handle(&session, number, frame, &mut out).await;
+                    framed(&mut out, start, session.codec());
+                    if number == 1 && session.codec() == Codec::Etf {
+                        input.length_prefixed();
+                    }
                     if out.len() >= WRITE_CHUNK && send(&mut stream, &mut out).await.is_err() {
                         return;
                     }
                 }
                 Next::TooLarge => {
                     let number = session.next_frame();
-                    service.frame_too_large(&mut out, number, context.limits.max_frame_bytes);
-                    out.push(b'\n');
+                    let start = out.len();
+                    let max = context.limits.max_frame_bytes;
+                    service.frame_too_large(&session, &mut out, number, max);
+                    framed(&mut out, start, session.codec());
                     while running > 0 {
                         let Some(answer) = answers.recv().await else {
                             break;
@@ -371,7 +394,10 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                 context.unproved.leave(entry);
                 match Arc::clone(&context.connections).try_acquire_owned() {
                     Ok(permit) => slot = Slot::Held { _permit: permit },
-                    Err(_) => return refuse(stream, context.limits.max_connections).await,
+                    Err(_) => {
+                        let max = context.limits.max_connections;
+                        return refuse(stream, max, Some((&service, &session))).await;
+                    }
                 }
             }
         }
@@ -398,8 +424,9 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                 Ok(0) => {
                     if input.has_partial() {
                         let number = session.next_frame();
-                        service.truncated_frame(&mut out, number);
-                        out.push(b'\n');
+                        let start = out.len();
+                        service.truncated_frame(&session, &mut out, number);
+                        framed(&mut out, start, session.codec());
                     }
                     closing = true;
                 }
@@ -452,35 +479,67 @@ async fn send<S: AsyncWrite + Unpin>(stream: &mut S, out: &mut Vec<u8>) -> io::R
     Ok(())
 }
 
-/// Input bytes split into newline-terminated frames of at most `max` bytes.
-struct Lines {
+/// Frames the answer written from `start` on as the connection's codec wants: a JSON line,
+/// or an external term after its 4-byte big-endian length.
+fn framed(out: &mut Vec<u8>, start: usize, codec: Codec) {
+    match codec {
+        Codec::Json => out.push(b'\n'),
+        Codec::Etf => {
+            let length = (out.len() - start) as u32;
+            out.splice(start..start, length.to_be_bytes());
+        }
+    }
+}
+
+/// How input bytes are split into frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// Lines ended by `\n` (or `\r\n`): JSON.
+    Lines,
+    /// A 4-byte big-endian length, then that many bytes: external terms.
+    LengthPrefixed,
+}
+
+/// Input bytes split into frames of at most `max` bytes.
+struct Frames {
     buf: Vec<u8>,
-    /// Start of the first unanswered line.
+    /// Start of the first unanswered frame.
     start: usize,
     /// Bytes before this (and from `start`) hold no newline.
     scanned: usize,
     max: usize,
+    framing: Framing,
 }
 
 enum Next {
-    /// A frame without its line ending.
-    Line(std::ops::Range<usize>),
+    /// A frame without its line ending or length.
+    Frame(std::ops::Range<usize>),
     TooLarge,
-    /// No complete line is buffered.
+    /// No complete frame is buffered.
     Pending,
 }
 
-impl Lines {
+impl Frames {
     fn new(max: usize) -> Self {
         Self {
             buf: Vec::with_capacity(8192),
             start: 0,
             scanned: 0,
             max,
+            framing: Framing::Lines,
         }
     }
 
+    /// From the next frame on, frames are length-prefixed.
+    fn length_prefixed(&mut self) {
+        self.framing = Framing::LengthPrefixed;
+        self.scanned = self.start;
+    }
+
     fn next(&mut self) -> Next {
+        if self.framing == Framing::LengthPrefixed {
+            return self.next_prefixed();
+        }
         match self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
             Some(at) => {
                 let newline = self.scanned + at;
@@ -494,7 +553,7 @@ impl Lines {
                 if line.len() > self.max {
                     Next::TooLarge
                 } else {
-                    Next::Line(line)
+                    Next::Frame(line)
                 }
             }
             None => {
@@ -507,6 +566,23 @@ impl Lines {
                 }
             }
         }
+    }
+
+    fn next_prefixed(&mut self) -> Next {
+        let Some(header) = self.buf.get(self.start..self.start + 4) else {
+            return Next::Pending;
+        };
+        let length = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        if length > self.max {
+            return Next::TooLarge;
+        }
+        let body = self.start + 4..self.start + 4 + length;
+        if body.end > self.buf.len() {
+            return Next::Pending;
+        }
+        self.start = body.end;
+        self.scanned = self.start;
+        Next::Frame(body)
     }
 
     /// Reads more input after the unanswered bytes. Cancel-safe.
@@ -522,7 +598,10 @@ impl Lines {
 
     /// Whether a frame was begun but not ended.
     fn has_partial(&self) -> bool {
-        !self.buf[self.start..].iter().all(u8::is_ascii_whitespace)
+        match self.framing {
+            Framing::Lines => !self.buf[self.start..].iter().all(u8::is_ascii_whitespace),
+            Framing::LengthPrefixed => self.start < self.buf.len(),
+        }
     }
 }
 

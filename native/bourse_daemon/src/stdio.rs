@@ -1,5 +1,5 @@
 //! `--stdio`: one client (an Erlang port) on stdin/stdout, 4-byte big-endian length-prefixed
-//! JSON frames. Blocking reads on the main thread: there is only one stream. With the
+//! frames (JSON, or external terms once the first `hello` chose them). Blocking reads on the main thread: there is only one stream. With the
 //! in-memory table each request is answered before the next is read, and pipelined answers
 //! share a write; with a remote store (Redis) each request runs as a task and its answer is
 //! written as soon as it is ready, so one slow answer holds back no other.
@@ -108,7 +108,8 @@ pub fn run<S: Store>(
                     shared.running.fetch_sub(1, Ordering::SeqCst);
                     continue;
                 }
-                if S::REMOTE {
+                // The first frame may choose the codec of the next ones: answered first.
+                if S::REMOTE && number > 1 {
                     spawn(&shared, runtime, number, frame.clone());
                     continue;
                 }
@@ -124,9 +125,10 @@ pub fn run<S: Store>(
                 return ExitCode::SUCCESS;
             }
             Ok(Frame::TooLarge) => {
+                let session = &shared.session;
                 shared
                     .service
-                    .frame_too_large(&mut out, number, max_frame_bytes);
+                    .frame_too_large(session, &mut out, number, max_frame_bytes);
                 let _ = shared.send(&mut out, true);
                 eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
                 shared.drain();

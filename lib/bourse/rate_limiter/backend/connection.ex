@@ -107,7 +107,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @doc """
-  Sends one request (a map for `:jiffy`) and returns the daemon's answer, decoded, or
+  Sends one request (a map, see `encode/2`) and returns the daemon's answer, decoded, or
   `{:error, message}` for a request too large for the daemon, or
   `{:error, %Bourse.Error{type: :unavailable}}`.
   """
@@ -209,14 +209,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp decoded(frame, id) when is_binary(frame) do
     case decode(frame) do
       {:ok, %{"id" => ^id} = answer} -> answer
-      _ -> {:error, Error.unavailable(not_protocol_json())}
+      _ -> {:error, Error.unavailable(not_protocol())}
     end
   end
 
   defp decoded(answer, _id), do: answer
 
-  defp not_protocol_json,
-    do: "the daemon sent something that is not protocol #{@protocol_version} JSON"
+  defp not_protocol,
+    do: "the daemon sent something that is not a protocol #{@protocol_version} answer term"
 
   defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
@@ -228,10 +228,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   ## The process
 
   @doc false
-  # The id comes first: the daemon reads it even from a frame that is not valid JSON, so
-  # every answer finds its caller.
-  @spec encode(integer(), map()) :: iodata()
-  def encode(id, request), do: :jiffy.encode({[{:id, id} | Map.to_list(request)]})
+  # A request in the external term format (docs/PROTOCOL.md, "Codecs"): the map with its
+  # `id`, as the daemon reads a JSON object. `nil` is JSON's null.
+  @spec encode(integer(), map()) :: binary()
+  def encode(id, request), do: :erlang.term_to_binary(Map.put(request, :id, id))
 
   @impl true
   def init({target, limiter, assume_busy, timeout, secrets}) do
@@ -303,9 +303,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # The daemon closes connections idle for longer than its idle timeout. A stream too busy
   # to take the hello is not idle.
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
-    hello = hello_request()
+    hello = encode(0, %{op: "hello"})
 
-    case state.transport.write(stream, state.transport.frame(hello, IO.iodata_length(hello))) do
+    case state.transport.write(stream, state.transport.frame(hello, byte_size(hello))) do
       {:error, reason} -> {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
       _written_or_busy -> {:noreply, keepalive(state, idle_ms)}
     end
@@ -355,7 +355,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       {:ok, state}
     else
       :error ->
-        {:error, not_protocol_json()}
+        {:error, not_protocol()}
 
       # An answer to a caller that gave up already, or an error without an id. Not shown:
       # answers hold keys, and keys hold API keys.
@@ -365,35 +365,46 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  # Every answer of the daemon ends with its id, `,"id":ID}`: read from there, the answer is
-  # left for its caller to decode. Anything else is decoded here.
-  defp answer_id(frame) do
-    size = byte_size(frame)
-    tail = min(size, 32)
+  # Every answer of the daemon is a map whose first key is its id, an integer as
+  # `:erlang.term_to_binary/1` wrote it: read from there, the answer is left for its caller
+  # to decode. Anything else is decoded here.
+  defp answer_id(<<131, ?t, _arity::32, ?m, 2::32, "id", id::binary>> = frame) do
+    case id do
+      <<?a, id, _::binary>> ->
+        {:ok, id, frame}
 
-    with {at, _} when at > 0 <- :binary.match(frame, ~s("id":), scope: {size - tail, tail}),
-         true <- :binary.at(frame, at - 1) in [?,, ?{],
-         {id, "}"} <- Integer.parse(binary_part(frame, at + 5, size - at - 5)) do
-      {:ok, id, frame}
-    else
+      <<?b, id::signed-32, _::binary>> ->
+        {:ok, id, frame}
+
+      <<?n, n, 0, id::binary-size(n), _::binary>> ->
+        {:ok, :binary.decode_unsigned(id, :little), frame}
+
       _ ->
-        case decode(frame) do
-          {:ok, %{"id" => id} = answer} when is_integer(id) -> {:ok, id, answer}
-          {:ok, answer} -> {:unmatched, answer}
-          :error -> :error
-        end
+        answer_id_decoded(frame)
+    end
+  end
+
+  defp answer_id(frame), do: answer_id_decoded(frame)
+
+  defp answer_id_decoded(frame) do
+    case decode(frame) do
+      {:ok, %{"id" => id} = answer} when is_integer(id) -> {:ok, id, answer}
+      {:ok, answer} -> {:unmatched, answer}
+      :error -> :error
     end
   end
 
   @doc false
+  # An answer term: `[:safe]` makes no atom (the daemon writes none but `nil`, `true` and
+  # `false`) and no fun.
   @spec decode(binary()) :: {:ok, map()} | :error
   def decode(frame) do
-    case :jiffy.decode(frame, [:return_maps, {:null_term, nil}]) do
+    case :erlang.binary_to_term(frame, [:safe]) do
       %{} = answer -> {:ok, answer}
       _ -> :error
     end
-  catch
-    _, _ -> :error
+  rescue
+    ArgumentError -> :error
   end
 
   # The stream is gone: new calls fail at once, the stream is closed (a caller writing to it
@@ -496,8 +507,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @doc false
-  @spec hello_request() :: iodata()
-  def hello_request, do: encode(0, %{op: "hello"})
+  # The first frame of a stream, in JSON (every connection starts so): its answer and every
+  # frame after it are in the external term format.
+  @spec hello_request() :: binary()
+  def hello_request, do: ~s({"id":0,"op":"hello","codec":"etf"})
 
   @doc false
   # The daemon's hello answer, if it speaks this protocol.
@@ -509,7 +522,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {:ok, hello}
 
       _ ->
-        {:error, "not a bourse_daemon speaking protocol #{@protocol_version}: #{inspect(frame)}"}
+        {:error,
+         "not a bourse_daemon speaking protocol #{@protocol_version} in the external term " <>
+           "format: its answer to hello was #{byte_size(frame)} bytes of something else"}
     end
   end
 end

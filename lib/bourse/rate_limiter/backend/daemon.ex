@@ -27,7 +27,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined
-  (newline-delimited JSON, see `Bourse.RateLimiter.Backend.Protocol`); each calling
+  (length-prefixed external terms after a JSON `hello`, see
+  `Bourse.RateLimiter.Backend.Protocol`); each calling
   process owns its own bookings, distinct from those of every other client of the daemon.
 
   ## When the daemon is down or restarts

@@ -1,7 +1,7 @@
 defmodule Bourse.RateLimiter.Backend.Port do
   @moduledoc """
   `backend: :port`: the bucket table lives in a `bourse_daemon --stdio` process that the
-  limiter runs as an Erlang port (`{:packet, 4}` frames of JSON, see
+  limiter runs as an Erlang port (`{:packet, 4}` frames of external terms, see
   `Bourse.RateLimiter.Backend.Protocol`). A crash in native code there cannot take the VM
   down.
 

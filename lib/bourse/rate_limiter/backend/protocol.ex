@@ -1,29 +1,31 @@
 defmodule Bourse.RateLimiter.Backend.Protocol do
   @moduledoc """
-  The backend callbacks over `bourse_daemon`'s JSON protocol (docs/PROTOCOL.md, version
-  1), shared by `Bourse.RateLimiter.Backend.Port` and `Bourse.RateLimiter.Backend.Daemon`:
+  The backend callbacks over `bourse_daemon`'s protocol (docs/PROTOCOL.md, version 1),
+  shared by `Bourse.RateLimiter.Backend.Port` and `Bourse.RateLimiter.Backend.Daemon`:
 
       use Bourse.RateLimiter.Backend.Protocol
 
   defines every callback of `Bourse.RateLimiter.Backend` but `attach/2`, over a
   `Bourse.RateLimiter.Backend.Connection` handle.
 
-  The caller's process only turns terms into the wire format: key tuples into key objects,
-  limit maps into objects, numbers (of any size) and UTF-8 binaries as they are, and any
-  other term as its shape alone (`{"$term": "tuple", "arity": 4}`, docs/PROTOCOL.md,
-  "Values"). The daemon judges everything with `bourse_core`'s rules, as the NIF does, and
-  its error comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the
-  same message and exchange. Only a binary that is not UTF-8 cannot travel as JSON: it is
-  refused here. Booking owners are the calling pids, rendered as strings.
+  The caller's process only turns terms into the protocol's requests: key tuples into key
+  maps, limit maps into maps with binary keys, numbers (of any size) and UTF-8 binaries as
+  they are, and any other term as its shape alone (`%{"$term": "tuple", arity: 4}`,
+  docs/PROTOCOL.md, "Values"). The daemon judges everything with `bourse_core`'s rules, as
+  the NIF does, and its error comes back as
+  `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message and exchange.
+  Only a binary that is not UTF-8 cannot travel (the daemon's requests hold UTF-8
+  strings, as JSON does): it is refused here. Booking owners are the calling pids,
+  rendered as strings.
 
   ## Codec
 
-  JSON, encoded and decoded with `:jiffy` (Debian's `erlang-jiffy`): the daemon speaks one
-  documented protocol to every client (other VMs, Python, `nc`), so the port uses it too
-  and both backends share this translation and the daemon's own tests. `:jiffy` is a
-  maintained, NIF-backed library; a JSON codec written here would be one more thing to get
-  wrong. (The external term format would be native on this side but need a second decoder
-  in the daemon, for the port alone.)
+  Erlang's external term format (docs/PROTOCOL.md, "Codecs"), chosen by the connection's
+  first `hello`: requests are `:erlang.term_to_binary/1` of these maps, answers are read
+  with `:erlang.binary_to_term(answer, [:safe])`. Both are built into the VM, so the
+  backends need no library at all (also in a release), and the daemon reads the terms into
+  the same requests as JSON, with the same parser and errors. JSON stays the protocol of
+  every other client (Python, `nc`, other languages).
   """
 
   alias Bourse.{Error, Native}
@@ -283,11 +285,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
 
-  # A request built by `build`, or the error of a term JSON cannot carry.
+  # A request built by `build`, or the error of a term the protocol cannot carry.
   defp wire(build) do
     build.()
   catch
-    {:not_json, message} -> {:error, %Error{type: :invalid_parameters, message: message}}
+    {:not_utf8, message} -> {:error, %Error{type: :invalid_parameters, message: message}}
   end
 
   # A key tuple as the daemon's key object; anything else as its value (the daemon names
@@ -300,14 +302,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp key(other), do: value(other)
 
-  # `:public` is the daemon's null; `nil` is a value like any other.
-  defp credential(:public), do: :null
+  # `:public` is the daemon's null (`nil`); `nil` is a value like any other.
+  defp credential(:public), do: nil
   defp credential(nil), do: %{"$term": "nil"}
   defp credential(credential), do: value(credential)
 
   # A limit map with its keys (atoms by name, any other key by a placeholder, so that the
   # daemon sees the map's size and which limit keys it has), `nil` as null.
-  defp limit(nil), do: :null
+  defp limit(nil), do: nil
 
   defp limit(%{} = limit) when not is_struct(limit) do
     limit
@@ -350,7 +352,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp scope(scope) when scope in [:credential, :exchange], do: Atom.to_string(scope)
   defp scope(other), do: value(other)
 
-  # A scalar as JSON holds it; any other term as its shape alone (`{"$term": kind, ...}`,
+  # A scalar as JSON holds it; any other term as its shape alone (`%{"$term": kind, ...}`,
   # docs/PROTOCOL.md): the daemon needs no more to name what is wrong, and never more than
   # the kind and size of a value that may be an API key travels.
   defp value(value) when is_binary(value) do
@@ -358,14 +360,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       do: value,
       else:
         throw(
-          {:not_json,
-           "a binary that is not UTF-8 (#{byte_size(value)} bytes) cannot travel in the " <>
-             "daemon's JSON protocol: use the NIF backend for such keys"}
+          {:not_utf8,
+           "a binary that is not UTF-8 (#{byte_size(value)} bytes) cannot travel in " <>
+             "bourse_daemon's protocol: use the NIF backend for such keys"}
         )
   end
 
   defp value(value) when is_number(value) or is_boolean(value), do: value
-  defp value(nil), do: :null
+  defp value(nil), do: nil
   defp value(value) when is_atom(value), do: %{"$term": "atom"}
   defp value(value) when is_bitstring(value), do: %{"$term": "bitstring"}
   defp value(value) when is_tuple(value), do: %{"$term": "tuple", arity: tuple_size(value)}

@@ -1,12 +1,13 @@
-//! Answers encoded as JSON objects (no framing): the hot path written directly, the rest
-//! through `serde_json`.
+//! Answers encoded in the connection's codec (no framing): JSON objects, or map terms of
+//! the external term format. The hot path is written directly, the rest through a
+//! `serde_json::Value`, the same for both codecs.
 
 use bourse_core::{InvalidInput, KeyInfo, Outcome, Stats};
 use serde_json::{json, Value};
 
 use crate::store::ShownKey;
 
-use super::{PROTOCOL_VERSION, SERVER};
+use super::{etf, Codec, PROTOCOL_VERSION, SERVER};
 
 /// What a request answers, before encoding.
 pub enum Answer {
@@ -41,7 +42,8 @@ pub enum To<'a> {
 }
 
 impl To<'_> {
-    fn write(self, out: &mut Vec<u8>) {
+    /// Appends `,"id":ID` (or `,"frame":N`) to a JSON object being written.
+    fn write_json(self, out: &mut Vec<u8>) {
         match self {
             To::Id(None) => {}
             To::Id(Some(id)) => {
@@ -54,31 +56,32 @@ impl To<'_> {
             }
         }
     }
+
+    /// Appends the `id` (or `frame`) entry of a map being written as a term.
+    fn write_etf(self, out: &mut Vec<u8>) {
+        match self {
+            To::Id(None) => {}
+            To::Id(Some(id)) => {
+                etf::write_binary(out, b"id");
+                etf::write_value(out, id);
+            }
+            To::Frame(n) => {
+                etf::write_binary(out, b"frame");
+                etf::write_integer(out, i128::from(n));
+            }
+        }
+    }
+
+    fn is_some(self) -> bool {
+        !matches!(self, To::Id(None))
+    }
 }
 
-/// Appends `answer` as one JSON object whose last member is its id (or frame).
-pub fn encode(out: &mut Vec<u8>, to: To, answer: Answer) {
+/// Appends `answer` in `codec`: a JSON object whose last member is its id (or frame), or a
+/// map term whose first key is.
+pub fn encode(out: &mut Vec<u8>, codec: Codec, to: To, answer: Answer) {
     let body = match answer {
-        Answer::Outcome(outcome) => {
-            let (result, ms) = match outcome {
-                Outcome::Admitted => ("admitted", None),
-                Outcome::Claimed => ("claimed", None),
-                Outcome::Delay(ms) => ("delay", Some(ms)),
-                Outcome::Booked(ms) => ("booked", Some(ms)),
-                Outcome::OverBudget(ms) => ("over_budget", Some(ms)),
-            };
-            // The hot path, written directly.
-            out.extend_from_slice(b"{\"ok\":true,\"result\":\"");
-            out.extend_from_slice(result.as_bytes());
-            out.push(b'"');
-            if let Some(ms) = ms {
-                out.extend_from_slice(b",\"ms\":");
-                out.extend_from_slice(ms.to_string().as_bytes());
-            }
-            to.write(out);
-            out.push(b'}');
-            return;
-        }
+        Answer::Outcome(outcome) => return outcome_answer(out, codec, to, outcome),
         Answer::Done => json!({"ok": true}),
         Answer::Borrowed(borrowed) => json!({"ok": true, "borrowed": borrowed}),
         Answer::Taken(taken) => json!({"ok": true, "taken": taken}),
@@ -110,26 +113,80 @@ pub fn encode(out: &mut Vec<u8>, to: To, answer: Answer) {
                 .collect::<Vec<_>>(),
         }),
     };
-    close(out, &body, to);
+    close(out, codec, &body, to);
+}
+
+/// The hot path, written directly.
+fn outcome_answer(out: &mut Vec<u8>, codec: Codec, to: To, outcome: Outcome) {
+    let (result, ms) = match outcome {
+        Outcome::Admitted => ("admitted", None),
+        Outcome::Claimed => ("claimed", None),
+        Outcome::Delay(ms) => ("delay", Some(ms)),
+        Outcome::Booked(ms) => ("booked", Some(ms)),
+        Outcome::OverBudget(ms) => ("over_budget", Some(ms)),
+    };
+    match codec {
+        Codec::Json => {
+            out.extend_from_slice(b"{\"ok\":true,\"result\":\"");
+            out.extend_from_slice(result.as_bytes());
+            out.push(b'"');
+            if let Some(ms) = ms {
+                out.extend_from_slice(b",\"ms\":");
+                out.extend_from_slice(ms.to_string().as_bytes());
+            }
+            to.write_json(out);
+            out.push(b'}');
+        }
+        Codec::Etf => {
+            let arity = 2 + u32::from(ms.is_some()) + u32::from(to.is_some());
+            out.extend_from_slice(&[etf::VERSION, b't']);
+            out.extend_from_slice(&arity.to_be_bytes());
+            to.write_etf(out);
+            etf::write_binary(out, b"ok");
+            etf::write_atom(out, "true");
+            etf::write_binary(out, b"result");
+            etf::write_binary(out, result.as_bytes());
+            if let Some(ms) = ms {
+                etf::write_binary(out, b"ms");
+                etf::write_integer(out, i128::from(ms));
+            }
+        }
+    }
 }
 
 /// Appends an error answer of `kind` (`invalid_parameters`, `unavailable`, ...), naming
 /// the request's exchange when it could be read.
-pub fn error(out: &mut Vec<u8>, to: To, kind: &str, error: &InvalidInput) {
+pub fn error(out: &mut Vec<u8>, codec: Codec, to: To, kind: &str, error: &InvalidInput) {
     let mut body = json!({"ok": false, "error": {"type": kind, "message": error.message()}});
     if let Some(exchange) = error.exchange() {
         body["error"]["exchange"] = json!(String::from_utf8_lossy(exchange));
     }
-    close(out, &body, to);
+    close(out, codec, &body, to);
 }
 
-/// Writes the object `body` with `to` appended as its last member.
-fn close(out: &mut Vec<u8>, body: &Value, to: To) {
-    write_value(out, body);
-    if out.last() == Some(&b'}') {
-        out.pop();
-        to.write(out);
-        out.push(b'}');
+/// Writes the object `body` with `to` as its last member (JSON) or first key (a term).
+fn close(out: &mut Vec<u8>, codec: Codec, body: &Value, to: To) {
+    match (codec, body) {
+        (Codec::Etf, Value::Object(fields)) => {
+            etf::encode_map(
+                out,
+                usize::from(to.is_some()),
+                |out| to.write_etf(out),
+                fields,
+            );
+        }
+        (Codec::Etf, other) => {
+            out.push(etf::VERSION);
+            etf::write_value(out, other);
+        }
+        (Codec::Json, _) => {
+            write_value(out, body);
+            if out.last() == Some(&b'}') {
+                out.pop();
+                to.write_json(out);
+                out.push(b'}');
+            }
+        }
     }
 }
 

@@ -1,17 +1,20 @@
-//! Protocol version 1 (docs/PROTOCOL.md): a frame is parsed into a typed [`Request`]
-//! (`request`), run on the store (this process's table, or Redis) and its answer encoded
-//! (`answer`). Transports only frame bytes; nothing a client sends can panic.
+//! Protocol version 1 (docs/PROTOCOL.md): a frame is read in the connection's codec (JSON,
+//! or the external term format a BEAM client chooses in its first `hello`, `etf`), parsed
+//! into a typed [`Request`] (`request`, the same parser for both codecs), run on the store
+//! (this process's table, or Redis) and its answer encoded in the same codec (`answer`).
+//! Transports only frame bytes; nothing a client sends can panic.
 
 mod answer;
+mod etf;
 mod request;
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 use bourse_core::{InvalidInput, Outcome};
 use hmac::{Hmac, Mac};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use sha2::Sha256;
 
 use crate::store::{Memory, Store, StoreError};
@@ -33,9 +36,29 @@ pub struct Service<S: Store = Memory> {
     connections: AtomicU64,
 }
 
-/// One client connection: the owner of requests that name none, and whether it proved the
-/// secret.
+/// How a connection's frames are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// JSON objects: every connection starts with it.
+    Json,
+    /// Erlang's external term format, from the answer to a first `hello` that asks for it.
+    Etf,
+}
+
+impl Codec {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Json => "json",
+            Self::Etf => "etf",
+        }
+    }
+}
+
+/// One client connection: its codec, the owner of requests that name none, and whether it
+/// proved the secret.
 pub struct Session {
+    /// 0: JSON, 1: the external term format.
+    codec: AtomicU8,
     default_owner: u64,
     /// The nonce its `auth` must answer, while it has not proved the secret.
     nonce: Option<String>,
@@ -53,6 +76,31 @@ impl Session {
     /// Whether requests other than `hello` and `auth` are served.
     pub fn authenticated(&self) -> bool {
         self.authenticated.load(Ordering::Relaxed)
+    }
+
+    /// The codec of the frames read from now on, and of the answers written.
+    pub fn codec(&self) -> Codec {
+        match self.codec.load(Ordering::Relaxed) {
+            0 => Codec::Json,
+            _ => Codec::Etf,
+        }
+    }
+
+    /// A `hello`'s `codec`: chosen by the connection's first frame (which transports
+    /// answer before they read the next one); any later one must name the codec in use.
+    fn choose_codec(&self, number: u64, codec: Codec) -> Result<(), InvalidInput> {
+        if number == 1 {
+            self.codec
+                .store(u8::from(codec == Codec::Etf), Ordering::Relaxed);
+            return Ok(());
+        }
+        match self.codec() {
+            current if current == codec => Ok(()),
+            current => Err(InvalidInput::new(format!(
+                "codec is chosen by a connection's first frame; this one speaks {}",
+                current.name()
+            ))),
+        }
     }
 }
 
@@ -104,6 +152,7 @@ impl<S: Store> Service<S> {
     pub fn session(&self, prove: bool, idle_timeout_ms: Option<u64>) -> Session {
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
         Session {
+            codec: AtomicU8::new(0),
             default_owner: self.owners.hash_one(("connection", n)),
             nonce: prove.then(nonce),
             authenticated: AtomicBool::new(!prove),
@@ -112,51 +161,50 @@ impl<S: Store> Service<S> {
         }
     }
 
-    /// Answers frame number `number` of `session`, appending one JSON object (no framing)
-    /// to `out`. Every answer carries the request's id when it could be read, else the
-    /// frame's number.
+    /// Answers frame number `number` of `session`, appending one answer in the session's
+    /// codec (no framing) to `out`. Every answer carries the request's id when it could be
+    /// read, else the frame's number.
     pub async fn handle(&self, session: &Session, number: u64, frame: &[u8], out: &mut Vec<u8>) {
-        let request = match serde_json::from_slice::<Value>(frame) {
-            Ok(Value::Object(fields)) => fields,
-            Ok(other) => {
-                let message = format!(
-                    "a request must be a JSON object, got {}",
-                    request::shape(&other)
-                );
-                return self.invalid(out, To::Frame(number), &InvalidInput::new(message));
-            }
-            Err(parse) => {
-                let id = leading_id(frame);
+        let read = match session.codec() {
+            Codec::Json => read_json(frame),
+            Codec::Etf => read_etf(frame),
+        };
+        let request = match read {
+            Ok(request) => request,
+            Err((id, invalid)) => {
                 let to = id.as_ref().map_or(To::Frame(number), |id| To::Id(Some(id)));
-                return self.invalid(out, to, &InvalidInput::new(malformed(&parse)));
+                return self.invalid(out, session.codec(), to, &invalid);
             }
         };
         let to = To::Id(request.get("id"));
         let failure = match Request::parse(&request) {
-            Ok(request) => match self.execute(session, request).await {
-                Ok(answer) => return encode(out, to, answer),
+            Ok(request) => match self.execute(session, number, request).await {
+                // In the codec chosen by a first `hello`, if it chose one.
+                Ok(answer) => return encode(out, session.codec(), to, answer),
                 Err(failure) => failure,
             },
             Err(invalid) => Failure::Invalid(invalid),
         };
+        let codec = session.codec();
         match failure {
-            Failure::Invalid(invalid) => self.invalid(out, to, &invalid),
-            Failure::Refused(invalid) => error(out, to, "invalid_parameters", &invalid),
+            Failure::Invalid(invalid) => self.invalid(out, codec, to, &invalid),
+            Failure::Refused(invalid) => error(out, codec, to, "invalid_parameters", &invalid),
             Failure::Unavailable(message) => {
-                error(out, to, "unavailable", &InvalidInput::new(message))
+                error(out, codec, to, "unavailable", &InvalidInput::new(message))
             }
             Failure::Unauthorized(message) => {
-                error(out, to, "unauthorized", &InvalidInput::new(message))
+                error(out, codec, to, "unauthorized", &InvalidInput::new(message))
             }
         }
     }
 
     /// The answer to a frame longer than `max` bytes; the transport then closes.
-    pub fn frame_too_large(&self, out: &mut Vec<u8>, number: u64, max: usize) {
+    pub fn frame_too_large(&self, session: &Session, out: &mut Vec<u8>, number: u64, max: usize) {
         self.store.count_invalid();
         let message = format!("frame longer than {max} bytes (--max-frame-bytes); closing");
         error(
             out,
+            session.codec(),
             To::Frame(number),
             "frame_too_large",
             &InvalidInput::new(message),
@@ -164,31 +212,41 @@ impl<S: Store> Service<S> {
     }
 
     /// The answer to bytes left without their end when the stream closed.
-    pub fn truncated_frame(&self, out: &mut Vec<u8>, number: u64) {
+    pub fn truncated_frame(&self, session: &Session, out: &mut Vec<u8>, number: u64) {
         let message = "the stream ended in the middle of a frame; it was not executed";
-        self.invalid(out, To::Frame(number), &InvalidInput::new(message));
+        let invalid = InvalidInput::new(message);
+        self.invalid(out, session.codec(), To::Frame(number), &invalid);
     }
 
-    fn invalid(&self, out: &mut Vec<u8>, to: To, invalid: &InvalidInput) {
+    /// An `unavailable` error answering no request (the connection is then closed).
+    pub fn unavailable(&self, session: &Session, out: &mut Vec<u8>, message: String) {
+        let message = InvalidInput::new(message);
+        error(out, session.codec(), To::Id(None), "unavailable", &message);
+    }
+
+    fn invalid(&self, out: &mut Vec<u8>, codec: Codec, to: To, invalid: &InvalidInput) {
         self.store.count_invalid();
-        error(out, to, "invalid_parameters", invalid);
+        error(out, codec, to, "invalid_parameters", invalid);
     }
 
     /// Runs one valid request.
-    async fn execute(&self, session: &Session, request: Request<'_>) -> Result<Answer, Failure> {
+    async fn execute(
+        &self,
+        session: &Session,
+        number: u64,
+        request: Request<'_>,
+    ) -> Result<Answer, Failure> {
         if !session.authenticated() && !request.before_auth() {
             return Err(Failure::Unauthorized(UNAUTHORIZED));
         }
         let store = &self.store;
         Ok(match request {
-            Request::Hello => Answer::Hello(Hello {
-                assume_busy_at_start: store.config().assume_busy_at_start,
-                max_frame_bytes: self.max_frame_bytes,
-                nonce: (!session.authenticated())
-                    .then(|| session.nonce.clone())
-                    .flatten(),
-                idle_timeout_ms: session.idle_timeout_ms,
-            }),
+            Request::Hello { codec } => {
+                if let Some(codec) = codec {
+                    session.choose_codec(number, codec)?;
+                }
+                self.hello(session)
+            }
             Request::Auth { proof } => {
                 self.authenticate(session, proof)?;
                 Answer::Done
@@ -250,6 +308,17 @@ impl<S: Store> Service<S> {
         })
     }
 
+    fn hello(&self, session: &Session) -> Answer {
+        Answer::Hello(Hello {
+            assume_busy_at_start: self.store.config().assume_busy_at_start,
+            max_frame_bytes: self.max_frame_bytes,
+            nonce: (!session.authenticated())
+                .then(|| session.nonce.clone())
+                .flatten(),
+            idle_timeout_ms: session.idle_timeout_ms,
+        })
+    }
+
     /// Checks an `auth` proof: the HMAC-SHA256, under the secret, of the session's nonce.
     fn authenticate(&self, session: &Session, proof: &str) -> Result<(), Failure> {
         let (Some(secret), Some(nonce)) = (&self.secret, &session.nonce) else {
@@ -301,6 +370,40 @@ fn decode_hex(text: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
         .collect()
+}
+
+/// What a frame could not be read as: the request's id if it was read, and why.
+type Unread = (Option<Value>, InvalidInput);
+
+/// A JSON frame's request object.
+fn read_json(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
+    match serde_json::from_slice::<Value>(frame) {
+        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(other) => {
+            let message = format!(
+                "a request must be a JSON object, got {}",
+                request::shape(&other)
+            );
+            Err((None, InvalidInput::new(message)))
+        }
+        Err(parse) => Err((leading_id(frame), InvalidInput::new(malformed(&parse)))),
+    }
+}
+
+/// An external term frame's request map, read as JSON's object.
+fn read_etf(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
+    match etf::decode(frame) {
+        Ok(Value::Object(fields)) if !fields.contains_key("$term") => Ok(fields),
+        Ok(other) => {
+            let message = format!(
+                "a request must be a map of at most {} atom or binary keys, got {}",
+                etf::MAX_MAP_KEYS,
+                request::shape(&other)
+            );
+            Err((None, InvalidInput::new(message)))
+        }
+        Err(unreadable) => Err((unreadable.id, InvalidInput::new(unreadable.message))),
+    }
 }
 
 /// Describes a frame that is not JSON, without quoting it.

@@ -10,6 +10,8 @@ use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
 use bourse_core::{BackoffScope, Check, InvalidInput, KeyRef, Limit, Mode, PauseTarget, Shape};
 use serde_json::{Map, Value};
 
+use super::Codec;
+
 pub type Result<T> = std::result::Result<T, InvalidInput>;
 
 /// Who owns the bookings of a check.
@@ -23,7 +25,10 @@ pub enum Owner<'a> {
 
 /// One valid request; keys borrow from the parsed frame.
 pub enum Request<'a> {
-    Hello,
+    /// With `codec`: the codec the connection speaks from its answer on.
+    Hello {
+        codec: Option<Codec>,
+    },
     /// Proves the connection's secret: the HMAC of the hello's nonce, in hex.
     Auth {
         proof: &'a str,
@@ -220,8 +225,19 @@ impl<'a> Request<'a> {
                 Self::Sweep
             }
             "hello" => {
-                fields(&[], "a hello request")?;
-                Self::Hello
+                fields(&["codec"], "a hello request")?;
+                let codec = match request.get("codec") {
+                    None => None,
+                    Some(Value::String(name)) if name == "json" => Some(Codec::Json),
+                    Some(Value::String(name)) if name == "etf" => Some(Codec::Etf),
+                    Some(other) => {
+                        return Err(envelope(format!(
+                            "codec must be \"json\" or \"etf\", got {}",
+                            shape(other)
+                        )))
+                    }
+                };
+                Self::Hello { codec }
             }
             "auth" => {
                 fields(&["proof"], "an auth request")?;
@@ -248,7 +264,7 @@ impl<'a> Request<'a> {
 
     /// Whether the request may be sent before the connection proved its secret.
     pub fn before_auth(&self) -> bool {
-        matches!(self, Self::Hello | Self::Auth { .. })
+        matches!(self, Self::Hello { .. } | Self::Auth { .. })
     }
 }
 

@@ -48,6 +48,41 @@ impl Fixture {
         self.call_as(&self.session, request)
     }
 
+    /// The answer's bytes to `frame`, whatever its codec.
+    fn call_bytes(&self, session: &Session, frame: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        {
+            let number = session.next_frame();
+            let handled = pin!(self.service.handle(session, number, frame, &mut out));
+            let polled = handled.poll(&mut Context::from_waker(Waker::noop()));
+            assert!(polled.is_ready(), "the in-memory store made a request wait");
+        }
+        out
+    }
+
+    /// A new connection that chose the external term format in its first hello.
+    fn etf_session(&self) -> Session {
+        let session = self.service.session(false, None);
+        let hello = self.call_bytes(&session, br#"{"op":"hello","codec":"etf","id":0}"#);
+        let hello = etf::decode(&hello).expect("the hello's answer is a term");
+        assert_eq!(
+            (hello["ok"].clone(), hello["id"].clone()),
+            (json!(true), json!(0))
+        );
+        assert_eq!(session.codec(), Codec::Etf);
+        session
+    }
+
+    /// `request` (a JSON object) sent as a term on `session`; the answer term, read back.
+    fn call_etf(&self, session: &Session, request: &Value) -> Value {
+        let Value::Object(fields) = request else {
+            panic!("{request} is not an object");
+        };
+        let mut frame = Vec::new();
+        etf::encode_map(&mut frame, 0, |_| {}, fields);
+        etf::decode(&self.call_bytes(session, &frame)).expect("answers are terms")
+    }
+
     fn stat(&self, name: &str) -> u64 {
         self.call(r#"{"op":"stats"}"#)["stats"][name]
             .as_u64()
@@ -409,9 +444,30 @@ fn errors_never_echo_a_credential() {
 #[test]
 fn malformed_requests_name_the_problem_and_touch_nothing() {
     let f = Fixture::new();
+    let cases = malformed_cases();
+    let total = cases.len() as u64;
+    for (request, expected) in cases {
+        let answer = f.call(&request);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(answer["ok"], false, "{request}");
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
+        assert!(
+            message.contains(expected),
+            "{request}: {message:?} lacks {expected:?}"
+        );
+    }
+    assert_eq!(f.stat("invalid"), total);
+    assert_eq!(f.stat("buckets"), 0);
+    // The id is echoed whenever the request was an object.
+    let answer = f.call(r#"{"op":"nope","id":{"n":[1]}}"#);
+    assert_eq!(answer["id"], json!({"n": [1]}));
+}
+
+/// Malformed requests, each with what its error message says.
+fn malformed_cases() -> Vec<(String, &'static str)> {
     let big = "x".repeat(MAX_KEY_PART_BYTES + 1);
     let deep = format!("{}{}", "[".repeat(1000), "]".repeat(1000));
-    let cases: Vec<(String, &str)> = vec![
+    vec![
         ("".into(), "malformed JSON"),
         ("{".into(), "malformed JSON"),
         ("\u{0}".into(), "malformed JSON"),
@@ -669,34 +725,18 @@ fn malformed_requests_name_the_problem_and_touch_nothing() {
             r#"{"op":"busiest","count":10001}"#.into(),
             "count must be an integer from 1 to 10000, got 10001",
         ),
-    ];
-    let total = cases.len() as u64;
-    for (request, expected) in cases {
-        let answer = f.call(&request);
-        let message = answer["error"]["message"].as_str().unwrap_or_default();
-        assert_eq!(answer["ok"], false, "{request}");
-        assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
-        assert!(
-            message.contains(expected),
-            "{request}: {message:?} lacks {expected:?}"
-        );
-    }
-    assert_eq!(f.stat("invalid"), total);
-    assert_eq!(f.stat("buckets"), 0);
-    // The id is echoed whenever the request was an object.
-    let answer = f.call(r#"{"op":"nope","id":{"n":[1]}}"#);
-    assert_eq!(answer["id"], json!({"n": [1]}));
+    ]
 }
 
 #[test]
 fn frame_errors() {
     let f = Fixture::new();
     let mut out = Vec::new();
-    f.service.frame_too_large(&mut out, 3, 64);
+    f.service.frame_too_large(&f.session, &mut out, 3, 64);
     let answer: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(answer["error"]["type"], "frame_too_large");
     out.clear();
-    f.service.truncated_frame(&mut out, 4);
+    f.service.truncated_frame(&f.session, &mut out, 4);
     let answer: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(answer["error"]["type"], "invalid_parameters");
     assert_eq!(f.stat("invalid"), 2);
@@ -918,4 +958,142 @@ fn connections_that_must_prove_the_secret_serve_nothing_else_before() {
     // Connections that need no proof (Unix sockets) are served at once.
     let local = service.session(false, None);
     assert_eq!(call(&local, r#"{"op":"stats"}"#)["ok"], true);
+}
+
+#[test]
+fn the_first_hello_chooses_the_external_term_format() {
+    let f = Fixture::new();
+    let session = f.etf_session();
+    let request = json!({"op": "check", "key": {"exchange": "b", "credential": null},
+                         "limit": {"requests": 1}, "id": 1});
+    let Value::Object(fields) = &request else {
+        unreachable!()
+    };
+    let mut frame = Vec::new();
+    etf::encode_map(&mut frame, 0, |_| {}, fields);
+    let answer = f.call_bytes(&session, &frame);
+    // The id first, as term_to_binary writes a small integer: clients route without decoding.
+    assert_eq!(
+        answer[..15],
+        [131, b't', 0, 0, 0, 3, b'm', 0, 0, 0, 2, b'i', b'd', b'a', 1]
+    );
+    assert_eq!(
+        etf::decode(&answer).unwrap(),
+        json!({"id": 1, "ok": true, "result": "admitted"})
+    );
+    // Later hellos keep the codec; they cannot change it.
+    let hello = f.call_etf(&session, &json!({"op": "hello", "codec": "etf", "id": 2}));
+    assert_eq!(hello["protocol"], 1);
+    let refused = f.call_etf(&session, &json!({"op": "hello", "codec": "json", "id": 3}));
+    assert_eq!(
+        (refused["error"]["message"].as_str(), refused["id"].as_u64()),
+        (
+            Some("codec is chosen by a connection's first frame; this one speaks etf"),
+            Some(3)
+        )
+    );
+    // A JSON frame on it is not a term; the error is a term too.
+    let answer = etf::decode(&f.call_bytes(&session, br#"{"op":"hello"}"#)).unwrap();
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("malformed external term (it does not start with the version byte"));
+    assert!(answer["frame"].is_u64());
+
+    // A connection that did not choose in its first frame stays JSON.
+    let json_session = f.service.session(false, None);
+    assert_eq!(f.call_as(&json_session, r#"{"op":"hello"}"#)["ok"], true);
+    let answer = f.call_as(&json_session, r#"{"op":"hello","codec":"etf"}"#);
+    assert_eq!(
+        answer["error"]["message"],
+        "codec is chosen by a connection's first frame; this one speaks json"
+    );
+    let answer = f.call_as(&json_session, r#"{"op":"hello","codec":"xml"}"#);
+    assert_eq!(
+        answer["error"]["message"],
+        "codec must be \"json\" or \"etf\", got a binary of 3 bytes"
+    );
+}
+
+#[test]
+fn both_codecs_read_requests_alike() {
+    // The same requests in JSON and as terms, each on a table of its own.
+    let (json_side, etf_side) = (Fixture::new(), Fixture::new());
+    let session = etf_side.etf_session();
+    let limit = json!({"capacity": 2, "refill_per_sec": 1});
+    let key = json!({"exchange": "binance", "credential": "k", "axis": "ip"});
+    let mut requests = vec![
+        json!({"op": "check", "key": key, "limit": limit, "id": 1}),
+        json!({"op": "check", "key": key, "limit": limit, "cost": 1.5, "id": "two"}),
+        json!({"op": "check", "key": key, "limit": limit, "owner": "me", "max_wait_ms": 5000}),
+        json!({"op": "check", "key": key, "limit": limit, "owner": "me", "max_wait_ms": 1}),
+        json!({"op": "check_many", "checks": [{"key": key, "limit": limit},
+                                             {"key": key, "limit": {"requests": 9}}]}),
+        json!({"op": "record", "key": key, "cost": 3}),
+        json!({"op": "get_cost", "key": key, "period": 60000}),
+        json!({"op": "sync", "key": key, "allowance": -2, "window_left_ms": 100}),
+        json!({"op": "pause", "target": {"exchange": "binance", "credential": null}, "ms": 5}),
+        json!({"op": "inspect", "key": key}),
+        json!({"op": "busiest", "count": 3}),
+        json!({"op": "reset", "key": key, "id": [1, {"a": null}]}),
+        json!({"op": "check", "key": {"$term": "tuple", "arity": 4}, "limit": limit}),
+        json!({"op": "check", "key": key, "limit": {"$term": "map", "size": 3}, "cost": true}),
+        json!({"op": "stats"}),
+    ];
+    // Every malformed request JSON and a term can both hold (a term has no 1e400).
+    for (text, _) in malformed_cases() {
+        match serde_json::from_str::<Value>(&text) {
+            Ok(request @ Value::Object(_)) if !text.contains("e400") && !text.contains("999") => {
+                requests.push(request)
+            }
+            _ => {}
+        }
+    }
+    assert!(requests.len() > 60, "{}", requests.len());
+    for request in &requests {
+        let json_answer = json_side.call(&request.to_string());
+        assert_eq!(
+            etf_side.call_etf(&session, request),
+            json_answer,
+            "{request}"
+        );
+    }
+}
+
+#[test]
+fn a_term_the_protocol_cannot_read_is_answered_with_its_id() {
+    let f = Fixture::new();
+    let session = f.etf_session();
+    // %{id: 9, op: <<0xff>>}: a binary that is not UTF-8, after the id.
+    let frame = [
+        131, b't', 0, 0, 0, 2, b'd', 0, 2, b'i', b'd', b'a', 9, b'd', 0, 2, b'o', b'p', b'm', 0, 0,
+        0, 1, 0xff,
+    ];
+    let answer = etf::decode(&f.call_bytes(&session, &frame)).unwrap();
+    assert_eq!(answer["id"], 9);
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    // A big integer (2^160) reads as JSON's 400-digit one: an integer beyond 64 bits.
+    let mut big = vec![131, b't', 0, 0, 0, 4];
+    for (name, value) in [
+        ("op", Value::from("check")),
+        ("key", json!({"exchange": "b", "credential": null})),
+        ("limit", json!({"requests": 1})),
+    ] {
+        etf::write_binary(&mut big, name.as_bytes());
+        etf::write_value(&mut big, &value);
+    }
+    etf::write_binary(&mut big, b"cost");
+    big.extend_from_slice(&[b'n', 21, 0]);
+    big.extend_from_slice(&[0; 20]);
+    big.push(1);
+    let answer = etf::decode(&f.call_bytes(&session, &big)).unwrap();
+    let json_answer = f.call(&format!(
+        r#"{{"op":"check","key":{{"exchange":"b","credential":null}},"limit":{{"requests":1}},"cost":{}}}"#,
+        "9".repeat(400)
+    ));
+    assert_eq!(answer["error"], json_answer["error"]);
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("an integer of more than 64 bits"));
 }

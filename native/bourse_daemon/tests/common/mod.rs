@@ -308,8 +308,14 @@ impl StdioDaemon {
 
     /// The next answer frame, or `None` once stdout closed.
     pub fn recv_frame(&mut self) -> Option<Value> {
+        self.recv_bytes()
+            .map(|frame| serde_json::from_slice(&frame).expect("answers are JSON"))
+    }
+
+    /// The next answer frame's bytes, or `None` once stdout closed.
+    pub fn recv_bytes(&mut self) -> Option<Vec<u8>> {
         match self.frames.recv_timeout(PATIENCE) {
-            Ok(frame) => Some(serde_json::from_slice(&frame).expect("answers are JSON")),
+            Ok(frame) => Some(frame),
             Err(mpsc::RecvTimeoutError::Disconnected) => None,
             Err(mpsc::RecvTimeoutError::Timeout) => panic!("no answer within {PATIENCE:?}"),
         }

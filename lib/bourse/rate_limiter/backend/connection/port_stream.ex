@@ -1,8 +1,9 @@
 defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @moduledoc false
   # A `bourse_daemon --stdio` run as an Erlang port in `{:packet, 4}` mode: the VM frames
-  # each request (a 4-byte big-endian length, then the JSON) and hands each answer over as
-  # one message, so frames are never split or joined here. The port is reopened at once when it dies (with --assume-busy-at-start:
+  # each request (a 4-byte big-endian length, then the payload: a JSON hello asking for the
+  # external term format, then terms) and hands each answer over as one message, so frames
+  # are never split or joined here. The port is reopened at once when it dies (with --assume-busy-at-start:
   # its table would be new), and a port that cannot start is a configuration error.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
@@ -15,25 +16,28 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def open({:port, executable, args}, settings) do
     flags = if settings.assume_busy, do: ["--assume-busy-at-start" | args], else: args
 
-    port =
-      Port.open({:spawn_executable, executable}, [
-        {:packet, 4},
-        :binary,
-        :exit_status,
-        :use_stdio,
-        busy_limits_port: {64 * 1024, 1024 * 1024},
-        args: flags,
-        env: settings.env
-      ])
-
-    hello = Connection.hello_request()
-    Port.command(port, hello)
-
-    with {:ok, hello} <- hello(port) do
+    with {:ok, port} <- spawn_daemon(executable, flags, settings.env),
+         true <- Port.command(port, Connection.hello_request()),
+         {:ok, hello} <- hello(port) do
       {:ok, port, hello}
     end
+  end
+
+  # Only the spawn's own failure (no such file, not executable) is the binary's.
+  defp spawn_daemon(executable, flags, env) do
+    {:ok,
+     Port.open({:spawn_executable, executable}, [
+       {:packet, 4},
+       :binary,
+       :exit_status,
+       :use_stdio,
+       busy_limits_port: {64 * 1024, 1024 * 1024},
+       args: flags,
+       env: env
+     ])}
   rescue
-    error -> {:error, "cannot start #{executable}: #{Exception.message(error)}"}
+    error in ErlangError ->
+      {:error, "cannot run #{executable}: #{:file.format_error(error.original)}"}
   end
 
   defp hello(port) do

@@ -1,13 +1,15 @@
 defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @moduledoc false
-  # A connection to a `bourse_daemon` server on TCP or a Unix socket: lines until the hello
-  # (and the proof of the shared secret, over TCP), then raw bytes holding
-  # newline-terminated answers. Reconnected after a backoff; the limiter may start while
-  # the daemon is not up yet.
+  # A connection to a `bourse_daemon` server on TCP or a Unix socket: a JSON line asks for
+  # the external term format, then every frame both ways (the hello's answer, the proof of
+  # the shared secret over TCP, requests, answers) is a 4-byte big-endian length and a term,
+  # as on a port. Reconnected after a backoff; the limiter may start while the daemon is
+  # not up yet.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
   alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.Connection.PortStream
 
   @handshake_timeout 5_000
 
@@ -31,20 +33,20 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   # Callers write their requests themselves: a write the socket cannot take at once waits
   # in the VM's queue for the socket (past 1 MiB of them, writers are told it is busy); one
-  # left there for longer than the callers' timeout closes the socket. Lines until the
-  # hello, then bytes.
+  # left there for longer than the callers' timeout closes the socket. Raw bytes until the
+  # hello and the proof, then `{:packet, 4}` frames.
   defp socket_opts(timeout) do
-    [:binary, packet: :line, active: false, buffer: 64 * 1024] ++
+    [:binary, packet: :raw, active: false, buffer: 64 * 1024] ++
       [high_watermark: 1024 * 1024, low_watermark: 512 * 1024] ++
       [send_timeout: timeout, send_timeout_close: true]
   end
 
   defp handshake(socket, secret) do
     with :ok <- tagged(:gen_tcp.send(socket, [Connection.hello_request(), ?\n]), "cannot send"),
-         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no hello"),
-         {:ok, hello} <- Connection.hello(line),
+         {:ok, frame} <- recv_frame(socket, "no hello"),
+         {:ok, hello} <- Connection.hello(frame),
          :ok <- prove(socket, hello, secret),
-         :ok <- :inet.setopts(socket, packet: :raw, active: true) do
+         :ok <- :inet.setopts(socket, packet: 4, active: true) do
       {:ok, hello}
     else
       error ->
@@ -65,11 +67,12 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp prove(socket, %{"auth" => %{"scheme" => "hmac-sha256", "nonce" => nonce}}, secret) do
     proof = :crypto.mac(:hmac, :sha256, secret, nonce) |> Base.encode16(case: :lower)
-    request = [Connection.encode(0, %{op: "auth", proof: proof}), ?\n]
+    request = Connection.encode(0, %{op: "auth", proof: proof})
 
-    with :ok <- tagged(:gen_tcp.send(socket, request), "cannot send"),
-         {:ok, line} <- tagged(:gen_tcp.recv(socket, 0, @handshake_timeout), "no answer to auth") do
-      case Connection.decode(line) do
+    with :ok <-
+           tagged(:gen_tcp.send(socket, [<<byte_size(request)::32>>, request]), "cannot send"),
+         {:ok, frame} <- recv_frame(socket, "no answer to auth") do
+      case Connection.decode(frame) do
         {:ok, %{"ok" => true}} ->
           :ok
 
@@ -87,8 +90,36 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   defp tagged({:error, reason}, what), do: {:error, "#{what}: #{:inet.format_error(reason)}"}
   defp tagged(ok, _what), do: ok
 
+  # One length-prefixed frame of the handshake, read exactly (what follows it stays in the
+  # socket for the `{:packet, 4}` mode after it); a daemon that refuses the connection (at
+  # its --max-connections) or does not know the codec answers a JSON line instead.
+  defp recv_frame(socket, what) do
+    with {:ok, header} <- recv(socket, 4, what) do
+      case header do
+        <<?{, _::binary>> -> json_line(socket, what, header)
+        <<size::32>> when size > 1024 * 1024 -> {:error, "#{what}: a frame of #{size} bytes"}
+        <<0::32>> -> {:ok, ""}
+        <<size::32>> -> recv(socket, size, what)
+      end
+    end
+  end
+
+  defp json_line(socket, what, line) do
+    cond do
+      String.contains?(line, "\n") or byte_size(line) > 1024 ->
+        {:error, "the daemon answered in JSON: #{String.slice(line, 0, 300)}"}
+
+      true ->
+        with {:ok, more} <- recv(socket, 0, what), do: json_line(socket, what, line <> more)
+    end
+  end
+
+  defp recv(socket, size, what), do: tagged(:gen_tcp.recv(socket, size, @handshake_timeout), what)
+
+  # From the handshake on, the VM frames every request and hands each answer over whole
+  # (`{:packet, 4}`), as on a port.
   @impl true
-  def frame(payload, _size), do: [payload, ?\n]
+  defdelegate frame(payload, size), to: PortStream
 
   # Each write goes whole into the socket's queue, so writers never interleave; one that
   # finds the queue full is not queued (`:busy`).
@@ -117,24 +148,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   def received(_message, _socket), do: :other
 
-  # `partial` holds the start of a line not ended yet.
   @impl true
-  def no_partial, do: []
+  defdelegate no_partial, to: PortStream
 
   @impl true
-  def answers(partial, data) do
-    case :binary.split(data, "\n", [:global]) do
-      [unended] ->
-        {[], [partial, unended]}
-
-      [end_of_first | lines] ->
-        {lines, [last]} = Enum.split(lines, -1)
-        {[IO.iodata_to_binary([partial, end_of_first]) | lines], last_partial(last)}
-    end
-  end
-
-  defp last_partial(""), do: []
-  defp last_partial(unended), do: unended
+  defdelegate answers(partial, data), to: PortStream
 
   @impl true
   def reopen, do: :after_backoff

@@ -1,0 +1,98 @@
+defmodule Bourse.RateLimiter.Backend.CodecTest do
+  # The backends out of the VM speak the external term format with nothing but OTP: no JSON
+  # library on the code path, and start-up failures that name their real cause.
+  use ExUnit.Case, async: false
+
+  alias Bourse.{DaemonServer, Error, RateLimiter, RedisServer}
+  alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
+
+  @moduletag :capture_log
+
+  @limit %{capacity: 2, refill_per_sec: 0.001}
+
+  setup_all do
+    socket = Path.join(System.tmp_dir!(), "bourse-codec-#{System.unique_integer([:positive])}")
+    daemon = DaemonServer.start(["--socket", socket, "--listen", "127.0.0.1:0"])
+    redis = RedisServer.start()
+
+    on_exit(fn ->
+      DaemonServer.stop(daemon)
+      RedisServer.stop(redis)
+    end)
+
+    %{daemon: daemon, redis: redis}
+  end
+
+  test "the port, daemon and Redis backends work with no JSON library on the code path", ctx do
+    # As in a release or on an Erlang without Debian's erlang-jiffy.
+    for dir <- :code.get_path(),
+        String.contains?(List.to_string(dir), "jiffy"),
+        do: :code.del_path(dir)
+
+    :code.purge(:jiffy)
+    :code.delete(:jiffy)
+    assert :code.which(:jiffy) == :non_existing
+
+    for backend <- [
+          :port,
+          {:daemon, {:unix, ctx.daemon.unix}},
+          {:daemon, ctx.daemon.tcp},
+          {:redis, ctx.redis.url}
+        ] do
+      name = :"codec_#{System.unique_integer([:positive])}"
+      start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
+      key = {"binance", "codec-#{name}", "request"}
+      answers = for _ <- 1..3, do: RateLimiter.check_rate(key, @limit, 1, name)
+      assert [:ok, :ok, {:delay, _}] = answers, inspect(backend)
+
+      assert {:error, %Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.check_rate(key, @limit, {:tuple, "API-KEY"}, name)
+
+      assert message =~ "got a tuple of 2 elements"
+    end
+  end
+
+  test "a port that cannot run or is no bourse_daemon: the error names why" do
+    settings = %{assume_busy: false, env: [], secret: nil, timeout: 1_000}
+    missing = Path.join(System.tmp_dir!(), "no-such-bourse_daemon")
+
+    assert PortStream.open({:port, missing, []}, settings) ==
+             {:error, "cannot run #{missing}: no such file or directory"}
+
+    # `cat` sends the JSON hello back: not a term.
+    assert {:error, message} =
+             PortStream.open({:port, System.find_executable("cat"), []}, settings)
+
+    assert message =~ "not a bourse_daemon speaking protocol 1 in the external term format"
+  end
+
+  test "a daemon past its --max-connections: the refusal reaches the client, in its codec" do
+    socket = Path.join(System.tmp_dir!(), "bourse-codec-#{System.unique_integer([:positive])}")
+    args = ["--socket", socket, "--listen", "127.0.0.1:0", "--max-connections", "1"]
+    daemon = DaemonServer.start(args)
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    settings = %{assume_busy: false, env: [], secret: DaemonServer.secret(), timeout: 1_000}
+    unix = {:socket, {:unix, daemon.unix}}
+    assert {:ok, first, _hello} = SocketStream.open(unix, settings)
+
+    # A Unix socket is refused before it says anything: a JSON line.
+    assert {:error, message} = SocketStream.open(unix, settings)
+    assert message =~ "the daemon answered in JSON: "
+    assert message =~ "the daemon serves at most 1 connections (--max-connections)"
+
+    # A TCP client is refused once it proved the secret: a term, as it asked.
+    [host, port] = String.split(daemon.tcp, ":")
+    tcp = {:socket, {:tcp, String.to_charlist(host), String.to_integer(port)}}
+    assert {:ok, second, _hello} = SocketStream.open(tcp, settings)
+    assert_receive {:tcp, ^second, data}, 5_000
+    assert {[refusal], _} = SocketStream.answers(SocketStream.no_partial(), data)
+
+    assert {:ok, %{"ok" => false, "error" => %{"type" => "unavailable", "message" => message}}} =
+             Connection.decode(refusal)
+
+    assert message == "the daemon serves at most 1 connections (--max-connections)"
+    SocketStream.close(first)
+    SocketStream.close(second)
+  end
+end
