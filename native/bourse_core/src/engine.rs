@@ -2,10 +2,13 @@
 //! claimed, booked or refused, and pays accordingly. It takes no lock and reads no clock:
 //! the table hands it the buckets, locked, and the time.
 
+use smallvec::SmallVec;
+
 use crate::bucket::{Booking, Bucket};
 use crate::clock::NANOS_PER_MS;
 use crate::key::{Key, Sought};
 use crate::rules::{self, InvalidInput};
+use crate::table::INLINE_CHECKS;
 use crate::types::{Check, Mode, Outcome, Stats};
 
 /// A prepared bucket of a check: hashed, coalesced, with its shard slot.
@@ -33,7 +36,6 @@ impl Item<'_> {
 #[derive(Clone, Copy)]
 pub(crate) struct Request {
     pub owner: u64,
-    pub signature: u64,
     pub mode: Mode,
     pub now: u64,
     /// The end of the latest pause covering the check, or 0.
@@ -106,6 +108,11 @@ pub(crate) fn merge_runs<'a, T>(
     Ok(kept)
 }
 
+/// The signature a booking of `items` is claimed by.
+fn items_signature(items: &[Item]) -> u64 {
+    fold_signature(items.iter().map(|item| (item.hash, item.check.cost)))
+}
+
 /// Admits, books or refuses a check over `buckets` (aligned with `items`).
 pub(crate) fn decide(
     buckets: &mut [&mut Bucket],
@@ -115,25 +122,20 @@ pub(crate) fn decide(
 ) -> Outcome {
     let Request {
         owner,
-        signature,
         mode,
         slack_ns,
         now,
         pause_until,
     } = request;
-    // When could every bucket pay, and does the caller hold a booking for this check?
+    // When could every bucket pay, and does each hold a booking?
     let mut ready = now;
-    let mut claim_ready: Option<u64> = Some(0);
+    let mut starts: SmallVec<[f64; INLINE_CHECKS]> = SmallVec::new();
+    let mut all_booked = true;
     for (bucket, item) in buckets.iter_mut().zip(items) {
         stats.lapsed += bucket.drop_lapsed(now) as u64;
-        claim_ready = claim_ready.and_then(|at| {
-            bucket
-                .bookings
-                .iter()
-                .find(|b| b.owner == owner && b.signature == signature)
-                .map(|b| at.max(b.ready_at))
-        });
+        all_booked &= !bucket.bookings.is_empty();
         let start = bucket.start_under(&item.check.limit, now);
+        starts.push(start);
         ready = ready.max(Bucket::ready_at(
             &item.check.limit,
             item.check.cost,
@@ -141,14 +143,25 @@ pub(crate) fn decide(
             now,
         ));
     }
-    if let Some(booked_ready) = claim_ready {
-        return claim(buckets, stats, request, booked_ready);
+    // Does the caller hold a booking for this check on every bucket?
+    if all_booked {
+        let signature = items_signature(items);
+        let claim_ready = buckets.iter().try_fold(0, |at, bucket| {
+            bucket
+                .bookings
+                .iter()
+                .find(|b| b.owner == owner && b.signature == signature)
+                .map(|b| at.max(b.ready_at))
+        });
+        if let Some(booked_ready) = claim_ready {
+            return claim(buckets, stats, request, signature, booked_ready);
+        }
     }
     stats.paused += u64::from(pause_until > ready);
     ready = ready.max(pause_until);
     if ready <= now {
         stats.admitted += 1;
-        pay_all(buckets, items, now, now, None);
+        pay_all(buckets, items, &starts, now, now, None);
         return Outcome::Admitted;
     }
     let ms = delay_ms(now, ready);
@@ -157,12 +170,12 @@ pub(crate) fn decide(
             stats.booked += 1;
             let booking = Booking {
                 owner,
-                signature,
+                signature: items_signature(items),
                 cost: 0.0,
                 ready_at: ready,
                 lapse_at: ready.saturating_add(slack_ns),
             };
-            pay_all(buckets, items, now, ready, Some(booking));
+            pay_all(buckets, items, &starts, now, ready, Some(booking));
             Outcome::Booked(ms)
         }
         _ => {
@@ -180,16 +193,17 @@ pub(crate) fn decide(
     }
 }
 
-/// Pays every item as of `at`, recording `booking` (with each item's cost) if given.
+/// Pays every item as of `at`, from its `starts` (see [`Bucket::start_under`]), recording
+/// `booking` (with each item's cost) if given.
 fn pay_all(
     buckets: &mut [&mut Bucket],
     items: &[Item],
+    starts: &[f64],
     now: u64,
     at: u64,
     booking: Option<Booking>,
 ) {
-    for (bucket, item) in buckets.iter_mut().zip(items) {
-        let start = bucket.start_under(&item.check.limit, now);
+    for ((bucket, item), &start) in buckets.iter_mut().zip(items).zip(starts) {
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
         if let Some(booking) = &booking {
@@ -207,11 +221,11 @@ fn claim(
     buckets: &mut [&mut Bucket],
     stats: &mut Stats,
     request: Request,
+    signature: u64,
     booked_ready: u64,
 ) -> Outcome {
     let Request {
         owner,
-        signature,
         now,
         pause_until,
         slack_ns,

@@ -11,7 +11,7 @@ use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
 use crate::buckets::Buckets;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
-use crate::engine::{self, delay_ms, fold_signature, Item, Request};
+use crate::engine::{self, delay_ms, Item, Request};
 use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::Pauses;
@@ -22,7 +22,7 @@ use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTar
 const SHARDS: usize = 64;
 /// Buckets of one multi-bucket check held on the stack; larger checks (up to
 /// [`crate::rules::MAX_CHECKS`]) spill to the heap.
-const INLINE_CHECKS: usize = 8;
+pub(crate) const INLINE_CHECKS: usize = 8;
 type Items<'a> = SmallVec<[Item<'a>; INLINE_CHECKS]>;
 
 /// Tells tables apart, for the hashes of prepared buckets.
@@ -146,7 +146,11 @@ impl<C: Clock> Table<C> {
         match checks {
             [] => Ok(Outcome::Admitted),
             [single] => Ok(self.check_one(owner, *single, mode)),
-            _ => self.check_items(owner, checks.iter().map(|&c| self.item(c)).collect(), mode),
+            _ => {
+                let mut items = Items::new();
+                items.extend(checks.iter().map(|&c| self.item(c)));
+                self.check_items(owner, &mut items, mode)
+            }
         }
     }
 
@@ -162,8 +166,9 @@ impl<C: Clock> Table<C> {
             [] => Ok(Outcome::Admitted),
             [single] => Ok(self.check_item(owner, self.prepared_item(*single), mode)),
             _ => {
-                let items = checks.iter().map(|&c| self.prepared_item(c)).collect();
-                self.check_items(owner, items, mode)
+                let mut items = Items::new();
+                items.extend(checks.iter().map(|&c| self.prepared_item(c)));
+                self.check_items(owner, &mut items, mode)
             }
         }
     }
@@ -206,11 +211,11 @@ impl<C: Clock> Table<C> {
         engine::decide(&mut [bucket], &[item], &mut shard.stats, request)
     }
 
-    /// The multi-bucket check, on the stack up to [`INLINE_CHECKS`] buckets.
+    /// The multi-bucket check.
     fn check_items(
         &self,
         owner: u64,
-        mut items: Items,
+        items: &mut [Item],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
         // Shards in ascending order: every multi-bucket check locks them in this order. A
@@ -223,12 +228,12 @@ impl<C: Clock> Table<C> {
             ))
         });
         let same_key = |a: &Item, b: &Item| a.hash == b.hash && a.check.key == b.check.key;
-        let kept = engine::merge_runs(&mut items, |item| &mut item.check, same_key)
+        let kept = engine::merge_runs(items, |item| &mut item.check, same_key)
             .inspect_err(|_| self.count_invalid())?;
-        items.truncate(kept);
+        let items = &mut items[..kept];
         let mut guards: SmallVec<[MutexGuard<Shard>; INLINE_CHECKS]> = SmallVec::new();
         let mut locked = usize::MAX;
-        for item in &mut items {
+        for item in items.iter_mut() {
             let index = Self::shard_index(item.hash);
             if index != locked {
                 guards.push(self.shards[index].0.lock());
@@ -236,44 +241,43 @@ impl<C: Clock> Table<C> {
             }
             item.slot = guards.len() - 1;
         }
-        let request = self.request(&items, owner, mode);
-        let mut shards: SmallVec<[(&mut Buckets, &mut Stats); INLINE_CHECKS]> = guards
-            .iter_mut()
-            .map(|guard| {
-                let Shard { buckets, stats } = &mut **guard;
-                (buckets, stats)
-            })
-            .collect();
-        let mut found = self.find_buckets(&mut shards, &items, request.now);
+        let request = self.request(items, owner, mode);
+        let mut found = self.find_buckets(&mut guards, items, request.now);
         if found.len() < items.len() {
             // First seen: created first, then looked up again (creating may move others).
-            for item in &items {
-                self.bucket(shards[item.slot].0, item, request.now);
+            for item in items.iter() {
+                self.bucket(&mut guards[item.slot].buckets, item, request.now);
             }
-            found = self.find_buckets(&mut shards, &items, request.now);
+            found = self.find_buckets(&mut guards, items, request.now);
         }
-        // SAFETY: the items are coalesced, so each pointer is to a different bucket; no
-        // bucket moves until the check ends, since the shards stay locked and nothing is
-        // inserted or removed after the look-ups; the references end with `shards`.
-        let mut buckets: SmallVec<[&mut Bucket; INLINE_CHECKS]> = found
-            .into_iter()
-            .map(|bucket| unsafe { &mut *bucket })
-            .collect();
-        let stats = &mut *shards[0].1;
-        Ok(engine::decide(&mut buckets, &items, stats, request))
+        let mut buckets: SmallVec<[&mut Bucket; INLINE_CHECKS]> = SmallVec::new();
+        for bucket in found {
+            // SAFETY: the items are coalesced, so each pointer is to a different bucket. No
+            // bucket moves until the check ends: the shards stay locked, and nothing is
+            // inserted or removed after the look-ups. The buckets live in their tables'
+            // allocations, apart from the shards' other fields (the stats borrowed below).
+            buckets.push(unsafe { &mut *bucket });
+        }
+        Ok(engine::decide(
+            &mut buckets,
+            items,
+            &mut guards[0].stats,
+            request,
+        ))
     }
 
     /// The buckets of `items` that their shards hold, first defined if need be; stops at
     /// the first missing one.
     fn find_buckets(
         &self,
-        shards: &mut [(&mut Buckets, &mut Stats)],
+        shards: &mut [MutexGuard<Shard>],
         items: &[Item],
         now: u64,
     ) -> SmallVec<[*mut Bucket; INLINE_CHECKS]> {
         let mut found = SmallVec::new();
         for item in items {
-            let Some(bucket) = shards[item.slot].0.find_mut(item.hash, item.sought()) else {
+            let buckets = &mut shards[item.slot].buckets;
+            let Some(bucket) = buckets.find_mut(item.hash, item.sought()) else {
                 break;
             };
             self.define(bucket, item, now);
@@ -289,7 +293,6 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         Request {
             owner,
-            signature: fold_signature(items.iter().map(|item| (item.hash, item.check.cost))),
             mode,
             now,
             pause_until: self.pause_until(items, now),
