@@ -7,6 +7,7 @@ defmodule Bourse.DependentAppTest do
 
   import Bourse.Loopback, only: [free_port: 0]
 
+  alias Bourse.{DaemonServer, RedisServer}
   alias Mix.BourseNative.Prebuilt
 
   @moduletag timeout: 900_000
@@ -16,9 +17,15 @@ defmodule Bourse.DependentAppTest do
 
   # The limiters the release starts in its supervision tree and checks once booted, one
   # line per backend: the limiter's name and its `start_link/1` options, as Elixir code
-  # evaluated in the release when it boots.
+  # evaluated in the release when it boots (the test's daemon and Redis server are passed
+  # in the release's environment).
   @release_backends [
-    {"DepApp.Limiter.NIF", "[backend: :nif]"}
+    {"DepApp.Limiter.NIF", "[backend: :nif]"},
+    {"DepApp.Limiter.Port", "[backend: :port]"},
+    {"DepApp.Limiter.Unix",
+     ~s/[backend: {:daemon, {:unix, System.fetch_env!("DEP_APP_DAEMON_UNIX")}}]/},
+    {"DepApp.Limiter.TCP", ~s/[backend: {:daemon, System.fetch_env!("DEP_APP_DAEMON_TCP")}]/},
+    {"DepApp.Limiter.Redis", ~s/[backend: {:redis, System.fetch_env!("DEP_APP_REDIS_URL")}]/}
   ]
 
   setup_all do
@@ -110,6 +117,15 @@ defmodule Bourse.DependentAppTest do
   end
 
   test "a release (MIX_ENV=prod mix release) boots and checks through every backend", ctx do
+    socket = Path.join(ctx.tmp, "daemon.sock")
+    daemon = DaemonServer.start(["--socket", socket, "--listen", "127.0.0.1:0"])
+    redis = RedisServer.start()
+
+    on_exit(fn ->
+      DaemonServer.stop(daemon)
+      RedisServer.stop(redis)
+    end)
+
     assert {_, 0} = compile_prebuilt(ctx)
 
     {release_s, {output, status}} =
@@ -122,9 +138,19 @@ defmodule Bourse.DependentAppTest do
     for file <- ~w(libbourse_nif.so bourse_daemon),
         do: assert(File.lstat!(Path.join(priv, file)).type == :regular)
 
+    # Started as a user starts it: no ERL_LIBS (the VM's own libraries, such as a system
+    # erlang-jiffy, are not the release's), the daemon's secret in the environment.
     {output, status} =
       System.cmd("timeout", ["120", Path.join(release, "bin/dep_app"), "start"],
-        env: [{"DEP_APP_CHECK", "1"}, {"RELEASE_DISTRIBUTION", "none"}],
+        env: [
+          {"DEP_APP_CHECK", "1"},
+          {"RELEASE_DISTRIBUTION", "none"},
+          {"ERL_LIBS", nil},
+          {"DEP_APP_DAEMON_UNIX", daemon.unix},
+          {"DEP_APP_DAEMON_TCP", daemon.tcp},
+          {"DEP_APP_REDIS_URL", redis.url},
+          {"BOURSE_DAEMON_SECRET", DaemonServer.secret()}
+        ],
         stderr_to_stdout: true
       )
 
@@ -133,6 +159,9 @@ defmodule Bourse.DependentAppTest do
     for {name, _opts} <- @release_backends do
       assert output =~ ~r/checked #{name}: \[:ok, :ok, \{:delay, \d+\}\]/, output
     end
+
+    # Nothing beyond the release itself: no JSON library on its code path.
+    assert output =~ "jiffy: :non_existing", output
 
     assert output =~ "backoff: [1000, 2000]", output
     assert output =~ "bourse priv: #{Path.dirname(priv)}"
@@ -317,7 +346,8 @@ defmodule Bourse.DependentAppTest do
       def run do
         for {name, _opts} <- DepApp.Backends.all() do
           limit = %{capacity: 2, refill_per_sec: 0.001}
-          key = {"binance", "release-api-key", "request"}
+          # The daemon backends share one table: a key of each limiter's own.
+          key = {"binance", "release-api-key-\#{inspect(name)}", "request"}
           answers = for _ <- 1..3, do: Bourse.RateLimiter.check_rate(key, limit, 1, name)
           IO.puts("checked \#{inspect(name)}: \#{inspect(answers)}")
         end
@@ -333,6 +363,7 @@ defmodule Bourse.DependentAppTest do
 
         IO.puts("backoff: \#{inspect(backoff)}")
         IO.puts("bourse priv: \#{:code.priv_dir(:bourse)}")
+        IO.puts("jiffy: \#{inspect(:code.which(:jiffy))}")
         System.stop(0)
       end
     end
