@@ -3,10 +3,11 @@
 #   1. the core crate (cargo run --release -p bourse_core --example checks): ns per check in
 #      pure Rust, and instructions per check counted by valgrind's callgrind;
 #   2. from Elixir, interleaved in one run: Bourse.RateLimiter.check_rate/4 (the NIF
-#      backend) and four peers written in bench/support/ (a GenServer-serialised bucket, a
-#      GCRA on :ets.update_counter, a token bucket on :atomics compare-exchange, a token
-#      bucket on :ets.lookup/:ets.insert) at 1, 8 and 64 callers on 1, 8 and 1,000 keys,
-#      with the ratio to the fastest peer; then check_rates/2 over 3 buckets against one;
+#      backend), check_rate/2 of buckets prepared with bucket/3, and four peers written in
+#      bench/support/ (a GenServer-serialised bucket, a GCRA on :ets.update_counter, a
+#      token bucket on :atomics compare-exchange, a token bucket on :ets.lookup/:ets.insert)
+#      at 1, 8 and 64 callers on 1, 8 and 1,000 keys, with the ratios to the fastest peer;
+#      then check_rates/2 over 3 buckets against one, by key and limit and prepared;
 #   3. checks/s, p50 and p99 through the port backend and a shared bourse_daemon on a Unix
 #      socket and on loopback TCP, at 1 and 64 callers, beside the daemon's own ceiling
 #      with pipelined Rust clients;
@@ -22,7 +23,7 @@ for file <- ["table.ex", "os_processes.ex"],
     do: Code.require_file(file, Path.join([__DIR__, "..", "demo", "support"]))
 
 for file <-
-      ~w(loop.ex runner.ex latency.ex public_api.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
+      ~w(loop.ex runner.ex latency.ex public_api.ex prepared_bucket.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
          atomics_token_bucket.ex ets_token_bucket.ex),
     do: Code.require_file(file, Path.join(__DIR__, "support"))
 
@@ -34,6 +35,7 @@ defmodule Bench do
     EtsTokenBucket,
     GenServerBucket,
     Latency,
+    PreparedBucket,
     PublicAPI,
     Runner
   }
@@ -166,6 +168,7 @@ defmodule Bench do
 
     implementations = [
       {"check_rate/4", PublicAPI, fn -> Bench.Limiter end},
+      {"check_rate/2, prepared bucket", PreparedBucket, fn -> Bench.Limiter end},
       {"GenServer bucket", GenServerBucket, fn -> elem(GenServerBucket.start_link(), 1) end},
       {"ETS update_counter GCRA", EtsGcra, &EtsGcra.new/0},
       {":atomics CAS token bucket", AtomicsTokenBucket, &AtomicsTokenBucket.new/0},
@@ -183,19 +186,28 @@ defmodule Bench do
 
         # A fresh handle per workload: every peer starts from an empty table, as the NIF
         # limiter's keys of other workloads do not slow its own.
-        timed = for {_label, module, new} <- implementations, do: {module, new.(), keys}
-        [own | peers] = Runner.compare(timed, callers, @run_ms)
-        ns = Enum.map([own | peers], &round(&1.ns_per_check))
+        timed =
+          for {_label, module, new} <- implementations,
+              do: {module, new.(), if(module == PreparedBucket, do: buckets(keys), else: keys)}
+
+        [own, prepared | peers] = Runner.compare(timed, callers, @run_ms)
+        ns = Enum.map([own, prepared | peers], &round(&1.ns_per_check))
         IO.puts(" " <> Enum.join(ns, " / ") <> " ns")
         fastest = Enum.min_by(peers, & &1.ns_per_check)
-        [workload | ns] ++ [ratio(fastest.ns_per_check, own.ns_per_check)]
+
+        [workload | ns] ++
+          [
+            ratio(fastest.ns_per_check, own.ns_per_check),
+            ratio(fastest.ns_per_check, prepared.ns_per_check)
+          ]
       end
 
     IO.puts("")
 
     Table.print(
       ["callers · keys"] ++
-        Enum.map(implementations, &elem(&1, 0)) ++ ["check_rate/4 vs fastest peer"],
+        Enum.map(implementations, &elem(&1, 0)) ++
+        ["check_rate/4 vs fastest peer", "prepared vs fastest peer"],
       rows
     )
 
@@ -203,16 +215,23 @@ defmodule Bench do
     three_buckets()
   end
 
-  # check_rates/2 over three buckets of one credential against check_rate/4 on one, from
-  # one process, interleaved.
+  defp buckets(keys), do: PreparedBucket.buckets(Bench.Limiter, keys)
+
+  # check_rates/2 over three buckets of one credential against check_rate on one, from
+  # one process, interleaved: by key and limit, and prepared.
   defp three_buckets do
     rows =
       for key_count <- [1, 1_000] do
-        [single, three] =
+        single = Runner.keys(key_count, "single")
+        three = CheckRates.checks(key_count, @three_axes)
+
+        [single, three, prepared_single, prepared_three] =
           Runner.compare(
             [
-              {PublicAPI, Bench.Limiter, Runner.keys(key_count, "single")},
-              {CheckRates, Bench.Limiter, CheckRates.checks(key_count, @three_axes)}
+              {PublicAPI, Bench.Limiter, single},
+              {CheckRates, Bench.Limiter, three},
+              {PreparedBucket, Bench.Limiter, buckets(single)},
+              {CheckRates, Bench.Limiter, PreparedBucket.check_lists(Bench.Limiter, three)}
             ],
             1,
             @run_ms
@@ -222,7 +241,10 @@ defmodule Bench do
           "1 · #{thousands(key_count)}",
           round(single.ns_per_check),
           round(three.ns_per_check),
-          ratio(three.ns_per_check, single.ns_per_check)
+          ratio(three.ns_per_check, single.ns_per_check),
+          round(prepared_single.ns_per_check),
+          round(prepared_three.ns_per_check),
+          ratio(prepared_three.ns_per_check, prepared_single.ns_per_check)
         ]
       end
 
@@ -231,7 +253,10 @@ defmodule Bench do
         "callers · credentials",
         "check_rate/4, 1 bucket",
         "check_rates/2, 3 buckets",
-        "3 buckets vs 1"
+        "3 buckets vs 1",
+        "check_rate/2, 1 prepared bucket",
+        "check_rates/2, 3 prepared buckets",
+        "3 prepared vs 1"
       ],
       rows
     )

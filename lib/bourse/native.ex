@@ -40,6 +40,11 @@ defmodule Bourse.Native do
     do: :erlang.nif_error(:not_loaded)
 
   def check_rates(_table, _owner, _checks, _max_wait), do: :erlang.nif_error(:not_loaded)
+  def prepare(_table, _key, _limit), do: :erlang.nif_error(:not_loaded)
+
+  def check_prepared(_table, _owner, _bucket, _cost, _max_wait),
+    do: :erlang.nif_error(:not_loaded)
+
   def record_request(_table, _key, _cost), do: :erlang.nif_error(:not_loaded)
   def get_cost(_table, _key), do: :erlang.nif_error(:not_loaded)
   def sync(_table, _key, _allowance, _window_left_ms), do: :erlang.nif_error(:not_loaded)

@@ -46,6 +46,20 @@ defmodule Bourse.RateLimiter do
         {:delay, ms} -> Process.sleep(ms) && make_request()
       end
 
+  ## Prepared buckets
+
+  An adapter that checks the same endpoint many times can prepare its buckets once:
+  `bucket/3` validates a key and its limit (with the errors a check of them would give)
+  and returns a bucket that `check_rate/2` and `check_rates/3` take in place of them.
+  With the NIF backend a check of a bucket skips decoding the key and the limit, hashing
+  the key and looking the limiter up by name; its answers are those of its key and limit.
+
+      {:ok, orders} = Bourse.RateLimiter.bucket({"okx", api_key, "order"}, %{capacity: 60, refill_per_sec: 30}, MyApp.Limiter)
+      {:ok, ip} = Bourse.RateLimiter.bucket({"okx", :public, "ip"}, %{capacity: 20, refill_per_sec: 10}, MyApp.Limiter)
+
+      :ok = Bourse.RateLimiter.check_rate(orders, 1)
+      :ok = Bourse.RateLimiter.check_rates([{orders, 1}, {ip, 1}], MyApp.Limiter)
+
   Local callers reach the bucket table from their own process (no mailbox on the hot
   path). `{:global, _}`, `{:via, _, _}` and `{name, node}` names on other nodes go through
   the limiter process.
@@ -73,7 +87,7 @@ defmodule Bourse.RateLimiter do
   """
 
   alias Bourse.Error
-  alias Bourse.RateLimiter.{Backend, Events, Feedback, Options, Router, Server}
+  alias Bourse.RateLimiter.{Backend, Bucket, Events, Feedback, Options, Router, Server}
 
   @default __MODULE__
   @typedoc "Rate limiter key: `{exchange_id, api_key | :public, bucket_axis}`."
@@ -86,8 +100,14 @@ defmodule Bourse.RateLimiter do
           | %{requests: number(), period: pos_integer()}
           | %{requests: number()}
 
-  @typedoc "A single bucket check: `{key, rate_limit, cost}`."
-  @type bucket_check :: {key(), rate_limit() | nil, number()}
+  @typedoc "A single bucket check: `{key, rate_limit, cost}`, or `{bucket, cost}`."
+  @type bucket_check :: {key(), rate_limit() | nil, number()} | {bucket(), number()}
+
+  @typedoc """
+  A prepared bucket (`bucket/3`): a key and its limit, validated once, that `check_rate/2`
+  and `check_rates/3` take in place of them.
+  """
+  @opaque bucket :: Bucket.t()
 
   @typedoc "What `pause/3` holds: a full key, `{exchange_id, credential_key}` or an exchange id."
   @type pause_target :: key() | String.t()
@@ -112,10 +132,12 @@ defmodule Bourse.RateLimiter do
   Checks if a request of `cost` can be made now.
 
   Returns `:ok` (paid) or `{:delay, ms}`: nothing paid; come back in `ms` milliseconds.
+  `check_rate(key, limit)` and `check_rate(key, limit, cost)` check with the default
+  limiter, `Bourse.RateLimiter`.
   """
   @spec check_rate(key(), rate_limit() | nil, number(), GenServer.name()) ::
           :ok | {:delay, pos_integer()} | error()
-  def check_rate(key, limit, cost \\ 1, name \\ @default) do
+  def check_rate(key, limit, cost, name) do
     route = Router.route(name)
 
     # The hot path: a direct call to the backend, no argument list built for `apply/3`;
@@ -133,16 +155,123 @@ defmodule Bourse.RateLimiter do
       end
 
     case answer do
-      :ok ->
-        :ok
-
-      other ->
-        other |> observe(route, nil, fn -> %{key: key, cost: cost} end) |> failed({:key, key})
+      :ok -> :ok
+      other -> checked(other, route, key, cost)
     end
   end
 
   @doc """
-  Checks several buckets at once: all of them pay, or none does.
+  `check_rate(bucket, cost \\\\ 1)`: checks a bucket made by `bucket/3`, as
+  `check_rate(key, limit, cost, name)` checks its key and limit with its limiter.
+  `check_rate(key, limit)` is `check_rate(key, limit, 1, Bourse.RateLimiter)`.
+  """
+  @spec check_rate(bucket(), number()) :: :ok | {:delay, pos_integer()} | error()
+  @spec check_rate(key(), rate_limit() | nil) :: :ok | {:delay, pos_integer()} | error()
+  def check_rate(bucket_or_key, cost_or_limit)
+
+  def check_rate(
+        %Bucket{route: {Backend.NIF, table, _events, pid} = route, prepared: prepared} = bucket,
+        cost
+      )
+      when is_reference(prepared) do
+    # While the limiter that prepared the bucket lives, its table is the one it names.
+    if :erlang.is_process_alive(pid) do
+      case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
+        :ok -> :ok
+        other -> checked(other, route, bucket.key, cost)
+      end
+    else
+      check_rate(bucket.key, bucket.limit, cost, bucket.name)
+    end
+  end
+
+  def check_rate(%Bucket{key: key, limit: limit, name: name}, cost),
+    do: check_rate(key, limit, cost, name)
+
+  def check_rate(key, limit), do: check_rate(key, limit, 1, @default)
+
+  @doc "`check_rate(bucket)` is `check_rate(bucket, 1)`."
+  @spec check_rate(bucket()) :: :ok | {:delay, pos_integer()} | error()
+  def check_rate(%Bucket{} = bucket), do: check_rate(bucket, 1)
+
+  @doc "`check_rate(key, limit, cost)` is `check_rate(key, limit, cost, Bourse.RateLimiter)`."
+  @spec check_rate(key(), rate_limit() | nil, number()) ::
+          :ok | {:delay, pos_integer()} | error()
+  def check_rate(key, limit, cost), do: check_rate(key, limit, cost, @default)
+
+  # A probe's answer other than `:ok`, with its event and its error shaped.
+  defp checked(answer, route, key, cost),
+    do: answer |> observe(route, nil, fn -> %{key: key, cost: cost} end) |> failed({:key, key})
+
+  @doc """
+  Prepares a bucket of the limiter `name`: `key` and `limit` checked once, for
+  `check_rate/2` and `check_rates/3` to take in place of them.
+
+  Returns `{:ok, bucket}`, or the `{:error, %Bourse.Error{}}` that
+  `check_rate(key, limit, 1, name)` answers for that key and limit, and nothing is paid
+  either way. Like every call, it needs the limiter running (otherwise it exits with
+  `:noproc`). A `nil` limit is allowed: checks of the bucket validate their cost and
+  answer `:ok`.
+
+  With the NIF backend the bucket holds the key packed and hashed and the limit decoded,
+  so a check of it does less work than one of its key and limit. With the other backends,
+  or a limiter on another node, it holds the key and the limit, and its checks are those
+  of them. Checking a bucket is checking its key and limit in every way (bookings,
+  events, errors); after its limiter was restarted, a bucket is checked as its key and
+  limit with the limiter now running under its name (make it again to have it prepared
+  for the new one).
+
+      {:ok, orders} = Bourse.RateLimiter.bucket({"okx", api_key, "order"}, %{capacity: 60, refill_per_sec: 30}, MyApp.Limiter)
+      :ok = Bourse.RateLimiter.check_rate(orders, 1)
+  """
+  @spec bucket(key(), rate_limit() | nil, GenServer.name()) :: {:ok, bucket()} | error()
+  def bucket(key, limit, name \\ @default) do
+    route = Router.route(name)
+
+    case prepare(route, name, key, limit) do
+      {:ok, prepared} ->
+        {:ok, %Bucket{name: name, key: key, limit: limit, route: route, prepared: prepared}}
+
+      error ->
+        failed(error, {:key, key})
+    end
+  end
+
+  defp prepare({Backend.NIF, table, _events, _pid}, _name, key, limit) do
+    case Backend.NIF.prepare(table, key, limit) do
+      {:error, _} = error -> error
+      prepared -> {:ok, prepared}
+    end
+  end
+
+  # Other backends, and limiters on other nodes, check keys and limits as the NIF does:
+  # the same rules and messages.
+  defp prepare({_backend, _handle, _events, _pid} = route, _name, key, limit),
+    do: validate(route, key, limit)
+
+  defp prepare({:remote, _pid} = route, _name, key, limit), do: validate(route, key, limit)
+  defp prepare(elsewhere, name, _key, _limit), do: routed(elsewhere, name, :prepare, [])
+
+  defp validate(route, key, limit) do
+    with :ok <- verdict(Bourse.Native.check_key(key)),
+         :ok <- verdict(Bourse.Native.check_limit(limit)) do
+      {:ok, nil}
+    else
+      error ->
+        count_invalid(route)
+        error
+    end
+  end
+
+  defp verdict({:error, message, exchange}),
+    do: {:error, Error.with_exchange(Error.invalid(message), exchange)}
+
+  defp verdict(:ok), do: :ok
+
+  @doc """
+  Checks several buckets at once: all of them pay, or none does. Each check is
+  `{key, limit, cost}`, or `{bucket, cost}` with a bucket of `bucket/3`, which stands
+  for its key and limit (checked with the limiter the call names).
 
   Repeated checks of one key are charged once at their combined cost; two checks of one
   key with different definitions are `:invalid_parameters`. Returns `:ok`, or
@@ -165,13 +294,14 @@ defmodule Bourse.RateLimiter do
     route = Router.route(name)
 
     with {:ok, max_wait} <- options(opts, nil, route, {:checks, checks}) do
+      # The NIF takes buckets as they are; every other backend their keys and limits.
       answer =
         case route do
           {Backend.NIF, table, _events, _pid} ->
             Backend.NIF.check_rates(table, self(), checks, max_wait)
 
           elsewhere ->
-            routed(elsewhere, name, :check_rates, [self(), checks, max_wait])
+            routed(elsewhere, name, :check_rates, [self(), unprepared(checks), max_wait])
         end
 
       case answer do
@@ -179,7 +309,9 @@ defmodule Bourse.RateLimiter do
           :ok
 
         answer ->
-          case observe(answer, route, max_wait, fn -> Events.checks_metadata(checks) end) do
+          metadata = fn -> checks |> unprepared() |> Events.checks_metadata() end
+
+          case observe(answer, route, max_wait, metadata) do
             {:over_budget, ms} -> {:delay, ms}
             other -> failed(other, {:checks, checks})
           end
@@ -305,7 +437,7 @@ defmodule Bourse.RateLimiter do
   # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
   # of one call name several exchanges.
   defp exchange({:checks, checks}),
-    do: checks_exchange(checks, nil, Bourse.Native.bound(:max_checks))
+    do: checks |> unprepared() |> checks_exchange(nil, Bourse.Native.bound(:max_checks))
 
   defp exchange({:exchange, exchange}) when is_binary(exchange), do: exchange
   defp exchange({:target, exchange}) when is_binary(exchange), do: exchange
@@ -325,6 +457,16 @@ defmodule Bourse.RateLimiter do
   end
 
   defp checks_exchange(_rest, found, _left), do: found
+
+  # Checks with every `{bucket, cost}` as `{key, limit, cost}`: the first `:max_checks` + 1
+  # elements (a longer list is refused as it is), a malformed tail left as it is.
+  defp unprepared(checks), do: unprepared(checks, Bourse.Native.bound(:max_checks) + 1)
+
+  defp unprepared([{%Bucket{key: key, limit: limit}, cost} | rest], left) when left > 0,
+    do: [{key, limit, cost} | unprepared(rest, left - 1)]
+
+  defp unprepared([check | rest], left) when left > 0, do: [check | unprepared(rest, left - 1)]
+  defp unprepared(rest, _left), do: rest
 
   ## Bookkeeping
 

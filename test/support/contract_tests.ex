@@ -52,6 +52,8 @@ defmodule Bourse.ContractTests do
 
       import Bourse.RateLimiter,
         only: [
+          check_rate: 1,
+          check_rate: 2,
           check_rate: 4,
           check_rates: 2,
           check_rates: 3,
@@ -78,6 +80,7 @@ defmodule Bourse.ContractTests do
       use Bourse.ContractTests.KeysAndLimits
       use Bourse.ContractTests.Bucket
       use Bourse.ContractTests.CheckRates
+      use Bourse.ContractTests.PreparedBuckets
       use Bourse.ContractTests.Bookings
       use Bourse.ContractTests.WaitForCapacity
       use Bourse.ContractTests.Bookkeeping

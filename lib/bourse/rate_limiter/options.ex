@@ -71,6 +71,9 @@ defmodule Bourse.RateLimiter.Options do
   delay.
   """
   @spec max_wait(term(), pos_integer() | nil) :: {:ok, pos_integer() | nil} | {:error, Error.t()}
+  # A probe without options: the common case, answered at once.
+  def max_wait([], nil), do: {:ok, nil}
+
   def max_wait(opts, default) do
     with :ok <- keyword(opts, "options", [:max_wait_ms]),
          {:ok, ms} <- budget(Keyword.fetch(opts, :max_wait_ms), default) do

@@ -8,11 +8,11 @@ use bourse_core::{
     PauseTarget, Shape, Stats, Table,
 };
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NewBinary, Term, TermType};
-use smallvec::SmallVec;
 
 mod bounds;
 mod entry;
 mod handle;
+mod prepared;
 
 use entry::in_place_nif;
 
@@ -288,11 +288,12 @@ fn check_rate<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
     })
 }
 
-/// One `{key, limit, cost}`; `None` when its limit is `nil`.
-fn check(term: Term) -> Decoded<Option<Check>> {
-    let Some([key_term, limit_term, cost_term]) = tuple(term) else {
-        return Err(rules::not_a_check(shape(term)));
-    };
+/// One `{key, limit, cost}` from its three terms; `None` when its limit is `nil`.
+fn check_parts<'a>(
+    key_term: Term<'a>,
+    limit_term: Term<'a>,
+    cost_term: Term<'a>,
+) -> Decoded<Option<Check<'a>>> {
     let key = key(key_term)?;
     let checked = || Ok((rules::cost(number(cost_term))?, limit(limit_term)?));
     let (cost, limit) = checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
@@ -312,7 +313,8 @@ fn runs_dirty(len: usize) -> bool {
 in_place_nif!("check_rates", 4, check_rates);
 entry::dirty_entry!(check_rates_dirty, 4, check_rates_now);
 
-/// `check_rates(table, owner, checks, max_wait)`: the list's length is measured first
+/// `check_rates(table, owner, checks, max_wait)`, each check `{key, limit, cost}` or
+/// `{bucket, cost}` (`prepared::entry`): the list's length is measured first
 /// (walking at most `MAX_CHECKS + 1` cells); a long list continues on a dirty scheduler.
 fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     match bounded_len(args[2]) {
@@ -332,12 +334,8 @@ fn check_rates_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
         bounded_len(checks_term).map_err(rules::not_a_check_list)?;
-        // On the stack up to a few buckets: no allocation for the common multi-bucket check.
-        let mut checks: SmallVec<[Check; 8]> = SmallVec::new();
-        for term in elements(checks_term) {
-            checks.extend(check(term)?);
-        }
-        Ok(outcome(env, table.check(owner(owner_term), &checks, mode)?))
+        let answered = prepared::check_list(table, owner(owner_term), elements(checks_term), mode)?;
+        Ok(outcome(env, answered))
     })
 }
 
@@ -585,7 +583,7 @@ fn stats<'a>(env: Env<'a>, table: Handle<'a>) -> Term<'a> {
 }
 
 fn load(env: Env, _info: Term) -> bool {
-    handle::open_type(env)
+    handle::open_type::<Table>(env) && handle::open_type::<bourse_core::PreparedBucket>(env)
 }
 
 rustler::init!("Elixir.Bourse.Native", load = load);

@@ -30,6 +30,19 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   def check_rates(table, owner, checks, max_wait),
     do: table |> Native.check_rates(owner, checks, max_wait) |> answer()
 
+  @doc """
+  A prepared bucket of `table` for `key` and `limit` (a resource; `nil` for a `nil`
+  limit), or the error a check of them answers (`Bourse.RateLimiter.bucket/3`).
+  """
+  @spec prepare(reference(), term(), term()) :: reference() | nil | {:error, Bourse.Error.t()}
+  def prepare(table, key, limit), do: table |> Native.prepare(key, limit) |> answer()
+
+  @doc "`check_rate/6` of a bucket `prepare/3` made, on `table`."
+  @spec check_prepared(reference(), pid(), reference(), term(), pos_integer() | nil) ::
+          Bourse.RateLimiter.Backend.check_answer() | {:error, Bourse.Error.t()}
+  def check_prepared(table, owner, bucket, cost, max_wait),
+    do: table |> Native.check_prepared(owner, bucket, cost, max_wait) |> answer()
+
   @impl true
   def record_request(table, key, cost), do: table |> Native.record_request(key, cost) |> answer()
   @impl true

@@ -96,6 +96,35 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
     assert invalid(NIF.busiest(t, 10_001)).message =~ "count must be an integer from 1 to 10000"
   end
 
+  describe "prepared buckets" do
+    test "are checked in the table given, as their key and limit in another", %{table: t} do
+      {:ok, other} = NIF.attach(nil, assume_busy_at_start: false, booking_slack_ms: 250)
+      bucket = NIF.prepare(t, @key, @limit)
+      assert is_reference(bucket)
+      assert :ok = NIF.check_prepared(t, self(), bucket, 4, nil)
+      assert :ok = NIF.check_prepared(other, self(), bucket, 3, nil)
+      assert_in_delta(NIF.get_cost(t, @key), 4, 0.1)
+      assert_in_delta(NIF.get_cost(other, @key), 3, 0.1)
+      assert NIF.prepare(t, @key, nil) == nil
+
+      assert invalid(NIF.prepare(t, @key, %{capacity: 0, refill_per_sec: 1})).exchange ==
+               "binance"
+    end
+
+    test "what is not a bucket is refused, never trusted", %{table: t} do
+      assert invalid(NIF.check_rates(t, self(), [{%{prepared: make_ref()}, 1}], nil)).message ==
+               "each check must be {key, limit, cost}, got a tuple of 2 elements"
+
+      forged =
+        struct!(Bourse.RateLimiter.Bucket, name: nil, key: :k, limit: nil, route: nil, prepared: t)
+
+      assert invalid(NIF.check_rates(t, self(), [{forged, 1}], nil)).message =~
+               "key must be {exchange_id, credential_key, bucket_axis}"
+
+      assert_raise ArgumentError, fn -> NIF.check_prepared(t, self(), t, 1, nil) end
+    end
+  end
+
   describe "long check lists" do
     # A list longer than the NIF answers inline continues on a dirty scheduler, so that no
     # normal scheduler is held for its whole walk (docs/CONTRACT.md §8, "Cost of bad input").

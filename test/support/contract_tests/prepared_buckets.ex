@@ -1,0 +1,128 @@
+defmodule Bourse.ContractTests.PreparedBuckets do
+  @moduledoc false
+  # docs/CONTRACT.md §3, "Prepared buckets": `bucket/3` validates a key and its limit once;
+  # `check_rate/2` and `check_rates` take the bucket in place of them, with the same answers.
+  # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
+
+  defmacro __using__(_opts) do
+    quote location: :keep do
+      describe "prepared buckets" do
+        test "a bucket is validated once, with the errors of a check of its key and limit",
+             %{name: name} do
+          bad = [
+            {{"ex", :not_a_credential}, @still},
+            {{:ex, "k"}, @still},
+            {"not a key", @still},
+            {{"ex", "k"}, %{capacity: -1, refill_per_sec: 1}},
+            {{"ex", "k"}, %{requests: 10, period: 0}},
+            {{"ex", "k"}, %{capacity: 1}},
+            {{"ex", "k"}, :no_limit}
+          ]
+
+          for {key, limit} <- bad do
+            assert {:error, %Bourse.Error{} = prepared} =
+                     Bourse.RateLimiter.bucket(key, limit, name)
+
+            assert {:error, %Bourse.Error{} = checked} = check_rate(key, limit, 1, name)
+            assert prepared == checked, "#{inspect(key)}, #{inspect(limit)}"
+            assert prepared.type == :invalid_parameters
+          end
+
+          assert get_cost({"ex", "k"}, 1, name) == 0
+        end
+
+        test "checking a bucket is checking its key and limit", %{name: name} do
+          limit = %{@still | capacity: 3}
+          {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "k", "order"}, limit, name)
+          assert :ok = check_rate(bucket)
+          assert :ok = check_rate(bucket, 1.5)
+          assert_about(get_cost({"ex", "k", "order"}, 1, name), 2.5, 0.01)
+
+          # The same bucket, by key and limit or prepared: both see what the other paid.
+          assert :ok = check_rate({"ex", "k", "order"}, limit, 0.5, name)
+          assert_delay(check_rate(bucket, 1), 990_000..@one_token_ms)
+          assert_delay(check_rate({"ex", "k", "order"}, limit, 1, name), 990_000..@one_token_ms)
+          assert_about(get_cost({"ex", "k", "order"}, 1, name), 3, 0.01)
+
+          # Costs are checked on every call, with the errors of the unprepared call.
+          for cost <- [-1, :one, 1.0e13, 10 ** 400, "1"] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters} = prepared} =
+                     check_rate(bucket, cost)
+
+            assert {:error, ^prepared} = check_rate({"ex", "k", "order"}, limit, cost, name)
+            assert prepared.exchange == "ex"
+          end
+
+          # `{exchange_id, credential_key}` is axis "request", prepared too.
+          {:ok, short} = Bourse.RateLimiter.bucket({"ex", "s"}, limit, name)
+          assert :ok = check_rate(short, 2)
+          assert_about(get_cost({"ex", "s", "request"}, 1, name), 2, 0.01)
+        end
+
+        test "a bucket with a nil limit validates its costs and records nothing",
+             %{name: name} do
+          {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "n"}, nil, name)
+          assert :ok = check_rate(bucket, 10 ** 6)
+          assert get_cost({"ex", "n"}, 1, name) == 0
+          assert_invalid(check_rate(bucket, -1))
+          assert :ok = check_rates([{bucket, 5}], name)
+          assert_invalid(check_rates([{bucket, -1}], name))
+        end
+
+        test "check_rates takes buckets beside keys and limits: coalesced, all or nothing",
+             %{name: name} do
+          {:ok, a} = Bourse.RateLimiter.bucket({"ex", "a"}, @still, name)
+          {:ok, b} = Bourse.RateLimiter.bucket({"ex", "b"}, %{@still | capacity: 1}, name)
+
+          assert :ok = check_rates([{a, 2}, {{"ex", "a"}, @still, 3}, {b, 1}], name)
+          assert_about(get_cost({"ex", "a"}, 1, name), 5, 0.01)
+          assert_about(get_cost({"ex", "b"}, 1, name), 1, 0.01)
+
+          # `b` cannot pay: nothing is paid on `a`.
+          assert_delay(check_rates([{a, 1}, {b, 1}], name), 990_000..@one_token_ms)
+          assert_delay(check_rates([{b, 1}], name), 990_000..@one_token_ms)
+          assert_about(get_cost({"ex", "a"}, 1, name), 5, 0.01)
+
+          # A bucket and a check of its key under another definition conflict.
+          assert {:error, %Bourse.Error{type: :invalid_parameters, exchange: "ex"} = error} =
+                   check_rates(
+                     [{a, 1}, {{"ex", "a"}, %{capacity: 5, refill_per_sec: 1}, 1}],
+                     name
+                   )
+
+          assert error.message =~ "conflicting bucket definitions"
+          assert_invalid(check_rates([{a, 1}, {b, -1}], name))
+          assert_about(get_cost({"ex", "a"}, 1, name), 5, 0.01)
+
+          # A waiter's buckets book, and the same caller claims them.
+          assert {:delay, ms} = check_rates([{a, 1}, {b, 1}], name, max_wait_ms: @one_token_ms)
+          assert ms in 990_000..@one_token_ms
+        end
+
+        test "a bucket never shows its credential", %{name: name} do
+          {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
+
+          refute inspect(bucket) =~ "SECRET"
+          assert inspect(bucket) =~ Bourse.Fingerprint.of("SECRET-API-KEY")
+        end
+
+        test "a bucket of a stopped limiter answers like its name", %{backend: backend} do
+          name = :"bucket_stopped_#{System.unique_integer([:positive])}"
+          children = [{Bourse.RateLimiter, name: name, backend: backend}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "k"}, %{@still | capacity: 2}, name)
+          assert :ok = check_rate(bucket, 2)
+          Supervisor.stop(supervisor)
+
+          assert {:noproc, _} = catch_exit(check_rate(bucket, 1))
+          assert {:noproc, _} = catch_exit(Bourse.RateLimiter.bucket({"ex", "k"}, @still, name))
+
+          # Started again under the name: the bucket is checked there, its spent tokens kept.
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          assert {:delay, _} = check_rate(bucket, 1)
+          Supervisor.stop(supervisor)
+        end
+      end
+    end
+  end
+end
