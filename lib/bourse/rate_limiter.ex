@@ -291,7 +291,7 @@ defmodule Bourse.RateLimiter do
   def check_rates(checks, opts, []) when is_list(opts), do: check_rates(checks, @default, opts)
 
   def check_rates(checks, name, opts) do
-    route = Router.route(name)
+    route = checks_route(checks, name)
 
     with {:ok, max_wait} <- options(opts, nil, route, {:checks, checks}) do
       # The NIF takes buckets as they are; every other backend their keys and limits.
@@ -318,6 +318,14 @@ defmodule Bourse.RateLimiter do
       end
     end
   end
+
+  # The route of `name`; that of the first check's bucket when the bucket was made with
+  # that name and its limiter still lives (the route it would find), without the look-up.
+  defp checks_route([{%Bucket{name: name, route: {_, _, _, pid} = route}, _cost} | _], name) do
+    if :erlang.is_process_alive(pid), do: route, else: Router.route(name)
+  end
+
+  defp checks_route(_checks, name), do: Router.route(name)
 
   @doc """
   Blocks the caller until the request is admitted, then returns `:ok`.

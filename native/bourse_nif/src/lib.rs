@@ -311,7 +311,7 @@ fn runs_dirty(len: usize) -> bool {
 }
 
 in_place_nif!("check_rates", 4, check_rates);
-entry::dirty_entry!(check_rates_dirty, 4, check_rates_now);
+entry::dirty_entry!(check_rates_dirty, 4, check_rates_on_dirty);
 
 /// `check_rates(table, owner, checks, max_wait)`, each check `{key, limit, cost}` or
 /// `{bucket, cost}` (`prepared::entry`): the list's length is measured first
@@ -321,19 +321,24 @@ fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
         Ok(len) if runs_dirty(len) => {
             entry::on_dirty_scheduler(env, c"check_rates", check_rates_dirty, args)
         }
-        _ => check_rates_now(env, args),
+        len => checks_answer(env, args, len),
     }
 }
 
-/// `check_rates` on the scheduler it runs on.
-fn check_rates_now<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+/// `check_rates` continued on a dirty scheduler.
+fn check_rates_on_dirty<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+    checks_answer(env, args, bounded_len(args[2]))
+}
+
+/// The answer to `check_rates` whose list `bounded_len` measured as `len`.
+fn checks_answer<'a>(env: Env<'a>, args: [Term<'a>; 4], len: Result<usize, Shape>) -> Term<'a> {
     let [table, owner_term, checks_term, max_wait_term] = args;
     let Ok(Handle(table)) = table.decode() else {
         return entry::badarg(env);
     };
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
-        bounded_len(checks_term).map_err(rules::not_a_check_list)?;
+        len.map_err(rules::not_a_check_list)?;
         let answered = prepared::check_list(table, owner(owner_term), elements(checks_term), mode)?;
         Ok(outcome(env, answered))
     })
