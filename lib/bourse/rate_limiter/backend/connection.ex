@@ -11,7 +11,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   processes, and encoding, writing and decoding run in parallel in the callers. Each write
   goes whole into the port's or socket's queue in the VM, so writers never interleave; a
   caller that finds the queue full (the daemon is behind with its input) tries again every
-  millisecond until its deadline, and never blocks.
+  millisecond until its deadline; the one whose write filled a socket's queue waits until
+  it drains or, after the timeout, the socket closes (and is reconnected).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
