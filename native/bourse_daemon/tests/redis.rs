@@ -967,3 +967,40 @@ fn a_call_whose_answer_was_lost_is_not_paid_twice() {
     eprintln!("{n} checks, their call's answer lost: {paid:.2} paid");
     assert!(paid < n as f64 + 0.01, "paid {paid} for {n} checks");
 }
+
+/// A malformed check among checks pipelined at once is refused alone: the others, which
+/// may share one script call, are answered as they would be alone, each under its own id.
+#[test]
+fn a_malformed_check_among_pipelined_checks_is_refused_alone() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("m", Some("pipelined"));
+    let limit = json!({"capacity": 1000, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let n = 64;
+    kill("STOP", redis.child.id());
+    for id in 0..n {
+        let mut request = check(&k, limit.clone(), 1.0);
+        if id == n / 2 {
+            request["cost"] = json!("SECRET-api-key");
+        }
+        request["id"] = json!(id);
+        t.send_request(&request);
+    }
+    sleep_ms(100);
+    kill("CONT", redis.child.id());
+    let mut answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+    answers.sort_by_key(|answer| answer["id"].as_u64());
+    for (id, answer) in answers.iter().enumerate() {
+        assert_eq!(answer["id"], json!(id), "{answer}");
+        if id as u64 == n / 2 {
+            assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+            assert!(!answer.to_string().contains("SECRET"), "{answer}");
+        } else {
+            assert_eq!(answer["result"], "admitted", "{answer}");
+        }
+    }
+    let paid = borrowed(&mut t, &k) - 1.0;
+    assert!((paid - (n - 1) as f64).abs() < 0.01, "paid {paid}");
+}

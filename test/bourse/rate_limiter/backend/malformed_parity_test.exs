@@ -87,7 +87,25 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
       {:pause, [{"binance", "k"}, -1]},
       {:pause, [42, 1]},
       {:inspect, [{"binance", 1}]},
-      {:get_cost, [{1, "k"}]}
+      {:get_cost, [{1, "k"}]},
+      {:back_off, [{"binance", @secret}, @secret]},
+      {:back_off, [{"binance", @secret}, :bogus]},
+      {:back_off, [{"binance", @secret}, nil]},
+      {:back_off, [{"binance", @secret, "request"}, :credential]},
+      {:back_off, [{@secret}, :credential]},
+      {:back_off, [[@secret], :exchange]},
+      {:back_off, [@secret, :credential]},
+      {:back_off, [{:binance, @secret}, :credential]},
+      {:back_off, [{"binance", 10 ** 400}, :credential]},
+      {:back_off, [{"binance", String.duplicate("k", 1025)}, :credential]},
+      {:back_off, [{String.duplicate("e", 1025), "k"}, :exchange]},
+      {:back_off, [{"binance", nil}, :credential]},
+      {:reset_backoff, [{"binance", @secret, "request"}]},
+      {:reset_backoff, [{@secret, :public, 1}]},
+      {:reset_backoff, [[{"binance", @secret}]]},
+      {:reset_backoff, [{"binance", [@secret | :tail]}]},
+      {:reset_backoff, [{"binance", String.duplicate("k", 1025)}]},
+      {:reset_backoff, [{"binance", %{key: @secret}}]}
     ]
   end
 

@@ -215,5 +215,40 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert {:dirty, {:booked, _}} =
                scheduled(fn -> NIF.check_rates(t, owner, booked, 4_294_967_295) end)
     end
+
+    test "lists too long or improper are refused on the normal scheduler, as short ones are",
+         %{table: t} do
+      valid = {{"binance", "hostile"}, @still, 1}
+      too_long = List.duplicate(valid, @max + 1)
+      huge = List.duplicate(valid, 1_000_000)
+      improper = Enum.reduce(1..@max, :tail, fn _, tail -> [valid | tail] end)
+      improper_huge = Enum.reduce(1..1_000_000, :tail, fn _, tail -> [valid | tail] end)
+
+      # Measured over at most 1025 cells: an improper list longer than that is "too long".
+      for list <- [too_long, huge, improper_huge] do
+        assert {:normal, answer} = scheduled(fn -> NIF.check_rates(t, self(), list, nil) end)
+        assert invalid(answer).message =~ "more than 1024"
+      end
+
+      short_improper = [valid | :tail]
+
+      for list <- [improper, short_improper] do
+        assert {:normal, answer} = scheduled(fn -> NIF.check_rates(t, self(), list, nil) end)
+        assert invalid(answer) == invalid(NIF.check_rates(t, self(), short_improper, nil))
+      end
+
+      # The same malformed check gets the same error in a short list and in a long one.
+      bad = {{"binance", "bad"}, @still, :one}
+      short = NIF.check_rates(t, self(), [bad], nil)
+
+      assert {:dirty, long} =
+               scheduled(fn ->
+                 NIF.check_rates(t, self(), [bad | distinct(@max - 1, @still, 1)], nil)
+               end)
+
+      assert invalid(long) == invalid(short)
+      assert NIF.get_cost(t, {"binance", "hostile"}) == 0
+      assert NIF.get_cost(t, {"binance", "long-1"}) == 0
+    end
   end
 end

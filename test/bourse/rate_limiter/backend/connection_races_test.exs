@@ -1,0 +1,180 @@
+defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
+  # Callers of the port and daemon backends write to the stream themselves: what happens to
+  # them, to their routes in the connection's table and to their mailboxes when they die,
+  # time out, or the daemon stops, dies or its connection process is killed.
+  use ExUnit.Case, async: true
+
+  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
+
+  alias Bourse.DaemonServer
+  alias Bourse.Error
+  alias Bourse.RateLimiter
+
+  @moduletag :capture_log
+
+  @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
+
+  defp start_daemon(args) do
+    daemon = DaemonServer.start(args)
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    daemon
+  end
+
+  defp start_limiter(backend) do
+    name = :"races_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
+    name
+  end
+
+  defp handle(name), do: elem(:persistent_term.get({RateLimiter, name}), 1)
+
+  defp routes(handle),
+    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
+
+  defp port_os_pid(handle) do
+    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    os_pid
+  end
+
+  defp unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
+
+  describe "many callers and a daemon that stops or dies" do
+    @tag timeout: 60_000
+    test "64 callers, the daemon stopped: each is answered :unavailable, within its timeout" do
+      daemon = start_daemon(["--listen", "127.0.0.1:0"])
+      timeout = 400
+      name = start_limiter({:daemon, daemon.tcp, timeout: timeout})
+      assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+      DaemonServer.signal(daemon, "STOP")
+
+      callers =
+        for i <- 1..64 do
+          Task.async(fn ->
+            started = now_ms()
+            answer = RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name)
+            {answer, now_ms() - started}
+          end)
+        end
+
+      for {answer, elapsed} <- Task.await_many(callers, 30_000) do
+        assert {:error, %Error{type: :unavailable}} = answer
+        # Generous: 2 cores shared by many builds.
+        assert elapsed < timeout + 5_000, "answered after #{elapsed} ms"
+      end
+
+      assert routes(handle(name)) == 0
+      DaemonServer.signal(daemon, "CONT")
+      eventually(fn -> RateLimiter.check_rate({"ex", "after"}, @wide, 1, name) == :ok end)
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+
+    @tag timeout: 60_000
+    test "64 callers hammering, the daemon killed: every answer is an answer or :unavailable, no route is left" do
+      daemon = start_daemon(["--listen", "127.0.0.1:0"])
+      name = start_limiter({:daemon, daemon.tcp, timeout: 1_000})
+      assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+      stop_at = now_ms() + 1_500
+
+      callers =
+        for i <- 1..64 do
+          Task.async(fn -> hammer({"ex", "h#{i}"}, name, stop_at, []) end)
+        end
+
+      Process.sleep(300)
+      DaemonServer.kill(daemon)
+
+      answers = callers |> Task.await_many(30_000) |> List.flatten()
+      assert Enum.any?(answers, fn {answer, _elapsed} -> unavailable?(answer) end)
+
+      for {answer, elapsed} <- answers do
+        assert answer == :ok or match?({:delay, _}, answer) or unavailable?(answer),
+               inspect(answer)
+
+        assert elapsed < 1_000 + 5_000
+      end
+
+      assert routes(handle(name)) == 0
+    end
+  end
+
+  describe "callers that give up or die" do
+    @tag timeout: 120_000
+    test "callers whose timeout fires while their answers are on the way: no late message, no route left" do
+      daemon = start_daemon(["--listen", "127.0.0.1:0"])
+      # A timeout of 1 ms: most answers arrive about when their caller gives up.
+      name = start_limiter({:daemon, daemon.tcp, timeout: 1})
+      eventually(fn -> RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name) == :ok end)
+
+      callers =
+        for i <- 1..8 do
+          Task.async(fn ->
+            answers =
+              for j <- 1..300 do
+                answer = RateLimiter.check_rate({"ex", "k#{i}-#{rem(j, 7)}"}, @wide, 1, name)
+                {:messages, mailbox} = Process.info(self(), :messages)
+                {answer, mailbox}
+              end
+
+            # Late answers would land after the last call too.
+            Process.sleep(200)
+            {:messages, mailbox} = Process.info(self(), :messages)
+            {answers, mailbox}
+          end)
+        end
+
+      for {answers, mailbox} <- Task.await_many(callers, 100_000) do
+        assert mailbox == []
+
+        for {answer, mailbox} <- answers do
+          assert answer == :ok or unavailable?(answer), inspect(answer)
+          assert mailbox == []
+        end
+      end
+
+      eventually(fn -> routes(handle(name)) == 0 end)
+    end
+
+    test "the connection process killed: callers get :unavailable, the limiter comes back with a port that assumes every bucket busy" do
+      name = start_limiter(:port)
+      handle = handle(name)
+      drained = {"ex", "drained"}
+      limit = %{capacity: 10, refill_per_sec: 1}
+      for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate(drained, limit, 1, name))
+      old_os_pid = port_os_pid(handle)
+
+      callers =
+        for i <- 1..16 do
+          Task.async(fn -> hammer({"ex", "c#{i}"}, name, now_ms() + 500, []) end)
+        end
+
+      Process.sleep(100)
+      killed_at = now_ms()
+      Process.exit(handle.pid, :kill)
+
+      for {answer, _elapsed} <- callers |> Task.await_many(30_000) |> List.flatten() do
+        assert answer == :ok or match?({:delay, _}, answer) or unavailable?(answer),
+               inspect(answer)
+      end
+
+      eventually(fn -> RateLimiter.check_rate({"ex", "after"}, @wide, 1, name) == :ok end)
+      assert port_os_pid(handle(name)) != old_os_pid
+
+      admitted =
+        Enum.count(1..10, fn _ -> RateLimiter.check_rate(drained, limit, 1, name) == :ok end)
+
+      elapsed_s = (now_ms() - killed_at) / 1000
+      assert admitted <= 1 + limit.refill_per_sec * elapsed_s, "#{admitted} admitted"
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+  end
+
+  defp hammer(key, name, stop_at, answers) do
+    if now_ms() >= stop_at do
+      answers
+    else
+      started = now_ms()
+      answer = RateLimiter.check_rate(key, @wide, 1, name)
+      hammer(key, name, stop_at, [{answer, now_ms() - started} | answers])
+    end
+  end
+end
