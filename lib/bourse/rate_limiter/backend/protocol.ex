@@ -349,7 +349,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp backoff_credential(other), do: value(other)
 
+  # A scope is one of two atoms. A binary is none, even one spelt as a scope's name: it
+  # travels as a placeholder of its size, which the daemon describes as the NIF does.
   defp scope(scope) when scope in [:credential, :exchange], do: Atom.to_string(scope)
+  defp scope(other) when is_binary(other), do: :binary.copy("?", byte_size(other))
   defp scope(other), do: value(other)
 
   # A scalar as JSON holds it; any other term as its shape alone (`%{"$term": kind, ...}`,

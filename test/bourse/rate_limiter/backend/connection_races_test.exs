@@ -4,7 +4,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
   # time out, or the daemon stops, dies or its connection process is killed.
   use ExUnit.Case, async: true
 
-  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
+  import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
 
   alias Bourse.DaemonServer
   alias Bourse.Error
