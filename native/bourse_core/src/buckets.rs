@@ -4,9 +4,12 @@
 //! A full table is not rehashed in place: a table of twice the size takes its place, and
 //! the old one is emptied into it [`MOVE_STEP`] buckets per insert (and by the sweep).
 //! The sweep visits [`SCAN_STEP`] slots per call; when it leaves the table at under a
-//! quarter of its capacity, the buckets move the same way into a table sized for them.
+//! quarter of its capacity, the buckets move the same way into a table sized for them,
+//! which the sweep allocates between two steps: a step never allocates, since after many
+//! frees an allocation can take milliseconds (the allocator merges the freed chunks).
 
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 use crate::bucket::Bucket;
 use crate::key::Sought;
@@ -28,7 +31,22 @@ pub(crate) struct Buckets {
     old_cursor: usize,
     /// Emptied tables, kept for the sweep to free once it has released the shard's lock:
     /// freeing megabytes can take milliseconds, too long for a check or under the lock.
-    emptied: Vec<HashTable<Bucket>>,
+    emptied: Emptied,
+}
+
+/// Tables emptied under the lock, to be freed after it (rarely more than one).
+pub(crate) type Emptied = SmallVec<[HashTable<Bucket>; 2]>;
+
+/// What a step of a pass leaves to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// The next step starts at this slot.
+    Next(usize),
+    /// The next step starts at this slot, and is to be given an empty table of at least this
+    /// capacity, allocated without the shard's lock.
+    NeedsTable { cursor: usize, capacity: usize },
+    /// The pass is over.
+    Done,
 }
 
 fn matches(hash: u64, key: Sought<'_>) -> impl Fn(&Bucket) -> bool + '_ {
@@ -104,16 +122,21 @@ impl Buckets {
             .into_mut()
     }
 
-    /// Starts emptying the table into a new one of `capacity`. A move still running is
-    /// finished first (it cannot be: the old table empties long before the new one fills).
+    /// Starts emptying the table into a new one of `capacity`.
     fn start_move(&mut self, capacity: usize) {
+        self.start_move_into(HashTable::with_capacity(capacity));
+    }
+
+    /// Starts emptying the table into `fresh`, an empty table. A move still running is
+    /// finished first (it cannot be: the old table empties long before the new one fills).
+    fn start_move_into(&mut self, fresh: HashTable<Bucket>) {
         while !self.old.is_empty() {
             self.move_some(usize::MAX);
         }
         if self.old.capacity() > 0 {
             self.empty_old();
         }
-        self.old = std::mem::replace(&mut self.table, HashTable::with_capacity(capacity));
+        self.old = std::mem::replace(&mut self.table, fresh);
         self.old_cursor = 0;
     }
 
@@ -146,19 +169,20 @@ impl Buckets {
 
     /// The tables emptied since the last call: to be dropped once the shard's lock is
     /// released.
-    pub fn take_emptied(&mut self) -> Vec<HashTable<Bucket>> {
+    pub fn take_emptied(&mut self) -> Emptied {
         std::mem::take(&mut self.emptied)
     }
 
     /// One step of a pass over every bucket from slot `cursor` (0 to start): drops those
-    /// `keep` refuses, then returns where the next step starts, or `None` once the pass is
-    /// over and no move is left to do. Buckets inserted or moved between steps may be
-    /// visited twice or not at all.
+    /// `keep` refuses, and says where the next step starts, and whether it needs a table
+    /// (then given in `spare`). Buckets inserted or moved between steps may be visited twice
+    /// or not at all. Allocates nothing.
     pub fn retain_step(
         &mut self,
         cursor: usize,
+        spare: &mut Option<HashTable<Bucket>>,
         mut keep: impl FnMut(&mut Bucket) -> bool,
-    ) -> Option<usize> {
+    ) -> Step {
         let slots = self.table.num_buckets();
         if cursor < slots {
             let end = (cursor + SCAN_STEP).min(slots);
@@ -169,7 +193,7 @@ impl Buckets {
                     }
                 }
             }
-            return Some(end);
+            return Step::Next(end);
         }
         // The old table is passed over as its buckets move.
         if !self.old.is_empty() {
@@ -186,7 +210,7 @@ impl Buckets {
             if self.old.is_empty() {
                 self.empty_old();
             }
-            return Some(cursor);
+            return Step::Next(cursor);
         }
         // Occupancy fell under a quarter: move into a table half full (so at most 7/16 full
         // afterwards, never shrunk again by the next pass).
@@ -194,10 +218,16 @@ impl Buckets {
             let table = std::mem::take(&mut self.table);
             self.emptied.push(table);
         } else if self.table.capacity() > 4 * self.table.len().max(MIN_CAPACITY) {
-            self.start_move(2 * self.table.len().max(MIN_CAPACITY));
-            return Some(cursor);
+            let capacity = 2 * self.table.len().max(MIN_CAPACITY);
+            return match spare.take_if(|table| table.capacity() >= capacity) {
+                Some(table) => {
+                    self.start_move_into(table);
+                    Step::Next(cursor)
+                }
+                None => Step::NeedsTable { cursor, capacity },
+            };
         }
-        None
+        Step::Done
     }
 }
 
@@ -206,6 +236,8 @@ mod tests {
     use super::*;
     use crate::key::KeyRef;
     use crate::limit::Limit;
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
     use std::hash::BuildHasher;
 
     fn bucket(hasher: &foldhash::fast::RandomState, i: usize) -> Bucket {
@@ -240,6 +272,71 @@ mod tests {
         assert!((0..20_000).all(|i| find(&buckets, &hasher, i)));
     }
 
+    thread_local! {
+        static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// The system allocator, counting each thread's allocations.
+    struct Counting;
+
+    // SAFETY: every call is passed on to the system allocator unchanged.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            ALLOCATIONS.with(|count| count.set(count.get() + 1));
+            System.alloc(layout)
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            System.dealloc(ptr, layout)
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            ALLOCATIONS.with(|count| count.set(count.get() + 1));
+            System.realloc(ptr, layout, new_size)
+        }
+    }
+
+    #[global_allocator]
+    static ALLOCATOR: Counting = Counting;
+
+    /// What a pass did: its steps, and the most buckets dropped and allocations made by
+    /// one step.
+    struct Pass {
+        steps: usize,
+        most_dropped: usize,
+        most_allocations: usize,
+    }
+
+    /// A whole pass as the table's sweep runs it: the tables asked for are allocated
+    /// between steps (where the sweep holds no lock).
+    fn pass(buckets: &mut Buckets, mut keep: impl FnMut(&mut Bucket) -> bool) -> Pass {
+        let (mut cursor, mut spare) = (0, None);
+        let mut pass = Pass {
+            steps: 0,
+            most_dropped: 0,
+            most_allocations: 0,
+        };
+        loop {
+            let (before, allocations) = (buckets.len(), ALLOCATIONS.with(Cell::get));
+            let step = buckets.retain_step(cursor, &mut spare, &mut keep);
+            let allocated = ALLOCATIONS.with(Cell::get) - allocations;
+            pass.most_allocations = pass.most_allocations.max(allocated);
+            pass.most_dropped = pass.most_dropped.max(before - buckets.len());
+            pass.steps += 1;
+            match step {
+                Step::Next(next) => cursor = next,
+                Step::NeedsTable {
+                    cursor: next,
+                    capacity,
+                } => {
+                    cursor = next;
+                    spare = Some(HashTable::with_capacity(capacity));
+                }
+                Step::Done => return pass,
+            }
+        }
+    }
+
     #[test]
     fn a_pass_drops_in_steps_then_shrinks_and_hands_tables_back() {
         let hasher = foldhash::fast::RandomState::default();
@@ -248,15 +345,12 @@ mod tests {
             buckets.insert(bucket(&hasher, i));
         }
         let capacity = buckets.table.capacity() + buckets.old.capacity();
-        let (mut cursor, mut steps) = (Some(0), 0);
-        while let Some(at) = cursor {
-            let before = buckets.len();
-            cursor = buckets.retain_step(at, |b| b.hash.is_multiple_of(100));
-            // One step drops at most the buckets of SCAN_STEP slots.
-            assert!(before - buckets.len() <= SCAN_STEP);
-            steps += 1;
-        }
-        assert!(steps > 20_000 / SCAN_STEP);
+        let pass = pass(&mut buckets, |b| b.hash.is_multiple_of(100));
+        // One step drops at most the buckets of SCAN_STEP slots, and allocates nothing
+        // (the shrunk table is allocated between steps).
+        assert!(pass.most_dropped <= SCAN_STEP);
+        assert_eq!(pass.most_allocations, 0);
+        assert!(pass.steps > 20_000 / SCAN_STEP);
         let kept = (0..20_000)
             .filter(|&i| bucket(&hasher, i).hash.is_multiple_of(100))
             .count();
@@ -270,10 +364,7 @@ mod tests {
         assert!((0..20_000)
             .all(|i| find(&buckets, &hasher, i) == (bucket(&hasher, i).hash.is_multiple_of(100))));
         // Emptied entirely, the table frees its allocation too.
-        let mut cursor = Some(0);
-        while let Some(at) = cursor {
-            cursor = buckets.retain_step(at, |_| false);
-        }
+        assert_eq!(self::pass(&mut buckets, |_| false).most_allocations, 0);
         assert_eq!(buckets.table.capacity(), 0);
     }
 }

@@ -4,12 +4,13 @@
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use smallvec::SmallVec;
 
 use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
-use crate::buckets::Buckets;
+use crate::buckets::{Buckets, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, Request};
 use crate::key::{Key, KeyRef, Sought};
@@ -449,19 +450,32 @@ impl<C: Clock> Table<C> {
     fn retain(&self, mut keep: impl FnMut(&mut Bucket, u64, &mut Stats) -> bool) -> usize {
         let mut dropped = 0;
         for shard in self.shards.iter() {
-            let mut cursor = Some(0);
-            while let Some(at) = cursor {
+            let (mut cursor, mut spare) = (0, None);
+            loop {
                 let mut guard = shard.0.lock();
                 let now = self.clock.now();
                 let Shard { buckets, stats } = &mut *guard;
                 let before = buckets.len();
-                cursor = buckets.retain_step(at, |bucket| keep(bucket, now, stats));
+                let step =
+                    buckets.retain_step(cursor, &mut spare, |bucket| keep(bucket, now, stats));
                 dropped += before - buckets.len();
                 let emptied = buckets.take_emptied();
                 // Straight to a waiting check, if any: otherwise this loop would take the
                 // lock again before the woken check runs.
                 MutexGuard::unlock_fair(guard);
                 drop(emptied);
+                match step {
+                    Step::Next(next) => cursor = next,
+                    Step::NeedsTable {
+                        cursor: next,
+                        capacity,
+                    } => {
+                        cursor = next;
+                        // Allocated without the lock; a spare too small is freed here too.
+                        spare = Some(HashTable::with_capacity(capacity));
+                    }
+                    Step::Done => break,
+                }
             }
         }
         dropped
