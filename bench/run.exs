@@ -280,12 +280,18 @@ defmodule Bench do
     ## 3. Out of the VM: median of 3 runs of #{@daemon_run_ms} ms each, 1,000 keys
     Through Bourse.RateLimiter.check_rate/4: the port backend (bourse_daemon --stdio, one
     per limiter) and a bourse_daemon server on a Unix socket and on 127.0.0.1 (one
-    connection per limiter, its callers' requests pipelined on it); the NIF for reference.
+    connection per limiter, its callers' requests pipelined on it); the Redis backend (a
+    redis-server on 127.0.0.1 through the limiter's bourse_daemon --stdio, its checks
+    waiting at once sharing one script call); the NIF for reference.
     Latency of one check in µs, sampled on one check in 8 of every caller.
     Load average now: #{load_average()}
     """)
 
-    rows = OSProcesses.with_socket_daemon(&backend_rows/1)
+    rows =
+      OSProcesses.with_socket_daemon(fn daemon ->
+        OSProcesses.with_redis(&backend_rows(daemon, &1)) || backend_rows(daemon, nil)
+      end)
+
     IO.puts("")
 
     Table.print(
@@ -300,19 +306,37 @@ defmodule Bench do
     """)
 
     cargo(["run", "-q", "--release", "-p", "bourse_daemon", "--example", "daemon_bench"])
+
+    IO.puts(
+      "\nThrough Redis, from Rust clients (one check in flight each; --example redis_bench):\n"
+    )
+
+    cargo(
+      ~w(run -q --release -p bourse_daemon --example redis_bench --) ++
+        ~w(--store memory --store redis --clients 1 --clients 64 --seconds 1)
+    )
+
     IO.puts("")
   end
 
   defp load_average,
     do: "/proc/loadavg" |> File.read!() |> String.split() |> Enum.take(3) |> Enum.join(" ")
 
-  defp backend_rows(%{tcp: tcp, unix: unix}) do
+  defp backend_rows(%{tcp: tcp, unix: unix}, redis) do
     limiters = [
       {"NIF", Bench.NIF, []},
       {"port (stdio)", Bench.Port, backend: :port},
       {"daemon (Unix socket)", Bench.Unix, backend: {:daemon, {:unix, unix}}},
       {"daemon (TCP)", Bench.TCP, backend: {:daemon, tcp}}
     ]
+
+    # Without redis-server installed, the Redis row is left out.
+    redis =
+      if redis,
+        do: [{"Redis (bourse_daemon --stdio --redis)", Bench.Redis, backend: {:redis, redis}}],
+        else: []
+
+    limiters = limiters ++ redis
 
     keys = Runner.keys(1_000)
 

@@ -32,6 +32,40 @@ defmodule Demo.OSProcesses do
     end
   end
 
+  @doc """
+  Starts `redis-server` (no persistence) on a free loopback port, calls `fun` with its URL,
+  and stops the server, also when `fun` raises; `nil` without calling `fun` when no
+  `redis-server` is installed. Returns what `fun` returns.
+  """
+  @spec with_redis((String.t() -> result)) :: result | nil when result: term()
+  def with_redis(fun) do
+    with executable when is_binary(executable) <- System.find_executable("redis-server") do
+      {:ok, listener} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
+      {:ok, port} = :inet.port(listener)
+      :gen_tcp.close(listener)
+      args = ["--port", "#{port}", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+      server = open(executable, args ++ ["--loglevel", "warning"])
+      wait_for_port(port, 100)
+
+      try do
+        fun.("redis://127.0.0.1:#{port}")
+      after
+        stop_daemon(server)
+      end
+    end
+  end
+
+  defp wait_for_port(port, tries) do
+    case :gen_tcp.connect(~c"127.0.0.1", port, []) do
+      {:ok, socket} ->
+        :gen_tcp.close(socket)
+
+      {:error, _} when tries > 0 ->
+        Process.sleep(50)
+        wait_for_port(port, tries - 1)
+    end
+  end
+
   defp with_started(args, fun) do
     {daemon, listeners} = start_daemon(args)
 

@@ -1,8 +1,8 @@
 //! Concurrent checks share round trips. Each check waits in one queue; a dispatcher takes
-//! every check waiting (up to [`MAX_BATCH`]) into one `checks` call of the script, one
+//! every check waiting (up to [`MAX_BATCH`], or [`MAX_BATCH_KEYS`]) into one `checks` call of the script, one
 //! per slot on a cluster, while at most [`BATCHES_IN_FLIGHT`] calls are on their way, so
-//! the checks that arrive meanwhile form the next call. One caller alone gets a call of
-//! its own at once.
+//! the checks that arrive meanwhile form the next call. A check that finds a call free
+//! (nothing waits) is sent alone at once, from its own task.
 //!
 //! Every check is answered exactly once, with its own outcome or
 //! [`StoreError::Unavailable`]: a call that fails fails each check it carried; a caller
@@ -26,6 +26,8 @@ use crate::store::{StoreError, StoreResult};
 
 /// The most checks in one call: a call holds Redis for all of them.
 const MAX_BATCH: usize = 128;
+/// A call takes no further check once it holds this many keys (large `check_many`s).
+const MAX_BATCH_KEYS: usize = 1024;
 /// Calls on their way at once.
 const BATCHES_IN_FLIGHT: usize = 2;
 
@@ -38,6 +40,9 @@ struct Waiting {
 
 /// The queue of checks and its dispatcher.
 pub struct Batcher {
+    client: Arc<Client>,
+    runs: Arc<Runs>,
+    turns: Arc<Semaphore>,
     queue: mpsc::UnboundedSender<Waiting>,
     timeout: Duration,
 }
@@ -47,13 +52,25 @@ impl Batcher {
     /// under `prefix`.
     pub fn start(client: Arc<Client>, prefix: Vec<u8>, timeout: Duration) -> Self {
         let (queue, waiting) = mpsc::unbounded_channel();
-        let runs = Runs {
+        let runs = Arc::new(Runs {
             prefix,
             process: RandomState::new().hash_one(std::process::id()),
             next: AtomicU64::new(0),
-        };
-        tokio::spawn(dispatch(client, waiting, runs));
-        Self { queue, timeout }
+        });
+        let turns = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
+        tokio::spawn(dispatch(
+            client.clone(),
+            waiting,
+            runs.clone(),
+            turns.clone(),
+        ));
+        Self {
+            client,
+            runs,
+            turns,
+            queue,
+            timeout,
+        }
     }
 
     /// Runs one check (its keys and arguments, see bucket.lua), within the timeout.
@@ -61,12 +78,18 @@ impl Batcher {
         let sent = Instant::now();
         let (reply, answer) = oneshot::channel();
         let waiting = Waiting { part, sent, reply };
-        if self.queue.send(waiting).is_err() {
+        // A call free means no check waits for one (the dispatcher is served first): this
+        // one goes alone, at once, from this task.
+        if let Ok(turn) = self.turns.clone().try_acquire_owned() {
+            let marker = self.runs.marker(hash_tag(waiting.part.first_key()));
+            let client = self.client.clone();
+            run(client, marker, vec![waiting], Arc::new(turn)).await;
+        } else if self.queue.send(waiting).is_err() {
             return Err(StoreError::Unavailable(
                 "the redis dispatcher stopped".into(),
             ));
         }
-        match tokio::time::timeout(self.timeout, answer).await {
+        match tokio::time::timeout_at((sent + self.timeout).into(), answer).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(StoreError::Unavailable(
                 "redis: the check was dropped unanswered".into(),
@@ -94,8 +117,12 @@ impl Runs {
     }
 }
 
-async fn dispatch(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Waiting>, runs: Runs) {
-    let turns = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
+async fn dispatch(
+    client: Arc<Client>,
+    mut queue: mpsc::UnboundedReceiver<Waiting>,
+    runs: Arc<Runs>,
+    turns: Arc<Semaphore>,
+) {
     loop {
         // Never closed: acquiring only waits.
         let Ok(turn) = turns.clone().acquire_owned().await else {
@@ -104,10 +131,14 @@ async fn dispatch(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Waitin
         let Some(first) = queue.recv().await else {
             return;
         };
+        let mut keys = first.part.key_count();
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
+        while batch.len() < MAX_BATCH && keys < MAX_BATCH_KEYS {
             match queue.try_recv() {
-                Ok(waiting) => batch.push(waiting),
+                Ok(waiting) => {
+                    keys += waiting.part.key_count();
+                    batch.push(waiting);
+                }
                 Err(_) => break,
             }
         }

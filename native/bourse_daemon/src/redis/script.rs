@@ -46,6 +46,10 @@ impl Call {
         call
     }
 
+    pub fn key_count(&self) -> usize {
+        self.keys.len()
+    }
+
     /// The first key, which names the slot of the call on a cluster.
     pub fn first_key(&self) -> &[u8] {
         self.keys.first().map_or(&[], Vec::as_slice)
