@@ -45,6 +45,9 @@ pub struct Table<C: Clock = MonotonicClock> {
     clock: C,
     config: Config,
     started_at: u64,
+    /// foldhash, seeded at random per table: far faster than SipHash on short keys, and
+    /// keys of colliding hashes cannot be chosen without the seed. Prepared buckets keep
+    /// their hash, so their checks hash nothing.
     hasher: foldhash::fast::RandomState,
     shards: Box<[Padded<Mutex<Shard>>]>,
     pauses: RwLock<Pauses>,
