@@ -120,7 +120,7 @@ fn checks(table: &Table, thread: usize, workload: Workload, count: usize) {
                 limit,
                 cost: 1.0,
             };
-            black_box(table.check_one(thread as u64, check, Mode::Probe));
+            black_box(table.check_rate(thread as u64, check, Mode::Probe));
         } else {
             batch.clear();
             batch.extend(axes.iter().map(|axis| Check {
@@ -128,7 +128,11 @@ fn checks(table: &Table, thread: usize, workload: Workload, count: usize) {
                 limit,
                 cost: 1.0,
             }));
-            black_box(table.check(thread as u64, &batch, Mode::Probe).unwrap());
+            black_box(
+                table
+                    .check_rates(thread as u64, &batch, Mode::Probe)
+                    .unwrap(),
+            );
         }
     }
 }

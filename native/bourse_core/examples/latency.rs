@@ -110,7 +110,7 @@ fn hot_key_during_growth_and_sweep(background: Background) {
                     break;
                 }
                 let started = Instant::now();
-                black_box(table.check_one(
+                black_box(table.check_rate(
                     1,
                     Check {
                         key,
@@ -141,7 +141,7 @@ fn hot_key_during_growth_and_sweep(background: Background) {
                     cost: 1.0,
                 };
                 let started = Instant::now();
-                black_box(worked.check_one(2, check, Mode::Probe));
+                black_box(worked.check_rate(2, check, Mode::Probe));
                 slowest_insert = slowest_insert.max(started.elapsed());
                 if i % 256 == 0 {
                     std::thread::sleep(Duration::from_micros(50));
@@ -217,7 +217,7 @@ fn checks_with_pauses() {
         let rounds = 200_000;
         let started = Instant::now();
         for _ in 0..rounds {
-            black_box(table.check_one(
+            black_box(table.check_rate(
                 1,
                 Check {
                     key,

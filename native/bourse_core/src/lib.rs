@@ -9,7 +9,7 @@
 //! Adapters that check the same bucket again and again prepare it once
 //! ([`Table::prepare`]: the key packed and hashed, the limit validated) and check the
 //! [`PreparedBucket`] ([`Table::check_prepared`], [`Table::check_prepared_all`]); the
-//! answers are those of [`Table::check_one`] and [`Table::check`] for its key and limit,
+//! answers are those of [`Table::check_rate`] and [`Table::check_rates`] for its key and limit,
 //! from the same code.
 //!
 //! Time comes from a [`Clock`], so the semantics are testable to the nanosecond with a

@@ -125,11 +125,11 @@ impl<C: Clock> Table<C> {
     }
 
     /// Checks one bucket. `owner` identifies the caller, for its bookings.
-    pub fn check_one(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
+    pub fn check_rate(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
         self.check_item(owner, self.item(check), mode)
     }
 
-    /// Checks one prepared bucket, as [`Table::check_one`] checks its key and limit.
+    /// Checks one prepared bucket, as [`Table::check_rate`] checks its key and limit.
     pub fn check_prepared(
         &self,
         owner: u64,
@@ -146,10 +146,15 @@ impl<C: Clock> Table<C> {
 
     /// Checks several buckets all-or-nothing. Repeated keys are coalesced into one combined
     /// cost; the same key with two definitions is an error and pays nothing.
-    pub fn check(&self, owner: u64, checks: &[Check], mode: Mode) -> Result<Outcome, InvalidInput> {
+    pub fn check_rates(
+        &self,
+        owner: u64,
+        checks: &[Check],
+        mode: Mode,
+    ) -> Result<Outcome, InvalidInput> {
         match checks {
             [] => Ok(Outcome::Admitted),
-            [single] => Ok(self.check_one(owner, *single, mode)),
+            [single] => Ok(self.check_rate(owner, *single, mode)),
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.item(c)));
@@ -158,7 +163,7 @@ impl<C: Clock> Table<C> {
         }
     }
 
-    /// Checks several prepared buckets all-or-nothing, as [`Table::check`] checks keys and
+    /// Checks several prepared buckets all-or-nothing, as [`Table::check_rates`] checks keys and
     /// limits.
     pub fn check_prepared_all(
         &self,
@@ -334,7 +339,7 @@ impl<C: Clock> Table<C> {
 
     /// Debits `cost` from `key` without checking (usage spent elsewhere). On a key without
     /// a definition the debt waits for its first check.
-    pub fn record(&self, key: KeyRef, cost: f64) {
+    pub fn record_request(&self, key: KeyRef, cost: f64) {
         let hash = self.hash(&key);
         let mut shard = self.lock(hash);
         let now = self.clock.now();
@@ -373,7 +378,7 @@ impl<C: Clock> Table<C> {
     }
 
     /// Tokens borrowed from `key`'s bucket now: 0 for an unknown key.
-    pub fn borrowed(&self, key: KeyRef) -> f64 {
+    pub fn get_cost(&self, key: KeyRef) -> f64 {
         let hash = self.hash(&key);
         let now = self.clock.now();
         let shard = self.lock(hash);

@@ -121,7 +121,7 @@ pub struct Stats {
 /// A snapshot of one key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyInfo {
-    /// The key's definition; `None` while it has only `record` debt.
+    /// The key's definition; `None` while it has only `record_request` debt.
     pub limit: Option<Limit>,
     /// Tokens now, capped at the capacity; negative while in debt.
     pub tokens: f64,

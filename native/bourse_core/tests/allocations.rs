@@ -58,16 +58,16 @@ fn checks_of_known_buckets_allocate_nothing() {
         .map(|bucket| PreparedCheck { bucket, cost: 1.0 })
         .collect();
     // The buckets exist: first seen, each allocates its key.
-    table.check(1, &checks, Mode::Probe).unwrap();
+    table.check_rates(1, &checks, Mode::Probe).unwrap();
 
     let one = allocations(|| {
-        table.check_one(1, checks[0], Mode::Probe);
+        table.check_rate(1, checks[0], Mode::Probe);
     });
     let one_prepared = allocations(|| {
         table.check_prepared(1, &prepared[0], 1.0, Mode::Probe);
     });
     let three = allocations(|| {
-        table.check(1, &checks, Mode::Probe).unwrap();
+        table.check_rates(1, &checks, Mode::Probe).unwrap();
     });
     let three_prepared = allocations(|| {
         table

@@ -52,7 +52,7 @@ fn key() -> KeyRef<'static> {
 fn admit_all(table: &Table<StallingClock>, limit: Limit) -> u32 {
     let mut admitted = 0;
     while table
-        .check_one(
+        .check_rate(
             1,
             Check {
                 key: key(),
@@ -98,7 +98,7 @@ fn a_stale_reading_never_moves_a_bucket_back_in_time() {
         let stalled = scope.spawn(move || {
             go.recv().unwrap();
             // A cost-0 check reads t = 0, then is preempted for 1.1 s.
-            table.check_one(
+            table.check_rate(
                 2,
                 Check {
                     key: key(),
@@ -191,7 +191,7 @@ proptest! {
                             Mode::Probe
                         };
                         let check = Check { key: key(), limit, cost };
-                        match table.check_one(thread as u64, check, mode) {
+                        match table.check_rate(thread as u64, check, mode) {
                             bourse_core::Outcome::Admitted => *admitted.lock().unwrap() += cost,
                             // A booking counts as admitted at its ready time, within 1 ms.
                             bourse_core::Outcome::Booked(_) => *admitted.lock().unwrap() += cost,

@@ -40,7 +40,7 @@ fn a_prepared_bucket_is_the_bucket_of_its_key() {
         let outcome = if i % 2 == 0 {
             t.check_prepared(ME, &bucket, 1.0, Mode::Probe)
         } else {
-            t.check_one(ME, check("request", l, 1.0), Mode::Probe)
+            t.check_rate(ME, check("request", l, 1.0), Mode::Probe)
         };
         assert_eq!(outcome, Outcome::Admitted);
     }
@@ -49,7 +49,7 @@ fn a_prepared_bucket_is_the_bucket_of_its_key() {
         Outcome::Delay(100)
     );
     assert_eq!(
-        t.check_one(ME, check("request", l, 1.0), Mode::Probe),
+        t.check_rate(ME, check("request", l, 1.0), Mode::Probe),
         Outcome::Delay(100)
     );
     assert_eq!(t.stats().buckets, 1);
@@ -67,7 +67,7 @@ fn a_booking_made_prepared_is_claimed_by_key_and_limit() {
     );
     clock.advance_ms(1000);
     assert_eq!(
-        t.check_one(ME, check("request", l, 1.0), WAIT),
+        t.check_rate(ME, check("request", l, 1.0), WAIT),
         Outcome::Claimed
     );
 }
@@ -86,7 +86,7 @@ fn a_bucket_prepared_by_another_table_is_hashed_again() {
     }
     // The same bucket as the key's in this table, and none in the other.
     assert_eq!(
-        mine.check_one(ME, check("request", l, 1.0), Mode::Probe),
+        mine.check_rate(ME, check("request", l, 1.0), Mode::Probe),
         Outcome::Delay(1000)
     );
     assert_eq!(mine.stats().buckets, 1);
@@ -132,14 +132,14 @@ fn prepared_multi_bucket_checks_coalesce_and_refuse_conflicts_as_keys_do() {
         t.check_prepared_all(ME, &checks, Mode::Probe),
         Ok(Outcome::Admitted)
     );
-    assert_eq!(t.borrowed(key("request")), 4.0);
-    assert_eq!(t.borrowed(key("ip")), 1.0);
+    assert_eq!(t.get_cost(key("request")), 4.0);
+    assert_eq!(t.get_cost(key("ip")), 1.0);
     // All or nothing: `request` has 1 token left, so nothing is paid on `ip`.
     assert_eq!(
         t.check_prepared_all(ME, &checks[1..], Mode::Probe),
         Ok(Outcome::Delay(1000))
     );
-    assert_eq!(t.borrowed(key("ip")), 1.0);
+    assert_eq!(t.get_cost(key("ip")), 1.0);
     let conflicting = t.prepare(key("request"), limit(9.0, 1.0));
     let error = t
         .check_prepared_all(
@@ -158,7 +158,7 @@ fn prepared_multi_bucket_checks_coalesce_and_refuse_conflicts_as_keys_do() {
         )
         .unwrap_err();
     let expected = t
-        .check(
+        .check_rates(
             ME,
             &[
                 check("request", l, 0.0),
@@ -173,7 +173,7 @@ fn prepared_multi_bucket_checks_coalesce_and_refuse_conflicts_as_keys_do() {
 #[test]
 fn recorded_debt_waits_for_a_prepared_bucket_as_for_a_key() {
     let (t, _) = table();
-    t.record(key("request"), 4.0);
+    t.record_request(key("request"), 4.0);
     let bucket = t.prepare(key("request"), limit(5.0, 1.0));
     assert_eq!(
         t.check_prepared(ME, &bucket, 1.0, Mode::Probe),

@@ -103,7 +103,9 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
             pending.sort_by_key(|p| p.ready_at);
             while let Some(due) = pending.first().filter(|p| p.ready_at <= until) {
                 clock.advance(due.ready_at.saturating_sub(clock.now()));
-                let outcome = table.check(due.owner, &due.checks, Mode::Probe).unwrap();
+                let outcome = table
+                    .check_rates(due.owner, &due.checks, Mode::Probe)
+                    .unwrap();
                 prop_assert_eq!(
                     outcome,
                     Outcome::Claimed,
@@ -165,7 +167,7 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
                 },
             ),
             Op::Record(cost) => {
-                table.record(MAIN, cost);
+                table.record_request(MAIN, cost);
                 continue;
             }
             Op::Advance(_) => unreachable!(),
@@ -176,7 +178,7 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
         }
         let before = snapshot(&table);
         let now = clock.now();
-        let outcome = table.check(owner, &checks, mode).unwrap();
+        let outcome = table.check_rates(owner, &checks, mode).unwrap();
         let after = snapshot(&table);
         match outcome {
             Outcome::Admitted | Outcome::Booked(_) => {

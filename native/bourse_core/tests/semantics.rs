@@ -30,11 +30,11 @@ fn check<'a>(key: KeyRef<'a>, limit: Limit, cost: f64) -> Check<'a> {
 }
 
 fn probe(t: &Table<ManualClock>, axis: &str, l: Limit, cost: f64) -> Outcome {
-    t.check_one(ME, check(key(axis), l, cost), Mode::Probe)
+    t.check_rate(ME, check(key(axis), l, cost), Mode::Probe)
 }
 
 fn wait(t: &Table<ManualClock>, owner: u64, axis: &str, l: Limit, cost: f64) -> Outcome {
-    t.check_one(
+    t.check_rate(
         owner,
         check(key(axis), l, cost),
         Mode::Wait {
@@ -51,7 +51,7 @@ fn fresh_bucket_is_full_then_delays_to_the_next_token() {
         assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
     }
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
-    assert_eq!(t.borrowed(key("request")), 10.0);
+    assert_eq!(t.get_cost(key("request")), 10.0);
 }
 
 #[test]
@@ -90,7 +90,7 @@ fn over_capacity_cost_accrues_then_leaves_the_bucket_empty() {
     // Full bucket holds 1; 49 more take 49 / 9.09 s = 5390.54 ms.
     assert_eq!(probe(&t, "request", l, 50.0), Outcome::Delay(5391));
     assert_eq!(
-        t.borrowed(key("request")),
+        t.get_cost(key("request")),
         0.0,
         "a refused probe pays nothing"
     );
@@ -118,11 +118,14 @@ fn over_capacity_accrual_restarts_after_any_payment() {
 fn repeated_keys_are_coalesced_into_one_cost() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);
-    t.record(key("request"), 6.0);
+    t.record_request(key("request"), 6.0);
     let checks = [check(key("request"), l, 3.0), check(key("request"), l, 3.0)];
     // Holds 4, needs 6: 200 ms for the combined cost, nothing paid.
-    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Delay(200)));
-    assert_eq!(t.borrowed(key("request")), 6.0);
+    assert_eq!(
+        t.check_rates(ME, &checks, Mode::Probe),
+        Ok(Outcome::Delay(200))
+    );
+    assert_eq!(t.get_cost(key("request")), 6.0);
 }
 
 #[test]
@@ -133,9 +136,9 @@ fn conflicting_definitions_pay_nothing_on_any_key() {
         check(key("request"), limit(10.0, 10.0), 1.0),
         check(key("request"), limit(5.0, 5.0), 1.0),
     ];
-    assert!(t.check(ME, &checks, Mode::Probe).is_err());
-    assert_eq!(t.borrowed(key("ip")), 0.0);
-    assert_eq!(t.borrowed(key("request")), 0.0);
+    assert!(t.check_rates(ME, &checks, Mode::Probe).is_err());
+    assert_eq!(t.get_cost(key("ip")), 0.0);
+    assert_eq!(t.get_cost(key("request")), 0.0);
     assert_eq!(t.stats().invalid, 1);
 }
 
@@ -149,24 +152,30 @@ fn multi_bucket_check_pays_on_all_or_none() {
         check(key("ip"), wide, 2.0),
         check(key("order"), narrow, 1.0),
     ];
-    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Delay(1000)));
-    assert_eq!(t.borrowed(key("ip")), 0.0);
+    assert_eq!(
+        t.check_rates(ME, &checks, Mode::Probe),
+        Ok(Outcome::Delay(1000))
+    );
+    assert_eq!(t.get_cost(key("ip")), 0.0);
     clock.advance_ms(1000);
-    assert_eq!(t.check(ME, &checks, Mode::Probe), Ok(Outcome::Admitted));
-    assert_eq!(t.borrowed(key("order")), 1.0);
-    assert_eq!(t.borrowed(key("ip")), 2.0 - 10.0 * 0.0);
+    assert_eq!(
+        t.check_rates(ME, &checks, Mode::Probe),
+        Ok(Outcome::Admitted)
+    );
+    assert_eq!(t.get_cost(key("order")), 1.0);
+    assert_eq!(t.get_cost(key("ip")), 2.0 - 10.0 * 0.0);
 }
 
 #[test]
 fn a_booking_is_claimed_without_a_second_charge() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);
-    t.record(key("request"), 10.0);
+    t.record_request(key("request"), 10.0);
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
     // Bookings take the cost at once: later callers queue behind.
     assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(500));
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(600));
-    assert_eq!(t.borrowed(key("request")), 15.0);
+    assert_eq!(t.get_cost(key("request")), 15.0);
     // Early: the remaining wait, nothing charged.
     clock.advance_ms(200);
     assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Delay(300));
@@ -174,7 +183,7 @@ fn a_booking_is_claimed_without_a_second_charge() {
     assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Booked(800));
     clock.advance_ms(300);
     assert_eq!(probe(&t, "request", l, 5.0), Outcome::Claimed);
-    assert_eq!(t.borrowed(key("request")), 15.0);
+    assert_eq!(t.get_cost(key("request")), 15.0);
     let stats = t.stats();
     assert_eq!((stats.booked, stats.claimed), (2, 1));
 }
@@ -183,7 +192,7 @@ fn a_booking_is_claimed_without_a_second_charge() {
 fn a_booking_not_claimed_within_the_slack_lapses_but_stays_paid() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);
-    t.record(key("request"), 10.0);
+    t.record_request(key("request"), 10.0);
     assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(500));
     clock.advance_ms(500 + 251);
     let info = t.inspect(key("request")).unwrap();
@@ -199,22 +208,22 @@ fn a_booking_not_claimed_within_the_slack_lapses_but_stays_paid() {
 fn a_waiter_over_budget_books_nothing() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);
-    t.record(key("request"), 10.0);
-    let outcome = t.check_one(
+    t.record_request(key("request"), 10.0);
+    let outcome = t.check_rate(
         ME,
         check(key("request"), l, 5.0),
         Mode::Wait { max_wait_ms: 499 },
     );
     assert_eq!(outcome, Outcome::OverBudget(500));
     assert_eq!(t.inspect(key("request")).unwrap().bookings, 0);
-    assert_eq!(t.borrowed(key("request")), 10.0);
+    assert_eq!(t.get_cost(key("request")), 10.0);
 }
 
 #[test]
 fn heavy_waiter_is_not_starved_by_cheap_traffic() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);
-    t.record(key("request"), 10.0);
+    t.record_request(key("request"), 10.0);
     let Outcome::Booked(ms) = wait(&t, ME, "request", l, 8.0) else {
         panic!("expected a booking")
     };
@@ -229,11 +238,11 @@ fn heavy_waiter_is_not_starved_by_cheap_traffic() {
 #[test]
 fn debt_on_an_undefined_key_applies_at_its_first_definition() {
     let (t, clock) = table();
-    t.record(key("request"), 4.0);
-    assert_eq!(t.borrowed(key("request")), 4.0);
+    t.record_request(key("request"), 4.0);
+    assert_eq!(t.get_cost(key("request")), 4.0);
     clock.advance_ms(10_000);
     assert_eq!(
-        t.borrowed(key("request")),
+        t.get_cost(key("request")),
         4.0,
         "no refill without a definition"
     );
@@ -249,8 +258,8 @@ fn record_can_push_a_bucket_into_debt() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
-    t.record(key("request"), 20.0);
-    assert_eq!(t.borrowed(key("request")), 21.0);
+    t.record_request(key("request"), 20.0);
+    assert_eq!(t.get_cost(key("request")), 21.0);
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(1200));
 }
 
@@ -314,7 +323,7 @@ fn pauses_hold_every_bucket_of_the_target() {
     // Other credentials are untouched.
     let public = KeyRef::new(b"binance", None, b"request");
     assert_eq!(
-        t.check_one(ME, check(public, l, 1.0), Mode::Probe),
+        t.check_rate(ME, check(public, l, 1.0), Mode::Probe),
         Outcome::Admitted
     );
     // Waiters book behind the pause.
@@ -330,7 +339,7 @@ fn pauses_hold_every_bucket_of_the_target() {
 fn a_pause_that_starts_after_booking_holds_the_claim() {
     let (t, clock) = table();
     let l = limit(1.0, 10.0);
-    t.record(key("request"), 1.0);
+    t.record_request(key("request"), 1.0);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Booked(100));
     t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000)
         .unwrap();
@@ -358,7 +367,7 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     let okx = KeyRef::new(b"okx", Some(b"other"), b"request");
     assert_eq!(t.back_off(b"okx", me, BackoffScope::Exchange), Ok(1000));
     assert_eq!(
-        t.check_one(ME, check(okx, l, 1.0), Mode::Probe),
+        t.check_rate(ME, check(okx, l, 1.0), Mode::Probe),
         Outcome::Delay(1000)
     );
     // A success starts the count again; so does a lapse after the last limited reply.
@@ -401,20 +410,20 @@ fn resets_forget_keys_bookings_and_pauses() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);
     let okx = KeyRef::new(b"okx", Some(b"api-key"), b"request");
-    t.record(key("request"), 10.0);
-    t.record(key("ip"), 10.0);
-    t.record(okx, 3.0);
+    t.record_request(key("request"), 10.0);
+    t.record_request(key("ip"), 10.0);
+    t.record_request(okx, 3.0);
     t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000)
         .unwrap();
     t.reset(key("ip"));
     assert_eq!(t.inspect(key("ip")), None);
-    assert_eq!(t.borrowed(key("request")), 10.0);
+    assert_eq!(t.get_cost(key("request")), 10.0);
     t.reset_exchange(b"binance");
-    assert_eq!(t.borrowed(key("request")), 0.0);
-    assert_eq!(t.borrowed(okx), 3.0);
+    assert_eq!(t.get_cost(key("request")), 0.0);
+    assert_eq!(t.get_cost(okx), 3.0);
     assert_eq!(probe(&t, "request", l, 10.0), Outcome::Admitted);
     t.reset_all();
-    assert_eq!(t.borrowed(okx), 0.0);
+    assert_eq!(t.get_cost(okx), 0.0);
     assert_eq!(t.stats().buckets, 0);
 }
 
@@ -424,7 +433,7 @@ fn sweep_drops_only_full_idle_buckets() {
     let l = limit(10.0, 10.0);
     assert_eq!(probe(&t, "request", l, 5.0), Outcome::Admitted);
     assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
-    t.record(KeyRef::new(b"okx", None, b"request"), 1.0);
+    t.record_request(KeyRef::new(b"okx", None, b"request"), 1.0);
     assert_eq!(t.sweep(), 0, "nothing idle past its fill time yet");
     clock.advance_ms(1_001);
     assert_eq!(
@@ -451,7 +460,7 @@ fn zero_cost_is_admitted_without_paying() {
     let (t, _) = table();
     let l = limit(1.0, 1.0);
     assert_eq!(probe(&t, "request", l, 0.0), Outcome::Admitted);
-    assert_eq!(t.borrowed(key("request")), 0.0);
+    assert_eq!(t.get_cost(key("request")), 0.0);
 }
 
 #[test]

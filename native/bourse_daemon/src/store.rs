@@ -151,7 +151,7 @@ impl<C: Clock> Store for Memory<C> {
         check: Check<'_>,
         mode: Mode,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
-        ready(Ok(self.table.check_one(owner, check, mode)))
+        ready(Ok(self.table.check_rate(owner, check, mode)))
     }
 
     fn check_rates(
@@ -162,7 +162,7 @@ impl<C: Clock> Store for Memory<C> {
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
         ready(
             self.table
-                .check(owner, checks, mode)
+                .check_rates(owner, checks, mode)
                 .map_err(StoreError::Invalid),
         )
     }
@@ -172,7 +172,7 @@ impl<C: Clock> Store for Memory<C> {
         key: KeyRef<'_>,
         cost: f64,
     ) -> impl Future<Output = StoreResult<()>> + Send {
-        self.table.record(key, cost);
+        self.table.record_request(key, cost);
         ready(Ok(()))
     }
 
@@ -186,7 +186,7 @@ impl<C: Clock> Store for Memory<C> {
     }
 
     fn get_cost(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send {
-        ready(Ok(self.table.borrowed(key)))
+        ready(Ok(self.table.get_cost(key)))
     }
 
     fn inspect(

@@ -281,7 +281,7 @@ fn check_rate<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
         Ok(match limit {
             Some(limit) => {
                 let check = Check { key, limit, cost };
-                outcome(env, table.check_one(owner(owner_term), check, mode))
+                outcome(env, table.check_rate(owner(owner_term), check, mode))
             }
             None => atoms::ok().encode(env),
         })
@@ -355,7 +355,7 @@ fn record_request<'a>(
     answer(env, table, || {
         let key = key(key_term)?;
         let cost = rules::cost(number(cost_term)).map_err(|err| err.for_exchange(key.exchange))?;
-        table.record(key, cost);
+        table.record_request(key, cost);
         Ok(atoms::ok().encode(env))
     })
 }
@@ -385,7 +385,7 @@ fn sync<'a>(
 fn get_cost<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
     let table = &table.0;
     answer(env, table, || {
-        Ok(table.borrowed(key(key_term)?).encode(env))
+        Ok(table.get_cost(key(key_term)?).encode(env))
     })
 }
 

@@ -157,6 +157,6 @@ pub fn check_list<'a>(
     if checks.is_empty() {
         table.check_prepared_all(owner, &prepared, mode)
     } else {
-        table.check(owner, &checks, mode)
+        table.check_rates(owner, &checks, mode)
     }
 }
