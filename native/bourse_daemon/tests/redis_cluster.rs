@@ -398,3 +398,52 @@ fn a_slot_moved_under_load_keeps_serving() {
     ]});
     assert_eq!(t.call(many)["result"], "admitted");
 }
+
+/// Checks of many exchanges pipelined at once share calls by slot: each is answered once,
+/// under its own id, and each exchange's bucket admits at most its capacity.
+#[test]
+fn pipelined_checks_of_many_exchanges_are_grouped_by_slot() {
+    let Some(cluster) = Cluster::start(2000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 3, "refill_per_sec": 0.001});
+    let (exchanges, per_exchange) = (16, 8);
+    // Loads the script and reads the clock of every master first.
+    for e in 0..exchanges {
+        let k = key(&format!("slot-{e}"), None);
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    }
+    let n = exchanges * per_exchange;
+    for id in 0..n {
+        let mut request = check(
+            &key(&format!("slot-{}", id % exchanges), None),
+            limit.clone(),
+            1.0,
+        );
+        request["id"] = json!(id);
+        t.send(&request);
+    }
+    let mut admitted = vec![0; exchanges];
+    let mut ids: Vec<u64> = (0..n)
+        .map(|_| {
+            let answer = t.recv();
+            let id = answer["id"].as_u64().unwrap_or_else(|| panic!("{answer}"));
+            match answer["result"].as_str() {
+                Some("admitted") => admitted[id as usize % exchanges] += 1,
+                Some("delay") => {}
+                _ => panic!("{answer}"),
+            }
+            id
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..n as u64).collect::<Vec<_>>());
+    // One admitted before, so two more each, on every exchange.
+    assert_eq!(admitted, vec![2; exchanges]);
+    for e in 0..exchanges {
+        let paid = borrowed(&mut t, &key(&format!("slot-{e}"), None));
+        assert!((paid - 3.0).abs() < 0.01, "slot-{e}: paid {paid}");
+    }
+}
