@@ -1004,3 +1004,88 @@ fn a_malformed_check_among_pipelined_checks_is_refused_alone() {
     let paid = borrowed(&mut t, &k) - 1.0;
     assert!((paid - (n - 1) as f64).abs() < 0.01, "paid {paid}");
 }
+
+/// The connection to Redis lost after Redis ran a `checks` call but before its answer came
+/// back: whatever the daemon answers, a check told `unavailable` must not have paid
+/// (docs/CONTRACT.md §8, Stores): what was paid is at most what was admitted.
+#[test]
+fn a_call_whose_answer_was_lost_pays_only_for_what_it_admitted() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let k = key("h", Some("lost"));
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let mut killer = TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+    let mut reply = [0u8; 64];
+    killer.write_all(b"PING\r\n").unwrap();
+    let _ = killer.read(&mut reply).unwrap();
+    kill("STOP", redis.child.id());
+    let n = 20;
+    for id in 0..n {
+        let mut request = check(&k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        t.send_request(&request);
+    }
+    sleep_ms(300);
+    killer
+        .write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
+        .unwrap();
+    sleep_ms(100);
+    kill("CONT", redis.child.id());
+    let answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+    let admitted = answers.iter().filter(|a| a["result"] == "admitted").count();
+    let paid = borrowed(&mut t, &k) - 1.0;
+    eprintln!("{n} checks, their call's answer lost: {admitted} admitted, {paid:.2} paid");
+    assert!(
+        paid < admitted as f64 + 0.01,
+        "paid {paid:.2} for {admitted} admitted checks; the others were told unavailable"
+    );
+}
+
+/// A check whose keys Redis cannot use (a key of another type under the bucket's name)
+/// fails; the other checks sharing its script call are answered as they would be alone,
+/// and none told `unavailable` paid.
+#[test]
+fn a_check_failing_in_redis_fails_alone_in_its_call() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let (good, bad) = (key("good", None), key("bad", None));
+    let limit = json!({"capacity": 1000, "refill_per_sec": 0.001});
+    assert_eq!(
+        t.call(check(&good, limit.clone(), 1.0))["result"],
+        "admitted"
+    );
+    let _: () = redis.query(
+        ::redis::cmd("SET")
+            .arg("bourse:{3:bad}:b:-:7:request")
+            .arg("x"),
+    );
+    let n = 60;
+    kill("STOP", redis.child.id());
+    for id in 0..n {
+        let k = if id == n / 2 { &bad } else { &good };
+        let mut request = check(k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        t.send_request(&request);
+    }
+    sleep_ms(200);
+    kill("CONT", redis.child.id());
+    let answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+    let admitted = answers.iter().filter(|a| a["result"] == "admitted").count();
+    let paid = borrowed(&mut t, &good) - 1.0;
+    eprintln!(
+        "{} good checks with one bad in their call: {admitted} admitted, {paid:.2} paid",
+        n - 1
+    );
+    assert!(
+        paid < admitted as f64 + 0.01,
+        "paid {paid:.2} for {admitted} admitted"
+    );
+    assert_eq!(admitted as u64, n - 1, "{answers:?}");
+    let failed = answers.iter().find(|a| a["id"] == n / 2).unwrap();
+    assert_eq!(load::classify(failed), "unavailable", "{failed}");
+    let message = failed["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("WRONGTYPE"), "{failed}");
+}

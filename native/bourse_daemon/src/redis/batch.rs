@@ -5,9 +5,10 @@
 //! (nothing waits) is sent alone at once, from its own task.
 //!
 //! Every check is answered exactly once, with its own outcome or
-//! [`StoreError::Unavailable`]: a call that fails fails each check it carried; a caller
-//! whose timeout passes is answered `Unavailable` at once, and its check, if still
-//! waiting, is dropped, or refused by the script past its deadline.
+//! [`StoreError::Unavailable`]: a check that fails inside Redis fails alone, having paid
+//! nothing (the script runs each under `pcall`); a call that fails fails each check it
+//! carried; a caller whose timeout passes is answered `Unavailable` at once, and its
+//! check, if still waiting, is dropped, or refused by the script past its deadline.
 
 use std::collections::hash_map::RandomState;
 use std::collections::BTreeMap;
@@ -184,7 +185,10 @@ async fn run(
             for (waiting, answer) in checks.into_iter().zip(answers) {
                 let answer = match answer.0.as_str() {
                     "late" => Err(client::late_refusal(waiting.sent)),
-                    _ => Ok(answer),
+                    result => match result.strip_prefix("error ") {
+                        Some(error) => Err(StoreError::Unavailable(format!("redis: {error}"))),
+                        None => Ok(answer),
+                    },
                 };
                 let _ = waiting.reply.send(answer);
             }

@@ -259,16 +259,22 @@ end
 -- (µs), assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential
 -- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
 -- coalesced them). Returns {now, answers}, per check {result, ms, paused (0/1), lapsed
--- bookings}, or {'late', 0, 0, 0} for a check past its deadline (it did nothing).
+-- bookings}, {'late', 0, 0, 0} for a check past its deadline (it did nothing), or
+-- {'error <message>', 0, 0, 0} for a check that failed in Redis (a key of another type):
+-- each check runs under pcall, and fails before it pays (its keys are all read first).
 --
--- The run marker makes a call run once: a call sent again after the connection was lost
--- (it may have run) finds the marker, does nothing, and answers the error "RERUN".
+-- The run marker makes a call run once, and holds its answers: a call sent again after
+-- the connection was lost finds them (see `replay`) and answers them unchanged.
 local decide
 
+-- The first line of a failed check's error, at most 200 bytes.
+local function error_text(e)
+  local text = type(e) == 'table' and e.err or tostring(e)
+  return string.sub(string.match(text, '^[^\n]*'), 1, 200)
+end
+
 local function checks(now)
-  if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[2]) then
-    return redis.error_reply('RERUN this call already ran')
-  end
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
   local answers, markers = {}, {}
   local k, a = 1, 4
   for j = 1, tonumber(ARGV[3]) do
@@ -276,17 +282,35 @@ local function checks(now)
     if deadline > 0 and now > deadline then
       answers[j] = { 'late', 0, 0, 0 }
     else
-      local items, answer = decide(now, k, a + 2)
-      for _, item in ipairs(items) do
-        markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+      local ok, items, answer = pcall(decide, now, k, a + 2)
+      if ok then
+        for _, item in ipairs(items) do
+          markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+        end
+        answers[j] = answer
+      else
+        answers[j] = { 'error ' .. error_text(items), 0, 0, 0 }
       end
-      answers[j] = answer
     end
     k = k + tonumber(ARGV[a + 1])
     a = a + 3 + tonumber(ARGV[a + 2])
   end
   keep_markers(markers)
+  redis.call('SET', KEYS[1], cmsgpack.pack(answers), 'PX', ARGV[2])
   return { now, answers }
+end
+
+-- A `checks` call that already ran (its marker exists): the answers it gave, even past its
+-- deadline (what they admitted is paid), or the error "RERUN" if its run left no answers.
+local function replay(now)
+  local ran = redis.call('GET', KEYS[1])
+  if not ran then
+    return nil
+  end
+  if ran == '1' then
+    return redis.error_reply('RERUN this call already ran')
+  end
+  return { now, cmsgpack.unpack(ran) }
 end
 
 -- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
@@ -542,6 +566,12 @@ end
 local deadline = tonumber(ARGV[2]) or 0
 table.remove(ARGV, 2)
 local now = clock()
+if op == checks then
+  local answered = replay(now)
+  if answered then
+    return answered
+  end
+end
 if deadline > 0 and now > deadline then
   return redis.error_reply('LATE ' .. string.format('%d', now))
 end

@@ -1,6 +1,7 @@
 //! Sends script calls and commands to Redis, each bounded by the timeout. A call that
 //! found the connection lost is sent once more on the fresh connection it triggered (a
-//! `checks` call carries a marker that lets it run only once).
+//! `checks` call carries a marker that lets it run only once: sent again, it answers what
+//! its first run answered).
 //!
 //! A call answered `Unavailable` never pays later: each script carries a deadline on the
 //! Redis server's own clock ([`ServerClock`]) and refuses to run past it, so a Redis that
