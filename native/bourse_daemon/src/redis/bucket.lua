@@ -19,8 +19,9 @@
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
 --                        wait since its last success
---   P:{E}:r:<n>  string  "1": a `checks` call numbered n (by its daemon) ran; lives twice
---                        the daemon's Redis timeout
+--   P:{E}:r:<n>  string  the answers (MessagePack) of the `checks` call numbered n (by its
+--                        daemon), once it ran ("1" while it runs); lives twice the
+--                        daemon's Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
