@@ -1,1 +1,2 @@
-ExUnit.start()
+# A message a test waits for may be late on a loaded machine: wait up to 2 s, not 100 ms.
+ExUnit.start(assert_receive_timeout: 2_000)
