@@ -430,6 +430,33 @@ pub fn busiest_count(given: Shape) -> Result<usize, InvalidInput> {
     integer_in("count", given, 1, MAX_BUSIEST as u64).map(|count| count as usize)
 }
 
+/// The moment a caller stops waiting for a request's answer, on the clock of the store
+/// that runs it: an integer of microseconds from 0 to `i64::MAX`.
+pub fn deadline_us(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("deadline_us", given, 0, i64::MAX as u64)
+}
+
+/// How long the caller of a request with a deadline waits in all: an integer of
+/// milliseconds from 1 to [`MAX_MS`].
+pub fn timeout_ms(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("timeout_ms", given, 1, MAX_MS)
+}
+
+/// The latest moment a request may run, on the store's clock: a quarter of its caller's
+/// timeout before the caller stops waiting, for the answer to travel back.
+pub fn last_run_us(deadline_us: u64, timeout_ms: u64) -> u64 {
+    deadline_us.saturating_sub(timeout_ms.saturating_mul(1000) / 4)
+}
+
+/// What a request that reached its store after [`last_run_us`] is told: it did nothing.
+pub fn past_deadline(late_us: u64) -> String {
+    format!(
+        "the request reached the daemon {} ms after the last moment it could run and \
+         still be answered within its caller's timeout; it was not executed",
+        late_us.div_ceil(1000)
+    )
+}
+
 /// Checks are a proper list of `{key, limit, cost}`.
 pub fn not_a_check_list(given: Shape) -> InvalidInput {
     InvalidInput::new(format!(

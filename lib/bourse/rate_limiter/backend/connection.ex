@@ -17,7 +17,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
   that gave up deactivates its alias first, so an answer that comes later goes nowhere; the
-  route of a caller that died goes with its answer.
+  route of a caller that died goes with its answer, or, if it died before its request was
+  written, with the routes this process drops once past their caller's deadline (it looks
+  every timeout).
+
+  Each request carries its caller's deadline on the daemon's clock (docs/PROTOCOL.md,
+  "Deadlines"), placed with the offset between that clock and this one that the hellos
+  of the stream proved: a request the daemon reads too late to answer in time (it was
+  stopped with the request in its input) does nothing, so a caller told `:unavailable`
+  never pays.
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
@@ -115,13 +123,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @spec request(t(), map()) :: map() | {:error, String.t() | Error.t()}
   def request(%__MODULE__{} = handle, request) do
     id = System.unique_integer([:positive])
-    payload = encode(id, request)
+    now_us = System.monotonic_time(:microsecond)
 
     case :ets.lookup(handle.table, :stream) do
-      [{:stream, nil, _transport, _max, down}] ->
+      [{:stream, nil, _transport, _max, down, _offset}] ->
         {:error, Error.unavailable(down)}
 
-      [{:stream, stream, transport, max, _down}] ->
+      [{:stream, stream, transport, max, _down, offset}] ->
+        payload = encode(id, with_deadline(request, handle.timeout, now_us, offset))
+
         case IO.iodata_length(payload) do
           size when size > max ->
             {:error,
@@ -129,7 +139,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
                "(#{max}, its --max-frame-bytes)"}
 
           size ->
-            deadline = System.monotonic_time(:millisecond) + handle.timeout
+            deadline = div(now_us, 1000) + handle.timeout
             frame = transport.frame(payload, size)
             handle |> call(id, {stream, transport, frame}, deadline) |> decoded(id)
         end
@@ -139,6 +149,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> {:error, gone()}
   end
 
+  # The moment this caller stops waiting, on the daemon's clock (docs/PROTOCOL.md,
+  # "Deadlines"): the daemon runs the request only until a quarter of the timeout before it.
+  defp with_deadline(request, _timeout, _now_us, nil), do: request
+
+  defp with_deadline(request, timeout, now_us, offset_us),
+    do:
+      Map.merge(request, %{deadline_us: now_us + timeout * 1000 + offset_us, timeout_ms: timeout})
+
   # The caller writes its own request, after noting its route (the id and an alias of this
   # call) for the connection, which reads the answer and sends it there. Whoever takes the
   # route from the table answers: the connection with the answer (or the failure of the
@@ -146,7 +164,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp call(handle, id, write, deadline) do
     reply_to = :erlang.alias([:reply])
 
-    case write(handle.table, {id, reply_to}, write, deadline) do
+    case write(handle.table, {id, {reply_to, deadline}}, write, deadline) do
       :ok ->
         receive do
           {^reply_to, answer} -> answer
@@ -169,8 +187,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # A stream busy with earlier requests (the daemon is behind with its input, or stopped) is
   # tried again every millisecond until the deadline: a caller never blocks on it. The route
-  # is in the table only while a write may have gone: a caller killed while it waits leaves
-  # none behind.
+  # is in the table only while a write may have gone; a caller killed between noting it and
+  # writing leaves it behind until the connection drops routes past their deadline.
   defp write(table, route, {stream, transport, frame} = write, deadline) do
     :ets.insert(table, route)
 
@@ -251,11 +269,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       connected_before: false,
       limiter: limiter,
       orphan_timer: nil,
+      clock_offset_us: nil,
       env: Keyword.get(secrets, :env, []),
       secret: Keyword.get(secrets, :secret)
     }
 
     publish(state, nil, nil)
+    drop_late_routes_later(state)
 
     case open(state) do
       {:ok, state} ->
@@ -314,6 +334,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
 
+  # The routes of callers killed between noting them and writing: no answer comes for them.
+  def handle_info(:drop_late_routes, state) do
+    now = System.monotonic_time(:millisecond)
+    late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
+    :ets.select_delete(state.table, late)
+    drop_late_routes_later(state)
+    {:noreply, state}
+  end
+
   def handle_info({:write_failed, stream, reason}, %{stream: stream} = state),
     do: {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
 
@@ -335,6 +364,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def handle_info(_message, state), do: {:noreply, state}
 
+  defp drop_late_routes_later(state),
+    do: Process.send_after(self(), :drop_late_routes, state.timeout)
+
   defp orphaned(state) do
     timer = Process.send_after(self(), :orphaned, @orphan_grace_ms)
     %{state | limiter: nil, orphan_timer: timer}
@@ -350,21 +382,57 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp answered(state, frame) do
-    with {:ok, id, answer} <- answer_id(frame),
-         [{^id, reply_to}] <- :ets.take(state.table, id) do
-      send(reply_to, {reply_to, answer})
-      {:ok, state}
-    else
+    case answer_id(frame) do
+      # A keepalive's hello (callers' ids are positive): what it tells of the daemon's clock.
+      {:ok, 0, answer} ->
+        {:ok, observed_clock(state, answer)}
+
+      {:ok, id, answer} ->
+        case :ets.take(state.table, id) do
+          [{^id, {reply_to, _deadline}}] -> send(reply_to, {reply_to, answer})
+          [] -> dropped(state)
+        end
+
+        {:ok, state}
+
+      {:unmatched, _answer} ->
+        dropped(state)
+        {:ok, state}
+
       :error ->
         {:error, not_protocol()}
-
-      # An answer to a caller that gave up already, or an error without an id. Not shown:
-      # answers hold keys, and keys hold API keys.
-      _unmatched ->
-        Logger.debug("#{describe(state)}: dropped an answer no caller waits for")
-        {:ok, state}
     end
   end
+
+  # An answer to a caller that gave up already, or an error without an id. Not shown:
+  # answers hold keys, and keys hold API keys.
+  defp dropped(state),
+    do: Logger.debug("#{describe(state)}: dropped an answer no caller waits for")
+
+  # The daemon read `clock_us` on its clock before this moment: its clock is at least that
+  # far ahead of this one. The tightest such bound since the stream opened is kept, so a
+  # deadline sent on the daemon's clock falls no later than the moment it stands for.
+  defp observed_clock(state, answer) do
+    case decoded_hello(answer) do
+      %{"clock_us" => clock_us} when is_integer(clock_us) ->
+        offset = clock_us - System.monotonic_time(:microsecond)
+        offset = if state.clock_offset_us, do: max(offset, state.clock_offset_us), else: offset
+        :ets.update_element(state.table, :stream, {6, offset})
+        %{state | clock_offset_us: offset}
+
+      _ ->
+        state
+    end
+  end
+
+  defp decoded_hello(frame) when is_binary(frame) do
+    case decode(frame) do
+      {:ok, hello} -> hello
+      :error -> nil
+    end
+  end
+
+  defp decoded_hello(hello), do: hello
 
   # Every answer of the daemon is a map whose first key is its id, an integer as
   # `:erlang.term_to_binary/1` wrote it: read from there, the answer is left for its caller
@@ -417,7 +485,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     state.transport.close(state.stream)
 
     for id <- :ets.select(state.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [:"$1"]}]),
-        {^id, reply_to} <- :ets.take(state.table, id),
+        {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
         do: send(reply_to, {reply_to, error})
 
     %{state | stream: nil, partial: []}
@@ -427,7 +495,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # and why it is down.
   defp publish(state, stream, max_frame_bytes) do
     down = unavailable(state)
-    :ets.insert(state.table, {:stream, stream, state.transport, max_frame_bytes, down})
+
+    :ets.insert(
+      state.table,
+      {:stream, stream, state.transport, max_frame_bytes, down, state.clock_offset_us}
+    )
+
     down
   end
 
@@ -495,6 +568,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # From now on a port is restarted with --assume-busy-at-start: its table would be new.
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state)}: connected again")
+    state = observed_clock(%{state | clock_offset_us: nil}, hello)
     publish(state, stream, hello["max_frame_bytes"])
 
     %{

@@ -31,6 +31,8 @@ pub struct Hello {
     /// The nonce to prove the secret over, while the connection has not proved it.
     pub nonce: Option<String>,
     pub idle_timeout_ms: Option<u64>,
+    /// The daemon's monotonic clock (µs) when it answered: deadlines are sent on it.
+    pub clock_us: u64,
 }
 
 /// Where an answer goes: the request's id, or for a frame whose id could not be read, its
@@ -95,6 +97,7 @@ pub fn encode(out: &mut Vec<u8>, codec: Codec, to: To, answer: Answer) {
                 "server": SERVER,
                 "assume_busy_at_start": hello.assume_busy_at_start,
                 "max_frame_bytes": hello.max_frame_bytes,
+                "clock_us": hello.clock_us,
             });
             if let Some(nonce) = hello.nonce {
                 body["auth"] = json!({"scheme": "hmac-sha256", "nonce": nonce});

@@ -11,8 +11,9 @@ mod request;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::time::Instant;
 
-use bourse_core::{InvalidInput, Outcome};
+use bourse_core::{rules, InvalidInput, Outcome};
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::Sha256;
@@ -34,6 +35,8 @@ pub struct Service<S: Store = Memory> {
     /// Keyed hashing of owner ids: a client cannot forge another connection's default owner.
     owners: RandomState,
     connections: AtomicU64,
+    /// The origin of the clock requests' deadlines are on (docs/PROTOCOL.md, "Deadlines").
+    epoch: Instant,
 }
 
 /// How a connection's frames are encoded.
@@ -140,7 +143,13 @@ impl<S: Store> Service<S> {
             secret,
             owners: RandomState::new(),
             connections: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
+    }
+
+    /// The daemon's monotonic clock, in µs: what `hello` reports and deadlines are on.
+    fn clock_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
     }
 
     pub fn store(&self) -> &S {
@@ -177,8 +186,14 @@ impl<S: Store> Service<S> {
             }
         };
         let to = To::Id(request.get("id"));
-        let failure = match Request::parse(&request) {
-            Ok(request) => match self.execute(session, number, request).await {
+        let parsed = Request::parse(&request)
+            .and_then(|parsed| Ok((parsed, request::last_run_us(&request)?)));
+        let failure = match parsed {
+            // Checked right before it runs: a caller told `unavailable` never pays.
+            Ok((_, Some(last_run_us))) if self.clock_us() > last_run_us => {
+                Failure::Unavailable(rules::past_deadline(self.clock_us() - last_run_us))
+            }
+            Ok((request, _)) => match self.execute(session, number, request).await {
                 // In the codec chosen by a first `hello`, if it chose one.
                 Ok(answer) => return encode(out, session.codec(), to, answer),
                 Err(failure) => failure,
@@ -316,6 +331,7 @@ impl<S: Store> Service<S> {
                 .then(|| session.nonce.clone())
                 .flatten(),
             idle_timeout_ms: session.idle_timeout_ms,
+            clock_us: self.clock_us(),
         })
     }
 

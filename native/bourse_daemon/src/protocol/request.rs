@@ -95,7 +95,10 @@ impl<'a> Request<'a> {
             }
             None => return Err(envelope("missing field op")),
         };
-        let fields = |allowed: &[&str], what: &str| only(request, allowed, what);
+        let fields = |allowed: &[&str], what: &str| {
+            let allowed = [allowed, DEADLINE_FIELDS.as_slice()].concat();
+            only(request, &allowed, what)
+        };
         let key_field = || key(required(request, "key")?);
         Ok(match op {
             "check" => {
@@ -265,6 +268,24 @@ impl<'a> Request<'a> {
     /// Whether the request may be sent before the connection proved its secret.
     pub fn before_auth(&self) -> bool {
         matches!(self, Self::Hello { .. } | Self::Auth { .. })
+    }
+}
+
+/// The envelope's optional deadline: every request may carry both or neither.
+const DEADLINE_FIELDS: [&str; 2] = ["deadline_us", "timeout_ms"];
+
+/// The latest moment (µs on the daemon's clock) the request may run, from its `deadline_us`
+/// (when its caller stops waiting) and `timeout_ms` (how long it waits in all); `None`
+/// for a request without them.
+pub fn last_run_us(request: &Map<String, Value>) -> Result<Option<u64>> {
+    match (request.get("deadline_us"), request.get("timeout_ms")) {
+        (None, None) => Ok(None),
+        (Some(deadline), Some(timeout)) => Ok(Some(rules::last_run_us(
+            rules::deadline_us(number(deadline))?,
+            rules::timeout_ms(number(timeout))?,
+        ))),
+        (None, Some(_)) => Err(envelope("missing field deadline_us (sent with timeout_ms)")),
+        (Some(_), None) => Err(envelope("missing field timeout_ms (sent with deadline_us)")),
     }
 }
 

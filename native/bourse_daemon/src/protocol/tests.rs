@@ -99,11 +99,54 @@ fn check(limit: &str, extra: &str) -> String {
 #[test]
 fn hello_names_the_protocol() {
     let f = Fixture::new();
+    let mut hello = f.call(r#"{"op":"hello","id":7}"#);
+    let clock_us = hello
+        .as_object_mut()
+        .and_then(|hello| hello.remove("clock_us"));
+    assert!(clock_us.is_some_and(|clock| clock.is_u64()));
     assert_eq!(
-        f.call(r#"{"op":"hello","id":7}"#),
+        hello,
         json!({"ok": true, "protocol": 1, "server": SERVER,
                "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 7})
     );
+}
+
+#[test]
+fn requests_past_their_deadline_do_nothing() {
+    let f = Fixture::new();
+    let etf = f.etf_session();
+    let now = f.call(r#"{"op":"hello"}"#)["clock_us"].as_u64().unwrap();
+    let key = json!({"exchange": "binance", "credential": "k1"});
+    let check =
+        json!({"op": "check", "key": key, "limit": {"capacity": 1, "refill_per_sec": 0.001}});
+    let with_deadline = |request: &Value, id: u64, deadline_us: u64, timeout_ms: u64| {
+        let mut request = request.clone();
+        request["id"] = json!(id);
+        request["deadline_us"] = json!(deadline_us);
+        request["timeout_ms"] = json!(timeout_ms);
+        request
+    };
+    // Its caller gives up 99 ms from `now` after 400 ms in all: it could run until 1 ms
+    // before `now`, for its answer to travel back within a quarter of the timeout.
+    let late = with_deadline(&check, 3, now + 99_000, 400);
+    let record = with_deadline(&json!({"op": "record", "key": key, "cost": 5}), 4, now, 4);
+    for answer in [
+        f.call(&late.to_string()),
+        f.call(&record.to_string()),
+        f.call_etf(&etf, &late),
+    ] {
+        assert_eq!(answer["ok"], false, "{answer}");
+        assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+        assert!(answer["id"] == 3 || answer["id"] == 4, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains("it was not executed"), "{message}");
+    }
+    let cost = f.call(&json!({"op": "get_cost", "key": key}).to_string());
+    assert_eq!(cost["borrowed"], 0.0, "{cost}");
+    // In time (or without a deadline): run.
+    let in_time = with_deadline(&check, 5, now + 60_000_000, 1000);
+    assert_eq!(f.call(&in_time.to_string())["result"], "admitted");
+    assert_eq!(f.call(&check.to_string())["result"], "delay");
 }
 
 #[test]
@@ -477,6 +520,26 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         (r#"{"op":1}"#.into(), "op must be a string"),
         (r#"{"op":"nope"}"#.into(), "unknown op"),
         (r#"{"op":"hello","x":1}"#.into(), "unknown field \"x\""),
+        (
+            r#"{"op":"stats","deadline_us":-1,"timeout_ms":5}"#.into(),
+            "deadline_us must be an integer from 0 to 9223372036854775807, got -1",
+        ),
+        (
+            r#"{"op":"stats","deadline_us":1.5,"timeout_ms":5}"#.into(),
+            "deadline_us must be an integer",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":null},"limit":null,"deadline_us":5,"timeout_ms":0}"#.into(),
+            "timeout_ms must be an integer from 1 to 4294967295, got 0",
+        ),
+        (
+            r#"{"op":"stats","deadline_us":5}"#.into(),
+            "missing field timeout_ms (sent with deadline_us)",
+        ),
+        (
+            r#"{"op":"stats","timeout_ms":5}"#.into(),
+            "missing field deadline_us (sent with timeout_ms)",
+        ),
         (r#"{"op":"check","limit":null}"#.into(), "missing field key"),
         (
             format!(r#"{{"op":"check","key":{KEY}}}"#),

@@ -6,6 +6,8 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
+use bourse_core::rules;
+
 /// How long one window of offset samples lasts: the estimate follows a Redis clock that
 /// was set back within two windows.
 const WINDOW_US: i64 = 10_000_000;
@@ -15,9 +17,7 @@ const UNKNOWN: i64 = i64::MIN;
 /// What is known of the Redis clock (µs, from `TIME`) against this process's monotonic one.
 pub struct ServerClock {
     epoch: Instant,
-    /// The answer's time must reach the caller before it gives up: the script may run only
-    /// until this long before the timeout.
-    lead: Duration,
+    /// How long a caller waits: its script may run until `rules::last_run_us` of that.
     timeout: Duration,
     /// The largest lower bound of (Redis time − local time), in µs, seen in the current
     /// window and in the previous one.
@@ -31,7 +31,6 @@ impl ServerClock {
     pub fn new(timeout: Duration) -> Self {
         Self {
             epoch: Instant::now(),
-            lead: timeout / 4,
             timeout,
             current: AtomicI64::new(UNKNOWN),
             previous: AtomicI64::new(UNKNOWN),
@@ -77,8 +76,9 @@ impl ServerClock {
         if offset == UNKNOWN {
             return None;
         }
-        let last = started + self.timeout.saturating_sub(self.lead);
-        Some(self.local_us(last).saturating_add(offset).max(1) as u64)
+        let gives_up = self.local_us(started + self.timeout).saturating_add(offset);
+        let timeout_ms = self.timeout.as_millis() as u64;
+        Some(rules::last_run_us(gives_up.max(0) as u64, timeout_ms).max(1))
     }
 }
 

@@ -372,6 +372,9 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     // Servers close idle connections; a port has none.
     if let Some(fields) = hello.as_object_mut() {
         fields.remove("idle_timeout_ms");
+        assert!(fields
+            .remove("clock_us")
+            .is_some_and(|clock| clock.is_u64()));
     }
     assert_eq!(
         hello,
