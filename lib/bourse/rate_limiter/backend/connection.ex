@@ -19,7 +19,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   that gave up deactivates its alias first, so an answer that comes later goes nowhere; the
   route of a caller that died goes with its answer, or, if it died before its request was
   written, with the routes this process drops once past their caller's deadline (it looks
-  every timeout).
+  every timeout, or every 100 ms when the timeout is shorter).
 
   Each request carries its caller's deadline on the daemon's clock (docs/PROTOCOL.md,
   "Deadlines"), placed with the offset between that clock and this one that the hellos
@@ -73,6 +73,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @first_backoff_ms 50
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
+  @min_route_sweep_ms 100
 
   @doc """
   Returns a handle on a connection to `target` for the calling limiter process: the
@@ -364,8 +365,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def handle_info(_message, state), do: {:noreply, state}
 
+  # Every timeout, and no more often than every @min_route_sweep_ms (each look scans the table).
   defp drop_late_routes_later(state),
-    do: Process.send_after(self(), :drop_late_routes, state.timeout)
+    do: Process.send_after(self(), :drop_late_routes, max(state.timeout, @min_route_sweep_ms))
 
   defp orphaned(state) do
     timer = Process.send_after(self(), :orphaned, @orphan_grace_ms)
