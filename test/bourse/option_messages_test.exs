@@ -93,4 +93,27 @@ defmodule Bourse.OptionMessagesTest do
     assert assert_described(Exchange.buckets(:binance_spot, no_such: 1)) =~
              "unknown option :no_such"
   end
+
+  test "booking slack and sweep interval are bounded by the core's longest setting, as the daemon's flags are" do
+    day = Bourse.Native.bound(:max_setting_ms)
+    assert day == 86_400_000
+
+    for {option, min} <- [booking_slack_ms: 0, sweep_interval_ms: 1] do
+      name = :"option_messages_#{System.unique_integer()}"
+
+      assert {:error, %Error{message: message}} =
+               RateLimiter.start_link([{:name, name}, {option, day + 1}])
+
+      assert message == "#{option} must be an integer from #{min} to #{day}, got 86400001"
+    end
+
+    {output, 2} =
+      System.cmd(
+        RateLimiter.Backend.Port.executable(),
+        ["--stdio", "--sweep-interval-ms", "86400001"],
+        stderr_to_stdout: true
+      )
+
+    assert output =~ "86400000"
+  end
 end

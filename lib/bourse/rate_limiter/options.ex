@@ -23,9 +23,6 @@ defmodule Bourse.RateLimiter.Options do
     :on_event
   ]
 
-  # The longest booking slack and sweep interval, one day, as `bourse_daemon` accepts.
-  @max_interval_ms 86_400_000
-
   @typedoc "A limiter's configuration, as `Bourse.RateLimiter.Server` starts with it."
   @type config :: %{
           name: GenServer.name(),
@@ -163,14 +160,16 @@ defmodule Bourse.RateLimiter.Options do
     end
   end
 
+  # Bounded by the core's longest setting (one day), as `bourse_daemon` is.
   defp integer(opts, key, default, min) do
+    max = Native.bound(:max_setting_ms)
+
     case Keyword.get(opts, key, default) do
-      value when is_integer(value) and value in min..@max_interval_ms ->
+      value when is_integer(value) and value in min..max ->
         {:ok, value}
 
       other ->
-        {:error,
-         "#{key} must be an integer from #{min} to #{@max_interval_ms}, got #{Error.describe(other)}"}
+        {:error, "#{key} must be an integer from #{min} to #{max}, got #{Error.describe(other)}"}
     end
   end
 end

@@ -33,6 +33,9 @@ pub const DEFAULT_BOOKING_SLACK_MS: u64 = 250;
 /// Longest budget, pause, booking slack or exchange window, in milliseconds: what
 /// `Process.sleep/1` accepts.
 pub const MAX_MS: u64 = 4_294_967_295;
+/// Longest booking slack, sweep interval or idle timeout a limiter or daemon is set up
+/// with: one day.
+pub const MAX_SETTING_MS: u64 = 86_400_000;
 /// Largest capacity, refill rate, cost or allowance: far beyond any exchange limit, small
 /// enough that every product and sum stays exact to well under a token.
 pub const MAX_AMOUNT: f64 = 1e12;

@@ -4,10 +4,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use bourse_core::rules::DEFAULT_BOOKING_SLACK_MS;
+use bourse_core::rules::{DEFAULT_BOOKING_SLACK_MS, MAX_SETTING_MS};
 
 /// Bounds of the numeric options.
-const MAX_MS_OPTION: u64 = 86_400_000;
 const FRAME_BYTES: (u64, u64) = (64, 64 * 1024 * 1024);
 
 /// Every flag as given, or its default.
@@ -99,14 +98,14 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
                 f.booking_slack_ms = number(
                     "--booking-slack-ms",
                     &value("--booking-slack-ms")?,
-                    (0, MAX_MS_OPTION),
+                    (0, MAX_SETTING_MS),
                 )?
             }
             "--sweep-interval-ms" => {
                 f.sweep_interval_ms = number(
                     "--sweep-interval-ms",
                     &value("--sweep-interval-ms")?,
-                    (1, MAX_MS_OPTION),
+                    (1, MAX_SETTING_MS),
                 )?
             }
             "--max-frame-bytes" => {
@@ -145,7 +144,7 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
                 f.idle_timeout_ms = number(
                     "--idle-timeout-ms",
                     &value("--idle-timeout-ms")?,
-                    (0, MAX_MS_OPTION),
+                    (0, MAX_SETTING_MS),
                 )?
             }
             "--redis-prefix" => f.redis_prefix = Some(value("--redis-prefix")?),
