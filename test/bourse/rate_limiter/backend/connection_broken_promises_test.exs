@@ -1,41 +1,19 @@
 defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
-  # Failing attacks on the port and daemon backends (docs/CONTRACT.md §8, Stores): a
+  # Attacks on the port and daemon backends (docs/CONTRACT.md §8, Stores): a
   # caller told :unavailable whose request the daemon ran later; a caller killed between
   # noting its route and writing its request.
   use ExUnit.Case, async: true
 
+  import Bourse.BackendCase
   import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
 
   alias Bourse.DaemonServer
-  alias Bourse.Error
   alias Bourse.RateLimiter
 
   @moduletag :capture_log
 
   @slow %{capacity: 1, refill_per_sec: 0.001}
   @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
-
-  defp start_daemon(args) do
-    daemon = DaemonServer.start(args)
-    on_exit(fn -> DaemonServer.stop(daemon) end)
-    daemon
-  end
-
-  defp start_limiter(backend) do
-    name = :"broken_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
-    name
-  end
-
-  defp handle(name), do: elem(:persistent_term.get({RateLimiter, name}), 1)
-
-  defp routes(handle),
-    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
-
-  defp port_os_pid(handle) do
-    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
-    os_pid
-  end
 
   # The routes in the table once they stop going away (or 0).
   defp routes_left(handle, give_up_at) do
@@ -49,8 +27,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
           else: left
     end
   end
-
-  defp unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
 
   describe "a caller told :unavailable pays nothing (docs/CONTRACT.md §8, Stores)" do
     test "daemon backend: a check that timed out while the daemon was stopped is not paid when it resumes" do

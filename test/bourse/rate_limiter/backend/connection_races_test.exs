@@ -4,6 +4,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
   # time out, or the daemon stops, dies or its connection process is killed.
   use ExUnit.Case, async: true
 
+  import Bourse.BackendCase
   import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
 
   alias Bourse.DaemonServer
@@ -13,30 +14,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
   @moduletag :capture_log
 
   @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
-
-  defp start_daemon(args) do
-    daemon = DaemonServer.start(args)
-    on_exit(fn -> DaemonServer.stop(daemon) end)
-    daemon
-  end
-
-  defp start_limiter(backend) do
-    name = :"races_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
-    name
-  end
-
-  defp handle(name), do: elem(:persistent_term.get({RateLimiter, name}), 1)
-
-  defp routes(handle),
-    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
-
-  defp port_os_pid(handle) do
-    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
-    os_pid
-  end
-
-  defp unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
 
   describe "many callers and a daemon that stops or dies" do
     @tag timeout: 60_000

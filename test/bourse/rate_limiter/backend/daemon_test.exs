@@ -2,6 +2,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   # What only the daemon backend has: an address, a server that can go away and come back.
   use ExUnit.Case, async: true
 
+  import Bourse.BackendCase
   import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
   import ExUnit.CaptureLog
 
@@ -14,20 +15,6 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   @limit %{capacity: 10, refill_per_sec: 1}
   @fast %{capacity: 5, refill_per_sec: 1_000}
-
-  defp start_daemon(args) do
-    daemon = DaemonServer.start(args)
-    on_exit(fn -> DaemonServer.stop(daemon) end)
-    daemon
-  end
-
-  defp start_limiter(backend) do
-    name = :"daemon_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
-    name
-  end
-
-  defp unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
 
   describe "addresses" do
     test "loopback addresses and Unix sockets; others only when allowed" do

@@ -1,0 +1,48 @@
+defmodule Bourse.BackendCase do
+  @moduledoc """
+  What the tests of the port and daemon backends share: a daemon stopped when the test
+  ends, a supervised limiter under a fresh name, and a look into its connection (its
+  handle, the routes in its table, the port's OS process).
+
+      import Bourse.BackendCase
+
+      daemon = start_daemon(["--listen", "127.0.0.1:0"])
+      name = start_limiter({:daemon, daemon.tcp})
+  """
+
+  import ExUnit.Callbacks, only: [on_exit: 1, start_supervised!: 2]
+
+  alias Bourse.{DaemonServer, Error, RateLimiter}
+
+  @doc "Starts a `bourse_daemon` server with `args`, stopped when the test ends."
+  @spec start_daemon([String.t()]) :: DaemonServer.t()
+  def start_daemon(args) do
+    daemon = DaemonServer.start(args)
+    on_exit(fn -> DaemonServer.stop(daemon) end)
+    daemon
+  end
+
+  @doc "Starts a limiter on `backend` under the test's supervisor; returns its name."
+  @spec start_limiter(term(), String.t()) :: atom()
+  def start_limiter(backend, prefix \\ "limiter") do
+    name = :"#{prefix}_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
+    name
+  end
+
+  @doc "The connection handle of the limiter `name`."
+  def handle(name), do: elem(:persistent_term.get({RateLimiter, name}), 1)
+
+  @doc "How many callers' routes the connection's table holds."
+  def routes(handle),
+    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
+
+  @doc "The OS pid of the port a connection runs."
+  def port_os_pid(handle) do
+    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    os_pid
+  end
+
+  @doc "Whether `answer` is `{:error, %Bourse.Error{type: :unavailable}}`."
+  def unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
+end
