@@ -1089,3 +1089,52 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
     let message = failed["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("WRONGTYPE"), "{failed}");
 }
+
+/// Commands the script ran on `redis` since the stats were reset: all but the daemon's
+/// own (the script call, TIME for its clock, stats reading).
+fn script_commands(redis: &Redis) -> (u64, String) {
+    let stats: String = redis.query(::redis::cmd("INFO").arg("commandstats"));
+    let own = ["evalsha", "eval", "time", "info", "ping", "hello"];
+    let mut total = 0;
+    for line in stats.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
+        else {
+            continue;
+        };
+        let calls = rest
+            .strip_prefix("calls=")
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        if !own.contains(&name) && !name.starts_with("config") && !name.starts_with("script") {
+            total += calls;
+        }
+    }
+    (total, stats)
+}
+
+/// The common path stays cheap inside Redis (single-threaded, so its cost per check caps
+/// every daemon sharing it): an admitted check of three known buckets without bookings or
+/// pauses reads each bucket once and its pauses once per exchange.
+#[test]
+fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 1});
+    let three = json!({"op": "check_many", "checks": [
+        {"key": key("okx", Some("k")), "limit": limit, "cost": 1},
+        {"key": {"exchange": "okx", "credential": "k", "axis": "order"}, "limit": limit, "cost": 1},
+        {"key": {"exchange": "okx", "credential": null, "axis": "ip"}, "limit": limit, "cost": 1},
+    ]});
+    assert_eq!(t.call(three.clone())["result"], "admitted");
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    assert_eq!(t.call(three)["result"], "admitted");
+    let (commands, stats) = script_commands(&redis);
+    // Per call: the run marker's GET and two SETs, the exchange marker's PTTL and (unless
+    // set within the same millisecond) PEXPIRE; per exchange one HMGET of its pauses; per
+    // bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    assert!(commands <= 5 + 1 + 3 * 4, "{commands} commands:\n{stats}");
+}

@@ -67,30 +67,37 @@ local function delay_ms(from, to)
 end
 
 -- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
--- the last payment": the bucket refills nothing until the clock passes it again.
-local function load(key, now)
-  local v = redis.call('HMGET', key, 'c', 'r', 'b', 't')
+-- the last payment": the bucket refills nothing until the clock passes it again. With a
+-- booking id, also that booking's field (or nil), read in the same HMGET.
+local function load(key, now, id)
+  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'w:' .. id)
+    or redis.call('HMGET', key, 'c', 'r', 'b', 't')
   if not v[3] then
-    return nil
+    return nil, v[5] or nil
   end
   local bucket = { c = tonumber(v[1]), r = tonumber(v[2]), b = tonumber(v[3]), t = tonumber(v[4]) }
   if bucket.t > now then
     bucket.t = now
     bucket.dirty = true
   end
-  return bucket
+  return bucket, v[5] or nil
 end
 
+-- Writes the bucket (and a new key's shown fingerprint) in one HSET.
 local function save(key, bucket)
+  local fields = { 'b', fmt(bucket.b), 't', fmt(bucket.t) }
+  if bucket.c then
+    table.insert(fields, 'c')
+    table.insert(fields, fmt(bucket.c))
+    table.insert(fields, 'r')
+    table.insert(fields, fmt(bucket.r))
+  end
   if bucket.shown and bucket.shown ~= '' then
-    redis.call('HSET', key, 'f', bucket.shown)
+    table.insert(fields, 'f')
+    table.insert(fields, bucket.shown)
     bucket.shown = nil
   end
-  if bucket.c then
-    redis.call('HSET', key, 'c', fmt(bucket.c), 'r', fmt(bucket.r), 'b', fmt(bucket.b), 't', fmt(bucket.t))
-  else
-    redis.call('HSET', key, 'b', fmt(bucket.b), 't', fmt(bucket.t))
-  end
+  redis.call('HSET', key, unpack(fields))
 end
 
 -- Tokens accrued since the last payment, not capped.
@@ -151,16 +158,24 @@ local function empty_since(bucket, began)
   bucket.dirty = true
 end
 
--- Drops bookings whose slack ran out (their cost stays paid); returns how many.
-local function drop_lapsed(item, now)
+-- Drops bookings whose slack ran out (their cost stays paid); returns how many, and
+-- whether `id`'s booking was among them. A key without bookings is marked `unbooked`
+-- (read with one ZRANGE), so `keep` need not read its last booking again.
+local function drop_lapsed(item, now, id)
+  if not redis.call('ZRANGE', item.wkey, -1, -1)[1] then
+    item.unbooked = true
+    return 0, false
+  end
   local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
-  for _, id in ipairs(gone) do
-    redis.call('HDEL', item.key, 'w:' .. id)
+  local dropped = false
+  for _, lapsed_id in ipairs(gone) do
+    redis.call('HDEL', item.key, 'w:' .. lapsed_id)
+    dropped = dropped or lapsed_id == id
   end
   if #gone > 0 then
     redis.call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
   end
-  return #gone
+  return #gone, dropped
 end
 
 -- Keeps the bucket (and its bookings) until it would behave as new: refilled to capacity
@@ -172,7 +187,7 @@ local function keep(item, now, delay)
     local fill = bucket.c / bucket.r * 1e6
     ttl = math.max(fill, (bucket.c - accrued(bucket, now)) / bucket.r * 1e6, delay)
   end
-  local last = redis.call('ZRANGE', item.wkey, -1, -1, 'WITHSCORES')
+  local last = item.unbooked and {} or redis.call('ZRANGE', item.wkey, -1, -1, 'WITHSCORES')
   if last[2] then
     ttl = math.max(ttl, tonumber(last[2]) - now)
   end
@@ -239,6 +254,7 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
     else
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+      item.unbooked = nil
     end
     if item.bucket.dirty then
       save(item.key, item.bucket)
@@ -268,6 +284,36 @@ end
 -- the connection was lost finds them (see `replay`) and answers them unchanged.
 local decide
 
+-- Pause ends read by this call, by pauses key and field (false: none). Checks never
+-- write pauses, so the checks of one call share what an earlier one read.
+local pause_ends
+
+-- Reads into `pause_ends` the `fields` of `pauses` this call has not read yet, in one HMGET.
+local function read_pauses(pauses, fields)
+  local missing = {}
+  for _, field in ipairs(fields) do
+    if pause_ends[pauses .. '\0' .. field] == nil then
+      table.insert(missing, field)
+    end
+  end
+  if #missing > 0 then
+    local ends = redis.call('HMGET', pauses, unpack(missing))
+    for j, field in ipairs(missing) do
+      pause_ends[pauses .. '\0' .. field] = tonumber(ends[j]) or false
+    end
+  end
+end
+
+-- The latest end (µs) of the `fields` of `pauses`, 0 for none.
+local function pause_end(pauses, fields)
+  read_pauses(pauses, fields)
+  local latest = 0
+  for _, field in ipairs(fields) do
+    latest = math.max(latest, pause_ends[pauses .. '\0' .. field] or 0)
+  end
+  return latest
+end
+
 -- The first line of a failed check's error, at most 200 bytes.
 local function error_text(e)
   local text = type(e) == 'table' and e.err or tostring(e)
@@ -277,6 +323,7 @@ end
 local function checks(now)
   redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
   local answers, markers = {}, {}
+  pause_ends = {}
   local k, a = 1, 4
   for j = 1, tonumber(ARGV[3]) do
     local deadline = tonumber(ARGV[a])
@@ -321,6 +368,18 @@ decide = function(now, k, at)
   local items, began = {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
+  -- The pause fields of all items first: one HMGET per exchange group, not per item.
+  local wanted = {}
+  for i = 1, n do
+    local a = at + 5 + (i - 1) * 7
+    local group = tonumber(ARGV[a + 4])
+    wanted[group] = wanted[group] or { 'x' }
+    table.insert(wanted[group], ARGV[a + 5])
+    table.insert(wanted[group], ARGV[a + 6])
+  end
+  for group, fields in pairs(wanted) do
+    read_pauses(KEYS[k + 2 * n + 2 * group - 1], fields)
+  end
   for i = 1, n do
     local a = at + 5 + (i - 1) * 7
     local item = {
@@ -336,7 +395,7 @@ decide = function(now, k, at)
     if busy and not began[group] then
       began[group] = state_began(marker, now, true)
     end
-    local bucket = load(item.key, now)
+    local bucket, booking = load(item.key, now, id)
     if busy and bucket and bucket.c and bucket.t < began[group] then
       empty_since(bucket, began[group])
     end
@@ -348,21 +407,17 @@ decide = function(now, k, at)
       bucket.shown = ARGV[a + 7]
     end
     item.bucket = bucket
-    lapsed = lapsed + drop_lapsed(item, now)
+    local dropped, booking_lapsed = drop_lapsed(item, now, id)
+    lapsed = lapsed + dropped
     if claim_ready then
-      item.booking = redis.call('HGET', item.key, 'w:' .. id)
+      item.booking = not booking_lapsed and booking or nil
       if item.booking then
         claim_ready = math.max(claim_ready, tonumber(item.booking:match('^(%S+)')))
       else
         claim_ready = nil
       end
     end
-    local ends = redis.call('HMGET', pauses, 'x', ARGV[a + 5], ARGV[a + 6])
-    for j = 1, 3 do
-      if ends[j] then
-        pause_until = math.max(pause_until, tonumber(ends[j]))
-      end
-    end
+    pause_until = math.max(pause_until, pause_end(pauses, { 'x', ARGV[a + 5], ARGV[a + 6] }))
     item.start = start_under(bucket, item.c, item.r, now)
     ready = math.max(ready, ready_at(item, now))
     items[i] = item
@@ -385,6 +440,7 @@ decide = function(now, k, at)
       pay(item, now, ready)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+      item.unbooked = nil
       item.kept = keep(item, now, ready - now)
     end
     return items, { 'booked', ms, paused, lapsed }
