@@ -27,6 +27,8 @@ const WRITE_CHUNK: usize = 64 * 1024;
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Requests of one connection running at once on a remote store; past it, reading waits.
 const MAX_RUNNING: usize = 4096;
+/// What a refused connection may still send (its hello) before it is closed, at most.
+const REFUSED_READ_BYTES: usize = 64 * 1024;
 /// TCP connections that have not proved the secret yet, at most.
 pub const MAX_UNPROVED: usize = 64;
 
@@ -220,8 +222,11 @@ where
 }
 
 /// Tells a connection past the limit so, and closes it: a JSON line, or for a connection
-/// that chose the external term format (`session`), a term in its frame.
-async fn refuse<T: AsyncWrite + Unpin, S: Store>(
+/// that chose the external term format (`session`), a term in its frame. What the client
+/// sends meanwhile (its hello) is read and dropped until it closes, for at most a second:
+/// closed at once, the socket would fail the client's first write, and that failure, not
+/// the refusal, would be all the client learns.
+async fn refuse<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     max: usize,
     chosen: Option<(&Service<S>, &Session)>,
@@ -241,6 +246,14 @@ async fn refuse<T: AsyncWrite + Unpin, S: Store>(
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         let _ = stream.write_all(&out).await;
         let _ = stream.shutdown().await;
+        let mut dropped = [0; 4096];
+        let mut left = REFUSED_READ_BYTES;
+        while left > 0 {
+            match stream.read(&mut dropped).await {
+                Ok(0) | Err(_) => break,
+                Ok(read) => left = left.saturating_sub(read),
+            }
+        }
     })
     .await;
 }

@@ -247,3 +247,21 @@ fn idle_connections_are_closed() {
         "still open after its idle timeout"
     );
 }
+
+#[test]
+fn a_refused_client_reads_the_refusal_even_when_its_hello_comes_late() {
+    let socket = common::temp_path("refused.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let _daemon = common::Server::start(&["--socket", socket_arg, "--max-connections", "1"]);
+    let _first = UnixStream::connect(&socket).unwrap();
+    let mut late = LineClient::new(UnixStream::connect(&socket).unwrap());
+    // The refusal is written at once; the hello only after it.
+    std::thread::sleep(Duration::from_millis(300));
+    late.send(&json!({"op": "hello", "id": 0}));
+    let refusal: Value = serde_json::from_str(&late.recv_line().expect("a refusal")).unwrap();
+    assert_eq!(refusal["error"]["type"], "unavailable");
+    assert_eq!(
+        refusal["error"]["message"],
+        "the daemon serves at most 1 connections (--max-connections)"
+    );
+}
