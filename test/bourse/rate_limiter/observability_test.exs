@@ -188,8 +188,9 @@ defmodule Bourse.RateLimiter.ObservabilityTest do
                        %{reason: :over_budget, max_wait_ms: 10, axis: "ip"}}
     end
 
+    # A token refills in 1 s: the call still books when a loaded machine is slow between them.
     test "wait_for_capacity books, sleeps and reports the wait", %{name: name} do
-      limit = %{capacity: 1, refill_per_sec: 20}
+      limit = %{capacity: 1, refill_per_sec: 1}
       assert :ok = RateLimiter.check_rate(@key, limit, 1, name)
       assert :ok = RateLimiter.wait_for_capacity(@key, limit, 1, name)
 
@@ -199,7 +200,7 @@ defmodule Bourse.RateLimiter.ObservabilityTest do
       assert_received {[:bourse, :rate_limiter, :admitted_after_wait], %{waited_ms: waited},
                        %{exchange: "binance", axis: "ip", cost: 1}}
 
-      assert delay in 1..50
+      assert delay in 1..1_000
       assert waited >= delay - 1
     end
 
@@ -256,12 +257,13 @@ defmodule Bourse.RateLimiter.ObservabilityTest do
       refute_received {[:bourse, :rate_limiter, :paused], _, _}
     end
 
+    # A token refills in 1 s: the second call books even when a loaded machine is slow.
     @tag limiter_opts: [booking_slack_ms: 0, sweep_interval_ms: 20]
     test "lapsed bookings are reported by the sweep", %{name: name} do
-      limit = %{capacity: 1, refill_per_sec: 100}
+      limit = %{capacity: 1, refill_per_sec: 1}
       assert :ok = RateLimiter.check_rate(@key, limit, 1, name)
-      assert {:delay, _} = RateLimiter.check_rates([{@key, limit, 1}], name, max_wait_ms: 1_000)
-      assert_receive {[:bourse, :rate_limiter, :lapsed], %{count: 1}, metadata}, 5_000
+      assert {:delay, _} = RateLimiter.check_rates([{@key, limit, 1}], name, max_wait_ms: 5_000)
+      assert_receive {[:bourse, :rate_limiter, :lapsed], %{count: 1}, metadata}, 10_000
       assert metadata == %{limiter: name}
       assert %{lapsed: 1} = RateLimiter.stats(name)
     end
