@@ -19,6 +19,17 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
   defp tokens(key, name), do: RateLimiter.inspect_key(key, name).tokens
 
+  # The tokens of `key`, `expected` when its allowance was set (not before `set_at`,
+  # monotonic ms), read later: up to what `refill_per_sec` added since then (a loaded machine
+  # may be slow between the two).
+  defp assert_tokens_since(key, name, expected, refill_per_sec, set_at) do
+    tokens = tokens(key, name)
+    refilled = refill_per_sec * (System.monotonic_time(:millisecond) - set_at) / 1000
+
+    assert tokens >= expected - 0.2 and tokens <= expected + refilled + 0.2,
+           "#{tokens} tokens, expected #{expected} (+ up to #{refilled} refilled since)"
+  end
+
   defp window_left(window_ms), do: window_ms - rem(System.os_time(:millisecond), window_ms)
 
   defp assert_invalid(answer),
@@ -178,10 +189,13 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
       # 2 remaining: 2 tokens.
       headers = List.keyreplace(headers, "X-Bapi-Limit-Status", 0, {"x-bapi-limit-status", "2"})
+      set_at = System.monotonic_time(:millisecond)
       assert :ok = observe(200, headers, name)
-      assert_in_delta tokens(key, name), 2, 0.2
+      assert_tokens_since(key, name, 2, limit.refill_per_sec, set_at)
 
       # Limited for 400 ms more, nothing remaining: 0 left at the reset, so -2 tokens now.
+      set_at = System.monotonic_time(:millisecond)
+
       headers = [
         {"x-bapi-limit", "10"},
         {"x-bapi-limit-status", "0"},
@@ -189,7 +203,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       ]
 
       assert :ok = observe(200, headers, name)
-      assert_in_delta tokens(key, name), -2, 0.2
+      assert_tokens_since(key, name, -2, limit.refill_per_sec, set_at)
     end
 
     test "generic x-ratelimit-*: the window is unknown, so the allowance is the remaining count",
@@ -200,11 +214,13 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       for {reset, expected} <- [
             {"2", 10..10},
             {"2.000", 10..10},
-            # Epoch seconds: the reset is 1 to 2 s away.
-            {"#{System.os_time(:second) + 2}", 10..20}
+            # Epoch seconds, read when the headers are made: the reset is 1 to 2 s away.
+            {:two_seconds_on, 10..20}
           ] do
         assert :ok = RateLimiter.reset(key, name)
         assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+        set_at = System.monotonic_time(:millisecond)
+        reset = if reset == :two_seconds_on, do: "#{System.os_time(:second) + 2}", else: reset
 
         headers = [
           {"x-ratelimit-limit", "100"},
@@ -213,17 +229,19 @@ defmodule Bourse.RateLimiter.FeedbackTest do
         ]
 
         assert :ok = observe(200, headers, name)
-        # 30 until the reset, up to 20 of them from the refill.
+        # 30 until the reset, up to 20 of them from the refill, and what refilled since.
         tokens = tokens(key, name)
-        assert tokens >= expected.first - 0.3 and tokens <= expected.last + 0.3, reset
+        refilled = limit.refill_per_sec * (System.monotonic_time(:millisecond) - set_at) / 1000
+        assert tokens >= expected.first - 0.3 and tokens <= expected.last + refilled + 0.3, reset
       end
 
       # Without a reset header the allowance holds now.
       assert :ok = RateLimiter.reset(key, name)
       assert :ok = RateLimiter.check_rate(key, limit, 1, name)
       headers = [{"x-ratelimit-limit", "100"}, {"x-ratelimit-remaining", "20"}]
+      set_at = System.monotonic_time(:millisecond)
       assert :ok = observe(200, headers, name)
-      assert_in_delta tokens(key, name), 20, 0.2
+      assert_tokens_since(key, name, 20, limit.refill_per_sec, set_at)
     end
   end
 
