@@ -267,23 +267,37 @@ pub enum KeyPart {
     Axis,
 }
 
-/// A key part must be a binary of at most [`MAX_KEY_PART_BYTES`] bytes (a credential may
-/// also be `:public`, which the adapter recognises before asking).
-pub fn key_part(part: KeyPart, given: Shape) -> Result<(), InvalidInput> {
-    match given {
-        Shape::Binary { len } if len <= MAX_KEY_PART_BYTES => Ok(()),
-        _ => invalid(match part {
-            KeyPart::Exchange => format!(
-                "exchange_id must be a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
-            ),
-            KeyPart::Credential => format!(
-                "credential_key must be :public or a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
-            ),
-            KeyPart::Axis => format!(
-                "bucket_axis must be a binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}"
-            ),
-        }),
-    }
+/// A key part must be UTF-8 text in a binary of at most [`MAX_KEY_PART_BYTES`] bytes (a
+/// credential may also be `:public`, which the adapter recognises before asking): the
+/// daemon's protocol carries key parts as strings, and every backend takes the same keys.
+/// `utf8` tells whether a binary's bytes are UTF-8; it is asked only of a binary within
+/// the bound, so that no adapter reads more than [`MAX_KEY_PART_BYTES`] bytes of it.
+pub fn key_part(
+    part: KeyPart,
+    given: Shape,
+    utf8: impl FnOnce() -> bool,
+) -> Result<(), InvalidInput> {
+    let not_utf8 = match given {
+        Shape::Binary { len } if len <= MAX_KEY_PART_BYTES => {
+            if utf8() {
+                return Ok(());
+            }
+            " that is not UTF-8"
+        }
+        _ => "",
+    };
+    let name = match part {
+        KeyPart::Exchange => "exchange_id",
+        KeyPart::Credential => "credential_key",
+        KeyPart::Axis => "bucket_axis",
+    };
+    let public = match part {
+        KeyPart::Credential => ":public or ",
+        KeyPart::Exchange | KeyPart::Axis => "",
+    };
+    invalid(format!(
+        "{name} must be {public}a UTF-8 binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}{not_utf8}"
+    ))
 }
 
 /// A key is `{exchange_id, credential_key, bucket_axis}` or `{exchange_id, credential_key}`.
@@ -548,10 +562,16 @@ mod tests {
             err.message(),
             "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 10485760 bytes"
         );
-        let err = key_part(KeyPart::Exchange, Shape::Atom).unwrap_err();
+        let err = key_part(KeyPart::Exchange, Shape::Atom, || true).unwrap_err();
         assert_eq!(
             err.message(),
-            "exchange_id must be a binary of at most 1024 bytes, got an atom"
+            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got an atom"
+        );
+        let err = key_part(KeyPart::Credential, Shape::Binary { len: 2 }, || false).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, \
+             got a binary of 2 bytes that is not UTF-8"
         );
         let err = limit(Shape::Integer(0), Shape::Integer(1)).unwrap_err();
         assert_eq!(
@@ -578,9 +598,16 @@ mod tests {
 
     #[test]
     fn bounds_hold_at_their_edges() {
-        let part = |len| key_part(KeyPart::Axis, Shape::Binary { len });
+        let part = |len| key_part(KeyPart::Axis, Shape::Binary { len }, || true);
         assert!(part(MAX_KEY_PART_BYTES).is_ok() && part(MAX_KEY_PART_BYTES + 1).is_err());
-        assert!(key_part(KeyPart::Credential, Shape::Bitstring).is_err());
+        assert!(key_part(KeyPart::Credential, Shape::Bitstring, || true).is_err());
+        // UTF-8 is asked only within the bound: a longer binary is refused by its size.
+        let long = Shape::Binary {
+            len: MAX_KEY_PART_BYTES + 1,
+        };
+        let err = key_part(KeyPart::Axis, long, || panic!("read past the bound")).unwrap_err();
+        assert!(err.message().ends_with("got a binary of 1025 bytes"));
+        assert!(key_part(KeyPart::Axis, Shape::Binary { len: 1 }, || false).is_err());
         assert_eq!(cost(Shape::Integer(0)), Ok(0.0));
         assert_eq!(cost(Shape::Float(MAX_AMOUNT)), Ok(MAX_AMOUNT));
         for bad in [

@@ -135,10 +135,12 @@ fn number(term: Term) -> Shape {
 fn key_part<'a>(term: Term<'a>, part: KeyPart) -> Decoded<&'a [u8]> {
     match term.decode::<Binary>() {
         Ok(binary) => {
-            rules::key_part(part, Shape::Binary { len: binary.len() }).map(|()| binary.as_slice())
+            let bytes = binary.as_slice();
+            let utf8 = || std::str::from_utf8(bytes).is_ok();
+            rules::key_part(part, Shape::Binary { len: bytes.len() }, utf8).map(|()| bytes)
         }
         // Not a binary, so the rule refuses it: its shape is never `Shape::Binary`.
-        Err(_) => rules::key_part(part, shape(term)).map(|()| &[][..]),
+        Err(_) => rules::key_part(part, shape(term), || false).map(|()| &[][..]),
     }
 }
 

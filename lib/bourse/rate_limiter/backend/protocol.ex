@@ -11,12 +11,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   The caller's process only turns terms into the protocol's requests: key tuples into key
   maps, limit maps into maps with binary keys, numbers (of any size) and UTF-8 binaries as
   they are, and any other term as its shape alone (`%{"$term": "tuple", arity: 4}`,
-  docs/PROTOCOL.md, "Values"). The daemon judges everything with `bourse_core`'s rules, as
-  the NIF does, and its error comes back as
-  `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message and exchange.
-  Only a binary that is not UTF-8 cannot travel (the daemon's requests hold UTF-8
-  strings, as JSON does): it is refused here. Booking owners are the calling pids,
-  rendered as strings.
+  docs/PROTOCOL.md, "Values"); a binary that is not UTF-8 is such a term, since the
+  daemon's requests hold UTF-8 strings, as JSON does (`%{"$term": "binary", size: 2}`).
+  The daemon judges everything with `bourse_core`'s rules, as the NIF does, and its error
+  comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message
+  and exchange. Booking owners are the calling pids, rendered as strings.
 
   ## Codec
 
@@ -82,7 +81,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rate(handle, owner, key, limit, cost, max_wait) do
-    wire(fn -> %{op: "check", key: key(key), limit: limit(limit), cost: value(cost)} end)
+    %{op: "check", key: key(key), limit: limit(limit), cost: value(cost)}
     |> owned_by(handle, owner, max_wait)
     |> run(handle, &outcome/1)
   end
@@ -91,7 +90,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
-    wire(fn -> %{op: "check_many", checks: checks(checks)} end)
+    %{op: "check_many", checks: checks(checks)}
     |> owned_by(handle, owner, max_wait)
     |> run(handle, &outcome/1)
   end
@@ -99,38 +98,36 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`record_request/3`."
   @spec record_request(handle(), term(), term()) :: :ok | error()
   def record_request(handle, key, cost) do
-    wire(fn -> %{op: "record", key: key(key), cost: value(cost)} end) |> run(handle, &done/1)
+    %{op: "record", key: key(key), cost: value(cost)} |> run(handle, &done/1)
   end
 
   @doc "`get_cost/3`: the tokens borrowed from the key's bucket."
   @spec get_cost(handle(), term()) :: number() | error()
   def get_cost(handle, key) do
-    wire(fn -> %{op: "get_cost", key: key(key)} end) |> run(handle, &field(&1, "borrowed"))
+    %{op: "get_cost", key: key(key)} |> run(handle, &field(&1, "borrowed"))
   end
 
   @doc "Lowers the key's tokens to what the exchange still allows; returns the tokens taken."
   @spec sync(handle(), term(), term(), term()) :: number() | error()
   def sync(handle, key, allowance, window_left_ms) do
-    wire(fn ->
-      %{
-        op: "sync",
-        key: key(key),
-        allowance: value(allowance),
-        window_left_ms: value(window_left_ms)
-      }
-    end)
+    %{
+      op: "sync",
+      key: key(key),
+      allowance: value(allowance),
+      window_left_ms: value(window_left_ms)
+    }
     |> run(handle, &field(&1, "taken"))
   end
 
   @doc "`reset/2`."
   @spec reset(handle(), term()) :: :ok | error()
   def reset(handle, key),
-    do: wire(fn -> %{op: "reset", key: key(key)} end) |> run(handle, &done/1)
+    do: %{op: "reset", key: key(key)} |> run(handle, &done/1)
 
   @doc "`reset_exchange/2`."
   @spec reset_exchange(handle(), term()) :: :ok | error()
   def reset_exchange(handle, exchange) do
-    wire(fn -> %{op: "reset_exchange", exchange: value(exchange)} end) |> run(handle, &done/1)
+    %{op: "reset_exchange", exchange: value(exchange)} |> run(handle, &done/1)
   end
 
   @doc "`reset_all/1`."
@@ -140,30 +137,28 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
   def back_off(handle, credential, scope) do
-    wire(fn ->
-      %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
-    end)
+    %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
     |> run(handle, &field(&1, "ms"))
   end
 
   @doc "Forgets the backoff count of `{exchange_id, credential_key}`."
   @spec reset_backoff(handle(), term()) :: :ok | error()
   def reset_backoff(handle, credential) do
-    wire(fn -> %{op: "reset_backoff", credential: backoff_credential(credential)} end)
+    %{op: "reset_backoff", credential: backoff_credential(credential)}
     |> run(handle, &done/1)
   end
 
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
   def pause(handle, target, ms) do
-    wire(fn -> %{op: "pause", target: pause_target(target), ms: value(ms)} end)
+    %{op: "pause", target: pause_target(target), ms: value(ms)}
     |> run(handle, &done/1)
   end
 
   @doc "A snapshot of one key, or `nil` when the table does not hold it."
   @spec inspect(handle(), term()) :: map() | nil | error()
   def inspect(handle, key) do
-    wire(fn -> %{op: "inspect", key: key(key)} end)
+    %{op: "inspect", key: key(key)}
     |> run(handle, fn answer ->
       with {:ok, info} <- Map.fetch(answer, "info"), do: info(info)
     end)
@@ -180,7 +175,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "The `count` keys with the most tokens borrowed (credentials as fingerprints)."
   @spec busiest(handle(), term()) :: [{tuple(), map()}] | error()
   def busiest(handle, count) do
-    wire(fn -> %{op: "busiest", count: value(count)} end)
+    %{op: "busiest", count: value(count)}
     |> run(handle, fn
       %{"keys" => rows} when is_list(rows) ->
         for %{"key" => key, "info" => info} <- rows, do: {key_term(key), info(info)}
@@ -198,8 +193,6 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   # Sends `request` and shapes a successful answer with `shape`; the daemon's errors come
   # back as it wrote them.
-  defp run({:error, _} = error, _handle, _shape), do: error
-
   defp run(request, handle, shape) do
     case Connection.request(handle, request) do
       %{"ok" => true} = answer ->
@@ -231,8 +224,6 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
 
   # The booking owner, and `max_wait_ms` for a waiter (a probe has none).
-  defp owned_by({:error, _} = error, _handle, _owner, _max_wait), do: error
-
   defp owned_by(request, handle, owner, max_wait) do
     request = Map.put(request, :owner, Connection.owner(handle, owner))
     if max_wait, do: Map.put(request, :max_wait_ms, value(max_wait)), else: request
@@ -284,13 +275,6 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     do: {exchange, credential || :public, axis}
 
   ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
-
-  # A request built by `build`, or the error of a term the protocol cannot carry.
-  defp wire(build) do
-    build.()
-  catch
-    {:not_utf8, message} -> {:error, %Error{type: :invalid_parameters, message: message}}
-  end
 
   # A key tuple as the daemon's key object; anything else as its value (the daemon names
   # its shape).
@@ -359,14 +343,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   # docs/PROTOCOL.md): the daemon needs no more to name what is wrong, and never more than
   # the kind and size of a value that may be an API key travels.
   defp value(value) when is_binary(value) do
-    if String.valid?(value),
-      do: value,
-      else:
-        throw(
-          {:not_utf8,
-           "a binary that is not UTF-8 (#{byte_size(value)} bytes) cannot travel in " <>
-             "bourse_daemon's protocol: use the NIF backend for such keys"}
-        )
+    if String.valid?(value), do: value, else: %{"$term": "binary", size: byte_size(value)}
   end
 
   defp value(value) when is_number(value) or is_boolean(value), do: value

@@ -559,16 +559,26 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"check","key":{"exchange":1,"credential":null},"limit":null}"#.into(),
-            "exchange_id must be a binary of at most 1024 bytes, got 1",
+            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got 1",
         ),
         (
             r#"{"op":"check","key":{"exchange":"b","credential":2},"limit":null}"#.into(),
-            "credential_key must be :public or a binary",
+            "credential_key must be :public or a UTF-8 binary",
         ),
         (
             r#"{"op":"check","key":{"exchange":"b","credential":null,"axis":null},"limit":null}"#
                 .into(),
-            "bucket_axis must be a binary of at most 1024 bytes, got nil",
+            "bucket_axis must be a UTF-8 binary of at most 1024 bytes, got nil",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":{"$term":"binary","size":2}},"limit":null}"#
+                .into(),
+            "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, got a binary of 2 bytes that is not UTF-8",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":null},"limit":null,"cost":{"$term":"binary","size":2}}"#
+                .into(),
+            "cost must be a finite number >= 0 and at most 1.0e12, got a binary of 2 bytes",
         ),
         (
             r#"{"op":"check","key":{"exchange":"b","credential":null,"axes":"ip"},"limit":null}"#
@@ -731,7 +741,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"reset_exchange","exchange":null}"#.into(),
-            "exchange_id must be a binary of at most 1024 bytes, got nil",
+            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got nil",
         ),
         (
             r#"{"op":"reset_all","exchange":"b"}"#.into(),
@@ -781,7 +791,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"reset_backoff","credential":{"exchange":"b","credential":1}}"#.into(),
-            "credential_key must be :public or a binary of at most 1024 bytes, got 1",
+            "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, got 1",
         ),
         (r#"{"op":"busiest","count":0}"#.into(), "count must be an integer from 1 to 10000"),
         (

@@ -28,7 +28,15 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
     assert error.exchange == "binance"
 
     assert invalid(NIF.check_rate(t, self(), {:binance, "k"}, @limit, 1, nil)).message ==
-             "exchange_id must be a binary of at most 1024 bytes, got an atom"
+             "exchange_id must be a UTF-8 binary of at most 1024 bytes, got an atom"
+
+    error = invalid(NIF.check_rate(t, self(), {"binance", <<"k", 0xFF>>}, @limit, 1, nil))
+
+    assert error.message ==
+             "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, " <>
+               "got a binary of 2 bytes that is not UTF-8"
+
+    assert error.exchange == "binance"
 
     error = invalid(NIF.check_rate(t, self(), @key, %{foo: 1}, 1, nil))
     assert error.message =~ ~r/or nil, got a map of 1 key$/
