@@ -44,10 +44,12 @@ dialyzer: deps
 	fi; \
 	dialyzer --plt "$$plt" --no_check_plt -pa $$lib/elixir/ebin _build/dev/lib/bourse/ebin
 
+# The Python client's tests run the daemon `cargo test` just built, not whatever an earlier
+# build left in target/debug.
 test: lint
 	cargo test --workspace --release
 	MIX_ENV=test mix test
-	python3 -m unittest discover -s test/cross_process
+	BOURSE_DAEMON=target/release/bourse_daemon python3 -m unittest discover -s test/cross_process
 
 demo: build
 	mix run demo/demo.exs
