@@ -716,6 +716,54 @@ fn burst(n: u64, k: &Value, limit: &Value, t: &mut impl Pipelined) -> Vec<(Value
     answers
 }
 
+/// What befalls a call the daemon sent to a stopped Redis.
+enum WhileStopped {
+    /// Nothing: it waits in Redis until Redis resumes.
+    Waiting,
+    /// The daemon's connections to Redis are killed behind it: Redis runs it when it
+    /// resumes, and its answer is lost.
+    AnswerLost,
+}
+
+/// Sends `requests` at once, each with its index as id, while Redis is stopped, so that
+/// they reach Redis together (where checks may share one script call); lets `then` befall
+/// the daemon's call, resumes Redis, and returns the answers in the order they came.
+fn pipelined_while_stopped(
+    redis: &Redis,
+    t: &mut impl Pipelined,
+    requests: impl Iterator<Item = Value>,
+    then: WhileStopped,
+) -> Vec<Value> {
+    // Connected (and answered) before the stop, so that its command is queued after the
+    // daemon's call.
+    let killer = matches!(then, WhileStopped::AnswerLost).then(|| {
+        let mut killer = TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+        killer.write_all(b"PING\r\n").unwrap();
+        let _ = killer.read(&mut [0u8; 64]).unwrap();
+        killer
+    });
+    kill("STOP", redis.child.id());
+    let mut n = 0;
+    for (id, mut request) in requests.enumerate() {
+        request["id"] = json!(id);
+        t.send_request(&request);
+        n += 1;
+    }
+    match killer {
+        None => sleep_ms(200),
+        Some(mut killer) => {
+            // The daemon's call is queued in Redis first, the kill of its connection after it.
+            sleep_ms(300);
+            killer
+                .write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
+                .unwrap();
+            sleep_ms(100);
+        }
+    }
+    kill("CONT", redis.child.id());
+    (0..n).map(|_| t.recv_answer()).collect()
+}
+
 /// With Redis stopped (SIGSTOP) under load, every caller is told `unavailable` within the
 /// Redis timeout and a small slack, not one after another; once Redis resumes it runs the
 /// scripts it had received, and none of them pays: they refuse work past their deadline.
@@ -935,28 +983,13 @@ fn a_call_whose_answer_was_lost_is_not_paid_twice() {
     let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
     // Loads the script and reads the Redis clock: the burst below is one script call.
     assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
-    let mut killer = TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
-    let mut reply = [0u8; 64];
-    killer.write_all(b"PING\r\n").unwrap();
-    let _ = killer.read(&mut reply).unwrap();
-    kill("STOP", redis.child.id());
     let n = 20;
-    for id in 0..n {
-        let mut request = check(&k, limit.clone(), 1.0);
-        request["id"] = json!(id);
-        t.send_request(&request);
-    }
-    // The daemon's call is queued in Redis first, the kill of its connection after it.
-    sleep_ms(300);
-    killer
-        .write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
-        .unwrap();
-    sleep_ms(100);
-    kill("CONT", redis.child.id());
-    let mut ids: Vec<u64> = (0..n)
-        .map(|_| {
-            let answer = t.recv_answer();
-            let kind = load::classify(&answer);
+    let checks = (0..n).map(|_| check(&k, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::AnswerLost);
+    let mut ids: Vec<u64> = answers
+        .iter()
+        .map(|answer| {
+            let kind = load::classify(answer);
             assert!(matches!(kind, "admitted" | "unavailable"), "{answer}");
             answer["id"].as_u64().unwrap()
         })
@@ -979,18 +1012,14 @@ fn a_malformed_check_among_pipelined_checks_is_refused_alone() {
     let limit = json!({"capacity": 1000, "refill_per_sec": 0.001});
     assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
     let n = 64;
-    kill("STOP", redis.child.id());
-    for id in 0..n {
+    let checks = (0..n).map(|id| {
         let mut request = check(&k, limit.clone(), 1.0);
         if id == n / 2 {
             request["cost"] = json!("SECRET-api-key");
         }
-        request["id"] = json!(id);
-        t.send_request(&request);
-    }
-    sleep_ms(100);
-    kill("CONT", redis.child.id());
-    let mut answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+        request
+    });
+    let mut answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::Waiting);
     answers.sort_by_key(|answer| answer["id"].as_u64());
     for (id, answer) in answers.iter().enumerate() {
         assert_eq!(answer["id"], json!(id), "{answer}");
@@ -1016,24 +1045,9 @@ fn a_call_whose_answer_was_lost_pays_only_for_what_it_admitted() {
     let k = key("h", Some("lost"));
     let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
     assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
-    let mut killer = TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
-    let mut reply = [0u8; 64];
-    killer.write_all(b"PING\r\n").unwrap();
-    let _ = killer.read(&mut reply).unwrap();
-    kill("STOP", redis.child.id());
     let n = 20;
-    for id in 0..n {
-        let mut request = check(&k, limit.clone(), 1.0);
-        request["id"] = json!(id);
-        t.send_request(&request);
-    }
-    sleep_ms(300);
-    killer
-        .write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
-        .unwrap();
-    sleep_ms(100);
-    kill("CONT", redis.child.id());
-    let answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+    let checks = (0..n).map(|_| check(&k, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::AnswerLost);
     let admitted = answers.iter().filter(|a| a["result"] == "admitted").count();
     let paid = borrowed(&mut t, &k) - 1.0;
     eprintln!("{n} checks, their call's answer lost: {admitted} admitted, {paid:.2} paid");
@@ -1063,16 +1077,8 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
             .arg("x"),
     );
     let n = 60;
-    kill("STOP", redis.child.id());
-    for id in 0..n {
-        let k = if id == n / 2 { &bad } else { &good };
-        let mut request = check(k, limit.clone(), 1.0);
-        request["id"] = json!(id);
-        t.send_request(&request);
-    }
-    sleep_ms(200);
-    kill("CONT", redis.child.id());
-    let answers: Vec<Value> = (0..n).map(|_| t.recv_answer()).collect();
+    let checks = (0..n).map(|id| check(if id == n / 2 { &bad } else { &good }, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::Waiting);
     let admitted = answers.iter().filter(|a| a["result"] == "admitted").count();
     let paid = borrowed(&mut t, &good) - 1.0;
     eprintln!(
