@@ -163,15 +163,19 @@ fn key(term: Term) -> Decoded<KeyRef> {
         return Err(rules::not_a_key(shape(term)));
     };
     let exchange = key_part(exchange, KeyPart::Exchange)?;
-    let rest = || {
+    naming(exchange, || {
         let credential = credential(cred)?;
         let axis = match axis {
             Some(axis) => key_part(axis, KeyPart::Axis)?,
             None => b"request",
         };
         Ok(KeyRef::new(exchange, credential, axis))
-    };
-    rest().map_err(|err: InvalidInput| err.for_exchange(exchange))
+    })
+}
+
+/// What `read` decodes after an exchange id was read: its errors name that exchange.
+fn naming<T>(exchange: &[u8], read: impl FnOnce() -> Decoded<T>) -> Decoded<T> {
+    read().map_err(|err| err.for_exchange(exchange))
 }
 
 /// A limit map, or `None` for `nil` (no limit).
@@ -199,6 +203,11 @@ fn limit(term: Term) -> Decoded<Option<Limit>> {
         _ => return Err(not_a_limit()),
     };
     Ok(Some(limit))
+}
+
+/// A cost, as `rules::cost` allows it.
+fn cost(term: Term) -> Decoded<f64> {
+    rules::cost(number(term))
 }
 
 fn max_wait(term: Term) -> Decoded<Mode> {
@@ -273,13 +282,13 @@ fn check_rate<'a>(env: Env<'a>, args: [Term<'a>; 6]) -> Term<'a> {
     };
     answer(env, table, || {
         let key = key(key_term)?;
-        let checked = || {
-            let cost = rules::cost(number(cost_term))?;
-            let mode = max_wait(max_wait_term)?;
-            Ok((limit(limit_term)?, cost, mode))
-        };
-        let (limit, cost, mode) =
-            checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+        let (cost, mode, limit) = naming(key.exchange, || {
+            Ok((
+                cost(cost_term)?,
+                max_wait(max_wait_term)?,
+                limit(limit_term)?,
+            ))
+        })?;
         Ok(match limit {
             Some(limit) => {
                 let check = Check { key, limit, cost };
@@ -297,8 +306,7 @@ fn check_parts<'a>(
     cost_term: Term<'a>,
 ) -> Decoded<Option<Check<'a>>> {
     let key = key(key_term)?;
-    let checked = || Ok((rules::cost(number(cost_term))?, limit(limit_term)?));
-    let (cost, limit) = checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+    let (cost, limit) = naming(key.exchange, || Ok((cost(cost_term)?, limit(limit_term)?)))?;
     Ok(limit.map(|limit| Check { key, limit, cost }))
 }
 
@@ -356,7 +364,7 @@ fn record_request<'a>(
     let table = &table.0;
     answer(env, table, || {
         let key = key(key_term)?;
-        let cost = rules::cost(number(cost_term)).map_err(|err| err.for_exchange(key.exchange))?;
+        let cost = naming(key.exchange, || cost(cost_term))?;
         table.record_request(key, cost);
         Ok(atoms::ok().encode(env))
     })
@@ -373,12 +381,10 @@ fn sync<'a>(
     let table = &table.0;
     answer(env, table, || {
         let key = key(key_term)?;
-        let checked = || {
+        let (allowance, window_left_ms) = naming(key.exchange, || {
             let allowance = rules::allowance(number(allowance))?;
             Ok((allowance, rules::window_left_ms(number(window_left_ms))?))
-        };
-        let (allowance, window_left_ms) =
-            checked().map_err(|err: InvalidInput| err.for_exchange(key.exchange))?;
+        })?;
         Ok(table.sync(key, allowance, window_left_ms).encode(env))
     })
 }
@@ -426,7 +432,7 @@ fn exchange_credential<'a>(term: Term<'a>) -> Decoded<(&'a [u8], Option<&'a [u8]
         return Err(rules::not_a_credential(shape(term)));
     };
     let exchange = key_part(exchange, KeyPart::Exchange)?;
-    let credential = credential(cred).map_err(|err| err.for_exchange(exchange))?;
+    let credential = naming(exchange, || credential(cred))?;
     Ok((exchange, credential))
 }
 
@@ -456,7 +462,7 @@ fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) ->
     let table = &table.0;
     answer(env, table, || {
         let target = pause_target(target)?;
-        let ms = rules::pause_ms(number(ms)).map_err(|err| err.for_exchange(target.exchange()))?;
+        let ms = naming(target.exchange(), || rules::pause_ms(number(ms)))?;
         table.pause(target, ms)?;
         Ok(atoms::ok().encode(env))
     })

@@ -2,14 +2,14 @@
 //! validated and hashed once, into a resource that checks name instead of the key and
 //! the limit. The core answers them by the same code as any check.
 
-use bourse_core::{Check, InvalidInput, Mode, Outcome, PreparedBucket, PreparedCheck, Table};
+use bourse_core::{Check, Mode, Outcome, PreparedBucket, PreparedCheck, Table};
 use rustler::{Encoder, Env, Term};
 use smallvec::SmallVec;
 
 use crate::entry::{self, in_place_nif};
 use crate::handle::{self, Handle};
-use crate::{answer, atoms, check_parts, is_atom, key, limit, max_wait, number, outcome, owner};
-use crate::{rules, shape, tuple, Decoded};
+use crate::{answer, atoms, check_parts, cost, is_atom, key, limit, max_wait, naming, outcome};
+use crate::{owner, rules, shape, tuple, Decoded};
 
 mod names {
     rustler::atoms! {
@@ -30,12 +30,10 @@ fn prepare<'a>(
     let table = table.0;
     answer(env, table, || {
         let key = key(key_term)?;
-        Ok(
-            match limit(limit_term).map_err(|err| err.for_exchange(key.exchange))? {
-                Some(limit) => handle::new(env, table.prepare(key, limit)),
-                None => atoms::nil().encode(env),
-            },
-        )
+        Ok(match naming(key.exchange, || limit(limit_term))? {
+            Some(limit) => handle::new(env, table.prepare(key, limit)),
+            None => atoms::nil().encode(env),
+        })
     })
 }
 
@@ -52,9 +50,9 @@ fn check_prepared<'a>(env: Env<'a>, args: [Term<'a>; 5]) -> Term<'a> {
         return entry::badarg(env);
     };
     answer(env, table, || {
-        let checked = || Ok((rules::cost(number(cost_term))?, max_wait(max_wait_term)?));
-        let (cost, mode) =
-            checked().map_err(|err: InvalidInput| err.for_exchange(bucket.key().exchange))?;
+        let (cost, mode) = naming(bucket.key().exchange, || {
+            Ok((cost(cost_term)?, max_wait(max_wait_term)?))
+        })?;
         Ok(outcome(
             env,
             table.check_prepared(owner(owner_term), bucket, cost, mode),
@@ -77,8 +75,7 @@ fn entry(term: Term) -> Decoded<Option<Entry>> {
         if let Some(fields) = bucket_fields(bucket) {
             return match fields {
                 BucketFields::Prepared(bucket) => {
-                    let cost = rules::cost(number(cost_term))
-                        .map_err(|err| err.for_exchange(bucket.key().exchange))?;
+                    let cost = naming(bucket.key().exchange, || cost(cost_term))?;
                     Ok(Some(Entry::Prepared(PreparedCheck { bucket, cost })))
                 }
                 BucketFields::Unprepared(key, limit) => {
