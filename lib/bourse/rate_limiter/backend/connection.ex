@@ -74,6 +74,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
   @min_route_sweep_ms 100
+  @owner_key {__MODULE__, :owner}
+
+  # `%{"id" => id, "ok" => true, "result" => "admitted"}` as the daemon writes it: a map of
+  # three keys, the id first, then binaries and the atom `true` (SMALL_ATOM_UTF8_EXT).
+  @admitted_head <<131, ?t, 3::32, ?m, 2::32, "id">>
+  @admitted_tail <<?m, 2::32, "ok", 119, 4, "true", ?m, 6::32, "result", ?m, 8::32, "admitted">>
 
   @doc """
   Returns a handle on a connection to `target` for the calling limiter process: the
@@ -142,7 +148,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           size ->
             deadline = div(now_us, 1000) + handle.timeout
             frame = transport.frame(payload, size)
-            handle |> call(id, {stream, transport, frame}, deadline) |> decoded(id)
+            handle |> call(id, {stream, transport, frame}, deadline) |> answer(id)
         end
     end
   rescue
@@ -224,24 +230,48 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp did_not_answer(handle),
     do: "bourse_daemon did not answer within #{handle.timeout} ms"
 
-  # Answers come as the daemon wrote them, unless the connection had to decode one to find
-  # its id.
-  defp decoded(frame, id) when is_binary(frame) do
+  @doc false
+  # The answer to request `id` as the caller got it: as the daemon wrote it, unless the
+  # connection had to decode it to find its id. The most common one, a check admitted, is
+  # known by its bytes after the id (the connection routed it here by that id), with
+  # nothing decoded.
+  @spec answer(binary() | map() | {:error, term()}, integer()) :: map() | {:error, term()}
+  def answer(<<@admitted_head, rest::binary>>, _id)
+      when byte_size(rest) > byte_size(@admitted_tail) and
+             binary_part(rest, byte_size(rest), -byte_size(@admitted_tail)) == @admitted_tail,
+      do: %{"ok" => true, "result" => "admitted"}
+
+  def answer(frame, id) when is_binary(frame) do
     case decode(frame) do
       {:ok, %{"id" => ^id} = answer} -> answer
       _ -> {:error, Error.unavailable(not_protocol())}
     end
   end
 
-  defp decoded(answer, _id), do: answer
+  def answer(answer, _id), do: answer
 
   defp not_protocol,
     do: "the daemon sent something that is not a protocol #{@protocol_version} answer term"
 
   defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
-  @doc "The booking owner the daemon knows `pid` by."
+  @doc """
+  The booking owner the daemon knows `pid` by. The calling process's own is kept in its
+  process dictionary (rendering a pid costs more than the rest of a request's terms).
+  """
   @spec owner(t(), pid()) :: String.t()
+  def owner(%__MODULE__{owner_prefix: prefix}, pid) when pid == self() do
+    case Process.get(@owner_key) do
+      {^prefix, owner} ->
+        owner
+
+      _other ->
+        owner = prefix <> List.to_string(:erlang.pid_to_list(pid))
+        Process.put(@owner_key, {prefix, owner})
+        owner
+    end
+  end
+
   def owner(%__MODULE__{owner_prefix: prefix}, pid),
     do: prefix <> List.to_string(:erlang.pid_to_list(pid))
 

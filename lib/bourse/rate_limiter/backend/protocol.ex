@@ -295,6 +295,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   # daemon sees the map's size and which limit keys it has), `nil` as null.
   defp limit(nil), do: nil
 
+  # The common shape, as the general clause below writes it, without walking the map.
+  defp limit(%{capacity: capacity, refill_per_sec: refill} = limit)
+       when map_size(limit) == 2 and is_number(capacity) and is_number(refill),
+       do: %{"capacity" => capacity, "refill_per_sec" => refill}
+
   defp limit(%{} = limit) when not is_struct(limit) do
     limit
     |> Enum.with_index()
