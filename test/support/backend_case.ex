@@ -1,8 +1,8 @@
 defmodule Bourse.BackendCase do
   @moduledoc """
   What the tests of the port and daemon backends share: a daemon stopped when the test
-  ends, a supervised limiter under a fresh name, and a look into its connection (its
-  handle, the routes in its table, the port's OS process).
+  ends, a supervised limiter under a fresh name, a look into its connection (its handle,
+  the routes in its table, the port's OS process), and a port stopped and flooded.
 
       import Bourse.BackendCase
 
@@ -12,7 +12,7 @@ defmodule Bourse.BackendCase do
 
   import ExUnit.Callbacks, only: [on_exit: 1, start_supervised!: 2]
 
-  alias Bourse.{DaemonServer, Error, RateLimiter}
+  alias Bourse.{DaemonServer, Error, OsSignal, RateLimiter}
 
   @doc "Starts a `bourse_daemon` server with `args`, stopped when the test ends."
   @spec start_daemon([String.t()]) :: DaemonServer.t()
@@ -41,6 +41,28 @@ defmodule Bourse.BackendCase do
   def port_os_pid(handle) do
     {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
     os_pid
+  end
+
+  @doc """
+  Stops the OS process of the port a connection runs, resumed when the test ends; returns
+  its OS pid.
+  """
+  def stop_port(handle) do
+    os_pid = port_os_pid(handle)
+    OsSignal.send(os_pid, "STOP")
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
+    os_pid
+  end
+
+  @doc """
+  A task calling `check_rates/2` on the limiter `name` with 1024 checks of 1000-byte keys:
+  megabytes that a stopped port does not read, so that it stays busy and later writers
+  wait for it.
+  """
+  def flood(name) do
+    big = String.duplicate("k", 1000)
+    checks = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
+    Task.async(fn -> RateLimiter.check_rates(checks, name) end)
   end
 
   @doc "Whether `answer` is `{:error, %Bourse.Error{type: :unavailable}}`."

@@ -2,9 +2,10 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   # What only the port backend has: a daemon OS process that can die under the limiter.
   use ExUnit.Case, async: true
 
+  import Bourse.BackendCase, only: [flood: 1, handle: 1, port_os_pid: 1, routes: 1, stop_port: 1]
   import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
 
-  alias Bourse.Error
+  alias Bourse.{Error, OsSignal}
   alias Bourse.RateLimiter
 
   @moduletag :capture_log
@@ -12,28 +13,17 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   setup do
     name = :"port_#{System.unique_integer([:positive])}"
     start_supervised!({RateLimiter, name: name, backend: :port})
-    # The handle the limiter keeps for its callers: the port's connection.
-    handle = elem(:persistent_term.get({RateLimiter, name}), 1)
-    %{name: name, handle: handle}
+    # The handle the limiter keeps for its callers: the port's connection, whose table
+    # holds the route (id and reply alias) of each request in flight.
+    %{name: name, handle: handle(name)}
   end
-
-  defp os_pid(handle) do
-    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
-    Integer.to_string(os_pid)
-  end
-
-  # Each request in flight has its route (id and reply alias) in the connection's table.
-  defp in_flight(handle),
-    do: :ets.select_count(handle.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [true]}])
-
-  defp kill(signal, os_pid), do: Bourse.OsSignal.send(String.to_integer(os_pid), signal)
 
   test "kill -9 of the daemon: callers in flight get :unavailable, then a replacement that assumes every bucket busy",
        %{name: name, handle: handle} do
     limit = %{capacity: 10, refill_per_sec: 1}
     drained = {"ex", "drained"}
     for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate(drained, limit, 1, name))
-    old = os_pid(handle)
+    old = port_os_pid(handle)
 
     # Callers hammering all along, and callers certainly in flight: the daemon is stopped
     # while they call, then killed.
@@ -42,7 +32,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     hammers =
       for i <- 1..8, do: Task.async(fn -> hammer({"ex", "h#{i}"}, limit, name, deadline, []) end)
 
-    kill("STOP", old)
+    OsSignal.send(old, "STOP")
 
     stuck =
       for i <- 1..16 do
@@ -51,9 +41,9 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
 
     # Every stuck caller has its route in the table: beside them, each hammer still running
     # has one call in flight (16 routes alone may be 8 hammers' and 8 stuck callers').
-    eventually(fn -> in_flight(handle) >= 16 + Enum.count(hammers, &Process.alive?(&1.pid)) end)
+    eventually(fn -> routes(handle) >= 16 + Enum.count(hammers, &Process.alive?(&1.pid)) end)
     killed_at = now_ms()
-    kill("KILL", old)
+    OsSignal.send(old, "KILL")
 
     for answer <- Task.await_many(stuck, 10_000) do
       assert {:error, %Error{type: :unavailable, message: message}} = answer
@@ -67,7 +57,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     end
 
     # A new daemon serves, and the limiter process never noticed.
-    assert os_pid(handle) != old
+    assert port_os_pid(handle) != old
     assert :ok = RateLimiter.check_rate({"ex", "new"}, %{requests: 1_000, period: 1}, 1, name)
 
     # The drained key is not handed a fresh full bucket: the new table assumed it busy.
@@ -81,16 +71,11 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   @tag timeout: 60_000
   test "a daemon that stops reading: callers give up after the timeout, none hangs",
        %{name: name, handle: handle} do
-    os_pid = os_pid(handle)
-    kill("STOP", os_pid)
-    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+    os_pid = stop_port(handle)
 
     # Megabytes the daemon does not read: the port is busy, later writers wait, not block.
-    big = String.duplicate("k", 1000)
-    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
-
     callers =
-      [Task.async(fn -> RateLimiter.check_rates(flood, name) end)] ++
+      [flood(name)] ++
         for i <- 1..8 do
           Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
         end
@@ -99,7 +84,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
       assert {:error, %Error{type: :unavailable}} = answer
     end
 
-    kill("CONT", os_pid)
+    OsSignal.send(os_pid, "CONT")
 
     eventually(fn ->
       RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name) == :ok
@@ -108,20 +93,18 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
 
   test "callers killed while their requests are in flight: the answers go nowhere, the port serves on",
        %{name: name, handle: handle} do
-    os_pid = os_pid(handle)
-    kill("STOP", os_pid)
-    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+    os_pid = stop_port(handle)
 
     callers =
       for i <- 1..8,
           do: spawn(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
 
-    eventually(fn -> in_flight(handle) == 8 end)
+    eventually(fn -> routes(handle) == 8 end)
     Enum.each(callers, &Process.exit(&1, :kill))
-    kill("CONT", os_pid)
+    OsSignal.send(os_pid, "CONT")
 
     # Their answers came and were dropped with their routes.
-    eventually(fn -> in_flight(handle) == 0 end)
+    eventually(fn -> routes(handle) == 0 end)
     assert Process.alive?(handle.pid)
     assert :ok = RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name)
     assert {:messages, []} = Process.info(self(), :messages)
@@ -130,15 +113,11 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   @tag timeout: 60_000
   test "callers killed while they wait for a busy port to take their requests leave nothing behind",
        %{name: name, handle: handle} do
-    os_pid = os_pid(handle)
-    kill("STOP", os_pid)
-    on_exit(fn -> System.cmd("kill", ["-CONT", os_pid], stderr_to_stdout: true) end)
+    os_pid = stop_port(handle)
 
     # Megabytes the daemon does not read: the port is busy, later writers wait for it.
-    big = String.duplicate("k", 1000)
-    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
-    flooder = Task.async(fn -> RateLimiter.check_rates(flood, name) end)
-    eventually(fn -> in_flight(handle) == 1 end)
+    flooder = flood(name)
+    eventually(fn -> routes(handle) == 1 end)
     Process.sleep(100)
 
     waiting =
@@ -147,7 +126,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
 
     Process.sleep(200)
     Enum.each(waiting, &Process.exit(&1, :kill))
-    kill("CONT", os_pid)
+    OsSignal.send(os_pid, "CONT")
     # Answered, or given up if the daemon took longer than the timeout to read it all.
     flooded = Task.await(flooder, 30_000)
     assert flooded == :ok or match?({:error, %Error{type: :unavailable}}, flooded)
@@ -155,7 +134,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     # The flood's answer came. A killed caller whose request was never written leaves its
     # route until the connection drops it past its deadline: it looks once per timeout
     # (5 s), so at most two timeouts after the caller started.
-    eventually(fn -> in_flight(handle) == 0 end, 12_000)
+    eventually(fn -> routes(handle) == 0 end, 12_000)
     assert :ok = RateLimiter.check_rate({"ex", "after"}, %{requests: 10}, 1, name)
   end
 
