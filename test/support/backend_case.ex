@@ -2,7 +2,8 @@ defmodule Bourse.BackendCase do
   @moduledoc """
   What the tests of the port and daemon backends share: a daemon stopped when the test
   ends, a supervised limiter under a fresh name, a look into its connection (its handle,
-  the routes in its table, the port's OS process), and a port stopped and flooded.
+  the routes in its table, the port's OS process), a port stopped and flooded, and a
+  daemon and a Redis for the tests of every backend.
 
       import Bourse.BackendCase
 
@@ -12,7 +13,7 @@ defmodule Bourse.BackendCase do
 
   import ExUnit.Callbacks, only: [on_exit: 1, start_supervised!: 2]
 
-  alias Bourse.{DaemonServer, Error, OsSignal, RateLimiter}
+  alias Bourse.{DaemonServer, Error, OsSignal, RateLimiter, RedisServer}
 
   @doc "Starts a `bourse_daemon` server with `args`, stopped when the test ends."
   @spec start_daemon([String.t()]) :: DaemonServer.t()
@@ -55,14 +56,30 @@ defmodule Bourse.BackendCase do
   end
 
   @doc """
-  A task calling `check_rates/2` on the limiter `name` with 1024 checks of 1000-byte keys:
-  megabytes that a stopped port does not read, so that it stays busy and later writers
-  wait for it.
+  A task calling `check_rates/2` on the limiter `name` with 1024 checks of `limit` on
+  1000-byte keys: megabytes that a stopped daemon does not read, so that its port or
+  socket stays busy and later writers wait for it.
   """
-  def flood(name) do
+  def flood(name, limit) do
     big = String.duplicate("k", 1000)
-    checks = for i <- 1..1024, do: {{"ex", big, "#{i}"}, %{capacity: 10, refill_per_sec: 1}, 1}
+    checks = for i <- 1..1024, do: {{"ex", big, "#{i}"}, limit, 1}
     Task.async(fn -> RateLimiter.check_rates(checks, name) end)
+  end
+
+  @doc """
+  Starts a `bourse_daemon` server on a Unix socket (under the system's temporary
+  directory, its name starting with `prefix`) and on a TCP port, and a `redis-server`;
+  both are stopped when the test ends (or the module's tests, from `setup_all`). Returns
+  `%{daemon: daemon, redis: redis}`.
+  """
+  @spec start_daemon_and_redis(String.t()) :: %{daemon: DaemonServer.t(), redis: term()}
+  def start_daemon_and_redis(prefix) do
+    socket = Path.join(System.tmp_dir!(), "#{prefix}-#{System.unique_integer([:positive])}.sock")
+
+    daemon = start_daemon(["--socket", socket, "--listen", "127.0.0.1:0"])
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    %{daemon: daemon, redis: redis}
   end
 
   @doc "Whether `answer` is `{:error, %Bourse.Error{type: :unavailable}}`."

@@ -179,29 +179,24 @@ pub trait Stream: Read + Write + Sized {
     fn close_write(&self);
 }
 
-impl Stream for TcpStream {
-    fn try_clone_stream(&self) -> Self {
-        self.try_clone().expect("clone")
-    }
-    fn set_timeout(&self, timeout: Duration) {
-        self.set_read_timeout(Some(timeout)).expect("timeout");
-    }
-    fn close_write(&self) {
-        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
-    }
+/// The impl for sockets, whose inherent methods of these names are alike.
+macro_rules! socket_stream {
+    ($($socket:ty),*) => {$(
+        impl Stream for $socket {
+            fn try_clone_stream(&self) -> Self {
+                self.try_clone().expect("clone")
+            }
+            fn set_timeout(&self, timeout: Duration) {
+                self.set_read_timeout(Some(timeout)).expect("timeout");
+            }
+            fn close_write(&self) {
+                self.shutdown(std::net::Shutdown::Write).expect("shutdown");
+            }
+        }
+    )*};
 }
 
-impl Stream for UnixStream {
-    fn try_clone_stream(&self) -> Self {
-        self.try_clone().expect("clone")
-    }
-    fn set_timeout(&self, timeout: Duration) {
-        self.set_read_timeout(Some(timeout)).expect("timeout");
-    }
-    fn close_write(&self) {
-        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
-    }
-}
+socket_stream!(TcpStream, UnixStream);
 
 /// A newline-delimited JSON client.
 pub struct LineClient<S: Stream> {

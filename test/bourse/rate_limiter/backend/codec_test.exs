@@ -3,7 +3,9 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   # library on the code path, and start-up failures that name their real cause.
   use ExUnit.Case, async: false
 
-  alias Bourse.{DaemonServer, Error, RateLimiter, RedisServer}
+  import Bourse.BackendCase, only: [start_daemon_and_redis: 1]
+
+  alias Bourse.{DaemonServer, Error, RateLimiter}
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
@@ -12,16 +14,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   @limit %{capacity: 2, refill_per_sec: 0.001}
 
   setup_all do
-    socket = Path.join(System.tmp_dir!(), "bourse-codec-#{System.unique_integer([:positive])}")
-    daemon = DaemonServer.start(["--socket", socket, "--listen", "127.0.0.1:0"])
-    redis = RedisServer.start()
-
-    on_exit(fn ->
-      DaemonServer.stop(daemon)
-      RedisServer.stop(redis)
-    end)
-
-    %{daemon: daemon, redis: redis}
+    start_daemon_and_redis("bourse-codec")
   end
 
   test "the port, daemon and Redis backends work with no JSON library on the code path", ctx do

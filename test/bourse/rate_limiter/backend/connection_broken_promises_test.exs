@@ -47,11 +47,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
     @tag timeout: 60_000
     test "port backend: a check that timed out while the port's daemon was stopped is not paid when it resumes" do
       name = start_limiter(:port)
-      handle = handle(name)
-      os_pid = port_os_pid(handle)
-      on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
-
-      Bourse.OsSignal.send(os_pid, "STOP")
+      os_pid = name |> handle() |> stop_port()
       assert unavailable?(RateLimiter.check_rate({"ex", "k"}, @slow, 1, name))
       Bourse.OsSignal.send(os_pid, "CONT")
 
@@ -66,15 +62,11 @@ defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
     test "port backend: callers killed at any moment of their call leave no route behind" do
       name = start_limiter(:port)
       handle = handle(name)
-      os_pid = port_os_pid(handle)
-      on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
 
       # The daemon stopped under a flood: the port is busy, callers loop noting their
       # route, finding the port busy and taking the route back, until they are killed.
-      Bourse.OsSignal.send(os_pid, "STOP")
-      big = String.duplicate("k", 1000)
-      flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, @wide, 1}
-      flooder = Task.async(fn -> RateLimiter.check_rates(flood, name) end)
+      os_pid = stop_port(handle)
+      flooder = flood(name, @wide)
       eventually(fn -> routes(handle) == 1 end)
 
       for round <- 1..40 do

@@ -172,11 +172,8 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
     # Each flood is 3 MB the daemon does not read: more than the socket's buffers take, so
     # the socket is closed when the first of them has waited for the callers' timeout.
-    big = String.duplicate("k", 1000)
-    flood = for i <- 1..1024, do: {{"ex", big, "#{i}"}, @limit, 1}
-
     callers =
-      for(_ <- 1..4, do: Task.async(fn -> RateLimiter.check_rates(flood, name) end)) ++
+      for(_ <- 1..4, do: flood(name, @limit)) ++
         for i <- 1..8 do
           Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, @limit, 1, name) end)
         end

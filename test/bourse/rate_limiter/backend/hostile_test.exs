@@ -3,7 +3,8 @@ defmodule Bourse.RateLimiter.Backend.HostileTest do
   # real bourse_daemon (and a real redis-server) on loopback.
   use ExUnit.Case, async: false
 
-  alias Bourse.DaemonServer
+  import Bourse.BackendCase, only: [start_daemon_and_redis: 1, start_limiter: 1]
+
   alias Bourse.Error
   alias Bourse.RateLimiter
   alias Bourse.RedisServer
@@ -13,24 +14,7 @@ defmodule Bourse.RateLimiter.Backend.HostileTest do
   @secret "SECRET-API-KEY-0123456789abcdef"
 
   setup_all do
-    socket =
-      Path.join(System.tmp_dir!(), "bourse-hostile-#{System.unique_integer([:positive])}.sock")
-
-    daemon = DaemonServer.start(["--listen", "127.0.0.1:0", "--socket", socket])
-    redis = RedisServer.start()
-
-    on_exit(fn ->
-      DaemonServer.stop(daemon)
-      RedisServer.stop(redis)
-    end)
-
-    %{daemon: daemon, redis: redis}
-  end
-
-  defp start_limiter(backend) do
-    name = :"hostile_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
-    name
+    start_daemon_and_redis("bourse-hostile")
   end
 
   defp backends(%{daemon: daemon, redis: redis}) do

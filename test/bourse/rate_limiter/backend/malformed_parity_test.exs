@@ -3,9 +3,9 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
   # (type, message, exchange) from each, since every one asks bourse_core's rules.
   use ExUnit.Case, async: false
 
-  alias Bourse.DaemonServer
+  import Bourse.BackendCase, only: [start_daemon_and_redis: 1]
+
   alias Bourse.RateLimiter.Backend.{Daemon, NIF, Port, Redis}
-  alias Bourse.RedisServer
 
   @moduletag :capture_log
 
@@ -14,11 +14,7 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
   @secret "SECRET-" <> String.duplicate("k", 40)
 
   setup_all do
-    socket =
-      Path.join(System.tmp_dir!(), "bourse-parity-#{System.unique_integer([:positive])}.sock")
-
-    daemon = DaemonServer.start(["--socket", socket])
-    redis = RedisServer.start()
+    %{daemon: daemon, redis: redis} = start_daemon_and_redis("bourse-parity")
     opts = [assume_busy_at_start: false, booking_slack_ms: 250, sweep_interval_ms: 1000]
     {:ok, nif} = NIF.attach(nil, opts)
     {:ok, port} = Port.attach(nil, opts)
@@ -26,12 +22,6 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
     {:ok, unix} = Daemon.attach(nil, Keyword.put(opts, :backend_opts, daemon_opts))
     {:ok, redis_opts} = Redis.options(redis.url, [])
     {:ok, via_redis} = Redis.attach(nil, Keyword.put(opts, :backend_opts, redis_opts))
-
-    on_exit(fn ->
-      DaemonServer.stop(daemon)
-      RedisServer.stop(redis)
-    end)
-
     %{backends: [{NIF, nif}, {Port, port}, {Daemon, unix}, {Redis, via_redis}]}
   end
 

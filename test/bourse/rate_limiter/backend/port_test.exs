@@ -2,7 +2,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
   # What only the port backend has: a daemon OS process that can die under the limiter.
   use ExUnit.Case, async: true
 
-  import Bourse.BackendCase, only: [flood: 1, handle: 1, port_os_pid: 1, routes: 1, stop_port: 1]
+  import Bourse.BackendCase, only: [flood: 2, handle: 1, port_os_pid: 1, routes: 1, stop_port: 1]
   import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
 
   alias Bourse.{Error, OsSignal}
@@ -75,7 +75,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
 
     # Megabytes the daemon does not read: the port is busy, later writers wait, not block.
     callers =
-      [flood(name)] ++
+      [flood(name, %{capacity: 10, refill_per_sec: 1})] ++
         for i <- 1..8 do
           Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, %{requests: 10}, 1, name) end)
         end
@@ -116,7 +116,7 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     os_pid = stop_port(handle)
 
     # Megabytes the daemon does not read: the port is busy, later writers wait for it.
-    flooder = flood(name)
+    flooder = flood(name, %{capacity: 10, refill_per_sec: 1})
     eventually(fn -> routes(handle) == 1 end)
     Process.sleep(100)
 
