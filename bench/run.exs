@@ -283,7 +283,10 @@ defmodule Bench do
     connection per limiter, its callers' requests pipelined on it); the Redis backend (a
     redis-server on 127.0.0.1 through the limiter's bourse_daemon --stdio, its checks
     waiting at once sharing one script call); the NIF for reference.
-    Latency of one check in µs, sampled on one check in 8 of every caller.
+    Latency of one check in µs, sampled on one check in 8 of every caller. CPU: user and
+    system time per check of this VM and of the daemon (a port's or the server), in µs;
+    less dependent on the machine's other load than checks/s, and N CPUs can serve no more
+    than N s / (VM + daemon) checks per second.
     Load average now: #{load_average()}
     """)
 
@@ -296,7 +299,10 @@ defmodule Bench do
 
     Table.print(
       ["Backend"] ++
-        Enum.flat_map(@daemon_callers, &["#{&1} caller(s) checks/s", "p50 µs", "p99 µs"]),
+        Enum.flat_map(
+          @daemon_callers,
+          &["#{&1} caller(s) checks/s", "p50 µs", "p99 µs", "CPU µs: VM + daemon"]
+        ),
       rows
     )
 
@@ -322,33 +328,43 @@ defmodule Bench do
   defp load_average,
     do: "/proc/loadavg" |> File.read!() |> String.split() |> Enum.take(3) |> Enum.join(" ")
 
-  defp backend_rows(%{tcp: tcp, unix: unix}, redis) do
+  defp backend_rows(%{tcp: tcp, unix: unix, os_pid: server}, redis) do
     limiters = [
-      {"NIF", Bench.NIF, []},
-      {"port (stdio)", Bench.Port, backend: :port},
-      {"daemon (Unix socket)", Bench.Unix, backend: {:daemon, {:unix, unix}}},
-      {"daemon (TCP)", Bench.TCP, backend: {:daemon, tcp}}
+      {"NIF", Bench.NIF, [], nil},
+      {"port (stdio)", Bench.Port, [backend: :port], :port},
+      {"daemon (Unix socket)", Bench.Unix, [backend: {:daemon, {:unix, unix}}], server},
+      {"daemon (TCP)", Bench.TCP, [backend: {:daemon, tcp}], server}
     ]
 
     # Without redis-server installed, the Redis row is left out.
     redis =
       if redis,
-        do: [{"Redis (bourse_daemon --stdio --redis)", Bench.Redis, backend: {:redis, redis}}],
+        do: [
+          {"Redis (bourse_daemon --stdio --redis)", Bench.Redis, [backend: {:redis, redis}],
+           :port}
+        ],
         else: []
 
     limiters = limiters ++ redis
 
     keys = Runner.keys(1_000)
 
-    for {label, name, opts} <- limiters do
+    for {label, name, opts, daemon} <- limiters do
       {:ok, pid} = RateLimiter.start_link([name: name] ++ opts)
       IO.write("  #{label}:")
+      os_pid = if daemon == :port, do: port_os_pid(name), else: daemon
 
       cells =
         Enum.flat_map(@daemon_callers, fn callers ->
-          result = Latency.measure(name, keys, callers, @daemon_run_ms)
+          result = Latency.measure(name, keys, callers, @daemon_run_ms, os_pid)
           IO.write(" #{callers} → #{per_second(result.checks_per_second)}")
-          [per_second(result.checks_per_second), micros(result.p50_us), micros(result.p99_us)]
+
+          [
+            per_second(result.checks_per_second),
+            micros(result.p50_us),
+            micros(result.p99_us),
+            cpu(result.vm_cpu_us) <> " + " <> cpu(result.os_process_cpu_us)
+          ]
         end)
 
       IO.puts("")
@@ -356,6 +372,16 @@ defmodule Bench do
       [label | cells]
     end
   end
+
+  # The OS process of the limiter's port: its connection's stream.
+  defp port_os_pid(name) do
+    {_backend, handle, _events, _pid} = :persistent_term.get({RateLimiter, name})
+    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    os_pid
+  end
+
+  defp cpu(nil), do: "–"
+  defp cpu(us), do: :erlang.float_to_binary(us, decimals: 1)
 
   defp micros(us) when us >= 100, do: Integer.to_string(round(us))
   defp micros(us), do: :erlang.float_to_binary(us, decimals: 1)

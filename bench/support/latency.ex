@@ -8,8 +8,18 @@ defmodule Bench.Latency do
 
   alias Bourse.RateLimiter
 
-  @typedoc "Checks per second of all callers together, and the p50 and p99 of one check in µs."
-  @type result :: %{checks_per_second: float(), p50_us: float(), p99_us: float()}
+  @typedoc """
+  Checks per second of all callers together, the p50 and p99 of one check in µs, and the
+  CPU time per check (user and system, µs) of this VM and of the OS process `measure/5`
+  was given (`nil` without one, or where `/proc` cannot tell).
+  """
+  @type result :: %{
+          checks_per_second: float(),
+          p50_us: float(),
+          p99_us: float(),
+          vm_cpu_us: float() | nil,
+          os_process_cpu_us: float() | nil
+        }
 
   @sample_every 8
   @rounds 3
@@ -17,21 +27,50 @@ defmodule Bench.Latency do
 
   @doc """
   A warm-up of #{@warm_up_ms} ms, then #{@rounds} runs of `run_ms` each: the median
-  throughput, and the percentiles of the latencies sampled in every run.
+  throughput, the percentiles of the latencies sampled in every run, and the CPU time
+  per check over all runs of this VM and of the OS process `os_pid` (the daemon serving
+  the limiter). CPU time per check does not depend on the other programs' load as much
+  as checks/s does: on a machine of N CPUs, N seconds over the sum of the two bound the
+  checks per second however idle it is.
   """
-  @spec measure(GenServer.name(), tuple(), pos_integer(), pos_integer()) :: result()
-  def measure(limiter, keys, callers, run_ms) do
+  @spec measure(GenServer.name(), tuple(), pos_integer(), pos_integer(), pos_integer() | nil) ::
+          result()
+  def measure(limiter, keys, callers, run_ms, os_pid \\ nil) do
     once(limiter, keys, callers, @warm_up_ms)
+    vm_before = cpu_ticks(System.pid())
+    os_before = os_pid && cpu_ticks(os_pid)
     runs = for _ <- 1..@rounds, do: once(limiter, keys, callers, run_ms)
+    checks = runs |> Enum.map(&elem(&1, 2)) |> Enum.sum()
     rates = runs |> Enum.map(&elem(&1, 0)) |> Enum.sort()
     latencies = runs |> Enum.flat_map(&elem(&1, 1)) |> Enum.sort() |> List.to_tuple()
 
     %{
       checks_per_second: Enum.at(rates, div(@rounds, 2)),
       p50_us: percentile(latencies, 0.50),
-      p99_us: percentile(latencies, 0.99)
+      p99_us: percentile(latencies, 0.99),
+      vm_cpu_us: cpu_per_check(vm_before, cpu_ticks(System.pid()), checks),
+      os_process_cpu_us: cpu_per_check(os_before, os_pid && cpu_ticks(os_pid), checks)
     }
   end
+
+  # User and system time of an OS process, in clock ticks (`/proc/PID/stat`, Linux).
+  defp cpu_ticks(os_pid) do
+    with {:ok, stat} <- File.read("/proc/#{os_pid}/stat"),
+         # Fields after the command name, which is in parentheses and may hold spaces.
+         [_, after_name] <- String.split(stat, ") ", parts: 2),
+         [utime, stime] <- after_name |> String.split(" ") |> Enum.slice(11, 2) do
+      String.to_integer(utime) + String.to_integer(stime)
+    else
+      _ -> nil
+    end
+  end
+
+  # Linux counts CPU time in ticks of 10 ms (USER_HZ 100).
+  defp cpu_per_check(before, later, checks)
+       when is_integer(before) and is_integer(later) and checks > 0,
+       do: (later - before) * 10_000 / checks
+
+  defp cpu_per_check(_before, _later, _checks), do: nil
 
   defp once(limiter, keys, callers, run_ms) do
     parent = self()
@@ -54,7 +93,7 @@ defmodule Bench.Latency do
         receive do: ({:done, ^pid, {n, sampled}} -> {checks + n, sampled ++ latencies})
       end)
 
-    {checks * 1.0e9 / (System.monotonic_time(:nanosecond) - started), latencies}
+    {checks * 1.0e9 / (System.monotonic_time(:nanosecond) - started), latencies, checks}
   end
 
   defp loop(limiter, keys, index, deadline), do: loop(limiter, keys, index, deadline, 0, [])

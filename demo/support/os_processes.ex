@@ -13,20 +13,24 @@ defmodule Demo.OSProcesses do
   `fun` raises. Returns what `fun` returns.
   """
   @spec with_daemon((String.t() -> result)) :: result when result: term()
-  def with_daemon(fun), do: with_started(["--listen", "127.0.0.1:0"], &fun.(&1.tcp))
+  def with_daemon(fun),
+    do:
+      with_started(["--listen", "127.0.0.1:0"], fn listeners, _os_pid -> fun.(listeners.tcp) end)
 
   @doc """
   Like `with_daemon/1`, with the daemon also on a Unix socket in a new temporary
-  directory: `fun` gets `%{tcp: address, unix: path}`.
+  directory: `fun` gets `%{tcp: address, unix: path, os_pid: os_pid}`.
   """
-  @spec with_socket_daemon((%{tcp: String.t(), unix: Path.t()} -> result)) :: result
+  @spec with_socket_daemon((%{tcp: String.t(), unix: Path.t(), os_pid: pos_integer()} -> result)) ::
+          result
         when result: term()
   def with_socket_daemon(fun) do
     dir = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}")
     File.mkdir_p!(dir)
+    args = ["--listen", "127.0.0.1:0", "--socket", Path.join(dir, "daemon.sock")]
 
     try do
-      with_started(["--listen", "127.0.0.1:0", "--socket", Path.join(dir, "daemon.sock")], fun)
+      with_started(args, fn listeners, os_pid -> fun.(Map.put(listeners, :os_pid, os_pid)) end)
     after
       File.rm_rf!(dir)
     end
@@ -70,7 +74,7 @@ defmodule Demo.OSProcesses do
     {daemon, listeners} = start_daemon(args)
 
     try do
-      fun.(listeners)
+      fun.(listeners, daemon.os_pid)
     after
       stop_daemon(daemon)
     end
