@@ -16,8 +16,9 @@ defmodule Bourse.RateLimiter.ContractRedisTest do
   setup_all do
     redis = RedisServer.start()
     on_exit(fn -> RedisServer.stop(redis) end)
-    # Overrides the module's :backend tag for every test.
-    %{backend: {:redis, redis.url}, redis: redis}
+    # Overrides the module's :backend tag for every test. No test here is about Redis
+    # timeouts: a slow Redis on a loaded machine gets 4 s, not the default 1 s.
+    %{backend: {:redis, redis.url, redis_timeout_ms: 4_000}, redis: redis}
   end
 
   setup %{name: name} do
