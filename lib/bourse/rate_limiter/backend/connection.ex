@@ -183,12 +183,26 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       :busy ->
         give_up(handle, id, reply_to, did_not_answer(handle))
 
-      # A socket closes when a write waited in it for longer than the callers' timeout: the
-      # connection is told, the stream may still look alive to it.
+      # A socket closes when a write waited in it for longer than the callers' timeout, or
+      # when the daemon closed it (after a refusal, say): the connection is told, the
+      # stream may still look alive to it. While it does, the connection will close it
+      # and answer this call's route with why; once it has, the caller reads why.
       {:error, reason} ->
         {stream, _transport, _frame} = write
         send(handle.pid, {:write_failed, stream, reason})
-        give_up(handle, id, reply_to, "the connection to bourse_daemon broke")
+
+        case :ets.lookup(handle.table, :stream) do
+          [{:stream, ^stream, _transport, _max, _down, _offset}] ->
+            receive do
+              {^reply_to, answer} -> answer
+            after
+              max(deadline - System.monotonic_time(:millisecond), 0) ->
+                give_up(handle, id, reply_to, did_not_answer(handle))
+            end
+
+          [{:stream, _other, _transport, _max, down, _offset}] ->
+            give_up(handle, id, reply_to, down)
+        end
     end
   end
 
@@ -426,6 +440,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         end
 
         {:ok, state}
+
+      # Without an id, about the connection: the daemon refuses it (past its
+      # --max-connections) and closes it next. Its callers learn why.
+      {:unmatched, %{"error" => %{"type" => "unavailable", "message" => message}}}
+      when is_binary(message) ->
+        {:error, "the daemon refused the connection: #{String.slice(message, 0, 300)}"}
 
       {:unmatched, _answer} ->
         dropped(state)

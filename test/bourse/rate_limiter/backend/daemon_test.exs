@@ -185,6 +185,24 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "after"}, @limit, 1, name) == :ok end, 10_000)
   end
 
+  test "a daemon past its --max-connections: callers get its refusal, over TCP and a Unix socket" do
+    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    daemon = start_daemon(["--listen", "127.0.0.1:0", "--socket", path, "--max-connections", "1"])
+    # The one connection the daemon serves.
+    served = start_limiter({:daemon, daemon.tcp})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, served)
+
+    for address <- [daemon.tcp, {:unix, daemon.unix}] do
+      name = start_limiter({:daemon, address})
+
+      assert {:error, %Error{type: :unavailable, message: message}} =
+               RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+      assert message =~ "the daemon serves at most 1 connections (--max-connections)",
+             "#{inspect(address)}: #{message}"
+    end
+  end
+
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 200})
