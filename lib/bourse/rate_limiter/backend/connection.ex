@@ -173,12 +173,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     case write(handle.table, {id, {reply_to, deadline}}, write, deadline) do
       :ok ->
-        receive do
-          {^reply_to, answer} -> answer
-        after
-          max(deadline - System.monotonic_time(:millisecond), 0) ->
-            give_up(handle, id, reply_to, did_not_answer(handle))
-        end
+        await(handle, id, reply_to, deadline)
 
       :busy ->
         give_up(handle, id, reply_to, did_not_answer(handle))
@@ -193,16 +188,21 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
         case :ets.lookup(handle.table, :stream) do
           [{:stream, ^stream, _transport, _max, _down, _offset}] ->
-            receive do
-              {^reply_to, answer} -> answer
-            after
-              max(deadline - System.monotonic_time(:millisecond), 0) ->
-                give_up(handle, id, reply_to, did_not_answer(handle))
-            end
+            await(handle, id, reply_to, deadline)
 
           [{:stream, _other, _transport, _max, down, _offset}] ->
             give_up(handle, id, reply_to, down)
         end
+    end
+  end
+
+  # What the connection answers the route, or nothing by the deadline.
+  defp await(handle, id, reply_to, deadline) do
+    receive do
+      {^reply_to, answer} -> answer
+    after
+      max(deadline - System.monotonic_time(:millisecond), 0) ->
+        give_up(handle, id, reply_to, did_not_answer(handle))
     end
   end
 
