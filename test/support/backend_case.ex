@@ -11,6 +11,7 @@ defmodule Bourse.BackendCase do
       name = start_limiter({:daemon, daemon.tcp})
   """
 
+  import ExUnit.Assertions, only: [assert: 1]
   import ExUnit.Callbacks, only: [on_exit: 1, start_supervised!: 2]
 
   alias Bourse.{DaemonServer, Error, OsSignal, RateLimiter, RedisServer}
@@ -21,6 +22,20 @@ defmodule Bourse.BackendCase do
     daemon = DaemonServer.start(args)
     on_exit(fn -> DaemonServer.stop(daemon) end)
     daemon
+  end
+
+  @doc """
+  Starts a `bourse_daemon` server on a TCP port (stopped when the test ends) and a limiter
+  on it with the daemon backend's options `opts` (`timeout: ms`), connected by one check
+  admitted (of `{"ex", "warm"}`, a bucket that never runs short). Returns `{daemon, name}`.
+  """
+  @spec start_connected_daemon(keyword()) :: {DaemonServer.t(), atom()}
+  def start_connected_daemon(opts) do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, opts})
+    wide = %{capacity: 1.0e9, refill_per_sec: 1.0e9}
+    assert :ok = RateLimiter.check_rate({"ex", "warm"}, wide, 1, name)
+    {daemon, name}
   end
 
   @doc "Starts a limiter on `backend` under the test's supervisor; returns its name."

@@ -30,9 +30,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
 
   describe "a caller told :unavailable pays nothing (docs/CONTRACT.md §8, Stores)" do
     test "daemon backend: a check that timed out while the daemon was stopped is not paid when it resumes" do
-      daemon = start_daemon(["--listen", "127.0.0.1:0"])
-      name = start_limiter({:daemon, daemon.tcp, timeout: 300})
-      assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+      {daemon, name} = start_connected_daemon(timeout: 300)
 
       DaemonServer.signal(daemon, "STOP")
       assert unavailable?(RateLimiter.check_rate({"ex", "k"}, @slow, 1, name))

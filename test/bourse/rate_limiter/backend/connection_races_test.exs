@@ -18,10 +18,8 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
   describe "many callers and a daemon that stops or dies" do
     @tag timeout: 60_000
     test "64 callers, the daemon stopped: each is answered :unavailable, within its timeout" do
-      daemon = start_daemon(["--listen", "127.0.0.1:0"])
       timeout = 400
-      name = start_limiter({:daemon, daemon.tcp, timeout: timeout})
-      assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+      {daemon, name} = start_connected_daemon(timeout: timeout)
       DaemonServer.signal(daemon, "STOP")
 
       callers =
@@ -47,9 +45,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
 
     @tag timeout: 60_000
     test "64 callers hammering, the daemon killed: every answer is an answer or :unavailable, no route is left" do
-      daemon = start_daemon(["--listen", "127.0.0.1:0"])
-      name = start_limiter({:daemon, daemon.tcp, timeout: 1_000})
-      assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+      {daemon, name} = start_connected_daemon(timeout: 1_000)
       stop_at = now_ms() + 1_500
 
       callers =

@@ -143,9 +143,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   end
 
   test "a daemon that stops answering: calls end as :unavailable after the timeout, never hang" do
-    daemon = start_daemon(["--listen", "127.0.0.1:0"])
-    name = start_limiter({:daemon, daemon.tcp, timeout: 300})
-    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+    {daemon, name} = start_connected_daemon(timeout: 300)
 
     DaemonServer.signal(daemon, "STOP")
 
@@ -204,9 +202,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   end
 
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
-    daemon = start_daemon(["--listen", "127.0.0.1:0"])
-    name = start_limiter({:daemon, daemon.tcp, timeout: 200})
-    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+    {daemon, name} = start_connected_daemon(timeout: 200)
 
     DaemonServer.signal(daemon, "STOP")
     assert unavailable?(RateLimiter.check_rate({"ex", "late"}, @limit, 1, name))
