@@ -1,6 +1,7 @@
 //! Throughput of `bourse_daemon`: checks per second over stdio (`{packet, 4}` frames) and
 //! over its Unix socket with 1 and 8 clients, pipelined in windows of requests in flight, on
-//! distinct keys and on one hot key. Prints a table; asserts nothing.
+//! distinct keys and on one hot key, and with one request in flight on each. Prints a
+//! table; asserts nothing.
 //!
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
@@ -53,10 +54,16 @@ fn main() {
     for hot in [false, true] {
         let label = format!("stdio, 1 client, {}", keys_label(hot));
         let mut daemon = spawn(&options.daemon, &["--stdio"], true);
-        let elapsed = run_stdio(&mut daemon, &options, hot);
+        let elapsed = run_stdio(&mut daemon, options.checks, options.window, hot);
         stop(daemon);
         report(&label, options.checks, elapsed);
     }
+    // One request in flight: the round trip through the pipes, as one port caller sees it.
+    let unpipelined = options.checks / 10;
+    let mut daemon = spawn(&options.daemon, &["--stdio"], true);
+    let elapsed = run_stdio(&mut daemon, unpipelined, 1, false);
+    stop(daemon);
+    report("stdio, 1 client, no pipelining", unpipelined, elapsed);
 
     let socket =
         std::env::temp_dir().join(format!("bourse_daemon_bench_{}.sock", std::process::id()));
@@ -187,7 +194,7 @@ fn requests(client: usize, hot: bool, scenario: usize) -> Vec<String> {
         .collect()
 }
 
-fn run_stdio(daemon: &mut Child, options: &Options, hot: bool) -> Duration {
+fn run_stdio(daemon: &mut Child, checks: usize, window: usize, hot: bool) -> Duration {
     let mut stdin = daemon.stdin.take().expect("piped stdin");
     let mut stdout = BufReader::new(daemon.stdout.take().expect("piped stdout"));
     let requests = requests(0, hot, 0);
@@ -195,8 +202,8 @@ fn run_stdio(daemon: &mut Child, options: &Options, hot: bool) -> Duration {
     let mut frame = Vec::new();
     let started = Instant::now();
     let mut sent = 0;
-    while sent < options.checks {
-        let window = options.window.min(options.checks - sent);
+    while sent < checks {
+        let window = window.min(checks - sent);
         batch.clear();
         for i in sent..sent + window {
             let request = requests[i % requests.len()].as_bytes();
