@@ -8,9 +8,10 @@
 #      token bucket on :atomics compare-exchange, a token bucket on :ets.lookup/:ets.insert)
 #      at 1, 8 and 64 callers on 1, 8 and 1,000 keys, with the ratios to the fastest peer;
 #      then check_rates/2 over 3 buckets against one, by key and limit and prepared;
-#   3. checks/s, p50 and p99 through the port backend and a shared bourse_daemon on a Unix
-#      socket and on loopback TCP, at 1 and 64 callers, beside the daemon's own ceiling
-#      with pipelined Rust clients;
+#   3. checks/s, p50, p99 and CPU time per check (VM and daemon) through the port backend
+#      and a shared bourse_daemon on a Unix socket and on loopback TCP, at 1 and 64 callers,
+#      beside the daemon's own ceiling with Rust clients (pipelined, and one request in
+#      flight);
 #   4. resident memory after 1,000,000 distinct keys, and after the sweep dropped them.
 #
 # `mix run bench/run.exs core elixir daemon memory` runs only the sections named.

@@ -7,12 +7,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   their own process, after noting its route (the `id` and an alias of the call) in this
   process's table; this process only reads the answers (many per read when they were
   pipelined), finds each one's `id` without decoding it, takes its route from the table and
-  sends it there; the caller decodes it. A request thus costs one message between
-  processes, and encoding, writing and decoding run in parallel in the callers. Each write
-  goes whole into the port's or socket's queue in the VM, so writers never interleave; a
-  caller that finds the queue full (the daemon is behind with its input) tries again every
-  millisecond until its deadline; the one whose write filled a socket's queue waits until
-  it drains or, after the timeout, the socket closes (and is reconnected).
+  sends it there; the caller decodes it (an admitted check's answer, the most common, it
+  knows by its bytes). A request thus costs one message between processes, and encoding,
+  writing and decoding run in parallel in the callers. Each write goes whole into the
+  port's or socket's queue in the VM, so writers never interleave; a caller that finds the
+  queue full (the daemon is behind with its input) tries again every millisecond until its
+  deadline; the one whose write filled a socket's queue waits until it drains or, after
+  the timeout, the socket closes (and is reconnected).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
