@@ -3,7 +3,9 @@
 //! in-memory daemon with the same clients, each on the daemon's Unix socket. Each client
 //! waits for every answer (one check in flight), so the latency is a full round trip:
 //! client -> daemon -> Redis script -> daemon -> client. The keys spread over 16 exchanges (so, on the cluster, over every master).
-//! Prints a table; asserts nothing.
+//! Beside the rates, the CPU time per check of the daemon (all its threads) and of the Redis
+//! server (`INFO cpu`; on the cluster, the masters'), which a loaded machine inflates far
+//! less than it does latencies. Prints a table; asserts nothing.
 //!
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
@@ -104,8 +106,16 @@ fn main() {
          {seconds} s per row, one check in flight per client"
     );
     println!(
-        "{:<10} {:<9} {:>7} {:>10} {:>10} {:>9} {:>9}",
-        "store", "buckets", "clients", "checks", "checks/s", "p50 µs", "p99 µs"
+        "{:<10} {:<9} {:>7} {:>10} {:>10} {:>9} {:>9} {:>13} {:>12}",
+        "store",
+        "buckets",
+        "clients",
+        "checks",
+        "checks/s",
+        "p50 µs",
+        "p99 µs",
+        "daemon µs/ck",
+        "redis µs/ck"
     );
     for store in stores.iter().map(String::as_str) {
         if store == "cluster" && seeds.is_empty() {
@@ -118,13 +128,24 @@ fn main() {
         ));
         let mut daemon = start_daemon(store, &url, &seeds, &socket);
         let addr = listening_addr(&mut daemon);
+        let servers = match store {
+            "redis" => vec![url.clone()],
+            "cluster" => seeds.clone(),
+            _ => Vec::new(),
+        };
         for buckets in [1, 3] {
             for &clients in &client_counts {
+                let cpu_before = (process_cpu(daemon.id()), redis_cpu(&servers));
                 let (checks, mut latencies) = run(&addr, clients, buckets, run_for);
+                let daemon_cpu = per_check(cpu_before.0, process_cpu(daemon.id()), checks);
+                let redis_cpu = match store {
+                    "memory" => "–".to_string(),
+                    _ => per_check(cpu_before.1, redis_cpu(&servers), checks),
+                };
                 latencies.sort_unstable();
                 let quantile = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
                 println!(
-                    "{:<10} {:<9} {:>7} {:>10} {:>10.0} {:>9.0} {:>9.0}",
+                    "{:<10} {:<9} {:>7} {:>10} {:>10.0} {:>9.0} {:>9.0} {:>13} {:>12}",
                     store,
                     buckets,
                     clients,
@@ -132,6 +153,8 @@ fn main() {
                     checks as f64 / seconds,
                     quantile(0.5).as_secs_f64() * 1e6,
                     quantile(0.99).as_secs_f64() * 1e6,
+                    daemon_cpu,
+                    redis_cpu,
                 );
             }
         }
@@ -144,6 +167,48 @@ fn main() {
         let _ = redis.kill();
         let _ = redis.wait();
     }
+}
+
+/// µs of CPU time per check between two readings, "–" if either is unknown.
+fn per_check(before: Option<Duration>, after: Option<Duration>, checks: usize) -> String {
+    match (before, after) {
+        (Some(before), Some(after)) => {
+            let micros = after.saturating_sub(before).as_secs_f64() * 1e6;
+            format!("{:.1}", micros / checks.max(1) as f64)
+        }
+        _ => "–".to_string(),
+    }
+}
+
+/// CPU time of every thread of process `pid` so far (`/proc/PID/task/*/schedstat`, ns).
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
+/// CPU time (user and system) the Redis servers at `urls` used so far (`INFO cpu`).
+fn redis_cpu(urls: &[String]) -> Option<Duration> {
+    let mut total = 0.0;
+    for url in urls {
+        let mut connection = redis::Client::open(url.as_str())
+            .ok()?
+            .get_connection()
+            .ok()?;
+        let info: String = redis::cmd("INFO").arg("cpu").query(&mut connection).ok()?;
+        for line in info.lines() {
+            if let Some(seconds) = line
+                .strip_prefix("used_cpu_sys:")
+                .or_else(|| line.strip_prefix("used_cpu_user:"))
+            {
+                total += seconds.trim().parse::<f64>().ok()?;
+            }
+        }
+    }
+    (!urls.is_empty()).then(|| Duration::from_secs_f64(total))
 }
 
 fn start_daemon(store: &str, url: &str, seeds: &[String], socket: &Path) -> Child {
