@@ -5,6 +5,33 @@ use bourse_core::{KeyInfo, Limit, Outcome};
 
 use crate::store::{StoreError, StoreResult};
 
+/// What the script answers for one check of a `checks` call: the result, the delay
+/// (ms), whether a pause held it (0/1) and the bookings found lapsed.
+pub type CheckAnswer = (String, u64, u64, u64);
+
+/// The answers of a `checks` call, one line each (see `encode` in bucket.lua): the result
+/// alone when its numbers are all 0, else "<ms> <paused> <lapsed> <result>".
+pub fn checks_from(text: &str) -> StoreResult<Vec<CheckAnswer>> {
+    let malformed = || StoreError::Unavailable("the Redis script's answers are malformed".into());
+    text.split('\n')
+        .map(|line| {
+            if !line.starts_with(|c: char| c.is_ascii_digit()) {
+                return Ok((line.to_string(), 0, 0, 0));
+            }
+            let mut fields = line.splitn(4, ' ');
+            let mut number = || -> StoreResult<u64> {
+                fields
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .ok_or_else(malformed)
+            };
+            let (ms, paused, lapsed) = (number()?, number()?, number()?);
+            let result = fields.next().ok_or_else(malformed)?;
+            Ok((result.to_string(), ms, paused, lapsed))
+        })
+        .collect()
+}
+
 /// A snapshot and the shown fingerprint of its credential, or `None` for a key Redis does
 /// not hold.
 pub type Info = Option<(KeyInfo, Option<String>)>;
@@ -62,4 +89,30 @@ pub fn info_from(fields: &[String]) -> StoreResult<(KeyInfo, Option<String>)> {
         pause_ms: optional(pause)?.map(|micros| micros_to_ms(micros).max(1)),
     };
     Ok((info, (!shown.is_empty()).then(|| shown.clone())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_answers_are_read_line_by_line() {
+        let text = "admitted\n12 1 0 delay\nlate\n0 0 2 claimed\nerror WRONGTYPE 1 2 3";
+        let answers = checks_from(text).unwrap();
+        let expected = [
+            ("admitted", 0, 0, 0),
+            ("delay", 12, 1, 0),
+            ("late", 0, 0, 0),
+            ("claimed", 0, 0, 2),
+            ("error WRONGTYPE 1 2 3", 0, 0, 0),
+        ];
+        let expected: Vec<CheckAnswer> = expected
+            .iter()
+            .map(|&(result, ms, paused, lapsed)| (result.to_string(), ms, paused, lapsed))
+            .collect();
+        assert_eq!(answers, expected);
+        for malformed in ["12 1 delay", "12 x 0 delay", "1 2 3"] {
+            assert!(checks_from(malformed).is_err(), "{malformed}");
+        }
+    }
 }

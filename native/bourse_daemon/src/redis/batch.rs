@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::client::{self, CheckAnswer, Client};
+use super::answer::CheckAnswer;
+use super::client::{self, Client};
 use super::connection::hash_tag;
 use super::names;
 use super::script::Call;

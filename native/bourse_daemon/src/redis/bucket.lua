@@ -2,9 +2,9 @@
 -- inside Redis on the Redis server's clock, so every daemon sharing the server sees one
 -- table and one time.
 --
--- Times are microseconds from redis.call('TIME'): exact in Lua's doubles. Floats are
--- stored with %.17g, which round-trips every double. Redis >= 5 replicates a script's
--- effects, not the script, so reading TIME is allowed.
+-- Times are microseconds from redis.call('TIME'): exact in Lua's doubles. Whole numbers
+-- are stored as integers, others with %.17g, which round-trips every double. Redis >= 5
+-- replicates a script's effects, not the script, so reading TIME is allowed.
 --
 -- Layout 2 (P is the prefix, E the exchange as <byte length>:<bytes>, C "h" and the
 -- credential's keyed fingerprint (32 hex digits) or "-" for the public pool, A the axis as
@@ -19,9 +19,9 @@
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
 --                        wait since its last success
---   P:{E}:r:<n>  string  the answers (MessagePack) of the `checks` call numbered n (by its
---                        daemon), once it ran ("1" while it runs); lives twice the
---                        daemon's Redis timeout
+--   P:{E}:r:<n>  string  the answers of the `checks` call numbered n (by its daemon), as
+--                        it returned them, once it ran ("1" while it runs); lives twice
+--                        the daemon's Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
@@ -40,15 +40,32 @@
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
 local MARGIN = 1e6 -- µs a key outlives the moment it would behave as new
 local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
-local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check
+local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check, at least
+local MARKER_SLACK = 3600e6 -- µs a marker's lifetime is set beyond MARKER_TTL when renewed
 
+-- A number as stored: an integral one (µs times, whole costs) as its digits, any other with
+-- %.17g; both read back exactly, and '%d' costs far less inside Redis.
 local function fmt(x)
+  if x % 1 == 0 and x > -1e18 and x < 1e18 then
+    return string.format('%d', x)
+  end
   return string.format('%.17g', x)
+end
+
+-- A whole number of ms or µs as a command argument (Redis would format a Lua number with
+-- %.17g).
+local function int(x)
+  return string.format('%d', x)
 end
 
 local function clock()
   local time = redis.call('TIME')
   return tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
+
+-- The answer of a call past its deadline: it did nothing.
+local function late_error(now)
+  return redis.error_reply('LATE ' .. int(now))
 end
 
 -- µs to accrue `tokens` at `r` per second; less a millionth of a µs, so float noise cannot
@@ -64,6 +81,16 @@ end
 
 local function delay_ms(from, to)
   return math.max(math.ceil((to - from) / 1000), 1)
+end
+
+-- A check's answer as one line: the result alone when its numbers (the delay in ms, 1 if a
+-- pause held it, the bookings found lapsed) are all 0, else "<ms> <paused> <lapsed>
+-- <result>" (a result starts with a letter).
+local function answer(result, ms, paused, lapsed)
+  if ms == 0 and paused == 0 and lapsed == 0 then
+    return result
+  end
+  return string.format('%d %d %d %s', ms, paused, lapsed, result)
 end
 
 -- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
@@ -83,21 +110,25 @@ local function load(key, now, id)
   return bucket, v[5] or nil
 end
 
--- Writes the bucket (and a new key's shown fingerprint) in one HSET.
+-- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
+-- changed), a new key's shown fingerprint.
 local function save(key, bucket)
-  local fields = { 'b', fmt(bucket.b), 't', fmt(bucket.t) }
-  if bucket.c then
-    table.insert(fields, 'c')
-    table.insert(fields, fmt(bucket.c))
-    table.insert(fields, 'r')
-    table.insert(fields, fmt(bucket.r))
+  local b, t = fmt(bucket.b), fmt(bucket.t)
+  local shown = bucket.shown ~= '' and bucket.shown or nil
+  bucket.shown = nil
+  if bucket.defined then
+    bucket.defined = nil
+    local c, r = fmt(bucket.c), fmt(bucket.r)
+    if shown then
+      redis.call('HSET', key, 'b', b, 't', t, 'c', c, 'r', r, 'f', shown)
+    else
+      redis.call('HSET', key, 'b', b, 't', t, 'c', c, 'r', r)
+    end
+  elseif shown then
+    redis.call('HSET', key, 'b', b, 't', t, 'f', shown)
+  else
+    redis.call('HSET', key, 'b', b, 't', t)
   end
-  if bucket.shown and bucket.shown ~= '' then
-    table.insert(fields, 'f')
-    table.insert(fields, bucket.shown)
-    bucket.shown = nil
-  end
-  redis.call('HSET', key, unpack(fields))
 end
 
 -- Tokens accrued since the last payment, not capped.
@@ -162,7 +193,7 @@ end
 -- whether `id`'s booking was among them. A key without bookings is marked `unbooked`
 -- (read with one ZRANGE), so `keep` need not read its last booking again.
 local function drop_lapsed(item, now, id)
-  if not redis.call('ZRANGE', item.wkey, -1, -1)[1] then
+  if not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
     item.unbooked = true
     return 0, false
   end
@@ -187,25 +218,26 @@ local function keep(item, now, delay)
     local fill = bucket.c / bucket.r * 1e6
     ttl = math.max(fill, (bucket.c - accrued(bucket, now)) / bucket.r * 1e6, delay)
   end
-  local last = item.unbooked and {} or redis.call('ZRANGE', item.wkey, -1, -1, 'WITHSCORES')
-  if last[2] then
-    ttl = math.max(ttl, tonumber(last[2]) - now)
+  local last = not item.unbooked and redis.call('ZRANGE', item.wkey, '-1', '-1', 'WITHSCORES')[2]
+  if last then
+    ttl = math.max(ttl, tonumber(last) - now)
   end
   local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
-  redis.call('PEXPIRE', item.key, ms)
-  if last[2] then
-    redis.call('PEXPIRE', item.wkey, ms)
+  redis.call('PEXPIRE', item.key, int(ms))
+  if last then
+    redis.call('PEXPIRE', item.wkey, int(ms))
   end
   return ms
 end
 
--- Keeps each exchange's marker a day past this check, or past its longest-lived bucket.
+-- Keeps each exchange's marker at least a day past this check, and past its longest-lived
+-- bucket; set MARKER_SLACK longer than that, so most calls only read its TTL.
 local function keep_markers(markers)
   for marker, ms in pairs(markers) do
     local left = redis.call('PTTL', marker)
-    local want = math.max(ms, math.ceil(MARKER_TTL / 1000))
+    local want = math.max(ms, MARKER_TTL / 1000)
     if left ~= -2 and left < want then
-      redis.call('PEXPIRE', marker, want)
+      redis.call('PEXPIRE', marker, int(want + MARKER_SLACK / 1000))
     end
   end
 end
@@ -238,8 +270,9 @@ local function pay(item, now, at)
   local after = math.min(math.min(item.start, cap) + lead, cap) - item.cost
   bucket.b = after - lead
   bucket.t = now
-  bucket.c = item.c
-  bucket.r = item.r
+  if bucket.c ~= item.c or bucket.r ~= item.r then
+    bucket.c, bucket.r, bucket.defined = item.c, item.r, true
+  end
   save(item.key, bucket)
 end
 
@@ -262,9 +295,9 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
     item.kept = keep(item, now, math.max(ready - now, 0))
   end
   if ready <= now then
-    return { 'claimed', 0, 0, lapsed }
+    return answer('claimed', 0, 0, lapsed)
   end
-  return { 'delay', delay_ms(now, ready), pause_until > booked_ready and 1 or 0, lapsed }
+  return answer('delay', delay_ms(now, ready), pause_until > booked_ready and 1 or 0, lapsed)
 end
 
 -- checks: several independent checks in one call, run one after another at one `now`,
@@ -275,77 +308,53 @@ end
 -- pauses and marker keys; its arguments the booking id, max_wait_ms (0: a probe), slack
 -- (µs), assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential
 -- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
--- coalesced them). Returns {now, answers}, per check {result, ms, paused (0/1), lapsed
--- bookings}, {'late', 0, 0, 0} for a check past its deadline (it did nothing), or
--- {'error <message>', 0, 0, 0} for a check that failed in Redis (a key of another type):
--- each check runs under pcall, and fails before it pays (its keys are all read first).
+-- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`),
+-- 'late' for a check past its deadline (it did nothing), 'error <message>' for a check
+-- that failed in Redis (a key of another type): each check runs under pcall, and fails
+-- before it pays (its keys are all read first).
 --
 -- The run marker makes a call run once, and holds its answers: a call sent again after
 -- the connection was lost finds them (see `replay`) and answers them unchanged.
 local decide
 
--- Pause ends read by this call, by pauses key and field (false: none). Checks never
+-- Pause ends read by this call, by pauses key, then field (false: none). Checks never
 -- write pauses, so the checks of one call share what an earlier one read.
 local pause_ends
 
 -- Reads into `pause_ends` the `fields` of `pauses` this call has not read yet, in one HMGET.
 local function read_pauses(pauses, fields)
-  local missing = {}
-  for _, field in ipairs(fields) do
-    if pause_ends[pauses .. '\0' .. field] == nil then
-      table.insert(missing, field)
+  local known = pause_ends[pauses]
+  if not known then
+    known = {}
+    pause_ends[pauses] = known
+  else
+    local missing = {}
+    for _, field in ipairs(fields) do
+      if known[field] == nil then
+        missing[#missing + 1] = field
+      end
     end
+    fields = missing
   end
-  if #missing > 0 then
-    local ends = redis.call('HMGET', pauses, unpack(missing))
-    for j, field in ipairs(missing) do
-      pause_ends[pauses .. '\0' .. field] = tonumber(ends[j]) or false
+  if #fields > 0 then
+    local ends = redis.call('HMGET', pauses, unpack(fields))
+    for j, field in ipairs(fields) do
+      known[field] = tonumber(ends[j]) or false
     end
   end
 end
 
--- The latest end (µs) of the `fields` of `pauses`, 0 for none.
-local function pause_end(pauses, fields)
-  read_pauses(pauses, fields)
-  local latest = 0
-  for _, field in ipairs(fields) do
-    latest = math.max(latest, pause_ends[pauses .. '\0' .. field] or 0)
-  end
-  return latest
+-- The latest end (µs) of the exchange's pause and the item's credential and key pauses
+-- (read by `read_pauses`), 0 for none.
+local function pause_end(pauses, credential_field, key_field)
+  local known = pause_ends[pauses]
+  return math.max(known.x or 0, known[credential_field] or 0, known[key_field] or 0)
 end
 
 -- The first line of a failed check's error, at most 200 bytes.
 local function error_text(e)
   local text = type(e) == 'table' and e.err or tostring(e)
   return string.sub(string.match(text, '^[^\n]*'), 1, 200)
-end
-
-local function checks(now)
-  redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
-  local answers, markers = {}, {}
-  pause_ends = {}
-  local k, a = 1, 4
-  for j = 1, tonumber(ARGV[3]) do
-    local deadline = tonumber(ARGV[a])
-    if deadline > 0 and now > deadline then
-      answers[j] = { 'late', 0, 0, 0 }
-    else
-      local ok, items, answer = pcall(decide, now, k, a + 2)
-      if ok then
-        for _, item in ipairs(items) do
-          markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
-        end
-        answers[j] = answer
-      else
-        answers[j] = { 'error ' .. error_text(items), 0, 0, 0 }
-      end
-    end
-    k = k + tonumber(ARGV[a + 1])
-    a = a + 3 + tonumber(ARGV[a + 2])
-  end
-  keep_markers(markers)
-  redis.call('SET', KEYS[1], cmsgpack.pack(answers), 'PX', ARGV[2])
-  return { now, answers }
 end
 
 -- A `checks` call that already ran (its marker exists): the answers it gave, even past its
@@ -358,7 +367,39 @@ local function replay(now)
   if ran == '1' then
     return redis.error_reply('RERUN this call already ran')
   end
-  return { now, cmsgpack.unpack(ran) }
+  return { now, ran }
+end
+
+local function checks(now, late)
+  -- The marker is set ('1') by the first run only; a call past its deadline sets nothing.
+  if late or not redis.call('SET', KEYS[1], '1', 'PX', ARGV[2], 'NX') then
+    return replay(now) or late_error(now)
+  end
+  local answers, markers = {}, {}
+  pause_ends = {}
+  local k, a = 1, 4
+  for j = 1, tonumber(ARGV[3]) do
+    local deadline = tonumber(ARGV[a])
+    if deadline > 0 and now > deadline then
+      answers[j] = 'late'
+    else
+      local ok, items, line = pcall(decide, now, k, a + 2)
+      if ok then
+        for _, item in ipairs(items) do
+          markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+        end
+        answers[j] = line
+      else
+        answers[j] = 'error ' .. error_text(items)
+      end
+    end
+    k = k + tonumber(ARGV[a + 1])
+    a = a + 3 + tonumber(ARGV[a + 2])
+  end
+  keep_markers(markers)
+  local text = table.concat(answers, '\n')
+  redis.call('SET', KEYS[1], text, 'PX', ARGV[2])
+  return { now, text }
 end
 
 -- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
@@ -373,9 +414,13 @@ decide = function(now, k, at)
   for i = 1, n do
     local a = at + 5 + (i - 1) * 7
     local group = tonumber(ARGV[a + 4])
-    wanted[group] = wanted[group] or { 'x' }
-    table.insert(wanted[group], ARGV[a + 5])
-    table.insert(wanted[group], ARGV[a + 6])
+    local fields = wanted[group]
+    if not fields then
+      fields = { 'x' }
+      wanted[group] = fields
+    end
+    fields[#fields + 1] = ARGV[a + 5]
+    fields[#fields + 1] = ARGV[a + 6]
   end
   for group, fields in pairs(wanted) do
     read_pauses(KEYS[k + 2 * n + 2 * group - 1], fields)
@@ -403,7 +448,14 @@ decide = function(now, k, at)
       -- A new key, or one with only recorded debt, takes this definition now.
       began[group] = began[group] or state_began(marker, now, false)
       local start = initial_tokens(item.c, item.r, now, began[group], busy)
-      bucket = { c = item.c, r = item.r, b = (bucket and bucket.b or 0) + start, t = now, dirty = true }
+      bucket = {
+        c = item.c,
+        r = item.r,
+        b = (bucket and bucket.b or 0) + start,
+        t = now,
+        dirty = true,
+        defined = true,
+      }
       bucket.shown = ARGV[a + 7]
     end
     item.bucket = bucket
@@ -417,7 +469,7 @@ decide = function(now, k, at)
         claim_ready = nil
       end
     end
-    pause_until = math.max(pause_until, pause_end(pauses, { 'x', ARGV[a + 5], ARGV[a + 6] }))
+    pause_until = math.max(pause_until, pause_end(pauses, ARGV[a + 5], ARGV[a + 6]))
     item.start = start_under(bucket, item.c, item.r, now)
     ready = math.max(ready, ready_at(item, now))
     items[i] = item
@@ -432,7 +484,7 @@ decide = function(now, k, at)
       pay(item, now, now)
       item.kept = keep(item, now, 0)
     end
-    return items, { 'admitted', 0, 0, lapsed }
+    return items, answer('admitted', 0, 0, lapsed)
   end
   local ms = delay_ms(now, ready)
   if max_wait > 0 and ms <= max_wait then
@@ -443,7 +495,7 @@ decide = function(now, k, at)
       item.unbooked = nil
       item.kept = keep(item, now, ready - now)
     end
-    return items, { 'booked', ms, paused, lapsed }
+    return items, answer('booked', ms, paused, lapsed)
   end
   -- Refused: nothing paid; a new bucket is recorded (its accrual starts now).
   for _, item in ipairs(items) do
@@ -452,7 +504,7 @@ decide = function(now, k, at)
     end
     item.kept = keep(item, now, ready - now)
   end
-  return items, { max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed }
+  return items, answer(max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed)
 end
 
 -- record: KEYS = bucket, bookings; ARGV = 'record', cost, shown fingerprint. Debits without
@@ -623,13 +675,11 @@ end
 local deadline = tonumber(ARGV[2]) or 0
 table.remove(ARGV, 2)
 local now = clock()
+local late = deadline > 0 and now > deadline
 if op == checks then
-  local answered = replay(now)
-  if answered then
-    return answered
-  end
+  return checks(now, late)
 end
-if deadline > 0 and now > deadline then
-  return redis.error_reply('LATE ' .. string.format('%d', now))
+if late then
+  return late_error(now)
 end
 return op(now)

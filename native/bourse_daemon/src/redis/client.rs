@@ -11,16 +11,13 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
+use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
 
+use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
 use super::connection::{Connection, ScanNode};
-use super::script::{Call, SOURCE};
+use super::script::{self, Call, Script, SOURCE};
 use crate::store::{StoreError, StoreResult};
-
-/// What the script answers for one check of a `checks` call: the result, the delay
-/// (ms), whether a pause held it (0/1) and the bookings found lapsed.
-pub type CheckAnswer = (String, u64, u64, u64);
 
 /// Starts the message of a script that found its deadline passed, before the Redis time.
 const LATE: &str = "late:";
@@ -31,7 +28,7 @@ const MAX_IN_FLIGHT: usize = 64;
 /// The connection, the loaded script and what is known of the Redis clock.
 pub struct Client {
     connection: Connection,
-    script: Script,
+    script: ::redis::Script,
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
     timeout: Duration,
@@ -41,7 +38,7 @@ impl Client {
     pub fn new(connection: Connection, timeout: Duration) -> Self {
         Self {
             connection,
-            script: Script::new(SOURCE),
+            script: ::redis::Script::new(SOURCE),
             clock: ServerClock::new(timeout),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             timeout,
@@ -67,7 +64,9 @@ impl Client {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
                 let deadline = self.deadline(started, &mut connection).await?;
-                self.run(call, deadline, &mut connection).await
+                let evalsha = call.command(self.sha(), deadline);
+                let eval = || call.command(Script::Source, deadline);
+                self.run(evalsha, eval, &mut connection).await
             })
             .await;
         self.late(answer, started)
@@ -93,14 +92,19 @@ impl Client {
                     true => 0,
                     false => deadlines.iter().copied().max().unwrap_or(0),
                 };
-                let each = deadlines
+                let each: Vec<(u64, &Call)> = deadlines
                     .into_iter()
-                    .zip(parts.iter().map(|(_, part)| *part));
-                let call = Call::checks(marker, self.timeout * 2, each);
-                self.run(&call, latest, &mut connection).await
+                    .zip(parts.iter().map(|(_, part)| *part))
+                    .collect();
+                let lifetime = self.timeout * 2;
+                let evalsha = script::checks(self.sha(), marker, lifetime, latest, &each);
+                let eval = || script::checks(Script::Source, marker, lifetime, latest, &each);
+                self.run::<(u64, String)>(evalsha, eval, &mut connection)
+                    .await
             })
             .await;
-        self.late(answer, started)
+        let (now, text) = self.late(answer, started)?;
+        Ok((now, answer::checks_from(&text)?))
     }
 
     /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` may
@@ -117,21 +121,38 @@ impl Client {
         Ok(self.clock.deadline(started).unwrap_or(0))
     }
 
-    /// Sends `call` as `EVALSHA` (loading the script on `NOSCRIPT`), once more on the
-    /// fresh connection if the connection was lost (with the same deadline).
+    fn sha(&self) -> Script<'_> {
+        Script::Sha(self.script.get_hash())
+    }
+
+    /// Sends a call as `evalsha` (loading the script on `NOSCRIPT`), once more on the fresh
+    /// connection if the connection was lost, or as `eval` if a node still lacks the script.
     async fn run<T: FromRedisValue>(
         &self,
-        call: &Call,
-        deadline: u64,
+        evalsha: Cmd,
+        eval: impl FnOnce() -> Cmd,
         connection: &mut Connection,
     ) -> Result<T, RedisError> {
-        let invocation = call.invocation(&self.script, deadline);
-        match invocation.invoke_async(connection).await {
-            Err(error) if lost_connection(&error) => invocation.invoke_async(connection).await,
+        match self.evalsha(&evalsha, connection).await {
+            Err(error) if lost_connection(&error) => self.evalsha(&evalsha, connection).await,
             // Still missing after the reload on every master known (a replica promoted
             // since): EVAL runs it on that node and caches it there.
-            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                call.eval(deadline).query_async(connection).await
+            Err(error) if no_script(&error) => eval().query_async(connection).await,
+            answer => answer,
+        }
+    }
+
+    /// Sends `evalsha`; on `NOSCRIPT` loads the script (on every master of a cluster) and
+    /// sends it again.
+    async fn evalsha<T: FromRedisValue>(
+        &self,
+        evalsha: &Cmd,
+        connection: &mut Connection,
+    ) -> Result<T, RedisError> {
+        match evalsha.query_async(connection).await {
+            Err(error) if no_script(&error) => {
+                self.script.load_async(connection).await?;
+                evalsha.query_async(connection).await
             }
             answer => answer,
         }
@@ -223,6 +244,10 @@ pub fn late_refusal(started: Instant) -> StoreError {
          it was refused and nothing was paid",
         started.elapsed().as_millis()
     ))
+}
+
+fn no_script(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
 }
 
 /// Errors after which the connection manager reconnects.

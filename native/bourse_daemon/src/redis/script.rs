@@ -1,9 +1,10 @@
 //! One call of `bucket.lua`: its keys and arguments, sent as `EVALSHA` (the script loaded
 //! once with `SCRIPT LOAD`, again on `NOSCRIPT`) or, where a node still lacks it, as `EVAL`.
+//! The command is written straight from the calls' keys and arguments.
 
 use std::time::Duration;
 
-use ::redis::{Cmd, Script, ScriptInvocation, ToRedisArgs};
+use ::redis::{Cmd, ToRedisArgs};
 
 /// The source of the script every call runs.
 pub const SOURCE: &str = include_str!("bucket.lua");
@@ -15,35 +16,36 @@ pub struct Call {
     args: Vec<Vec<u8>>,
 }
 
+/// How a command names the script: by its SHA1 (`EVALSHA`) or with its source (`EVAL`),
+/// which runs it on whichever node serves the keys and caches it there.
+#[derive(Clone, Copy)]
+pub enum Script<'a> {
+    Sha(&'a str),
+    Source,
+}
+
+impl Script<'_> {
+    /// The command's start: `EVALSHA sha` or `EVAL source`, then the count of keys.
+    fn command(self, keys: usize, args: usize, bytes: usize) -> Cmd {
+        let (name, script) = match self {
+            Script::Sha(sha) => ("EVALSHA", sha),
+            Script::Source => ("EVAL", SOURCE),
+        };
+        let mut command = Cmd::with_capacity(3 + keys + args, bytes + script.len() + 16);
+        command.arg(name).arg(script).arg(keys);
+        command
+    }
+}
+
 impl Call {
     pub fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
-        self.keys.extend(key.to_redis_args());
+        key.write_redis_args(&mut self.keys);
         self
     }
 
     pub fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        self.args.extend(arg.to_redis_args());
+        arg.write_redis_args(&mut self.args);
         self
-    }
-
-    /// One `checks` call of the checks `parts` (each its keys and arguments, without the
-    /// operation), each with its deadline; `marker` makes it run once, for `lifetime`.
-    pub fn checks<'a>(
-        marker: &[u8],
-        lifetime: Duration,
-        parts: impl ExactSizeIterator<Item = (u64, &'a Call)>,
-    ) -> Self {
-        let mut call = Call::default();
-        call.key(marker)
-            .arg("checks")
-            .arg(lifetime.as_millis() as u64)
-            .arg(parts.len());
-        for (deadline, part) in parts {
-            call.arg(deadline).arg(part.keys.len()).arg(part.args.len());
-            call.keys.extend(part.keys.iter().cloned());
-            call.args.extend(part.args.iter().cloned());
-        }
-        call
     }
 
     pub fn key_count(&self) -> usize {
@@ -55,35 +57,51 @@ impl Call {
         self.keys.first().map_or(&[], Vec::as_slice)
     }
 
-    /// The operation and the arguments after it.
-    fn split_args(&self) -> (&[u8], &[Vec<u8>]) {
-        self.args
-            .split_first()
-            .map_or((&[][..], &[][..]), |(op, args)| (op.as_slice(), args))
+    fn bytes(&self) -> usize {
+        self.keys.iter().chain(&self.args).map(Vec::len).sum()
     }
 
-    /// The call as `EVAL` with the script's source, arguments as in [`Self::invocation`]:
-    /// it runs, and is cached, on whichever node serves the keys.
-    pub fn eval(&self, deadline: u64) -> Cmd {
-        let mut command = ::redis::cmd("EVAL");
-        command.arg(SOURCE).arg(self.keys.len()).arg(&self.keys);
-        let (op, args) = self.split_args();
-        command.arg(op).arg(deadline).arg(args);
+    /// The call as a command, with `deadline` (µs on the Redis clock, 0 for none) after the
+    /// operation: bucket.lua reads it first.
+    pub fn command(&self, script: Script, deadline: u64) -> Cmd {
+        let mut command = script.command(self.keys.len(), self.args.len() + 1, self.bytes());
+        command.arg(&self.keys);
+        if let Some((op, args)) = self.args.split_first() {
+            command.arg(op).arg(deadline).arg(args);
+        }
         command
     }
+}
 
-    /// The invocation, with `deadline` (µs on the Redis clock, 0 for none) after the
-    /// operation: bucket.lua reads it first.
-    pub fn invocation<'a>(&self, script: &'a Script, deadline: u64) -> ScriptInvocation<'a> {
-        let mut invocation = script.prepare_invoke();
-        for key in &self.keys {
-            invocation.key(key);
-        }
-        let (op, args) = self.split_args();
-        invocation.arg(op).arg(deadline);
-        for arg in args {
-            invocation.arg(arg);
-        }
-        invocation
+/// One `checks` call of the checks `parts` (each its deadline, keys and arguments without
+/// the operation), with the call's deadline `latest`; `marker` makes it run once, for
+/// `lifetime` (see bucket.lua).
+pub fn checks(
+    script: Script,
+    marker: &[u8],
+    lifetime: Duration,
+    latest: u64,
+    parts: &[(u64, &Call)],
+) -> Cmd {
+    let keys = 1 + parts.iter().map(|(_, part)| part.keys.len()).sum::<usize>();
+    let args = 4 + parts.iter().map(|(_, p)| 3 + p.args.len()).sum::<usize>();
+    let bytes = marker.len() + parts.iter().map(|(_, part)| part.bytes()).sum::<usize>();
+    let mut command = script.command(keys, args, bytes + 16 * args);
+    command.arg(marker);
+    for (_, part) in parts {
+        command.arg(&part.keys);
     }
+    command
+        .arg("checks")
+        .arg(latest)
+        .arg(lifetime.as_millis() as u64)
+        .arg(parts.len());
+    for (deadline, part) in parts {
+        command
+            .arg(*deadline)
+            .arg(part.keys.len())
+            .arg(part.args.len())
+            .arg(&part.args);
+    }
+    command
 }
