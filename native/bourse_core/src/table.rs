@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 
 use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
-use crate::buckets::{Buckets, Step};
+use crate::buckets::{Buckets, Chores, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, Request};
 use crate::key::{Key, KeyRef, Sought};
@@ -39,7 +39,9 @@ struct Shard {
 struct Padded<T>(T);
 
 /// The bucket table. All operations are safe to call from many threads at once; none
-/// holds a shard's lock for more than a few hundred buckets' work.
+/// holds a shard's lock for more than a few hundred buckets' work, nor allocates a table
+/// under it (but a shard's first, or one that inserts needed before the one asked for
+/// came).
 pub struct Table<C: Clock = MonotonicClock> {
     id: u64,
     clock: C,
@@ -102,6 +104,30 @@ impl<C: Clock> Table<C> {
 
     fn lock(&self, hash: u64) -> MutexGuard<'_, Shard> {
         self.shards[Self::shard_index(hash)].0.lock()
+    }
+
+    /// Releases a shard's lock, then does the chores its buckets left.
+    fn unlock(mut guard: MutexGuard<'_, Shard>) {
+        if guard.buckets.has_chores() {
+            let chores = guard.buckets.take_chores();
+            let shard = MutexGuard::mutex(&guard);
+            drop(guard);
+            Self::do_chores(shard, chores);
+        }
+    }
+
+    /// Does `chores` of `shard`, its lock released: frees the emptied tables, and allocates
+    /// the table asked for and gives it (freed again if no longer wanted).
+    #[cold]
+    fn do_chores(shard: &Mutex<Shard>, chores: Chores) {
+        let Chores { emptied, allocate } = chores;
+        drop(emptied);
+        if let Some(capacity) = allocate {
+            // Allocated before the lock is taken.
+            let fresh = HashTable::with_capacity(capacity);
+            let unwanted = shard.lock().buckets.give(fresh);
+            drop(unwanted);
+        }
     }
 
     /// Tokens a new bucket starts with.
@@ -217,7 +243,9 @@ impl<C: Clock> Table<C> {
         let request = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        engine::decide(&mut [bucket], &[item], &mut shard.stats, request)
+        let outcome = engine::decide(&mut [bucket], &[item], &mut shard.stats, request);
+        Self::unlock(guard);
+        outcome
     }
 
     /// The multi-bucket check.
@@ -267,12 +295,18 @@ impl<C: Clock> Table<C> {
             // allocations, apart from the shards' other fields (the stats borrowed below).
             buckets.push(unsafe { &mut *bucket });
         }
-        Ok(engine::decide(
-            &mut buckets,
-            items,
-            &mut guards[0].stats,
-            request,
-        ))
+        let outcome = engine::decide(&mut buckets, items, &mut guards[0].stats, request);
+        // Every lock released before any chore is done.
+        let chores: SmallVec<[(&Mutex<Shard>, Chores); 1]> = guards
+            .iter_mut()
+            .filter(|guard| guard.buckets.has_chores())
+            .map(|guard| (MutexGuard::mutex(guard), guard.buckets.take_chores()))
+            .collect();
+        drop(guards);
+        for (shard, chores) in chores {
+            Self::do_chores(shard, chores);
+        }
+        Ok(outcome)
     }
 
     /// The buckets of `items` that their shards hold, first defined if need be; stops at
@@ -355,6 +389,7 @@ impl<C: Clock> Table<C> {
                     .insert(Bucket::debt_only(key.to_owned_key(), hash, cost, now));
             }
         }
+        Self::unlock(shard);
     }
 
     /// Brings `key`'s bucket in line with an exchange that allows only `allowance` more
@@ -448,7 +483,9 @@ impl<C: Clock> Table<C> {
     /// Forgets `key`: its bucket, its bookings and a pause on that key alone.
     pub fn reset(&self, key: KeyRef) {
         let hash = self.hash(&key);
-        let bucket = self.lock(hash).buckets.take(hash, Sought::Parts(key));
+        let mut shard = self.lock(hash);
+        let bucket = shard.buckets.take(hash, Sought::Parts(key));
+        Self::unlock(shard);
         drop(bucket);
         self.pauses.write().remove_key(&key, hash);
     }
@@ -458,30 +495,21 @@ impl<C: Clock> Table<C> {
     fn retain(&self, mut keep: impl FnMut(&mut Bucket, u64, &mut Stats) -> bool) -> usize {
         let mut dropped = 0;
         for shard in self.shards.iter() {
-            let (mut cursor, mut spare) = (0, None);
+            let mut cursor = 0;
             loop {
                 let mut guard = shard.0.lock();
                 let now = self.clock.now();
                 let Shard { buckets, stats } = &mut *guard;
                 let before = buckets.len();
-                let step =
-                    buckets.retain_step(cursor, &mut spare, |bucket| keep(bucket, now, stats));
+                let step = buckets.retain_step(cursor, |bucket| keep(bucket, now, stats));
                 dropped += before - buckets.len();
-                let emptied = buckets.take_emptied();
+                let chores = buckets.take_chores();
                 // Straight to a waiting check, if any: otherwise this loop would take the
                 // lock again before the woken check runs.
                 MutexGuard::unlock_fair(guard);
-                drop(emptied);
+                Self::do_chores(&shard.0, chores);
                 match step {
                     Step::Next(next) => cursor = next,
-                    Step::NeedsTable {
-                        cursor: next,
-                        capacity,
-                    } => {
-                        cursor = next;
-                        // Allocated without the lock; a spare too small is freed here too.
-                        spare = Some(HashTable::with_capacity(capacity));
-                    }
                     Step::Done => break,
                 }
             }
