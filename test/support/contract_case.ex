@@ -107,6 +107,21 @@ defmodule Bourse.ContractCase do
     end
   end
 
+  @doc """
+  Checks `key` at cost 1 in a loop, as a busy caller does, until a check asked at or after
+  `deadline_ms` (monotonic) is refused: by then every token accrued before the deadline has
+  been offered to a check, however long the answers took. Returns how many were admitted.
+  """
+  def hammer_until_refused(key, limit, name, deadline_ms, admitted \\ 0) do
+    asked_at = now_ms()
+
+    case RateLimiter.check_rate(key, limit, 1, name) do
+      :ok -> hammer_until_refused(key, limit, name, deadline_ms, admitted + 1)
+      {:delay, _} when asked_at >= deadline_ms -> admitted
+      {:delay, _} -> hammer_until_refused(key, limit, name, deadline_ms, admitted)
+    end
+  end
+
   @doc "Monotonic milliseconds."
   def now_ms, do: System.monotonic_time(:millisecond)
 
