@@ -1075,6 +1075,36 @@ fn a_call_whose_answer_was_lost_pays_only_for_what_it_admitted() {
     );
 }
 
+/// A call sent again after its answer was lost answers what its first run answered, delays
+/// included (each with its wait), and pays nothing more.
+#[test]
+fn a_call_whose_answer_was_lost_answers_its_delays_when_sent_again() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let k = key("h", Some("replayed"));
+    // One token left, and a whole one refills in 1,000 s.
+    let limit = json!({"capacity": 2, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let checks = (0..6).map(|_| check(&k, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::AnswerLost);
+    let admitted = answers.iter().filter(|a| a["result"] == "admitted").count();
+    let delays: Vec<u64> = answers
+        .iter()
+        .filter(|a| a["result"] == "delay")
+        .map(ms)
+        .collect();
+    eprintln!("answers after the lost call: {answers:?}");
+    assert!(admitted <= 1, "{answers:?}");
+    assert!(!delays.is_empty(), "no delay answered: {answers:?}");
+    assert!(delays.iter().all(|&ms| ms > 900_000), "{answers:?}");
+    let paid = borrowed(&mut t, &k) - 1.0;
+    assert!(
+        (paid - admitted as f64).abs() < 0.01,
+        "paid {paid:.2} for {admitted} admitted"
+    );
+}
+
 /// A check whose keys Redis cannot use (a key of another type under the bucket's name)
 /// fails; the other checks sharing its script call are answered as they would be alone,
 /// and none told `unavailable` paid.
