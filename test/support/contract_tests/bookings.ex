@@ -8,12 +8,15 @@ defmodule Bourse.ContractTests.Bookings do
       describe "bookings" do
         @describetag limiter_opts: [booking_slack_ms: 5_000]
 
+        # A token every 2 s: each step may come up to a second after the one before it (a
+        # loaded machine) and still find the queue it expects. Nothing here waits for it.
         test "a waiter books at once: later callers queue behind it", %{name: name} do
-          limit = %{capacity: 1, refill_per_sec: 2}
+          limit = %{capacity: 1, refill_per_sec: 0.5}
           key = {"ex", "k"}
           drain(key, limit, 1, name)
 
-          booked = assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 2_000), 1..500)
+          booked =
+            assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 5_000), 1..2_000)
 
           # The booked token is already taken: about 2 borrowed, more than the capacity.
           assert get_cost(key, 1, name) > 1.2
@@ -23,17 +26,17 @@ defmodule Bourse.ContractTests.Bookings do
           probe =
             Task.async(fn -> check_rate(key, limit, 1, name) end)
             |> Task.await()
-            |> assert_delay(1..1_000)
+            |> assert_delay(1..4_000)
 
-          assert probe >= booked + 200, "probe #{probe} ms did not queue behind #{booked} ms"
+          assert probe >= booked + 1_000, "probe #{probe} ms did not queue behind #{booked} ms"
 
           # Another waiter books behind the first one.
           other =
-            Task.async(fn -> check_rates([{key, limit, 1}], name, max_wait_ms: 2_000) end)
+            Task.async(fn -> check_rates([{key, limit, 1}], name, max_wait_ms: 5_000) end)
             |> Task.await()
-            |> assert_delay(1..1_000)
+            |> assert_delay(1..4_000)
 
-          assert other >= booked + 200, "waiter #{other} ms did not queue behind #{booked} ms"
+          assert other >= booked + 1_000, "waiter #{other} ms did not queue behind #{booked} ms"
           assert get_cost(key, 1, name) > 2.2
         end
 
