@@ -321,12 +321,15 @@ impl Buckets {
 }
 
 #[cfg(test)]
+#[path = "../tests/support/counting.rs"]
+mod counting;
+
+#[cfg(test)]
 mod tests {
+    use super::counting::allocations;
     use super::*;
     use crate::key::KeyRef;
     use crate::limit::Limit;
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::cell::Cell;
     use std::hash::BuildHasher;
 
     fn bucket(hasher: &foldhash::fast::RandomState, i: usize) -> Bucket {
@@ -354,39 +357,6 @@ mod tests {
         if let Some(capacity) = allocate {
             drop(buckets.give(HashTable::with_capacity(capacity)));
         }
-    }
-
-    thread_local! {
-        static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
-    }
-
-    /// The system allocator, counting each thread's allocations.
-    struct Counting;
-
-    // SAFETY: every call is passed on to the system allocator unchanged.
-    unsafe impl GlobalAlloc for Counting {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            ALLOCATIONS.with(|count| count.set(count.get() + 1));
-            System.alloc(layout)
-        }
-
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            System.dealloc(ptr, layout)
-        }
-
-        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-            ALLOCATIONS.with(|count| count.set(count.get() + 1));
-            System.realloc(ptr, layout, new_size)
-        }
-    }
-
-    #[global_allocator]
-    static ALLOCATOR: Counting = Counting;
-
-    fn allocations<T>(run: impl FnOnce() -> T) -> (T, usize) {
-        let before = ALLOCATIONS.with(Cell::get);
-        let result = run();
-        (result, ALLOCATIONS.with(Cell::get) - before)
     }
 
     #[test]
