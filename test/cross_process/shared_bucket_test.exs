@@ -76,28 +76,15 @@ defmodule Bourse.CrossProcess.SharedBucketTest do
            "only #{cluster_run.admitted} admitted (bound #{cluster_run.bound})"
   end
 
-  # Runs the workers at once (they start hammering at the same wall-clock time, a few
-  # seconds ahead so that every VM has booted, even on a loaded machine) and
-  # prints what each admitted, the total and the bound C + r * T, T from the earliest
-  # start to the latest finish.
+  # Runs the workers at once: each says "ready" once its limiter is up, and all are told
+  # "go" together (however long their VMs took to boot on a loaded machine). Prints what
+  # each admitted, the total and the bound C + r * T, T from the earliest start to the
+  # latest finish.
   defp run(label, workers) do
-    start_at_ms = System.os_time(:millisecond) + 5_000
-
-    results =
-      workers
-      |> Enum.map(fn {kind, command, args} ->
-        Task.async(fn ->
-          {output, status} =
-            System.cmd(command, args ++ ["#{start_at_ms}", "#{@duration_ms}"],
-              stderr_to_stdout: true,
-              env: [{"LANG", "C.UTF-8"}, {"LC_ALL", "C.UTF-8"}]
-            )
-
-          assert status == 0, "#{kind} worker failed:\n#{output}"
-          {kind, parse(output)}
-        end)
-      end)
-      |> Task.await_many(240_000)
+    ports = Enum.map(workers, fn {kind, command, args} -> {kind, spawn_worker(command, args)} end)
+    Enum.each(ports, fn {kind, port} -> await_ready(kind, port, []) end)
+    Enum.each(ports, fn {_kind, port} -> Port.command(port, "go\n") end)
+    results = Enum.map(ports, fn {kind, port} -> {kind, parse(await_exit(kind, port, []))} end)
 
     admitted = results |> Enum.map(fn {_, result} -> result.admitted end) |> Enum.sum()
     started = results |> Enum.map(fn {_, result} -> result.start_us end) |> Enum.min()
@@ -115,6 +102,49 @@ defmodule Bourse.CrossProcess.SharedBucketTest do
 
     %{admitted: admitted, bound: bound}
   end
+
+  defp spawn_worker(command, args) do
+    Port.open({:spawn_executable, command}, [
+      :binary,
+      :exit_status,
+      :stderr_to_stdout,
+      line: 4096,
+      args: args ++ ["#{@duration_ms}"],
+      env: [{~c"LANG", ~c"C.UTF-8"}, {~c"LC_ALL", ~c"C.UTF-8"}]
+    ])
+  end
+
+  defp await_ready(kind, port, output) do
+    receive do
+      {^port, {:data, {:eol, "ready"}}} ->
+        :ok
+
+      {^port, {:data, {_, line}}} ->
+        await_ready(kind, port, [line | output])
+
+      {^port, {:exit_status, status}} ->
+        flunk("#{kind} worker exited #{status}: #{lines(output)}")
+    after
+      120_000 -> flunk("#{kind} worker never got ready: #{lines(output)}")
+    end
+  end
+
+  defp await_exit(kind, port, output) do
+    receive do
+      {^port, {:data, {_, line}}} ->
+        await_exit(kind, port, [line | output])
+
+      {^port, {:exit_status, 0}} ->
+        lines(output)
+
+      {^port, {:exit_status, status}} ->
+        flunk("#{kind} worker exited #{status}: #{lines(output)}")
+    after
+      240_000 -> flunk("#{kind} worker never finished: #{lines(output)}")
+    end
+  end
+
+  defp lines(output), do: output |> Enum.reverse() |> Enum.join("\n")
 
   defp parse(output) do
     [_, admitted, start_us, end_us] =

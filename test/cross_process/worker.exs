@@ -1,11 +1,11 @@
 # One OS process of test/cross_process/shared_bucket_test.exs, in a VM of its own:
 #
-#     elixir -pa _build/test/lib/bourse/ebin test/cross_process/worker.exs BACKEND START_AT_MS DURATION_MS
+#     elixir -pa _build/test/lib/bourse/ebin test/cross_process/worker.exs BACKEND DURATION_MS
 #
 # BACKEND is "nif" (a limiter of its own), a daemon address ("127.0.0.1:PORT", shared) or
 # "cluster:" and the comma-separated seeds of a Redis Cluster (shared).
-# From START_AT_MS (wall clock) it checks one bucket (capacity 5, 20/s) for DURATION_MS,
-# sleeping the delays it is told, then prints
+# Once its limiter is up it prints "ready" and waits for a line on stdin; then it checks
+# one bucket (capacity 5, 20/s) for DURATION_MS, sleeping the delays it is told, and prints
 # "admitted=N start_us=S end_us=E" with the wall-clock times of its first and last check.
 
 defmodule Worker do
@@ -30,7 +30,7 @@ defmodule Worker do
   end
 end
 
-[backend, start_at_ms, duration_ms] = System.argv()
+[backend, duration_ms] = System.argv()
 
 backend =
   case backend do
@@ -41,7 +41,8 @@ backend =
 
 {:ok, _} = Bourse.RateLimiter.start_link(name: :worker, backend: backend)
 
-Process.sleep(max(String.to_integer(start_at_ms) - System.os_time(:millisecond), 0))
+IO.puts("ready")
+IO.read(:stdio, :line)
 start_us = System.os_time(:microsecond)
 admitted = Worker.hammer(System.monotonic_time(:millisecond) + String.to_integer(duration_ms), 0)
 end_us = System.os_time(:microsecond)

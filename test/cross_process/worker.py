@@ -1,9 +1,10 @@
 """One OS process of test/cross_process/shared_bucket_test.exs, in Python:
 
-    python3 worker.py HOST:PORT START_AT_MS DURATION_MS
+    python3 worker.py HOST:PORT DURATION_MS
 
-From START_AT_MS (wall clock) it checks one bucket (capacity 5, 20/s) through the
-bourse_daemon at HOST:PORT for DURATION_MS, sleeping the delays it is told, then prints
+Once connected it prints "ready" and waits for a line on stdin; then it checks one bucket
+(capacity 5, 20/s) through the bourse_daemon at HOST:PORT for DURATION_MS, sleeping the
+delays it is told, and prints
 "admitted=N start_us=S end_us=E" with the wall-clock times of its first and last check.
 """
 
@@ -19,10 +20,11 @@ LIMIT = {"capacity": 5, "refill_per_sec": 20}
 
 
 def main() -> None:
-    address, start_at_ms, duration_ms = sys.argv[1:]
+    address, duration_ms = sys.argv[1:]
     host, port = address.rsplit(":", 1)
     with BourseClient((host, int(port))) as limiter:
-        time.sleep(max(int(start_at_ms) / 1000 - time.time(), 0))
+        print("ready", flush=True)
+        sys.stdin.readline()
         start = time.time()
         deadline = time.monotonic() + int(duration_ms) / 1000
         admitted = 0
