@@ -154,14 +154,16 @@ defmodule Bourse.RateLimiter.Backend.ParityTest do
   defp answer(:sweep, backend, handle, []), do: is_integer(backend.sweep(handle))
   defp answer(callback, backend, handle, args), do: apply(backend, callback, [handle | args])
 
-  # Messages differ by backend; waits are compared in whole seconds, numbers to 0.001.
+  # Messages differ by backend; waits are compared in whole seconds, numbers to 0.01 (the
+  # buckets refill 0.001 a second: a step delayed by under 5 s on a loaded machine does not
+  # change them).
   defp normalise({:error, message}) when is_binary(message), do: {:error, :message}
   defp normalise({:error, %Bourse.Error{type: :invalid_parameters}}), do: {:error, :message}
 
   defp normalise({wait, ms}) when wait in [:delay, :booked, :over_budget],
     do: {wait, round(ms / 1000)}
 
-  defp normalise(number) when is_number(number), do: Float.round(number / 1, 3)
+  defp normalise(number) when is_number(number), do: Float.round(number / 1, 2)
   defp normalise(list) when is_list(list), do: Enum.map(list, &normalise/1)
   # Credentials of `busiest` rows as the public API shows them: daemons answer only their
   # fingerprints.
