@@ -5,10 +5,11 @@
 //! under a quarter full), a table sized for its buckets is asked for: the caller allocates
 //! it once it has released the shard's lock (after many frees an allocation can take
 //! milliseconds: the allocator merges the freed chunks) and gives it back
-//! ([`Chores`], [`Buckets::give`]). The old table is then emptied into it a few buckets
-//! per insert (and by the sweep), look-ups consulting both until it is empty; the
-//! new table has room for every insert until then, so it never fills meanwhile. Emptied
-//! tables are freed by the caller after the lock too.
+//! ([`Buckets::take_wanted`], [`Buckets::give`]). The old table is then emptied into it a
+//! few buckets per insert (and by the sweep), look-ups consulting both until it is empty;
+//! the new table has room for every insert until then, so it never fills meanwhile.
+//! Emptied tables wait for the sweep, which frees them after the lock: freeing megabytes
+//! can take hundreds of microseconds, too long for a check.
 
 use hashbrown::HashTable;
 use smallvec::SmallVec;
@@ -35,14 +36,15 @@ pub(crate) struct Buckets {
     old_cursor: usize,
     /// The table asked for, if any.
     next: Next,
-    /// Emptied tables, to be freed once the shard's lock is released: freeing megabytes
-    /// can take milliseconds.
+    /// Emptied tables, for the sweep to free once it has released the shard's lock.
     emptied: Emptied,
-    /// Whether [`Buckets::take_chores`] may have work: set by inserts and emptied tables.
-    chores: bool,
+    /// Whether [`Buckets::take_wanted`] may have a table to ask for: set by inserts and
+    /// by the sweep's asking.
+    may_want: bool,
 }
 
-/// Tables emptied under the lock, to be freed after it (rarely more than one).
+/// Tables emptied under the lock, to be freed after it (one per growth since the last
+/// sweep).
 pub(crate) type Emptied = SmallVec<[HashTable<Bucket>; 2]>;
 
 /// The table to move the buckets into next.
@@ -55,14 +57,6 @@ enum Next {
     Wanted(usize),
     /// A caller is allocating it.
     Allocating,
-}
-
-/// What the caller is to do once it has released the shard's lock.
-pub(crate) struct Chores {
-    /// Tables to free.
-    pub emptied: Emptied,
-    /// The capacity of a table to allocate and hand to [`Buckets::give`].
-    pub allocate: Option<usize>,
 }
 
 /// What a step of a pass leaves to do.
@@ -123,11 +117,13 @@ impl Buckets {
     ) -> &mut Bucket {
         if self.old.is_empty() && self.table.len() < self.table.capacity() {
             // One table with room for one more: a single probe.
-            let Self { table, chores, .. } = self;
+            let Self {
+                table, may_want, ..
+            } = self;
             return table
                 .entry(hash, matches(hash, key), |b| b.hash)
                 .or_insert_with(|| {
-                    *chores = true;
+                    *may_want = true;
                     make()
                 })
                 .into_mut();
@@ -146,7 +142,7 @@ impl Buckets {
             self.next = Next::Unneeded;
             self.start_move(HashTable::with_capacity(self.move_capacity()));
         }
-        self.chores = true;
+        self.may_want = true;
         self.move_some();
         self.table
             .insert_unique(bucket.hash, bucket, |b| b.hash)
@@ -206,49 +202,45 @@ impl Buckets {
     /// Hands the emptied old table over to be freed.
     fn empty_old(&mut self) {
         let old = std::mem::take(&mut self.old);
-        self.free_later(old);
+        self.emptied.push(old);
     }
 
-    /// Hands `table` over to be freed.
-    fn free_later(&mut self, table: HashTable<Bucket>) {
-        self.emptied.push(table);
-        self.chores = true;
+    /// The tables emptied since the last call: to be dropped once the shard's lock is
+    /// released.
+    pub fn take_emptied(&mut self) -> Emptied {
+        std::mem::take(&mut self.emptied)
     }
 
     /// Asks for a table to move the buckets into.
     fn ask(&mut self) {
         self.next = Next::Wanted(self.move_capacity());
-        self.chores = true;
+        self.may_want = true;
     }
 
-    /// Whether [`Buckets::take_chores`] may have work for the caller.
-    pub fn has_chores(&self) -> bool {
-        self.chores
+    /// Whether [`Buckets::take_wanted`] may ask for a table.
+    pub fn may_want_table(&self) -> bool {
+        self.may_want
     }
 
-    /// The work left to the caller, to be done once the shard's lock is released: the
-    /// emptied tables, and a table asked for by the sweep or because the table is nearly
-    /// full.
-    pub fn take_chores(&mut self) -> Chores {
+    /// The capacity of a table for the caller to allocate once it has released the shard's
+    /// lock, and to hand to [`Buckets::give`]: asked for by the sweep, or because the
+    /// table is nearly full. Asked of one caller at a time.
+    pub fn take_wanted(&mut self) -> Option<usize> {
+        self.may_want = false;
         if self.next == Next::Unneeded && self.old.is_empty() && self.nearly_full() {
-            self.ask();
+            self.next = Next::Wanted(self.move_capacity());
         }
-        let allocate = match self.next {
+        match self.next {
             Next::Wanted(capacity) => {
                 self.next = Next::Allocating;
                 Some(capacity)
             }
             Next::Unneeded | Next::Allocating => None,
-        };
-        self.chores = false;
-        Chores {
-            emptied: std::mem::take(&mut self.emptied),
-            allocate,
         }
     }
 
     /// Starts moving the buckets into `fresh`, an empty table allocated for
-    /// [`Chores::allocate`], if it is still awaited, no move runs and it has
+    /// [`Buckets::take_wanted`], if it is still awaited, no move runs and it has
     /// [`Buckets::least_capacity`]. Otherwise returns it, to be freed after the lock (the
     /// next insert or sweep asks again if need be).
     pub fn give(&mut self, fresh: HashTable<Bucket>) -> Option<HashTable<Bucket>> {
@@ -265,7 +257,7 @@ impl Buckets {
 
     /// One step of a pass over every bucket from slot `cursor` (0 to start): drops those
     /// `keep` refuses, and says where the next step starts. A step may ask for a table
-    /// (see [`Buckets::take_chores`]). Buckets inserted or moved between steps may be
+    /// (see [`Buckets::take_wanted`]). Buckets inserted or moved between steps may be
     /// visited twice or not at all. Allocates nothing.
     pub fn retain_step(
         &mut self,
@@ -303,7 +295,7 @@ impl Buckets {
         }
         if self.table.is_empty() && self.table.allocation_size() > 0 {
             let table = std::mem::take(&mut self.table);
-            self.free_later(table);
+            self.emptied.push(table);
         } else if self.next == Next::Unneeded && self.sparse() {
             // Moved into a table about half full, or of the least capacity if larger: it
             // shrinks at most 32-fold per pass.
@@ -350,11 +342,12 @@ mod tests {
         buckets.find(hasher.hash_one(key), sought).is_some()
     }
 
-    /// The chores, as the table does them once it has released the shard's lock.
-    fn do_chores(buckets: &mut Buckets) {
-        let Chores { emptied, allocate } = buckets.take_chores();
-        drop(emptied);
-        if let Some(capacity) = allocate {
+    /// A table asked for, allocated and given as the table does once it has released the
+    /// shard's lock; emptied tables freed as the sweep does, so that their list never
+    /// outgrows its inline room (a small allocation, not a table's).
+    fn give_wanted(buckets: &mut Buckets) {
+        drop(buckets.take_emptied());
+        if let Some(capacity) = buckets.take_wanted() {
             drop(buckets.give(HashTable::with_capacity(capacity)));
         }
     }
@@ -376,7 +369,7 @@ mod tests {
             most_moved = most_moved.max(buckets.table.len() - before - 1);
             moves_seen += usize::from(!buckets.old.is_empty());
             assert_eq!(buckets.len(), i + 1);
-            do_chores(&mut buckets);
+            give_wanted(&mut buckets);
         }
         assert!(most_moved <= MOVE_BUCKETS);
         assert!(moves_seen > 0, "no growth ran as a move");
@@ -388,7 +381,7 @@ mod tests {
         let hasher = foldhash::fast::RandomState::default();
         let mut buckets = Buckets::default();
         for i in 0..20_000 {
-            // The chores are never done: no table asked for is given.
+            // No table asked for is ever given.
             buckets.insert(bucket(&hasher, i));
             assert_eq!(buckets.len(), i + 1);
         }
@@ -403,11 +396,8 @@ mod tests {
         let mut insert_until_asked = |buckets: &mut Buckets| loop {
             buckets.insert(bucket(&hasher, i));
             i += 1;
-            if buckets.has_chores() {
-                let Chores { allocate, .. } = buckets.take_chores();
-                if let Some(capacity) = allocate {
-                    return capacity;
-                }
+            if let Some(capacity) = buckets.take_wanted() {
+                return capacity;
             }
         };
         let capacity = insert_until_asked(&mut buckets);
@@ -486,7 +476,7 @@ mod tests {
             };
             assert_eq!(allocated, 0, "round {round}");
             assert_eq!(buckets.len(), model.len());
-            do_chores(&mut buckets);
+            give_wanted(&mut buckets);
             tables_grown += usize::from(buckets.table.num_buckets() > slots);
         }
         assert!(tables_grown > 5);
@@ -501,7 +491,7 @@ mod tests {
         most_allocations: usize,
     }
 
-    /// A whole pass as the table's sweep runs it, the chores done between steps (where the
+    /// A whole pass as the table's sweep runs it, tables asked for given between steps (where the
     /// sweep holds no lock).
     fn pass(buckets: &mut Buckets, mut keep: impl FnMut(&mut Bucket) -> bool) -> Pass {
         let mut cursor = 0;
@@ -516,7 +506,7 @@ mod tests {
             pass.most_allocations = pass.most_allocations.max(allocated);
             pass.most_dropped = pass.most_dropped.max(before - buckets.len());
             pass.steps += 1;
-            do_chores(buckets);
+            give_wanted(buckets);
             match step {
                 Step::Next(next) => cursor = next,
                 Step::Done => return pass,
@@ -530,7 +520,7 @@ mod tests {
         let mut buckets = Buckets::default();
         for i in 0..20_000 {
             buckets.insert(bucket(&hasher, i));
-            do_chores(&mut buckets);
+            give_wanted(&mut buckets);
         }
         let slots = buckets.table.num_buckets() + buckets.old.num_buckets();
         let pass = pass(&mut buckets, |b| b.hash.is_multiple_of(100));

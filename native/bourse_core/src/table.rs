@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 
 use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
-use crate::buckets::{Buckets, Chores, Step};
+use crate::buckets::{Buckets, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, Request};
 use crate::key::{Key, KeyRef, Sought};
@@ -106,23 +106,22 @@ impl<C: Clock> Table<C> {
         self.shards[Self::shard_index(hash)].0.lock()
     }
 
-    /// Releases a shard's lock, then does the chores its buckets left.
+    /// Releases a shard's lock, then allocates and gives the table its buckets ask for, if
+    /// any.
     fn unlock(mut guard: MutexGuard<'_, Shard>) {
-        if guard.buckets.has_chores() {
-            let chores = guard.buckets.take_chores();
+        if guard.buckets.may_want_table() {
+            let wanted = guard.buckets.take_wanted();
             let shard = MutexGuard::mutex(&guard);
             drop(guard);
-            Self::do_chores(shard, chores);
+            Self::give_table(shard, wanted);
         }
     }
 
-    /// Does `chores` of `shard`, its lock released: frees the emptied tables, and allocates
-    /// the table asked for and gives it (freed again if no longer wanted).
+    /// Allocates a table of `capacity` for `shard`, its lock released, and gives it (freed
+    /// after the lock if no longer wanted).
     #[cold]
-    fn do_chores(shard: &Mutex<Shard>, chores: Chores) {
-        let Chores { emptied, allocate } = chores;
-        drop(emptied);
-        if let Some(capacity) = allocate {
+    fn give_table(shard: &Mutex<Shard>, capacity: Option<usize>) {
+        if let Some(capacity) = capacity {
             // Allocated before the lock is taken.
             let fresh = HashTable::with_capacity(capacity);
             let unwanted = shard.lock().buckets.give(fresh);
@@ -296,15 +295,15 @@ impl<C: Clock> Table<C> {
             buckets.push(unsafe { &mut *bucket });
         }
         let outcome = engine::decide(&mut buckets, items, &mut guards[0].stats, request);
-        // Every lock released before any chore is done.
-        let chores: SmallVec<[(&Mutex<Shard>, Chores); 1]> = guards
+        // Every lock released before any table is allocated.
+        let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()
-            .filter(|guard| guard.buckets.has_chores())
-            .map(|guard| (MutexGuard::mutex(guard), guard.buckets.take_chores()))
+            .filter(|guard| guard.buckets.may_want_table())
+            .map(|guard| (MutexGuard::mutex(guard), guard.buckets.take_wanted()))
             .collect();
         drop(guards);
-        for (shard, chores) in chores {
-            Self::do_chores(shard, chores);
+        for (shard, capacity) in wanted {
+            Self::give_table(shard, capacity);
         }
         Ok(outcome)
     }
@@ -503,11 +502,12 @@ impl<C: Clock> Table<C> {
                 let before = buckets.len();
                 let step = buckets.retain_step(cursor, |bucket| keep(bucket, now, stats));
                 dropped += before - buckets.len();
-                let chores = buckets.take_chores();
+                let (emptied, wanted) = (buckets.take_emptied(), buckets.take_wanted());
                 // Straight to a waiting check, if any: otherwise this loop would take the
                 // lock again before the woken check runs.
                 MutexGuard::unlock_fair(guard);
-                Self::do_chores(&shard.0, chores);
+                drop(emptied);
+                Self::give_table(&shard.0, wanted);
                 match step {
                     Step::Next(next) => cursor = next,
                     Step::Done => break,
