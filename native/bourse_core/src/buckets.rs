@@ -116,17 +116,18 @@ impl Buckets {
         make: impl FnOnce() -> Bucket,
     ) -> &mut Bucket {
         if self.old.is_empty() && self.table.len() < self.table.capacity() {
-            // One table with room for one more: a single probe.
+            // One table with room for one more: one probe finds a bucket held.
             let Self {
                 table, may_want, ..
             } = self;
-            return table
-                .entry(hash, matches(hash, key), |b| b.hash)
-                .or_insert_with(|| {
+            return match table.find_entry(hash, matches(hash, key)) {
+                Ok(entry) => entry.into_mut(),
+                Err(absent) => {
                     *may_want = true;
-                    make()
-                })
-                .into_mut();
+                    let table = absent.into_table();
+                    table.insert_unique(hash, make(), |b| b.hash).into_mut()
+                }
+            };
         }
         let bucket = match self.take(hash, key) {
             Some(bucket) => bucket,
