@@ -26,6 +26,11 @@ struct Redis {
 impl Redis {
     /// Starts a server on a free port, or `None` (after saying why) when none is installed.
     fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// [`Self::start`] with further `redis-server` options.
+    fn start_with(options: &[&str]) -> Option<Self> {
         if Command::new("redis-server")
             .arg("--version")
             .stdout(Stdio::null())
@@ -39,13 +44,18 @@ impl Redis {
             .and_then(|listener| listener.local_addr())
             .expect("a free port")
             .port();
-        Some(Self::on_port(port))
+        Some(Self::on_port_with(port, options))
     }
 
     fn on_port(port: u16) -> Self {
+        Self::on_port_with(port, &[])
+    }
+
+    fn on_port_with(port: u16, options: &[&str]) -> Self {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .args(options)
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
@@ -977,12 +987,11 @@ fn pipelined_checks_from_several_daemons_share_one_bucket() {
     let what = format!("3 daemons x 2 clients, {window} checks in flight each, {calls} checks");
     assert_conforms(admitted, capacity, refill, elapsed, &what);
     // Shared calls: fewer script calls than checks.
-    let stats: String = redis.query(::redis::cmd("INFO").arg("commandstats"));
-    let scripts: usize = stats
-        .lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .expect("EVALSHA calls in INFO commandstats");
+    let scripts = ["fcall", "evalsha", "eval"]
+        .iter()
+        .map(|command| calls_of(&redis, command) as usize)
+        .sum::<usize>();
+    assert!(scripts > 0, "no script calls in INFO commandstats");
     eprintln!("{calls} checks in {scripts} script calls");
     assert!(scripts < calls, "{scripts} script calls for {calls} checks");
 }
@@ -1148,7 +1157,7 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
 /// own (the script call, TIME for its clock, stats reading).
 fn script_commands(redis: &Redis) -> (u64, String) {
     let stats: String = redis.query(::redis::cmd("INFO").arg("commandstats"));
-    let own = ["evalsha", "eval", "time", "info", "ping", "hello"];
+    let own = ["fcall", "evalsha", "eval", "time", "info", "ping", "hello"];
     let mut total = 0;
     for line in stats.lines() {
         let Some((name, rest)) = line
@@ -1162,7 +1171,8 @@ fn script_commands(redis: &Redis) -> (u64, String) {
             .and_then(|r| r.split(',').next())
             .and_then(|n| n.parse::<u64>().ok())
             .unwrap_or(0);
-        if !own.contains(&name) && !name.starts_with("config") && !name.starts_with("script") {
+        let loads = ["config", "script", "function"];
+        if !own.contains(&name) && !loads.iter().any(|load| name.starts_with(load)) {
             total += calls;
         }
     }
@@ -1199,4 +1209,83 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
         left >= 86_400_000 - 60_000,
         "the marker expires in {left} ms"
     );
+}
+
+/// Calls of `command` (lower case) in `INFO commandstats`.
+fn calls_of(redis: &Redis, command: &str) -> u64 {
+    let stats: String = redis.query(::redis::cmd("INFO").arg("commandstats"));
+    let line = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(line.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+/// The `redis-server` major version.
+fn major_version(redis: &Redis) -> u64 {
+    let info: String = redis.query(::redis::cmd("INFO").arg("server"));
+    info.lines()
+        .find_map(|line| line.strip_prefix("redis_version:"))
+        .and_then(|version| version.split('.').next()?.parse().ok())
+        .expect("redis_version in INFO")
+}
+
+/// On Redis >= 7 checks and the other operations run as `FCALL` of the daemon's function
+/// library (its local functions are created once, when it is loaded, not on every call).
+/// A library lost (`FUNCTION FLUSH`, as after a restart without persistence or a failover
+/// to a node without it) is loaded again by the next call, which is answered as usual;
+/// the script is never needed.
+#[test]
+fn the_function_library_is_loaded_again_whenever_lost() {
+    let Some(redis) = Redis::start() else { return };
+    if major_version(&redis) < 7 {
+        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+        return;
+    }
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("fn", Some("k"));
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    for flush in ["FUNCTION", "SCRIPT", "FUNCTION"] {
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        let _: () = redis.query(::redis::cmd(flush).arg("FLUSH"));
+    }
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    assert!((borrowed(&mut t, &k) - 4.0).abs() < 0.01);
+    let libraries: Vec<::redis::Value> = redis.query(::redis::cmd("FUNCTION").arg("LIST"));
+    assert_eq!(libraries.len(), 1, "{libraries:?}");
+    // 4 checks and get_cost, each sent once, and once more after the library was found
+    // missing: at the first call and after each FUNCTION FLUSH.
+    assert_eq!(calls_of(&redis, "fcall"), 5 + 3);
+    assert_eq!(calls_of(&redis, "evalsha") + calls_of(&redis, "eval"), 0);
+}
+
+/// A Redis without functions runs the script with `EVALSHA` (loaded again on `NOSCRIPT`):
+/// Redis before 7.0 has neither `FCALL` nor `FUNCTION`; here one or the other is renamed
+/// away, as an administrator may do.
+#[test]
+fn without_functions_the_script_runs_as_evalsha() {
+    for missing in ["FCALL", "FUNCTION"] {
+        let Some(redis) = Redis::start_with(&["--rename-command", missing, ""]) else {
+            return;
+        };
+        let server = daemon(&redis, &[]);
+        let mut t = server.connect();
+        let k = key("nofn", Some("k"));
+        let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+        for _ in 0..2 {
+            assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+            let _: () = redis.query(::redis::cmd("SCRIPT").arg("FLUSH"));
+        }
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        assert!(
+            (borrowed(&mut t, &k) - 3.0).abs() < 0.01,
+            "without {missing}"
+        );
+        // 3 checks and get_cost, once more after NOSCRIPT at the first call and after
+        // each SCRIPT FLUSH; the functions given up at the first call.
+        assert_eq!(calls_of(&redis, "evalsha"), 4 + 3, "without {missing}");
+        assert!(calls_of(&redis, "fcall") <= 1, "without {missing}");
+    }
 }

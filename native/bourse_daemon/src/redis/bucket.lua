@@ -6,6 +6,10 @@
 -- are stored as integers, others with %.17g, which round-trips every double. Redis >= 5
 -- replicates a script's effects, not the script, so reading TIME is allowed.
 --
+-- The file ends with `run`, the entry point: script.rs appends a line that either registers
+-- it as the function of a library (Redis >= 7: `FUNCTION LOAD`, then `FCALL`, so the local
+-- functions below are created once, at load) or calls it (a script: `EVALSHA`/`EVAL`).
+--
 -- Layout 2 (P is the prefix, E the exchange as <byte length>:<bytes>, C "h" and the
 -- credential's keyed fingerprint (32 hex digits) or "-" for the public pool, A the axis as
 -- <length>:<bytes>). No name holds a credential. Every key of an exchange carries the hash
@@ -36,6 +40,9 @@
 -- the caller still waits for the answer, 0 for none. Past it the script does nothing and
 -- answers the error "LATE <now>": the caller was told Redis was unavailable, so its work
 -- must not be done.
+
+-- The keys and arguments of the call being run (set by `run`).
+local KEYS, ARGV
 
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
 local MARGIN = 1e6 -- µs a key outlives the moment it would behave as new
@@ -668,18 +675,23 @@ local ops = {
   reset = reset,
 }
 
-local op = ops[ARGV[1]]
-if not op then
-  return redis.error_reply('bourse: unknown script op')
+-- Runs one call: the entry point, called with the call's keys and arguments (script.rs
+-- ends the source with it, as a script or as a function of a library).
+local function run(keys, args)
+  KEYS, ARGV = keys, args
+  local op = ops[ARGV[1]]
+  if not op then
+    return redis.error_reply('bourse: unknown script op')
+  end
+  local deadline = tonumber(ARGV[2]) or 0
+  table.remove(ARGV, 2)
+  local now = clock()
+  local late = deadline > 0 and now > deadline
+  if op == checks then
+    return checks(now, late)
+  end
+  if late then
+    return late_error(now)
+  end
+  return op(now)
 end
-local deadline = tonumber(ARGV[2]) or 0
-table.remove(ARGV, 2)
-local now = clock()
-local late = deadline > 0 and now > deadline
-if op == checks then
-  return checks(now, late)
-end
-if late then
-  return late_error(now)
-end
-return op(now)

@@ -9,6 +9,7 @@
 //! unavailable.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
@@ -16,7 +17,7 @@ use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
 use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
 use super::connection::{Connection, ScanNode};
-use super::script::{self, Call, Script, SOURCE};
+use super::script::{self, Call, Script, Sources};
 use crate::store::{StoreError, StoreResult};
 
 /// Starts the message of a script that found its deadline passed, before the Redis time.
@@ -25,10 +26,13 @@ const LATE: &str = "late:";
 /// their timeout), so that a burst does not make every call miss its deadline.
 const MAX_IN_FLIGHT: usize = 64;
 
-/// The connection, the loaded script and what is known of the Redis clock.
+/// The connection, the code's forms and what is known of the Redis clock.
 pub struct Client {
     connection: Connection,
-    script: ::redis::Script,
+    sources: Sources,
+    /// Whether calls go as `FCALL`: until Redis turns out to have no functions (before 7.0,
+    /// or denied to this user), then as `EVALSHA`.
+    functions: AtomicBool,
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
     timeout: Duration,
@@ -38,7 +42,8 @@ impl Client {
     pub fn new(connection: Connection, timeout: Duration) -> Self {
         Self {
             connection,
-            script: ::redis::Script::new(SOURCE),
+            sources: Sources::new(),
+            functions: AtomicBool::new(true),
             clock: ServerClock::new(timeout),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             timeout,
@@ -64,9 +69,11 @@ impl Client {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
                 let deadline = self.deadline(started, &mut connection).await?;
-                let evalsha = call.command(self.sha(), deadline);
-                let eval = || call.command(Script::Source, deadline);
-                self.run(evalsha, eval, &mut connection).await
+                self.run(
+                    |script: Script<'_>| call.command(script, deadline),
+                    &mut connection,
+                )
+                .await
             })
             .await;
         self.late(answer, started)
@@ -97,10 +104,9 @@ impl Client {
                     .zip(parts.iter().map(|(_, part)| *part))
                     .collect();
                 let lifetime = self.timeout * 2;
-                let evalsha = script::checks(self.sha(), marker, lifetime, latest, &each);
-                let eval = || script::checks(Script::Source, marker, lifetime, latest, &each);
-                self.run::<(u64, String)>(evalsha, eval, &mut connection)
-                    .await
+                let command =
+                    |script: Script<'_>| script::checks(script, marker, lifetime, latest, &each);
+                self.run::<(u64, String)>(command, &mut connection).await
             })
             .await;
         let (now, text) = self.late(answer, started)?;
@@ -121,23 +127,56 @@ impl Client {
         Ok(self.clock.deadline(started).unwrap_or(0))
     }
 
-    fn sha(&self) -> Script<'_> {
-        Script::Sha(self.script.get_hash())
-    }
-
-    /// Sends a call as `evalsha` (loading the script on `NOSCRIPT`), once more on the fresh
-    /// connection if the connection was lost, or as `eval` if a node still lacks the script.
+    /// Sends a call (`command` writes it for a form of the code) as `fcall` while Redis has
+    /// functions, else (or where a node lacks the library even after it was loaded) as
+    /// `evalsha`; each once more on the fresh connection if the connection was lost.
     async fn run<T: FromRedisValue>(
         &self,
-        evalsha: Cmd,
-        eval: impl FnOnce() -> Cmd,
+        command: impl Fn(Script) -> Cmd,
         connection: &mut Connection,
     ) -> Result<T, RedisError> {
+        if self.functions.load(Ordering::Relaxed) {
+            let fcall = command(Script::Function(&self.sources.function));
+            let answer = match self.fcall(&fcall, connection).await {
+                Err(error) if lost_connection(&error) => self.fcall(&fcall, connection).await,
+                answer => answer,
+            };
+            match answer {
+                Err(error) if lacks_functions(&error) => {
+                    self.functions.store(false, Ordering::Relaxed)
+                }
+                Err(error) if no_function(&error) => {}
+                answer => return answer,
+            }
+        }
+        let evalsha = command(Script::Sha(&self.sources.sha));
         match self.evalsha(&evalsha, connection).await {
             Err(error) if lost_connection(&error) => self.evalsha(&evalsha, connection).await,
             // Still missing after the reload on every master known (a replica promoted
             // since): EVAL runs it on that node and caches it there.
-            Err(error) if no_script(&error) => eval().query_async(connection).await,
+            Err(error) if no_script(&error) => {
+                command(Script::Source(&self.sources.script))
+                    .query_async(connection)
+                    .await
+            }
+            answer => answer,
+        }
+    }
+
+    /// Sends `fcall`; when the function is missing (Redis restarted, flushed, failed over)
+    /// loads the library (on every master of a cluster) and sends it again.
+    async fn fcall<T: FromRedisValue>(
+        &self,
+        fcall: &Cmd,
+        connection: &mut Connection,
+    ) -> Result<T, RedisError> {
+        match fcall.query_async(connection).await {
+            Err(error) if no_function(&error) => {
+                let mut load = ::redis::cmd("FUNCTION");
+                load.arg("LOAD").arg("REPLACE").arg(&self.sources.library);
+                load.query_async::<()>(connection).await?;
+                fcall.query_async(connection).await
+            }
             answer => answer,
         }
     }
@@ -151,7 +190,9 @@ impl Client {
     ) -> Result<T, RedisError> {
         match evalsha.query_async(connection).await {
             Err(error) if no_script(&error) => {
-                self.script.load_async(connection).await?;
+                let mut load = ::redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(&self.sources.script);
+                load.query_async::<()>(connection).await?;
                 evalsha.query_async(connection).await
             }
             answer => answer,
@@ -244,6 +285,25 @@ pub fn late_refusal(started: Instant) -> StoreError {
          it was refused and nothing was paid",
         started.elapsed().as_millis()
     ))
+}
+
+/// Redis has no function library of this name (it restarted, was flushed, failed over).
+fn no_function(error: &RedisError) -> bool {
+    error.code() == Some("ERR")
+        && error
+            .detail()
+            .is_some_and(|detail| detail.starts_with("Function not found"))
+}
+
+/// Redis cannot run functions for this daemon: a version before 7.0 (no `FCALL` or
+/// `FUNCTION`), or commands denied to its user.
+fn lacks_functions(error: &RedisError) -> bool {
+    let detail = error.detail().unwrap_or_default().to_ascii_lowercase();
+    match error.code() {
+        Some("ERR") => detail.starts_with("unknown command"),
+        Some("NOPERM") => detail.contains("'fcall'") || detail.contains("'function"),
+        _ => false,
+    }
 }
 
 fn no_script(error: &RedisError) -> bool {

@@ -4,8 +4,8 @@
 //! commands and scripts to either. On a cluster each script call goes to the master serving
 //! the slot of its keys (every key of one call carries one hash tag); the cluster client
 //! follows `MOVED` and `ASK`, and retries `TRYAGAIN` and `CLUSTERDOWN` until the timeout.
-//! A script missing on a node (a promoted replica, a restarted node) is loaded again on
-//! every master by the `NOSCRIPT` fallback of `ScriptInvocation::invoke_async`.
+//! A function or script missing on a node (a promoted replica, a restarted node) is loaded
+//! again on every master (see client.rs).
 
 use std::time::Duration;
 
@@ -155,10 +155,10 @@ impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, command: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::One(connection) => connection.req_packed_command(command),
-            // The crate loads scripts on every node, replicas included: one replica down
+            // The crate may load scripts on every node, replicas included: one replica down
             // would then fail the reload. Every master is enough: only masters run them.
             Self::Cluster(cluster) => {
-                if is_script_load(command) {
+                if is_load(command) {
                     let routing = RoutingInfo::MultiNode((
                         MultipleNodeRoutingInfo::AllMasters,
                         Some(ResponsePolicy::AllSucceeded),
@@ -191,14 +191,16 @@ impl ConnectionLike for Connection {
     }
 }
 
-fn is_script_load(command: &Cmd) -> bool {
+/// `SCRIPT LOAD` or `FUNCTION LOAD`.
+fn is_load(command: &Cmd) -> bool {
     let mut args = command.args_iter().map(|arg| match arg {
         ::redis::Arg::Simple(bytes) => bytes,
         _ => b"",
     });
     matches!(
         (args.next(), args.next()),
-        (Some(a), Some(b)) if a.eq_ignore_ascii_case(b"SCRIPT") && b.eq_ignore_ascii_case(b"LOAD")
+        (Some(a), Some(b)) if (a.eq_ignore_ascii_case(b"SCRIPT") || a.eq_ignore_ascii_case(b"FUNCTION"))
+            && b.eq_ignore_ascii_case(b"LOAD")
     )
 }
 
@@ -279,13 +281,19 @@ f6 127.0.0.1:7006@17006 master - 0 0 5 connected
     }
 
     #[test]
-    fn only_script_load_is_rerouted() {
+    fn only_loads_are_rerouted() {
         let mut load = ::redis::cmd("script");
         load.arg("load").arg("return 1");
-        assert!(is_script_load(&load));
+        assert!(is_load(&load));
+        let mut library = ::redis::cmd("FUNCTION");
+        library.arg("LOAD").arg("REPLACE").arg("#!lua name=x");
+        assert!(is_load(&library));
         let mut other = ::redis::cmd("SCRIPT");
         other.arg("EXISTS");
-        assert!(!is_script_load(&other));
-        assert!(!is_script_load(&::redis::cmd("EVALSHA")));
+        assert!(!is_load(&other));
+        let mut list = ::redis::cmd("FUNCTION");
+        list.arg("LIST");
+        assert!(!is_load(&list));
+        assert!(!is_load(&::redis::cmd("EVALSHA")));
     }
 }

@@ -17,7 +17,7 @@
 //!
 //! - `store`: [`RedisStore`], each operation as script calls;
 //! - `batch`: concurrent checks gathered into shared calls;
-//! - `script`: one call of `bucket.lua`, as `EVALSHA` or `EVAL`;
+//! - `script`: one call of `bucket.lua`, as `FCALL`, `EVALSHA` or `EVAL`;
 //! - `client`: sends calls and commands within the timeout and the script's deadline;
 //! - `clock`: the Redis clock as seen from here, to place deadlines on it;
 //! - `connection`: one server or a cluster;

@@ -1,13 +1,48 @@
-//! One call of `bucket.lua`: its keys and arguments, sent as `EVALSHA` (the script loaded
-//! once with `SCRIPT LOAD`, again on `NOSCRIPT`) or, where a node still lacks it, as `EVAL`.
-//! The command is written straight from the calls' keys and arguments.
+//! One call of `bucket.lua`: its keys and arguments, sent as `FCALL` of the function
+//! library (Redis >= 7; loaded with `FUNCTION LOAD`, again when missing), as `EVALSHA` (the
+//! script loaded once with `SCRIPT LOAD`, again on `NOSCRIPT`) or, where a node still lacks
+//! it, as `EVAL`. The command is written straight from the calls' keys and arguments.
 
 use std::time::Duration;
 
 use ::redis::{Cmd, ToRedisArgs};
 
-/// The source of the script every call runs.
-pub const SOURCE: &str = include_str!("bucket.lua");
+/// The bucket's code; it ends with its entry point, `run(keys, args)`.
+const BUCKET: &str = include_str!("bucket.lua");
+
+/// `bucket.lua` in its two forms: a script, and a library of one function. Both are named
+/// by the code's hash, so daemons of other versions sharing a Redis each run their own.
+pub struct Sources {
+    /// The script (`EVAL`, `SCRIPT LOAD`): the code, then a call of `run`.
+    pub script: String,
+    /// The script's SHA1 (`EVALSHA`).
+    pub sha: String,
+    /// The function's name, also its library's.
+    pub function: String,
+    /// The library (`FUNCTION LOAD`): the code, then `run` registered as the function.
+    pub library: String,
+}
+
+impl Sources {
+    pub fn new() -> Self {
+        let hash = ::redis::Script::new(BUCKET);
+        let function = format!("bourse_{}", &hash.get_hash()[..16]);
+        // `run` is a local of the code, which also names its keys and arguments `KEYS` and
+        // `ARGV`: the script's own are taken before.
+        let script = format!(
+            "local call_keys, call_args = KEYS, ARGV\n{BUCKET}\nreturn run(call_keys, call_args)\n"
+        );
+        let library = format!(
+            "#!lua name={function}\n{BUCKET}\nredis.register_function('{function}', run)\n"
+        );
+        Self {
+            sha: ::redis::Script::new(&script).get_hash().to_string(),
+            script,
+            function,
+            library,
+        }
+    }
+}
 
 /// The keys and arguments of one script call; the first argument names the operation.
 #[derive(Default)]
@@ -16,20 +51,24 @@ pub struct Call {
     args: Vec<Vec<u8>>,
 }
 
-/// How a command names the script: by its SHA1 (`EVALSHA`) or with its source (`EVAL`),
-/// which runs it on whichever node serves the keys and caches it there.
+/// How a command names the code it runs: the function (`FCALL`), the script by its SHA1
+/// (`EVALSHA`) or the script's source (`EVAL`), which runs it on whichever node serves the
+/// keys and caches it there.
 #[derive(Clone, Copy)]
 pub enum Script<'a> {
+    Function(&'a str),
     Sha(&'a str),
-    Source,
+    Source(&'a str),
 }
 
 impl Script<'_> {
-    /// The command's start: `EVALSHA sha` or `EVAL source`, then the count of keys.
+    /// The command's start: `FCALL function`, `EVALSHA sha` or `EVAL source`, then the
+    /// count of keys.
     fn command(self, keys: usize, args: usize, bytes: usize) -> Cmd {
         let (name, script) = match self {
+            Script::Function(name) => ("FCALL", name),
             Script::Sha(sha) => ("EVALSHA", sha),
-            Script::Source => ("EVAL", SOURCE),
+            Script::Source(source) => ("EVAL", source),
         };
         let mut command = Cmd::with_capacity(3 + keys + args, bytes + script.len() + 16);
         command.arg(name).arg(script).arg(keys);
