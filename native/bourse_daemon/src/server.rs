@@ -347,9 +347,10 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                         continue;
                     }
                     let number = session.next_frame();
-                    // The first frame may choose the codec (and framing) of the next ones:
-                    // answered before they are read.
-                    if S::REMOTE && number > 1 {
+                    // The first frame may choose the codec (and framing) of the next ones,
+                    // and `auth` whether the next ones are served: answered before they are
+                    // read.
+                    if S::REMOTE && number > 1 && matches!(slot, Slot::Held { .. }) {
                         running += 1;
                         let (service, session) = (Arc::clone(&service), Arc::clone(&session));
                         let (frame, answered) = (frame.to_vec(), answered.clone());
@@ -366,6 +367,23 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                     framed(&mut out, start, session.codec());
                     if number == 1 && session.codec() == Codec::Etf {
                         input.length_prefixed();
+                    }
+                    // Proved: from now on it needs a connection slot, before another
+                    // frame is served.
+                    if let Slot::Unproved(entry) = &slot {
+                        if session.authenticated() {
+                            context.unproved.leave(entry);
+                            match Arc::clone(&context.connections).try_acquire_owned() {
+                                Ok(permit) => slot = Slot::Held { _permit: permit },
+                                Err(_) => {
+                                    if send(&mut stream, &mut out).await.is_err() {
+                                        return;
+                                    }
+                                    let max = context.limits.max_connections;
+                                    return refuse(stream, max, Some((&service, &session))).await;
+                                }
+                            }
+                        }
                     }
                     if out.len() >= WRITE_CHUNK && send(&mut stream, &mut out).await.is_err() {
                         return;
@@ -400,19 +418,6 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
         }
         if closing && running == 0 {
             break;
-        }
-        // Proved: from now on it needs a connection slot.
-        if let Slot::Unproved(entry) = &slot {
-            if session.authenticated() {
-                context.unproved.leave(entry);
-                match Arc::clone(&context.connections).try_acquire_owned() {
-                    Ok(permit) => slot = Slot::Held { _permit: permit },
-                    Err(_) => {
-                        let max = context.limits.max_connections;
-                        return refuse(stream, max, Some((&service, &session))).await;
-                    }
-                }
-            }
         }
         let evicted = async {
             match &slot {

@@ -1289,3 +1289,77 @@ fn without_functions_the_script_runs_as_evalsha() {
         assert!(calls_of(&redis, "fcall") <= 1, "without {missing}");
     }
 }
+
+/// A TCP client past `--max-connections` that sends checks right behind its proof is
+/// refused before they run: a caller told the connection is unavailable must not have paid
+/// (docs/CONTRACT.md, 'Stores'), and the limit is not passed by one read's worth of frames.
+#[test]
+fn checks_sent_behind_the_proof_of_a_refused_connection_pay_nothing() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--max-connections", "1"]);
+    let mut first = server.connect();
+    let k = key("binance", Some("refused"));
+    let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let mut late = server.connect_unproved();
+    let hello = late.call(json!({"op": "hello"}));
+    let nonce = hello["auth"]["nonce"]
+        .as_str()
+        .expect("a nonce")
+        .to_string();
+    let mut burst =
+        json!({"op": "auth", "proof": common::proof(common::SECRET.as_bytes(), &nonce)})
+            .to_string();
+    for id in 0..5 {
+        let mut request = check(&k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        burst.push('\n');
+        burst.push_str(&request.to_string());
+    }
+    burst.push('\n');
+    late.send_raw(burst.as_bytes());
+    let mut answers = Vec::new();
+    while let Some(line) = late.recv_line() {
+        answers.push(line);
+    }
+    assert!(
+        answers
+            .iter()
+            .any(|line| line.contains("--max-connections")),
+        "no refusal in {answers:?}"
+    );
+    // Checks the daemon had received would have run by now.
+    sleep_ms(500);
+    assert_eq!(borrowed(&mut first, &k), 0.0, "answers: {answers:?}");
+}
+
+/// Checks sent right behind `auth`, before its answer, are served as proved: each runs
+/// after the `auth` before it, although checks on Redis run concurrently.
+#[test]
+fn checks_sent_right_behind_auth_are_served_as_proved() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let k = key("binance", Some("behind-auth"));
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let mut client = server.connect_unproved();
+    let hello = client.call(json!({"op": "hello"}));
+    let nonce = hello["auth"]["nonce"]
+        .as_str()
+        .expect("a nonce")
+        .to_string();
+    let proof = common::proof(common::SECRET.as_bytes(), &nonce);
+    let mut burst = json!({"op": "auth", "proof": proof}).to_string();
+    let n = 20;
+    for id in 0..n {
+        let mut request = check(&k, limit.clone(), 1.0);
+        request["id"] = json!(id);
+        burst.push('\n');
+        burst.push_str(&request.to_string());
+    }
+    burst.push('\n');
+    client.send_raw(burst.as_bytes());
+    assert_eq!(client.recv(), json!({"ok": true}));
+    for _ in 0..n {
+        let answer = client.recv();
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+}
