@@ -31,6 +31,10 @@ const MAX_RUNNING: usize = 4096;
 const REFUSED_READ_BYTES: usize = 64 * 1024;
 /// TCP connections that have not proved the secret yet, at most.
 pub const MAX_UNPROVED: usize = 64;
+/// Refused connections read until their client closes, at once, at most; past it a
+/// refusal is written and the connection closed at once, so that clients holding refused
+/// connections open cannot take the descriptors kept spare.
+pub const MAX_LINGERING: usize = 16;
 
 /// What bounds the connections.
 #[derive(Debug, Clone, Copy)]
@@ -91,6 +95,7 @@ pub async fn run<S: Store>(
         limits,
         connections: Arc::new(Semaphore::new(limits.max_connections)),
         unproved: Arc::default(),
+        lingering: Arc::new(Semaphore::new(MAX_LINGERING)),
         shutdown,
         _alive: alive,
     };
@@ -149,9 +154,18 @@ struct Context<S: Store> {
     limits: Limits,
     connections: Arc<Semaphore>,
     unproved: Arc<Unproved>,
+    /// Places of [`MAX_LINGERING`].
+    lingering: Arc<Semaphore>,
     shutdown: watch::Receiver<bool>,
     /// Dropped when the task holding this context ends.
     _alive: mpsc::Sender<()>,
+}
+
+impl<S: Store> Context<S> {
+    /// A place of [`MAX_LINGERING`] for a refused connection, if one is free.
+    fn linger(&self) -> Option<OwnedSemaphorePermit> {
+        Arc::clone(&self.lingering).try_acquire_owned().ok()
+    }
 }
 
 // Derived `Clone` would require `S: Clone`; only the `Arc` is cloned.
@@ -162,6 +176,7 @@ impl<S: Store> Clone for Context<S> {
             limits: self.limits,
             connections: Arc::clone(&self.connections),
             unproved: Arc::clone(&self.unproved),
+            lingering: Arc::clone(&self.lingering),
             shutdown: self.shutdown.clone(),
             _alive: self._alive.clone(),
         }
@@ -216,19 +231,22 @@ where
             ));
         }
         Err(_) => {
-            tokio::spawn(refuse::<_, S>(stream, context.limits.max_connections, None));
+            let max = context.limits.max_connections;
+            tokio::spawn(refuse::<_, S>(stream, max, context.linger(), None));
         }
     }
 }
 
 /// Tells a connection past the limit so, and closes it: a JSON line, or for a connection
-/// that chose the external term format (`session`), a term in its frame. What the client
-/// sends meanwhile (its hello) is read and dropped until it closes, for at most a second:
-/// closed at once, the socket would fail the client's first write, and that failure, not
-/// the refusal, would be all the client learns.
+/// that chose the external term format (`session`), a term in its frame. With a place of
+/// [`MAX_LINGERING`] (`linger`), what the client sends meanwhile (its hello) is read and
+/// dropped until it closes, for at most a second: closed at once, the socket would fail
+/// the client's first write, and that failure, not the refusal, would be all the client
+/// learns.
 async fn refuse<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     max: usize,
+    linger: Option<OwnedSemaphorePermit>,
     chosen: Option<(&Service<S>, &Session)>,
 ) {
     let message = format!("the daemon serves at most {max} connections (--max-connections)");
@@ -246,6 +264,9 @@ async fn refuse<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         let _ = stream.write_all(&out).await;
         let _ = stream.shutdown().await;
+        if linger.is_none() {
+            return;
+        }
         let mut dropped = [0; 4096];
         let mut left = REFUSED_READ_BYTES;
         while left > 0 {
@@ -380,7 +401,9 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                                         return;
                                     }
                                     let max = context.limits.max_connections;
-                                    return refuse(stream, max, Some((&service, &session))).await;
+                                    let linger = context.linger();
+                                    let chosen = Some((&*service, &*session));
+                                    return refuse(stream, max, linger, chosen).await;
                                 }
                             }
                         }

@@ -265,3 +265,36 @@ fn a_refused_client_reads_the_refusal_even_when_its_hello_comes_late() {
         "the daemon serves at most 1 connections (--max-connections)"
     );
 }
+
+/// Connections refused past `--max-connections` and held open by their client (another
+/// local user's, say) do not each keep a descriptor of the daemon for the second a refused
+/// connection may take to send its hello: past a few, they are closed once told, so that
+/// the descriptors kept spare for the listeners, Redis and unproved clients stay free.
+#[test]
+fn refused_connections_held_open_keep_few_descriptors() {
+    let socket = common::temp_path("refused-many.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let daemon = common::Server::start(&["--socket", socket_arg, "--max-connections", "1"]);
+    let descriptors = || {
+        std::fs::read_dir(format!("/proc/{}/fd", daemon.child.id()))
+            .unwrap()
+            .count()
+    };
+    let _first = UnixStream::connect(&socket).unwrap();
+    let mut first = LineClient::new(UnixStream::connect(&socket).unwrap());
+    assert_eq!(first.recv()["error"]["type"], "unavailable");
+    drop(first);
+    let before = descriptors();
+    let mut refused: Vec<LineClient<UnixStream>> = (0..200)
+        .map(|_| LineClient::new(UnixStream::connect(&socket).unwrap()))
+        .collect();
+    let mut most = 0;
+    for client in &mut refused {
+        assert_eq!(client.recv()["error"]["type"], "unavailable");
+        most = most.max(descriptors());
+    }
+    assert!(
+        most < before + 64,
+        "{most} descriptors held, {before} before 200 refused connections"
+    );
+}
