@@ -1363,3 +1363,50 @@ fn checks_sent_right_behind_auth_are_served_as_proved() {
         assert_eq!(answer["result"], "admitted", "{answer}");
     }
 }
+
+/// Checks sharing a script call read their exchange's pauses once for the whole call, not
+/// once per check: 64 checks of 64 credentials (one bucket each, known, no pause) cost
+/// Redis their bucket's reads and writes and little more. A pause still holds them.
+#[test]
+fn checks_sharing_a_call_read_their_pauses_once() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let n = 64;
+    let keys: Vec<Value> = (0..n)
+        .map(|i| key("shared", Some(&format!("k{i}"))))
+        .collect();
+    for k in &keys {
+        assert_eq!(t.call(check(k, limit.clone(), 1.0))["result"], "admitted");
+    }
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    let checks = keys.iter().map(|k| check(k, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::Waiting);
+    assert!(
+        answers.iter().all(|a| a["result"] == "admitted"),
+        "{answers:?}"
+    );
+    let (commands, stats) = script_commands(&redis);
+    let calls = ["fcall", "evalsha", "eval"]
+        .iter()
+        .map(|command| calls_of(&redis, command))
+        .sum::<u64>();
+    eprintln!("{n} checks in {calls} calls: {commands} commands");
+    assert!(calls < n / 4, "{calls} calls for {n} checks");
+    // Per call 3 (its run marker's SETs, the exchange marker's PTTL) and 2 reading the
+    // pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    assert!(
+        commands <= calls * 5 + n * 4,
+        "{commands} commands:\n{stats}"
+    );
+    // Paused: every check of the exchange is told to wait, whatever the call.
+    let pause = json!({"op": "pause", "target": {"exchange": "shared"}, "ms": 60_000});
+    assert_eq!(t.call(pause), json!({"ok": true}));
+    let checks = keys.iter().map(|k| check(k, limit.clone(), 1.0));
+    let answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::Waiting);
+    assert!(
+        answers.iter().all(|a| a["result"] == "delay"),
+        "{answers:?}"
+    );
+}

@@ -324,38 +324,47 @@ end
 -- the connection was lost finds them (see `replay`) and answers them unchanged.
 local decide
 
--- Pause ends read by this call, by pauses key, then field (false: none). Checks never
--- write pauses, so the checks of one call share what an earlier one read.
+-- Pauses read by this call, by pauses key: `ends`, the end (µs) by field (false: none),
+-- holding the whole hash when it has at most MAX_READ_WHOLE fields (`whole`; nearly
+-- always: ended pauses are dropped), else the fields read so far. Checks never write
+-- pauses, so the checks of one call share what an earlier one read.
 local pause_ends
+local MAX_READ_WHOLE = 64
 
--- Reads into `pause_ends` the `fields` of `pauses` this call has not read yet, in one HMGET.
-local function read_pauses(pauses, fields)
+-- What this call knows of `pauses`, read whole (HLEN, then HGETALL unless empty) the first
+-- time this call asks.
+local function pauses_of(pauses)
   local known = pause_ends[pauses]
-  if not known then
-    known = {}
-    pause_ends[pauses] = known
-  else
-    local missing = {}
-    for _, field in ipairs(fields) do
-      if known[field] == nil then
-        missing[#missing + 1] = field
+  if known then
+    return known
+  end
+  known = { ends = {} }
+  local size = redis.call('HLEN', pauses)
+  if size <= MAX_READ_WHOLE then
+    known.whole = true
+    if size > 0 then
+      local all = redis.call('HGETALL', pauses)
+      for j = 1, #all, 2 do
+        known.ends[all[j]] = tonumber(all[j + 1]) or false
       end
     end
-    fields = missing
   end
-  if #fields > 0 then
-    local ends = redis.call('HMGET', pauses, unpack(fields))
-    for j, field in ipairs(fields) do
-      known[field] = tonumber(ends[j]) or false
-    end
-  end
+  pause_ends[pauses] = known
+  return known
 end
 
--- The latest end (µs) of the exchange's pause and the item's credential and key pauses
--- (read by `read_pauses`), 0 for none.
+-- The latest end (µs) of the exchange's pause and the item's credential and key pauses,
+-- 0 for none; fields of a hash not read whole are read with one HMGET.
 local function pause_end(pauses, credential_field, key_field)
-  local known = pause_ends[pauses]
-  return math.max(known.x or 0, known[credential_field] or 0, known[key_field] or 0)
+  local known = pauses_of(pauses)
+  local ends = known.ends
+  if not known.whole and (ends.x == nil or ends[credential_field] == nil or ends[key_field] == nil) then
+    local read = redis.call('HMGET', pauses, 'x', credential_field, key_field)
+    ends.x = tonumber(read[1]) or false
+    ends[credential_field] = tonumber(read[2]) or false
+    ends[key_field] = tonumber(read[3]) or false
+  end
+  return math.max(ends.x or 0, ends[credential_field] or 0, ends[key_field] or 0)
 end
 
 -- The first line of a failed check's error, at most 200 bytes.
@@ -416,22 +425,6 @@ decide = function(now, k, at)
   local items, began = {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
-  -- The pause fields of all items first: one HMGET per exchange group, not per item.
-  local wanted = {}
-  for i = 1, n do
-    local a = at + 5 + (i - 1) * 7
-    local group = tonumber(ARGV[a + 4])
-    local fields = wanted[group]
-    if not fields then
-      fields = { 'x' }
-      wanted[group] = fields
-    end
-    fields[#fields + 1] = ARGV[a + 5]
-    fields[#fields + 1] = ARGV[a + 6]
-  end
-  for group, fields in pairs(wanted) do
-    read_pauses(KEYS[k + 2 * n + 2 * group - 1], fields)
-  end
   for i = 1, n do
     local a = at + 5 + (i - 1) * 7
     local item = {
