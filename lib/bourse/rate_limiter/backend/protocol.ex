@@ -12,7 +12,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   maps, limit maps into maps with binary keys, numbers (of any size) and UTF-8 binaries as
   they are, and any other term as its shape alone (`%{"$term": "tuple", arity: 4}`,
   docs/PROTOCOL.md, "Values"); a binary that is not UTF-8 is such a term, since the
-  daemon's requests hold UTF-8 strings, as JSON does (`%{"$term": "binary", size: 2}`).
+  daemon's requests hold UTF-8 strings, as JSON does (`%{"$term": "binary", size: 2}`),
+  and so is one longer than a key part may be, which would not fit the daemon's frames.
   The daemon judges everything with `bourse_core`'s rules, as the NIF does, and its error
   comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message
   and exchange. Booking owners are the calling pids, rendered as strings.
@@ -346,9 +347,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   # A scalar as JSON holds it; any other term as its shape alone (`%{"$term": kind, ...}`,
   # docs/PROTOCOL.md): the daemon needs no more to name what is wrong, and never more than
-  # the kind and size of a value that may be an API key travels.
+  # the kind and size of a value that may be an API key travels. A binary travels whole
+  # only if it could be a key part (UTF-8, within the core's bound): a longer one, refused
+  # whatever it holds, goes by its size, so that it is refused as the NIF refuses it rather
+  # than as a request too large for the daemon's frames.
   defp value(value) when is_binary(value) do
-    if String.valid?(value), do: value, else: %{"$term": "binary", size: byte_size(value)}
+    if byte_size(value) <= Native.bound(:max_key_part_bytes) and String.valid?(value),
+      do: value,
+      else: %{"$term": "binary", size: byte_size(value)}
   end
 
   defp value(value) when is_number(value) or is_boolean(value), do: value

@@ -63,6 +63,15 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
       {:check_rate, [me, {"binance", @secret <> <<0xFF>>}, @limit, 1, nil]},
       {:check_rate, [me, {"binance", "k", <<"ip", 0xC3>>}, @limit, 1, nil]},
       {:check_rate, [me, {"binance", :binary.copy(<<0xFF>>, 1025)}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<0xC0, 0x80>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", "k", <<0xED, 0xA0, 0x80>>}, @limit, 1, nil]},
+      {:check_rate, [me, {<<0xF4, 0x90, 0x80, 0x80>>, "k"}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", String.duplicate("k", 1023) <> <<0xC3>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", String.duplicate("é", 513)}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", String.duplicate("k", 200_000)}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", :binary.copy(<<0xFF>>, 200_000)}, @limit, 1, nil]},
+      {:check_rate, [me, {String.duplicate("e", 200_000), @secret}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", "k", String.duplicate("€", 342)}, @limit, 1, nil]},
       {:check_rate, [me, @key, @limit, <<0xFF, 0xFE>>, nil]},
       {:check_rate, [me, @key, %{capacity: <<0x80>>, refill_per_sec: 1}, 1, nil]},
       {:check_rates, [me, [{@key, @limit}], nil]},
@@ -136,6 +145,37 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
 
         assert got == want,
                "#{inspect(backend)}.#{callback}: #{inspect(got)}\n  NIF: #{inspect(want)}"
+      end
+    end
+  end
+
+  test "edge key parts within the rule are buckets of their own on every backend", %{
+    backends: backends
+  } do
+    limit = %{capacity: 1, refill_per_sec: 0.001}
+
+    for {{backend, handle}, i} <- Enum.with_index(backends) do
+      exchange = "edge#{i}"
+
+      keys = [
+        {"", "k#{i}"},
+        {exchange, ""},
+        {exchange, "a\0b"},
+        {exchange, "a"},
+        {exchange, String.duplicate("k", 1024)},
+        {exchange, String.duplicate("😀", 256)},
+        {exchange, "k", String.duplicate("€", 341) <> "x"},
+        {exchange, "k", "\0"}
+      ]
+
+      for key <- keys do
+        assert backend.check_rate(handle, self(), key, limit, 1, nil) == :ok,
+               "#{inspect(backend)}: #{inspect(key, limit: 3)}"
+      end
+
+      for key <- keys do
+        assert {:delay, _} = backend.check_rate(handle, self(), key, limit, 1, nil)
+        assert_in_delta backend.get_cost(handle, key), 1, 0.01
       end
     end
   end
