@@ -61,6 +61,13 @@ pub struct Unreadable {
 
 /// Reads one external term, the whole frame, into a `Value`.
 pub fn decode(frame: &[u8]) -> Result<Value, Unreadable> {
+    decode_with_id(frame).map(|(value, _)| value)
+}
+
+/// Reads one external term, the whole frame, into a `Value`, with the `id` of its top-level
+/// map, if it is one with an `id` named by an atom or binary (also when the map is read
+/// as its shape).
+pub fn decode_with_id(frame: &[u8]) -> Result<(Value, Option<Value>), Unreadable> {
     let mut reader = Reader {
         bytes: frame,
         at: 0,
@@ -70,7 +77,7 @@ pub fn decode(frame: &[u8]) -> Result<Value, Unreadable> {
         message: format!("malformed external term ({message})"),
         id: reader.id.take(),
     })?;
-    Ok(value)
+    Ok((value, reader.id))
 }
 
 struct Reader<'a> {
@@ -377,13 +384,15 @@ impl<'a> Reader<'a> {
             let key = self.key(depth + 1)?;
             let value = self.term(depth + 1, false)?;
             match key {
-                Key::Name(name) if named => {
+                Key::Name(name) => {
                     if top && name == "id" {
                         self.id = Some(value.clone());
                     }
-                    object.insert(name, value);
+                    if named {
+                        object.insert(name, value);
+                    }
                 }
-                _ => named = false,
+                Key::Other => named = false,
             }
         }
         Ok(if named {

@@ -408,15 +408,15 @@ fn read_json(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
 
 /// An external term frame's request map, read as JSON's object.
 fn read_etf(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
-    match etf::decode(frame) {
-        Ok(Value::Object(fields)) if !fields.contains_key("$term") => Ok(fields),
-        Ok(other) => {
+    match etf::decode_with_id(frame) {
+        Ok((Value::Object(fields), _)) if !fields.contains_key("$term") => Ok(fields),
+        Ok((other, id)) => {
             let message = format!(
                 "a request must be a map of at most {} atom or binary keys, got {}",
                 etf::MAX_MAP_KEYS,
                 request::shape(&other)
             );
-            Err((None, InvalidInput::new(message)))
+            Err((id, InvalidInput::new(message)))
         }
         Err(unreadable) => Err((unreadable.id, InvalidInput::new(unreadable.message))),
     }

@@ -1170,3 +1170,28 @@ fn a_term_the_protocol_cannot_read_is_answered_with_its_id() {
         .unwrap()
         .contains("an integer of more than 64 bits"));
 }
+
+#[test]
+fn a_map_that_is_no_request_is_answered_with_its_id() {
+    let f = Fixture::new();
+    let session = f.etf_session();
+    // %{id: 9, 1 => 2}: a key that is no name.
+    let frame = [
+        131, b't', 0, 0, 0, 2, b'd', 0, 2, b'i', b'd', b'a', 9, b'a', 1, b'a', 2,
+    ];
+    let answer = etf::decode(&f.call_bytes(&session, &frame)).unwrap();
+    assert_eq!(answer["id"], 9, "{answer}");
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    // A map of more keys than a request may have, its id first.
+    let keys = etf::MAX_MAP_KEYS + 1;
+    let mut wide = vec![131, b't'];
+    wide.extend_from_slice(&(keys as u32).to_be_bytes());
+    wide.extend_from_slice(&[b'd', 0, 2, b'i', b'd', b'a', 9]);
+    for i in 1..keys {
+        etf::write_binary(&mut wide, format!("k{i}").as_bytes());
+        wide.extend_from_slice(&[b'a', 1]);
+    }
+    let answer = etf::decode(&f.call_bytes(&session, &wide)).unwrap();
+    assert_eq!(answer["id"], 9, "{answer}");
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+}
