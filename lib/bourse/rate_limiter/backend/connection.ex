@@ -3,17 +3,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
   `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
 
-  Callers encode their request (with an `id`) and write it to the stream themselves, in
-  their own process, after noting its route (the `id` and an alias of the call) in this
-  process's table; this process only reads the answers (many per read when they were
-  pipelined), finds each one's `id` without decoding it, takes its route from the table and
-  sends it there; the caller decodes it (an admitted check's answer, the most common, it
-  knows by its bytes). A request thus costs one message between processes, and encoding,
-  writing and decoding run in parallel in the callers. Each write goes whole into the
-  port's or socket's queue in the VM, so writers never interleave; a caller that finds the
-  queue full (the daemon is behind with its input) tries again every millisecond until its
-  deadline; the one whose write filled a socket's queue waits until it drains or, after
-  the timeout, the socket closes (and is reconnected).
+  Callers encode and frame their request (with an `id`) in their own process, after noting
+  its route (the `id` and an alias of the call) in this process's table. A caller with no
+  other request in flight writes its frame to the stream itself; otherwise it hands the
+  frame to this process, which writes every frame it was handed meanwhile in one write (one
+  system call, one wake-up of the daemon for many requests). This process reads the
+  answers (many per read), finds each one's `id` without decoding it, takes its route from
+  the table and sends it there; the caller decodes it (an admitted check's answer, the most
+  common, it knows by its bytes). Encoding and decoding thus run in parallel in the
+  callers. Each write goes whole into the port's or socket's queue in the VM, so frames
+  never interleave; a caller that finds the queue full (the daemon is behind with its
+  input) tries again every millisecond until its deadline, and so does this process with
+  the frames of the callers still waiting; the one whose write filled a socket's queue
+  waits until it drains or, after the timeout, the socket closes (and is reconnected).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
@@ -172,7 +174,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp call(handle, id, write, deadline) do
     reply_to = :erlang.alias([:reply])
 
-    case write(handle.table, {id, {reply_to, deadline}}, write, deadline) do
+    case write(handle, {id, {reply_to, deadline}}, write, deadline) do
       :ok ->
         await(handle, id, reply_to, deadline)
 
@@ -211,22 +213,29 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # tried again every millisecond until the deadline: a caller never blocks on it. The route
   # is in the table only while a write may have gone; a caller killed between noting it and
   # writing leaves it behind until the connection drops routes past their deadline.
-  defp write(table, route, {stream, transport, frame} = write, deadline) do
-    :ets.insert(table, route)
+  defp write(handle, route, {stream, transport, frame} = write, deadline) do
+    :ets.insert(handle.table, route)
 
-    case transport.write(stream, frame) do
-      :busy ->
-        :ets.delete(table, elem(route, 0))
+    # With other requests in flight (the stream row, this route and more), the frame goes
+    # to the connection, which writes it with every other frame it was given meanwhile.
+    if :ets.info(handle.table, :size) > 2 do
+      send(handle.pid, {:write, stream, elem(route, 0), frame})
+      :ok
+    else
+      case transport.write(stream, frame) do
+        :busy ->
+          :ets.delete(handle.table, elem(route, 0))
 
-        if System.monotonic_time(:millisecond) < deadline do
-          Process.sleep(1)
-          write(table, route, write, deadline)
-        else
-          :busy
-        end
+          if System.monotonic_time(:millisecond) < deadline do
+            Process.sleep(1)
+            write(handle, route, write, deadline)
+          else
+            :busy
+          end
 
-      done ->
-        done
+        done ->
+          done
+      end
     end
   end
 
@@ -310,6 +319,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       assume_busy: assume_busy,
       stream: nil,
       partial: [],
+      pending: [],
+      retry_timer: nil,
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
       connected_before: false,
@@ -372,7 +383,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
     hello = encode(0, %{op: "hello"})
 
-    case state.transport.write(stream, state.transport.frame(hello, byte_size(hello))) do
+    case state.transport.write_nowait(stream, state.transport.frame(hello, byte_size(hello))) do
       {:error, reason} -> {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
       _written_or_busy -> {:noreply, keepalive(state, idle_ms)}
     end
@@ -388,6 +399,22 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     drop_late_routes_later(state)
     {:noreply, state}
   end
+
+  def handle_info({:write, stream, id, frame}, %{stream: stream} = state),
+    do:
+      {:noreply,
+       write_pending(%{state | pending: more_frames(stream, [{id, frame} | state.pending])})}
+
+  # A frame for a stream that broke since: its caller is told at once.
+  def handle_info({:write, _stream, id, _frame}, state) do
+    for {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
+        do: send(reply_to, {reply_to, {:error, Error.unavailable(unavailable(state))}})
+
+    {:noreply, state}
+  end
+
+  def handle_info({:write_pending, stream}, %{stream: stream} = state),
+    do: {:noreply, write_pending(%{state | retry_timer: nil})}
 
   def handle_info({:write_failed, stream, reason}, %{stream: stream} = state),
     do: {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
@@ -409,6 +436,35 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info(_message, state), do: {:noreply, state}
+
+  # Every frame given to this process that is in its mailbox already.
+  defp more_frames(stream, frames) do
+    receive do
+      {:write, ^stream, id, frame} -> more_frames(stream, [{id, frame} | frames])
+    after
+      0 -> frames
+    end
+  end
+
+  # The frames given to this process, in one write; a stream busy with earlier requests is
+  # tried again every millisecond, with the frames of the callers still waiting.
+  defp write_pending(%{pending: []} = state), do: state
+  defp write_pending(%{retry_timer: timer} = state) when timer != nil, do: state
+
+  defp write_pending(state) do
+    case state.transport.write_nowait(state.stream, Enum.map(state.pending, &elem(&1, 1))) do
+      :ok ->
+        %{state | pending: []}
+
+      :busy ->
+        pending = Enum.filter(state.pending, fn {id, _frame} -> :ets.member(state.table, id) end)
+        timer = Process.send_after(self(), {:write_pending, state.stream}, 1)
+        %{state | pending: pending, retry_timer: timer}
+
+      {:error, reason} ->
+        reconnect(broken(state, "cannot write: #{inspect(reason)}"))
+    end
+  end
 
   # Every timeout, and no more often than every @min_route_sweep_ms (each look scans the table).
   defp drop_late_routes_later(state),
@@ -541,7 +597,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
         do: send(reply_to, {reply_to, error})
 
-    %{state | stream: nil, partial: []}
+    if state.retry_timer, do: Process.cancel_timer(state.retry_timer)
+    %{state | stream: nil, partial: [], pending: [], retry_timer: nil}
   end
 
   # What callers read before they write: the stream and the daemon's frame limit, or `nil`

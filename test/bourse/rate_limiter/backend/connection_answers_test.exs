@@ -19,10 +19,18 @@ defmodule Bourse.RateLimiter.Backend.ConnectionAnswersTest do
   end
 
   defp frame(port, id, request) do
-    :ok = PortStream.write(port, Connection.encode(id, request))
+    payload = Connection.encode(id, request)
+    :ok = PortStream.write(port, PortStream.frame(payload, byte_size(payload)))
+    answer(port, PortStream.no_partial())
+  end
 
+  defp answer(port, partial) do
     receive do
-      {^port, {:data, frame}} -> frame
+      {^port, {:data, data}} ->
+        case PortStream.answers(partial, data) do
+          {[frame], <<>>} -> frame
+          {[], partial} -> answer(port, partial)
+        end
     after
       5_000 -> flunk("no answer")
     end
@@ -55,6 +63,29 @@ defmodule Bourse.RateLimiter.Backend.ConnectionAnswersTest do
 
     assert %{"id" => 4, "ok" => true} =
              Connection.answer(frame(port, 4, %{op: "get_cost", key: check("x").key}), 4)
+  end
+
+  test "answers split anywhere across reads come out whole, in order" do
+    frames = for n <- [0, 1, 3, 300, 70_000], do: :binary.copy(<<n, n + 1>>, div(n, 2) + 1)
+    stream = IO.iodata_to_binary(for f <- frames, do: PortStream.frame(f, byte_size(f)))
+
+    for cut <- [0, 1, 2, 3, 4, 5, 6, 9, 11, 12, 13, 100, 400, 70_000, byte_size(stream)] do
+      <<first::binary-size(cut), second::binary>> = stream
+      {before, partial} = PortStream.answers(PortStream.no_partial(), first)
+      {later, rest} = PortStream.answers(partial, second)
+      assert before ++ later == frames, "cut at #{cut}"
+      assert rest == <<>>
+    end
+
+    # Byte by byte.
+    {answers, rest} =
+      for <<byte <- stream>>, reduce: {[], PortStream.no_partial()} do
+        {answers, partial} ->
+          {more, partial} = PortStream.answers(partial, <<byte>>)
+          {answers ++ more, partial}
+      end
+
+    assert {answers, rest} == {frames, <<>>}
   end
 
   test "each handle's owner in the calling process carries that handle's prefix" do

@@ -151,6 +151,52 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
     end
   end
 
+  describe "frames handed to the connection" do
+    test "a frame handed over for a stream that broke since: its caller is answered :unavailable at once" do
+      name = start_limiter(:port)
+      handle = handle(name)
+      reply_to = :erlang.alias([:reply])
+      id = System.unique_integer([:positive])
+      :ets.insert(handle.table, {id, {reply_to, now_ms() + 60_000}})
+      send(handle.pid, {:write, make_ref(), id, "a frame"})
+
+      assert_receive {^reply_to, {:error, %Error{type: :unavailable}}}, 5_000
+      assert routes(handle) == 0
+      assert :ok = RateLimiter.check_rate({"ex", "after"}, @wide, 1, name)
+    end
+
+    @tag timeout: 60_000
+    test "64 callers on a port: every answer is its own, whether written by its caller or with others" do
+      name = start_limiter(:port)
+      stop_at = now_ms() + 1_000
+      # A bucket per caller that admits 3 checks and then says how long to wait: an answer
+      # routed to the wrong caller shows.
+      limit = %{capacity: 3, refill_per_sec: 0.001}
+
+      callers =
+        for i <- 1..64 do
+          Task.async(fn ->
+            key = {"ex", "own-#{i}"}
+            first = for _ <- 1..3, do: RateLimiter.check_rate(key, limit, 1, name)
+
+            {first,
+             Enum.take_while(Stream.repeatedly(fn -> check(key, limit, name, stop_at) end), & &1)}
+          end)
+        end
+
+      for {first, later} <- Task.await_many(callers, 30_000) do
+        assert first == [:ok, :ok, :ok]
+        assert later != []
+        for answer <- later, do: assert({:delay, _} = answer)
+      end
+
+      assert routes(handle(name)) == 0
+    end
+  end
+
+  defp check(key, limit, name, stop_at),
+    do: now_ms() < stop_at && RateLimiter.check_rate(key, limit, 1, name)
+
   defp hammer(key, name, stop_at, answers) do
     if now_ms() >= stop_at do
       answers

@@ -1,10 +1,11 @@
 defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @moduledoc false
-  # A `bourse_daemon --stdio` run as an Erlang port in `{:packet, 4}` mode: the VM frames
-  # each request (a 4-byte big-endian length, then the payload: a JSON hello asking for the
-  # external term format, then terms) and hands each answer over as one message, so frames
-  # are never split or joined here. The port is reopened at once when it dies (with --assume-busy-at-start:
-  # its table would be new), and a port that cannot start is a configuration error.
+  # A `bourse_daemon --stdio` run as an Erlang port: every frame both ways is a 4-byte
+  # big-endian length, then the payload (a JSON hello asking for the external term format,
+  # then terms). The frames are written and read here, not by the port (no `{:packet, 4}`),
+  # so that one write can carry the frames of many callers and one message the answers of
+  # one read. The port is reopened at once when it dies (with --assume-busy-at-start: its
+  # table would be new), and a port that cannot start is a configuration error.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
@@ -17,8 +18,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     flags = if settings.assume_busy, do: ["--assume-busy-at-start" | args], else: args
 
     with {:ok, port} <- spawn_daemon(executable, flags, settings.env),
-         true <- Port.command(port, Connection.hello_request()),
-         {:ok, hello} <- hello(port) do
+         hello = Connection.hello_request(),
+         true <- Port.command(port, frame(hello, byte_size(hello))),
+         {:ok, hello} <- hello(port, no_partial()) do
       {:ok, port, hello}
     end
   end
@@ -27,7 +29,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   defp spawn_daemon(executable, flags, env) do
     {:ok,
      Port.open({:spawn_executable, executable}, [
-       {:packet, 4},
+       :stream,
        :binary,
        :exit_status,
        :use_stdio,
@@ -40,10 +42,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
       {:error, "cannot run #{executable}: #{:file.format_error(error.original)}"}
   end
 
-  defp hello(port) do
+  # The daemon writes nothing before its hello's answer and nothing after it unasked.
+  defp hello(port, partial) do
     receive do
-      {^port, {:data, frame}} ->
-        Connection.hello(frame)
+      {^port, {:data, data}} ->
+        case answers(partial, data) do
+          {[frame | _], _rest} -> Connection.hello(frame)
+          {[], partial} -> hello(port, partial)
+        end
 
       {^port, {:exit_status, status}} ->
         {:error, "it exited with status #{status}"}
@@ -55,7 +61,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   end
 
   @impl true
-  def frame(payload, _size), do: payload
+  def frame(payload, size), do: [<<size::32>>, payload]
 
   # A port busy with earlier requests is not waited for: its callers try again until their
   # deadline.
@@ -65,6 +71,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   rescue
     ArgumentError -> {:error, :closed}
   end
+
+  @impl true
+  def write_nowait(port, iodata), do: write(port, iodata)
 
   @impl true
   def close(port) do
@@ -85,10 +94,18 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def received(_message, _port), do: :other
 
   @impl true
-  def no_partial, do: nil
+  def no_partial, do: <<>>
 
+  # Each complete frame in what is left of the previous data and the new data (sub-binaries
+  # of them, copied by no one), and what is left.
   @impl true
-  def answers(nil, frame), do: {[frame], nil}
+  def answers(<<>>, data), do: split(data, [])
+  def answers(partial, data), do: split(partial <> data, [])
+
+  defp split(<<size::32, frame::binary-size(size), rest::binary>>, frames),
+    do: split(rest, [frame | frames])
+
+  defp split(rest, frames), do: {Enum.reverse(frames), rest}
 
   @impl true
   def reopen, do: :at_once

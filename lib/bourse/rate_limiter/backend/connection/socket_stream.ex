@@ -3,8 +3,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # A connection to a `bourse_daemon` server on TCP or a Unix socket: a JSON line asks for
   # the external term format, then every frame both ways (the hello's answer, the proof of
   # the shared secret over TCP, requests, answers) is a 4-byte big-endian length and a term,
-  # as on a port. Reconnected after a backoff; the limiter may start while the daemon is
-  # not up yet.
+  # framed as on a port (`PortStream`). Reconnected after a backoff; the limiter may start
+  # while the daemon is not up yet.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
@@ -33,8 +33,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   # Callers write their requests themselves: a write the socket cannot take at once waits
   # in the VM's queue for the socket (past 1 MiB of them, writers are told it is busy); one
-  # left there for longer than the callers' timeout closes the socket. Raw bytes until the
-  # hello and the proof, then `{:packet, 4}` frames.
+  # left there for longer than the callers' timeout closes the socket. Raw bytes: the frames
+  # are written and read by `PortStream`'s framing.
   defp socket_opts(timeout) do
     [:binary, packet: :raw, active: false, buffer: 64 * 1024] ++
       [high_watermark: 1024 * 1024, low_watermark: 512 * 1024] ++
@@ -46,7 +46,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
          {:ok, frame} <- recv_frame(socket, "no hello"),
          {:ok, hello} <- Connection.hello(frame),
          :ok <- prove(socket, hello, secret),
-         :ok <- :inet.setopts(socket, packet: 4, active: true) do
+         :ok <- :inet.setopts(socket, active: true) do
       {:ok, hello}
     else
       error ->
@@ -91,7 +91,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   defp tagged(ok, _what), do: ok
 
   # One length-prefixed frame of the handshake, read exactly (what follows it stays in the
-  # socket for the `{:packet, 4}` mode after it); a daemon that refuses the connection (at
+  # socket for the connection); a daemon that refuses the connection (at
   # its --max-connections) or does not know the codec answers a JSON line instead.
   defp recv_frame(socket, what) do
     with {:ok, header} <- recv(socket, 4, what) do
@@ -116,8 +116,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp recv(socket, size, what), do: tagged(:gen_tcp.recv(socket, size, @handshake_timeout), what)
 
-  # From the handshake on, the VM frames every request and hands each answer over whole
-  # (`{:packet, 4}`), as on a port.
   @impl true
   defdelegate frame(payload, size), to: PortStream
 
@@ -136,6 +134,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     ArgumentError -> {:error, :closed}
   end
 
+  # The connection's own writes: the socket's answer comes as a message (`received/2`).
+  @impl true
+  def write_nowait(socket, iodata) do
+    if :erlang.port_command(socket, iodata, [:nosuspend]), do: :ok, else: :busy
+  rescue
+    ArgumentError -> {:error, :closed}
+  end
+
   @impl true
   def close(socket), do: :gen_tcp.close(socket)
 
@@ -145,6 +151,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   def received({:tcp_error, socket, reason}, socket),
     do: {:down, "connection error #{inspect(reason)}"}
+
+  def received({:inet_reply, socket, {:error, reason}}, socket),
+    do: {:down, "cannot write: #{inspect(reason)}"}
 
   def received(_message, _socket), do: :other
 

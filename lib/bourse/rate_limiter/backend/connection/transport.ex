@@ -25,6 +25,12 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @doc "Writes requests; `:busy` when the daemon is behind with its input."
   @callback write(stream(), iodata()) :: :ok | :busy | {:error, term()}
 
+  @doc """
+  Writes requests for the connection process itself, which does not wait for a socket's
+  confirmation: a failure comes as a message, see `received/2`.
+  """
+  @callback write_nowait(stream(), iodata()) :: :ok | :busy | {:error, term()}
+
   @callback close(stream()) :: :ok
 
   @doc "What a message to the connection process means for `stream`."
