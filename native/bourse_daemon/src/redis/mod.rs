@@ -22,6 +22,7 @@
 //! - `clock`: the Redis clock as seen from here, to place deadlines on it;
 //! - `connection`: one server or a cluster;
 //! - `names`: the Redis names of a key's data;
+//! - `fingerprints`: the fingerprints of recently seen credentials;
 //! - `answer`: the script's answers read back;
 //! - `scan`: table-wide `SCAN` of every node;
 //! - `counters`: the statistics of this daemon's answers.
@@ -32,6 +33,7 @@ mod client;
 mod clock;
 mod connection;
 mod counters;
+mod fingerprints;
 mod names;
 mod scan;
 mod script;

@@ -1,10 +1,7 @@
 //! The Redis names of the buckets' data (the layout is described in bucket.lua): every name
 //! of an exchange starts with `PREFIX:{E}`, one hash tag, so on Redis Cluster an exchange
-//! lives in one slot. Credentials appear only as keyed fingerprints ([`Keyed`]).
-
-use bourse_core::KeyRef;
-
-use crate::fingerprint::{self, Keyed};
+//! lives in one slot. Credentials appear only as keyed fingerprints
+//! ([`Keyed`](crate::fingerprint::Keyed)).
 
 /// A prefix names keys and is matched by `SCAN` patterns: plain characters only.
 pub fn check_prefix(prefix: &str) -> Result<(), String> {
@@ -31,11 +28,6 @@ pub fn credential_part(credential: Option<&str>) -> Vec<u8> {
         Some(fingerprint) => [b"h".as_slice(), fingerprint.as_bytes()].concat(),
         None => b"-".to_vec(),
     }
-}
-
-/// The fingerprint `busiest` shows for a credential; empty for the public pool.
-pub fn shown(credential: Option<&[u8]>) -> String {
-    credential.map(fingerprint::shown).unwrap_or_default()
 }
 
 /// `PREFIX:{E}`: the hash tag every key of the exchange starts with.
@@ -114,12 +106,6 @@ pub struct KeyNames {
 }
 
 impl KeyNames {
-    /// The names of `key`, its credential replaced by its keyed fingerprint.
-    pub fn new(prefix: &[u8], key: &KeyRef, keyed: &Keyed) -> Self {
-        let credential = key.credential.map(|credential| keyed.of(credential));
-        Self::from_parts(prefix, key.exchange, credential.as_deref(), key.axis)
-    }
-
     /// The names of a key given its credential's keyed fingerprint (`None`: public).
     pub fn from_parts(
         prefix: &[u8],
@@ -201,8 +187,16 @@ pub fn decode_bucket_name(prefix: &[u8], name: &[u8]) -> Option<NamedKey> {
 
 #[cfg(test)]
 mod tests {
+    use bourse_core::KeyRef;
+
     use super::*;
+    use crate::fingerprint::Keyed;
     use crate::redis::connection::hash_tag;
+
+    fn names_of(prefix: &[u8], key: &KeyRef, keyed: &Keyed) -> KeyNames {
+        let credential = key.credential.map(|credential| keyed.of(credential));
+        KeyNames::from_parts(prefix, key.exchange, credential.as_deref(), key.axis)
+    }
 
     /// On a cluster every key one check or pause touches must be in one slot.
     #[test]
@@ -216,7 +210,7 @@ mod tests {
             ]
             .iter()
             .flat_map(|key| {
-                let names = KeyNames::new(b"bourse", key, &keyed);
+                let names = names_of(b"bourse", key, &keyed);
                 [names.bucket, names.bookings, names.pauses, names.marker]
             })
             .map(|name| hash_tag(&name).to_vec())
@@ -234,8 +228,8 @@ mod tests {
         let keyed = Keyed::new(None);
         let public = KeyRef::new(b"binance", None, b"ip");
         let secret = KeyRef::new(b"binance", Some(b"SECRET-KEY"), b"ip");
-        let a = KeyNames::new(b"bourse", &public, &keyed);
-        let b = KeyNames::new(b"bourse", &secret, &keyed);
+        let a = names_of(b"bourse", &public, &keyed);
+        let b = names_of(b"bourse", &secret, &keyed);
         let h = keyed.of(b"SECRET-KEY");
         assert_eq!(a.bucket, b"bourse:{7:binance}:b:-:2:ip");
         assert_eq!(
@@ -267,7 +261,7 @@ mod tests {
         }
         // Separators inside the parts cannot make two keys collide.
         let tricky = KeyRef::new(b"a:b", Some(b"}:b:"), b"x:1:y");
-        let names = KeyNames::new(b"p", &tricky, &keyed);
+        let names = names_of(b"p", &tricky, &keyed);
         let decoded = decode_bucket_name(b"p", &names.bucket).unwrap();
         assert_eq!(
             (

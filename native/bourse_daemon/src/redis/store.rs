@@ -15,10 +15,10 @@ use super::batch::Batcher;
 use super::client::Client;
 use super::connection::{hash_tag, Connection, Servers};
 use super::counters::Counters;
+use super::fingerprints::Fingerprints;
 use super::names::{self, CredentialNames, KeyNames};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
-use crate::fingerprint::Keyed;
 use crate::store::{ShownKey, Store, StoreError, StoreResult};
 
 /// How to reach Redis and name the keys.
@@ -39,7 +39,7 @@ pub struct Options {
 pub struct RedisStore {
     client: Arc<Client>,
     checks: Batcher,
-    names: Keyed,
+    fingerprints: Fingerprints,
     prefix: Vec<u8>,
     config: Config,
     counters: Counters,
@@ -60,7 +60,7 @@ impl RedisStore {
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),
             client,
-            names: Keyed::new(options.key_secret.as_deref()),
+            fingerprints: Fingerprints::new(options.key_secret.as_deref()),
             prefix,
             config: options.config,
             counters: Counters::default(),
@@ -68,12 +68,27 @@ impl RedisStore {
     }
 
     fn names(&self, key: &KeyRef) -> KeyNames {
-        KeyNames::new(&self.prefix, key, &self.names)
+        self.names_and_shown(key).0
+    }
+
+    /// The names of `key`, and the fingerprint `busiest` shows for its credential (empty
+    /// for the public pool).
+    fn names_and_shown(&self, key: &KeyRef) -> (KeyNames, String) {
+        let found = key
+            .credential
+            .map(|credential| self.fingerprints.of(credential));
+        let keyed = found.as_ref().map(|found| found.keyed.as_str());
+        let names = KeyNames::from_parts(&self.prefix, key.exchange, keyed, key.axis);
+        (
+            names,
+            found.map_or_else(String::new, |found| found.shown.clone()),
+        )
     }
 
     fn credential_names(&self, exchange: &[u8], credential: Option<&[u8]>) -> CredentialNames {
-        let fingerprint = credential.map(|credential| self.names.of(credential));
-        CredentialNames::new(&self.prefix, exchange, fingerprint.as_deref())
+        let fingerprint = credential.map(|credential| self.fingerprints.of(credential));
+        let fingerprint = fingerprint.as_ref().map(|found| found.keyed.as_str());
+        CredentialNames::new(&self.prefix, exchange, fingerprint)
     }
 
     /// Visits every bucket with its snapshot, one `SCAN` page at a time.
@@ -207,7 +222,7 @@ impl Store for RedisStore {
         let mut groups: Vec<KeyNames> = Vec::new();
         let mut last_exchange: Option<&[u8]> = None;
         for item in &items {
-            let names = self.names(&item.key);
+            let (names, shown) = self.names_and_shown(&item.key);
             if last_exchange != Some(item.key.exchange) {
                 last_exchange = Some(item.key.exchange);
                 groups.push(names.clone());
@@ -220,7 +235,7 @@ impl Store for RedisStore {
                 .arg(groups.len())
                 .arg(names.credential_pause)
                 .arg(names.key_pause)
-                .arg(names::shown(item.key.credential));
+                .arg(shown);
         }
         for group in groups {
             call.key(group.pauses).key(group.marker);
@@ -232,13 +247,13 @@ impl Store for RedisStore {
     }
 
     async fn record_request(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
-        let names = self.names(&key);
+        let (names, shown) = self.names_and_shown(&key);
         let mut call = Call::default();
         call.key(names.bucket)
             .key(names.bookings)
             .arg("record")
             .arg(cost)
-            .arg(names::shown(key.credential));
+            .arg(shown);
         let _: String = self.client.invoke(&call).await?;
         self.counters.debited();
         Ok(())
