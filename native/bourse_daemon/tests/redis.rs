@@ -1199,7 +1199,7 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
     let (commands, stats) = script_commands(&redis);
     // Per call: the run marker's two SETs (the first also finds whether it ran before) and
     // the exchange marker's PTTL (renewed only when it has less than a day left); per
-    // exchange one HMGET of its pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    // exchange one HLEN of its pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
     assert!(commands <= 3 + 1 + 3 * 4, "{commands} commands:\n{stats}");
     // The exchange's marker still outlives its last check by a day (less the moments since).
     let markers: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:e{*"));
@@ -1409,4 +1409,41 @@ fn checks_sharing_a_call_read_their_pauses_once() {
         answers.iter().all(|a| a["result"] == "delay"),
         "{answers:?}"
     );
+}
+
+/// A bucket known to have no bookings, then booked by a later check of the same script
+/// call (one `now` for both): the next calls still find that booking, drop it when it
+/// lapses, and count it.
+#[test]
+fn a_booking_made_in_the_call_that_found_none_lapses_and_is_counted() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--booking-slack-ms", "1"]);
+    let mut t = server.connect();
+    let k = key("okx", Some("same-call"));
+    // Two tokens, one a second: the last check of the call books a wait of about 1 s.
+    let limit = json!({"capacity": 2, "refill_per_sec": 1});
+    let waiter = |owner: u64| json!({"op": "check", "key": k, "limit": limit, "owner": owner, "max_wait_ms": 60_000});
+    assert_eq!(t.call(waiter(1))["result"], "admitted");
+    let calls = || calls_of(&redis, "fcall") + calls_of(&redis, "evalsha");
+    let before = calls();
+    // The first two checks are sent at once, each in its own call; the last two share the
+    // next.
+    let other = |name| check(&key("okx", Some(name)), limit.clone(), 1.0);
+    let checks = [other("x"), other("y"), waiter(2), waiter(3)];
+    let mut answers =
+        pipelined_while_stopped(&redis, &mut t, checks.into_iter(), WhileStopped::Waiting);
+    answers.sort_by_key(|answer| answer["id"].as_u64());
+    let results: Vec<&Value> = answers.iter().map(|a| &a["result"]).collect();
+    assert_eq!(results[..2], ["admitted", "admitted"]);
+    // The two checks of one call run in either order.
+    let booked = match (results[2].as_str(), results[3].as_str()) {
+        (Some("admitted"), Some("booked")) => 3,
+        (Some("booked"), Some("admitted")) => 2,
+        _ => panic!("{answers:?}"),
+    };
+    assert_eq!(calls() - before, 3, "the last two checks shared a call");
+    sleep_ms(ms(&answers[booked as usize]) + 200);
+    // The booking's owner comes back past its slack: the booking lapsed, it books again.
+    assert_eq!(t.call(waiter(booked))["result"], "booked");
+    assert_eq!(t.call(json!({"op": "stats"}))["stats"]["lapsed"], 1);
 }
