@@ -1447,3 +1447,36 @@ fn a_booking_made_in_the_call_that_found_none_lapses_and_is_counted() {
     assert_eq!(t.call(waiter(booked))["result"], "booked");
     assert_eq!(t.call(json!({"op": "stats"}))["stats"]["lapsed"], 1);
 }
+
+/// The script remembers the numbers it parsed and formatted (from call to call, as a
+/// function library) and starts again past 1024 of them: 1,500 distinct costs, several
+/// times over, pay exactly what they say.
+#[test]
+fn many_distinct_costs_are_each_paid_exactly() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let flags = [&["--redis", url.as_str()][..], &PATIENT].concat();
+    let mut stdio = StdioDaemon::start(&flags);
+    let k = key("costs", Some("k"));
+    let limit = json!({"capacity": 1e9, "refill_per_sec": 0.001});
+    let costs: Vec<f64> = (0..1500).map(|i| 1.0 + i as f64 / 4.0).collect();
+    for round in 0..2 {
+        for chunk in costs.chunks(250) {
+            for (id, cost) in chunk.iter().enumerate() {
+                let mut request = check(&k, limit.clone(), *cost);
+                request["id"] = json!(id);
+                stdio.send_frame(&serde_json::to_vec(&request).unwrap());
+            }
+            for _ in chunk {
+                let answer = stdio.recv_frame().unwrap();
+                assert_eq!(answer["result"], "admitted", "{answer}");
+            }
+        }
+        let paid = borrowed(&mut stdio, &k);
+        let expected = costs.iter().sum::<f64>() * (round + 1) as f64;
+        assert!(
+            (paid - expected).abs() < 0.01,
+            "paid {paid}, expected {expected}"
+        );
+    }
+}

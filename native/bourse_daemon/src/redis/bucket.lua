@@ -59,10 +59,58 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
+-- The running call's time and its text, formatted at most once per call (see `run`).
+local call_now, call_now_text
+
+-- A time (µs) as stored: `fmt`, the call's own time formatted once.
+local function fmt_time(x)
+  if x ~= call_now then
+    return fmt(x)
+  end
+  call_now_text = call_now_text or fmt(x)
+  return call_now_text
+end
+
 -- A whole number of ms or µs as a command argument (Redis would format a Lua number with
 -- %.17g).
 local function int(x)
   return string.format('%d', x)
+end
+
+-- Numbers of few distinct values (counts, definitions, costs, expiries in ms) are parsed
+-- or formatted once, not on every check: inside Redis tonumber costs about 2k instructions
+-- and string.format 3.5k. A function library keeps them from call to call; past
+-- MAX_REMEMBERED values both tables start again.
+local MAX_REMEMBERED = 1024
+local parsed, formatted, remembered = {}, {}, 0
+
+local function remember()
+  if remembered >= MAX_REMEMBERED then
+    parsed, formatted, remembered = {}, {}, 0
+  end
+  remembered = remembered + 1
+end
+
+-- tonumber(text), remembered.
+local function parse(text)
+  local x = parsed[text]
+  if x == nil and text then
+    x = tonumber(text)
+    remember()
+    parsed[text] = x
+  end
+  return x
+end
+
+-- int(x), remembered.
+local function int_text(x)
+  local text = formatted[x]
+  if not text then
+    text = int(x)
+    remember()
+    formatted[x] = text
+  end
+  return text
 end
 
 local function clock()
@@ -102,14 +150,21 @@ end
 
 -- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
 -- the last payment": the bucket refills nothing until the clock passes it again. With a
--- booking id, also that booking's field (or nil), read in the same HMGET.
-local function load(key, now, id)
+-- booking id, also that booking's field (or nil), read in the same HMGET. A definition
+-- stored as the `request`'s arguments spell it is the request's (not parsed again).
+local function load(key, now, id, request)
   local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'w:' .. id)
     or redis.call('HMGET', key, 'c', 'r', 'b', 't')
   if not v[3] then
     return nil, v[5] or nil
   end
-  local bucket = { c = tonumber(v[1]), r = tonumber(v[2]), b = tonumber(v[3]), t = tonumber(v[4]) }
+  local c, r
+  if request and v[1] == request.c_text and v[2] == request.r_text then
+    c, r = request.c, request.r
+  else
+    c, r = tonumber(v[1]), tonumber(v[2])
+  end
+  local bucket = { c = c, r = r, b = tonumber(v[3]), t = tonumber(v[4]) }
   if bucket.t > now then
     bucket.t = now
     bucket.dirty = true
@@ -120,7 +175,7 @@ end
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
 -- changed), a new key's shown fingerprint.
 local function save(key, bucket)
-  local b, t = fmt(bucket.b), fmt(bucket.t)
+  local b, t = fmt(bucket.b), fmt_time(bucket.t)
   local shown = bucket.shown ~= '' and bucket.shown or nil
   bucket.shown = nil
   if bucket.defined then
@@ -230,9 +285,9 @@ local function keep(item, now, delay)
     ttl = math.max(ttl, tonumber(last) - now)
   end
   local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
-  redis.call('PEXPIRE', item.key, int(ms))
+  redis.call('PEXPIRE', item.key, int_text(ms))
   if last then
-    redis.call('PEXPIRE', item.wkey, int(ms))
+    redis.call('PEXPIRE', item.wkey, int_text(ms))
   end
   return ms
 end
@@ -409,8 +464,8 @@ local function checks(now, late)
         answers[j] = 'error ' .. error_text(items)
       end
     end
-    k = k + tonumber(ARGV[a + 1])
-    a = a + 3 + tonumber(ARGV[a + 2])
+    k = k + parse(ARGV[a + 1])
+    a = a + 3 + parse(ARGV[a + 2])
   end
   keep_markers(markers)
   local text = table.concat(answers, '\n')
@@ -420,9 +475,9 @@ end
 
 -- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
 decide = function(now, k, at)
-  local id, max_wait, slack = ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
-  local busy, n = ARGV[at + 4] == '1', tonumber(ARGV[at + 5])
-  local items, began = {}, {}
+  local id = ARGV[at + 1]
+  local busy, n = ARGV[at + 4] == '1', parse(ARGV[at + 5])
+  local items, began = {}, nil
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
   for i = 1, n do
@@ -430,22 +485,26 @@ decide = function(now, k, at)
     local item = {
       key = KEYS[k + 2 * i - 1],
       wkey = KEYS[k + 2 * i],
-      c = tonumber(ARGV[a + 1]),
-      r = tonumber(ARGV[a + 2]),
-      cost = tonumber(ARGV[a + 3]),
+      c_text = ARGV[a + 1],
+      r_text = ARGV[a + 2],
+      c = parse(ARGV[a + 1]),
+      r = parse(ARGV[a + 2]),
+      cost = parse(ARGV[a + 3]),
     }
-    local group = tonumber(ARGV[a + 4])
+    local group = parse(ARGV[a + 4])
     local pauses, marker = KEYS[k + 2 * n + 2 * group - 1], KEYS[k + 2 * n + 2 * group]
     item.marker = marker
-    if busy and not began[group] then
-      began[group] = state_began(marker, now, true)
+    if busy then
+      began = began or {}
+      began[group] = began[group] or state_began(marker, now, true)
     end
-    local bucket, booking = load(item.key, now, id)
+    local bucket, booking = load(item.key, now, id, item)
     if busy and bucket and bucket.c and bucket.t < began[group] then
       empty_since(bucket, began[group])
     end
     if not bucket or not bucket.c then
       -- A new key, or one with only recorded debt, takes this definition now.
+      began = began or {}
       began[group] = began[group] or state_began(marker, now, false)
       local start = initial_tokens(item.c, item.r, now, began[group], busy)
       bucket = {
@@ -475,6 +534,7 @@ decide = function(now, k, at)
     items[i] = item
   end
   if claim_ready then
+    local slack = tonumber(ARGV[at + 3])
     return items, claim(items, id, now, claim_ready, pause_until, slack, lapsed)
   end
   local paused = pause_until > ready and 1 or 0
@@ -487,6 +547,7 @@ decide = function(now, k, at)
     return items, answer('admitted', 0, 0, lapsed)
   end
   local ms = delay_ms(now, ready)
+  local max_wait, slack = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
   if max_wait > 0 and ms <= max_wait then
     for _, item in ipairs(items) do
       pay(item, now, ready)
@@ -679,6 +740,7 @@ local function run(keys, args)
   local deadline = tonumber(ARGV[2]) or 0
   table.remove(ARGV, 2)
   local now = clock()
+  call_now, call_now_text = now, nil
   local late = deadline > 0 and now > deadline
   if op == checks then
     return checks(now, late)

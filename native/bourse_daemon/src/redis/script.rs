@@ -87,6 +87,17 @@ impl Call {
         self
     }
 
+    /// Appends a number: an integral one as its digits, as bucket.lua stores it (so the
+    /// script finds a stored definition equal to the request's without parsing it), any
+    /// other in Rust's shortest form that reads back exactly.
+    pub fn number(&mut self, x: f64) -> &mut Self {
+        if x.fract() == 0.0 && x.abs() < 9.0e15 {
+            self.arg(x as i64)
+        } else {
+            self.arg(x)
+        }
+    }
+
     pub fn key_count(&self) -> usize {
         self.keys.len()
     }

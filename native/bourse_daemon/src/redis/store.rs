@@ -229,9 +229,9 @@ impl Store for RedisStore {
             }
             call.key(names.bucket)
                 .key(names.bookings)
-                .arg(item.limit.capacity())
-                .arg(item.limit.refill_per_sec())
-                .arg(item.cost)
+                .number(item.limit.capacity())
+                .number(item.limit.refill_per_sec())
+                .number(item.cost)
                 .arg(groups.len())
                 .arg(names.credential_pause)
                 .arg(names.key_pause)
