@@ -10,6 +10,7 @@ mod fingerprint;
 mod protocol;
 mod redis;
 mod server;
+mod spin;
 mod stdio;
 mod store;
 

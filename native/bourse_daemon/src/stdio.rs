@@ -1,10 +1,15 @@
 //! `--stdio`: one client (an Erlang port) on stdin/stdout, 4-byte big-endian length-prefixed
-//! frames (JSON, or external terms once the first `hello` chose them). Blocking reads on the main thread: there is only one stream. With the
-//! in-memory table each request is answered before the next is read, and pipelined answers
-//! share a write; with a remote store (Redis) each request runs as a task and its answer is
-//! written as soon as it is ready, so one slow answer holds back no other.
+//! frames (JSON, or external terms once the first `hello` chose them). Blocking reads on
+//! the main thread: there is only one stream. When the input runs out, stdin is polled for
+//! a few microseconds before the thread sleeps, as [`Spin`] decides. With the in-memory
+//! table each request is answered before the next is read, and pipelined answers share a
+//! write; with a remote store (Redis) each request runs as a task and its answer is written
+//! as soon as it is ready, so one slow answer holds back no other.
 
+use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Stdout, Write};
+use std::mem::ManuallyDrop;
+use std::os::fd::FromRawFd;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -13,6 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use crate::protocol::{Service, Session};
+use crate::spin::{Spin, Waited};
 use crate::store::Store;
 
 /// How long a stop waits for the answers of requests still running on a remote store.
@@ -91,10 +97,18 @@ pub fn run<S: Store>(
         sweeper.store().sweep();
     });
 
-    let mut reader = BufReader::with_capacity(64 * 1024, io::stdin().lock());
+    // Read unbuffered by std, so that nothing sits in a buffer `poll` cannot see; never
+    // closed (ManuallyDrop): fd 0 belongs to the process.
+    // SAFETY: fd 0 is open for the life of the process, and read only here.
+    let stdin = ManuallyDrop::new(unsafe { File::from_raw_fd(libc::STDIN_FILENO) });
+    let mut reader = BufReader::with_capacity(64 * 1024, &*stdin);
     let mut frame = Vec::new();
     let mut out = Vec::with_capacity(256);
+    let mut spin = Spin::default();
     loop {
+        if reader.buffer().is_empty() {
+            await_input(&mut spin);
+        }
         let found = read_frame(&mut reader, &mut frame, max_frame_bytes);
         let number = shared.session.next_frame();
         out.clear();
@@ -165,6 +179,40 @@ fn spawn<S: Store>(shared: &Arc<Shared<S>>, runtime: &Runtime, number: u64, fram
         let _ = shared.send(&mut out, true);
         shared.running.fetch_sub(1, Ordering::SeqCst);
     });
+}
+
+/// Returns once stdin has input (or its end): polls it for the budget `spin` gives, giving
+/// way to any thread waiting for this CPU between polls, then sleeps in `poll`; tells
+/// `spin` how it went.
+fn await_input(spin: &mut Spin) {
+    let start = Instant::now();
+    let budget = spin.budget(start);
+    let mut polled = Duration::ZERO;
+    while polled < budget {
+        if stdin_ready(0) {
+            let now = Instant::now();
+            return spin.waited(Waited::Caught(now - start), now);
+        }
+        // SAFETY: sched_yield takes no arguments and touches no memory.
+        unsafe { libc::sched_yield() };
+        polled = start.elapsed();
+    }
+    // Interrupted by a signal, it returns early; the read then blocks in its place.
+    stdin_ready(-1);
+    let now = Instant::now();
+    let total = now - start;
+    spin.waited(Waited::Slept { polled, total }, now);
+}
+
+/// Whether stdin has input, or has closed, within `timeout_ms` (-1: however long it takes).
+fn stdin_ready(timeout_ms: libc::c_int) -> bool {
+    let mut fd = libc::pollfd {
+        fd: libc::STDIN_FILENO,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll reads and writes only the one pollfd it is given.
+    unsafe { libc::poll(&mut fd, 1, timeout_ms) > 0 }
 }
 
 /// Reads one length-prefixed frame into `frame`.

@@ -224,3 +224,13 @@ fn sigint_stops_a_server_too() {
     common::signal(&server.child, "INT");
     assert!(common::wait_exit(&mut server.child).success());
 }
+
+#[test]
+fn an_idle_connection_uses_no_cpu() {
+    let path = common::temp_path("idle.sock");
+    let server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+    let ticks = common::idle_cpu_ticks(&mut client, server.child.id());
+    // Generous: the sweeper's wake-ups and a loaded machine's noise are far below this.
+    assert!(ticks <= 10, "{ticks} ticks of CPU in an idle second");
+}

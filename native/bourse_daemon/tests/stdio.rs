@@ -97,3 +97,12 @@ fn sigterm_exits_zero_and_sigint_is_ignored() {
     common::signal(&daemon.child, "TERM");
     assert!(common::wait_exit(&mut daemon.child).success());
 }
+
+#[test]
+fn an_idle_port_uses_no_cpu() {
+    let mut daemon = StdioDaemon::start(&[]);
+    let pid = daemon.child.id();
+    let ticks = common::idle_cpu_ticks(&mut daemon, pid);
+    // Generous: the sweeper's wake-ups and a loaded machine's noise are far below this.
+    assert!(ticks <= 10, "{ticks} ticks of CPU in an idle second");
+}

@@ -65,6 +65,35 @@ pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
     }
 }
 
+/// The CPU time (user and system) process `pid` used so far, in clock ticks (Linux `/proc`).
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // The fields after the command name, which is in parentheses.
+    let fields: Vec<&str> = stat
+        .rsplit_once(") ")
+        .expect("a stat line")
+        .1
+        .split(' ')
+        .collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+/// After a conversation of one request at a time on `t` (what makes a daemon poll for
+/// the next request), the CPU ticks process `pid` uses in one idle second: a daemon that
+/// keeps polling an idle connection uses about 100 (a tick is 10 ms).
+pub fn idle_cpu_ticks(t: &mut impl Transport, pid: u32) -> u64 {
+    let limit = json!({"capacity": 1.0e9, "refill_per_sec": 1.0e9});
+    for _ in 0..2000 {
+        assert_eq!(
+            t.call(check(&key("idle", None), limit.clone(), 1.0))["ok"],
+            true
+        );
+    }
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    cpu_ticks(pid) - before
+}
+
 /// Anything that answers one request at a time.
 pub trait Transport {
     /// Sends one frame holding `payload` as is and reads its answer.
