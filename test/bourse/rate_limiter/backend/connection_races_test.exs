@@ -195,6 +195,55 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
     end
   end
 
+  describe "frames handed to the connection behind a full socket" do
+    @tag timeout: 120_000
+    test "a stopped daemon, megabytes queued and callers handing frames over: after it resumes every answer is its caller's" do
+      socket = Path.join(System.tmp_dir!(), "races-#{System.unique_integer([:positive])}.sock")
+      daemon = start_daemon(["--socket", socket, "--max-frame-bytes", "4194304"])
+      name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 10_000})
+      eventually(fn -> RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name) == :ok end)
+      DaemonServer.signal(daemon, "STOP")
+      limit = %{capacity: 3, refill_per_sec: 0.001}
+
+      # Two floods fill the socket's queue; the callers behind them hand their frames to the
+      # connection, which finds the socket busy and tries again until it takes them.
+      flooders = for _ <- 1..2, do: flood(name, %{capacity: 10, refill_per_sec: 1})
+      eventually(fn -> routes(handle(name)) == 2 end)
+
+      callers =
+        for i <- 1..16 do
+          Task.async(fn -> RateLimiter.check_rate({"ex", "behind-#{i}"}, limit, 1, name) end)
+        end
+
+      Process.sleep(500)
+      DaemonServer.signal(daemon, "CONT")
+
+      for flooded <- Task.await_many(flooders, 30_000),
+          do: assert(flooded == :ok or unavailable?(flooded), inspect(flooded))
+
+      # Written once the daemon read the flood, well within their timeout.
+      assert Task.await_many(callers, 30_000) == List.duplicate(:ok, 16)
+
+      # Nothing of a frame was lost or interleaved: each caller's bucket counts its own
+      # checks (a reconnection, had the socket closed, starts none afresh).
+      eventually(fn -> RateLimiter.check_rate({"ex", "after"}, @wide, 1, name) == :ok end)
+
+      checks =
+        for i <- 1..16 do
+          Task.async(fn ->
+            key = {"ex", "own-#{i}"}
+            for _ <- 1..4, do: RateLimiter.check_rate(key, limit, 1, name)
+          end)
+        end
+
+      for answers <- Task.await_many(checks, 30_000) do
+        assert [:ok, :ok, :ok, {:delay, _}] = answers
+      end
+
+      eventually(fn -> routes(handle(name)) == 0 end)
+    end
+  end
+
   defp check(key, limit, name, stop_at),
     do: now_ms() < stop_at && RateLimiter.check_rate(key, limit, 1, name)
 
