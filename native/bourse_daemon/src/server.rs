@@ -1,8 +1,10 @@
 //! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON, or
 //! length-prefixed external terms once a connection's first `hello` chose them.
-//! Each connection is one task. Unix sockets are created owner-only (or owner and group);
-//! TCP clients prove the shared secret before anything but `hello` is served. Connections
-//! are bounded in number, and closed when idle.
+//! Each connection is one task; when its input runs out and it is the only connection, it
+//! polls the socket for a few microseconds before it sleeps, as [`Spin`] decides. Unix
+//! sockets are created owner-only (or owner and group); TCP clients prove the shared
+//! secret before anything but `hello` is served. Connections are bounded in number, and
+//! closed when idle.
 
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
@@ -12,11 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::protocol::{Codec, Service, Session};
+use crate::spin::{Spin, Waited};
 use crate::store::Store;
 
 /// How long shutdown waits for connections to finish the lines they had received.
@@ -214,7 +217,7 @@ impl Listener {
 /// of [`Unproved`]. Past the limit a connection is told so and closed.
 fn spawn<T, S>(stream: T, context: &Context<S>, prove: bool)
 where
-    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: TryRead + AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Store,
 {
     if prove {
@@ -316,6 +319,11 @@ impl Unproved {
         entry
     }
 
+    fn is_empty(&self) -> bool {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.is_empty()
+    }
+
     fn leave(&self, entry: &Arc<Evictable>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         waiting.retain(|other| !Arc::ptr_eq(other, entry));
@@ -342,7 +350,7 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
 /// its timeout, or the daemon shuts down (then the lines already received are answered
 /// first). With the in-memory table lines are answered in order; with a remote store each
 /// runs as a task and its answer is written as soon as it is ready.
-async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
+async fn serve<T: TryRead + AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     mut context: Context<S>,
     mut slot: Slot,
@@ -355,6 +363,7 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     let mut out = Vec::with_capacity(4096);
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
+    let mut spin = Spin::default();
     let opened = Instant::now();
     let mut active = opened;
     let mut closing = false;
@@ -460,31 +469,52 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            read = input.fill(&mut stream), if !closing && running < MAX_RUNNING => match read {
-                Ok(0) => {
-                    if input.has_partial() {
-                        let number = session.next_frame();
-                        let start = out.len();
-                        service.truncated_frame(&session, &mut out, number);
-                        framed(&mut out, start, session.codec());
+        // Polled first only while nothing else can happen: no answer of a remote store is
+        // awaited, and no other connection is served.
+        let waiting = Instant::now();
+        let alone = context.connections.available_permits() + 1 >= context.limits.max_connections
+            && context.unproved.is_empty();
+        let polled = match running == 0 && !closing && alone {
+            true => poll_input(&stream, &mut input, &mut spin).map_err(Some),
+            false => Err(None),
+        };
+        let read = match polled {
+            Ok(read) => read,
+            Err(polled) => tokio::select! {
+                read = input.fill(&mut stream), if !closing && running < MAX_RUNNING => {
+                    if let Some(polled) = polled {
+                        let now = Instant::now();
+                        let total = now - waiting;
+                        spin.waited(Waited::Slept { polled, total }, now);
                     }
-                    closing = true;
+                    read
                 }
-                Ok(_) => active = Instant::now(),
-                Err(_) => return,
-            },
-            Some(answer) = answers.recv(), if running > 0 => {
-                running -= 1;
-                out.extend_from_slice(&answer);
-                while let Ok(answer) = answers.try_recv() {
+                Some(answer) = answers.recv(), if running > 0 => {
                     running -= 1;
                     out.extend_from_slice(&answer);
+                    while let Ok(answer) = answers.try_recv() {
+                        running -= 1;
+                        out.extend_from_slice(&answer);
+                    }
+                    continue;
                 }
+                _ = context.shutdown.changed(), if !closing => continue,
+                () = expired, if running == 0 && !closing => break,
+                () = evicted, if running == 0 && !closing => break,
+            },
+        };
+        match read {
+            Ok(0) => {
+                if input.has_partial() {
+                    let number = session.next_frame();
+                    let start = out.len();
+                    service.truncated_frame(&session, &mut out, number);
+                    framed(&mut out, start, session.codec());
+                }
+                closing = true;
             }
-            _ = context.shutdown.changed(), if !closing => {}
-            () = expired, if running == 0 && !closing => break,
-            () = evicted, if running == 0 && !closing => break,
+            Ok(_) => active = Instant::now(),
+            Err(_) => return,
         }
     }
     if let Slot::Unproved(entry) = &slot {
@@ -493,6 +523,51 @@ async fn serve<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     let _ = stream.shutdown().await;
     if *context.shutdown.borrow() {
         linger(&mut stream, Duration::from_millis(100)).await;
+    }
+}
+
+/// Polls `stream` for the budget `spin` gives, giving way to any thread waiting for this
+/// CPU between polls (not to other tasks: it holds its worker thread for the budget, at
+/// most [`crate::spin::MAX_SPIN`]): the read's result if input (or an error) came in time,
+/// else how long it polled.
+fn poll_input<T: TryRead>(
+    stream: &T,
+    input: &mut Frames,
+    spin: &mut Spin,
+) -> Result<io::Result<usize>, Duration> {
+    let start = Instant::now();
+    let budget = spin.budget(start);
+    let mut polled = Duration::ZERO;
+    while polled < budget {
+        match input.try_fill(stream) {
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+            read => {
+                let now = Instant::now();
+                spin.waited(Waited::Caught(now - start), now);
+                return Ok(read);
+            }
+        }
+        std::thread::yield_now();
+        polled = start.elapsed();
+    }
+    Err(polled)
+}
+
+/// A stream that can be read without waiting.
+pub trait TryRead {
+    /// Appends what can be read now to `buf`; `WouldBlock` if nothing can.
+    fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize>;
+}
+
+impl TryRead for TcpStream {
+    fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        TcpStream::try_read_buf(self, buf)
+    }
+}
+
+impl TryRead for UnixStream {
+    fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        UnixStream::try_read_buf(self, buf)
     }
 }
 
@@ -628,13 +703,24 @@ impl Frames {
 
     /// Reads more input after the unanswered bytes. Cancel-safe.
     async fn fill<R: AsyncRead + Unpin>(&mut self, reader: &mut R) -> io::Result<usize> {
+        self.make_room();
+        reader.read_buf(&mut self.buf).await
+    }
+
+    /// Reads what input there is now after the unanswered bytes, without waiting.
+    fn try_fill<R: TryRead>(&mut self, reader: &R) -> io::Result<usize> {
+        self.make_room();
+        reader.try_read_buf(&mut self.buf)
+    }
+
+    /// Drops the answered bytes; leaves room to read more.
+    fn make_room(&mut self) {
         if self.start > 0 {
             self.buf.drain(..self.start);
             self.scanned -= self.start;
             self.start = 0;
         }
         self.buf.reserve(16 * 1024);
-        reader.read_buf(&mut self.buf).await
     }
 
     /// Whether a frame was begun but not ended.
