@@ -454,3 +454,46 @@ fn pipelined_checks_of_many_exchanges_are_grouped_by_slot() {
         assert!((paid - 3.0).abs() < 0.01, "slot-{e}: paid {paid}");
     }
 }
+
+/// The function library is loaded on every master (its replicas get it by replication),
+/// and loaded again when the masters lost it (`FUNCTION FLUSH`, as after restarts without
+/// persistence): checks of exchanges spread over every master are admitted before and
+/// after, and every master then holds the library.
+#[test]
+fn the_function_library_is_loaded_again_on_every_master() {
+    let Some(cluster) = Cluster::start(2000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "10000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let keys: Vec<_> = (0..16)
+        .map(|i| key(&format!("exchange{i}"), Some("k")))
+        .collect();
+    let masters: Vec<u16> = cluster
+        .topology()
+        .expect("a live node")
+        .into_iter()
+        .filter(|n| n.master && !n.failed && !n.slots.is_empty())
+        .map(|n| n.port)
+        .collect();
+    assert_eq!(masters.len(), 3);
+    for round in 0..2 {
+        for k in &keys {
+            let answer = t.call(check(k, limit.clone(), 1.0));
+            assert_eq!(answer["result"], "admitted", "round {round}: {answer}");
+        }
+        for &port in &masters {
+            let libraries: Vec<::redis::Value> = cluster
+                .query(port, ::redis::cmd("FUNCTION").arg("LIST"))
+                .expect("FUNCTION LIST");
+            assert_eq!(libraries.len(), 1, "master {port}: {libraries:?}");
+            let _: () = cluster
+                .query(port, ::redis::cmd("FUNCTION").arg("FLUSH"))
+                .expect("FUNCTION FLUSH");
+        }
+    }
+    for k in &keys {
+        assert!((borrowed(&mut t, k) - 2.0).abs() < 0.01);
+    }
+}
