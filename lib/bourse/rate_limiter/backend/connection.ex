@@ -424,8 +424,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_info(message, %{stream: stream} = state) when stream != nil do
     case state.transport.received(message, stream) do
       {:data, data} ->
-        {answers, partial} = state.transport.answers(state.partial, data)
-        incoming(answers, %{state | partial: partial})
+        case state.transport.answers(state.partial, data) do
+          {:error, answers, reason} -> incoming_then_broken(answers, state, reason)
+          {answers, partial} -> incoming(answers, %{state | partial: partial})
+        end
 
       {:down, reason} ->
         {:noreply, reconnect(broken(state, reason))}
@@ -473,6 +475,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp orphaned(state) do
     timer = Process.send_after(self(), :orphaned, @orphan_grace_ms)
     %{state | limiter: nil, orphan_timer: timer}
+  end
+
+  # The answers before something that is no answer, then the stream is broken (unless one
+  # of them broke it already).
+  defp incoming_then_broken(answers, %{stream: stream} = state, reason) do
+    case incoming(answers, state) do
+      {:noreply, %{stream: ^stream} = state} -> {:noreply, reopen_later(broken(state, reason))}
+      already_broken -> already_broken
+    end
   end
 
   defp incoming([], state), do: {:noreply, state}

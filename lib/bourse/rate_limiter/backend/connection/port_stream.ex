@@ -12,6 +12,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   alias Bourse.RateLimiter.Backend.Connection
 
   @handshake_timeout 5_000
+  # The largest answer read: the largest request any daemon accepts (--max-frame-bytes).
+  @max_answer_bytes 64 * 1024 * 1024
 
   @impl true
   def open({:port, executable, args}, settings) do
@@ -49,6 +51,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
         case answers(partial, data) do
           {[frame | _], _rest} -> Connection.hello(frame)
           {[], partial} -> hello(port, partial)
+          {:error, _frames, reason} -> {:error, reason}
         end
 
       {^port, {:exit_status, status}} ->
@@ -97,10 +100,17 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def no_partial, do: <<>>
 
   # Each complete frame in what is left of the previous data and the new data (sub-binaries
-  # of them, copied by no one), and what is left.
+  # of them, copied by no one), and what is left; or, past a header announcing more than
+  # @max_answer_bytes (no daemon writes such an answer), the frames before it and why the
+  # stream is broken: what follows is not buffered.
   @impl true
   def answers(<<>>, data), do: split(data, [])
   def answers(partial, data), do: split(partial <> data, [])
+
+  defp split(<<size::32, _::binary>>, frames) when size > @max_answer_bytes,
+    do:
+      {:error, Enum.reverse(frames),
+       "the daemon announced an answer of #{size} bytes (at most #{@max_answer_bytes} are read)"}
 
   defp split(<<size::32, frame::binary-size(size), rest::binary>>, frames),
     do: split(rest, [frame | frames])

@@ -40,8 +40,12 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @doc "What is left of an answer not complete yet, before any data."
   @callback no_partial() :: term()
 
-  @doc "The complete answers in `partial` and `data`, and what is left."
-  @callback answers(partial :: term(), data :: binary()) :: {[binary()], term()}
+  @doc """
+  The complete answers in `partial` and `data`, and what is left; or the complete answers
+  and why the rest cannot be an answer (the stream is then broken).
+  """
+  @callback answers(partial :: term(), data :: binary()) ::
+              {[binary()], term()} | {:error, [binary()], String.t()}
 
   @doc "Whether a broken stream is reopened at once (a port) or after a backoff."
   @callback reopen() :: :at_once | :after_backoff

@@ -1,0 +1,75 @@
+defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
+  # A connection to something on the daemon's Unix socket that is no bourse_daemon once the
+  # hello is done: what it sends must not make the VM buffer without bound.
+  use ExUnit.Case, async: true
+
+  @moduletag :capture_log
+
+  alias Bourse.Error
+  alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.Connection.PortStream
+
+  @largest 64 * 1024 * 1024
+
+  @check %{
+    op: "check",
+    key: %{exchange: "x", credential: nil, axis: "k"},
+    limit: %{"capacity" => 1, "refill_per_sec" => 1},
+    cost: 1
+  }
+
+  # Answers the hello as a daemon does, then, to the first request, a frame header of
+  # `size` bytes followed by `chunks` MiB of filler.
+  defp fake_daemon(size, chunks) do
+    path = Path.join(System.tmp_dir!(), "bourse-fake-#{System.unique_integer([:positive])}.sock")
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
+    on_exit(fn -> File.rm(path) end)
+
+    Task.start_link(fn ->
+      {:ok, socket} = :gen_tcp.accept(listener)
+      {:ok, _line} = :gen_tcp.recv(socket, 0)
+
+      hello =
+        :erlang.term_to_binary(%{
+          "id" => 0,
+          "ok" => true,
+          "protocol" => 1,
+          "max_frame_bytes" => 65_536,
+          "auth" => nil,
+          "clock_us" => System.monotonic_time(:microsecond)
+        })
+
+      :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
+      {:ok, _request} = :gen_tcp.recv(socket, 0)
+      filler = :binary.copy(<<0>>, 1024 * 1024)
+      :gen_tcp.send(socket, <<size::32>>)
+      Enum.reduce_while(1..chunks, :ok, fn _, :ok -> {:cont, :gen_tcp.send(socket, filler)} end)
+      Process.sleep(:infinity)
+    end)
+
+    path
+  end
+
+  test "an answer announced as 4 GiB breaks the stream at once instead of being buffered" do
+    path = fake_daemon(0xFFFFFFFF, 256)
+    {:ok, handle} = Connection.attach(nil, {:socket, {:unix, path}}, timeout: 10_000)
+
+    assert {:error, %Error{type: :unavailable, message: message}} =
+             Connection.request(handle, @check)
+
+    assert message =~ "an answer of 4294967295 bytes"
+    {:binary, held} = Process.info(handle.pid, :binary)
+    assert Enum.sum(for {_, size, _} <- held, do: size) < 64 * 1024 * 1024
+  end
+
+  test "the answers before a header past the bound are kept, what follows it is not" do
+    data = <<3::32, "abc", 0xFFFFFFFF::32, 0, 0>>
+
+    assert {:error, ["abc"], "the daemon announced an answer of 4294967295 bytes" <> _} =
+             PortStream.answers(PortStream.no_partial(), data)
+
+    # 64 MiB: the largest answer read, waited for.
+    assert {["abc"], <<@largest::32>>} =
+             PortStream.answers(PortStream.no_partial(), <<3::32, "abc", @largest::32>>)
+  end
+end
