@@ -1263,13 +1263,28 @@ fn the_function_library_is_loaded_again_whenever_lost() {
 
 /// A Redis without functions runs the script with `EVALSHA` (loaded again on `NOSCRIPT`):
 /// Redis before 7.0 has neither `FCALL` nor `FUNCTION`; here one or the other is renamed
-/// away, as an administrator may do.
+/// away or denied to the daemon's user, as an administrator may do.
 #[test]
 fn without_functions_the_script_runs_as_evalsha() {
-    for missing in ["FCALL", "FUNCTION"] {
-        let Some(redis) = Redis::start_with(&["--rename-command", missing, ""]) else {
+    let ways = [
+        ("FCALL", "renamed"),
+        ("FUNCTION", "renamed"),
+        ("FCALL", "denied"),
+        ("FUNCTION", "denied"),
+    ];
+    for (command, way) in ways {
+        let missing = format!("{command} {way}");
+        let options = match way {
+            "renamed" => vec!["--rename-command", command, ""],
+            _ => vec![],
+        };
+        let Some(redis) = Redis::start_with(&options) else {
             return;
         };
+        if way == "denied" {
+            let rule = format!("-{}", command.to_lowercase());
+            let _: () = redis.query(::redis::cmd("ACL").arg("SETUSER").arg("default").arg(rule));
+        }
         let server = daemon(&redis, &[]);
         let mut t = server.connect();
         let k = key("nofn", Some("k"));
