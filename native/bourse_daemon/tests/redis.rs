@@ -1495,3 +1495,67 @@ fn many_distinct_costs_are_each_paid_exactly() {
         );
     }
 }
+
+/// The library and the script flushed again and again (`FUNCTION FLUSH`, `SCRIPT FLUSH`)
+/// while two daemons' pipelined checks flow: every check is answered once, under its own
+/// id, each admitted check is paid once and nothing else is paid (a call that found the
+/// function missing did not run; sent again after the reload, it runs once).
+#[test]
+fn checks_under_load_survive_the_library_flushed_again_and_again() {
+    let Some(redis) = Redis::start() else { return };
+    if major_version(&redis) < 7 {
+        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+        return;
+    }
+    let daemons: Vec<Server> = (0..2).map(|_| daemon(&redis, &[])).collect();
+    let k = key("flush", Some("k"));
+    let limit = json!({"capacity": 150, "refill_per_sec": 0.001});
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (admitted, flushes) = thread::scope(|scope| {
+        let flusher = scope.spawn(|| {
+            let mut flushes = 0;
+            let mut connection = redis.connection().expect("connect to redis");
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                for flush in ["FUNCTION", "SCRIPT"] {
+                    let _: () = ::redis::cmd(flush)
+                        .arg("FLUSH")
+                        .query(&mut connection)
+                        .unwrap();
+                    flushes += 1;
+                }
+                sleep_ms(1);
+            }
+            flushes
+        });
+        let workers: Vec<_> = daemons
+            .iter()
+            .flat_map(|server| [server, server])
+            .map(|server| {
+                let (k, limit) = (&k, &limit);
+                scope.spawn(move || {
+                    let mut t = server.connect();
+                    let mut admitted = 0;
+                    for _ in 0..4 {
+                        for (answer, _) in burst(25, k, limit, &mut t) {
+                            match load::classify(&answer) {
+                                "admitted" => admitted += 1,
+                                kind => assert_eq!(kind, "delay", "{answer}"),
+                            }
+                        }
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        let admitted: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (admitted, flusher.join().unwrap())
+    });
+    let loads = calls_of(&redis, "function|load") + calls_of(&redis, "script|load");
+    eprintln!("400 checks, {admitted} admitted, {flushes} flushes, {loads} loads meanwhile");
+    // The daemons found what they call missing, more than once.
+    assert!(loads > 2, "{loads} loads");
+    assert_eq!(admitted, 150);
+    let mut t = daemons[0].connect();
+    assert!((borrowed(&mut t, &k) - 150.0).abs() < 0.01);
+}
