@@ -102,8 +102,16 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   # Each complete frame in what is left of the previous data and the new data (sub-binaries
   # of them, copied by no one), and what is left; or, past a header announcing more than
   # @max_answer_bytes (no daemon writes such an answer), the frames before it and why the
-  # stream is broken: what follows is not buffered.
+  # stream is broken: what follows is not buffered. What is left of a frame begun is kept as
+  # its chunks (`{bytes wanted, bytes held, chunks newest first}`), joined once it is whole:
+  # joining at every read would copy a frame of n reads n times.
   @impl true
+  def answers({wanted, held, chunks}, data) when held + byte_size(data) < wanted,
+    do: {[], {wanted, held + byte_size(data), [data | chunks]}}
+
+  def answers({_wanted, _held, chunks}, data),
+    do: split(IO.iodata_to_binary(Enum.reverse(chunks, [data])), [])
+
   def answers(<<>>, data), do: split(data, [])
   def answers(partial, data), do: split(partial <> data, [])
 
@@ -114,6 +122,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
 
   defp split(<<size::32, frame::binary-size(size), rest::binary>>, frames),
     do: split(rest, [frame | frames])
+
+  defp split(<<size::32, _::binary>> = begun, frames),
+    do: {Enum.reverse(frames), {size + 4, byte_size(begun), [begun]}}
 
   defp split(rest, frames), do: {Enum.reverse(frames), rest}
 
