@@ -234,3 +234,39 @@ fn an_idle_connection_uses_no_cpu() {
     // Generous: the sweeper's wake-ups and a loaded machine's noise are far below this.
     assert!(ticks <= 10, "{ticks} ticks of CPU in an idle second");
 }
+
+/// A lone connection in conversation (so that it polls its socket before it sleeps) gets
+/// requests one byte at a time, then one cut short by its half-close: each whole request is
+/// answered once, the cut one is told it ended mid-frame, and the connection then ends;
+/// the daemon still stops at SIGTERM.
+#[test]
+fn a_polled_connection_reads_requests_byte_by_byte_and_its_end_mid_frame() {
+    let path = common::temp_path("bytes.sock");
+    let mut server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+    for id in 0..200 {
+        assert_eq!(client.call(json!({"op": "hello", "id": id}))["id"], id);
+    }
+    for id in 200..203 {
+        for byte in format!("{{\"op\":\"hello\",\"id\":{id}}}\n").bytes() {
+            client.send_raw(&[byte]);
+            thread::sleep(std::time::Duration::from_micros(30));
+        }
+        assert_eq!(client.recv()["id"], id);
+    }
+    for byte in br#"{"op":"record","key":{"exchange":"p","credential":null}"# {
+        client.send_raw(&[*byte]);
+    }
+    client.stream.close_write();
+    let answer = client.recv();
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("middle of a frame"));
+    assert!(client.recv_line().is_none());
+    let mut other = LineClient::new(UnixStream::connect(&path).unwrap());
+    let borrowed = other.call(json!({"op": "get_cost", "key": key("p", None)}));
+    assert_eq!(borrowed["borrowed"], 0.0);
+    common::signal(&server.child, "TERM");
+    assert!(common::wait_exit(&mut server.child).success());
+}
