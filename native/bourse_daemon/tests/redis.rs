@@ -1559,3 +1559,56 @@ fn checks_under_load_survive_the_library_flushed_again_and_again() {
     let mut t = daemons[0].connect();
     assert!((borrowed(&mut t, &k) - 150.0).abs() < 0.01);
 }
+
+/// Checks of one exchange sharing a script call, each held by its own pauses: two
+/// credentials paused for different times, a key paused beside an axis of the same
+/// credential that is not, and a credential without pause. Each is told its own wait,
+/// whether the call read the pauses hash whole or (past 64 pauses) by field.
+#[test]
+fn checks_sharing_a_call_are_each_held_by_their_own_pauses() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    for others in [0, 70] {
+        let exchange = format!("own{others}");
+        let target = |credential: &str, axis: Option<&str>| match axis {
+            Some(axis) => json!({"exchange": exchange, "credential": credential, "axis": axis}),
+            None => json!({"exchange": exchange, "credential": credential}),
+        };
+        let pause = |t: &mut LineClient<TcpStream>, target: Value, ms: u64| {
+            let answer = t.call(json!({"op": "pause", "target": target, "ms": ms}));
+            assert_eq!(answer["ok"], true, "{answer}");
+        };
+        for i in 0..others {
+            pause(&mut t, target(&format!("other{i}"), None), 600_000);
+        }
+        pause(&mut t, target("a", None), 60_000);
+        pause(&mut t, target("b", None), 30_000);
+        pause(&mut t, target("d", Some("held")), 45_000);
+        let keyed = |credential: &str, axis: &str| json!({"exchange": exchange, "credential": credential, "axis": axis});
+        let keys = [
+            keyed("a", "x"),
+            keyed("b", "x"),
+            keyed("c", "x"),
+            keyed("d", "held"),
+            keyed("d", "free"),
+        ];
+        let checks = keys.iter().map(|k| check(k, limit.clone(), 1.0));
+        let mut answers = pipelined_while_stopped(&redis, &mut t, checks, WhileStopped::Waiting);
+        answers.sort_by_key(|answer| answer["id"].as_u64());
+        let waits: Vec<Option<u64>> = answers
+            .iter()
+            .map(|answer| (answer["result"] == "delay").then(|| ms(answer)))
+            .collect();
+        let about = |wait: Option<u64>, exact: u64| {
+            wait.is_some_and(|wait| wait <= exact && wait + 10_000 > exact)
+        };
+        let what = format!("{others} other pauses: {answers:?}");
+        assert!(about(waits[0], 60_000), "{what}");
+        assert!(about(waits[1], 30_000), "{what}");
+        assert_eq!(answers[2]["result"], "admitted", "{what}");
+        assert!(about(waits[3], 45_000), "{what}");
+        assert_eq!(answers[4]["result"], "admitted", "{what}");
+    }
+}
