@@ -1612,3 +1612,54 @@ fn checks_sharing_a_call_are_each_held_by_their_own_pauses() {
         assert_eq!(answers[4]["result"], "admitted", "{what}");
     }
 }
+
+/// More credentials than a daemon keeps fingerprints of (4096), cycling through two daemons
+/// sharing one Redis, between checks of one hot credential: its fingerprint, computed again
+/// after each eviction, names the same bucket, which admits its capacity and no more.
+#[test]
+fn a_credential_keeps_its_bucket_while_the_fingerprint_cache_churns() {
+    let Some(redis) = Redis::start() else { return };
+    let daemons: Vec<Server> = (0..2).map(|_| daemon(&redis, &[])).collect();
+    let mut clients: Vec<_> = daemons.iter().map(Server::connect).collect();
+    let hot = key("churn", Some("hot"));
+    let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let mut admitted = 0;
+    for round in 0..6 {
+        for (n, t) in clients.iter_mut().enumerate() {
+            let cold = (0..1500).map(|i| {
+                let mut request = check(
+                    &key("churn", Some(&format!("cold{round}-{n}-{i}"))),
+                    limit.clone(),
+                    1.0,
+                );
+                request["id"] = json!(i);
+                request
+            });
+            let mut batch = String::new();
+            for request in cold {
+                batch.push_str(&request.to_string());
+                batch.push('\n');
+            }
+            t.send_raw(batch.as_bytes());
+            for _ in 0..1500 {
+                assert_eq!(t.recv()["result"], "admitted");
+            }
+            for _ in 0..2 {
+                if t.call(check(&hot, limit.clone(), 1.0))["result"] == "admitted" {
+                    admitted += 1;
+                }
+            }
+        }
+    }
+    // 6 rounds x 2 daemons x 2 checks, past 4096 credentials on each daemon.
+    assert_eq!(admitted, 10);
+    assert!((borrowed(&mut clients[0], &hot) - 10.0).abs() < 0.01);
+    assert!((borrowed(&mut clients[1], &hot) - 10.0).abs() < 0.01);
+    // Only fingerprints name them in Redis.
+    for credential in ["*hot*", "*cold*"] {
+        let named: Vec<String> = redis.query(::redis::cmd("KEYS").arg(credential));
+        assert!(named.is_empty(), "{named:?}");
+    }
+    let keys: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*churn*"));
+    assert!(keys.len() > 2 * 6 * 1500, "{} keys", keys.len());
+}
