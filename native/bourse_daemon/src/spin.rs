@@ -6,9 +6,9 @@
 //! the daemon polls for it instead. Polling pays only then: [`Spin`] polls for about twice
 //! the recent gap between an answer and the next request, never more than [`MAX_SPIN`],
 //! not at all when the peer is idle or slower than that, and not for a while after a poll
-//! overran its budget: the loop gives way to other threads (or tasks) between polls, so an
-//! overrun means they needed the CPU. An idle connection is never polled: polling only
-//! follows an answer.
+//! overran its budget: the loop gives way to other threads between polls (`sched_yield`),
+//! so an overrun means one of them needed the CPU. An idle connection is never polled:
+//! polling only follows an answer.
 //!
 //! The policy decides from what it is told (the time, how each wait went); the loop obeys
 //! [`Spin::budget`].
