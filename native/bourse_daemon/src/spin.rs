@@ -21,6 +21,9 @@ pub const MAX_SPIN: Duration = Duration::from_micros(50);
 const MIN_SPIN: Duration = Duration::from_micros(5);
 /// A poll that ends this much later than its budget lost the CPU to another thread.
 const OVERRUN: Duration = Duration::from_micros(20);
+/// Longest polls in a row that may find nothing before polling is held off: a peer whose
+/// gaps are mostly shorter than [`MAX_SPIN`] misses now and then.
+const MAX_MISSES: u32 = 3;
 /// A request that arrives within this of the previous answer, though the thread slept,
 /// shows a peer in conversation: polling may catch the next one.
 const CONVERSATION: Duration = Duration::from_micros(200);
@@ -46,6 +49,8 @@ pub struct Spin {
     budget: Duration,
     /// Moving average of the gaps polling caught.
     gap: Option<Duration>,
+    /// Longest polls that found nothing since the last one that did.
+    misses: u32,
     /// No polling before this.
     held_until: Option<Instant>,
     /// The next hold's length.
@@ -57,6 +62,7 @@ impl Default for Spin {
         Self {
             budget: Duration::ZERO,
             gap: None,
+            misses: 0,
             held_until: None,
             hold: BASE_HOLD,
         }
@@ -91,10 +97,17 @@ impl Spin {
                 let average = self.gap.map_or(gap, |old| (old * 3 + gap) / 4);
                 self.gap = Some(average);
                 self.budget = (average * 2).clamp(MIN_SPIN, MAX_SPIN);
+                self.misses = 0;
                 self.hold = BASE_HOLD;
             }
-            // Even the longest poll was too short: the peer is slower than polling can wait.
-            Waited::Slept { .. } if self.budget >= MAX_SPIN => self.hold_off(now),
+            // The longest poll was too short, [`MAX_MISSES`] times in a row: the peer is
+            // slower than polling can wait.
+            Waited::Slept { .. } if self.budget >= MAX_SPIN => {
+                self.misses += 1;
+                if self.misses >= MAX_MISSES {
+                    self.hold_off(now);
+                }
+            }
             Waited::Slept { total, .. } if total <= CONVERSATION => {
                 self.budget = (self.budget * 2).clamp(MIN_SPIN, MAX_SPIN);
             }
@@ -109,6 +122,7 @@ impl Spin {
     fn hold_off(&mut self, now: Instant) {
         self.budget = Duration::ZERO;
         self.gap = None;
+        self.misses = 0;
         self.held_until = Some(now + self.hold);
         self.hold = (self.hold * 2).min(MAX_HOLD);
     }
@@ -193,6 +207,10 @@ mod tests {
     fn a_peer_slower_than_the_longest_poll_stops_polling_for_a_doubling_hold() {
         let now = Instant::now();
         let mut spin = armed(now, MAX_SPIN);
+        for _ in 1..MAX_MISSES {
+            spin.waited(slept(50, 90), now);
+            assert_eq!(spin.budget(now), MAX_SPIN);
+        }
         spin.waited(slept(50, 90), now);
         assert_eq!(spin.budget(now), Duration::ZERO);
         // Waits during the hold teach nothing: they did not poll.
@@ -209,11 +227,26 @@ mod tests {
             spin.waited(slept(polled, 90), now);
         }
         assert_eq!(spin.budget(now), MAX_SPIN);
-        spin.waited(slept(50, 90), now);
+        for _ in 0..MAX_MISSES {
+            spin.waited(slept(50, 90), now);
+        }
         assert_eq!(spin.budget(now + BASE_HOLD * 2 - us(1)), Duration::ZERO);
         let now = now + BASE_HOLD * 2;
         spin.waited(slept(0, 90), now);
         assert_eq!(spin.budget(now), MIN_SPIN);
+    }
+
+    #[test]
+    fn a_peer_mostly_quicker_than_the_longest_poll_keeps_it_polling() {
+        let now = Instant::now();
+        let mut spin = armed(now, MAX_SPIN);
+        for _ in 0..100 {
+            for _ in 1..MAX_MISSES {
+                spin.waited(slept(50, 150), now);
+            }
+            spin.waited(Waited::Caught(us(30)), now);
+            assert_eq!(spin.budget(now), MAX_SPIN);
+        }
     }
 
     #[test]
@@ -244,7 +277,9 @@ mod tests {
         spin.waited(Waited::Caught(MIN_SPIN + OVERRUN), now);
         assert_eq!(spin.budget(now), MAX_SPIN);
         // A request caught in time brings the hold back to its base.
-        spin.waited(slept(50, 90), now);
+        for _ in 0..MAX_MISSES {
+            spin.waited(slept(50, 90), now);
+        }
         spin.waited(slept(0, 60), now + BASE_HOLD);
         assert_eq!(spin.budget(now + BASE_HOLD), MIN_SPIN);
     }
