@@ -217,7 +217,7 @@ impl Listener {
 /// of [`Unproved`]. Past the limit a connection is told so and closed.
 fn spawn<T, S>(stream: T, context: &Context<S>, prove: bool)
 where
-    T: TryRead + AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: NonBlocking + AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Store,
 {
     if prove {
@@ -235,9 +235,31 @@ where
         }
         Err(_) => {
             let max = context.limits.max_connections;
-            tokio::spawn(refuse::<_, S>(stream, max, context.linger(), None));
+            match context.linger() {
+                Some(linger) => {
+                    tokio::spawn(refuse::<_, S>(stream, max, Some(linger), None));
+                }
+                // Told and closed here, before the next accept: refused connections
+                // beyond the lingering ones never hold a descriptor, however fast they
+                // come. A new socket's buffer takes the short line whole.
+                None => {
+                    let _ = stream.try_write(&refusal_line(max));
+                }
+            }
         }
     }
+}
+
+/// What a connection past `--max-connections` is told before it chose a codec.
+fn refusal_line(max: usize) -> Vec<u8> {
+    let message = refusal_message(max);
+    let error =
+        serde_json::json!({"ok": false, "error": {"type": "unavailable", "message": message}});
+    format!("{error}\n").into_bytes()
+}
+
+fn refusal_message(max: usize) -> String {
+    format!("the daemon serves at most {max} connections (--max-connections)")
 }
 
 /// Tells a connection past the limit so, and closes it: a JSON line, or for a connection
@@ -252,17 +274,13 @@ async fn refuse<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
     linger: Option<OwnedSemaphorePermit>,
     chosen: Option<(&Service<S>, &Session)>,
 ) {
-    let message = format!("the daemon serves at most {max} connections (--max-connections)");
     let mut out = Vec::new();
     match chosen {
         Some((service, session)) => {
-            service.unavailable(session, &mut out, message);
+            service.unavailable(session, &mut out, refusal_message(max));
             framed(&mut out, 0, session.codec());
         }
-        None => {
-            let error = serde_json::json!({"ok": false, "error": {"type": "unavailable", "message": message}});
-            out = format!("{error}\n").into_bytes();
-        }
+        None => out = refusal_line(max),
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         let _ = stream.write_all(&out).await;
@@ -350,7 +368,7 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
 /// its timeout, or the daemon shuts down (then the lines already received are answered
 /// first). With the in-memory table lines are answered in order; with a remote store each
 /// runs as a task and its answer is written as soon as it is ready.
-async fn serve<T: TryRead + AsyncRead + AsyncWrite + Unpin, S: Store>(
+async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     mut context: Context<S>,
     mut slot: Slot,
@@ -530,7 +548,7 @@ async fn serve<T: TryRead + AsyncRead + AsyncWrite + Unpin, S: Store>(
 /// CPU between polls (not to other tasks: it holds its worker thread for the budget, at
 /// most [`crate::spin::MAX_SPIN`]): the read's result if input (or an error) came in time,
 /// else how long it polled.
-fn poll_input<T: TryRead>(
+fn poll_input<T: NonBlocking>(
     stream: &T,
     input: &mut Frames,
     spin: &mut Spin,
@@ -553,21 +571,29 @@ fn poll_input<T: TryRead>(
     Err(polled)
 }
 
-/// A stream that can be read without waiting.
-pub trait TryRead {
+/// A stream that can be read and written without waiting.
+pub trait NonBlocking {
     /// Appends what can be read now to `buf`; `WouldBlock` if nothing can.
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize>;
+    /// Writes what the socket takes now of `buf`; `WouldBlock` if nothing.
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
 }
 
-impl TryRead for TcpStream {
+impl NonBlocking for TcpStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         TcpStream::try_read_buf(self, buf)
     }
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        TcpStream::try_write(self, buf)
+    }
 }
 
-impl TryRead for UnixStream {
+impl NonBlocking for UnixStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         UnixStream::try_read_buf(self, buf)
+    }
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        UnixStream::try_write(self, buf)
     }
 }
 
@@ -708,7 +734,7 @@ impl Frames {
     }
 
     /// Reads what input there is now after the unanswered bytes, without waiting.
-    fn try_fill<R: TryRead>(&mut self, reader: &R) -> io::Result<usize> {
+    fn try_fill<R: NonBlocking>(&mut self, reader: &R) -> io::Result<usize> {
         self.make_room();
         reader.try_read_buf(&mut self.buf)
     }
