@@ -137,8 +137,11 @@ impl Client {
     ) -> Result<T, RedisError> {
         if self.functions.load(Ordering::Relaxed) {
             let fcall = command(Script::Function(&self.sources.function));
-            let answer = match self.fcall(&fcall, connection).await {
-                Err(error) if lost_connection(&error) => self.fcall(&fcall, connection).await,
+            let load = || load_library(&self.sources);
+            let answer = match loading(&fcall, no_function, load, connection).await {
+                Err(error) if lost_connection(&error) => {
+                    loading(&fcall, no_function, load, connection).await
+                }
                 answer => answer,
             };
             match answer {
@@ -150,50 +153,17 @@ impl Client {
             }
         }
         let evalsha = command(Script::Sha(&self.sources.sha));
-        match self.evalsha(&evalsha, connection).await {
-            Err(error) if lost_connection(&error) => self.evalsha(&evalsha, connection).await,
+        let load = || load_script(&self.sources);
+        match loading(&evalsha, no_script, load, connection).await {
+            Err(error) if lost_connection(&error) => {
+                loading(&evalsha, no_script, load, connection).await
+            }
             // Still missing after the reload on every master known (a replica promoted
             // since): EVAL runs it on that node and caches it there.
             Err(error) if no_script(&error) => {
                 command(Script::Source(&self.sources.script))
                     .query_async(connection)
                     .await
-            }
-            answer => answer,
-        }
-    }
-
-    /// Sends `fcall`; when the function is missing (Redis restarted, flushed, failed over)
-    /// loads the library (on every master of a cluster) and sends it again.
-    async fn fcall<T: FromRedisValue>(
-        &self,
-        fcall: &Cmd,
-        connection: &mut Connection,
-    ) -> Result<T, RedisError> {
-        match fcall.query_async(connection).await {
-            Err(error) if no_function(&error) => {
-                let mut load = ::redis::cmd("FUNCTION");
-                load.arg("LOAD").arg("REPLACE").arg(&self.sources.library);
-                load.query_async::<()>(connection).await?;
-                fcall.query_async(connection).await
-            }
-            answer => answer,
-        }
-    }
-
-    /// Sends `evalsha`; on `NOSCRIPT` loads the script (on every master of a cluster) and
-    /// sends it again.
-    async fn evalsha<T: FromRedisValue>(
-        &self,
-        evalsha: &Cmd,
-        connection: &mut Connection,
-    ) -> Result<T, RedisError> {
-        match evalsha.query_async(connection).await {
-            Err(error) if no_script(&error) => {
-                let mut load = ::redis::cmd("SCRIPT");
-                load.arg("LOAD").arg(&self.sources.script);
-                load.query_async::<()>(connection).await?;
-                evalsha.query_async(connection).await
             }
             answer => answer,
         }
@@ -285,6 +255,35 @@ pub fn late_refusal(started: Instant) -> StoreError {
          it was refused and nothing was paid",
         started.elapsed().as_millis()
     ))
+}
+
+/// Sends `command`; when Redis lacks the code it names (`missing`: Redis restarted, was
+/// flushed, failed over) sends `load` (on every master of a cluster) and `command` again.
+async fn loading<T: FromRedisValue>(
+    command: &Cmd,
+    missing: fn(&RedisError) -> bool,
+    load: impl FnOnce() -> Cmd,
+    connection: &mut Connection,
+) -> Result<T, RedisError> {
+    match command.query_async(connection).await {
+        Err(error) if missing(&error) => {
+            load().query_async::<()>(connection).await?;
+            command.query_async(connection).await
+        }
+        answer => answer,
+    }
+}
+
+fn load_library(sources: &Sources) -> Cmd {
+    let mut load = ::redis::cmd("FUNCTION");
+    load.arg("LOAD").arg("REPLACE").arg(&sources.library);
+    load
+}
+
+fn load_script(sources: &Sources) -> Cmd {
+    let mut load = ::redis::cmd("SCRIPT");
+    load.arg("LOAD").arg(&sources.script);
+    load
 }
 
 /// Redis has no function library of this name (it restarted, was flushed, failed over).
