@@ -493,7 +493,13 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
         let alone = context.connections.available_permits() + 1 >= context.limits.max_connections
             && context.unproved.is_empty();
         let polled = match running == 0 && !closing && alone {
-            true => poll_input(&stream, &mut input, &mut spin).map_err(Some),
+            // Holds its worker thread for the budget, at most `MAX_SPIN`.
+            true => spin
+                .poll(|| match input.try_fill(&stream) {
+                    Err(error) if error.kind() == ErrorKind::WouldBlock => None,
+                    read => Some(read),
+                })
+                .map_err(Some),
             false => Err(None),
         };
         let read = match polled {
@@ -542,33 +548,6 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
     if *context.shutdown.borrow() {
         linger(&mut stream, Duration::from_millis(100)).await;
     }
-}
-
-/// Polls `stream` for the budget `spin` gives, giving way to any thread waiting for this
-/// CPU between polls (not to other tasks: it holds its worker thread for the budget, at
-/// most [`crate::spin::MAX_SPIN`]): the read's result if input (or an error) came in time,
-/// else how long it polled.
-fn poll_input<T: NonBlocking>(
-    stream: &T,
-    input: &mut Frames,
-    spin: &mut Spin,
-) -> Result<io::Result<usize>, Duration> {
-    let start = Instant::now();
-    let budget = spin.budget(start);
-    let mut polled = Duration::ZERO;
-    while polled < budget {
-        match input.try_fill(stream) {
-            Err(error) if error.kind() == ErrorKind::WouldBlock => {}
-            read => {
-                let now = Instant::now();
-                spin.waited(Waited::Caught(now - start), now);
-                return Ok(read);
-            }
-        }
-        std::thread::yield_now();
-        polled = start.elapsed();
-    }
-    Err(polled)
 }
 
 /// A stream that can be read and written without waiting.

@@ -119,6 +119,26 @@ impl Spin {
         }
     }
 
+    /// Calls `ready` until it finds something or [`Spin::budget`] runs out, giving way to
+    /// any thread waiting for this CPU between calls (`sched_yield`), and learns from a
+    /// catch: what `ready` found, or how long it polled in vain (then the caller sleeps,
+    /// and tells [`Spin::waited`] how the whole wait went).
+    pub fn poll<R>(&mut self, mut ready: impl FnMut() -> Option<R>) -> Result<R, Duration> {
+        let start = Instant::now();
+        let budget = self.budget(start);
+        let mut polled = Duration::ZERO;
+        while polled < budget {
+            if let Some(found) = ready() {
+                let now = Instant::now();
+                self.waited(Waited::Caught(now - start), now);
+                return Ok(found);
+            }
+            std::thread::yield_now();
+            polled = start.elapsed();
+        }
+        Err(polled)
+    }
+
     fn hold_off(&mut self, now: Instant) {
         self.budget = Duration::ZERO;
         self.gap = None;

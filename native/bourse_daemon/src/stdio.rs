@@ -181,22 +181,13 @@ fn spawn<S: Store>(shared: &Arc<Shared<S>>, runtime: &Runtime, number: u64, fram
     });
 }
 
-/// Returns once stdin has input (or its end): polls it for the budget `spin` gives, giving
-/// way to any thread waiting for this CPU between polls, then sleeps in `poll`; tells
-/// `spin` how it went.
+/// Returns once stdin has input (or its end): polls it for the budget `spin` gives, then
+/// sleeps in `poll`; tells `spin` how it went.
 fn await_input(spin: &mut Spin) {
     let start = Instant::now();
-    let budget = spin.budget(start);
-    let mut polled = Duration::ZERO;
-    while polled < budget {
-        if stdin_ready(0) {
-            let now = Instant::now();
-            return spin.waited(Waited::Caught(now - start), now);
-        }
-        // SAFETY: sched_yield takes no arguments and touches no memory.
-        unsafe { libc::sched_yield() };
-        polled = start.elapsed();
-    }
+    let Err(polled) = spin.poll(|| stdin_ready(0).then_some(())) else {
+        return;
+    };
     // Interrupted by a signal, it returns early; the read then blocks in its place.
     stdin_ready(-1);
     let now = Instant::now();
