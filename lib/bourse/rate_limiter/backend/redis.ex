@@ -20,9 +20,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   several buckets pays on all or none whatever the other machines do (docs/PROTOCOL.md,
   "Redis").
 
-  A password in the URL (`redis://:secret@host:6379`) reaches the daemon in its
-  environment (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one
-  password: the first seed's that holds one). Redis key names hold
+  A password in the URL (`redis://:secret@host:6379`, percent-encoded, or
+  `unix:///path?pass=secret`) reaches the daemon in its environment
+  (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
+  first seed's that holds one). Redis key names hold
   keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
   `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
   every limiter on that Redis.
@@ -103,14 +104,27 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   # The password goes to the daemon in its environment, never on its command line (which
-  # every local user can read in /proc).
+  # every local user can read in /proc): a redis:// URL's userinfo, percent-encoded (a `+`
+  # is a plus), or the `pass` field of a unix:// URL's query, form-encoded, as the daemon's
+  # Redis client reads each.
   defp split_password(url) do
     case URI.parse(url) do
+      %URI{scheme: "unix", query: query} = uri when is_binary(query) ->
+        {passwords, fields} =
+          query |> URI.query_decoder() |> Enum.split_with(&(elem(&1, 0) == "pass"))
+
+        query = if fields != [], do: URI.encode_query(fields)
+
+        case passwords do
+          [] -> {url, nil}
+          _ -> {URI.to_string(%{uri | query: query}), passwords |> List.last() |> elem(1)}
+        end
+
       %URI{userinfo: userinfo} = uri when is_binary(userinfo) ->
         case String.split(userinfo, ":", parts: 2) do
           [user, password] ->
             user = if user == "", do: nil, else: user
-            {URI.to_string(%{uri | userinfo: user}), URI.decode_www_form(password)}
+            {URI.to_string(%{uri | userinfo: user}), URI.decode(password)}
 
           [_user] ->
             {url, nil}
@@ -119,6 +133,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       _ ->
         {url, nil}
     end
+  rescue
+    # Malformed percent-encoding: the daemon is given the URL as it is, and refuses a
+    # password in it.
+    ArgumentError -> {url, nil}
   end
 
   @impl true

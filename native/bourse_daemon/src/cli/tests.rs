@@ -63,10 +63,19 @@ fn secrets_come_from_files_or_the_environment_never_argv() {
         "redis://:pw@h:1",
         "redis://user:pw@h:1/2",
         "redis://h:1/?password=pw",
+        "unix:///tmp/redis.sock?pass=pw",
+        "unix:///tmp/redis.sock?db=1&pass=pw",
     ] {
         let error = run(&["--stdio", "--redis", url]).unwrap_err();
         assert!(error.contains("must not hold a password"), "{url}: {error}");
     }
+    // Other query fields hold no password.
+    assert!(run(&[
+        "--stdio",
+        "--redis",
+        "unix:///tmp/redis.sock?db=1&passive=1"
+    ])
+    .is_ok());
     let env = Fake(vec![
         ("BOURSE_REDIS_PASSWORD", "pw"),
         ("BOURSE_REDIS_KEY_SECRET", "k"),

@@ -1,0 +1,71 @@
+defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
+  # A Redis that asks for a password: the password written in the URL, as Redis clients
+  # write it, reaches Redis as it is, and never the daemon's command line, which every
+  # local user can read in /proc.
+  use ExUnit.Case, async: true
+
+  @moduletag :capture_log
+
+  import Bourse.BackendCase, only: [start_limiter: 1]
+
+  alias Bourse.{Loopback, RateLimiter, RedisServer}
+
+  unless RedisServer.installed?(), do: @moduletag(skip: "no redis-server (make deps installs it)")
+
+  # `+` and `=` are plain characters of a URL's userinfo (a base64 secret has them).
+  @password "s3+cr=t+pw"
+  @limit %{capacity: 5, refill_per_sec: 0.001}
+
+  # A redis-server asking for `@password`, on a free port and on a Unix socket; killed when
+  # the test ends.
+  defp start_redis do
+    port = Loopback.free_port()
+
+    socket =
+      Path.join(System.tmp_dir!(), "bourse-redis-#{System.unique_integer([:positive])}.sock")
+
+    server =
+      Port.open({:spawn_executable, System.find_executable("redis-server")}, [
+        :binary,
+        args:
+          ["--port", "#{port}", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"] ++
+            ["--unixsocket", socket, "--unixsocketperm", "700", "--requirepass", @password]
+      ])
+
+    {:os_pid, os_pid} = Port.info(server, :os_pid)
+    on_exit(fn -> System.cmd("kill", ["-9", "#{os_pid}"], stderr_to_stdout: true) end)
+    Loopback.wait_until(fn -> File.exists?(socket) end, "redis-server listens", 10_000)
+    %{port: port, socket: socket}
+  end
+
+  # The command lines of this user's bourse_daemon processes that name `needle`.
+  defp daemon_command_lines(needle) do
+    for dir <- Path.wildcard("/proc/[0-9]*"),
+        {:ok, line} <- [File.read(Path.join(dir, "cmdline"))],
+        line =~ "bourse_daemon" and line =~ needle,
+        do: line
+  end
+
+  test "a password in a redis:// URL is Redis's password, and never on the daemon's command line" do
+    redis = start_redis()
+    url = "redis://:#{@password}@127.0.0.1:#{redis.port}"
+    name = start_limiter({:redis, url, redis_timeout_ms: 4_000})
+    assert :ok = RateLimiter.check_rate({"binance", "tcp"}, @limit, 1, name)
+    assert RateLimiter.get_cost({"binance", "tcp"}, 1_000, name) >= 0.99
+
+    assert [line] = daemon_command_lines("127.0.0.1:#{redis.port}")
+    refute line =~ "s3"
+    refute line =~ "pw"
+  end
+
+  test "a password in a unix:// URL's query (?pass=) is Redis's password, and never on the daemon's command line" do
+    redis = start_redis()
+    url = "unix://#{redis.socket}?pass=#{URI.encode_www_form(@password)}"
+    name = start_limiter({:redis, url, redis_timeout_ms: 4_000})
+    assert :ok = RateLimiter.check_rate({"binance", "unix"}, @limit, 1, name)
+
+    assert [line] = daemon_command_lines(redis.socket)
+    refute line =~ "s3"
+    refute line =~ "pw"
+  end
+end
