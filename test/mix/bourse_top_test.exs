@@ -71,9 +71,7 @@ defmodule Mix.Tasks.Bourse.TopTest do
   # through :rpc exactly as it would another node.
   @tag :distributed
   test "--node queries a limiter on a node through :rpc", %{name: name} do
-    epmd = System.find_executable("epmd") || flunk("epmd not found")
-    System.cmd(epmd, ["-daemon"])
-    {:ok, _} = :net_kernel.start(:"bourse_top_test@127.0.0.1", %{name_domain: :longnames})
+    :ok = Bourse.PeerNode.distribute(:bourse_top_test)
     on_exit(fn -> :net_kernel.stop() end)
 
     assert :ok =

@@ -12,13 +12,7 @@ defmodule Bourse.PeerNode do
   @doc "Makes this VM a node (epmd started if need be) and starts a peer; `{peer, node}`."
   @spec start() :: {pid(), node()}
   def start do
-    epmd = System.find_executable("epmd") || flunk("epmd not found")
-    System.cmd(epmd, ["-daemon"])
-
-    unless Node.alive?() do
-      name = :"bourse_test_#{System.unique_integer([:positive])}@127.0.0.1"
-      {:ok, _} = :net_kernel.start(name, %{name_domain: :longnames})
-    end
+    unless Node.alive?(), do: distribute(:"bourse_test_#{System.unique_integer([:positive])}")
 
     {:ok, peer, node} =
       :peer.start(%{
@@ -29,6 +23,26 @@ defmodule Bourse.PeerNode do
       })
 
     {peer, node}
+  end
+
+  @doc """
+  Makes this VM the node `name@127.0.0.1`, starting epmd if need be. `epmd -daemon`
+  returns before the new epmd listens, so it is asked until it answers: registering with it
+  sooner fails (`econnrefused`).
+  """
+  @spec distribute(atom()) :: :ok
+  def distribute(name) do
+    epmd = System.find_executable("epmd") || flunk("epmd not found")
+    System.cmd(epmd, ["-daemon"])
+
+    Bourse.Loopback.wait_until(
+      fn -> elem(System.cmd(epmd, ["-names"], stderr_to_stdout: true), 1) == 0 end,
+      "epmd answers",
+      10_000
+    )
+
+    {:ok, _} = :net_kernel.start(:"#{name}@127.0.0.1", %{name_domain: :longnames})
+    :ok
   end
 
   @doc """
