@@ -40,8 +40,18 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
       end
 
     # Every stuck caller has its route in the table: beside them, each hammer still running
-    # has one call in flight (16 routes alone may be 8 hammers' and 8 stuck callers').
-    eventually(fn -> routes(handle) >= 16 + Enum.count(hammers, &Process.alive?(&1.pid)) end)
+    # has one call in flight (16 routes alone may be 8 hammers' and 8 stuck callers'). And
+    # every one of them has its frame written to the stopped daemon's stdin: a frame handed
+    # to the connection may still be in its mailbox, and written after the kill, it closes
+    # the port with :epipe before the VM has read the daemon's exit status.
+    eventually(fn ->
+      callers = Enum.filter(stuck ++ hammers, &Process.alive?(&1.pid))
+
+      routes(handle) >= 16 + Enum.count(hammers, &Process.alive?(&1.pid)) and
+        Enum.all?(callers, &awaiting_answer?(&1.pid)) and
+        :sys.get_state(handle.pid).pending == []
+    end)
+
     killed_at = now_ms()
     OsSignal.send(old, "KILL")
 
@@ -149,6 +159,10 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert {:error, %Error{type: :invalid_parameters}} =
              RateLimiter.check_rates([hd(checks) | checks], name)
   end
+
+  # Whether `pid`, a caller with its route in the table, wrote (or handed over) its request:
+  # it then waits in `receive` for the answer.
+  defp awaiting_answer?(pid), do: Process.info(pid, :status) == {:status, :waiting}
 
   defp hammer(key, limit, name, deadline, answers) do
     if now_ms() >= deadline,
