@@ -40,7 +40,8 @@ defmodule Bourse.RateLimiter.Backend.Port do
 
   @doc """
   Runs `bourse_daemon --stdio` with `daemon_args` and the limiter's options (`opts`, as
-  given to `c:Bourse.RateLimiter.Backend.attach/2`) as the connection's port.
+  given to `c:Bourse.RateLimiter.Backend.attach/2`) as the connection's port. Callers wait
+  #{@timeout} ms for an answer, or `opts[:timeout]` ms if that is longer.
   """
   @spec run_daemon(term(), [String.t()], keyword()) :: {:ok, term()} | {:error, term()}
   def run_daemon(previous, daemon_args, opts) do
@@ -59,7 +60,7 @@ defmodule Bourse.RateLimiter.Backend.Port do
           ]
 
       Connection.attach(previous, {:port, executable, args},
-        timeout: @timeout,
+        timeout: max(@timeout, Keyword.get(opts, :timeout, 0)),
         assume_busy_at_start: opts[:assume_busy_at_start],
         env: Keyword.get(opts, :env, [])
       )

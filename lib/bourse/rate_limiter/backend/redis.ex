@@ -32,7 +32,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
     * `:prefix` – every Redis key starts with it (default `"bourse"`); limiters share
       buckets only with the same prefix;
-    * `:redis_timeout_ms` – the longest wait for Redis per command (default 1000).
+    * `:redis_timeout_ms` – the longest wait for Redis per command (default 1000); a call
+      told `:unavailable` by then pays nothing. Callers wait for the daemon itself at most
+      four times this, and at least 5 s.
 
   The limiter's `:booking_slack_ms` and `:sweep_interval_ms` apply to its daemon; with
   `:assume_busy_at_start`, a bucket first seen within its fill time after its exchange's
@@ -100,7 +102,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
         ]
 
     env = if password, do: [{~c"BOURSE_REDIS_PASSWORD", String.to_charlist(password)}], else: []
-    Port.run_daemon(previous, redis_args, Keyword.put(opts, :env, env))
+
+    # The daemon reads a request until three quarters of its caller's wait, and its script
+    # may run until three quarters of the Redis timeout after that: callers that wait four
+    # Redis timeouts are told how every request they sent ended, never :unavailable for one
+    # that pays later.
+    opts = Keyword.merge(opts, env: env, timeout: 4 * redis[:redis_timeout_ms])
+    Port.run_daemon(previous, redis_args, opts)
   end
 
   # The password goes to the daemon in its environment, never on its command line (which

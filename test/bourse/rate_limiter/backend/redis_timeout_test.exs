@@ -1,0 +1,41 @@
+defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
+  # A Redis timeout longer than the wait of the limiter's callers: a caller told
+  # `:unavailable` must not pay when Redis resumes and runs the script it had received
+  # (docs/CONTRACT.md §8, Stores).
+  use ExUnit.Case, async: true
+
+  @moduletag :capture_log
+
+  import Bourse.BackendCase, only: [start_limiter: 1]
+
+  alias Bourse.{Error, OsSignal, RateLimiter, RedisServer}
+
+  unless RedisServer.installed?(), do: @moduletag(skip: "no redis-server (make deps installs it)")
+
+  test "a Redis timeout of 12 s: a check that finds Redis stopped is never told :unavailable and paid later" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    name = start_limiter({:redis, redis.url, redis_timeout_ms: 12_000})
+    key = {"slow_redis", "k"}
+    limit = %{capacity: 20, refill_per_sec: 0.001}
+    assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+
+    OsSignal.send(redis.os_pid, "STOP")
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{redis.os_pid}"], stderr_to_stdout: true) end)
+    check = Task.async(fn -> RateLimiter.check_rate(key, limit, 1, name) end)
+    # Redis resumes 8 s later: the caller has given up by then if it waits 5 s, and the
+    # script may still run (until three quarters of the Redis timeout).
+    early = Task.yield(check, 8_000)
+    OsSignal.send(redis.os_pid, "CONT")
+
+    case early || Task.yield(check, 60_000) do
+      {:ok, :ok} ->
+        assert RateLimiter.inspect_key(key, name).tokens < 18.01
+
+      {:ok, {:error, %Error{type: :unavailable}}} ->
+        Process.sleep(500)
+        info = RateLimiter.inspect_key(key, name)
+        assert info.tokens > 18.99, "a check told :unavailable paid: #{inspect(info)}"
+    end
+  end
+end
