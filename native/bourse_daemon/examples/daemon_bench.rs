@@ -1,7 +1,7 @@
 //! Throughput of `bourse_daemon`: checks per second over stdio (`{packet, 4}` frames) and
 //! over its Unix socket with 1 and 8 clients, pipelined in windows of requests in flight, on
-//! distinct keys and on one hot key, and with one request in flight on each. Prints a
-//! table; asserts nothing.
+//! distinct keys and on one hot key, and with one request in flight on each, with the CPU
+//! time (user and system) the daemon spent per check. Prints a table; asserts nothing.
 //!
 //! ```text
 //! cargo build --release -p bourse_daemon --examples
@@ -47,23 +47,30 @@ fn main() {
         options.checks, options.window
     );
     println!(
-        "{:<34} {:>10} {:>9} {:>12}",
-        "transport", "checks", "seconds", "checks/s"
+        "{:<34} {:>10} {:>9} {:>12} {:>15}",
+        "transport", "checks", "seconds", "checks/s", "daemon CPU µs"
     );
 
     for hot in [false, true] {
         let label = format!("stdio, 1 client, {}", keys_label(hot));
         let mut daemon = spawn(&options.daemon, &["--stdio"], true);
+        let cpu = Cpu::of(Some(daemon.id()));
         let elapsed = run_stdio(&mut daemon, options.checks, options.window, hot);
+        report(&label, options.checks, elapsed, cpu.since());
         stop(daemon);
-        report(&label, options.checks, elapsed);
     }
     // One request in flight: the round trip through the pipes, as one port caller sees it.
     let unpipelined = options.checks / 10;
     let mut daemon = spawn(&options.daemon, &["--stdio"], true);
+    let cpu = Cpu::of(Some(daemon.id()));
     let elapsed = run_stdio(&mut daemon, unpipelined, 1, false);
+    report(
+        "stdio, 1 client, no pipelining",
+        unpipelined,
+        elapsed,
+        cpu.since(),
+    );
     stop(daemon);
-    report("stdio, 1 client, no pipelining", unpipelined, elapsed);
 
     let socket =
         std::env::temp_dir().join(format!("bourse_daemon_bench_{}.sock", std::process::id()));
@@ -76,20 +83,28 @@ fn main() {
             (Some(child), addr)
         }
     };
+    let server_pid = server.as_ref().map(Child::id);
     let mut scenario = 0;
     for clients in [1, 8] {
         for hot in [false, true] {
             scenario += 1;
             let label = format!("socket, {clients} client(s), {}", keys_label(hot));
             let per_client = options.checks / clients;
+            let cpu = Cpu::of(server_pid);
             let elapsed = run_socket(&addr, clients, per_client, options.window, hot, scenario);
-            report(&label, per_client * clients, elapsed);
+            report(&label, per_client * clients, elapsed, cpu.since());
         }
     }
     scenario += 1;
     let unpipelined = options.checks / 10;
+    let cpu = Cpu::of(server_pid);
     let elapsed = run_socket(&addr, 1, unpipelined, 1, false, scenario);
-    report("socket, 1 client, no pipelining", unpipelined, elapsed);
+    report(
+        "socket, 1 client, no pipelining",
+        unpipelined,
+        elapsed,
+        cpu.since(),
+    );
     if let Some(server) = server {
         stop(server);
         let _ = std::fs::remove_file(&socket);
@@ -140,12 +155,50 @@ fn keys_label(hot: bool) -> &'static str {
     }
 }
 
-fn report(label: &str, checks: usize, elapsed: Duration) {
+fn report(label: &str, checks: usize, elapsed: Duration, cpu: Option<Duration>) {
     let secs = elapsed.as_secs_f64();
+    let cpu = match cpu {
+        Some(cpu) => format!("{:.1}", cpu.as_secs_f64() * 1e6 / checks as f64),
+        None => "–".to_string(),
+    };
     println!(
-        "{label:<34} {checks:>10} {secs:>9.3} {:>12.0}",
+        "{label:<34} {checks:>10} {secs:>9.3} {:>12.0} {cpu:>15}",
         checks as f64 / secs
     );
+}
+
+/// The CPU time a daemon this bench started had used at some moment (none for a daemon
+/// it did not start).
+struct Cpu {
+    pid: Option<u32>,
+    at_start: Option<Duration>,
+}
+
+impl Cpu {
+    fn of(pid: Option<u32>) -> Self {
+        Self {
+            pid,
+            at_start: pid.and_then(process_cpu),
+        }
+    }
+
+    /// CPU time used since [`Cpu::of`].
+    fn since(&self) -> Option<Duration> {
+        let now = process_cpu(self.pid?)?;
+        Some(now.saturating_sub(self.at_start?))
+    }
+}
+
+/// User and system time of process `pid` so far, its ended threads included
+/// (`/proc/PID/stat`, in clock ticks).
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| Duration::from_secs_f64(ticks as f64 / per_second as f64))
 }
 
 fn spawn(daemon: &PathBuf, args: &[&str], stdin: bool) -> Child {

@@ -5,6 +5,7 @@ mod common;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::thread;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -233,6 +234,66 @@ fn an_idle_connection_uses_no_cpu() {
     let ticks = common::idle_cpu_ticks(&mut client, server.child.id());
     // Generous: the sweeper's wake-ups and a loaded machine's noise are far below this.
     assert!(ticks <= 10, "{ticks} ticks of CPU in an idle second");
+}
+
+/// A Unix connection (served on a thread of its own) is closed after its idle timeout, and
+/// after the error answering an oversized frame.
+#[test]
+fn a_unix_connection_is_closed_when_idle_or_sent_an_oversized_frame() {
+    let path = common::temp_path("unix-limits.sock");
+    let args = ["--idle-timeout-ms", "300", "--max-frame-bytes", "1024"];
+    let _server = Server::start(&[&["--socket", path.to_str().unwrap()][..], &args].concat());
+    let mut idle = LineClient::new(UnixStream::connect(&path).unwrap());
+    assert_eq!(idle.call(json!({"op": "hello"}))["idle_timeout_ms"], 300);
+    thread::sleep(Duration::from_millis(800));
+    assert_eq!(idle.recv_line(), None, "still open after its idle timeout");
+    let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+    client.send_raw(format!("{{\"op\":\"hello\",\"pad\":\"{}\"}}\n", "x".repeat(2000)).as_bytes());
+    assert_eq!(client.recv()["error"]["type"], "frame_too_large");
+    assert!(client.recv_line().is_none());
+}
+
+/// A Unix client's request wakes the daemon once: reading the answer, which frees room in
+/// the daemon's socket, does not wake it again (a runtime's reactor watching the socket for
+/// room to write would be, once per answer).
+#[test]
+fn a_unix_client_wakes_the_daemon_once_per_request() {
+    let path = common::temp_path("wakes.sock");
+    let server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
+    assert_eq!(client.call(json!({"op": "hello"}))["ok"], true);
+    thread::sleep(Duration::from_millis(100));
+    let requests = 200;
+    let before = sleeps(server.child.id());
+    for id in 0..requests {
+        // Long enough for the daemon to sleep, not poll, after it answered and between
+        // requests.
+        client.send(&json!({"op": "hello", "id": id}));
+        thread::sleep(Duration::from_millis(1));
+        assert_eq!(client.recv()["id"], id);
+        thread::sleep(Duration::from_millis(1));
+    }
+    let per_request = (sleeps(server.child.id()) - before) as f64 / requests as f64;
+    assert!(
+        per_request < 1.5,
+        "{per_request:.2} times asleep per request"
+    );
+}
+
+/// How many times the threads of process `pid` went to sleep so far (voluntary context
+/// switches).
+fn sleeps(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter_map(|line| line.strip_prefix("voluntary_ctxt_switches:"))
+                .map(|count| count.trim().parse::<u64>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }
 
 /// A lone connection in conversation (so that it polls its socket before it sleeps) gets

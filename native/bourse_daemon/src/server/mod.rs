@@ -1,7 +1,9 @@
 //! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON, or
 //! length-prefixed external terms once a connection's first `hello` chose them.
-//! Each connection is one task; when its input runs out and it is the only connection, it
-//! polls the socket for a few microseconds before it sleeps, as [`Spin`] decides. Unix
+//! A Unix connection to the in-memory table is served on a thread of its own ([`thread`]);
+//! any other connection is a task of the runtime. When its input runs out and it is the
+//! only connection, a connection polls its socket for a few microseconds before it sleeps,
+//! as [`Spin`] decides. Unix
 //! sockets are created owner-only (or owner and group); TCP clients prove the shared
 //! secret before anything but `hello` is served. Connections are bounded in number, and
 //! closed when idle.
@@ -18,6 +20,10 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
+mod frames;
+mod thread;
+
+use self::frames::{framed, Frames, Framing, Next};
 use crate::protocol::{Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
@@ -91,6 +97,8 @@ pub async fn run<S: Store>(
     drop(stdout);
 
     let (shutdown_tx, shutdown) = watch::channel(false);
+    // Readable once the daemon shuts down: wakes the connections' own threads.
+    let (stopped, mut stop) = io::pipe().map_err(|e| format!("cannot create a pipe: {e}"))?;
     // Every accept loop and connection holds a sender; `recv` answers `None` once all ended.
     let (alive, mut all_ended) = mpsc::channel::<()>(1);
     let context = Context {
@@ -100,6 +108,7 @@ pub async fn run<S: Store>(
         unproved: Arc::default(),
         lingering: Arc::new(Semaphore::new(MAX_LINGERING)),
         shutdown,
+        stopped: Arc::new(stopped),
         _alive: alive,
     };
     let listeners = tcp_listeners
@@ -127,6 +136,7 @@ pub async fn run<S: Store>(
     sweeper.abort();
     // Accept loops stop and drop their listeners; connections answer what they hold.
     let _ = shutdown_tx.send(true);
+    let _ = stop.write_all(&[1]);
     if tokio::time::timeout(DRAIN_TIMEOUT, all_ended.recv())
         .await
         .is_err()
@@ -160,6 +170,8 @@ struct Context<S: Store> {
     /// Places of [`MAX_LINGERING`].
     lingering: Arc<Semaphore>,
     shutdown: watch::Receiver<bool>,
+    /// Readable once `shutdown` is true.
+    stopped: Arc<io::PipeReader>,
     /// Dropped when the task holding this context ends.
     _alive: mpsc::Sender<()>,
 }
@@ -168,6 +180,13 @@ impl<S: Store> Context<S> {
     /// A place of [`MAX_LINGERING`] for a refused connection, if one is free.
     fn linger(&self) -> Option<OwnedSemaphorePermit> {
         Arc::clone(&self.lingering).try_acquire_owned().ok()
+    }
+
+    /// Whether at most one connection is served (or waits to prove the secret): then
+    /// polling its socket before it sleeps takes no CPU another connection needs.
+    fn alone(&self) -> bool {
+        self.connections.available_permits() + 1 >= self.limits.max_connections
+            && self.unproved.is_empty()
     }
 }
 
@@ -181,6 +200,7 @@ impl<S: Store> Clone for Context<S> {
             unproved: Arc::clone(&self.unproved),
             lingering: Arc::clone(&self.lingering),
             shutdown: self.shutdown.clone(),
+            stopped: Arc::clone(&self.stopped),
             _alive: self._alive.clone(),
         }
     }
@@ -192,8 +212,10 @@ enum Listener {
 }
 
 impl Listener {
-    /// Accepts one connection and spawns its task; past the connection limit, the
-    /// connection is told so and closed.
+    /// Accepts one connection and has it served. A Unix connection needs a connection slot
+    /// at once; past the limit, it is told so and closed. A TCP connection takes one when
+    /// it has proved the secret, and until then holds one of the few places of
+    /// [`Unproved`].
     async fn accept<S: Store>(&self, context: &Context<S>) -> io::Result<()> {
         match self {
             Self::Tcp(listener) => {
@@ -201,51 +223,39 @@ impl Listener {
                 // Small answers must not wait for Nagle (best effort: a reset peer is
                 // found out by its first read).
                 let _ = stream.set_nodelay(true);
-                spawn(stream, context, true);
+                let slot = Slot::Unproved(context.unproved.admit());
+                tokio::spawn(serve(stream, context.clone(), slot));
             }
             Self::Unix(listener) => {
                 let (stream, _) = listener.accept().await?;
-                spawn(stream, context, false);
+                match Arc::clone(&context.connections).try_acquire_owned() {
+                    // A remote store answers concurrently: tasks wait for its answers.
+                    Ok(permit) if !S::REMOTE => thread::spawn(stream, context.clone(), permit),
+                    Ok(permit) => {
+                        let slot = Slot::Held { _permit: permit };
+                        tokio::spawn(serve(stream, context.clone(), slot));
+                    }
+                    Err(_) => refuse_unix(stream, context),
+                }
             }
         }
         Ok(())
     }
 }
 
-/// Serves `stream`. A Unix connection needs a connection slot at once; a TCP connection
-/// takes one when it has proved the secret, and until then holds one of the few places
-/// of [`Unproved`]. Past the limit a connection is told so and closed.
-fn spawn<T, S>(stream: T, context: &Context<S>, prove: bool)
-where
-    T: NonBlocking + AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: Store,
-{
-    if prove {
-        let entry = context.unproved.admit();
-        tokio::spawn(serve(stream, context.clone(), Slot::Unproved(entry)));
-        return;
-    }
-    match Arc::clone(&context.connections).try_acquire_owned() {
-        Ok(permit) => {
-            tokio::spawn(serve(
-                stream,
-                context.clone(),
-                Slot::Held { _permit: permit },
-            ));
+/// Tells a Unix connection past the limit so and closes it, lingering if a place of
+/// [`MAX_LINGERING`] is free.
+fn refuse_unix<S: Store>(stream: UnixStream, context: &Context<S>) {
+    let max = context.limits.max_connections;
+    match context.linger() {
+        Some(linger) => {
+            tokio::spawn(refuse::<_, S>(stream, max, Some(linger), None));
         }
-        Err(_) => {
-            let max = context.limits.max_connections;
-            match context.linger() {
-                Some(linger) => {
-                    tokio::spawn(refuse::<_, S>(stream, max, Some(linger), None));
-                }
-                // Told and closed here, before the next accept: refused connections
-                // beyond the lingering ones never hold a descriptor, however fast they
-                // come. A new socket's buffer takes the short line whole.
-                None => {
-                    let _ = stream.try_write(&refusal_line(max));
-                }
-            }
+        // Told and closed here, before the next accept: refused connections beyond the
+        // lingering ones never hold a descriptor, however fast they come. A new socket's
+        // buffer takes the short line whole.
+        None => {
+            let _ = stream.try_write(&refusal_line(max));
         }
     }
 }
@@ -490,9 +500,7 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
         // Polled first only while nothing else can happen: no answer of a remote store is
         // awaited, and no other connection is served.
         let waiting = Instant::now();
-        let alone = context.connections.available_permits() + 1 >= context.limits.max_connections
-            && context.unproved.is_empty();
-        let polled = match running == 0 && !closing && alone {
+        let polled = match running == 0 && !closing && context.alone() {
             // Holds its worker thread for the budget, at most `MAX_SPIN`.
             true => spin
                 .poll(|| match input.try_fill(&stream) {
@@ -550,29 +558,21 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
     }
 }
 
-/// A stream that can be read and written without waiting.
+/// A stream that can be read without waiting.
 pub trait NonBlocking {
     /// Appends what can be read now to `buf`; `WouldBlock` if nothing can.
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize>;
-    /// Writes what the socket takes now of `buf`; `WouldBlock` if nothing.
-    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
 }
 
 impl NonBlocking for TcpStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         TcpStream::try_read_buf(self, buf)
     }
-    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
-        TcpStream::try_write(self, buf)
-    }
 }
 
 impl NonBlocking for UnixStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         UnixStream::try_read_buf(self, buf)
-    }
-    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
-        UnixStream::try_write(self, buf)
     }
 }
 
@@ -598,143 +598,6 @@ async fn send<S: AsyncWrite + Unpin>(stream: &mut S, out: &mut Vec<u8>) -> io::R
         out.clear();
     }
     Ok(())
-}
-
-/// Frames the answer written from `start` on as the connection's codec wants: a JSON line,
-/// or an external term after its 4-byte big-endian length.
-fn framed(out: &mut Vec<u8>, start: usize, codec: Codec) {
-    match codec {
-        Codec::Json => out.push(b'\n'),
-        Codec::Etf => {
-            let length = (out.len() - start) as u32;
-            out.splice(start..start, length.to_be_bytes());
-        }
-    }
-}
-
-/// How input bytes are split into frames.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
-    /// Lines ended by `\n` (or `\r\n`): JSON.
-    Lines,
-    /// A 4-byte big-endian length, then that many bytes: external terms.
-    LengthPrefixed,
-}
-
-/// Input bytes split into frames of at most `max` bytes.
-struct Frames {
-    buf: Vec<u8>,
-    /// Start of the first unanswered frame.
-    start: usize,
-    /// Bytes before this (and from `start`) hold no newline.
-    scanned: usize,
-    max: usize,
-    framing: Framing,
-}
-
-enum Next {
-    /// A frame without its line ending or length.
-    Frame(std::ops::Range<usize>),
-    TooLarge,
-    /// No complete frame is buffered.
-    Pending,
-}
-
-impl Frames {
-    fn new(max: usize) -> Self {
-        Self {
-            buf: Vec::with_capacity(8192),
-            start: 0,
-            scanned: 0,
-            max,
-            framing: Framing::Lines,
-        }
-    }
-
-    /// From the next frame on, frames are length-prefixed.
-    fn length_prefixed(&mut self) {
-        self.framing = Framing::LengthPrefixed;
-        self.scanned = self.start;
-    }
-
-    fn next(&mut self) -> Next {
-        if self.framing == Framing::LengthPrefixed {
-            return self.next_prefixed();
-        }
-        match self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
-            Some(at) => {
-                let newline = self.scanned + at;
-                let mut end = newline;
-                if end > self.start && self.buf[end - 1] == b'\r' {
-                    end -= 1;
-                }
-                let line = self.start..end;
-                self.start = newline + 1;
-                self.scanned = self.start;
-                if line.len() > self.max {
-                    Next::TooLarge
-                } else {
-                    Next::Frame(line)
-                }
-            }
-            None => {
-                self.scanned = self.buf.len();
-                // One more byte may be the `\r` of a `\r\n` ending.
-                if self.buf.len() - self.start > self.max + 1 {
-                    Next::TooLarge
-                } else {
-                    Next::Pending
-                }
-            }
-        }
-    }
-
-    fn next_prefixed(&mut self) -> Next {
-        let Some(header) = self.buf.get(self.start..self.start + 4) else {
-            return Next::Pending;
-        };
-        let length = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
-        if length > self.max {
-            return Next::TooLarge;
-        }
-        let body = self.start + 4..self.start + 4 + length;
-        if body.end > self.buf.len() {
-            return Next::Pending;
-        }
-        self.start = body.end;
-        self.scanned = self.start;
-        Next::Frame(body)
-    }
-
-    /// Reads more input after the unanswered bytes. Cancel-safe.
-    async fn fill<R: AsyncRead + Unpin>(&mut self, reader: &mut R) -> io::Result<usize> {
-        self.make_room();
-        reader.read_buf(&mut self.buf).await
-    }
-
-    /// Reads what input there is now after the unanswered bytes, without waiting.
-    fn try_fill<R: NonBlocking>(&mut self, reader: &R) -> io::Result<usize> {
-        self.make_room();
-        reader.try_read_buf(&mut self.buf)
-    }
-
-    /// Drops the answered bytes; leaves room to read more.
-    fn make_room(&mut self) {
-        if self.start > 0 {
-            self.buf.drain(..self.start);
-            self.scanned -= self.start;
-            self.start = 0;
-        }
-        self.buf.reserve(16 * 1024);
-    }
-
-    /// Whether a frame was begun but not ended.
-    fn has_partial(&self) -> bool {
-        match self.framing {
-            Framing::Lines => !self.buf[self.start..].iter().all(u8::is_ascii_whitespace),
-            Framing::LengthPrefixed => self.start < self.buf.len(),
-        }
-    }
 }
 
 /// Removes a socket file left by a daemon that is gone; refuses to replace a live socket or

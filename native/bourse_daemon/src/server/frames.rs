@@ -1,0 +1,147 @@
+//! A connection's input split into frames, and its answers framed, in the codec its first
+//! `hello` chose: newline-delimited JSON, or external terms after a 4-byte big-endian
+//! length.
+
+use std::io;
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use super::NonBlocking;
+use crate::protocol::Codec;
+
+/// Frames the answer written from `start` on as the connection's codec wants: a JSON line,
+/// or an external term after its 4-byte big-endian length.
+pub fn framed(out: &mut Vec<u8>, start: usize, codec: Codec) {
+    match codec {
+        Codec::Json => out.push(b'\n'),
+        Codec::Etf => {
+            let length = (out.len() - start) as u32;
+            out.splice(start..start, length.to_be_bytes());
+        }
+    }
+}
+
+/// How input bytes are split into frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Lines ended by `\n` (or `\r\n`): JSON.
+    Lines,
+    /// A 4-byte big-endian length, then that many bytes: external terms.
+    LengthPrefixed,
+}
+
+/// Input bytes split into frames of at most `max` bytes.
+pub struct Frames {
+    pub buf: Vec<u8>,
+    /// Start of the first unanswered frame.
+    start: usize,
+    /// Bytes before this (and from `start`) hold no newline.
+    scanned: usize,
+    max: usize,
+    pub framing: Framing,
+}
+
+pub enum Next {
+    /// A frame without its line ending or length.
+    Frame(std::ops::Range<usize>),
+    TooLarge,
+    /// No complete frame is buffered.
+    Pending,
+}
+
+impl Frames {
+    pub fn new(max: usize) -> Self {
+        Self {
+            buf: Vec::with_capacity(8192),
+            start: 0,
+            scanned: 0,
+            max,
+            framing: Framing::Lines,
+        }
+    }
+
+    /// From the next frame on, frames are length-prefixed.
+    pub fn length_prefixed(&mut self) {
+        self.framing = Framing::LengthPrefixed;
+        self.scanned = self.start;
+    }
+
+    pub fn next(&mut self) -> Next {
+        if self.framing == Framing::LengthPrefixed {
+            return self.next_prefixed();
+        }
+        match self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
+            Some(at) => {
+                let newline = self.scanned + at;
+                let mut end = newline;
+                if end > self.start && self.buf[end - 1] == b'\r' {
+                    end -= 1;
+                }
+                let line = self.start..end;
+                self.start = newline + 1;
+                self.scanned = self.start;
+                if line.len() > self.max {
+                    Next::TooLarge
+                } else {
+                    Next::Frame(line)
+                }
+            }
+            None => {
+                self.scanned = self.buf.len();
+                // One more byte may be the `\r` of a `\r\n` ending.
+                if self.buf.len() - self.start > self.max + 1 {
+                    Next::TooLarge
+                } else {
+                    Next::Pending
+                }
+            }
+        }
+    }
+
+    fn next_prefixed(&mut self) -> Next {
+        let Some(header) = self.buf.get(self.start..self.start + 4) else {
+            return Next::Pending;
+        };
+        let length = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        if length > self.max {
+            return Next::TooLarge;
+        }
+        let body = self.start + 4..self.start + 4 + length;
+        if body.end > self.buf.len() {
+            return Next::Pending;
+        }
+        self.start = body.end;
+        self.scanned = self.start;
+        Next::Frame(body)
+    }
+
+    /// Reads more input after the unanswered bytes. Cancel-safe.
+    pub async fn fill<R: AsyncRead + Unpin>(&mut self, reader: &mut R) -> io::Result<usize> {
+        self.make_room();
+        reader.read_buf(&mut self.buf).await
+    }
+
+    /// Reads what input there is now after the unanswered bytes, without waiting.
+    pub fn try_fill<R: NonBlocking>(&mut self, reader: &R) -> io::Result<usize> {
+        self.make_room();
+        reader.try_read_buf(&mut self.buf)
+    }
+
+    /// Drops the answered bytes; leaves room to read more.
+    fn make_room(&mut self) {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.scanned -= self.start;
+            self.start = 0;
+        }
+        self.buf.reserve(16 * 1024);
+    }
+
+    /// Whether a frame was begun but not ended.
+    pub fn has_partial(&self) -> bool {
+        match self.framing {
+            Framing::Lines => !self.buf[self.start..].iter().all(u8::is_ascii_whitespace),
+            Framing::LengthPrefixed => self.start < self.buf.len(),
+        }
+    }
+}
