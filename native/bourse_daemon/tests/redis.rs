@@ -1197,10 +1197,10 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
     let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
     assert_eq!(t.call(three)["result"], "admitted");
     let (commands, stats) = script_commands(&redis);
-    // Per call: the run marker's two SETs (the first also finds whether it ran before) and
-    // the exchange marker's PTTL (renewed only when it has less than a day left); per
+    // Per call: the run marker's GET (whether it ran before) and SET (its answers); the
+    // exchange marker, whose expiry the library knows to be far enough, is not read; per
     // exchange one HLEN of its pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
-    assert!(commands <= 3 + 1 + 3 * 4, "{commands} commands:\n{stats}");
+    assert!(commands <= 2 + 1 + 3 * 4, "{commands} commands:\n{stats}");
     // The exchange's marker still outlives its last check by a day (less the moments since).
     let markers: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:e{*"));
     assert_eq!(markers.len(), 1, "{markers:?}");
@@ -1209,6 +1209,27 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
         left >= 86_400_000 - 60_000,
         "the marker expires in {left} ms"
     );
+}
+
+/// The function library remembers when each exchange marker expires, so as not to read it
+/// on every call: a marker deleted and written again (without an expiry) by a later check
+/// still gets one.
+#[test]
+fn an_exchange_marker_written_again_gets_an_expiry() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 1});
+    for round in 0..3 {
+        let k = key("okx", Some(&format!("k{round}")));
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        let markers: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:e{*"));
+        assert_eq!(markers.len(), 1, "{markers:?}");
+        let left: i64 = redis.query(::redis::cmd("PTTL").arg(&markers[0]));
+        assert!(left >= 86_400_000 - 60_000, "round {round}: {left} ms");
+        let _: () = redis.query(::redis::cmd("DEL").arg(&markers[0]));
+    }
 }
 
 /// Calls of `command` (lower case) in `INFO commandstats`.
@@ -1409,10 +1430,10 @@ fn checks_sharing_a_call_read_their_pauses_once() {
         .sum::<u64>();
     eprintln!("{n} checks in {calls} calls: {commands} commands");
     assert!(calls < n / 4, "{calls} calls for {n} checks");
-    // Per call 3 (its run marker's SETs, the exchange marker's PTTL) and 2 reading the
-    // pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    // Per call 2 (its run marker's GET and SET; the exchange marker's expiry is known) and
+    // 1 reading the pauses (HLEN, none held); per bucket HMGET, ZRANGE, HSET and PEXPIRE.
     assert!(
-        commands <= calls * 5 + n * 4,
+        commands <= calls * 3 + n * 4,
         "{commands} commands:\n{stats}"
     );
     // Paused: every check of the exchange is told to wait, whatever the call.

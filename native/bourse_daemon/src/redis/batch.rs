@@ -114,8 +114,9 @@ struct Runs {
 impl Runs {
     fn marker(&self, tag: &[u8]) -> Vec<u8> {
         let run = self.next.fetch_add(1, Ordering::Relaxed);
-        let run = format!("{:016x}{run:x}", self.process);
-        names::run_marker(&self.prefix, tag, &run)
+        let mut marker = Vec::with_capacity(self.prefix.len() + tag.len() + 40);
+        names::write_run_marker(&mut marker, &self.prefix, tag, self.process, run);
+        marker
     }
 }
 

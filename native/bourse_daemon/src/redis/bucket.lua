@@ -24,8 +24,8 @@
 --   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
 --                        wait since its last success
 --   P:{E}:r:<n>  string  the answers of the `checks` call numbered n (by its daemon), as
---                        it returned them, once it ran ("1" while it runs); lives twice
---                        the daemon's Redis timeout
+--                        it returned them, written when it ran; lives twice the daemon's
+--                        Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
@@ -213,6 +213,12 @@ local function borrowed(bucket, now)
   return -bucket.b
 end
 
+-- When each exchange's marker expires (µs, Redis clock), by name, as this library last
+-- read or set it: a marker known to outlive what a call wants is not read again. A function
+-- library keeps it from call to call (a script starts empty); `state_began` forgets a
+-- marker it writes (SET drops the expiry); past MAX_REMEMBERED markers it starts again.
+local marker_ends, markers_known = {}, 0
+
 -- When this exchange's state began on this Redis node. The marker holds the time and, once
 -- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
 -- under another run_id lies next to buckets that may lack that node's last payments (a
@@ -230,6 +236,7 @@ local function state_began(marker, now, busy)
   if not began or (node and by ~= node) then
     began = now
     redis.call('SET', marker, fmt(now) .. (node and ' ' .. node or ''))
+    marker_ends[marker] = nil
   end
   return began
 end
@@ -293,13 +300,24 @@ local function keep(item, now, delay)
 end
 
 -- Keeps each exchange's marker at least a day past this check, and past its longest-lived
--- bucket; set MARKER_SLACK longer than that, so most calls only read its TTL.
-local function keep_markers(markers)
+-- bucket; set MARKER_SLACK longer than that, so most calls need not renew it.
+local function keep_markers(markers, now)
   for marker, ms in pairs(markers) do
-    local left = redis.call('PTTL', marker)
     local want = math.max(ms, MARKER_TTL / 1000)
-    if left ~= -2 and left < want then
-      redis.call('PEXPIRE', marker, int(want + MARKER_SLACK / 1000))
+    local ends = marker_ends[marker]
+    if not ends or ends - now < want * 1000 then
+      local left = redis.call('PTTL', marker)
+      if left ~= -2 and left < want then
+        left = want + MARKER_SLACK / 1000
+        redis.call('PEXPIRE', marker, int(left))
+      end
+      if left >= 0 then
+        if markers_known >= MAX_REMEMBERED then
+          marker_ends, markers_known = {}, 0
+        end
+        markers_known = markers_known + 1
+        marker_ends[marker] = now + left * 1000
+      end
     end
   end
 end
@@ -376,7 +394,10 @@ end
 -- before it pays (its keys are all read first).
 --
 -- The run marker makes a call run once, and holds its answers: a call sent again after
--- the connection was lost finds them (see `replay`) and answers them unchanged.
+-- the connection was lost finds them and answers them unchanged, even past its deadline
+-- (what they admitted is paid). It is written once, at the end: a call that wrote
+-- anything runs to its end (Redis neither stops a script that wrote nor refuses its later
+-- writes, and each check runs under pcall), so a run always leaves its answers.
 local decide
 
 -- Pauses read by this call, by pauses key: `ends`, the end (µs) by field (false: none),
@@ -428,23 +449,13 @@ local function error_text(e)
   return string.sub(string.match(text, '^[^\n]*'), 1, 200)
 end
 
--- A `checks` call that already ran (its marker exists): the answers it gave, even past its
--- deadline (what they admitted is paid), or the error "RERUN" if its run left no answers.
-local function replay(now)
-  local ran = redis.call('GET', KEYS[1])
-  if not ran then
-    return nil
-  end
-  if ran == '1' then
-    return redis.error_reply('RERUN this call already ran')
-  end
-  return { now, ran }
-end
-
 local function checks(now, late)
-  -- The marker is set ('1') by the first run only; a call past its deadline sets nothing.
-  if late or not redis.call('SET', KEYS[1], '1', 'PX', ARGV[2], 'NX') then
-    return replay(now) or late_error(now)
+  local ran = redis.call('GET', KEYS[1])
+  if ran then
+    return { now, ran }
+  end
+  if late then
+    return late_error(now)
   end
   local answers, markers = {}, {}
   pause_ends = {}
@@ -467,7 +478,7 @@ local function checks(now, late)
     k = k + parse(ARGV[a + 1])
     a = a + 3 + parse(ARGV[a + 2])
   end
-  keep_markers(markers)
+  keep_markers(markers, now)
   local text = table.concat(answers, '\n')
   redis.call('SET', KEYS[1], text, 'PX', ARGV[2])
   return { now, text }

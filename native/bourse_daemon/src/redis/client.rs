@@ -234,11 +234,6 @@ impl Client {
             Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
                 format!("{LATE}{}", error.detail().unwrap_or_default()),
             )),
-            Ok(Err(error)) if error.code() == Some("RERUN") => Err(StoreError::Unavailable(
-                "the connection to redis was lost while it ran the request, which was not \
-                 run again: its outcome is unknown"
-                    .into(),
-            )),
             Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
             Err(_) => Err(StoreError::Unavailable(format!(
                 "redis did not answer within {} ms",

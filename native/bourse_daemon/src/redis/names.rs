@@ -15,40 +15,68 @@ pub fn check_prefix(prefix: &str) -> Result<(), String> {
     }
 }
 
+use std::io::Write;
+
 /// Appends `<byte length>:<bytes>`: unambiguous whatever the bytes.
 fn part(out: &mut Vec<u8>, bytes: &[u8]) {
-    out.extend_from_slice(bytes.len().to_string().as_bytes());
-    out.push(b':');
+    // Writing to a Vec cannot fail.
+    let _ = write!(out, "{}:", bytes.len());
     out.extend_from_slice(bytes);
 }
 
-/// `-` for the public pool, else `h` and the credential's keyed fingerprint (32 hex digits).
-pub fn credential_part(credential: Option<&str>) -> Vec<u8> {
+/// Appends `-` for the public pool, else `h` and the credential's keyed fingerprint (32 hex
+/// digits).
+fn credential_part(out: &mut Vec<u8>, credential: Option<&str>) {
     match credential {
-        Some(fingerprint) => [b"h".as_slice(), fingerprint.as_bytes()].concat(),
-        None => b"-".to_vec(),
+        Some(fingerprint) => {
+            out.push(b'h');
+            out.extend_from_slice(fingerprint.as_bytes());
+        }
+        None => out.push(b'-'),
     }
 }
 
-/// `PREFIX:{E}`: the hash tag every key of the exchange starts with.
-fn tagged(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
-    let mut name = prefix.to_vec();
-    name.extend_from_slice(b":{");
-    part(&mut name, exchange);
-    name.push(b'}');
+/// Appends `PREFIX:{E}`: the hash tag every key of the exchange starts with.
+fn tagged(out: &mut Vec<u8>, prefix: &[u8], exchange: &[u8]) {
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(b":{");
+    part(out, exchange);
+    out.push(b'}');
+}
+
+/// A name written by `write`, in one allocation for most names.
+fn written(write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut name = Vec::with_capacity(128);
+    write(&mut name);
     name
+}
+
+/// Appends the name of the hash of an exchange's pauses.
+pub fn write_pauses(out: &mut Vec<u8>, prefix: &[u8], exchange: &[u8]) {
+    tagged(out, prefix, exchange);
+    out.extend_from_slice(b":p");
 }
 
 /// The hash of an exchange's pauses.
 pub fn pauses_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
-    let mut name = tagged(prefix, exchange);
-    name.extend_from_slice(b":p");
-    name
+    written(|out| write_pauses(out, prefix, exchange))
 }
 
-/// The marker of the call numbered `run`, in the slot of the hash tag `tag`.
-pub fn run_marker(prefix: &[u8], tag: &[u8], run: &str) -> Vec<u8> {
-    [prefix, b":{", tag, b"}:r:", run.as_bytes()].concat()
+/// Appends the name of the marker of when an exchange's state began.
+pub fn write_marker(out: &mut Vec<u8>, prefix: &[u8], exchange: &[u8]) {
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(b":e{");
+    part(out, exchange);
+    out.push(b'}');
+}
+
+/// Appends the name of the marker of the call numbered `run` (in hex, after `process`), in
+/// the slot of the hash tag `tag`.
+pub fn write_run_marker(out: &mut Vec<u8>, prefix: &[u8], tag: &[u8], process: u64, run: u64) {
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(b":{");
+    out.extend_from_slice(tag);
+    let _ = write!(out, "}}:r:{process:016x}{run:x}");
 }
 
 /// A credential's names: its backoff count, and its field in the exchange's pauses.
@@ -60,13 +88,19 @@ pub struct CredentialNames {
 impl CredentialNames {
     /// The names of `exchange`'s credential given by its keyed fingerprint (`None`: public).
     pub fn new(prefix: &[u8], exchange: &[u8], credential: Option<&str>) -> Self {
-        let credential = credential_part(credential);
-        let mut backoff = tagged(prefix, exchange);
-        backoff.extend_from_slice(b":o:");
-        backoff.extend_from_slice(&credential);
+        let key = KeyParts {
+            prefix,
+            exchange,
+            credential,
+            axis: b"",
+        };
         Self {
-            backoff,
-            pause: [b"c:".as_slice(), &credential].concat(),
+            backoff: written(|out| {
+                tagged(out, prefix, exchange);
+                out.extend_from_slice(b":o:");
+                credential_part(out, credential);
+            }),
+            pause: written(|out| key.credential_pause(out)),
         }
     }
 }
@@ -94,13 +128,58 @@ pub fn exchange_pattern(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
     pattern
 }
 
+/// What one key's names are made of; each name is appended to a buffer (a check writes
+/// them straight into its call).
+#[derive(Clone, Copy)]
+pub struct KeyParts<'a> {
+    pub prefix: &'a [u8],
+    pub exchange: &'a [u8],
+    /// The credential's keyed fingerprint, `None` for the public pool.
+    pub credential: Option<&'a str>,
+    pub axis: &'a [u8],
+}
+
+impl KeyParts<'_> {
+    /// `PREFIX:{E}<kind>C:A`.
+    fn named(&self, out: &mut Vec<u8>, kind: &[u8]) {
+        tagged(out, self.prefix, self.exchange);
+        out.extend_from_slice(kind);
+        credential_part(out, self.credential);
+        out.push(b':');
+        part(out, self.axis);
+    }
+
+    /// Appends the bucket's name.
+    pub fn bucket(&self, out: &mut Vec<u8>) {
+        self.named(out, b":b:");
+    }
+
+    /// Appends the name of the bucket's bookings.
+    pub fn bookings(&self, out: &mut Vec<u8>) {
+        self.named(out, b":w:");
+    }
+
+    /// Appends the credential's field in the exchange's pauses.
+    pub fn credential_pause(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"c:");
+        credential_part(out, self.credential);
+    }
+
+    /// Appends the key's field in the exchange's pauses.
+    pub fn key_pause(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"k:");
+        credential_part(out, self.credential);
+        out.push(b':');
+        part(out, self.axis);
+    }
+}
+
 /// The Redis names of one key's data (see bucket.lua for the layout).
 #[derive(Clone)]
 pub struct KeyNames {
     pub bucket: Vec<u8>,
     pub bookings: Vec<u8>,
     pub pauses: Vec<u8>,
-    pub marker: Vec<u8>,
     pub credential_pause: Vec<u8>,
     pub key_pause: Vec<u8>,
 }
@@ -113,23 +192,18 @@ impl KeyNames {
         credential: Option<&str>,
         axis: &[u8],
     ) -> Self {
-        let mut credential = credential_part(credential);
-        let mut suffix = credential.clone();
-        suffix.push(b':');
-        part(&mut suffix, axis);
-        let tag = tagged(prefix, exchange);
-        let named = |kind: &[u8]| [tag.as_slice(), kind, &suffix].concat();
-        let mut marker = prefix.to_vec();
-        marker.extend_from_slice(b":e");
-        marker.extend_from_slice(&tag[prefix.len() + 1..]);
-        credential.splice(0..0, b"c:".iter().copied());
+        let key = KeyParts {
+            prefix,
+            exchange,
+            credential,
+            axis,
+        };
         Self {
-            bucket: named(b":b:"),
-            bookings: named(b":w:"),
+            bucket: written(|out| key.bucket(out)),
+            bookings: written(|out| key.bookings(out)),
             pauses: pauses_name(prefix, exchange),
-            marker,
-            credential_pause: credential,
-            key_pause: [b"k:".as_slice(), &suffix].concat(),
+            credential_pause: written(|out| key.credential_pause(out)),
+            key_pause: written(|out| key.key_pause(out)),
         }
     }
 }
@@ -211,7 +285,8 @@ mod tests {
             .iter()
             .flat_map(|key| {
                 let names = names_of(b"bourse", key, &keyed);
-                [names.bucket, names.bookings, names.pauses, names.marker]
+                let marker = written(|out| write_marker(out, b"bourse", key.exchange));
+                [names.bucket, names.bookings, names.pauses, marker]
             })
             .map(|name| hash_tag(&name).to_vec())
             .collect();
@@ -238,7 +313,8 @@ mod tests {
         );
         assert_eq!(a.bookings, b"bourse:{7:binance}:w:-:2:ip");
         assert_eq!(a.pauses, b"bourse:{7:binance}:p");
-        assert_eq!(a.marker, b"bourse:e{7:binance}");
+        let marker = written(|out| write_marker(out, b"bourse", b"binance"));
+        assert_eq!(marker, b"bourse:e{7:binance}");
         assert_eq!(a.key_pause, b"k:-:2:ip");
         assert_eq!(b.credential_pause, format!("c:h{h}").as_bytes());
         let credential = CredentialNames::new(b"bourse", b"binance", Some(&h));
@@ -276,6 +352,14 @@ mod tests {
         assert!(decode_bucket_name(b"bourse", &a.bookings).is_none());
         assert!(decode_bucket_name(b"bourse", &a.pauses).is_none());
         assert!(decode_bucket_name(b"other", &a.bucket).is_none());
+    }
+
+    #[test]
+    fn run_markers_are_tagged_and_numbered() {
+        let mut marker = Vec::new();
+        write_run_marker(&mut marker, b"bourse", b"7:binance", 0xab, 0x1f);
+        assert_eq!(marker, b"bourse:{7:binance}:r:00000000000000ab1f");
+        assert_eq!(hash_tag(&marker), b"7:binance");
     }
 
     #[test]

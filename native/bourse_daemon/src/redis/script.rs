@@ -3,9 +3,11 @@
 //! script loaded once with `SCRIPT LOAD`, again on `NOSCRIPT`) or, where a node still lacks
 //! it, as `EVAL`. The command is written straight from the calls' keys and arguments.
 
+use std::io;
+use std::ops::Range;
 use std::time::Duration;
 
-use ::redis::{Cmd, ToRedisArgs};
+use ::redis::{Cmd, RedisWrite, ToRedisArgs};
 
 /// The bucket's code; it ends with its entry point, `run(keys, args)`.
 const BUCKET: &str = include_str!("bucket.lua");
@@ -45,10 +47,55 @@ impl Sources {
 }
 
 /// The keys and arguments of one script call; the first argument names the operation.
+/// Each is a range of one buffer, so that a call is built without an allocation per part.
 #[derive(Default)]
 pub struct Call {
-    keys: Vec<Vec<u8>>,
-    args: Vec<Vec<u8>>,
+    data: Vec<u8>,
+    keys: Vec<Range<usize>>,
+    args: Vec<Range<usize>>,
+}
+
+/// Appends parts to a call's buffer, each recorded as one range of `parts`.
+struct Parts<'a> {
+    data: &'a mut Vec<u8>,
+    parts: &'a mut Vec<Range<usize>>,
+}
+
+impl Parts<'_> {
+    fn push(&mut self, write: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.data.len();
+        write(self.data);
+        self.parts.push(start..self.data.len());
+    }
+}
+
+impl RedisWrite for Parts<'_> {
+    fn write_arg(&mut self, arg: &[u8]) {
+        self.push(|data| data.extend_from_slice(arg));
+    }
+
+    fn writer_for_next_arg(&mut self) -> impl io::Write + '_ {
+        /// Records the part when dropped, once written.
+        struct Part<'a, 'b>(&'a mut Parts<'b>, usize);
+        impl Drop for Part<'_, '_> {
+            fn drop(&mut self) {
+                let end = self.0.data.len();
+                self.0.parts.push(self.1..end);
+            }
+        }
+        impl io::Write for Part<'_, '_> {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                self.0.data.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let start = self.data.len();
+        Part(self, start)
+    }
 }
 
 /// How a command names the code it runs: the function (`FCALL`), the script by its SHA1
@@ -77,13 +124,39 @@ impl Script<'_> {
 }
 
 impl Call {
+    fn keys(&mut self) -> Parts<'_> {
+        Parts {
+            data: &mut self.data,
+            parts: &mut self.keys,
+        }
+    }
+
+    fn args(&mut self) -> Parts<'_> {
+        Parts {
+            data: &mut self.data,
+            parts: &mut self.args,
+        }
+    }
+
     pub fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
-        key.write_redis_args(&mut self.keys);
+        key.write_redis_args(&mut self.keys());
+        self
+    }
+
+    /// Appends a key that `write` writes.
+    pub fn key_with(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> &mut Self {
+        self.keys().push(write);
         self
     }
 
     pub fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        arg.write_redis_args(&mut self.args);
+        arg.write_redis_args(&mut self.args());
+        self
+    }
+
+    /// Appends an argument that `write` writes.
+    pub fn arg_with(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> &mut Self {
+        self.args().push(write);
         self
     }
 
@@ -104,20 +177,29 @@ impl Call {
 
     /// The first key, which names the slot of the call on a cluster.
     pub fn first_key(&self) -> &[u8] {
-        self.keys.first().map_or(&[], Vec::as_slice)
+        self.keys.first().map_or(&[], |key| &self.data[key.clone()])
     }
 
     fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.args).map(Vec::len).sum()
+        self.data.len()
+    }
+
+    /// Writes `parts` (ranges of this call's buffer) into `command`, one argument each.
+    fn write(&self, command: &mut Cmd, parts: &[Range<usize>]) {
+        for part in parts {
+            command.write_arg(&self.data[part.clone()]);
+        }
     }
 
     /// The call as a command, with `deadline` (µs on the Redis clock, 0 for none) after the
     /// operation: bucket.lua reads it first.
     pub fn command(&self, script: Script, deadline: u64) -> Cmd {
         let mut command = script.command(self.keys.len(), self.args.len() + 1, self.bytes());
-        command.arg(&self.keys);
+        self.write(&mut command, &self.keys);
         if let Some((op, args)) = self.args.split_first() {
-            command.arg(op).arg(deadline).arg(args);
+            self.write(&mut command, std::slice::from_ref(op));
+            command.arg(deadline);
+            self.write(&mut command, args);
         }
         command
     }
@@ -139,7 +221,7 @@ pub fn checks(
     let mut command = script.command(keys, args, bytes + 16 * args);
     command.arg(marker);
     for (_, part) in parts {
-        command.arg(&part.keys);
+        part.write(&mut command, &part.keys);
     }
     command
         .arg("checks")
@@ -150,8 +232,59 @@ pub fn checks(
         command
             .arg(*deadline)
             .arg(part.keys.len())
-            .arg(part.args.len())
-            .arg(&part.args);
+            .arg(part.args.len());
+        part.write(&mut command, &part.args);
     }
     command
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parts written in place make the command that parts given whole make.
+    #[test]
+    fn calls_are_sent_as_given() {
+        let mut call = Call::default();
+        call.key(b"k1".to_vec())
+            .key_with(|out| out.extend_from_slice(b"k2"))
+            .arg("op")
+            .arg(1.5)
+            .arg_with(|out| out.extend_from_slice(b"a:b"))
+            .number(3.0)
+            .arg("");
+        assert_eq!(call.first_key(), b"k1");
+        assert_eq!(call.key_count(), 2);
+        let mut expected = ::redis::cmd("FCALL");
+        expected
+            .arg("f")
+            .arg(2)
+            .arg("k1")
+            .arg("k2")
+            .arg("op")
+            .arg(7);
+        expected.arg("1.5").arg("a:b").arg("3").arg("");
+        let command = call.command(Script::Function("f"), 7);
+        assert_eq!(command.get_packed_command(), expected.get_packed_command());
+        let mut expected = ::redis::cmd("EVALSHA");
+        expected.arg("s").arg(3).arg("m").arg("k1").arg("k2");
+        expected.arg("checks").arg(9).arg(2000).arg(1);
+        expected
+            .arg(5)
+            .arg(2)
+            .arg(5)
+            .arg("op")
+            .arg("1.5")
+            .arg("a:b")
+            .arg("3")
+            .arg("");
+        let checks = checks(
+            Script::Sha("s"),
+            b"m",
+            Duration::from_secs(2),
+            9,
+            &[(5, &call)],
+        );
+        assert_eq!(checks.get_packed_command(), expected.get_packed_command());
+    }
 }

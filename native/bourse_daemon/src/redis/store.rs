@@ -1,6 +1,7 @@
 //! [`RedisStore`]: each operation of the protocol as calls of `bucket.lua`.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use super::client::Client;
 use super::connection::{hash_tag, Connection, Servers};
 use super::counters::Counters;
 use super::fingerprints::Fingerprints;
-use super::names::{self, CredentialNames, KeyNames};
+use super::names::{self, CredentialNames, KeyNames, KeyParts};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
 use crate::store::{ShownKey, Store, StoreError, StoreResult};
@@ -208,37 +209,50 @@ impl Store for RedisStore {
             Mode::Wait { max_wait_ms } => max_wait_ms,
         };
         let mut call = Call::default();
-        call.arg(format!("{owner}:{}", signature(&items)))
-            .arg(max_wait)
-            .arg(self.config.booking_slack_ms.saturating_mul(1000))
-            .arg(if self.config.assume_busy_at_start {
-                "1"
-            } else {
-                "0"
-            })
-            .arg(items.len());
+        call.arg_with(|out| {
+            // Writing to a Vec cannot fail.
+            let _ = write!(out, "{owner}:{}", signature(&items));
+        })
+        .arg(max_wait)
+        .arg(self.config.booking_slack_ms.saturating_mul(1000))
+        .arg(if self.config.assume_busy_at_start {
+            "1"
+        } else {
+            "0"
+        })
+        .arg(items.len());
         // Items are sorted by exchange: each run of one exchange is a group sharing its
         // pauses and state marker.
-        let mut groups: Vec<KeyNames> = Vec::new();
-        let mut last_exchange: Option<&[u8]> = None;
+        let mut groups: Vec<&[u8]> = Vec::new();
         for item in &items {
-            let (names, shown) = self.names_and_shown(&item.key);
-            if last_exchange != Some(item.key.exchange) {
-                last_exchange = Some(item.key.exchange);
-                groups.push(names.clone());
+            let exchange = item.key.exchange;
+            if groups.last() != Some(&exchange) {
+                groups.push(exchange);
             }
-            call.key(names.bucket)
-                .key(names.bookings)
+            let found = item
+                .key
+                .credential
+                .map(|credential| self.fingerprints.of(credential));
+            let key = KeyParts {
+                prefix: &self.prefix,
+                exchange,
+                credential: found.as_ref().map(|found| found.keyed.as_str()),
+                axis: item.key.axis,
+            };
+            let shown = found.as_ref().map_or("", |found| found.shown.as_str());
+            call.key_with(|out| key.bucket(out))
+                .key_with(|out| key.bookings(out))
                 .number(item.limit.capacity())
                 .number(item.limit.refill_per_sec())
                 .number(item.cost)
                 .arg(groups.len())
-                .arg(names.credential_pause)
-                .arg(names.key_pause)
+                .arg_with(|out| key.credential_pause(out))
+                .arg_with(|out| key.key_pause(out))
                 .arg(shown);
         }
-        for group in groups {
-            call.key(group.pauses).key(group.marker);
+        for exchange in groups {
+            call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
+                .key_with(|out| names::write_marker(out, &self.prefix, exchange));
         }
         let (result, ms, paused, lapsed) = self.checks.check(call).await?;
         let outcome = answer::outcome(&result, ms)?;
