@@ -1,4 +1,5 @@
-//! Hostile input against the built daemon, over stdio and TCP: random bytes, invalid UTF-8,
+//! Hostile input against the built daemon, over stdio, TCP and a Unix socket (whose
+//! connections are served on threads of their own): random bytes, invalid UTF-8,
 //! wrong shapes, numbers beyond a double, 100k-deep nesting, oversized lines, half frames
 //! and slow clients. The daemon never crashes, answers every frame it could read (with
 //! the id when it could read one), and still serves a valid request afterwards.
@@ -6,11 +7,12 @@
 mod common;
 
 use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use common::{key, Server, StdioDaemon, Transport};
+use common::{key, temp_path, LineClient, Server, StdioDaemon, Transport};
 
 /// xorshift64*: reproducible input without a dependency.
 struct Rng(u64);
@@ -289,4 +291,69 @@ fn tcp_answers_every_hostile_line_and_goes_on() {
 
     let mut fresh = server.connect();
     assert_eq!(fresh.call(json!({"op": "hello"}))["ok"], true);
+}
+
+#[test]
+fn unix_answers_every_hostile_line_and_goes_on() {
+    let path = temp_path("fuzz.sock");
+    let socket = path.to_str().unwrap();
+    let mut server = Server::start(&["--socket", socket, "--max-frame-bytes", "1048576"]);
+    let connect = || LineClient::new(UnixStream::connect(&path).expect("connect"));
+    for seed in [11, 12] {
+        let frames = frames(seed);
+        let mut client = connect();
+        // Written by another thread: the daemon answers while it reads.
+        let mut writer = client.stream.try_clone().unwrap();
+        let lines: Vec<u8> = frames
+            .iter()
+            .flat_map(|(frame, _)| frame.iter().copied().chain([b'\n']))
+            .collect();
+        let sending = std::thread::spawn(move || writer.write_all(&lines).unwrap());
+        let answers = (0..frames.len()).map(|_| client.recv()).collect();
+        sending.join().unwrap();
+        judge(&frames, answers, &mut client);
+    }
+
+    // A slow client, one byte at a time, beside a busy one.
+    let mut busy = connect();
+    let mut slow = connect();
+    let request =
+        br#"{"id":5,"op":"check","key":{"exchange":"s","credential":null},"limit":{"requests":2}}"#;
+    for byte in request.iter().chain(b"\n") {
+        slow.send_raw(&[*byte]);
+        assert_eq!(busy.call(json!({"op": "hello", "id": 1}))["id"], 1);
+    }
+    assert_eq!(slow.recv()["result"], "admitted");
+
+    // An oversized line: an error, then the connection closes; others go on.
+    let mut big = connect();
+    big.send_raw(&vec![b'x'; 2 * 1048576]);
+    assert_eq!(big.recv()["error"]["type"], "frame_too_large");
+    // A half frame, then the client goes away.
+    let mut half = connect();
+    half.send_raw(br#"{"id":6,"op":"ch"#);
+    half.stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let answer = half.recv();
+    assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+    assert_eq!(busy.call(json!({"op": "hello", "id": 2}))["id"], 2);
+
+    // SIGTERM: the requests already read are answered, then the daemon exits 0.
+    let mut last = connect();
+    let check = json!({"op": "check", "key": key("t", None), "limit": {"requests": 1000}});
+    for id in 0..200 {
+        let mut request = check.clone();
+        request["id"] = json!(id);
+        last.send_raw(format!("{request}\n").as_bytes());
+    }
+    assert_eq!(last.recv()["id"], 0);
+    common::signal(&server.child, "TERM");
+    assert_eq!(common::wait_exit(&mut server.child).code(), Some(0));
+    let mut answered = 1;
+    while let Some(line) = last.recv_line() {
+        let answer: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(answer["id"], answered, "{answer}");
+        answered += 1;
+    }
+    assert!(answered <= 200);
+    assert!(!path.exists(), "the socket file outlived the daemon");
 }
