@@ -3,10 +3,9 @@
 //! A Unix connection to the in-memory table is served on a thread of its own ([`thread`]);
 //! any other connection is a task of the runtime. When its input runs out and it is the
 //! only connection, a connection polls its socket for a few microseconds before it sleeps,
-//! as [`Spin`] decides. Unix
-//! sockets are created owner-only (or owner and group); TCP clients prove the shared
-//! secret before anything but `hello` is served. Connections are bounded in number, and
-//! closed when idle.
+//! as [`Spin`] decides. Unix sockets are created owner-only (or owner and group); TCP
+//! clients prove the shared secret before anything but `hello` is served. Connections are
+//! bounded in number, and closed when idle.
 
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
