@@ -141,11 +141,16 @@ defmodule Bourse.RateLimiter do
     route = Router.route(name)
 
     # The hot path: a direct call to the backend, no argument list built for `apply/3`;
-    # the default backend named, so that the call is not looked up by its module.
+    # the NIF and the daemon's backends named, so that the call is not looked up by its
+    # module.
     answer =
       case route do
         {Backend.NIF, table, _events, _pid} ->
           Backend.NIF.check_rate(table, self(), key, limit, cost, nil)
+
+        # The port's and the socket's, one implementation.
+        {backend, handle, _events, _pid} when backend in [Backend.Port, Backend.Daemon] ->
+          Backend.Protocol.check_rate(handle, self(), key, limit, cost, nil)
 
         {backend, handle, _events, _pid} ->
           backend.check_rate(handle, self(), key, limit, cost, nil)

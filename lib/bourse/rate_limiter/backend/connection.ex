@@ -142,7 +142,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       [{:stream, stream, transport, max, _down, offset}] ->
         payload = encode(id, with_deadline(request, handle.timeout, now_us, offset))
 
-        case IO.iodata_length(payload) do
+        case byte_size(payload) do
           size when size > max ->
             {:error,
              "the request is #{size} bytes encoded, more than the daemon accepts " <>
@@ -150,7 +150,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
           size ->
             deadline = div(now_us, 1000) + handle.timeout
-            frame = transport.frame(payload, size)
+            frame = PortStream.frame(payload, size)
             handle |> call(id, {stream, transport, frame}, deadline) |> answer(id)
         end
     end
@@ -222,7 +222,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       send(handle.pid, {:write, stream, elem(route, 0), frame})
       :ok
     else
-      case transport.write(stream, frame) do
+      case write_frame(transport, stream, frame) do
         :busy ->
           :ets.delete(handle.table, elem(route, 0))
 
@@ -238,6 +238,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       end
     end
   end
+
+  # A caller's own write, to the transport named: a call to a module held in a variable
+  # looks the function up at every call.
+  defp write_frame(PortStream, port, frame), do: PortStream.write(port, frame)
+  defp write_frame(SocketStream, socket, frame), do: SocketStream.write(socket, frame)
 
   # An answer (or a failure) sent before the alias went away still counts.
   defp give_up(handle, id, reply_to, message) do
@@ -383,7 +388,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
     hello = encode(0, %{op: "hello"})
 
-    case state.transport.write_nowait(stream, state.transport.frame(hello, byte_size(hello))) do
+    case state.transport.write_nowait(stream, PortStream.frame(hello, byte_size(hello))) do
       {:error, reason} -> {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
       _written_or_busy -> {:noreply, keepalive(state, idle_ms)}
     end

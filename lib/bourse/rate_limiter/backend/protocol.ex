@@ -82,8 +82,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rate(handle, owner, key, limit, cost, max_wait) do
-    %{op: "check", key: key(key), limit: limit(limit), cost: value(cost)}
-    |> owned_by(handle, owner, max_wait)
+    %{
+      op: "check",
+      key: key(key),
+      limit: limit(limit),
+      cost: value(cost),
+      owner: Connection.owner(handle, owner)
+    }
+    |> waiting(max_wait)
     |> run(handle, &outcome/1)
   end
 
@@ -91,8 +97,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
-    %{op: "check_many", checks: checks(checks)}
-    |> owned_by(handle, owner, max_wait)
+    %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
+    |> waiting(max_wait)
     |> run(handle, &outcome/1)
   end
 
@@ -224,13 +230,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp unexpected(%{} = answer),
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
 
-  # The booking owner, and `max_wait_ms` for a waiter (a probe has none).
-  defp owned_by(request, handle, owner, max_wait) do
-    request = Map.put(request, :owner, Connection.owner(handle, owner))
-    if max_wait, do: Map.put(request, :max_wait_ms, value(max_wait)), else: request
-  end
+  # `max_wait_ms` for a waiter (a probe has none).
+  defp waiting(request, nil), do: request
+  defp waiting(request, max_wait), do: Map.put(request, :max_wait_ms, value(max_wait))
 
   ## Answers
+
+  defp outcome(%{"result" => "admitted"}), do: :ok
 
   defp outcome(%{"result" => result} = answer) do
     case {result, answer["ms"]} do
@@ -352,7 +358,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   # whatever it holds, goes by its size, so that it is refused as the NIF refuses it rather
   # than as a request too large for the daemon's frames.
   defp value(value) when is_binary(value) do
-    if byte_size(value) <= Native.bound(:max_key_part_bytes) and String.valid?(value),
+    if byte_size(value) <= Native.bound(:max_key_part_bytes) and utf8?(value),
       do: value,
       else: %{"$term": "binary", size: byte_size(value)}
   end
@@ -375,6 +381,9 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       length -> %{"$term": "list", len: length}
     end
   end
+
+  # `String.valid?/1` in C, not a call per character: a valid binary comes back as itself.
+  defp utf8?(binary), do: is_binary(:unicode.characters_to_binary(binary))
 
   # A list's length up to the core's `MAX_CHECKS` + 1 (`:long` past it), or `:improper`;
   # never walks further.

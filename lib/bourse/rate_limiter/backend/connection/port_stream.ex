@@ -63,7 +63,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
-  @impl true
+  # A frame of `size` bytes of `payload`, on a port as on a socket.
+  @spec frame(iodata(), non_neg_integer()) :: iodata()
   def frame(payload, size), do: [<<size::32>>, payload]
 
   # A port busy with earlier requests is not waited for: its callers try again until their

@@ -116,9 +116,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp recv(socket, size, what), do: tagged(:gen_tcp.recv(socket, size, @handshake_timeout), what)
 
-  @impl true
-  defdelegate frame(payload, size), to: PortStream
-
   # Each write goes whole into the socket's queue, so writers never interleave; one that
   # finds the queue full is not queued (`:busy`).
   @impl true

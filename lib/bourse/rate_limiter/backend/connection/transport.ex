@@ -1,7 +1,8 @@
 defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @moduledoc false
   # One kind of stream to a bourse_daemon, for `Bourse.RateLimiter.Backend.Connection`:
-  # opening it (with the hello), framing requests, writing, reading answers, closing.
+  # opening it (with the hello), writing requests, reading answers, closing. Every stream
+  # frames them as a port does (`Bourse.RateLimiter.Backend.Connection.PortStream.frame/2`).
   # `Bourse.RateLimiter.Backend.Connection.PortStream` is a `--stdio` port,
   # `Bourse.RateLimiter.Backend.Connection.SocketStream` a TCP or Unix socket.
 
@@ -18,9 +19,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
 
   @doc "Opens the stream to `target` and says hello; the daemon's hello answer."
   @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, String.t()}
-
-  @doc "One request as it goes on the stream."
-  @callback frame(payload :: iodata(), size :: non_neg_integer()) :: iodata()
 
   @doc "Writes requests; `:busy` when the daemon is behind with its input."
   @callback write(stream(), iodata()) :: :ok | :busy | {:error, term()}
