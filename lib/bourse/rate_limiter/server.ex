@@ -148,10 +148,22 @@ defmodule Bourse.RateLimiter.Server do
     {:noreply, state}
   end
 
-  # A crash report does not show the arguments of the last request either (OTP 25 formats
-  # gen_server crash reports with format_status/1).
+  # A crash report does not show the arguments of the last request either, nor the
+  # backend's secrets (OTP 25 formats gen_server crash reports with format_status/1).
   @doc false
-  def format_status(status), do: Map.replace_lazy(status, :message, &redact_request/1)
+  def format_status(status) do
+    status
+    |> Map.replace_lazy(:message, &redact_request/1)
+    |> Map.replace_lazy(:state, &redact_secrets/1)
+  end
+
+  defp redact_secrets(%{backend_opts: opts} = state) when is_list(opts),
+    do: %{state | backend_opts: for({key, value} <- opts, do: {key, redact(key, value)})}
+
+  defp redact_secrets(state), do: state
+
+  defp redact(:password, password) when is_binary(password), do: "[redacted]"
+  defp redact(_key, value), do: value
 
   defp redact_request({:"$gen_call", from, request}),
     do: {:"$gen_call", from, redact_request(request)}

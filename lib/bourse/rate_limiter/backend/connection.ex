@@ -356,6 +356,31 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
+  # A crash report shows neither the secrets (the shared secret, the port's environment)
+  # nor requests or answers, which hold API keys (OTP 25 formats gen_server crash reports
+  # with format_status/1).
+  @doc false
+  def format_status(status) do
+    status
+    |> Map.replace_lazy(:state, &redact_state/1)
+    |> Map.replace_lazy(:message, &redact_message/1)
+  end
+
+  defp redact_state(%{} = state) do
+    %{
+      state
+      | secret: state.secret && "[redacted]",
+        env: for({name, _value} <- state.env, do: {name, ~c"[redacted]"}),
+        pending: "#{length(state.pending)} frames",
+        partial: "[redacted]"
+    }
+  end
+
+  defp redact_message({:write, stream, id, _frame}), do: {:write, stream, id, "[redacted]"}
+  defp redact_message({from, {:data, _data}}), do: {from, {:data, "[redacted]"}}
+  defp redact_message({:tcp, socket, _data}), do: {:tcp, socket, "[redacted]"}
+  defp redact_message(message), do: message
+
   @impl true
   def handle_call(:table, _from, state), do: {:reply, state.table, state}
 

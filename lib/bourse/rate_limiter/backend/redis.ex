@@ -78,18 +78,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   def attach(previous, opts) do
     redis = Keyword.fetch!(opts, :backend_opts)
 
-    # One password for the whole cluster: the first seed's that has one.
-    {servers, password} =
+    servers =
       case redis[:url] do
-        url when is_binary(url) ->
-          {url, password} = split_password(url)
-          {["--redis", url], password}
-
-        seeds ->
-          split = Enum.map(seeds, &split_password/1)
-
-          {Enum.flat_map(split, fn {seed, _} -> ["--redis-cluster", seed] end),
-           Enum.find_value(split, fn {_, password} -> password end)}
+        url when is_binary(url) -> ["--redis", url]
+        seeds -> Enum.flat_map(seeds, &["--redis-cluster", &1])
       end
 
     redis_args =
@@ -101,7 +93,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
           Integer.to_string(redis[:redis_timeout_ms])
         ]
 
-    env = if password, do: [{~c"BOURSE_REDIS_PASSWORD", String.to_charlist(password)}], else: []
+    env =
+      if password = redis[:password],
+        do: [{~c"BOURSE_REDIS_PASSWORD", String.to_charlist(password)}],
+        else: []
 
     # The daemon reads a request until three quarters of its caller's wait, and its script
     # may run until three quarters of the Redis timeout after that: callers that wait four
@@ -154,7 +149,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   @doc """
   Checks the URL (or the cluster's seed URLs) and the options of `{:redis, url, opts}`;
-  returns what `attach/2` expects in `:backend_opts`, or `{:error, message}`.
+  returns what `attach/2` expects in `:backend_opts`, or `{:error, message}`: the URL
+  without its password, and the password apart (`:password`, which the limiter's crash
+  reports leave out).
   """
   @spec options(term(), term()) :: {:ok, keyword()} | {:error, String.t()}
   def options(url, opts) do
@@ -163,8 +160,17 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          {:ok, prefix} <- prefix(Keyword.get(opts, :prefix, @default_prefix)),
          {:ok, timeout} <-
            redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)) do
-      {:ok, url: url, prefix: prefix, redis_timeout_ms: timeout}
+      {url, password} = without_password(url)
+      {:ok, url: url, password: password, prefix: prefix, redis_timeout_ms: timeout}
     end
+  end
+
+  # One password for the whole cluster: the first seed's that has one.
+  defp without_password(url) when is_binary(url), do: split_password(url)
+
+  defp without_password(seeds) do
+    split = Enum.map(seeds, &split_password/1)
+    {Enum.map(split, &elem(&1, 0)), Enum.find_value(split, &elem(&1, 1))}
   end
 
   defp known_options(opts) do

@@ -1,0 +1,57 @@
+defmodule Bourse.RateLimiter.Backend.CrashReportSecretsTest do
+  # The crash report of a limiter or of its connection to a daemon (which OTP logs with the
+  # process's state and last message) holds neither the daemon's shared secret nor a Redis
+  # password.
+  # Not async: captures the global Logger.
+  use ExUnit.Case, async: false
+
+  import ExUnit.CaptureLog
+  import Bourse.BackendCase, only: [handle: 1, start_daemon: 1, start_limiter: 1]
+
+  alias Bourse.{DaemonServer, RedisServer}
+
+  unless RedisServer.installed?(), do: @moduletag(skip: "no redis-server (make deps installs it)")
+
+  @password "redis-pass-0123456789"
+
+  setup do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    # Redis asks for no password: AUTH fails, but the limiter holds the password all the same.
+    url = "redis://:#{@password}@127.0.0.1:#{redis.port}"
+    %{tcp: start_limiter({:daemon, daemon.tcp}), redis: start_limiter({:redis, url})}
+  end
+
+  defp crash_report(fun) do
+    capture_log(fn ->
+      Process.flag(:trap_exit, true)
+      fun.()
+      Process.sleep(300)
+    end)
+  end
+
+  test "a crashed connection's report shows no secret", %{tcp: tcp, redis: redis} do
+    for name <- [tcp, redis] do
+      pid = handle(name).pid
+      ref = Process.monitor(pid)
+      # A cast the connection does not know stops it (crash reports are written for that).
+      log = crash_report(fn -> GenServer.cast(pid, :unknown) end)
+      assert_received {:DOWN, ^ref, :process, ^pid, _}
+      assert log =~ "terminating"
+      refute log =~ DaemonServer.secret()
+      refute log =~ @password
+    end
+  end
+
+  test "a crashed limiter's report shows no Redis password", %{redis: redis} do
+    # A request with the wrong arguments makes the limiter process raise.
+    log =
+      crash_report(fn ->
+        catch_exit(GenServer.call(GenServer.whereis(redis), {:run, :check_rate, [1, 2, 3]}))
+      end)
+
+    assert log =~ "terminating"
+    refute log =~ @password
+  end
+end
