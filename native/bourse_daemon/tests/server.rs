@@ -253,6 +253,46 @@ fn a_unix_connection_is_closed_when_idle_or_sent_an_oversized_frame() {
     assert!(client.recv_line().is_none());
 }
 
+/// A Unix client that stops reading its answers holds up only its own connection (its
+/// thread waits to write): another client is still answered, and once both close, the
+/// threads that served them end.
+#[test]
+fn a_unix_client_that_stops_reading_holds_up_no_other() {
+    let path = common::temp_path("stopped.sock");
+    let server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{}/task", server.child.id()))
+            .unwrap()
+            .count()
+    };
+    let before = threads();
+    let stopped = UnixStream::connect(&path).unwrap();
+    let mut writer = stopped.try_clone().unwrap();
+    // Far more answers than the sockets' buffers hold, never read.
+    let flood = thread::spawn(move || {
+        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
+        for _ in 0..200 {
+            if writer.write_all(&lines).is_err() {
+                break;
+            }
+        }
+    });
+    thread::sleep(Duration::from_millis(300));
+    let mut other = LineClient::new(UnixStream::connect(&path).unwrap());
+    for id in 0..100 {
+        assert_eq!(other.call(json!({"op": "hello", "id": id}))["id"], id);
+    }
+    drop(other);
+    assert!(
+        !flood.is_finished(),
+        "the daemon read the whole flood: it never waited"
+    );
+    stopped.shutdown(std::net::Shutdown::Both).unwrap();
+    flood.join().unwrap();
+    drop(stopped);
+    eventually("the connections' threads end", || threads() <= before);
+}
+
 /// A Unix client's request wakes the daemon once: reading the answer, which frees room in
 /// the daemon's socket, does not wake it again (a runtime's reactor watching the socket for
 /// room to write would be, once per answer).
