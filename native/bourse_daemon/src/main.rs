@@ -42,15 +42,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // In --stdio mode Redis requests run as tasks while the main thread reads.
-    let runtime = match (&options.transport, &options.redis) {
-        (Transport::Stdio, None) => tokio::runtime::Builder::new_current_thread(),
-        (Transport::Stdio, Some(_)) => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            builder.worker_threads(1);
-            builder
-        }
-        (Transport::Server { .. }, _) => tokio::runtime::Builder::new_multi_thread(),
+    // In --stdio mode the main thread runs the runtime: with Redis it reads stdin as one of
+    // its tasks (stdio.rs).
+    let runtime = match options.transport {
+        Transport::Stdio => tokio::runtime::Builder::new_current_thread(),
+        Transport::Server { .. } => tokio::runtime::Builder::new_multi_thread(),
     }
     .enable_all()
     .build();

@@ -1,20 +1,27 @@
 //! `--stdio`: one client (an Erlang port) on stdin/stdout, 4-byte big-endian length-prefixed
-//! frames (JSON, or external terms once the first `hello` chose them). Blocking reads on
-//! the main thread: there is only one stream. When the input runs out, stdin is polled for
-//! a few microseconds before the thread sleeps, as [`Spin`] decides. With the in-memory
-//! table each request is answered before the next is read, and pipelined answers share a
-//! write; with a remote store (Redis) each request runs as a task and its answer is written
-//! as soon as it is ready, so one slow answer holds back no other.
+//! frames (JSON, or external terms once the first `hello` chose them), read on the main
+//! thread: there is only one stream.
+//!
+//! - With the in-memory table, blocking reads; each request is answered before the next is
+//!   read, and pipelined answers share a write. When the input runs out, stdin is polled for
+//!   a few microseconds before the thread sleeps, as [`Spin`] decides.
+//! - With a remote store (Redis) the main thread runs the runtime (a current-thread one),
+//!   and stdin is read by it as the store's connection is: a request goes to Redis from the
+//!   thread that read it, with no other thread to wake on the way. Each request runs as a
+//!   task and its answer is written as soon as it is ready, so one slow answer holds back
+//!   no other.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Stdout, Write};
 use std::mem::ManuallyDrop;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::runtime::Runtime;
 
 use crate::protocol::{Service, Session};
@@ -58,6 +65,19 @@ impl<S: Store> Shared<S> {
         Ok(())
     }
 
+    /// [`Self::drain`] on the thread that runs the requests (a remote store's).
+    async fn drained(&self) {
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let _ = self
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .flush();
+    }
+
     /// Waits (at most [`DRAIN_TIMEOUT`]) for the requests still running, then flushes.
     fn drain(&self) {
         let deadline = Instant::now() + DRAIN_TIMEOUT;
@@ -73,7 +93,8 @@ impl<S: Store> Shared<S> {
 }
 
 /// Serves until stdin closes (exit 0), a frame is too large (exit 1) or SIGTERM (exit 0,
-/// after the answers of the requests already running are written).
+/// after the answers of the requests already running are written). A remote store needs
+/// `runtime` to be a current-thread one: this thread runs it.
 pub fn run<S: Store>(
     service: Arc<Service<S>>,
     runtime: &Runtime,
@@ -96,7 +117,18 @@ pub fn run<S: Store>(
         std::thread::sleep(sweep_interval);
         sweeper.store().sweep();
     });
+    if S::REMOTE {
+        return runtime.block_on(serve_remote(shared, max_frame_bytes));
+    }
+    serve_local(&shared, runtime, max_frame_bytes)
+}
 
+/// Serves the in-memory table: blocking reads, each request answered before the next.
+fn serve_local<S: Store>(
+    shared: &Arc<Shared<S>>,
+    runtime: &Runtime,
+    max_frame_bytes: usize,
+) -> ExitCode {
     // Read unbuffered by std, so that nothing sits in a buffer `poll` cannot see; never
     // closed (ManuallyDrop): fd 0 belongs to the process.
     // SAFETY: fd 0 is open for the life of the process, and read only here.
@@ -120,11 +152,6 @@ pub fn run<S: Store>(
                 shared.running.fetch_add(1, Ordering::SeqCst);
                 if shared.stopping.load(Ordering::SeqCst) {
                     shared.running.fetch_sub(1, Ordering::SeqCst);
-                    continue;
-                }
-                // The first frame may choose the codec of the next ones: answered first.
-                if S::REMOTE && number > 1 {
-                    spawn(&shared, runtime, number, frame.clone());
                     continue;
                 }
                 let session = &shared.session;
@@ -153,23 +180,164 @@ pub fn run<S: Store>(
                 return ExitCode::FAILURE;
             }
         };
-        match written {
-            Ok(()) => {}
-            // The VM closed the port.
-            Err(error) if error.kind() == ErrorKind::BrokenPipe => return ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("bourse_daemon: writing stdout: {error}");
-                return ExitCode::FAILURE;
+        if let Err(error) = written {
+            return write_failed(error);
+        }
+    }
+}
+
+/// How the daemon stops after a failed write to stdout.
+fn write_failed(error: io::Error) -> ExitCode {
+    // The VM closed the port.
+    if error.kind() == ErrorKind::BrokenPipe {
+        return ExitCode::SUCCESS;
+    }
+    eprintln!("bourse_daemon: writing stdout: {error}");
+    ExitCode::FAILURE
+}
+
+/// Serves a remote store on this thread's runtime: every whole frame read runs as a task
+/// (the first one, which may choose the codec of the next ones, is answered first).
+async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) -> ExitCode {
+    let mut stdin = match Input::open() {
+        Ok(stdin) => stdin,
+        Err(error) => {
+            eprintln!("bourse_daemon: cannot watch stdin: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut input = Vec::with_capacity(READ_BYTES);
+    let mut start = 0;
+    loop {
+        let rest = &input[start..];
+        let whole = match rest.first_chunk::<4>() {
+            Some(header) => {
+                let length = u32::from_be_bytes(*header) as usize;
+                if length > max_frame_bytes {
+                    let mut out = vec![0; 4];
+                    let number = shared.session.next_frame();
+                    let session = &shared.session;
+                    shared
+                        .service
+                        .frame_too_large(session, &mut out, number, max_frame_bytes);
+                    let _ = shared.send(&mut out, true);
+                    eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
+                    shared.drained().await;
+                    return ExitCode::FAILURE;
+                }
+                rest.get(4..4 + length)
             }
+            None => None,
+        };
+        let Some(frame) = whole else {
+            input.drain(..start);
+            start = 0;
+            match stdin.read_into(&mut input).await {
+                Ok(0) => {
+                    shared.drained().await;
+                    return ExitCode::SUCCESS;
+                }
+                Ok(_) => continue,
+                Err(error) => {
+                    eprintln!("bourse_daemon: reading stdin: {error}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        };
+        start += 4 + frame.len();
+        let number = shared.session.next_frame();
+        // Counted as running before `stopping` is read, as in `serve_local`.
+        shared.running.fetch_add(1, Ordering::SeqCst);
+        if shared.stopping.load(Ordering::SeqCst) {
+            shared.running.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        }
+        if number > 1 {
+            spawn(&shared, number, frame.to_vec());
+            continue;
+        }
+        let mut out = vec![0; 4];
+        shared
+            .service
+            .handle(&shared.session, number, frame, &mut out)
+            .await;
+        let sent = shared.send(&mut out, true);
+        shared.running.fetch_sub(1, Ordering::SeqCst);
+        if let Err(error) = sent {
+            return write_failed(error);
+        }
+    }
+}
+
+/// Bytes asked of one read of stdin.
+const READ_BYTES: usize = 64 * 1024;
+
+/// stdin as the remote store's runtime reads it: watched by the runtime (a pipe, a socket,
+/// a terminal), or, where it cannot be watched (a regular file, `/dev/null`: reading those
+/// never waits), read at once.
+enum Input {
+    Watched(AsyncFd<Stdin>),
+    Plain,
+}
+
+/// Fd 0, which belongs to the process: never closed.
+struct Stdin;
+
+impl AsRawFd for Stdin {
+    fn as_raw_fd(&self) -> RawFd {
+        libc::STDIN_FILENO
+    }
+}
+
+impl Input {
+    fn open() -> io::Result<Self> {
+        // SAFETY: fd 0 is open for the life of the process and never closed (see `Stdin`).
+        match unsafe { AsyncFd::register_with_interest(Stdin, Interest::READABLE) } {
+            Ok(stdin) => Ok(Input::Watched(stdin)),
+            Err(refused) => match refused.into_parts().1 {
+                error if error.raw_os_error() == Some(libc::EPERM) => Ok(Input::Plain),
+                error => Err(error),
+            },
+        }
+    }
+
+    /// Appends what one read finds to `input`; 0 bytes when stdin closed. The read blocks
+    /// only when stdin has input (or its end) ready: stdin stays blocking, since it may be
+    /// shared (a terminal).
+    async fn read_into(&mut self, input: &mut Vec<u8>) -> io::Result<usize> {
+        input.reserve(READ_BYTES);
+        loop {
+            if let Input::Watched(stdin) = self {
+                let mut ready = stdin.readable().await?;
+                if !stdin_ready(0) {
+                    ready.clear_ready();
+                    continue;
+                }
+            }
+            let spare = input.spare_capacity_mut();
+            // SAFETY: read writes at most `spare.len()` bytes, into memory `input` owns.
+            let read =
+                unsafe { libc::read(libc::STDIN_FILENO, spare.as_mut_ptr().cast(), spare.len()) };
+            if read < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(error);
+            }
+            let read = read as usize;
+            // SAFETY: the read initialised these `read` bytes.
+            unsafe { input.set_len(input.len() + read) };
+            return Ok(read);
         }
     }
 }
 
 /// Runs one request on the remote store as a task; its answer is written when ready.
 /// The caller counted it as running.
-fn spawn<S: Store>(shared: &Arc<Shared<S>>, runtime: &Runtime, number: u64, frame: Vec<u8>) {
+fn spawn<S: Store>(shared: &Arc<Shared<S>>, number: u64, frame: Vec<u8>) {
     let shared = Arc::clone(shared);
-    runtime.spawn(async move {
+    tokio::spawn(async move {
         let mut out = vec![0; 4];
         shared
             .service

@@ -153,6 +153,86 @@ fn every_op_through_redis_in_server_and_stdio_mode() {
     assert!(keys.iter().all(|k| k.starts_with("bourse:e{")), "{keys:?}");
 }
 
+/// Voluntary context switches (sleeps) of every thread of process `pid` so far.
+fn sleeps_of(pid: u32) -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status"));
+        let status = status.unwrap_or_default();
+        let sleeps = status
+            .lines()
+            .find_map(|line| line.strip_prefix("voluntary_ctxt_switches:"));
+        total += sleeps.map_or(0, |n| n.trim().parse::<u64>().unwrap());
+    }
+    total
+}
+
+/// With `--stdio` the thread that reads a request also sends it to Redis and writes its
+/// answer: a caller waiting on each answer costs the daemon at most two sleeps per check
+/// (for the request, for Redis's answer), not a third for handing the request to another
+/// thread (2.5 per check when a reader thread handed each request to a worker).
+#[test]
+fn a_lone_stdio_check_through_redis_wakes_one_thread() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let mut port = StdioDaemon::start(&[&["--redis", url.as_str()][..], &PATIENT].concat());
+    let limit = json!({"capacity": 1e9, "refill_per_sec": 1e9});
+    let k = key("lone", Some("k"));
+    for _ in 0..50 {
+        assert_eq!(
+            port.call(check(&k, limit.clone(), 1.0))["result"],
+            "admitted"
+        );
+    }
+    let n = 400;
+    let before = sleeps_of(port.child.id());
+    for _ in 0..n {
+        assert_eq!(
+            port.call(check(&k, limit.clone(), 1.0))["result"],
+            "admitted"
+        );
+    }
+    let per_check = (sleeps_of(port.child.id()) - before) as f64 / n as f64;
+    eprintln!("{per_check:.2} sleeps per check");
+    assert!(per_check < 2.1, "{per_check:.2} sleeps per check");
+}
+
+/// `--stdio` with Redis reads a stdin that cannot be watched (a regular file) at once: every
+/// frame is answered, then the daemon exits 0 at its end.
+#[test]
+fn a_stdio_daemon_reads_frames_from_a_file() {
+    let Some(redis) = Redis::start() else { return };
+    let path = std::env::temp_dir().join(format!("bourse-frames-{}", std::process::id()));
+    let limit = json!({"capacity": 100, "refill_per_sec": 1});
+    let mut frames = Vec::new();
+    for id in 0..5 {
+        let mut request = check(&key("file", Some("k")), limit.clone(), 1.0);
+        request["id"] = json!(id);
+        let request = serde_json::to_vec(&request).unwrap();
+        frames.extend_from_slice(&(request.len() as u32).to_be_bytes());
+        frames.extend_from_slice(&request);
+    }
+    std::fs::write(&path, &frames).unwrap();
+    let output = Command::new(common::daemon_binary())
+        .args(["--stdio", "--redis", &redis.url()])
+        .stdin(std::fs::File::open(&path).unwrap())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(output.status.success(), "{output:?}");
+    let mut answers = Vec::new();
+    let mut rest = output.stdout.as_slice();
+    while let Some((header, after)) = rest.split_first_chunk::<4>() {
+        let length = u32::from_be_bytes(*header) as usize;
+        let answer: Value = serde_json::from_slice(&after[..length]).unwrap();
+        assert_eq!(answer["result"], "admitted", "{answer}");
+        answers.push(answer["id"].as_u64().unwrap());
+        rest = &after[length..];
+    }
+    answers.sort_unstable();
+    assert_eq!(answers, [0, 1, 2, 3, 4]);
+}
+
 #[test]
 fn probes_over_capacity_costs_and_definition_changes() {
     let Some(redis) = Redis::start() else { return };
