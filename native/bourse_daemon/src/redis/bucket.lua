@@ -36,8 +36,9 @@
 -- the last reply that counted into it; an exchange's marker a day
 -- after its last check, or after its longest-lived bucket if later.
 --
--- ARGV[1] is the operation, ARGV[2] the deadline: the latest time (µs, Redis clock) at which
--- the caller still waits for the answer, 0 for none. Past it the script does nothing and
+-- ARGV[1] is the operation, the last ARGV the deadline: the latest time (µs, Redis clock) at
+-- which the caller still waits for the answer, 0 for none (taken off the end by `run`, so
+-- the operations below see only their own arguments). Past it the script does nothing and
 -- answers the error "LATE <now>": the caller was told Redis was unavailable, so its work
 -- must not be done.
 
@@ -748,8 +749,8 @@ local function run(keys, args)
   if not op then
     return redis.error_reply('bourse: unknown script op')
   end
-  local deadline = tonumber(ARGV[2]) or 0
-  table.remove(ARGV, 2)
+  local deadline = tonumber(ARGV[#ARGV]) or 0
+  ARGV[#ARGV] = nil
   local now = clock()
   call_now, call_now_text = now, nil
   local late = deadline > 0 and now > deadline

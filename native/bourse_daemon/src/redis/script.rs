@@ -191,22 +191,19 @@ impl Call {
         }
     }
 
-    /// The call as a command, with `deadline` (µs on the Redis clock, 0 for none) after the
-    /// operation: bucket.lua reads it first.
+    /// The call as a command, with `deadline` (µs on the Redis clock, 0 for none) as its
+    /// last argument, where bucket.lua takes it off.
     pub fn command(&self, script: Script, deadline: u64) -> Cmd {
         let mut command = script.command(self.keys.len(), self.args.len() + 1, self.bytes());
         self.write(&mut command, &self.keys);
-        if let Some((op, args)) = self.args.split_first() {
-            self.write(&mut command, std::slice::from_ref(op));
-            command.arg(deadline);
-            self.write(&mut command, args);
-        }
+        self.write(&mut command, &self.args);
+        command.arg(deadline);
         command
     }
 }
 
 /// One `checks` call of the checks `parts` (each its deadline, keys and arguments without
-/// the operation), with the call's deadline `latest`; `marker` makes it run once, for
+/// the operation), with the call's deadline `latest` last; `marker` makes it run once, for
 /// `lifetime` (see bucket.lua).
 pub fn checks(
     script: Script,
@@ -225,7 +222,6 @@ pub fn checks(
     }
     command
         .arg("checks")
-        .arg(latest)
         .arg(lifetime.as_millis() as u64)
         .arg(parts.len());
     for (deadline, part) in parts {
@@ -235,6 +231,7 @@ pub fn checks(
             .arg(part.args.len());
         part.write(&mut command, &part.args);
     }
+    command.arg(latest);
     command
 }
 
@@ -256,19 +253,13 @@ mod tests {
         assert_eq!(call.first_key(), b"k1");
         assert_eq!(call.key_count(), 2);
         let mut expected = ::redis::cmd("FCALL");
-        expected
-            .arg("f")
-            .arg(2)
-            .arg("k1")
-            .arg("k2")
-            .arg("op")
-            .arg(7);
-        expected.arg("1.5").arg("a:b").arg("3").arg("");
+        expected.arg("f").arg(2).arg("k1").arg("k2").arg("op");
+        expected.arg("1.5").arg("a:b").arg("3").arg("").arg(7);
         let command = call.command(Script::Function("f"), 7);
         assert_eq!(command.get_packed_command(), expected.get_packed_command());
         let mut expected = ::redis::cmd("EVALSHA");
         expected.arg("s").arg(3).arg("m").arg("k1").arg("k2");
-        expected.arg("checks").arg(9).arg(2000).arg(1);
+        expected.arg("checks").arg(2000).arg(1);
         expected
             .arg(5)
             .arg(2)
@@ -277,7 +268,8 @@ mod tests {
             .arg("1.5")
             .arg("a:b")
             .arg("3")
-            .arg("");
+            .arg("")
+            .arg(9);
         let checks = checks(
             Script::Sha("s"),
             b"m",
