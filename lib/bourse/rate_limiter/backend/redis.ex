@@ -159,10 +159,18 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          {:ok, url} <- url(url),
          {:ok, prefix} <- prefix(Keyword.get(opts, :prefix, @default_prefix)),
          {:ok, timeout} <-
-           redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)) do
-      {url, password} = without_password(url)
+           redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)),
+         {url, password} = without_password(url),
+         :ok <- utf8_password(password) do
       {:ok, url: url, password: password, prefix: prefix, redis_timeout_ms: timeout}
     end
+  end
+
+  # Redis clients take passwords of text; nothing of the password is shown.
+  defp utf8_password(password) do
+    if password == nil or String.valid?(password),
+      do: :ok,
+      else: {:error, "the Redis password in the URL must be UTF-8 text once decoded"}
   end
 
   # One password for the whole cluster: the first seed's that has one.

@@ -68,4 +68,16 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute line =~ "s3"
     refute line =~ "pw"
   end
+
+  test "a password that is no UTF-8 text once decoded is refused, and nothing of it is shown" do
+    Process.flag(:trap_exit, true)
+    url = "redis://:pw%FFsecret-part@127.0.0.1:6379"
+
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: :redis_password_not_utf8, backend: {:redis, url})
+
+    assert message =~ "UTF-8"
+    refute message =~ "secret"
+    refute message =~ "115, 101, 99"
+  end
 end
