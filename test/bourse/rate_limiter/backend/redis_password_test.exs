@@ -34,8 +34,20 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
 
     {:os_pid, os_pid} = Port.info(server, :os_pid)
     on_exit(fn -> System.cmd("kill", ["-9", "#{os_pid}"], stderr_to_stdout: true) end)
+    Loopback.wait_until(fn -> ready?(port) end, "redis-server answers PING", 10_000)
     Loopback.wait_until(fn -> File.exists?(socket) end, "redis-server listens", 10_000)
     %{port: port, socket: socket}
+  end
+
+  defp ready?(port) do
+    with {:ok, socket} <- :gen_tcp.connect(~c"127.0.0.1", port, [:binary, active: false]) do
+      :ok = :gen_tcp.send(socket, "AUTH #{@password}\r\nPING\r\n")
+      reply = :gen_tcp.recv(socket, 0, 1_000)
+      :gen_tcp.close(socket)
+      match?({:ok, "+OK\r\n" <> _}, reply)
+    else
+      _ -> false
+    end
   end
 
   # The command lines of this user's bourse_daemon processes that name `needle`.
@@ -79,5 +91,22 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     assert message =~ "UTF-8"
     refute message =~ "secret"
     refute message =~ "115, 101, 99"
+  end
+
+  test "the options keep the password apart from the URL, decoded as the daemon's client decodes it" do
+    alias Bourse.RateLimiter.Backend.Redis
+
+    for {url, without, password} <- [
+          {"redis://:p%2Bw+x@h:1/2", "redis://h:1/2", "p+w+x"},
+          {"redis://user:pw@h:1", "redis://user@h:1", "pw"},
+          {"redis://user@h:1", "redis://user@h:1", nil},
+          {"unix:///tmp/r.sock?db=2&pass=a+b%21", "unix:///tmp/r.sock?db=2", "a b!"},
+          {"unix:///tmp/r.sock?pass=x", "unix:///tmp/r.sock", "x"},
+          {["redis://a:1", "redis://:first@b:2", "redis://:second@c:3"],
+           ["redis://a:1", "redis://b:2", "redis://c:3"], "first"}
+        ] do
+      assert {:ok, opts} = Redis.options(url, [])
+      assert {opts[:url], opts[:password]} == {without, password}, inspect(url)
+    end
   end
 end
