@@ -20,9 +20,11 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
     {:ok, port} = Port.attach(nil, opts)
     {:ok, daemon_opts} = Daemon.options({:unix, daemon.unix}, [])
     {:ok, unix} = Daemon.attach(nil, Keyword.put(opts, :backend_opts, daemon_opts))
+    {:ok, tcp_opts} = Daemon.options(daemon.tcp, [])
+    {:ok, tcp} = Daemon.attach(nil, Keyword.put(opts, :backend_opts, tcp_opts))
     {:ok, redis_opts} = Redis.options(redis.url, [])
     {:ok, via_redis} = Redis.attach(nil, Keyword.put(opts, :backend_opts, redis_opts))
-    %{backends: [{NIF, nif}, {Port, port}, {Daemon, unix}, {Redis, via_redis}]}
+    %{backends: [{NIF, nif}, {Port, port}, {Daemon, unix}, {Daemon, tcp}, {Redis, via_redis}]}
   end
 
   defp calls do
@@ -73,6 +75,45 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
       {:check_rate, [me, {String.duplicate("e", 200_000), @secret}, @limit, 1, nil]},
       {:check_rate, [me, {"binance", "k", String.duplicate("€", 342)}, @limit, 1, nil]},
       {:check_rate, [me, @key, @limit, <<0xFF, 0xFE>>, nil]},
+      {:check_rate, [me, {"binance", <<0xED, 0xBF, 0xBF>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<0xE0, 0x80, 0xAF>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<0xF0, 0x80, 0x80, 0xAF>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<0xF8, 0x88, 0x80, 0x80, 0x80>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<0xF7, 0xBF, 0xBF, 0xBF>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", "k" <> <<0xF0, 0x9F, 0x98>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", "k" <> <<0x80>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", String.duplicate("k", 1021) <> "😀"}, @limit, 1, nil]},
+      {:check_rate,
+       [me, {"binance", String.duplicate("k", 1020) <> <<0xF0, 0x9F, 0x98>>}, @limit, 1, nil]},
+      {:check_rate,
+       [me, {"binance", String.duplicate("k", 1022) <> <<0xF0, 0x9F>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", String.duplicate("k", 1025) <> <<0xFF>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<1::3>>}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", <<"k", 1::1>>}, @limit, 1, nil]},
+      {:check_rate, [me, {<<0::7>>, "k"}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", ~c"k"}, @limit, 1, nil]},
+      {:check_rate, [me, {~c"binance", "k"}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", ["k", "1"]}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", "k", [?i, ?p]}, @limit, 1, nil]},
+      {:check_rate, [me, {"binance", []}, @limit, 1, nil]},
+      {:check_rate, [me, @key, @limit, 1.0e12 + 1, nil]},
+      {:check_rate, [me, @key, @limit, 1_000_000_000_001, nil]},
+      {:check_rate, [me, @key, @limit, 2 ** 64, nil]},
+      {:check_rate, [me, @key, @limit, -(2 ** 64), nil]},
+      {:check_rate, [me, @key, @limit, 1, -1]},
+      {:check_rate, [me, @key, @limit, 1, 1.5]},
+      {:check_rate, [me, @key, @limit, 1, :infinity]},
+      {:check_rate, [me, @key, @limit, 1, 2 ** 64]},
+      {:check_rate, [me, @key, @limit, 1, "1"]},
+      {:check_rate, [me, @key, %{capacity: 1, refill_per_sec: 1, extra: 2}, 1, nil]},
+      {:check_rate, [me, @key, %{1 => 2}, 1, nil]},
+      {:check_rate, [me, @key, %{@secret => 2}, 1, nil]},
+      {:check_rate, [me, @key, %{capacity: 1, refill_per_sec: 1, requests: 1}, 1, nil]},
+      {:check_rate, [me, @key, %{requests: 10 ** 400}, 1, nil]},
+      {:check_rate, [me, @key, %{capacity: 1, refill_per_sec: -0.0}, 1, nil]},
+      {:check_rate, [me, @key, %{capacity: -0.0, refill_per_sec: 1}, 1, nil]},
+      {:check_rate, [me, @key, %{capacity: 1, refill_per_sec: 1.0e12 + 1}, 1, nil]},
+      {:check_rate, [me, @key, %{}, 1, nil]},
       {:check_rate, [me, @key, %{capacity: <<0x80>>, refill_per_sec: 1}, 1, nil]},
       {:check_rates, [me, [{@key, @limit}], nil]},
       {:check_rates, [me, [@secret], nil]},
@@ -177,6 +218,43 @@ defmodule Bourse.RateLimiter.Backend.MalformedParityTest do
         assert {:delay, _} = backend.check_rate(handle, self(), key, limit, 1, nil)
         assert_in_delta backend.get_cost(handle, key), 1, 0.01
       end
+    end
+  end
+
+  test "edge values within the rules get the same answer from every backend", %{
+    backends: backends
+  } do
+    ample = %{capacity: 10, refill_per_sec: 10}
+
+    calls = [
+      {{"binance", <<0xEF, 0xBF, 0xBF>>}, ample, 1},
+      {{"binance", <<0xEF, 0xBF, 0xBE>>}, ample, 1},
+      {{"binance", <<0xEF, 0xBB, 0xBF>>}, ample, 1},
+      {{"binance", <<0xF4, 0x8F, 0xBF, 0xBF>>}, ample, 1},
+      {{"binance", String.duplicate("k", 1020) <> "😀"}, ample, 1},
+      {{"binance", "k", ""}, ample, 1},
+      {{"binance", "k"}, ample, 1.0e-320},
+      {{"binance", "k"}, ample, 0.0},
+      {{"binance", "k"}, ample, -0.0},
+      {{"binance", "k"}, ample, 1.0e12},
+      {{"binance", "k"}, %{capacity: 1.0e-320, refill_per_sec: 1}, 1},
+      {{"binance", "k"}, %{capacity: 1, refill_per_sec: 1.0e-320}, 2},
+      {{"binance", "k"}, %{requests: 1.0e-320}, 1},
+      {{"binance", "k"}, %{requests: 3, period: 1.5}, 4},
+      {{"binance", "k"}, %{capacity: 1.0e12, refill_per_sec: 1.0e12}, 1.0e12}
+    ]
+
+    for {key, limit, cost} <- calls do
+      answers =
+        for {{backend, handle}, i} <- Enum.with_index(backends) do
+          # Each backend's own bucket: the two daemon backends share one table.
+          key = put_elem(key, 0, "edge-value-#{i}-#{System.unique_integer([:positive])}")
+          backend.check_rate(handle, self(), key, limit, cost, nil)
+        end
+
+      assert length(Enum.uniq(answers)) == 1,
+             "#{inspect(key, limit: 3)} #{inspect(limit)} cost #{inspect(cost)}: " <>
+               inspect(answers)
     end
   end
 
