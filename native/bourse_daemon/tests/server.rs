@@ -371,3 +371,157 @@ fn a_polled_connection_reads_requests_byte_by_byte_and_its_end_mid_frame() {
     common::signal(&server.child, "TERM");
     assert!(common::wait_exit(&mut server.child).success());
 }
+
+/// The same requests, hostile ones included, get the same bytes from a Unix connection
+/// (served on a thread of its own), a TCP connection (a task of the runtime) and a port:
+/// each transport has a daemon of its own, asked the same frames in the same order.
+#[test]
+fn a_unix_thread_a_tcp_task_and_a_port_answer_the_same_bytes() {
+    let path = common::temp_path("same-bytes.sock");
+    let _unix_server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let tcp_server = Server::tcp(&[]);
+    let mut unix = LineClient::new(UnixStream::connect(&path).unwrap());
+    let mut tcp = tcp_server.connect();
+    let mut port = common::StdioDaemon::start(&[]);
+    // Two frames each, as the TCP client's hello and auth: frame numbers then agree.
+    for _ in 0..2 {
+        unix.call(json!({"op": "hello"}));
+        port.call(json!({"op": "hello"}));
+    }
+    let slow = r#""limit":{"capacity":2,"refill_per_sec":1e-9}"#;
+    let k = r#""key":{"exchange":"binance","credential":"k"}"#;
+    let requests: Vec<String> = vec![
+        format!(r#"{{"op":"check","id":1,{k},{slow},"cost":1}}"#),
+        format!(r#"{{"op":"check","id":[2],{k},{slow},"cost":1.5}}"#),
+        format!(r#"{{"op":"check","id":{{"a":null}},{k},{slow},"cost":1}}"#),
+        format!(r#"{{"op":"check","id":4,{k},{slow},"cost":1,"max_wait_ms":10}}"#),
+        format!(r#"{{"op":"check","id":5,{k},{slow},"cost":1e999}}"#),
+        format!(r#"{{"op":"check","id":6,{k},{slow},"cost":18446744073709551616}}"#),
+        format!(r#"{{"op":"check","id":7,{k},{slow},"cost":-0.0}}"#),
+        format!(r#"{{"op":"check","id":8,{k},{slow},"cost":1,"max_wait_ms":1.5}}"#),
+        format!(r#"{{"op":"check","id":9,{k},"limit":{{"capacity":2}},"cost":1}}"#),
+        format!(r#"{{"op":"check","id":10,{k},{slow},"cost":1,"cost":2}}"#),
+        format!(
+            r#"{{"op":"check_many","id":11,"checks":[{{{k},{slow},"cost":1}},{{{k},"limit":{{"capacity":3,"refill_per_sec":1}},"cost":1}}]}}"#
+        ),
+        r#"{"op":"check","key":{"exchange":"e","credential":"\ud800"},"cost":1}"#.into(),
+        format!(
+            r#"{{"op":"check","key":{{"exchange":"e","credential":"{}"}},{slow},"cost":1}}"#,
+            "k".repeat(1025)
+        ),
+        r#"{"op":"record","id":12,"key":{"exchange":"p","credential":null},"cost":3}"#.into(),
+        r#"{"op":"get_cost","id":13,"key":{"exchange":"p","credential":null}}"#.into(),
+        r#"{"op":"reset","id":14,"key":{"exchange":"p","credential":null}}"#.into(),
+        r#"{"op":"stats","id":15}"#.into(),
+        r#"{"op":"nope","id":16}"#.into(),
+        r#"{"op":"hello","codec":"etf","id":17}"#.into(),
+        "[1,2]".into(),
+        "\"x\"".into(),
+        "{".into(),
+        format!("[{}]", "[".repeat(200)),
+        "{\"op\":\"stats\",\"id\":\"\u{1F600}\"}".into(),
+    ];
+    let mut frames: Vec<Vec<u8>> = requests.into_iter().map(String::into_bytes).collect();
+    frames.push([b"{\"op\":\"stats\",\"id\":\"".as_slice(), &[0xFF], b"\"}"].concat());
+    frames.push(b"{\"op\":\"stats\",\"id\":\"\xED\xA0\x80\"}".to_vec());
+    for request in &frames {
+        let mut line = request.clone();
+        line.push(b'\n');
+        unix.send_raw(&line);
+        tcp.send_raw(&line);
+        port.send_frame(request);
+        let from_unix = unix.recv_line().expect("a Unix answer");
+        let from_tcp = tcp.recv_line().expect("a TCP answer");
+        let mut from_port = port.recv_bytes().expect("a port answer");
+        from_port.push(b'\n');
+        let request = String::from_utf8_lossy(request);
+        assert_eq!(
+            from_unix, from_tcp,
+            "Unix and TCP answers to {request:.200}"
+        );
+        assert_eq!(
+            from_unix.as_bytes(),
+            from_port,
+            "Unix and port answers to {request:.200}"
+        );
+    }
+}
+
+/// Connections opened and closed as fast as a client can, some after a request, some mid
+/// frame, some after choosing external terms, leave no thread and no descriptor behind.
+#[test]
+fn unix_connections_opened_and_closed_fast_leak_no_thread_nor_descriptor() {
+    let path = common::temp_path("churn.sock");
+    let server = Server::start(&["--socket", path.to_str().unwrap(), "--max-connections", "8"]);
+    let pid = server.child.id();
+    let count = |what: &str| {
+        std::fs::read_dir(format!("/proc/{pid}/{what}"))
+            .unwrap()
+            .count()
+    };
+    // A first round starts what the runtime starts lazily.
+    let churn = |rounds: usize| {
+        for i in 0..rounds {
+            let mut stream = UnixStream::connect(&path).unwrap();
+            let sent: &[u8] = match i % 4 {
+                0 => b"",
+                1 => b"{\"op\":\"hello\"}\n",
+                2 => b"{\"op\":\"hel",
+                _ => b"{\"op\":\"hello\",\"codec\":\"etf\"}\n\x00\x00",
+            };
+            let _ = stream.write_all(sent);
+        }
+    };
+    churn(100);
+    // Served once the closed connections gave their slots back.
+    eventually("a new connection is served", || {
+        let mut probe = LineClient::new(UnixStream::connect(&path).unwrap());
+        probe.call(json!({"op": "hello"}))["ok"] == true
+    });
+    eventually("the first connections end", || count("task") <= 4);
+    let (threads, descriptors) = (count("task"), count("fd"));
+    churn(2000);
+    // Served once the closed connections gave their slots back.
+    eventually("a new connection is served", || {
+        let mut probe = LineClient::new(UnixStream::connect(&path).unwrap());
+        probe.call(json!({"op": "hello"}))["ok"] == true
+    });
+    eventually(
+        "the connections' threads and descriptors are released",
+        || count("task") <= threads && count("fd") <= descriptors,
+    );
+}
+
+/// SIGTERM while a connection's thread is blocked writing to a client that stopped reading
+/// (as a stopped process does): the other connections are answered and closed, and the
+/// daemon exits 0 once its drain timeout passed, its socket file removed.
+#[test]
+fn sigterm_with_a_thread_blocked_writing_exits_zero_after_the_drain() {
+    let path = common::temp_path("term-blocked.sock");
+    let mut server = Server::start(&["--socket", path.to_str().unwrap()]);
+    let stopped = UnixStream::connect(&path).unwrap();
+    let mut writer = stopped.try_clone().unwrap();
+    let flood = thread::spawn(move || {
+        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
+        for _ in 0..200 {
+            if writer.write_all(&lines).is_err() {
+                break;
+            }
+        }
+    });
+    let mut other = LineClient::new(UnixStream::connect(&path).unwrap());
+    assert_eq!(other.call(json!({"op": "hello"}))["ok"], true);
+    thread::sleep(Duration::from_millis(300));
+    assert!(!flood.is_finished(), "the daemon read the whole flood");
+    other.send_raw(b"{\"op\":\"hello\",\"id\":1}\n{\"op\":\"hel");
+    assert_eq!(other.recv()["id"], 1);
+    common::signal(&server.child, "TERM");
+    assert!(
+        other.recv_line().is_none(),
+        "the other connection is closed"
+    );
+    assert!(common::wait_exit(&mut server.child).success());
+    assert!(!path.exists(), "socket file removed");
+    stopped.shutdown(std::net::Shutdown::Both).unwrap();
+    flood.join().unwrap();
+}
