@@ -3,6 +3,7 @@
 //! daemons (`crate::redis`).
 
 use std::future::{ready, Future};
+use std::time::Instant;
 
 use crate::fingerprint;
 
@@ -42,8 +43,15 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// The last moment a request may start to run (its caller's deadline less the time the
+/// answer needs to travel back, docs/PROTOCOL.md "Deadlines"); `None` when it has no
+/// deadline. The protocol refuses a request that arrives later; a store that hands the
+/// work on (Redis) makes it refuse to run past this moment too.
+pub type LastRun = Option<Instant>;
+
 /// The operations of the protocol, on validated input. Every method of a shared store may
-/// fail with [`StoreError::Unavailable`]; none of them may hang.
+/// fail with [`StoreError::Unavailable`]; none of them may hang. Those given a [`LastRun`]
+/// do nothing past it.
 pub trait Store: Send + Sync + 'static {
     /// Whether answers wait on another server: transports then run each request as a task
     /// of its own and send its answer as soon as it is ready, in any order. The in-memory
@@ -58,6 +66,7 @@ pub trait Store: Send + Sync + 'static {
         owner: u64,
         check: Check<'_>,
         mode: Mode,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send;
 
     /// Checks several buckets all-or-nothing; repeated keys are coalesced, one key with two
@@ -67,12 +76,14 @@ pub trait Store: Send + Sync + 'static {
         owner: u64,
         checks: &[Check<'_>],
         mode: Mode,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send;
 
     fn record_request(
         &self,
         key: KeyRef<'_>,
         cost: f64,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 
     /// Lowers `key`'s tokens to what the exchange still allows; returns the tokens taken.
@@ -81,25 +92,43 @@ pub trait Store: Send + Sync + 'static {
         key: KeyRef<'_>,
         allowance: f64,
         window_left_ms: u64,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<f64>> + Send;
 
-    fn get_cost(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send;
+    fn get_cost(
+        &self,
+        key: KeyRef<'_>,
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<f64>> + Send;
 
-    fn inspect(&self, key: KeyRef<'_>)
-        -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send;
+    fn inspect(
+        &self,
+        key: KeyRef<'_>,
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send;
 
     fn busiest(
         &self,
         count: usize,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Vec<(ShownKey, KeyInfo)>>> + Send;
 
-    fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send;
+    fn reset(
+        &self,
+        key: KeyRef<'_>,
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     fn reset_exchange(&self, exchange: &[u8]) -> impl Future<Output = StoreResult<()>> + Send;
 
     fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send;
 
-    fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send;
+    fn pause(
+        &self,
+        target: PauseTarget,
+        ms: u64,
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     /// Counts a limited reply without a usable wait for the credential and pauses `scope`
     /// for its backoff; returns the pause in milliseconds ([`Table::back_off`]).
@@ -108,6 +137,7 @@ pub trait Store: Send + Sync + 'static {
         exchange: &[u8],
         credential: Option<&[u8]>,
         scope: BackoffScope,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<u64>> + Send;
 
     /// Forgets the credential's backoff count.
@@ -115,9 +145,10 @@ pub trait Store: Send + Sync + 'static {
         &self,
         exchange: &[u8],
         credential: Option<&[u8]>,
+        last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 
-    fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send;
+    fn stats(&self, last_run: LastRun) -> impl Future<Output = StoreResult<Stats>> + Send;
 
     /// Drops what behaves as new; may take a while, so transports call it off their
     /// request path. Stores that expire keys themselves drop nothing here.
@@ -150,6 +181,7 @@ impl<C: Clock> Store for Memory<C> {
         owner: u64,
         check: Check<'_>,
         mode: Mode,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
         ready(Ok(self.table.check_rate(owner, check, mode)))
     }
@@ -159,6 +191,7 @@ impl<C: Clock> Store for Memory<C> {
         owner: u64,
         checks: &[Check<'_>],
         mode: Mode,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
         ready(
             self.table
@@ -171,6 +204,7 @@ impl<C: Clock> Store for Memory<C> {
         &self,
         key: KeyRef<'_>,
         cost: f64,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.record_request(key, cost);
         ready(Ok(()))
@@ -181,17 +215,23 @@ impl<C: Clock> Store for Memory<C> {
         key: KeyRef<'_>,
         allowance: f64,
         window_left_ms: u64,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<f64>> + Send {
         ready(Ok(self.table.sync(key, allowance, window_left_ms)))
     }
 
-    fn get_cost(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<f64>> + Send {
+    fn get_cost(
+        &self,
+        key: KeyRef<'_>,
+        _last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<f64>> + Send {
         ready(Ok(self.table.get_cost(key)))
     }
 
     fn inspect(
         &self,
         key: KeyRef<'_>,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Option<KeyInfo>>> + Send {
         ready(Ok(self.table.inspect(key)))
     }
@@ -199,6 +239,7 @@ impl<C: Clock> Store for Memory<C> {
     fn busiest(
         &self,
         count: usize,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Vec<(ShownKey, KeyInfo)>>> + Send {
         let rows = self.table.busiest(count);
         ready(Ok(rows
@@ -207,7 +248,11 @@ impl<C: Clock> Store for Memory<C> {
             .collect()))
     }
 
-    fn reset(&self, key: KeyRef<'_>) -> impl Future<Output = StoreResult<()>> + Send {
+    fn reset(
+        &self,
+        key: KeyRef<'_>,
+        _last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.reset(key);
         ready(Ok(()))
     }
@@ -222,7 +267,12 @@ impl<C: Clock> Store for Memory<C> {
         ready(Ok(()))
     }
 
-    fn pause(&self, target: PauseTarget, ms: u64) -> impl Future<Output = StoreResult<()>> + Send {
+    fn pause(
+        &self,
+        target: PauseTarget,
+        ms: u64,
+        _last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send {
         ready(self.table.pause(target, ms).map_err(StoreError::Invalid))
     }
 
@@ -231,6 +281,7 @@ impl<C: Clock> Store for Memory<C> {
         exchange: &[u8],
         credential: Option<&[u8]>,
         scope: BackoffScope,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<u64>> + Send {
         ready(
             self.table
@@ -243,12 +294,13 @@ impl<C: Clock> Store for Memory<C> {
         &self,
         exchange: &[u8],
         credential: Option<&[u8]>,
+        _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.reset_backoff(exchange, credential);
         ready(Ok(()))
     }
 
-    fn stats(&self) -> impl Future<Output = StoreResult<Stats>> + Send {
+    fn stats(&self, _last_run: LastRun) -> impl Future<Output = StoreResult<Stats>> + Send {
         ready(Ok(self.table.stats()))
     }
 

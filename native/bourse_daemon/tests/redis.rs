@@ -929,6 +929,61 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
     }
 }
 
+/// A shared daemon whose Redis timeout is longer than its client's: a request whose own
+/// deadline passed while Redis was stopped is not run when Redis resumes, alone or sharing
+/// a call with checks that may still run (which pay).
+#[test]
+fn a_request_past_its_own_deadline_never_pays_when_redis_resumes() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "8000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 20, "refill_per_sec": 0.001});
+    let (k, other) = (key("dl", Some("k")), key("dl", Some("other")));
+    // The daemon learns Redis's clock; the bucket holds 19.
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let clock_us = t.call(json!({"op": "hello"}))["clock_us"].as_u64().unwrap();
+    // Its caller waits 1 s: it may run until 0.75 s from now.
+    let impatient = |mut request: Value| {
+        request["deadline_us"] = json!(clock_us + 1_000_000);
+        request["timeout_ms"] = json!(1000);
+        request
+    };
+    let requests = [
+        // Two checks first, each alone in its call; the next ones queue behind them and
+        // go as one call when Redis resumes.
+        check(&k, limit.clone(), 1.0),
+        check(&k, limit.clone(), 1.0),
+        impatient(check(&k, limit.clone(), 1.0)),
+        check(&k, limit.clone(), 1.0),
+        impatient(json!({"op": "check_many", "checks": [
+            {"key": k, "limit": limit, "cost": 1}, {"key": other, "limit": limit, "cost": 1},
+        ]})),
+        impatient(json!({"op": "record", "key": k, "cost": 5})),
+    ];
+    kill("STOP", redis.child.id());
+    let started = Instant::now();
+    for (id, mut request) in requests.into_iter().enumerate() {
+        request["id"] = json!(id);
+        t.send(&request);
+    }
+    // Resumed well past the impatient requests' deadline (1 s), well before the others'
+    // (8 s).
+    thread::sleep(Duration::from_millis(1500).saturating_sub(started.elapsed()));
+    kill("CONT", redis.child.id());
+    let mut answers: Vec<Value> = (0..6).map(|_| t.recv()).collect();
+    answers.sort_by_key(|answer| answer["id"].as_u64());
+    for (id, answer) in answers.iter().enumerate() {
+        match id {
+            2 | 4 | 5 => assert_eq!(answer["error"]["type"], "unavailable", "{answer}"),
+            _ => assert_eq!(answer["result"], "admitted", "{answer}"),
+        }
+    }
+    // Only the three patient checks paid.
+    sleep_ms(200);
+    assert!((borrowed(&mut t, &k) - 4.0).abs() < 0.01, "{answers:?}");
+    assert!(borrowed(&mut t, &other).abs() < 0.01, "{answers:?}");
+}
+
 /// Redis killed: calls are told `unavailable` at once; restarted empty on the same port,
 /// the daemon reconnects and reloads its script, and nothing refused was paid.
 #[test]

@@ -11,14 +11,14 @@ mod request;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bourse_core::{rules, InvalidInput, Outcome};
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::Sha256;
 
-use crate::store::{Memory, Store, StoreError};
+use crate::store::{LastRun, Memory, Store, StoreError};
 use answer::{encode, error, Answer, Hello, To};
 use request::{Owner, Request};
 
@@ -152,6 +152,11 @@ impl<S: Store> Service<S> {
         self.epoch.elapsed().as_micros() as u64
     }
 
+    /// The instant of a moment on [`Self::clock_us`]; `None` past what `Instant` can hold.
+    fn instant(&self, clock_us: u64) -> Option<Instant> {
+        self.epoch.checked_add(Duration::from_micros(clock_us))
+    }
+
     pub fn store(&self) -> &S {
         &self.store
     }
@@ -193,11 +198,14 @@ impl<S: Store> Service<S> {
             Ok((_, Some(last_run_us))) if self.clock_us() > last_run_us => {
                 Failure::Unavailable(rules::past_deadline(self.clock_us() - last_run_us))
             }
-            Ok((request, _)) => match self.execute(session, number, request).await {
-                // In the codec chosen by a first `hello`, if it chose one.
-                Ok(answer) => return encode(out, session.codec(), to, answer),
-                Err(failure) => failure,
-            },
+            Ok((request, last_run_us)) => {
+                let last_run = last_run_us.and_then(|us| self.instant(us));
+                match self.execute(session, number, request, last_run).await {
+                    // In the codec chosen by a first `hello`, if it chose one.
+                    Ok(answer) => return encode(out, session.codec(), to, answer),
+                    Err(failure) => failure,
+                }
+            }
             Err(invalid) => Failure::Invalid(invalid),
         };
         let codec = session.codec();
@@ -244,12 +252,13 @@ impl<S: Store> Service<S> {
         error(out, codec, to, "invalid_parameters", invalid);
     }
 
-    /// Runs one valid request.
+    /// Runs one valid request, which must not start past `last_run`.
     async fn execute(
         &self,
         session: &Session,
         number: u64,
         request: Request<'_>,
+        last_run: LastRun,
     ) -> Result<Answer, Failure> {
         if !session.authenticated() && !request.before_auth() {
             return Err(Failure::Unauthorized(UNAUTHORIZED));
@@ -274,22 +283,22 @@ impl<S: Store> Service<S> {
                 let owner = self.owner(session, owner);
                 Answer::Outcome(match checks.as_slice() {
                     [] => Outcome::Admitted,
-                    [check] => store.check_rate(owner, *check, mode).await?,
-                    checks => store.check_rates(owner, checks, mode).await?,
+                    [check] => store.check_rate(owner, *check, mode, last_run).await?,
+                    checks => store.check_rates(owner, checks, mode, last_run).await?,
                 })
             }
             Request::Record { key, cost } => {
-                store.record_request(key, cost).await?;
+                store.record_request(key, cost, last_run).await?;
                 Answer::Done
             }
-            Request::GetCost { key } => Answer::Borrowed(store.get_cost(key).await?),
+            Request::GetCost { key } => Answer::Borrowed(store.get_cost(key, last_run).await?),
             Request::Sync {
                 key,
                 allowance,
                 window_left_ms,
-            } => Answer::Taken(store.sync(key, allowance, window_left_ms).await?),
+            } => Answer::Taken(store.sync(key, allowance, window_left_ms, last_run).await?),
             Request::Reset { key } => {
-                store.reset(key).await?;
+                store.reset(key, last_run).await?;
                 Answer::Done
             }
             Request::ResetExchange { exchange } => {
@@ -301,24 +310,28 @@ impl<S: Store> Service<S> {
                 Answer::Done
             }
             Request::Pause { target, ms } => {
-                store.pause(target, ms).await?;
+                store.pause(target, ms, last_run).await?;
                 Answer::Done
             }
             Request::BackOff {
                 exchange,
                 credential,
                 scope,
-            } => Answer::Paused(store.back_off(exchange, credential, scope).await?),
+            } => Answer::Paused(
+                store
+                    .back_off(exchange, credential, scope, last_run)
+                    .await?,
+            ),
             Request::ResetBackoff {
                 exchange,
                 credential,
             } => {
-                store.reset_backoff(exchange, credential).await?;
+                store.reset_backoff(exchange, credential, last_run).await?;
                 Answer::Done
             }
-            Request::Inspect { key } => Answer::Info(store.inspect(key).await?),
-            Request::Busiest { count } => Answer::Busiest(store.busiest(count).await?),
-            Request::Stats => Answer::Stats(store.stats().await?),
+            Request::Inspect { key } => Answer::Info(store.inspect(key, last_run).await?),
+            Request::Busiest { count } => Answer::Busiest(store.busiest(count, last_run).await?),
+            Request::Stats => Answer::Stats(store.stats(last_run).await?),
             Request::Sweep => Answer::Swept(store.sweep()),
         })
     }

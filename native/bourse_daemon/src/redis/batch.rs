@@ -24,7 +24,7 @@ use super::client::{self, Client};
 use super::connection::hash_tag;
 use super::names;
 use super::script::Call;
-use crate::store::{StoreError, StoreResult};
+use crate::store::{LastRun, StoreError, StoreResult};
 
 /// The most checks in one call: a call holds Redis for all of them.
 const MAX_BATCH: usize = 128;
@@ -37,6 +37,7 @@ const BATCHES_IN_FLIGHT: usize = 2;
 struct Waiting {
     part: Call,
     sent: Instant,
+    last_run: LastRun,
     reply: oneshot::Sender<StoreResult<CheckAnswer>>,
 }
 
@@ -75,11 +76,17 @@ impl Batcher {
         }
     }
 
-    /// Runs one check (its keys and arguments, see bucket.lua), within the timeout.
-    pub async fn check(&self, part: Call) -> StoreResult<CheckAnswer> {
+    /// Runs one check (its keys and arguments, see bucket.lua), within the timeout and not
+    /// past `last_run`.
+    pub async fn check(&self, part: Call, last_run: LastRun) -> StoreResult<CheckAnswer> {
         let sent = Instant::now();
         let (reply, answer) = oneshot::channel();
-        let waiting = Waiting { part, sent, reply };
+        let waiting = Waiting {
+            part,
+            sent,
+            last_run,
+            reply,
+        };
         // A call free means no check waits for one (the dispatcher is served first): this
         // one goes alone, at once, from this task.
         if let Ok(turn) = self.turns.clone().try_acquire_owned() {
@@ -178,7 +185,10 @@ async fn run(
     checks: Vec<Waiting>,
     _turn: Arc<OwnedSemaphorePermit>,
 ) {
-    let parts: Vec<(Instant, &Call)> = checks.iter().map(|w| (w.sent, &w.part)).collect();
+    let parts: Vec<(Instant, LastRun, &Call)> = checks
+        .iter()
+        .map(|w| (w.sent, w.last_run, &w.part))
+        .collect();
     let answer = client.invoke_checks(&marker, &parts).await;
     drop(parts);
     match answer {

@@ -4,9 +4,10 @@
 //! its first run answered).
 //!
 //! A call answered `Unavailable` never pays later: each script carries a deadline on the
-//! Redis server's own clock ([`ServerClock`]) and refuses to run past it, so a Redis that
-//! was stopped and resumes does not run the work of callers already told it was
-//! unavailable.
+//! Redis server's own clock ([`ServerClock`]), the earlier of the timeout's and the
+//! request's own ([`LastRun`]), and refuses to run past it, so a Redis that was stopped and
+//! resumes does not run the work of callers already told it was unavailable, by this
+//! daemon or by their own timeout.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +19,7 @@ use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
 use super::connection::{Connection, ScanNode};
 use super::script::{self, Call, Script, Sources};
-use crate::store::{StoreError, StoreResult};
+use crate::store::{LastRun, StoreError, StoreResult};
 
 /// Starts the message of a script that found its deadline passed, before the Redis time.
 const LATE: &str = "late:";
@@ -60,15 +61,19 @@ impl Client {
     }
 
     /// Runs the script, bounded by the timeout: the script is told the latest moment, on
-    /// the Redis clock, at which it may still run.
-    pub async fn invoke<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
+    /// the Redis clock, at which it may still run (no later than `last_run`).
+    pub async fn invoke<T: FromRedisValue>(
+        &self,
+        call: &Call,
+        last_run: LastRun,
+    ) -> StoreResult<T> {
         let started = Instant::now();
         let mut connection = self.connection.clone();
         let answer = self
             .bounded(async {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
-                let deadline = self.deadline(started, &mut connection).await?;
+                let deadline = self.deadline(started, last_run, &mut connection).await?;
                 self.run(
                     |script: Script<'_>| call.command(script, deadline),
                     &mut connection,
@@ -79,21 +84,22 @@ impl Client {
         self.late(answer, started)
     }
 
-    /// Runs the checks `parts` (each sent at its instant, so with its own deadline) as one
-    /// `checks` call that `marker` lets run once; the Redis time and each check's answer.
+    /// Runs the checks `parts` (each sent at its instant, with its request's last moment to
+    /// run, so with its own deadline) as one `checks` call that `marker` lets run once; the
+    /// Redis time and each check's answer.
     pub async fn invoke_checks(
         &self,
         marker: &[u8],
-        parts: &[(Instant, &Call)],
+        parts: &[(Instant, LastRun, &Call)],
     ) -> StoreResult<(u64, Vec<CheckAnswer>)> {
-        let started = parts.iter().map(|(sent, _)| *sent).min();
+        let started = parts.iter().map(|(sent, _, _)| *sent).min();
         let started = started.unwrap_or_else(Instant::now);
         let mut connection = self.connection.clone();
         let answer = self
             .bounded(async {
                 let mut deadlines = Vec::with_capacity(parts.len());
-                for (sent, _) in parts {
-                    deadlines.push(self.deadline(*sent, &mut connection).await?);
+                for (sent, last_run, _) in parts {
+                    deadlines.push(self.deadline(*sent, *last_run, &mut connection).await?);
                 }
                 let latest = match deadlines.contains(&0) {
                     true => 0,
@@ -101,7 +107,7 @@ impl Client {
                 };
                 let each: Vec<(u64, &Call)> = deadlines
                     .into_iter()
-                    .zip(parts.iter().map(|(_, part)| *part))
+                    .zip(parts.iter().map(|(_, _, part)| *part))
                     .collect();
                 let lifetime = self.timeout * 2;
                 let command =
@@ -113,18 +119,20 @@ impl Client {
         Ok((now, answer::checks_from(&text)?))
     }
 
-    /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` may
-    /// run; the Redis clock is read first while nothing is known of it.
+    /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` for a
+    /// request that may run until `last_run` may run; the Redis clock is read first while
+    /// nothing is known of it.
     async fn deadline(
         &self,
         started: Instant,
+        last_run: LastRun,
         connection: &mut Connection,
     ) -> Result<u64, RedisError> {
-        if let Some(deadline) = self.clock.deadline(started) {
+        if let Some(deadline) = self.clock.deadline(started, last_run) {
             return Ok(deadline);
         }
         self.sample_time(connection).await?;
-        Ok(self.clock.deadline(started).unwrap_or(0))
+        Ok(self.clock.deadline(started, last_run).unwrap_or(0))
     }
 
     /// Sends a call (`command` writes it for a form of the code) as `fcall` while Redis has

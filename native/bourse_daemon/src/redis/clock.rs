@@ -1,7 +1,7 @@
-//! Deadlines on the Redis server's clock. A call gives up after its timeout; the script it
-//! sent must then never run, even if Redis receives or resumes it later. So each script is
-//! told the latest Redis time at which it may still run, computed from what this daemon
-//! has seen of that clock.
+//! Deadlines on the Redis server's clock. A call gives up after its timeout, and its
+//! caller may give up sooner; the script it sent must then never run, even if Redis
+//! receives or resumes it later. So each script is told the latest Redis time at which it
+//! may still run, computed from what this daemon has seen of that clock.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
@@ -67,8 +67,9 @@ impl ServerClock {
     }
 
     /// The latest Redis time (µs) at which the script of a call sent at `started` may run,
-    /// or `None` while nothing is known of the Redis clock.
-    pub fn deadline(&self, started: Instant) -> Option<u64> {
+    /// or `None` while nothing is known of the Redis clock: by the timeout, and no later
+    /// than the request's own `last_run` (a local instant, converted the same way).
+    pub fn deadline(&self, started: Instant, last_run: Option<Instant>) -> Option<u64> {
         let offset = self
             .current
             .load(Ordering::Relaxed)
@@ -76,9 +77,11 @@ impl ServerClock {
         if offset == UNKNOWN {
             return None;
         }
-        let gives_up = self.local_us(started + self.timeout).saturating_add(offset);
+        let on_redis = |at: Instant| self.local_us(at).saturating_add(offset).max(0) as u64;
         let timeout_ms = self.timeout.as_millis() as u64;
-        Some(rules::last_run_us(gives_up.max(0) as u64, timeout_ms).max(1))
+        let ours = rules::last_run_us(on_redis(started + self.timeout), timeout_ms);
+        let theirs = last_run.map_or(u64::MAX, on_redis);
+        Some(ours.min(theirs).max(1))
     }
 }
 
@@ -90,19 +93,25 @@ mod tests {
     fn deadlines_fall_before_the_timeout_on_the_redis_clock() {
         let clock = ServerClock::new(Duration::from_millis(1000));
         let start = clock.epoch + Duration::from_secs(5);
-        assert_eq!(clock.deadline(start), None);
+        assert_eq!(clock.deadline(start, None), None);
         // Redis read 1_000_000_000 µs when this process was at 5 s (answer received then).
         clock.observe(1_000_000_000, start);
         // Sent at 5 s, it gives up at 6 s: the script may run until 5.75 s, in Redis time.
-        assert_eq!(clock.deadline(start), Some(1_000_750_000));
+        assert_eq!(clock.deadline(start, None), Some(1_000_750_000));
+        // A request that may run until 5.2 s: its script until 5.2 s, in Redis time; one
+        // that may run later is held to the timeout's deadline.
+        let soon = start + Duration::from_millis(200);
+        assert_eq!(clock.deadline(start, Some(soon)), Some(1_000_200_000));
+        let late = start + Duration::from_secs(2);
+        assert_eq!(clock.deadline(start, Some(late)), Some(1_000_750_000));
         // A slower answer proves less: the tightest bound stays.
         clock.observe(1_000_100_000, start + Duration::from_millis(300));
-        assert_eq!(clock.deadline(start), Some(1_000_750_000));
+        assert_eq!(clock.deadline(start, None), Some(1_000_750_000));
         // Redis's clock set back by 1 s: followed once two windows have passed.
         let later = start + Duration::from_secs(11);
         clock.observe(1_010_000_000, later);
         let much_later = later + Duration::from_secs(11);
         clock.observe(1_021_000_000, much_later);
-        assert_eq!(clock.deadline(much_later), Some(1_021_750_000));
+        assert_eq!(clock.deadline(much_later, None), Some(1_021_750_000));
     }
 }

@@ -9,8 +9,8 @@
 //! Every call is bounded by a timeout. When Redis cannot be reached the answer is
 //! [`StoreError::Unavailable`](crate::store::StoreError) and nothing is admitted; the
 //! connection is re-established by the next call. A call answered `Unavailable` never pays
-//! later: each script carries a deadline on the Redis server's own clock and refuses to run
-//! past it.
+//! later: each script carries a deadline on the Redis server's own clock (the earlier of
+//! the timeout's and the request's own) and refuses to run past it.
 //!
 //! Credentials never appear in key names: they are replaced by keyed fingerprints; the
 //! bucket keeps the displayed fingerprint for `busiest`.

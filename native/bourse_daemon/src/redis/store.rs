@@ -20,7 +20,7 @@ use super::fingerprints::Fingerprints;
 use super::names::{self, CredentialNames, KeyNames, KeyParts};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
-use crate::store::{ShownKey, Store, StoreError, StoreResult};
+use crate::store::{LastRun, ShownKey, Store, StoreError, StoreResult};
 
 /// How to reach Redis and name the keys.
 #[derive(Debug, Clone)]
@@ -93,7 +93,11 @@ impl RedisStore {
     }
 
     /// Visits every bucket with its snapshot, one `SCAN` page at a time.
-    async fn scan_buckets(&self, mut visit: impl FnMut(ShownKey, KeyInfo)) -> StoreResult<()> {
+    async fn scan_buckets(
+        &self,
+        last_run: LastRun,
+        mut visit: impl FnMut(ShownKey, KeyInfo),
+    ) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
         let mut scan = Scan::start(&self.client).await?;
         while let Some(names) = scan.next_page(&self.client, &pattern).await? {
@@ -105,7 +109,7 @@ impl RedisStore {
                 continue;
             }
             let names: Vec<KeyNames> = keys.iter().map(|key| key.names(&self.prefix)).collect();
-            let infos = self.infos(&names).await?;
+            let infos = self.infos(&names, last_run).await?;
             for (key, info) in keys.into_iter().zip(infos) {
                 if let Some((info, shown)) = info {
                     let shown = ShownKey {
@@ -124,9 +128,9 @@ impl RedisStore {
 
     /// Snapshots of the keys named `keys`, with the shown fingerprint of their credential.
     /// On a cluster one script call per hash tag.
-    async fn infos(&self, keys: &[KeyNames]) -> StoreResult<Vec<Info>> {
+    async fn infos(&self, keys: &[KeyNames], last_run: LastRun) -> StoreResult<Vec<Info>> {
         if !self.client.is_cluster() {
-            return self.infos_in_slot(keys).await;
+            return self.infos_in_slot(keys, last_run).await;
         }
         let mut slots: BTreeMap<&[u8], Vec<usize>> = BTreeMap::new();
         for (index, names) in keys.iter().enumerate() {
@@ -138,7 +142,10 @@ impl RedisStore {
         let mut infos = vec![None; keys.len()];
         for indices in slots.into_values() {
             let group: Vec<KeyNames> = indices.iter().map(|&i| keys[i].clone()).collect();
-            for (index, info) in indices.into_iter().zip(self.infos_in_slot(&group).await?) {
+            for (index, info) in indices
+                .into_iter()
+                .zip(self.infos_in_slot(&group, last_run).await?)
+            {
                 infos[index] = info;
             }
         }
@@ -146,7 +153,7 @@ impl RedisStore {
     }
 
     /// [`Self::infos`] of keys that share one slot.
-    async fn infos_in_slot(&self, keys: &[KeyNames]) -> StoreResult<Vec<Info>> {
+    async fn infos_in_slot(&self, keys: &[KeyNames], last_run: LastRun) -> StoreResult<Vec<Info>> {
         let mut call = Call::default();
         call.arg("info");
         for names in keys {
@@ -157,7 +164,7 @@ impl RedisStore {
                 .arg(names.credential_pause)
                 .arg(names.key_pause);
         }
-        let rows: Vec<Option<Vec<String>>> = self.client.invoke(&call).await?;
+        let rows: Vec<Option<Vec<String>>> = self.client.invoke(&call, last_run).await?;
         rows.into_iter()
             .map(|row| row.map(|fields| answer::info_from(&fields)).transpose())
             .collect()
@@ -186,8 +193,14 @@ impl Store for RedisStore {
         self.config
     }
 
-    async fn check_rate(&self, owner: u64, check: Check<'_>, mode: Mode) -> StoreResult<Outcome> {
-        self.check_rates(owner, &[check], mode).await
+    async fn check_rate(
+        &self,
+        owner: u64,
+        check: Check<'_>,
+        mode: Mode,
+        last_run: LastRun,
+    ) -> StoreResult<Outcome> {
+        self.check_rates(owner, &[check], mode, last_run).await
     }
 
     async fn check_rates(
@@ -195,6 +208,7 @@ impl Store for RedisStore {
         owner: u64,
         checks: &[Check<'_>],
         mode: Mode,
+        last_run: LastRun,
     ) -> StoreResult<Outcome> {
         let items = coalesce(checks).map_err(|error| {
             self.count_invalid();
@@ -254,13 +268,18 @@ impl Store for RedisStore {
             call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
                 .key_with(|out| names::write_marker(out, &self.prefix, exchange));
         }
-        let (result, ms, paused, lapsed) = self.checks.check(call).await?;
+        let (result, ms, paused, lapsed) = self.checks.check(call, last_run).await?;
         let outcome = answer::outcome(&result, ms)?;
         self.counters.outcome(outcome, paused > 0, lapsed);
         Ok(outcome)
     }
 
-    async fn record_request(&self, key: KeyRef<'_>, cost: f64) -> StoreResult<()> {
+    async fn record_request(
+        &self,
+        key: KeyRef<'_>,
+        cost: f64,
+        last_run: LastRun,
+    ) -> StoreResult<()> {
         let (names, shown) = self.names_and_shown(&key);
         let mut call = Call::default();
         call.key(names.bucket)
@@ -268,12 +287,18 @@ impl Store for RedisStore {
             .arg("record")
             .arg(cost)
             .arg(shown);
-        let _: String = self.client.invoke(&call).await?;
+        let _: String = self.client.invoke(&call, last_run).await?;
         self.counters.debited();
         Ok(())
     }
 
-    async fn sync(&self, key: KeyRef<'_>, allowance: f64, window_left_ms: u64) -> StoreResult<f64> {
+    async fn sync(
+        &self,
+        key: KeyRef<'_>,
+        allowance: f64,
+        window_left_ms: u64,
+        last_run: LastRun,
+    ) -> StoreResult<f64> {
         let names = self.names(&key);
         let mut call = Call::default();
         call.key(names.bucket)
@@ -281,23 +306,27 @@ impl Store for RedisStore {
             .arg("sync")
             .arg(allowance)
             .arg(window_left_ms);
-        answer::number(&self.client.invoke::<String>(&call).await?)
+        answer::number(&self.client.invoke::<String>(&call, last_run).await?)
     }
 
-    async fn get_cost(&self, key: KeyRef<'_>) -> StoreResult<f64> {
+    async fn get_cost(&self, key: KeyRef<'_>, last_run: LastRun) -> StoreResult<f64> {
         let mut call = Call::default();
         call.key(self.names(&key).bucket).arg("borrowed");
-        answer::number(&self.client.invoke::<String>(&call).await?)
+        answer::number(&self.client.invoke::<String>(&call, last_run).await?)
     }
 
-    async fn inspect(&self, key: KeyRef<'_>) -> StoreResult<Option<KeyInfo>> {
-        let mut infos = self.infos(&[self.names(&key)]).await?;
+    async fn inspect(&self, key: KeyRef<'_>, last_run: LastRun) -> StoreResult<Option<KeyInfo>> {
+        let mut infos = self.infos(&[self.names(&key)], last_run).await?;
         Ok(infos.pop().flatten().map(|(info, _)| info))
     }
 
-    async fn busiest(&self, count: usize) -> StoreResult<Vec<(ShownKey, KeyInfo)>> {
+    async fn busiest(
+        &self,
+        count: usize,
+        last_run: LastRun,
+    ) -> StoreResult<Vec<(ShownKey, KeyInfo)>> {
         let mut rows = Vec::new();
-        self.scan_buckets(|key, info| {
+        self.scan_buckets(last_run, |key, info| {
             if info.borrowed > 0.0 || info.bookings > 0 {
                 rows.push((key, info));
             }
@@ -308,7 +337,7 @@ impl Store for RedisStore {
         Ok(rows)
     }
 
-    async fn reset(&self, key: KeyRef<'_>) -> StoreResult<()> {
+    async fn reset(&self, key: KeyRef<'_>, last_run: LastRun) -> StoreResult<()> {
         let names = self.names(&key);
         let mut call = Call::default();
         call.key(names.bucket)
@@ -316,7 +345,7 @@ impl Store for RedisStore {
             .key(names.pauses)
             .arg("reset")
             .arg(names.key_pause);
-        let _: String = self.client.invoke(&call).await?;
+        let _: String = self.client.invoke(&call, last_run).await?;
         Ok(())
     }
 
@@ -330,7 +359,7 @@ impl Store for RedisStore {
         unlink_matching(&self.client, &pattern).await
     }
 
-    async fn pause(&self, target: PauseTarget, ms: u64) -> StoreResult<()> {
+    async fn pause(&self, target: PauseTarget, ms: u64, last_run: LastRun) -> StoreResult<()> {
         let (exchange, field) = match &target {
             PauseTarget::Exchange(exchange) => (exchange.as_slice(), b"x".to_vec()),
             PauseTarget::Credential(exchange, credential) => {
@@ -344,7 +373,7 @@ impl Store for RedisStore {
             .arg("pause")
             .arg(field)
             .arg(ms);
-        let _: String = self.client.invoke(&call).await?;
+        let _: String = self.client.invoke(&call, last_run).await?;
         Ok(())
     }
 
@@ -353,6 +382,7 @@ impl Store for RedisStore {
         exchange: &[u8],
         credential: Option<&[u8]>,
         scope: BackoffScope,
+        last_run: LastRun,
     ) -> StoreResult<u64> {
         let names = self.credential_names(exchange, credential);
         let field = match scope {
@@ -367,20 +397,25 @@ impl Store for RedisStore {
             .arg(FIRST_BACKOFF_MS)
             .arg(MAX_BACKOFF_MS)
             .arg(BACKOFF_LAPSE_MS);
-        self.client.invoke(&call).await
+        self.client.invoke(&call, last_run).await
     }
 
-    async fn reset_backoff(&self, exchange: &[u8], credential: Option<&[u8]>) -> StoreResult<()> {
+    async fn reset_backoff(
+        &self,
+        exchange: &[u8],
+        credential: Option<&[u8]>,
+        last_run: LastRun,
+    ) -> StoreResult<()> {
         let names = self.credential_names(exchange, credential);
         let mut call = Call::default();
         call.key(names.backoff).arg("reset_backoff");
-        let _: String = self.client.invoke(&call).await?;
+        let _: String = self.client.invoke(&call, last_run).await?;
         Ok(())
     }
 
-    async fn stats(&self) -> StoreResult<Stats> {
+    async fn stats(&self, last_run: LastRun) -> StoreResult<Stats> {
         let mut stats = self.counters.stats();
-        self.scan_buckets(|_, info| {
+        self.scan_buckets(last_run, |_, info| {
             stats.buckets += 1;
             stats.bookings += info.bookings as u64;
         })
