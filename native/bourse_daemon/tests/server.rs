@@ -525,3 +525,67 @@ fn sigterm_with_a_thread_blocked_writing_exits_zero_after_the_drain() {
     stopped.shutdown(std::net::Shutdown::Both).unwrap();
     flood.join().unwrap();
 }
+
+/// Without room for more threads (here an address-space limit a little above what the
+/// daemon holds once started: each thread reserves its stack), further Unix connections
+/// are served as tasks: every one is answered, the listener goes on accepting, and SIGTERM
+/// still stops the daemon.
+#[test]
+fn unix_connections_past_the_threads_the_system_allows_are_served_as_tasks() {
+    let path = common::temp_path("no-threads.sock");
+    // No sweep during the test: the runtime starts no thread of its own for one.
+    let args = ["--max-connections", "500", "--sweep-interval-ms", "3600000"];
+    let mut server = Server::start(&[&["--socket", path.to_str().unwrap()][..], &args].concat());
+    let pid = server.child.id();
+    let held = || -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmSize:"))
+            .and_then(|size| size.trim().strip_suffix(" kB")?.parse().ok())
+            .expect("VmSize in /proc/PID/status")
+    };
+    // Once every thread of the runtime has started (and mapped its signal stack).
+    let mut last = 0;
+    eventually("the daemon's address space stops growing", || {
+        thread::sleep(Duration::from_millis(200));
+        let now = held();
+        std::mem::replace(&mut last, now) == now
+    });
+    let held = held();
+    let bytes = (held << 10) + (64 << 20);
+    let limit = libc::rlimit {
+        rlim_cur: bytes,
+        rlim_max: bytes,
+    };
+    // SAFETY: prlimit only reads `limit`.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_AS,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .count()
+    };
+    let mut clients = Vec::new();
+    for id in 0..150 {
+        let stream = UnixStream::connect(&path)
+            .unwrap_or_else(|error| panic!("connection {id} ({} threads): {error}", threads()));
+        let mut client = LineClient::new(stream);
+        assert_eq!(client.call(json!({"op": "hello", "id": id}))["id"], id);
+        clients.push(client);
+    }
+    assert!(threads() < 150, "{} threads: none was refused", threads());
+    for (id, client) in clients.iter_mut().enumerate() {
+        assert_eq!(client.call(json!({"op": "stats", "id": id}))["id"], id);
+    }
+    drop(clients);
+    common::signal(&server.child, "TERM");
+    assert!(common::wait_exit(&mut server.child).success());
+}

@@ -44,7 +44,11 @@ pub fn spawn<S: Store>(
         Ok(runtime) if started => {
             let _ = give.send((Connection { stream, slot }, context, runtime));
         }
-        _ => {
+        runtime => {
+            // Dropped, it would wait for its blocking threads, which this task must not.
+            if let Ok(runtime) = runtime {
+                runtime.shutdown_background();
+            }
             tokio::spawn(super::serve(stream, context, slot));
         }
     }
