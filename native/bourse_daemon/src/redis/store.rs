@@ -61,7 +61,7 @@ impl RedisStore {
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),
             client,
-            fingerprints: Fingerprints::new(options.key_secret.as_deref()),
+            fingerprints: Fingerprints::new(options.key_secret.as_deref())?,
             prefix,
             config: options.config,
             counters: Counters::default(),
