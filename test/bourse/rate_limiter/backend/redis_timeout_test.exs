@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
 
   @moduletag :capture_log
 
-  import Bourse.BackendCase, only: [start_limiter: 1]
+  import Bourse.BackendCase, only: [start_daemon: 1, start_limiter: 1]
 
   alias Bourse.{Error, OsSignal, RateLimiter, RedisServer}
 
@@ -37,5 +37,27 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
         info = RateLimiter.inspect_key(key, name)
         assert info.tokens > 18.99, "a check told :unavailable paid: #{inspect(info)}"
     end
+  end
+
+  test "a shared daemon whose Redis timeout (4 s) is longer than its client's (1 s): a check told :unavailable never pays" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    args = ["--listen", "127.0.0.1:0", "--redis", redis.url, "--redis-timeout-ms", "4000"]
+    daemon = start_daemon(args)
+    name = start_limiter({:daemon, daemon.tcp, timeout: 1_000})
+    key = {"slow_redis", "shared"}
+    limit = %{capacity: 20, refill_per_sec: 0.001}
+    assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+
+    OsSignal.send(redis.os_pid, "STOP")
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{redis.os_pid}"], stderr_to_stdout: true) end)
+    assert {:error, %Error{type: :unavailable}} = RateLimiter.check_rate(key, limit, 1, name)
+    # Resumed past the caller's deadline, well before the daemon stops waiting for Redis
+    # (its script, queued in Redis, then runs).
+    Process.sleep(300)
+    OsSignal.send(redis.os_pid, "CONT")
+    Process.sleep(1_000)
+    info = RateLimiter.inspect_key(key, name)
+    assert info.tokens > 18.99, "a check told :unavailable paid: #{inspect(info)}"
   end
 end
