@@ -397,6 +397,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_call({:adopt, _limiter, _target}, _from, state),
     do: {:reply, :other_target, state}
 
+  # Any process can call or cast to this one: what is not its own is ignored, as the
+  # limiter process ignores it.
+  def handle_call(request, _from, state) do
+    unexpected("call", request, state)
+    {:reply, {:error, Error.invalid("not a connection request")}, state}
+  end
+
+  @impl true
+  def handle_cast(request, state) do
+    unexpected("cast", request, state)
+    {:noreply, state}
+  end
+
+  defp unexpected(kind, message, state),
+    do:
+      Logger.warning(
+        "#{describe(state)} ignored an unexpected #{kind}: #{Error.describe(message)}"
+      )
+
   @impl true
   def handle_info({:EXIT, limiter, reason}, %{limiter: limiter} = state) do
     case reason do

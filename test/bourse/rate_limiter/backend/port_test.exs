@@ -18,6 +18,17 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     %{name: name, handle: handle(name)}
   end
 
+  test "an unknown cast or call to the connection process is ignored, the limiter goes on",
+       %{name: name, handle: handle} do
+    connection = handle.pid
+    GenServer.cast(connection, {:not_a_request, "x"})
+    assert {:error, %Error{type: :invalid_parameters}} = GenServer.call(connection, :nonsense)
+    assert Process.alive?(connection)
+
+    assert :ok =
+             RateLimiter.check_rate({"ex", "after"}, %{capacity: 1, refill_per_sec: 1}, 1, name)
+  end
+
   test "kill -9 of the daemon: callers in flight get :unavailable, then a replacement that assumes every bucket busy",
        %{name: name, handle: handle} do
     limit = %{capacity: 10, refill_per_sec: 1}
