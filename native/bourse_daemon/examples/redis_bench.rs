@@ -24,6 +24,10 @@
 #[path = "../tests/cluster_support/mod.rs"]
 mod cluster_support;
 
+#[path = "support/cpu.rs"]
+mod cpu;
+
+use cpu::process_cpu;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -178,16 +182,6 @@ fn per_check(before: Option<Duration>, after: Option<Duration>, checks: usize) -
         }
         _ => "–".to_string(),
     }
-}
-
-/// CPU time of every thread of process `pid` so far (`/proc/PID/task/*/schedstat`, ns).
-fn process_cpu(pid: u32) -> Option<Duration> {
-    let mut total = 0u64;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
-    }
-    Some(Duration::from_nanos(total))
 }
 
 /// CPU time (user and system) the Redis servers at `urls` used so far (`INFO cpu`).
