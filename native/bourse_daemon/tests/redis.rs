@@ -1332,10 +1332,10 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
     let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
     assert_eq!(t.call(three)["result"], "admitted");
     let (commands, stats) = script_commands(&redis);
-    // Per call: the run marker's GET (whether it ran before) and SET (its answers); the
-    // exchange marker, whose expiry the library knows to be far enough, is not read; per
-    // exchange one HLEN of its pauses; per bucket HMGET, ZRANGE, HSET and PEXPIRE.
-    assert!(commands <= 2 + 1 + 3 * 4, "{commands} commands:\n{stats}");
+    // Per call: the run marker's GET (whether it ran before) and SET (its answers); per
+    // exchange one PTTL of its marker (far enough: not renewed) and one HLEN of its pauses;
+    // per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    assert!(commands <= 2 + 2 + 3 * 4, "{commands} commands:\n{stats}");
     // The exchange's marker still outlives its last check by a day (less the moments since).
     let markers: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:e{*"));
     assert_eq!(markers.len(), 1, "{markers:?}");
@@ -1346,9 +1346,8 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
     );
 }
 
-/// The function library remembers when each exchange marker expires, so as not to read it
-/// on every call: a marker deleted and written again (without an expiry) by a later check
-/// still gets one.
+/// A marker deleted and written again (SET, without an expiry) by a later check still gets
+/// an expiry.
 #[test]
 fn an_exchange_marker_written_again_gets_an_expiry() {
     let Some(redis) = Redis::start() else { return };
@@ -1565,10 +1564,10 @@ fn checks_sharing_a_call_read_their_pauses_once() {
         .sum::<u64>();
     eprintln!("{n} checks in {calls} calls: {commands} commands");
     assert!(calls < n / 4, "{calls} calls for {n} checks");
-    // Per call 2 (its run marker's GET and SET; the exchange marker's expiry is known) and
-    // 1 reading the pauses (HLEN, none held); per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    // Per call 2 (its run marker's GET and SET), 1 reading the exchange marker's expiry
+    // (PTTL) and 1 the pauses (HLEN, none held); per bucket HMGET, ZRANGE, HSET and PEXPIRE.
     assert!(
-        commands <= calls * 3 + n * 4,
+        commands <= calls * 4 + n * 4,
         "{commands} commands:\n{stats}"
     );
     // Paused: every check of the exchange is told to wait, whatever the call.
@@ -1818,4 +1817,42 @@ fn a_credential_keeps_its_bucket_while_the_fingerprint_cache_churns() {
     }
     let keys: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*churn*"));
     assert!(keys.len() > 2 * 6 * 1500, "{} keys", keys.len());
+}
+
+/// Each database keeps its own exchange markers alive: the function library is shared by
+/// every database of a server, and what one database's calls learn of their marker says
+/// nothing of another's (daemons on `/1` and `/2` with the same prefix).
+#[test]
+fn each_database_keeps_its_own_markers_past_its_buckets() {
+    let Some(redis) = Redis::start() else { return };
+    let server = |db: u8| {
+        let url = format!("{}/{db}", redis.url());
+        let mut args = vec!["--redis", url.as_str()];
+        args.extend_from_slice(&PATIENT);
+        Server::tcp(&args)
+    };
+    let (one, two) = (server(1), server(2));
+    let (mut a, mut b) = (one.connect(), two.connect());
+    let short = json!({"capacity": 5, "refill_per_sec": 5});
+    let long = json!({"capacity": 1e12, "refill_per_sec": 1e-3});
+    let admitted = |t: &mut LineClient<TcpStream>, axis: &str, limit: &Value| {
+        let k = json!({"exchange": "binance", "credential": "k", "axis": axis});
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    };
+    admitted(&mut b, "short", &short);
+    admitted(&mut a, "long", &long);
+    admitted(&mut b, "long", &long);
+    let db2 = ::redis::Client::open(format!("{}/2", redis.url())).unwrap();
+    let mut db2 = db2.get_connection().unwrap();
+    let markers: Vec<String> = ::redis::cmd("KEYS").arg("*:e{*").query(&mut db2).unwrap();
+    assert_eq!(markers.len(), 1, "{markers:?}");
+    let marker: i64 = ::redis::cmd("PTTL")
+        .arg(&markers[0])
+        .query(&mut db2)
+        .unwrap();
+    let keys: Vec<String> = ::redis::cmd("KEYS").arg("*").query(&mut db2).unwrap();
+    for k in keys.iter().filter(|k| !k.contains(":e{")) {
+        let left: i64 = ::redis::cmd("PTTL").arg(k).query(&mut db2).unwrap();
+        assert!(marker >= left, "marker {marker} ms, key of db 2 {left} ms");
+    }
 }

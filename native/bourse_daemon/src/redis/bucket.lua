@@ -214,12 +214,6 @@ local function borrowed(bucket, now)
   return -bucket.b
 end
 
--- When each exchange's marker expires (µs, Redis clock), by name, as this library last
--- read or set it: a marker known to outlive what a call wants is not read again. A function
--- library keeps it from call to call (a script starts empty); `state_began` forgets a
--- marker it writes (SET drops the expiry); past MAX_REMEMBERED markers it starts again.
-local marker_ends, markers_known = {}, 0
-
 -- When this exchange's state began on this Redis node. The marker holds the time and, once
 -- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
 -- under another run_id lies next to buckets that may lack that node's last payments (a
@@ -237,7 +231,6 @@ local function state_began(marker, now, busy)
   if not began or (node and by ~= node) then
     began = now
     redis.call('SET', marker, fmt(now) .. (node and ' ' .. node or ''))
-    marker_ends[marker] = nil
   end
   return began
 end
@@ -302,23 +295,12 @@ end
 
 -- Keeps each exchange's marker at least a day past this check, and past its longest-lived
 -- bucket; set MARKER_SLACK longer than that, so most calls need not renew it.
-local function keep_markers(markers, now)
+local function keep_markers(markers)
   for marker, ms in pairs(markers) do
     local want = math.max(ms, MARKER_TTL / 1000)
-    local ends = marker_ends[marker]
-    if not ends or ends - now < want * 1000 then
-      local left = redis.call('PTTL', marker)
-      if left ~= -2 and left < want then
-        left = want + MARKER_SLACK / 1000
-        redis.call('PEXPIRE', marker, int(left))
-      end
-      if left >= 0 then
-        if markers_known >= MAX_REMEMBERED then
-          marker_ends, markers_known = {}, 0
-        end
-        markers_known = markers_known + 1
-        marker_ends[marker] = now + left * 1000
-      end
+    local left = redis.call('PTTL', marker)
+    if left ~= -2 and left < want then
+      redis.call('PEXPIRE', marker, int(want + MARKER_SLACK / 1000))
     end
   end
 end
@@ -479,7 +461,7 @@ local function checks(now, late)
     k = k + parse(ARGV[a + 1])
     a = a + 3 + parse(ARGV[a + 2])
   end
-  keep_markers(markers, now)
+  keep_markers(markers)
   local text = table.concat(answers, '\n')
   redis.call('SET', KEYS[1], text, 'PX', ARGV[2])
   return { now, text }

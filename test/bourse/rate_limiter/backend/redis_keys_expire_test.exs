@@ -1,7 +1,6 @@
 defmodule Bourse.RateLimiter.Backend.RedisKeysExpireTest do
   # Every key the Redis backend writes expires (docs/PROTOCOL.md, "Redis"), also after
-  # FLUSHALL: it empties the keyspace but keeps the function library, and with it what the
-  # library remembers of when each exchange's marker expires.
+  # FLUSHALL, which empties the keyspace but keeps the function library.
   use ExUnit.Case, async: true
 
   @moduletag :capture_log
