@@ -39,7 +39,7 @@ fn main() -> ExitCode {
         Ok(Command::Run(options)) => *options,
         Err(message) => {
             eprintln!("bourse_daemon: {message}\n\n{}", cli::USAGE);
-            return ExitCode::from(2);
+            return refused(&message);
         }
     };
     // In --stdio mode the main thread runs the runtime: with Redis it reads stdin as one of
@@ -79,10 +79,20 @@ fn main() -> ExitCode {
                 Ok(store) => serve(store, options, runtime),
                 Err(message) => {
                     eprintln!("bourse_daemon: {message}");
-                    ExitCode::from(2)
+                    refused(&message)
                 }
             }
         }
+    }
+}
+
+/// Exits 2 for a refused configuration; a port (`--stdio`) is told why in the answer to its
+/// first frame.
+fn refused(message: &str) -> ExitCode {
+    if std::env::args().any(|arg| arg == "--stdio") {
+        stdio::refuse(message)
+    } else {
+        ExitCode::from(2)
     }
 }
 

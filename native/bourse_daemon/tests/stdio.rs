@@ -106,3 +106,64 @@ fn an_idle_port_uses_no_cpu() {
     // Generous: the sweeper's wake-ups and a loaded machine's noise are far below this.
     assert!(ticks <= 10, "{ticks} ticks of CPU in an idle second");
 }
+
+/// A port has no stderr of its own: a daemon that refuses its configuration answers the
+/// port's first frame with why, in the codec its `hello` asked for, then exits 2.
+#[test]
+fn a_refused_configuration_answers_the_hello_with_why() {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+
+    for (args, hello) in [
+        (
+            &["--stdio", "--redis-timeout-ms", "abc"][..],
+            r#"{"id":0,"op":"hello"}"#,
+        ),
+        (
+            &["--stdio", "--redis", "redis://127.0.0.1:1/notanumber"][..],
+            r#"{"id":7,"op":"hello"}"#,
+        ),
+    ] {
+        let mut child = Command::new(common::daemon_binary())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(&(hello.len() as u32).to_be_bytes())
+            .unwrap();
+        stdin.write_all(hello.as_bytes()).unwrap();
+        let mut out = Vec::new();
+        child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
+        assert_eq!(child.wait().unwrap().code(), Some(2), "{args:?}");
+        let size = u32::from_be_bytes(out[..4].try_into().unwrap()) as usize;
+        assert_eq!(out.len(), 4 + size, "{args:?}");
+        let answer: serde_json::Value = serde_json::from_slice(&out[4..]).unwrap();
+        let hello: serde_json::Value = serde_json::from_str(hello).unwrap();
+        assert_eq!(answer["ok"], false, "{answer}");
+        assert_eq!(answer["id"], hello["id"], "{answer}");
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("--redis-timeout-ms") || message.contains("database number"),
+            "{message}"
+        );
+    }
+}
+
+/// A refused daemon whose port sends nothing and closes its input exits 2 at once.
+#[test]
+fn a_refused_configuration_without_a_hello_exits() {
+    use std::process::{Command, Stdio};
+    let status = Command::new(common::daemon_binary())
+        .args(["--stdio", "--redis-timeout-ms", "abc"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("run");
+    assert_eq!(status.code(), Some(2));
+}

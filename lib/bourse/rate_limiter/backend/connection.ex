@@ -758,13 +758,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def hello_request, do: ~s({"id":0,"op":"hello","codec":"etf"})
 
   @doc false
-  # The daemon's hello answer, if it speaks this protocol.
+  # The daemon's hello answer, if it speaks this protocol; or why it refused to start.
   @spec hello(binary()) :: {:ok, map()} | {:error, String.t()}
   def hello(frame) do
     case decode(frame) do
       {:ok, %{"protocol" => @protocol_version, "max_frame_bytes" => max} = hello}
       when is_integer(max) ->
         {:ok, hello}
+
+      # A port whose daemon refused its configuration answers why, then exits.
+      {:ok, %{"ok" => false, "error" => %{"message" => message}}} when is_binary(message) ->
+        {:error, "it refused its configuration: #{String.slice(message, 0, 500)}"}
 
       _ ->
         {:error,

@@ -167,6 +167,13 @@ pub fn error(out: &mut Vec<u8>, codec: Codec, to: To, kind: &str, error: &Invali
     close(out, codec, &body, to);
 }
 
+/// Appends the answer of a daemon that refused its configuration (`message`) to whatever
+/// was asked: an `invalid_parameters` error, after which the daemon exits.
+pub fn refused(out: &mut Vec<u8>, codec: Codec, to: To, message: &str) {
+    let body = json!({"ok": false, "error": {"type": "invalid_parameters", "message": message}});
+    close(out, codec, &body, to);
+}
+
 /// Writes the object `body` with `to` as its last member (JSON) or first key (a term).
 fn close(out: &mut Vec<u8>, codec: Codec, body: &Value, to: To) {
     match (codec, body) {

@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 use sha2::Sha256;
 
 use crate::store::{LastRun, Memory, Store, StoreError};
-use answer::{encode, error, Answer, Hello, To};
+use answer::{encode, error, refused, Answer, Hello, To};
 use request::{Owner, Request};
 
 pub const PROTOCOL_VERSION: u64 = 1;
@@ -37,6 +37,27 @@ pub struct Service<S: Store = Memory> {
     connections: AtomicU64,
     /// The origin of the clock requests' deadlines are on (docs/PROTOCOL.md, "Deadlines").
     epoch: Instant,
+}
+
+/// The answer to `first`, the first frame of a port whose daemon refused its configuration
+/// (`message`, as printed on stderr): an error in the codec a `hello` asked for, with the
+/// frame's id, so that the port's owner learns why the daemon exits.
+pub fn refusal(first: &[u8], message: &str) -> Vec<u8> {
+    let request: Option<Value> = serde_json::from_slice(first).ok();
+    let codec = match request.as_ref().map(|r| (&r["op"], &r["codec"])) {
+        Some((Value::String(op), Value::String(codec))) if op == "hello" && codec == "etf" => {
+            Codec::Etf
+        }
+        _ => Codec::Json,
+    };
+    let mut out = Vec::new();
+    refused(
+        &mut out,
+        codec,
+        To::Id(request.as_ref().and_then(|r| r.get("id"))),
+        message,
+    );
+    out
 }
 
 /// How a connection's frames are encoded.
