@@ -35,8 +35,8 @@ defmodule Bourse.RateLimiter.Backend.CrashReportSecretsTest do
     for name <- [tcp, redis] do
       pid = handle(name).pid
       ref = Process.monitor(pid)
-      # A cast the connection does not know stops it (crash reports are written for that).
-      log = crash_report(fn -> GenServer.cast(pid, :unknown) end)
+      # Stopped for an abnormal reason, it writes a crash report with its state.
+      log = crash_report(fn -> :sys.terminate(pid, :crash_report_test) end)
       assert_received {:DOWN, ^ref, :process, ^pid, _}
       assert log =~ "terminating"
       refute log =~ DaemonServer.secret()
