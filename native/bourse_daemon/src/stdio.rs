@@ -426,55 +426,26 @@ fn watch_signals<S: Store>(shared: Arc<Shared<S>>) -> io::Result<()> {
     Ok(())
 }
 
-/// How long a port whose daemon refused its configuration waits for its first frame.
-const REFUSAL_WAIT: Duration = Duration::from_secs(5);
+/// How long a port whose daemon refused its configuration waits for its first frame, in ms.
+const REFUSAL_WAIT_MS: libc::c_int = 5_000;
 /// The largest first frame read then: a `hello` is a few dozen bytes.
 const REFUSAL_MAX_FRAME: usize = 64 * 1024;
 
 /// Answers the port's first frame (its `hello`) with `message`, why the daemon refused its
 /// configuration, then exits 2: a port has no stderr of its own, so its owner would
-/// otherwise learn only the exit status. Waits at most [`REFUSAL_WAIT`] for that frame.
+/// otherwise learn only the exit status. Waits at most [`REFUSAL_WAIT_MS`] for the frame
+/// to begin; the port's owner closes stdin when it stops waiting for the answer.
 pub fn refuse(message: &str) -> ExitCode {
-    // SAFETY: fd 0 is open for the life of the process; ManuallyDrop never closes it.
-    let stdin = ManuallyDrop::new(unsafe { File::from_raw_fd(libc::STDIN_FILENO) });
-    let deadline = Instant::now() + REFUSAL_WAIT;
-    let mut header = [0u8; 4];
-    if read_by(&stdin, &mut header, deadline).is_ok() {
-        let size = u32::from_be_bytes(header) as usize;
-        let mut frame = vec![0u8; size.min(REFUSAL_MAX_FRAME)];
-        if size <= REFUSAL_MAX_FRAME && read_by(&stdin, &mut frame, deadline).is_ok() {
-            let answer = protocol::refusal(&frame, message);
-            let mut stdout = io::stdout().lock();
-            let _ = stdout
-                .write_all(&(answer.len() as u32).to_be_bytes())
-                .and_then(|()| stdout.write_all(&answer))
-                .and_then(|()| stdout.flush());
-        }
+    let mut frame = Vec::new();
+    let read = stdin_ready(REFUSAL_WAIT_MS)
+        .then(|| read_frame(&mut io::stdin().lock(), &mut frame, REFUSAL_MAX_FRAME));
+    if let Some(Ok(Frame::Data)) = read {
+        let answer = protocol::refusal(&frame, message);
+        let mut stdout = io::stdout().lock();
+        let _ = stdout
+            .write_all(&(answer.len() as u32).to_be_bytes())
+            .and_then(|()| stdout.write_all(&answer))
+            .and_then(|()| stdout.flush());
     }
     ExitCode::from(2)
-}
-
-/// Fills `buf` from `input`, waiting for it no later than `deadline`.
-fn read_by(mut input: &File, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut fds = [libc::pollfd {
-            fd: input.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one valid pollfd, for the length given.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 1, left.as_millis() as libc::c_int) };
-        if ready <= 0 {
-            return Err(io::Error::from(ErrorKind::TimedOut));
-        }
-        match io::Read::read(&mut input, &mut buf[filled..]) {
-            Ok(0) => return Err(io::Error::from(ErrorKind::UnexpectedEof)),
-            Ok(read) => filled += read,
-            Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => return Err(error),
-        }
-    }
-    Ok(())
 }
