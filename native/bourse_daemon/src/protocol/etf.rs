@@ -332,7 +332,10 @@ impl<'a> Reader<'a> {
         };
         let bytes = self.take(n)?;
         match tag {
-            ATOM | SMALL_ATOM => Ok(bytes.iter().map(|&b| char::from(b)).collect()),
+            // Latin-1, as OTP 25 writes every atom it can; ASCII is the same in UTF-8.
+            ATOM | SMALL_ATOM if !bytes.is_ascii() => {
+                Ok(bytes.iter().map(|&b| char::from(b)).collect())
+            }
             _ => std::str::from_utf8(bytes)
                 .map(str::to_owned)
                 .map_err(|_| "an atom whose name is not UTF-8".into()),

@@ -301,16 +301,15 @@ pub fn shape(value: &Value) -> Shape {
         Value::Null => Shape::Nil,
         Value::Bool(b) => Shape::Boolean(*b),
         Value::Number(n) => {
-            let integral = !n
-                .to_string()
-                .bytes()
-                .any(|b| matches!(b, b'.' | b'e' | b'E'));
-            match (n.as_i64(), n.as_f64().filter(|f| f.is_finite())) {
-                (Some(i), _) => Shape::Integer(i),
+            if let Some(i) = n.as_i64() {
+                return Shape::Integer(i);
+            }
+            let integral = !n.as_str().bytes().any(|b| matches!(b, b'.' | b'e' | b'E'));
+            match n.as_f64() {
                 _ if integral => Shape::BigInteger,
-                (None, Some(f)) => Shape::Float(f),
+                Some(f) => Shape::Float(f),
                 // A float beyond a double: no Elixir float is; described as the overflow.
-                (None, None) => Shape::Float(f64::INFINITY),
+                None => Shape::Float(f64::INFINITY),
             }
         }
         Value::String(s) => Shape::Binary { len: s.len() },

@@ -84,6 +84,15 @@ fn reads_numbers_of_any_size_and_names_atoms_without_making_them() {
 }
 
 #[test]
+fn latin1_atom_keys_are_read_as_their_utf8_names() {
+    // #{op => 1, 'café' => 2} with both keys as SMALL_ATOM_EXT, as OTP 25 writes them.
+    let mut map = vec![VERSION, MAP, 0, 0, 0, 2];
+    map.extend_from_slice(&[SMALL_ATOM, 2, b'o', b'p', SMALL_INTEGER, 1]);
+    map.extend_from_slice(&[SMALL_ATOM, 4, b'c', b'a', b'f', 0xE9, SMALL_INTEGER, 2]);
+    assert_eq!(decode(&map).unwrap(), json!({"op": 1, "café": 2}));
+}
+
+#[test]
 fn reads_terms_json_cannot_hold_as_their_shape() {
     assert_eq!(
         decode(TERMS).unwrap(),
