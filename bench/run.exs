@@ -10,8 +10,9 @@
 #      then check_rates/2 over 3 buckets against one, by key and limit and prepared;
 #   3. checks/s, p50, p99 and CPU time per check (VM and daemon) through the port backend
 #      and a shared bourse_daemon on a Unix socket and on loopback TCP, at 1 and 64 callers,
-#      beside the daemon's own ceiling with Rust clients (pipelined, and one request in
-#      flight);
+#      beside one caller's floor in this VM (a port to a peer that does no work, answering
+#      at once or a few µs later) and the daemon's own ceiling with Rust clients (pipelined,
+#      and one request in flight);
 #   4. resident memory after 1,000,000 distinct keys, and after the sweep dropped them.
 #
 # `mix run bench/run.exs core elixir daemon memory` runs only the sections named.
@@ -24,8 +25,8 @@ for file <- ["table.ex", "os_processes.ex"],
     do: Code.require_file(file, Path.join([__DIR__, "..", "demo", "support"]))
 
 for file <-
-      ~w(loop.ex runner.ex latency.ex public_api.ex prepared_bucket.ex check_rates.ex genserver_bucket.ex ets_gcra.ex
-         atomics_token_bucket.ex ets_token_bucket.ex),
+      ~w(loop.ex runner.ex latency.ex port_floor.ex public_api.ex prepared_bucket.ex check_rates.ex genserver_bucket.ex
+         ets_gcra.ex atomics_token_bucket.ex ets_token_bucket.ex),
     do: Code.require_file(file, Path.join(__DIR__, "support"))
 
 defmodule Bench do
@@ -36,6 +37,7 @@ defmodule Bench do
     EtsTokenBucket,
     GenServerBucket,
     Latency,
+    PortFloor,
     PreparedBucket,
     PublicAPI,
     Runner
@@ -307,6 +309,8 @@ defmodule Bench do
       rows
     )
 
+    port_floor()
+
     IO.puts("""
 
     The daemon itself, from Rust clients in the same run (cargo run --release -p bourse_daemon --example daemon_bench):
@@ -324,6 +328,37 @@ defmodule Bench do
     )
 
     IO.puts("")
+  end
+
+  @floor_delays_us [0, 1, 3, 6]
+  @floor_round_trips 20_000
+
+  # One caller's floor: a port to a peer that does no work (--example port_echo).
+  defp port_floor do
+    IO.puts("""
+
+    One caller's floor in this VM, in the same run: #{@floor_round_trips} round trips of a \
+    200-byte frame through a {packet, 4} port to a peer that polls its input and echoes it \
+    (cargo run --release -p bourse_daemon --example port_echo), answering at once or some \
+    µs after reading (the daemon needs a few µs to decode, run and encode a check):
+    """)
+
+    cargo(~w(build -q --release -p bourse_daemon --example port_echo))
+    echo = Path.expand("../target/release/examples/port_echo", __DIR__)
+
+    rows =
+      for delay <- @floor_delays_us do
+        floor = PortFloor.measure(echo, delay, @floor_round_trips)
+
+        [
+          "#{delay} µs",
+          per_second(floor.round_trips_per_second),
+          micros(floor.p50_us),
+          micros(floor.p99_us)
+        ]
+      end
+
+    Table.print(["Peer answers after", "round trips/s", "p50 µs", "p99 µs"], rows)
   end
 
   defp load_average,

@@ -6,6 +6,7 @@
 
 mod answer;
 mod etf;
+mod etf_check;
 mod request;
 
 use std::collections::hash_map::RandomState;
@@ -200,6 +201,21 @@ impl<S: Store> Service<S> {
     /// codec (no framing) to `out`. Every answer carries the request's id when it could be
     /// read, else the frame's number.
     pub async fn handle(&self, session: &Session, number: u64, frame: &[u8], out: &mut Vec<u8>) {
+        if session.codec() == Codec::Etf {
+            if let Some(check) = etf_check::read(frame) {
+                let id = Value::from(check.id);
+                let parsed = Ok((check.request, check.last_run_us));
+                return self
+                    .run(session, number, To::Id(Some(&id)), parsed, out)
+                    .await;
+            }
+        }
+        self.read_and_run(session, number, frame, out).await
+    }
+
+    /// [`Self::handle`] through the general reader: the frame read into a JSON value, then
+    /// parsed.
+    async fn read_and_run(&self, session: &Session, number: u64, frame: &[u8], out: &mut Vec<u8>) {
         let read = match session.codec() {
             Codec::Json => read_json(frame),
             Codec::Etf => read_etf(frame),
@@ -214,6 +230,19 @@ impl<S: Store> Service<S> {
         let to = To::Id(request.get("id"));
         let parsed = Request::parse(&request)
             .and_then(|parsed| Ok((parsed, request::last_run_us(&request)?)));
+        self.run(session, number, to, parsed, out).await
+    }
+
+    /// Runs a request read from frame number `number` (unless it is past its last moment to
+    /// run), or answers why it was not read, to `to`.
+    async fn run(
+        &self,
+        session: &Session,
+        number: u64,
+        to: To<'_>,
+        parsed: request::Result<(Request<'_>, Option<u64>)>,
+        out: &mut Vec<u8>,
+    ) {
         let failure = match parsed {
             // Checked right before it runs: a caller told `unavailable` never pays.
             Ok((_, Some(last_run_us))) if self.clock_us() > last_run_us => {
