@@ -1,8 +1,9 @@
 //! The fast reader against the general one: every frame, a check request as the Elixir
-//! client writes it and a few hundred variations of it (each field missing, twice, of
-//! another type or out of the rules' bounds, atoms in each of their four forms), gets the
-//! same answer bytes whether [`Service::handle`] may read it here or only the general
-//! reader does, from two tables on manual clocks fed the same frames.
+//! client writes it, a few hundred variations of it (each field missing, twice, of another
+//! type or out of the rules' bounds, atoms in each of their four forms) and thousands of
+//! random mutations of its bytes, gets the same answer bytes whether [`Service::handle`]
+//! may read it here or only the general reader does, from two tables on manual clocks fed
+//! the same frames.
 
 use std::future::Future;
 use std::pin::pin;
@@ -273,4 +274,41 @@ fn the_elixir_clients_check_is_read_here() {
     assert!(check.last_run_us.is_some());
     let without_deadline = with(|fields| fields.truncate(6));
     assert!(read(&frame(&without_deadline)).is_some_and(|check| check.last_run_us.is_none()));
+}
+
+#[test]
+fn random_mutations_get_the_answer_the_general_reader_gives() {
+    let (fast, general) = (Side::new(), Side::new());
+    let common = frame(&Map(fields()));
+    // xorshift64*: reproducible without a dependency.
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |below: usize| {
+        seed ^= seed >> 12;
+        seed ^= seed << 25;
+        seed ^= seed >> 27;
+        (seed.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % below
+    };
+    let mut read_here = 0;
+    for _ in 0..20_000 {
+        let mut frame = common.clone();
+        for _ in 0..=next(3) {
+            let at = next(frame.len());
+            frame[at] = match next(4) {
+                0 => 0,
+                1 => 0xff,
+                2 => frame[at] ^ (1 << next(8)),
+                _ => next(256) as u8,
+            };
+        }
+        read_here += usize::from(read(&frame).is_some());
+        assert_eq!(
+            fast.answer(&frame, true),
+            general.answer(&frame, false),
+            "frame {frame:?}"
+        );
+    }
+    assert!(
+        read_here > 1_000,
+        "only {read_here} mutations were read here"
+    );
 }
