@@ -58,6 +58,11 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
              Connection.request(handle, @check)
 
     assert message =~ "an answer of 4294967295 bytes"
+    # What it holds, not what it dropped and has not collected yet: the data that arrived
+    # before the socket closed is handled (a call comes after it), then garbage collected
+    # (101 MB of dropped chunks were still counted once, on a loaded machine).
+    _state = :sys.get_state(handle.pid)
+    :erlang.garbage_collect(handle.pid)
     {:binary, held} = Process.info(handle.pid, :binary)
     assert Enum.sum(for {_, size, _} <- held, do: size) < 64 * 1024 * 1024
   end
