@@ -10,6 +10,7 @@
 #      then check_rates/2 over 3 buckets against one, by key and limit and prepared;
 #   3. checks/s, p50, p99 and CPU time per check (VM and daemon) through the port backend
 #      and a shared bourse_daemon on a Unix socket and on loopback TCP, at 1 and 64 callers,
+#      in this VM and again in one started with +IOs false,
 #      beside one caller's floor in this VM (a port to a peer that does no work, answering
 #      at once or a few µs later) and the daemon's own ceiling with Rust clients (pipelined,
 #      and one request in flight);
@@ -53,12 +54,14 @@ defmodule Bench do
     "core" => &__MODULE__.core/0,
     "elixir" => &__MODULE__.elixir/0,
     "daemon" => &__MODULE__.daemon/0,
+    "daemon_table" => &__MODULE__.daemon_table/0,
     "memory" => &__MODULE__.memory/0
   }
 
   @doc "Runs the benchmarks named in `args` (`core`, `elixir`, `daemon`, `memory`), or all."
   def main(args) do
-    machine()
+    # `daemon_table` alone is the table of section 3 in a VM started with other flags.
+    if args != ["daemon_table"], do: machine()
     names = if args == [], do: ["core", "elixir", "daemon", "memory"], else: args
     Enum.each(names, fn name -> Map.fetch!(@sections, name).() end)
   end
@@ -293,22 +296,15 @@ defmodule Bench do
     Load average now: #{load_average()}
     """)
 
-    rows =
-      OSProcesses.with_socket_daemon(fn daemon ->
-        OSProcesses.with_redis(&backend_rows(daemon, &1)) || backend_rows(daemon, nil)
-      end)
+    daemon_table()
 
-    IO.puts("")
+    IO.puts("""
 
-    Table.print(
-      ["Backend"] ++
-        Enum.flat_map(
-          @daemon_callers,
-          &["#{&1} caller(s) checks/s", "p50 µs", "p99 µs", "CPU µs: VM + daemon"]
-        ),
-      rows
-    )
+    The same in a VM started with +IOs false (the VM's own poll thread watches every port
+    and socket; by default a scheduler polls those read often itself):
+    """)
 
+    mix_run(["bench/run.exs", "daemon_table"], [{"ELIXIR_ERL_OPTIONS", "+IOs false"}])
     port_floor()
 
     IO.puts("""
@@ -328,6 +324,38 @@ defmodule Bench do
     )
 
     IO.puts("")
+  end
+
+  @doc false
+  def daemon_table do
+    rows =
+      OSProcesses.with_socket_daemon(fn daemon ->
+        OSProcesses.with_redis(&backend_rows(daemon, &1)) || backend_rows(daemon, nil)
+      end)
+
+    IO.puts("")
+
+    Table.print(
+      ["Backend"] ++
+        Enum.flat_map(
+          @daemon_callers,
+          &["#{&1} caller(s) checks/s", "p50 µs", "p99 µs", "CPU µs: VM + daemon"]
+        ),
+      rows
+    )
+  end
+
+  # Runs `mix run ARGS` in a new VM with `env` added, echoing its output.
+  defp mix_run(args, env) do
+    {_, status} =
+      System.cmd("mix", ["run" | args],
+        cd: Path.expand("..", __DIR__),
+        env: env,
+        into: IO.stream(),
+        stderr_to_stdout: true
+      )
+
+    if status != 0, do: IO.puts("mix run #{Enum.join(args, " ")} failed with status #{status}")
   end
 
   @floor_delays_us [0, 1, 3, 6]
