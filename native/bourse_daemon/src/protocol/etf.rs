@@ -306,15 +306,9 @@ impl<'a> Reader<'a> {
             1 => true,
             _ => return Err("a big integer with a bad sign byte".into()),
         };
-        let digits = self.take(n)?;
-        let significant = digits.iter().rposition(|&b| b != 0).map_or(0, |at| at + 1);
-        if significant > 8 {
+        let Some(magnitude) = magnitude(self.take(n)?) else {
             return Ok(shape("big_integer"));
-        }
-        let magnitude = digits[..significant]
-            .iter()
-            .rev()
-            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+        };
         Ok(if !negative {
             Value::from(magnitude)
         } else if magnitude <= 1 << 63 {
@@ -424,6 +418,17 @@ impl<'a> Reader<'a> {
 /// `{"$term": kind}`: a term JSON cannot hold, by its kind alone.
 fn shape(kind: &str) -> Value {
     json!({ "$term": kind })
+}
+
+/// A big integer's little-endian magnitude bytes as a number, if it fits in 64 bits.
+pub(super) fn magnitude(digits: &[u8]) -> Option<u64> {
+    let significant = digits.iter().rposition(|&b| b != 0).map_or(0, |at| at + 1);
+    (significant <= 8).then(|| {
+        digits[..significant]
+            .iter()
+            .rev()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+    })
 }
 
 /// Appends the map term `fields` with its version byte: `extra` entries written first by

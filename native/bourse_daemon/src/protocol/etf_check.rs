@@ -10,8 +10,8 @@ use bourse_core::rules::{self, KeyPart, MAX_KEY_PART_BYTES};
 use bourse_core::{Check, KeyRef, Mode, Shape};
 
 use super::etf::{
-    ATOM, ATOM_UTF8, BINARY, INTEGER, MAP, NEW_FLOAT, SMALL_ATOM, SMALL_ATOM_UTF8, SMALL_BIG,
-    SMALL_INTEGER, VERSION,
+    magnitude, ATOM, ATOM_UTF8, BINARY, INTEGER, MAP, NEW_FLOAT, SMALL_ATOM, SMALL_ATOM_UTF8,
+    SMALL_BIG, SMALL_INTEGER, VERSION,
 };
 use super::request::{Owner, Request};
 
@@ -166,16 +166,7 @@ impl<'a> Reader<'a> {
                     1 => true,
                     _ => return None,
                 };
-                let digits = self.take(length)?;
-                let significant = digits.iter().rposition(|&b| b != 0).map_or(0, |at| at + 1);
-                if significant > 8 {
-                    return None;
-                }
-                let magnitude = digits[..significant]
-                    .iter()
-                    .rev()
-                    .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
-                let value = i64::try_from(magnitude).ok()?;
+                let value = i64::try_from(magnitude(self.take(length)?)?).ok()?;
                 Some(Shape::Integer(if negative { -value } else { value }))
             }
             NEW_FLOAT => {
