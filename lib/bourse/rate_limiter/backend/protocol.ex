@@ -24,7 +24,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   first `hello`: requests are `:erlang.term_to_binary/1` of these maps, answers are read
   with `:erlang.binary_to_term(answer, [:safe])`. Both are built into the VM, so the
   backends need no library at all (also in a release), and the daemon reads the terms into
-  the same requests as JSON, with the same parser and errors. JSON stays the protocol of
+  the same requests as JSON, with the same rules and errors. JSON stays the protocol of
   every other client (Python, `nc`, other languages).
   """
 

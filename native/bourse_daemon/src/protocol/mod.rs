@@ -1,7 +1,9 @@
 //! Protocol version 1 (docs/PROTOCOL.md): a frame is read in the connection's codec (JSON,
 //! or the external term format a BEAM client chooses in its first `hello`, `etf`), parsed
-//! into a typed [`Request`] (`request`, the same parser for both codecs), run on the store
-//! (this process's table, or Redis) and its answer encoded in the same codec (`answer`).
+//! into a typed [`Request`] (`request`, the same parser for both codecs; `etf_check` reads
+//! the most common term straight into it when the parser would read it alike), run on the
+//! store (this process's table, or Redis) and its answer encoded in the same codec
+//! (`answer`).
 //! Transports only frame bytes; nothing a client sends can panic.
 
 mod answer;
