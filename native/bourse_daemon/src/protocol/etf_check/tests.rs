@@ -14,6 +14,7 @@ use bourse_core::{Config, ManualClock, Table};
 use serde_json::Value;
 
 use super::read;
+use crate::protocol::request::{self, Request};
 use crate::protocol::{etf, Codec, Service, Session};
 use crate::store::Memory;
 
@@ -245,14 +246,62 @@ impl Side {
     }
 }
 
-/// `frame`'s answers from `fast` (through `handle`) and `general` (the general reader
-/// alone) are the same bytes; or, for a request past its deadline, the same answer but for
+/// `frame` is read alike either way, and its answers from `fast` (through `handle`) and
+/// `general` (the general reader alone) are the same bytes; or, for a request past its deadline, the same answer but for
 /// how late each side found it (real time, the one thing the manual clocks do not hold).
 fn assert_same(fast: &Side, general: &Side, frame: &[u8]) {
+    assert_read_alike(frame);
     let (a, b) = (fast.answer(frame, true), general.answer(frame, false));
     if a != b {
         assert_eq!(on_time(&a), on_time(&b), "frame {frame:?}");
     }
+}
+
+/// A frame read here is read alike by the general reader: the same id, last moment to run
+/// (to the µs), owner, mode, key, and cost and limit to the bit. (The answers alone could
+/// not tell a different owner or cost when the outcome is the same.)
+fn assert_read_alike(frame: &[u8]) {
+    let Some(fast) = read(frame) else {
+        return;
+    };
+    let Ok(Value::Object(fields)) = etf::decode(frame) else {
+        panic!("read here, not by the general reader: {frame:?}");
+    };
+    let general = Request::parse(&fields).expect("the general reader refused it");
+    assert_eq!(Some(&Value::from(fast.id)), fields.get("id"), "{frame:?}");
+    assert_eq!(
+        Ok(fast.last_run_us),
+        request::last_run_us(&fields),
+        "{frame:?}"
+    );
+    let (
+        Request::Check {
+            checks: a,
+            owner: owner_a,
+            mode: mode_a,
+        },
+        Request::Check {
+            checks: b,
+            owner: owner_b,
+            mode: mode_b,
+        },
+    ) = (fast.request, general)
+    else {
+        panic!("not both checks: {frame:?}");
+    };
+    assert_eq!((owner_a, mode_a), (owner_b, mode_b), "{frame:?}");
+    assert_eq!(format!("{a:?}"), format!("{b:?}"), "{frame:?}");
+    let bits = |checks: &[bourse_core::Check]| {
+        checks
+            .iter()
+            .map(|check| {
+                let limit = &check.limit;
+                let numbers = [check.cost, limit.capacity(), limit.refill_per_sec()];
+                numbers.map(f64::to_bits)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&a), bits(&b), "{frame:?}");
 }
 
 fn on_time(answer: &[u8]) -> Value {
