@@ -374,7 +374,8 @@ fn a_polled_connection_reads_requests_byte_by_byte_and_its_end_mid_frame() {
 
 /// The same requests, hostile ones included, get the same bytes from a Unix connection
 /// (served on a thread of its own), a TCP connection (a task of the runtime) and a port:
-/// each transport has a daemon of its own, asked the same frames in the same order.
+/// each transport has a daemon of its own, asked the same frames in the same order. A
+/// wait's milliseconds may differ by how far apart in time the three were asked.
 #[test]
 fn a_unix_thread_a_tcp_task_and_a_port_answer_the_same_bytes() {
     let path = common::temp_path("same-bytes.sock");
@@ -435,16 +436,43 @@ fn a_unix_thread_a_tcp_task_and_a_port_answer_the_same_bytes() {
         let mut from_port = port.recv_bytes().expect("a port answer");
         from_port.push(b'\n');
         let request = String::from_utf8_lossy(request);
+        let (unix_bytes, unix_ms) = without_wait(from_unix.as_bytes());
+        let (tcp_bytes, tcp_ms) = without_wait(from_tcp.as_bytes());
+        let (port_bytes, port_ms) = without_wait(&from_port);
         assert_eq!(
-            from_unix, from_tcp,
+            unix_bytes, tcp_bytes,
             "Unix and TCP answers to {request:.200}"
         );
         assert_eq!(
-            from_unix.as_bytes(),
-            from_port,
+            unix_bytes, port_bytes,
             "Unix and port answers to {request:.200}"
         );
+        // A wait counts down in real time between the three servers' answers.
+        for other in [tcp_ms, port_ms] {
+            assert!(
+                unix_ms.abs_diff(other) <= 1_000,
+                "waits {unix_ms} and {other} ms"
+            );
+        }
     }
+}
+
+/// An answer with the digits of its `"ms":` wait taken out, and that wait (0 without one).
+fn without_wait(answer: &[u8]) -> (Vec<u8>, u64) {
+    let field = b"\"ms\":";
+    let Some(at) = answer.windows(field.len()).position(|w| w == field) else {
+        return (answer.to_vec(), 0);
+    };
+    let start = at + field.len();
+    let digits = answer[start..]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    let ms = std::str::from_utf8(&answer[start..start + digits])
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(0);
+    ([&answer[..start], &answer[start + digits..]].concat(), ms)
 }
 
 /// Connections opened and closed as fast as a client can, some after a request, some mid
