@@ -11,11 +11,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   answers (many per read), finds each one's `id` without decoding it, takes its route from
   the table and sends it there; the caller decodes it (an admitted check's answer, the most
   common, it knows by its bytes). Encoding and decoding thus run in parallel in the
-  callers. Each write goes whole into the port's or socket's queue in the VM, so frames
-  never interleave; a caller that finds the queue full (the daemon is behind with its
-  input) tries again every millisecond until its deadline, and so does this process with
-  the frames of the callers still waiting; the one whose write filled a socket's queue
-  waits until it drains or, after the timeout, the socket closes (and is reconnected).
+  callers.
+
+  On a socket (OTP's `:socket`, no port in between), the caller alone in flight also reads
+  its own answer: it polls the socket for a few microseconds, which costs less than being
+  woken when the daemon answers that fast (`SocketStream`, "Who reads"). One reader at a
+  time, and a caller only ever takes its own answer off the socket, whole.
+
+  Each write goes whole into the port's queue in the VM, or into the socket, so frames
+  never interleave; a caller that finds the port's queue full (the daemon is behind with
+  its input) tries again every millisecond until its deadline, and so does this process
+  with the frames of the callers still waiting. What a socket takes only in part is
+  written first, whole, when it has room; a socket that takes nothing more of it for the
+  callers' timeout is closed (and reconnected).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
@@ -167,35 +175,57 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     do:
       Map.merge(request, %{deadline_us: now_us + timeout * 1000 + offset_us, timeout_ms: timeout})
 
-  # The caller writes its own request, after noting its route (the id and an alias of this
-  # call) for the connection, which reads the answer and sends it there. Whoever takes the
-  # route from the table answers: the connection with the answer (or the failure of the
-  # stream), or the caller that gives up; once the alias is gone, nothing more arrives.
-  defp call(handle, id, write, deadline) do
+  # The caller notes its route (the id and an alias of this call) for whoever reads the
+  # answer: the connection, which sends it there, or on a socket the caller itself, alone
+  # in flight (`SocketStream.solo/5`). Whoever takes the route from the table answers: the
+  # connection with the answer (or the failure of the stream), or the caller that gives up
+  # or read its answer itself; once the alias is gone, nothing more arrives.
+  defp call(handle, id, {stream, SocketStream, frame}, deadline) do
+    reply_to = :erlang.alias([:reply])
+    :ets.insert(handle.table, {id, {reply_to, deadline}})
+
+    case SocketStream.solo(stream, handle.table, handle.pid, id, frame) do
+      # The real answer, though the stream broke meanwhile and the connection sent why.
+      {:answer, answer} ->
+        give_up(handle, id, reply_to, "")
+        answer
+
+      :written ->
+        await(handle, id, reply_to, deadline)
+
+      :shared ->
+        send(handle.pid, {:write, stream, id, frame})
+        await(handle, id, reply_to, deadline)
+
+      {:error, reason} ->
+        write_failed(handle, id, reply_to, stream, reason, deadline)
+    end
+  end
+
+  # A port's caller writes its own request, unless others are in flight.
+  defp call(handle, id, {stream, _transport, _frame} = write, deadline) do
     reply_to = :erlang.alias([:reply])
 
     case write(handle, {id, {reply_to, deadline}}, write, deadline) do
-      :ok ->
+      :ok -> await(handle, id, reply_to, deadline)
+      :busy -> give_up(handle, id, reply_to, did_not_answer(handle))
+      {:error, reason} -> write_failed(handle, id, reply_to, stream, reason, deadline)
+    end
+  end
+
+  # A stream fails a write when it closed: the connection is told, the stream may still
+  # look alive to it (the daemon closed a socket, after a refusal, say). While it does, the
+  # connection will close it and answer this call's route with why; once it has, the
+  # caller reads why.
+  defp write_failed(handle, id, reply_to, stream, reason, deadline) do
+    send(handle.pid, {:write_failed, stream, reason})
+
+    case :ets.lookup(handle.table, :stream) do
+      [{:stream, ^stream, _transport, _max, _down, _offset}] ->
         await(handle, id, reply_to, deadline)
 
-      :busy ->
-        give_up(handle, id, reply_to, did_not_answer(handle))
-
-      # A socket closes when a write waited in it for longer than the callers' timeout, or
-      # when the daemon closed it (after a refusal, say): the connection is told, the
-      # stream may still look alive to it. While it does, the connection will close it
-      # and answer this call's route with why; once it has, the caller reads why.
-      {:error, reason} ->
-        {stream, _transport, _frame} = write
-        send(handle.pid, {:write_failed, stream, reason})
-
-        case :ets.lookup(handle.table, :stream) do
-          [{:stream, ^stream, _transport, _max, _down, _offset}] ->
-            await(handle, id, reply_to, deadline)
-
-          [{:stream, _other, _transport, _max, down, _offset}] ->
-            give_up(handle, id, reply_to, down)
-        end
+      [{:stream, _other, _transport, _max, down, _offset}] ->
+        give_up(handle, id, reply_to, down)
     end
   end
 
@@ -213,7 +243,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # tried again every millisecond until the deadline: a caller never blocks on it. The route
   # is in the table only while a write may have gone; a caller killed between noting it and
   # writing leaves it behind until the connection drops routes past their deadline.
-  defp write(handle, route, {stream, transport, frame} = write, deadline) do
+  defp write(handle, route, {stream, PortStream, frame} = write, deadline) do
     :ets.insert(handle.table, route)
 
     # With other requests in flight (the stream row, this route and more), the frame goes
@@ -222,7 +252,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       send(handle.pid, {:write, stream, elem(route, 0), frame})
       :ok
     else
-      case write_frame(transport, stream, frame) do
+      case PortStream.write(stream, frame) do
         :busy ->
           :ets.delete(handle.table, elem(route, 0))
 
@@ -238,11 +268,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       end
     end
   end
-
-  # A caller's own write, to the transport named: a call to a module held in a variable
-  # looks the function up at every call.
-  defp write_frame(PortStream, port, frame), do: PortStream.write(port, frame)
-  defp write_frame(SocketStream, socket, frame), do: SocketStream.write(socket, frame)
 
   # An answer (or a failure) sent before the alias went away still counts.
   defp give_up(handle, id, reply_to, message) do
@@ -325,6 +350,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       partial: [],
       pending: [],
+      unsent: nil,
       retry_timer: nil,
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
@@ -372,6 +398,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       | secret: state.secret && "[redacted]",
         env: for({name, _value} <- state.env, do: {name, ~c"[redacted]"}),
         pending: "#{length(state.pending)} frames",
+        unsent: state.unsent && "[redacted]",
         partial: "[redacted]"
     }
   end
@@ -429,22 +456,33 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # The daemon closes connections idle for longer than its idle timeout. A stream too busy
   # to take the hello is not idle.
+  # Written with the callers' frames, dropped as theirs are when the stream is busy.
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
     hello = encode(0, %{op: "hello"})
+    :ok = state.transport.counted(stream, 1)
+    frame = {0, PortStream.frame(hello, byte_size(hello))}
+    {:noreply, keepalive(write_pending(%{state | pending: [frame | state.pending]}), idle_ms)}
+  end
 
-    case state.transport.write_nowait(stream, PortStream.frame(hello, byte_size(hello))) do
-      {:error, reason} -> {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
-      _written_or_busy -> {:noreply, keepalive(state, idle_ms)}
-    end
+  # A caller that read from a socket stopped with requests still in flight.
+  def handle_info({:read, stream}, %{stream: stream} = state) do
+    :ok = state.transport.read_for(stream, state.table)
+    {:noreply, state}
   end
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
 
   # The routes of callers killed between noting them and writing: no answer comes for them.
+  # And the rows of callers killed as they began to read a socket.
   def handle_info(:drop_late_routes, state) do
     now = System.monotonic_time(:millisecond)
     late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
     :ets.select_delete(state.table, late)
+
+    for {reader, pid} <- :ets.match_object(state.table, {{:reader, :_}, :_}),
+        not Process.alive?(pid),
+        do: :ets.delete(state.table, reader)
+
     drop_late_routes_later(state)
     {:noreply, state}
   end
@@ -474,8 +512,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     case state.transport.received(message, stream) do
       {:data, data} ->
         case state.transport.answers(state.partial, data) do
-          {:error, answers, reason} -> incoming_then_broken(answers, state, reason)
-          {answers, partial} -> incoming(answers, %{state | partial: partial})
+          {:error, answers, reason} ->
+            incoming_then_broken(answers, state, reason)
+
+          {answers, partial} ->
+            {:noreply, state} = incoming(answers, %{state | partial: partial})
+
+            if state.stream == stream,
+              do: :ok = state.transport.settled(stream, length(answers), partial)
+
+            {:noreply, state}
         end
 
       {:down, reason} ->
@@ -498,24 +544,61 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # The frames given to this process, in one write; a stream busy with earlier requests is
-  # tried again every millisecond, with the frames of the callers still waiting.
-  defp write_pending(%{pending: []} = state), do: state
+  # tried again every millisecond, with the frames of the callers still waiting. What a
+  # socket took only in part goes first, whole; a socket that takes nothing more of it for
+  # the callers' timeout is closed.
+  defp write_pending(%{pending: [], unsent: nil} = state), do: state
   defp write_pending(%{retry_timer: timer} = state) when timer != nil, do: state
 
   defp write_pending(state) do
-    case state.transport.write_nowait(state.stream, Enum.map(state.pending, &elem(&1, 1))) do
+    frames = Enum.map(state.pending, &elem(&1, 1))
+    data = if state.unsent, do: [elem(state.unsent, 0) | frames], else: frames
+
+    case state.transport.write_nowait(state.stream, data) do
       :ok ->
-        %{state | pending: []}
+        written(%{state | pending: [], unsent: nil})
+
+      {:partial, rest} ->
+        state |> Map.merge(%{pending: [], unsent: {rest, now_ms()}}) |> written() |> retry_later()
 
       :busy ->
-        pending = Enum.filter(state.pending, fn {id, _frame} -> :ets.member(state.table, id) end)
-        timer = Process.send_after(self(), {:write_pending, state.stream}, 1)
-        %{state | pending: pending, retry_timer: timer}
+        busy(state)
 
       {:error, reason} ->
         reconnect(broken(state, "cannot write: #{inspect(reason)}"))
     end
   end
+
+  defp written(state) do
+    :ok = state.transport.read_for(state.stream, state.table)
+    state
+  end
+
+  defp busy(state) do
+    now = now_ms()
+
+    case state.unsent do
+      {_rest, since} when since + state.timeout < now ->
+        reconnect(broken(state, "it took no input for #{state.timeout} ms"))
+
+      _none_or_recent ->
+        withdraw_late(state)
+    end
+  end
+
+  defp withdraw_late(state) do
+    pending = Enum.filter(state.pending, fn {id, _frame} -> :ets.member(state.table, id) end)
+    withdrawn = length(state.pending) - length(pending)
+    if withdrawn > 0, do: :ok = state.transport.settled(state.stream, withdrawn, state.partial)
+    retry_later(%{state | pending: pending})
+  end
+
+  defp retry_later(state) do
+    timer = Process.send_after(self(), {:write_pending, state.stream}, 1)
+    %{state | retry_timer: timer}
+  end
+
+  defp now_ms, do: System.monotonic_time(:millisecond)
 
   # Every timeout, and no more often than every @min_route_sweep_ms (each look scans the table).
   defp drop_late_routes_later(state),
@@ -603,10 +686,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp decoded_hello(hello), do: hello
 
+  @doc false
   # Every answer of the daemon is a map whose first key is its id, an integer as
   # `:erlang.term_to_binary/1` wrote it: read from there, the answer is left for its caller
   # to decode. Anything else is decoded here.
-  defp answer_id(<<131, ?t, _arity::32, ?m, 2::32, "id", id::binary>> = frame) do
+  @spec answer_id(binary()) :: {:ok, integer(), binary() | map()} | {:unmatched, map()} | :error
+  def answer_id(<<131, ?t, _arity::32, ?m, 2::32, "id", id::binary>> = frame) do
     case id do
       <<?a, id, _::binary>> ->
         {:ok, id, frame}
@@ -622,7 +707,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp answer_id(frame), do: answer_id_decoded(frame)
+  def answer_id(frame), do: answer_id_decoded(frame)
 
   defp answer_id_decoded(frame) do
     case decode(frame) do
@@ -658,7 +743,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         do: send(reply_to, {reply_to, error})
 
     if state.retry_timer, do: Process.cancel_timer(state.retry_timer)
-    %{state | stream: nil, partial: [], pending: [], retry_timer: nil}
+    %{state | stream: nil, partial: [], pending: [], unsent: nil, retry_timer: nil}
   end
 
   # What callers read before they write: the stream and the daemon's frame limit, or `nil`

@@ -69,7 +69,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
 
   # A port busy with earlier requests is not waited for: its callers try again until their
   # deadline.
-  @impl true
+  @spec write(port(), iodata()) :: :ok | :busy | {:error, :closed}
   def write(port, iodata) do
     if Port.command(port, iodata, [:nosuspend]), do: :ok, else: :busy
   rescue
@@ -78,6 +78,16 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
 
   @impl true
   def write_nowait(port, iodata), do: write(port, iodata)
+
+  # The connection reads every answer of a port, as it comes.
+  @impl true
+  def counted(_port, _count), do: :ok
+
+  @impl true
+  def read_for(_port, _table), do: :ok
+
+  @impl true
+  def settled(_port, _count, _partial), do: :ok
 
   @impl true
   def close(port) do

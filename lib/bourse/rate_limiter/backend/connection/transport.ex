@@ -7,7 +7,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   # `Bourse.RateLimiter.Backend.Connection.SocketStream` a TCP or Unix socket.
 
   @typedoc "An open stream."
-  @type stream :: port() | :gen_tcp.socket()
+  @type stream :: port() | Bourse.RateLimiter.Backend.Connection.SocketStream.t()
 
   @typedoc "What `open/2` may use: the port's flags and environment, a socket's secret."
   @type settings :: %{
@@ -20,14 +20,24 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @doc "Opens the stream to `target` and says hello; the daemon's hello answer."
   @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, String.t()}
 
-  @doc "Writes requests; `:busy` when the daemon is behind with its input."
-  @callback write(stream(), iodata()) :: :ok | :busy | {:error, term()}
+  @doc """
+  Writes requests for the connection process: `:busy` when the daemon is behind with its
+  input, `{:partial, rest}` when only a part was written (`rest` goes first next time).
+  """
+  @callback write_nowait(stream(), iodata()) ::
+              :ok | :busy | {:partial, binary()} | {:error, term()}
+
+  @doc "Counts requests the connection process writes itself as in flight."
+  @callback counted(stream(), pos_integer()) :: :ok
+
+  @doc "After the connection process wrote requests, or was told to read: someone reads."
+  @callback read_for(stream(), :ets.tid()) :: :ok
 
   @doc """
-  Writes requests for the connection process itself, which does not wait for a socket's
-  confirmation: a failure comes as a message, see `received/2`.
+  `count` requests were answered, or will never be written; `partial` is what is left of
+  an answer begun.
   """
-  @callback write_nowait(stream(), iodata()) :: :ok | :busy | {:error, term()}
+  @callback settled(stream(), non_neg_integer(), partial :: term()) :: :ok
 
   @callback close(stream()) :: :ok
 

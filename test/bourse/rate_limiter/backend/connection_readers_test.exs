@@ -1,0 +1,153 @@
+defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
+  # On a socket, a caller alone in flight reads its own answer, and the connection reads
+  # when callers are many: one reader at a time, every answer to its caller, and the count
+  # of requests in flight back to zero once all are answered, so the next caller alone
+  # reads its answer again.
+  use ExUnit.Case, async: true
+
+  import Bourse.BackendCase
+  import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
+
+  alias Bourse.RateLimiter
+
+  @moduletag :capture_log
+
+  @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
+  # Admits 3 checks, then says how long to wait: an answer routed to the wrong caller shows.
+  @three %{capacity: 3, refill_per_sec: 0.001}
+
+  # The stream's counters (SocketStream): requests in flight, and who reads.
+  defp counters(name) do
+    [{:stream, {_socket, counters, _select}, _, _, _, _}] =
+      :ets.lookup(handle(name).table, :stream)
+
+    counters
+  end
+
+  defp in_flight_and_reader(name) do
+    counters = counters(name)
+    {:atomics.get(counters, 1), :atomics.get(counters, 2)}
+  end
+
+  defp unix_daemon do
+    path = Path.join(System.tmp_dir!(), "readers-#{System.unique_integer([:positive])}.sock")
+    daemon = start_daemon(["--socket", path])
+    name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 5_000})
+    assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+    name
+  end
+
+  # The messages the connection process receives while `fun` runs.
+  defp received_by_connection(name, fun) do
+    pid = handle(name).pid
+    :erlang.trace(pid, true, [:receive])
+    fun.()
+    :erlang.trace(pid, false, [:receive])
+    collect_traces(pid, [])
+  end
+
+  defp collect_traces(pid, messages) do
+    receive do
+      {:trace, ^pid, :receive, message} -> collect_traces(pid, [message | messages])
+    after
+      100 -> Enum.reverse(messages)
+    end
+  end
+
+  test "a caller alone writes its request and reads its answer; the connection sees neither" do
+    name = unix_daemon()
+
+    messages =
+      received_by_connection(name, fn ->
+        for i <- 1..50, do: assert(:ok = RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name))
+      end)
+
+    assert for({:write, _stream, _id, _frame} = message <- messages, do: message) == []
+    assert in_flight_and_reader(name) == {0, 0}
+  end
+
+  @tag timeout: 60_000
+  test "callers alone and together, some killed as they wait: every answer is its own, and the next caller alone reads its own again" do
+    name = unix_daemon()
+    stop_at = now_ms() + 1_500
+
+    # Bursts and pauses, so that callers find themselves alone as often as in a crowd.
+    callers =
+      for i <- 1..24 do
+        Task.async(fn ->
+          key = {"ex", "own-#{i}"}
+          first = for _ <- 1..3, do: RateLimiter.check_rate(key, @three, 1, name)
+          {first, later(key, name, stop_at, [])}
+        end)
+      end
+
+    victims =
+      for i <- 1..40 do
+        spawn(fn ->
+          Process.sleep(:rand.uniform(1_000))
+          for _ <- 1..1_000, do: RateLimiter.check_rate({"ex", "victim-#{i}"}, @wide, 1, name)
+        end)
+      end
+
+    for victim <- victims do
+      Process.sleep(:rand.uniform(30))
+      Process.exit(victim, :kill)
+    end
+
+    for {first, later} <- Task.await_many(callers, 30_000) do
+      assert first == [:ok, :ok, :ok]
+      assert later != []
+      for answer <- later, do: assert({:delay, _} = answer)
+    end
+
+    # The answers of the victims' last requests are read by someone, then no one reads.
+    eventually(fn -> in_flight_and_reader(name) == {0, 0} end)
+    eventually(fn -> routes(handle(name)) == 0 end)
+
+    messages =
+      received_by_connection(name, fn ->
+        assert :ok = RateLimiter.check_rate({"ex", "after"}, @wide, 1, name)
+      end)
+
+    assert for({:write, _stream, _id, _frame} = message <- messages, do: message) == []
+  end
+
+  test "a caller killed while it reads the socket: the connection reads instead" do
+    name = unix_daemon()
+    counters = counters(name)
+    table = handle(name).table
+    id = System.unique_integer([:positive])
+
+    # What a caller does before it writes alone (SocketStream.solo/5): its row, then the
+    # socket is its to read. It dies there.
+    reader =
+      spawn(fn ->
+        :ets.insert(table, {{:reader, id}, self()})
+        :ok = :atomics.compare_exchange(counters, 2, 0, id)
+        Process.sleep(:infinity)
+      end)
+
+    eventually(fn -> :atomics.get(counters, 2) == id end)
+    Process.exit(reader, :kill)
+
+    started = now_ms()
+
+    tasks =
+      for i <- 1..4,
+          do: Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name) end)
+
+    assert Task.await_many(tasks, 10_000) == [:ok, :ok, :ok, :ok]
+    assert now_ms() - started < 4_000, "answered only at the timeout"
+    eventually(fn -> in_flight_and_reader(name) == {0, 0} end)
+    assert :ets.lookup(table, {:reader, id}) == []
+  end
+
+  defp later(key, name, stop_at, answers) do
+    if now_ms() >= stop_at do
+      answers
+    else
+      if :rand.uniform(4) == 1, do: Process.sleep(:rand.uniform(3))
+      later(key, name, stop_at, [RateLimiter.check_rate(key, @three, 1, name) | answers])
+    end
+  end
+end
