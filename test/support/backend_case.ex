@@ -55,7 +55,7 @@ defmodule Bourse.BackendCase do
 
   @doc "The OS pid of the port a connection runs."
   def port_os_pid(handle) do
-    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    {:os_pid, os_pid} = Port.info(elem(:sys.get_state(handle.pid).stream, 3), :os_pid)
     os_pid
   end
 

@@ -12,6 +12,7 @@ mod redis;
 mod server;
 mod spin;
 mod stdio;
+mod stdio_socket;
 mod store;
 
 use std::process::ExitCode;
@@ -27,6 +28,10 @@ use crate::redis::RedisStore;
 use crate::store::{Memory, Store};
 
 fn main() -> ExitCode {
+    if let Err(message) = stdio_socket::redirect(std::env::args().skip(1)) {
+        eprintln!("bourse_daemon: {message}");
+        return ExitCode::FAILURE;
+    }
     let options = match cli::parse(std::env::args().skip(1), &cli::Process) {
         Ok(Command::Help) => {
             print!("{}", cli::USAGE);

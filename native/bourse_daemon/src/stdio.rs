@@ -188,8 +188,11 @@ fn serve_local<S: Store>(
 
 /// How the daemon stops after a failed write to stdout.
 fn write_failed(error: io::Error) -> ExitCode {
-    // The VM closed the port.
-    if error.kind() == ErrorKind::BrokenPipe {
+    // The VM closed the port (or its socket).
+    if matches!(
+        error.kind(),
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
+    ) {
         return ExitCode::SUCCESS;
     }
     eprintln!("bourse_daemon: writing stdout: {error}");
@@ -238,6 +241,10 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
                     return ExitCode::SUCCESS;
                 }
                 Ok(_) => continue,
+                Err(error) if closed(&error) => {
+                    shared.drained().await;
+                    return ExitCode::SUCCESS;
+                }
                 Err(error) => {
                     eprintln!("bourse_daemon: reading stdin: {error}");
                     return ExitCode::FAILURE;
@@ -379,7 +386,7 @@ fn read_frame(reader: &mut impl BufRead, frame: &mut Vec<u8>, max: usize) -> io:
     let mut header = [0u8; 4];
     match reader.read_exact(&mut header) {
         Ok(()) => {}
-        Err(error) if error.kind() == ErrorKind::UnexpectedEof => return Ok(Frame::Closed),
+        Err(error) if closed(&error) => return Ok(Frame::Closed),
         Err(error) => return Err(error),
     }
     let length = u32::from_be_bytes(header) as usize;
@@ -390,9 +397,18 @@ fn read_frame(reader: &mut impl BufRead, frame: &mut Vec<u8>, max: usize) -> io:
     frame.resize(length, 0);
     match reader.read_exact(frame) {
         Ok(()) => Ok(Frame::Data),
-        Err(error) if error.kind() == ErrorKind::UnexpectedEof => Ok(Frame::Closed),
+        Err(error) if closed(&error) => Ok(Frame::Closed),
         Err(error) => Err(error),
     }
+}
+
+/// The client is gone: stdin ended, or (`--stdio-socket`) the socket was closed with
+/// answers unread.
+fn closed(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+    )
 }
 
 /// SIGTERM: run nothing more, wait for the answers of the requests running, flush, exit 0.

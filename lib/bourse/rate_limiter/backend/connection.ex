@@ -1,29 +1,26 @@
 defmodule Bourse.RateLimiter.Backend.Connection do
   @moduledoc """
-  The process that owns one stream to a `bourse_daemon`: the `--stdio` port of
-  `Bourse.RateLimiter.Backend.Port`, or the socket of `Bourse.RateLimiter.Backend.Daemon`.
+  The process that owns one stream to a `bourse_daemon`: a Unix socket to the `--stdio`
+  daemon that `Bourse.RateLimiter.Backend.Port` runs as a port, or the socket of
+  `Bourse.RateLimiter.Backend.Daemon` (OTP's `:socket` both, no port in between).
 
   Callers encode and frame their request (with an `id`) in their own process, after noting
   its route (the `id` and an alias of the call) in this process's table. A caller with no
-  other request in flight writes its frame to the stream itself; otherwise it hands the
-  frame to this process, which writes every frame it was handed meanwhile in one write (one
-  system call, one wake-up of the daemon for many requests). This process reads the
-  answers (many per read), finds each one's `id` without decoding it, takes its route from
-  the table and sends it there; the caller decodes it (an admitted check's answer, the most
-  common, it knows by its bytes). Encoding and decoding thus run in parallel in the
-  callers.
+  other request in flight writes its frame to the socket itself and, while the daemon
+  answers within microseconds, polls for its own answer: that costs less than being woken
+  (`SocketStream`, "Who reads"). Otherwise it hands the frame to this process, which
+  writes every frame it was handed meanwhile in one write (one system call, one wake-up of
+  the daemon for many requests), reads the answers (many per read), finds each one's `id`
+  without decoding it, takes its route from the table and sends it there; the caller
+  decodes it (an admitted check's answer, the most common, it knows by its bytes).
+  Encoding and decoding thus run in parallel in the callers. One reader at a time, and a
+  caller only ever takes its own answer off the socket, whole.
 
-  On a socket (OTP's `:socket`, no port in between), the caller alone in flight also reads
-  its own answer: it polls the socket for a few microseconds, which costs less than being
-  woken when the daemon answers that fast (`SocketStream`, "Who reads"). One reader at a
-  time, and a caller only ever takes its own answer off the socket, whole.
-
-  Each write goes whole into the port's queue in the VM, or into the socket, so frames
-  never interleave; a caller that finds the port's queue full (the daemon is behind with
-  its input) tries again every millisecond until its deadline, and so does this process
-  with the frames of the callers still waiting. What a socket takes only in part is
-  written first, whole, when it has room; a socket that takes nothing more of it for the
-  callers' timeout is closed (and reconnected).
+  Frames never interleave: a caller writes only when nothing else is in flight, and this
+  process writes the rest. What the socket takes only in part (the daemon is behind with
+  its input) is written first, whole, when it has room; frames that find the socket full
+  are tried again every millisecond, each until its caller's deadline; a socket that takes
+  nothing more for the callers' timeout is closed (and reopened).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
@@ -176,11 +173,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       Map.merge(request, %{deadline_us: now_us + timeout * 1000 + offset_us, timeout_ms: timeout})
 
   # The caller notes its route (the id and an alias of this call) for whoever reads the
-  # answer: the connection, which sends it there, or on a socket the caller itself, alone
-  # in flight (`SocketStream.solo/5`). Whoever takes the route from the table answers: the
+  # answer: the connection, which sends it there, or the caller itself, alone in flight
+  # (`SocketStream.solo/5`). Whoever takes the route from the table answers: the
   # connection with the answer (or the failure of the stream), or the caller that gives up
   # or read its answer itself; once the alias is gone, nothing more arrives.
-  defp call(handle, id, {stream, SocketStream, frame}, deadline) do
+  defp call(handle, id, {stream, _transport, frame}, deadline) do
     reply_to = :erlang.alias([:reply])
     :ets.insert(handle.table, {id, {reply_to, deadline}})
 
@@ -199,17 +196,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       {:error, reason} ->
         write_failed(handle, id, reply_to, stream, reason, deadline)
-    end
-  end
-
-  # A port's caller writes its own request, unless others are in flight.
-  defp call(handle, id, {stream, _transport, _frame} = write, deadline) do
-    reply_to = :erlang.alias([:reply])
-
-    case write(handle, {id, {reply_to, deadline}}, write, deadline) do
-      :ok -> await(handle, id, reply_to, deadline)
-      :busy -> give_up(handle, id, reply_to, did_not_answer(handle))
-      {:error, reason} -> write_failed(handle, id, reply_to, stream, reason, deadline)
     end
   end
 
@@ -236,36 +222,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     after
       max(deadline - System.monotonic_time(:millisecond), 0) ->
         give_up(handle, id, reply_to, did_not_answer(handle))
-    end
-  end
-
-  # A stream busy with earlier requests (the daemon is behind with its input, or stopped) is
-  # tried again every millisecond until the deadline: a caller never blocks on it. The route
-  # is in the table only while a write may have gone; a caller killed between noting it and
-  # writing leaves it behind until the connection drops routes past their deadline.
-  defp write(handle, route, {stream, PortStream, frame} = write, deadline) do
-    :ets.insert(handle.table, route)
-
-    # With other requests in flight (the stream row, this route and more), the frame goes
-    # to the connection, which writes it with every other frame it was given meanwhile.
-    if :ets.info(handle.table, :size) > 2 do
-      send(handle.pid, {:write, stream, elem(route, 0), frame})
-      :ok
-    else
-      case PortStream.write(stream, frame) do
-        :busy ->
-          :ets.delete(handle.table, elem(route, 0))
-
-          if System.monotonic_time(:millisecond) < deadline do
-            Process.sleep(1)
-            write(handle, route, write, deadline)
-          else
-            :busy
-          end
-
-        done ->
-          done
-      end
     end
   end
 
@@ -459,12 +415,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # Written with the callers' frames, dropped as theirs are when the stream is busy.
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
     hello = encode(0, %{op: "hello"})
-    :ok = state.transport.counted(stream, 1)
     frame = {0, PortStream.frame(hello, byte_size(hello))}
     {:noreply, keepalive(write_pending(%{state | pending: [frame | state.pending]}), idle_ms)}
   end
 
-  # A caller that read from a socket stopped with requests still in flight.
+  # A caller's frame that the socket took in part: the rest goes first.
+  def handle_info({:unsent, stream, rest}, %{stream: stream} = state) do
+    :ok = state.transport.unsent(stream)
+    {:noreply, write_pending(%{state | unsent: {rest, now_ms()}})}
+  end
+
+  # A caller wrote its request and left the reading, or stopped reading, with answers still
+  # expected.
   def handle_info({:read, stream}, %{stream: stream} = state) do
     :ok = state.transport.read_for(stream, state.table)
     {:noreply, state}
@@ -473,15 +435,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
 
   # The routes of callers killed between noting them and writing: no answer comes for them.
-  # And the rows of callers killed as they began to read a socket.
+  # And the rows of callers killed as they wrote or read the socket themselves.
   def handle_info(:drop_late_routes, state) do
     now = System.monotonic_time(:millisecond)
     late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
     :ets.select_delete(state.table, late)
 
-    for {reader, pid} <- :ets.match_object(state.table, {{:reader, :_}, :_}),
+    for {solo, pid} <- :ets.match_object(state.table, {{:solo, :_}, :_}),
         not Process.alive?(pid),
-        do: :ets.delete(state.table, reader)
+        do: :ets.delete(state.table, solo)
 
     drop_late_routes_later(state)
     {:noreply, state}
@@ -554,7 +516,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     frames = Enum.map(state.pending, &elem(&1, 1))
     data = if state.unsent, do: [elem(state.unsent, 0) | frames], else: frames
 
-    case state.transport.write_nowait(state.stream, data) do
+    case state.transport.write_nowait(state.stream, state.table, data, length(frames)) do
       :ok ->
         written(%{state | pending: [], unsent: nil})
 
@@ -563,6 +525,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       :busy ->
         busy(state)
+
+      # A caller is writing its own, for a few microseconds.
+      :wait ->
+        send(self(), {:write_pending, state.stream})
+        %{state | retry_timer: :posted}
 
       {:error, reason} ->
         reconnect(broken(state, "cannot write: #{inspect(reason)}"))
@@ -588,8 +555,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp withdraw_late(state) do
     pending = Enum.filter(state.pending, fn {id, _frame} -> :ets.member(state.table, id) end)
-    withdrawn = length(state.pending) - length(pending)
-    if withdrawn > 0, do: :ok = state.transport.settled(state.stream, withdrawn, state.partial)
     retry_later(%{state | pending: pending})
   end
 
@@ -742,7 +707,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
         do: send(reply_to, {reply_to, error})
 
-    if state.retry_timer, do: Process.cancel_timer(state.retry_timer)
+    if is_reference(state.retry_timer), do: Process.cancel_timer(state.retry_timer)
     %{state | stream: nil, partial: [], pending: [], unsent: nil, retry_timer: nil}
   end
 

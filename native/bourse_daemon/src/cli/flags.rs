@@ -12,6 +12,7 @@ const FRAME_BYTES: (u64, u64) = (64, 64 * 1024 * 1024);
 /// Every flag as given, or its default.
 pub struct Flags {
     pub stdio: bool,
+    pub stdio_socket: Option<PathBuf>,
     pub tcp: Vec<SocketAddr>,
     pub unix: Vec<PathBuf>,
     pub allow_remote: bool,
@@ -35,6 +36,7 @@ impl Default for Flags {
     fn default() -> Self {
         Self {
             stdio: false,
+            stdio_socket: None,
             tcp: Vec::new(),
             unix: Vec::new(),
             allow_remote: false,
@@ -84,6 +86,13 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
             "-h" | "--help" => return Ok(Read::Help),
             "-V" | "--version" => return Ok(Read::Version),
             "--stdio" => f.stdio = true,
+            "--stdio-socket" => {
+                let path = value("--stdio-socket")?;
+                if path.is_empty() {
+                    return Err("--stdio-socket needs a non-empty path".into());
+                }
+                f.stdio_socket = Some(PathBuf::from(path));
+            }
             "--listen" => f.tcp.push(socket_addr(&value("--listen")?)?),
             "--socket" => {
                 let path = value("--socket")?;

@@ -65,6 +65,9 @@ fn transport(flags: &Flags, secret: Option<&[u8]>) -> Result<Transport, String> 
     let Flags {
         stdio, tcp, unix, ..
     } = flags;
+    if flags.stdio_socket.is_some() && !stdio {
+        return Err("--stdio-socket goes with --stdio".into());
+    }
     match (*stdio, tcp.is_empty() && unix.is_empty()) {
         (true, false) => Err("--stdio cannot be combined with --listen or --socket".into()),
         (true, true) => Ok(Transport::Stdio),

@@ -10,6 +10,9 @@ Modes:
   --stdio                   Serve one client on stdin/stdout, as an Erlang port:
                             4-byte big-endian length-prefixed JSON frames ({:packet, 4}).
                             Exits when stdin closes.
+  --stdio-socket PATH       With --stdio: the one client is on the Unix socket PATH
+                            instead (it listens there; the daemon connects at start and
+                            exits when the connection closes).
   --listen ADDR             Serve many clients on a TCP address (PORT 0 picks a free one);
                             newline-delimited JSON. Repeatable.
   --socket PATH             Serve many clients on a Unix socket; a stale socket file is

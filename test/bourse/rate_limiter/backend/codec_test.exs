@@ -53,10 +53,25 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     assert PortStream.open({:port, missing, []}, settings) ==
              {:error, "cannot run #{missing}: no such file or directory"}
 
-    # `cat` sends the JSON hello back: not a term.
-    assert {:error, message} =
-             PortStream.open({:port, System.find_executable("cat"), []}, settings)
+    # `cat` knows no --stdio-socket.
+    assert PortStream.open({:port, System.find_executable("cat"), []}, settings) ==
+             {:error, "it exited with status 1"}
 
+    # A program that connects and sends the JSON hello back: not a term.
+    echo = Path.join(System.tmp_dir!(), "bourse-echo-#{System.unique_integer([:positive])}")
+    on_exit(fn -> File.rm(echo) end)
+
+    File.write!(echo, """
+    #!/usr/bin/env python3
+    import socket, sys
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[sys.argv.index("--stdio-socket") + 1])
+    while data := s.recv(4096):
+        s.sendall(data)
+    """)
+
+    File.chmod!(echo, 0o700)
+    assert {:error, message} = PortStream.open({:port, echo, []}, settings)
     assert message =~ "not a bourse_daemon speaking protocol 1 in the external term format"
   end
 
@@ -77,7 +92,10 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     # A TCP client is refused once it proved the secret: a term, as it asked.
     [host, port] = String.split(daemon.tcp, ":")
     tcp = {:socket, {:tcp, String.to_charlist(host), String.to_integer(port)}}
-    assert {:ok, {socket, _counters, _select} = second, _hello} = SocketStream.open(tcp, settings)
+
+    assert {:ok, {socket, _counters, _select, nil} = second, _hello} =
+             SocketStream.open(tcp, settings)
+
     assert {:ok, data} = :socket.recv(socket, 0, [], 5_000)
     assert {[refusal], _} = SocketStream.answers(SocketStream.no_partial(), data)
 

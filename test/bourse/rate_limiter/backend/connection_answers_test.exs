@@ -11,28 +11,25 @@ defmodule Bourse.RateLimiter.Backend.ConnectionAnswersTest do
   @limit %{"capacity" => 1, "refill_per_sec" => 0.001}
 
   setup do
-    {:ok, port, _hello} =
+    {:ok, stream, _hello} =
       PortStream.open({:port, Backend.Port.executable(), ["--stdio"]}, @settings)
 
-    on_exit(fn -> PortStream.close(port) end)
-    %{port: port}
+    on_exit(fn -> PortStream.close(stream) end)
+    %{port: elem(stream, 0)}
   end
 
-  defp frame(port, id, request) do
+  defp frame(socket, id, request) do
     payload = Connection.encode(id, request)
-    :ok = PortStream.write(port, PortStream.frame(payload, byte_size(payload)))
-    answer(port, PortStream.no_partial())
+    :ok = :socket.send(socket, PortStream.frame(payload, byte_size(payload)))
+    answer(socket, PortStream.no_partial())
   end
 
-  defp answer(port, partial) do
-    receive do
-      {^port, {:data, data}} ->
-        case PortStream.answers(partial, data) do
-          {[frame], <<>>} -> frame
-          {[], partial} -> answer(port, partial)
-        end
-    after
-      5_000 -> flunk("no answer")
+  defp answer(socket, partial) do
+    {:ok, data} = :socket.recv(socket, 0, [], 5_000)
+
+    case PortStream.answers(partial, data) do
+      {[frame], <<>>} -> frame
+      {[], partial} -> answer(socket, partial)
     end
   end
 

@@ -18,7 +18,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
 
   # The stream's counters (SocketStream): requests in flight, and who reads.
   defp counters(name) do
-    [{:stream, {_socket, counters, _select}, _, _, _, _}] =
+    [{:stream, {_socket, counters, _select, _port}, _, _, _, _}] =
       :ets.lookup(handle(name).table, :stream)
 
     counters
@@ -32,7 +32,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   defp unix_daemon do
     path = Path.join(System.tmp_dir!(), "readers-#{System.unique_integer([:positive])}.sock")
     daemon = start_daemon(["--socket", path])
-    name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 5_000})
+    name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 1_000})
     assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
     name
   end
@@ -122,7 +122,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     # socket is its to read. It dies there.
     reader =
       spawn(fn ->
-        :ets.insert(table, {{:reader, id}, self()})
+        :ets.insert(table, {{:solo, id}, self()})
         :ok = :atomics.compare_exchange(counters, 2, 0, id)
         Process.sleep(:infinity)
       end)
@@ -139,7 +139,31 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     assert Task.await_many(tasks, 10_000) == [:ok, :ok, :ok, :ok]
     assert now_ms() - started < 4_000, "answered only at the timeout"
     eventually(fn -> in_flight_and_reader(name) == {0, 0} end)
-    assert :ets.lookup(table, {:reader, id}) == []
+    assert :ets.lookup(table, {:solo, id}) == []
+  end
+
+  test "a caller killed while it writes the socket: the stream, which may hold a part of its frame, is reopened" do
+    name = unix_daemon()
+    counters = counters(name)
+    table = handle(name).table
+    id = System.unique_integer([:positive])
+
+    writer =
+      spawn(fn ->
+        :ets.insert(table, {{:solo, id}, self()})
+        :ok = :atomics.compare_exchange(counters, 3, 0, id)
+        Process.sleep(:infinity)
+      end)
+
+    eventually(fn -> :atomics.get(counters, 3) == id end)
+    Process.exit(writer, :kill)
+
+    assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"ex", "k"}, @wide, 1, name)
+
+    assert message =~ "writer_killed"
+    eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @wide, 1, name) == :ok end)
+    assert counters(name) != counters
   end
 
   defp later(key, name, stop_at, answers) do

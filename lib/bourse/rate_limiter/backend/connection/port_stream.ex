@@ -1,33 +1,95 @@
 defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @moduledoc false
-  # A `bourse_daemon --stdio` run as an Erlang port: every frame both ways is a 4-byte
-  # big-endian length, then the payload (a JSON hello asking for the external term format,
-  # then terms). The frames are written and read here, not by the port (no `{:packet, 4}`),
-  # so that one write can carry the frames of many callers and one message the answers of
-  # one read. The port is reopened at once when it dies (with --assume-busy-at-start: its
-  # table would be new), and a port that cannot start is a configuration error.
+  # A `bourse_daemon --stdio` run as an Erlang port, its frames on a Unix socket: the port
+  # is the daemon's life (its exit status, its end when the VM closes it), the socket its
+  # stream (`--stdio-socket`: this side listens, in a directory of its own that only this
+  # OS user can enter, and the path is gone once the daemon connected). On the socket the
+  # connection reads and writes as on a daemon's (`SocketStream`): a caller alone in flight
+  # reads its own answer. Every frame both ways is a 4-byte big-endian length, then the
+  # payload (a JSON hello asking for the external term format, then terms). The port is
+  # reopened at once when it dies (with --assume-busy-at-start: its table would be new), and
+  # a port that cannot start is a configuration error.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
   alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.Connection.SocketStream
 
   @handshake_timeout 5_000
   # The largest answer read: the largest request any daemon accepts (--max-frame-bytes).
   @max_answer_bytes 64 * 1024 * 1024
+  # What a Unix socket's path may hold, with room for the name of the socket.
+  @max_dir_bytes 90
 
   @impl true
   def open({:port, executable, args}, settings) do
     flags = if settings.assume_busy, do: ["--assume-busy-at-start" | args], else: args
 
-    with {:ok, port} <- spawn_daemon(executable, flags, settings.env),
-         hello = Connection.hello_request(),
-         true <- Port.command(port, frame(hello, byte_size(hello))),
-         {:ok, hello} <- hello(port, no_partial()) do
-      {:ok, port, hello}
+    with {:ok, dir} <- private_dir() do
+      path = Path.join(dir, "d.sock")
+
+      try do
+        start(executable, flags ++ ["--stdio-socket", path], settings.env, path)
+      after
+        File.rm(path)
+        File.rmdir(dir)
+      end
     end
   end
 
-  # Only the spawn's own failure (no such file, not executable) is the binary's.
+  defp start(executable, flags, env, path) do
+    with {:ok, listener} <- listen(path) do
+      accepted =
+        with {:ok, port} <- spawn_daemon(executable, flags, env), do: accept(listener, port)
+
+      :socket.close(listener)
+
+      with {:ok, socket, port} <- accepted do
+        stream = SocketStream.stream(socket, port)
+
+        case hello(socket, port) do
+          {:ok, hello} ->
+            {:ok, stream, hello}
+
+          error ->
+            close(stream)
+            error
+        end
+      end
+    end
+  end
+
+  # A directory of a random name that only this OS user may enter, in the system's
+  # temporary directory (or /tmp, if its path is too long for a socket's).
+  defp private_dir do
+    base = System.tmp_dir() || "/tmp"
+    base = if byte_size(base) > @max_dir_bytes, do: "/tmp", else: base
+    dir = Path.join(base, "bourse-" <> Base.url_encode64(:crypto.strong_rand_bytes(12)))
+
+    with :ok <- File.mkdir(dir), :ok <- File.chmod(dir, 0o700) do
+      {:ok, dir}
+    else
+      {:error, reason} ->
+        File.rmdir(dir)
+
+        {:error,
+         "cannot create a private directory in #{base} for the daemon's socket: " <>
+           List.to_string(:file.format_error(reason))}
+    end
+  end
+
+  defp listen(path) do
+    with {:ok, listener} <- :socket.open(:local, :stream, :default),
+         :ok <- :socket.bind(listener, %{family: :local, path: path}),
+         :ok <- :socket.listen(listener, 1) do
+      {:ok, listener}
+    else
+      {:error, reason} -> {:error, "cannot listen on #{path}: #{inspect(reason)}"}
+    end
+  end
+
+  # Only the spawn's own failure (no such file, not executable) is the binary's. Its stdin
+  # and stdout become the socket: their end is no end of the port.
   defp spawn_daemon(executable, flags, env) do
     {:ok,
      Port.open({:spawn_executable, executable}, [
@@ -35,7 +97,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
        :binary,
        :exit_status,
        :use_stdio,
-       busy_limits_port: {64 * 1024, 1024 * 1024},
+       :eof,
        args: flags,
        env: env
      ])}
@@ -44,22 +106,44 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
       {:error, "cannot run #{executable}: #{:file.format_error(error.original)}"}
   end
 
-  # The daemon writes nothing before its hello's answer and nothing after it unasked.
-  defp hello(port, partial) do
-    receive do
-      {^port, {:data, data}} ->
-        case answers(partial, data) do
-          {[frame | _], _rest} -> Connection.hello(frame)
-          {[], partial} -> hello(port, partial)
-          {:error, _frames, reason} -> {:error, reason}
+  # The daemon connects at once, or exits.
+  defp accept(listener, port) do
+    case :socket.accept(listener, :nowait) do
+      {:ok, socket} ->
+        {:ok, socket, port}
+
+      {:select, _info} ->
+        receive do
+          {:"$socket", ^listener, :select, _handle} -> accept(listener, port)
+          {^port, {:exit_status, status}} -> {:error, "it exited with status #{status}"}
+        after
+          @handshake_timeout ->
+            close_port(port)
+            {:error, "it did not connect within #{@handshake_timeout} ms"}
         end
 
-      {^port, {:exit_status, status}} ->
-        {:error, "it exited with status #{status}"}
-    after
-      @handshake_timeout ->
-        Port.close(port)
-        {:error, "no hello within #{@handshake_timeout} ms"}
+      {:error, reason} ->
+        close_port(port)
+        {:error, "cannot accept its connection: #{inspect(reason)}"}
+    end
+  end
+
+  # The daemon writes nothing before its hello's answer and nothing after it unasked.
+  defp hello(socket, port) do
+    hello = Connection.hello_request()
+
+    with :ok <- :socket.send(socket, frame(hello, byte_size(hello)), @handshake_timeout),
+         {:ok, <<size::32>>} when size <= @max_answer_bytes <-
+           :socket.recv(socket, 4, [], @handshake_timeout),
+         {:ok, answer} <- :socket.recv(socket, size, [], @handshake_timeout) do
+      Connection.hello(answer)
+    else
+      _failed ->
+        receive do
+          {^port, {:exit_status, status}} -> {:error, "it exited with status #{status}"}
+        after
+          100 -> {:error, "no hello within #{@handshake_timeout} ms"}
+        end
     end
   end
 
@@ -67,30 +151,25 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @spec frame(iodata(), non_neg_integer()) :: iodata()
   def frame(payload, size), do: [<<size::32>>, payload]
 
-  # A port busy with earlier requests is not waited for: its callers try again until their
-  # deadline.
-  @spec write(port(), iodata()) :: :ok | :busy | {:error, :closed}
-  def write(port, iodata) do
-    if Port.command(port, iodata, [:nosuspend]), do: :ok, else: :busy
-  rescue
-    ArgumentError -> {:error, :closed}
+  @impl true
+  defdelegate write_nowait(stream, table, iodata, count), to: SocketStream
+
+  @impl true
+  defdelegate unsent(stream), to: SocketStream
+
+  @impl true
+  defdelegate read_for(stream, table), to: SocketStream
+
+  @impl true
+  defdelegate settled(stream, count, partial), to: SocketStream
+
+  @impl true
+  def close(stream) do
+    :ok = SocketStream.close(stream)
+    close_port(elem(stream, 3))
   end
 
-  @impl true
-  def write_nowait(port, iodata), do: write(port, iodata)
-
-  # The connection reads every answer of a port, as it comes.
-  @impl true
-  def counted(_port, _count), do: :ok
-
-  @impl true
-  def read_for(_port, _table), do: :ok
-
-  @impl true
-  def settled(_port, _count, _partial), do: :ok
-
-  @impl true
-  def close(port) do
+  defp close_port(port) do
     Port.close(port)
     :ok
   rescue
@@ -99,13 +178,27 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   end
 
   @impl true
-  def received({port, {:data, chunk}}, port), do: {:data, chunk}
-
-  def received({port, {:exit_status, status}}, port),
+  def received({port, {:exit_status, status}}, {_socket, _counters, _select, port}),
     do: {:down, "the port process exited with status #{status}"}
 
-  def received({:EXIT, port, reason}, port), do: {:down, "the port closed (#{inspect(reason)})"}
-  def received(_message, _port), do: :other
+  def received({:EXIT, port, reason}, {_socket, _counters, _select, port}),
+    do: {:down, "the port closed (#{inspect(reason)})"}
+
+  def received(message, {_socket, _counters, _select, port} = stream) do
+    case SocketStream.received(message, stream) do
+      {:down, reason} -> {:down, exit_reason(port, reason)}
+      other -> other
+    end
+  end
+
+  # The socket closes as the daemon exits: its exit status says more.
+  defp exit_reason(port, reason) do
+    receive do
+      {^port, {:exit_status, status}} -> "the port process exited with status #{status}"
+    after
+      100 -> reason
+    end
+  end
 
   @impl true
   def no_partial, do: <<>>

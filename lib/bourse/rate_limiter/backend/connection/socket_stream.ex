@@ -7,24 +7,32 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # on a port (`PortStream`). Reconnected after a backoff; the limiter may start while the
   # daemon is not up yet.
   #
-  # ## Who reads
+  # ## Who writes, who reads
   #
-  # A stream is `{socket, counters, select}`: `counters` holds the requests in flight
-  # (written or handed to the connection, not answered yet) and who reads the socket: no
-  # one (0), the connection process (-1), or a caller (its request's id). One reader at a
-  # time, so no answer is read twice or cut in two:
+  # A stream is `{socket, counters, select, port}` (`t:t/0`). `counters` holds the answers
+  # expected (requests written, counted by whoever wrote them, once written), who writes
+  # and who reads the socket (no one: 0, the connection process: -1, or a caller: its
+  # request's id), how many times in a row a caller polled in vain, and when the
+  # connection last wrote callers' frames. One writer at a time, so frames never
+  # interleave; one reader at a time, so no answer is read twice or cut in two:
   #
-  #   * a caller whose request is the only one in flight, and who finds no one reading,
-  #     writes it and reads its own answer (`solo/5`): it polls the socket for up to
-  #     @solo_poll_us, which is faster than waiting to be woken when the daemon answers in
-  #     a few microseconds. It only ever takes its own answer from the socket, whole (it
-  #     peeks first), so a caller killed meanwhile takes nothing of anyone else's;
+  #   * a caller that finds no other caller waiting, no answer expected, no one writing,
+  #     and the connection writing no one's frames for @crowd_us, writes its request itself
+  #     (`solo/5`); if no one reads, it also reads its own answer: it polls the socket for
+  #     up to @solo_poll_us, which is faster than waiting to be woken when the daemon
+  #     answers in a few microseconds. Its answer is the first (none was expected before
+  #     it), and it takes only that one from the socket, whole (it peeks first). After
+  #     @max_misses polls in vain (the daemon is slower: Redis behind it, say) callers poll
+  #     only one time in @probe_every, until a poll finds its answer again;
   #   * every other request goes to the connection, which writes it and, unless a caller
-  #     reads, reads until no request is in flight (`read_for/2`, `received/2`,
-  #     `settled/3`).
+  #     reads, reads until no answer is expected (`read_for/2`, `received/2`, `settled/3`).
   #
-  # A reader that stops reading while requests are still in flight tells the connection. A
-  # caller killed while reading is noticed by the connection, which then reads instead.
+  # A caller that stops reading while answers are still expected tells the connection. A
+  # caller killed while it reads is noticed by the connection, which then reads instead;
+  # one killed while it writes may have left a frame in part, so the connection closes the
+  # stream. A caller killed after taking its answer, before counting it, leaves one answer
+  # counted too many: callers alone then go through the connection, until the stream is
+  # reopened.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
@@ -34,7 +42,16 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @handshake_timeout 5_000
   @in_flight 1
   @reader 2
+  @writer 3
+  @misses 4
+  @crowd 5
   @connection -1
+  @max_misses 8
+  @probe_every 64
+  # Callers write alone only once the connection wrote no one's frames for this long: in a
+  # crowd, a caller polling would hold a scheduler and the reading while its answer waits
+  # behind the others'.
+  @crowd_us 1_000
   # How long a caller alone polls for its answer before it leaves the reading to the
   # connection; and the largest request it writes itself (a small write to a socket with
   # nothing in flight goes whole).
@@ -47,15 +64,26 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # How often the connection looks whether a caller reading is still alive.
   @reader_check_ms 10
 
-  @typedoc "An open stream: the socket, its counters (see the module's comment), and the tag of its reads."
-  @type t :: {:socket.socket(), :atomics.atomics_ref(), reference()}
+  @typedoc """
+  An open stream: the socket, its counters (see the module's comment), the tag of the
+  connection's reads, and the port of a daemon run as one (`PortStream`).
+  """
+  @type t :: {:socket.socket(), :atomics.atomics_ref(), reference(), port() | nil}
+
+  @doc "A stream on `socket`, connected to the daemon run as `port`, if any."
+  @spec stream(:socket.socket(), port() | nil) :: t()
+  def stream(socket, port) do
+    counters = :atomics.new(5, signed: true)
+    :atomics.put(counters, @crowd, :erlang.monotonic_time(:microsecond) - 2 * @crowd_us)
+    {socket, counters, make_ref(), port}
+  end
 
   @impl true
   def open({:socket, address}, settings) do
     with {:ok, socket} <- connect(address, settings.timeout) do
       case handshake(socket, settings.secret) do
         {:ok, hello} ->
-          {:ok, {socket, :atomics.new(2, signed: true), make_ref()}, hello}
+          {:ok, stream(socket, nil), hello}
 
         error ->
           :socket.close(socket)
@@ -186,52 +214,92 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   ## A caller's request
 
   @doc """
-  Counts a caller's request in flight. When it is the only one and no one reads, the
-  caller writes it and polls for its answer: `{:answer, frame}`; or `:written` (the
-  connection was told to read it, having been told to read), or `{:error, reason}` (the
-  stream is broken). `:shared` when the connection is to write it.
+  A caller's request, written by the caller itself when no other caller waits, no answer
+  is expected and no one writes: then, if no one reads either, it polls for its answer: `{:answer, frame}`; or
+  `:written` (the connection reads the answer), or `{:error, reason}` (the stream is
+  broken). `:shared` when the connection is to write it.
   """
   @spec solo(t(), :ets.tid(), pid(), pos_integer(), iodata()) ::
           {:answer, binary()} | :written | :shared | {:error, term()}
-  def solo({socket, counters, _select} = stream, table, connection, id, frame) do
-    if :atomics.add_get(counters, @in_flight, 1) == 1 and
-         IO.iodata_length(frame) <= @solo_max_bytes and reader?(counters, table, id) do
-      case :socket.send(socket, frame, [], 0) do
-        :ok ->
-          until = :erlang.monotonic_time(:microsecond) + @solo_poll_us
-          own_answer(stream, table, connection, id, until)
+  def solo({_socket, counters, _select, _port} = stream, table, connection, id, frame) do
+    if alone?(table) and :atomics.get(counters, @in_flight) == 0 and
+         :erlang.monotonic_time(:microsecond) - :atomics.get(counters, @crowd) > @crowd_us and
+         IO.iodata_length(frame) <= @solo_max_bytes do
+      :ets.insert(table, {{:solo, id}, self()})
+      polls = poll?(counters) and take(counters, @reader, id)
 
-        # Nothing written: the connection writes it.
-        {:error, :timeout} ->
-          stop_reading(stream, table, connection, id)
-          :shared
-
-        {:error, reason} ->
-          stop_reading(stream, table, connection, id)
-          {:error, reason}
+      if take(counters, @writer, id) and :atomics.get(counters, @in_flight) == 0 do
+        solo_write(stream, table, connection, id, frame, polls)
+      else
+        release(counters, @writer, id)
+        done(stream, table, connection, id, polls)
+        :shared
       end
     else
       :shared
     end
   end
 
-  # The caller becomes the reader; its row tells the connection who reads.
-  defp reader?(counters, table, id) do
-    :ets.insert(table, {{:reader, id}, self()})
+  # No other caller waits: the table holds the stream and this caller's route alone.
+  defp alone?(table), do: :ets.info(table, :size) <= 2
 
-    case :atomics.compare_exchange(counters, @reader, 0, id) do
+  defp poll?(counters) do
+    :atomics.get(counters, @misses) < @max_misses or
+      rem(:atomics.add_get(counters, @misses, 1), @probe_every) == 0
+  end
+
+  defp take(counters, slot, id), do: :atomics.compare_exchange(counters, slot, 0, id) == :ok
+
+  defp release(counters, slot, id), do: :atomics.compare_exchange(counters, slot, id, 0)
+
+  # With the write to itself, the caller counts its request; what the socket took in part
+  # goes to the connection, which writes the rest first (it takes the write over).
+  defp solo_write(
+         {socket, counters, _select, _port} = stream,
+         table,
+         connection,
+         id,
+         frame,
+         polls
+       ) do
+    case :socket.send(socket, frame, [], 0) do
       :ok ->
-        true
+        :atomics.add(counters, @in_flight, 1)
+        release(counters, @writer, id)
 
-      _reader ->
-        :ets.delete(table, {:reader, id})
-        false
+        if polls do
+          until = :erlang.monotonic_time(:microsecond) + @solo_poll_us
+          own_answer(stream, table, connection, id, until)
+        else
+          done(stream, table, connection, id, false)
+          :written
+        end
+
+      {:error, :timeout} ->
+        release(counters, @writer, id)
+        done(stream, table, connection, id, polls)
+        :shared
+
+      {:error, {:timeout, rest}} ->
+        :atomics.add(counters, @in_flight, 1)
+        send(connection, {:unsent, stream, rest})
+        done(stream, table, connection, id, polls)
+        :written
+
+      {:error, {reason, _rest}} ->
+        done(stream, table, connection, id, polls)
+        {:error, reason}
+
+      {:error, reason} ->
+        release(counters, @writer, id)
+        done(stream, table, connection, id, polls)
+        {:error, reason}
     end
   end
 
   # Its own answer is the first one in the socket: it peeks until the answer is whole, then
   # takes exactly that frame.
-  defp own_answer({socket, counters, _select} = stream, table, connection, id, until) do
+  defp own_answer({socket, _counters, _select, _port} = stream, table, connection, id, until) do
     case :socket.recv(socket, @peek_bytes, [:peek], 0) do
       {:ok, <<size::32, frame::binary-size(size), _::binary>>} ->
         take_own(stream, table, connection, id, frame)
@@ -246,7 +314,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
         end
 
       {:ok, <<size::32, _::binary>>} when size + 4 > @peek_bytes ->
-        stop_reading(stream, table, connection, id)
+        done(stream, table, connection, id, true)
         :written
 
       {:ok, _begun} ->
@@ -256,112 +324,157 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
         poll_again(stream, table, connection, id, until)
 
       {:error, reason} ->
-        :atomics.put(counters, @reader, 0)
-        :ets.delete(table, {:reader, id})
+        done(stream, table, connection, id, true)
         {:error, reason}
     end
   end
 
-  defp poll_again(stream, table, connection, id, until) do
+  defp poll_again({_socket, counters, _select, _port} = stream, table, connection, id, until) do
     if :erlang.monotonic_time(:microsecond) < until do
       own_answer(stream, table, connection, id, until)
     else
-      stop_reading(stream, table, connection, id)
+      :atomics.add(counters, @misses, 1)
+      done(stream, table, connection, id, true)
       :written
     end
   end
 
-  defp take_own({socket, counters, _select} = stream, table, connection, id, frame) do
-    case Connection.answer_id(frame) do
-      {:ok, ^id, _frame} ->
-        {:ok, _taken} = :socket.recv(socket, byte_size(frame) + 4, [], 0)
-        :atomics.sub(counters, @in_flight, 1)
-        stop_reading(stream, table, connection, id)
-        {:answer, frame}
+  defp take_own({socket, counters, _select, _port} = stream, table, connection, id, frame) do
+    with {:ok, ^id, _frame} <- Connection.answer_id(frame),
+         {:ok, _taken} <- :socket.recv(socket, byte_size(frame) + 4, [], 0) do
+      :atomics.sub(counters, @in_flight, 1)
+      :atomics.put(counters, @misses, 0)
+      done(stream, table, connection, id, true)
+      {:answer, frame}
+    else
+      # Closed meanwhile.
+      {:error, reason} ->
+        done(stream, table, connection, id, true)
+        {:error, reason}
 
       # Someone else's (answers come in order, so a request of a caller that gave up):
       # the connection reads it.
       _other ->
-        stop_reading(stream, table, connection, id)
+        done(stream, table, connection, id, true)
         :written
     end
   end
 
-  # The caller no longer reads; with requests still in flight the connection will.
-  defp stop_reading({_socket, counters, _select} = stream, table, connection, id) do
-    :atomics.put(counters, @reader, 0)
-    :ets.delete(table, {:reader, id})
+  # The caller is done with the socket; answers still expected are the connection's to read.
+  defp done({_socket, counters, _select, _port} = stream, table, connection, id, read) do
+    if read, do: release(counters, @reader, id)
+    :ets.delete(table, {:solo, id})
     if :atomics.get(counters, @in_flight) > 0, do: send(connection, {:read, stream})
     :ok
   end
 
   ## The connection's side
 
-  # The connection's writes, of requests already counted in flight; what the socket did
-  # not take is returned, to be written first next time.
+  # The connection's writes of `count` requests, counted once written; what the socket did
+  # not take is returned, to be written first next time (until then the connection keeps
+  # the write to itself). A caller writing meanwhile is waited for (`:wait`); one that died
+  # with the write may have left a frame in part.
   @impl true
-  def write_nowait({socket, _counters, _select}, iodata) do
-    case :socket.send(socket, iodata, [], 0) do
-      :ok -> :ok
-      {:error, :timeout} -> :busy
-      {:error, {:timeout, rest}} -> {:partial, rest}
-      {:error, {reason, _rest}} -> {:error, reason}
-      {:error, reason} -> {:error, reason}
+  def write_nowait({socket, counters, _select, _port}, table, iodata, count) do
+    :atomics.put(counters, @crowd, :erlang.monotonic_time(:microsecond))
+
+    case writer(counters, table) do
+      :ok ->
+        case :socket.send(socket, iodata, [], 0) do
+          :ok ->
+            :atomics.add(counters, @in_flight, count)
+            :atomics.put(counters, @writer, 0)
+            :ok
+
+          {:error, :timeout} ->
+            :atomics.put(counters, @writer, 0)
+            :busy
+
+          {:error, {:timeout, rest}} ->
+            :atomics.add(counters, @in_flight, count)
+            {:partial, rest}
+
+          {:error, {reason, _rest}} ->
+            {:error, reason}
+
+          {:error, reason} ->
+            {:error, reason}
+        end
+
+      other ->
+        other
     end
   end
 
+  defp writer(counters, table) do
+    case :atomics.compare_exchange(counters, @writer, 0, @connection) do
+      :ok -> :ok
+      @connection -> :ok
+      caller -> if alive?(table, caller), do: :wait, else: {:error, :writer_killed}
+    end
+  end
+
+  defp alive?(table, caller) do
+    case :ets.lookup(table, {:solo, caller}) do
+      [{_row, pid}] -> Process.alive?(pid)
+      # It finished since.
+      [] -> true
+    end
+  end
+
+  # A caller's frame the socket took in part: the connection writes the rest first.
   @impl true
-  def counted({_socket, counters, _select}, count) do
-    :atomics.add(counters, @in_flight, count)
+  def unsent({_socket, counters, _select, _port}) do
+    :atomics.put(counters, @writer, @connection)
     :ok
   end
 
   # After the connection wrote requests, or was told to read: it reads unless a caller
   # does; a caller that died reading is replaced.
   @impl true
-  def read_for({_socket, counters, _select} = stream, table) do
+  def read_for({_socket, counters, _select, _port} = stream, table) do
     if :atomics.get(counters, @in_flight) > 0 do
       case :atomics.compare_exchange(counters, @reader, 0, @connection) do
-        :ok -> start_reading(stream)
-        @connection -> :ok
-        caller -> replace_reader(stream, table, caller)
+        :ok ->
+          start_reading(stream)
+
+        @connection ->
+          :ok
+
+        caller ->
+          cond do
+            alive?(table, caller) ->
+              Process.send_after(self(), {:read, stream}, @reader_check_ms)
+
+            :atomics.compare_exchange(counters, @reader, caller, @connection) == :ok ->
+              :ets.delete(table, {:solo, caller})
+              start_reading(stream)
+
+            true ->
+              read_for(stream, table)
+          end
       end
     end
 
     :ok
   end
 
-  defp replace_reader({_socket, counters, _select} = stream, table, caller) do
-    case :ets.lookup(table, {:reader, caller}) do
-      [{_row, pid}] ->
-        if Process.alive?(pid) do
-          Process.send_after(self(), {:read, stream}, @reader_check_ms)
-        else
-          :ets.delete(table, {:reader, caller})
-
-          if :atomics.compare_exchange(counters, @reader, caller, @connection) == :ok,
-            do: start_reading(stream)
-        end
-
-      # It stopped reading since.
-      [] ->
-        read_for(stream, table)
-    end
-  end
-
   # The connection reads when the socket has something: the first look is now.
-  defp start_reading({socket, _counters, select}),
+  defp start_reading({socket, _counters, select, _port}),
     do: send(self(), {:"$socket", socket, :select, select})
 
   @impl true
-  def received({:"$socket", socket, :select, select}, {socket, counters, select}) do
+  def received({:"$socket", socket, :select, select}, {socket, counters, select, _port}) do
     if :atomics.get(counters, @reader) == @connection,
       do: read(socket, select, [], @reads_per_turn),
       else: :other
   end
 
-  def received({:"$socket", socket, :abort, {select, reason}}, {socket, _counters, select}),
-    do: {:down, "connection error #{format_error(reason)}"}
+  def received(
+        {:"$socket", socket, :abort, {select, reason}},
+        {socket, _counters, select, _port}
+      ),
+      do: {:down, "connection error #{format_error(reason)}"}
 
   def received(_message, _stream), do: :other
 
@@ -398,13 +511,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   defp down(:closed), do: "the daemon closed the connection"
   defp down(reason), do: "connection error #{format_error(reason)}"
 
-  # `count` requests were answered (or will never be written); with none left in flight and
-  # no answer begun, the connection stops reading (its read waiting for the socket, kept in
-  # its dictionary, is cancelled), and reads again if one came meanwhile.
+  # `count` requests were answered; with none left in flight and no answer begun, the
+  # connection stops reading (its read waiting for the socket, kept in its dictionary, is
+  # cancelled), and reads again if one came meanwhile.
   @impl true
-  def settled({socket, counters, select} = stream, count, partial) do
-    if :atomics.sub_get(counters, @in_flight, count) <= 0 and
-         partial == no_partial() and :atomics.get(counters, @reader) == @connection do
+  def settled({socket, counters, select, _port} = stream, count, partial) do
+    if :atomics.sub_get(counters, @in_flight, count) <= 0 and partial == no_partial() and
+         :atomics.get(counters, @reader) == @connection do
       case Process.delete({__MODULE__, select}) do
         nil -> :ok
         info -> :socket.cancel(socket, info)
@@ -418,7 +531,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   end
 
   @impl true
-  def close({socket, _counters, select}) do
+  def close({socket, _counters, select, _port}) do
     Process.delete({__MODULE__, select})
     :socket.close(socket)
     :ok

@@ -21,22 +21,20 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, String.t()}
 
   @doc """
-  Writes requests for the connection process: `:busy` when the daemon is behind with its
-  input, `{:partial, rest}` when only a part was written (`rest` goes first next time).
+  Writes `count` requests for the connection process (they are counted once written):
+  `:busy` when the daemon is behind with its input, `:wait` while a caller writes,
+  `{:partial, rest}` when only a part was written (`rest` goes first next time).
   """
-  @callback write_nowait(stream(), iodata()) ::
-              :ok | :busy | {:partial, binary()} | {:error, term()}
+  @callback write_nowait(stream(), :ets.tid(), iodata(), pos_integer()) ::
+              :ok | :busy | :wait | {:partial, binary()} | {:error, term()}
 
-  @doc "Counts requests the connection process writes itself as in flight."
-  @callback counted(stream(), pos_integer()) :: :ok
+  @doc "The connection process takes over a caller's frame that the stream took in part."
+  @callback unsent(stream()) :: :ok
 
   @doc "After the connection process wrote requests, or was told to read: someone reads."
   @callback read_for(stream(), :ets.tid()) :: :ok
 
-  @doc """
-  `count` requests were answered, or will never be written; `partial` is what is left of
-  an answer begun.
-  """
+  @doc "`count` requests were answered; `partial` is what is left of an answer begun."
   @callback settled(stream(), non_neg_integer(), partial :: term()) :: :ok
 
   @callback close(stream()) :: :ok

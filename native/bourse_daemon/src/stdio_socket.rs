@@ -1,0 +1,67 @@
+//! `--stdio --stdio-socket PATH`: the port's client listens on a Unix socket, which becomes
+//! this process's stdin and stdout before anything is read or written, so `--stdio` serves
+//! it unchanged (and a refused configuration is answered there). A socket lets the client
+//! read answers as soon as they are written, without a port in between.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+
+const FLAG: &str = "--stdio-socket";
+
+/// Connects stdin and stdout to the socket named by `--stdio-socket` in `args`, if any.
+pub fn redirect<I: IntoIterator<Item = String>>(args: I) -> Result<(), String> {
+    let Some(path) = socket_path(args) else {
+        return Ok(());
+    };
+    let stream =
+        UnixStream::connect(&path).map_err(|e| format!("{FLAG} {path:?}: cannot connect: {e}"))?;
+    for target in [libc::STDIN_FILENO, libc::STDOUT_FILENO] {
+        // SAFETY: both descriptors are open; dup2 replaces `target` atomically.
+        if unsafe { libc::dup2(stream.as_raw_fd(), target) } < 0 {
+            let error = std::io::Error::last_os_error();
+            return Err(format!("{FLAG}: cannot use the socket as stdio: {error}"));
+        }
+    }
+    Ok(())
+}
+
+/// The value of the flag (`--stdio-socket PATH` or `--stdio-socket=PATH`).
+fn socket_path<I: IntoIterator<Item = String>>(args: I) -> Option<String> {
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        if arg == FLAG {
+            return args.next();
+        }
+        if let Some(path) = arg
+            .strip_prefix(FLAG)
+            .and_then(|rest| rest.strip_prefix('='))
+        {
+            return Some(path.to_string());
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|arg| arg.to_string()).collect()
+    }
+
+    #[test]
+    fn the_path_is_read_in_either_form() {
+        assert_eq!(socket_path(args(&["--stdio"])), None);
+        let spaced = args(&["--stdio", "--stdio-socket", "/tmp/d/s"]);
+        assert_eq!(socket_path(spaced).as_deref(), Some("/tmp/d/s"));
+        let inline = args(&["--stdio-socket=/tmp/d/s", "--stdio"]);
+        assert_eq!(socket_path(inline).as_deref(), Some("/tmp/d/s"));
+    }
+
+    #[test]
+    fn a_socket_no_one_listens_on_is_an_error() {
+        let error = redirect(args(&["--stdio", "--stdio-socket", "/nonexistent/s"])).unwrap_err();
+        assert!(error.contains("cannot connect"), "{error}");
+    }
+}
