@@ -437,10 +437,10 @@ defmodule Bench do
     end
   end
 
-  # The OS process of the limiter's port: its connection's stream.
+  # The OS process of the limiter's port: the last element of its connection's stream.
   defp port_os_pid(name) do
     {_backend, handle, _events, _pid} = :persistent_term.get({RateLimiter, name})
-    {:os_pid, os_pid} = Port.info(:sys.get_state(handle.pid).stream, :os_pid)
+    {:os_pid, os_pid} = Port.info(elem(:sys.get_state(handle.pid).stream, 3), :os_pid)
     os_pid
   end
 
