@@ -5,7 +5,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # term format, then every frame both ways (the hello's answer, the proof of the shared
   # secret over TCP, requests, answers) is a 4-byte big-endian length and a term, framed as
   # on a port (`PortStream`). Reconnected after a backoff; the limiter may start while the
-  # daemon is not up yet.
+  # daemon is not up yet. The socket of a daemon run as a port (`PortStream`) is read and
+  # written here too.
   #
   # ## Who writes, who reads
   #
