@@ -479,11 +479,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
           {answers, partial} ->
             {:noreply, state} = incoming(answers, %{state | partial: partial})
-
-            if state.stream == stream,
-              do: :ok = state.transport.settled(stream, length(answers), partial)
-
-            {:noreply, state}
+            {:noreply, settled(state, stream, length(answers))}
         end
 
       {:down, reason} ->
@@ -495,6 +491,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info(_message, state), do: {:noreply, state}
+
+  # Unless an answer broke the stream already.
+  defp settled(%{stream: stream} = state, stream, count) do
+    case state.transport.settled(stream, count, state.partial) do
+      :ok -> state
+      {:error, reason} -> reopen_later(broken(state, reason))
+    end
+  end
+
+  defp settled(state, _stream, _count), do: state
 
   # Every frame given to this process that is in its mailbox already.
   defp more_frames(stream, frames) do
@@ -513,6 +519,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp write_pending(%{retry_timer: timer} = state) when timer != nil, do: state
 
   defp write_pending(state) do
+    state = unsent_of_caller(state)
     frames = Enum.map(state.pending, &elem(&1, 1))
     data = if state.unsent, do: [elem(state.unsent, 0) | frames], else: frames
 
@@ -533,6 +540,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       {:error, reason} ->
         reconnect(broken(state, "cannot write: #{inspect(reason)}"))
+    end
+  end
+
+  # A caller's frame the socket took in part goes first (a caller that dies once it handed
+  # it over looks dead to `write_nowait/4`).
+  defp unsent_of_caller(%{stream: stream} = state) do
+    receive do
+      {:unsent, ^stream, rest} ->
+        :ok = state.transport.unsent(stream)
+        %{state | unsent: {rest, now_ms()}}
+    after
+      0 -> state
     end
   end
 

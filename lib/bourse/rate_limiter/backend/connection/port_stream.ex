@@ -18,8 +18,10 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @handshake_timeout 5_000
   # The largest answer read: the largest request any daemon accepts (--max-frame-bytes).
   @max_answer_bytes 64 * 1024 * 1024
-  # What a Unix socket's path may hold, with room for the name of the socket.
-  @max_dir_bytes 90
+  # The longest path of a Unix socket (Linux), and what the path adds to the temporary
+  # directory's: "/bourse-", 16 random characters, "/d.sock".
+  @max_socket_path_bytes 107
+  @added_bytes 31
 
   @impl true
   def open({:port, executable, args}, settings) do
@@ -63,7 +65,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   # temporary directory (or /tmp, if its path is too long for a socket's).
   defp private_dir do
     base = System.tmp_dir() || "/tmp"
-    base = if byte_size(base) > @max_dir_bytes, do: "/tmp", else: base
+    base = if byte_size(base) + @added_bytes > @max_socket_path_bytes, do: "/tmp", else: base
     dir = Path.join(base, "bourse-" <> Base.url_encode64(:crypto.strong_rand_bytes(12)))
 
     with :ok <- File.mkdir(dir), :ok <- File.chmod(dir, 0o700) do

@@ -47,6 +47,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @misses 4
   @crowd 5
   @connection -1
+  # The writer's value once a caller handed what the socket did not take of its frame to
+  # the connection, which has yet to read it from its mailbox.
+  @handing -2
   @max_misses 8
   @probe_every 64
   # Callers write alone only once the connection wrote no one's frames for this long: in a
@@ -284,6 +287,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
       {:error, {:timeout, rest}} ->
         :atomics.add(counters, @in_flight, 1)
         send(connection, {:unsent, stream, rest})
+        :atomics.compare_exchange(counters, @writer, id, @handing)
         done(stream, table, connection, id, polls)
         :written
 
@@ -409,17 +413,30 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp writer(counters, table) do
     case :atomics.compare_exchange(counters, @writer, 0, @connection) do
-      :ok -> :ok
-      @connection -> :ok
-      caller -> if alive?(table, caller), do: :wait, else: {:error, :writer_killed}
+      :ok ->
+        :ok
+
+      @connection ->
+        :ok
+
+      @handing ->
+        :wait
+
+      caller ->
+        case holder(table, counters, @writer, caller) do
+          :alive -> :wait
+          :released -> writer(counters, table)
+          :dead -> {:error, :writer_killed}
+        end
     end
   end
 
-  defp alive?(table, caller) do
+  # Whether the caller holding `slot` is alive. It keeps its row until it released every
+  # slot, so a holder without a row (dropped by the connection's sweep) is dead.
+  defp holder(table, counters, slot, caller) do
     case :ets.lookup(table, {:solo, caller}) do
-      [{_row, pid}] -> Process.alive?(pid)
-      # It finished since.
-      [] -> true
+      [{_row, pid}] -> if Process.alive?(pid), do: :alive, else: :dead
+      [] -> if :atomics.get(counters, slot) == caller, do: :dead, else: :released
     end
   end
 
@@ -443,16 +460,17 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
           :ok
 
         caller ->
-          cond do
-            alive?(table, caller) ->
+          case holder(table, counters, @reader, caller) do
+            :alive ->
               Process.send_after(self(), {:read, stream}, @reader_check_ms)
 
-            :atomics.compare_exchange(counters, @reader, caller, @connection) == :ok ->
-              :ets.delete(table, {:solo, caller})
-              start_reading(stream)
-
-            true ->
+            :released ->
               read_for(stream, table)
+
+            :dead ->
+              if :atomics.compare_exchange(counters, @reader, caller, @connection) == :ok,
+                do: start_reading(stream),
+                else: read_for(stream, table)
           end
       end
     end
@@ -514,21 +532,29 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   # `count` requests were answered; with none left in flight and no answer begun, the
   # connection stops reading (its read waiting for the socket, kept in its dictionary, is
-  # cancelled), and reads again if one came meanwhile.
+  # cancelled), and reads again if one came meanwhile. More answers than requests break
+  # the stream: the count would no longer say when to read.
   @impl true
   def settled({socket, counters, select, _port} = stream, count, partial) do
-    if :atomics.sub_get(counters, @in_flight, count) <= 0 and partial == no_partial() and
-         :atomics.get(counters, @reader) == @connection do
-      case Process.delete({__MODULE__, select}) do
-        nil -> :ok
-        info -> :socket.cancel(socket, info)
-      end
+    left = :atomics.sub_get(counters, @in_flight, count)
 
-      :atomics.put(counters, @reader, 0)
-      if :atomics.get(counters, @in_flight) > 0, do: send(self(), {:read, stream})
+    cond do
+      left < 0 ->
+        {:error, "the daemon sent #{-left} answer(s) more than it was asked for"}
+
+      left == 0 and partial == no_partial() and :atomics.get(counters, @reader) == @connection ->
+        case Process.delete({__MODULE__, select}) do
+          nil -> :ok
+          info -> :socket.cancel(socket, info)
+        end
+
+        :atomics.put(counters, @reader, 0)
+        if :atomics.get(counters, @in_flight) > 0, do: send(self(), {:read, stream})
+        :ok
+
+      true ->
+        :ok
     end
-
-    :ok
   end
 
   @impl true

@@ -34,8 +34,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @doc "After the connection process wrote requests, or was told to read: someone reads."
   @callback read_for(stream(), :ets.tid()) :: :ok
 
-  @doc "`count` requests were answered; `partial` is what is left of an answer begun."
-  @callback settled(stream(), non_neg_integer(), partial :: term()) :: :ok
+  @doc """
+  `count` requests were answered; `partial` is what is left of an answer begun. An error
+  breaks the stream.
+  """
+  @callback settled(stream(), non_neg_integer(), partial :: term()) :: :ok | {:error, String.t()}
 
   @callback close(stream()) :: :ok
 
