@@ -59,13 +59,10 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
       answers = callers |> Task.await_many(30_000) |> List.flatten()
       assert Enum.any?(answers, fn {answer, _elapsed} -> unavailable?(answer) end)
 
-      for {answer, elapsed} <- answers do
-        assert answer == :ok or match?({:delay, _}, answer) or unavailable?(answer),
-               inspect(answer)
-
-        assert elapsed < 1_000 + 5_000
-      end
-
+      # Hundreds of thousands once the daemon is gone (each fails at once): the message of
+      # an assertion per answer, built whether it fails or not, took most of a minute.
+      assert Enum.reject(answers, fn {answer, _elapsed} -> answered?(answer) end) == []
+      assert Enum.max_by(answers, &elem(&1, 1)) |> elem(1) < 1_000 + 5_000
       assert routes(handle(name)) == 0
     end
   end
@@ -256,6 +253,8 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
       hammer(key, name, stop_at, [{answer, now_ms() - started} | answers])
     end
   end
+
+  defp answered?(answer), do: answer == :ok or match?({:delay, _}, answer) or unavailable?(answer)
 
   # A call to a limiter that is not running exits with :noproc: here that is an answer too.
   defp check_or_exit(key, name) do
