@@ -12,6 +12,23 @@ defmodule Bourse.BackendCase do
   """
 
   import ExUnit.Assertions, only: [assert: 1]
+
+  @doc """
+  Asserts that callers of one bucket of 3 each (`{their first three answers, the later
+  ones}`) got their own answers: the first three admitted, then at least one more, each a
+  delay. An answer routed to another caller shows.
+  """
+  @spec assert_own_answers([{list(), list()}]) :: :ok
+  def assert_own_answers(answers) do
+    for {first, later} <- answers do
+      assert first == [:ok, :ok, :ok]
+      assert later != []
+      for answer <- later, do: assert(match?({:delay, _}, answer))
+    end
+
+    :ok
+  end
+
   import ExUnit.Callbacks, only: [on_exit: 1, start_supervised!: 2]
 
   alias Bourse.{DaemonServer, Error, OsSignal, RateLimiter, RedisServer}

@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
 
   @moduletag :capture_log
 
-  alias Bourse.Error
+  alias Bourse.{Error, FakeDaemon}
   alias Bourse.RateLimiter.Backend.Connection
 
   @check %{
@@ -19,38 +19,12 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
   # Answers the hello as a daemon on this VM's monotonic clock would, then tells the test
   # the deadline of every request it reads, and answers none.
   defp silent_daemon do
-    path =
-      Path.join(System.tmp_dir!(), "bourse-silent-#{System.unique_integer([:positive])}.sock")
-
-    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
-    on_exit(fn -> File.rm(path) end)
     test = self()
-
-    Task.start_link(fn ->
-      {:ok, socket} = :gen_tcp.accept(listener)
-      {:ok, _line} = :gen_tcp.recv(socket, 0)
-
-      hello =
-        :erlang.term_to_binary(%{
-          "id" => 0,
-          "ok" => true,
-          "protocol" => 1,
-          "max_frame_bytes" => 65_536,
-          "auth" => nil,
-          "clock_us" => System.monotonic_time(:microsecond)
-        })
-
-      :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
-      read_requests(socket, test)
-    end)
-
-    path
+    FakeDaemon.start("bourse-silent", &read_requests(&1, test))
   end
 
   defp read_requests(socket, test) do
-    {:ok, <<size::32>>} = :gen_tcp.recv(socket, 4)
-    {:ok, request} = :gen_tcp.recv(socket, size)
-    %{deadline_us: deadline_us, timeout_ms: timeout_ms} = :erlang.binary_to_term(request)
+    %{deadline_us: deadline_us, timeout_ms: timeout_ms} = FakeDaemon.request(socket)
     send(test, {:deadline, deadline_us, timeout_ms})
     read_requests(socket, test)
   end

@@ -5,7 +5,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
 
   @moduletag :capture_log
 
-  alias Bourse.Error
+  alias Bourse.{Error, FakeDaemon}
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Backend.Connection.PortStream
 
@@ -21,33 +21,13 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
   # Answers the hello as a daemon does, then, to the first request, a frame header of
   # `size` bytes followed by `chunks` MiB of filler.
   defp fake_daemon(size, chunks) do
-    path = Path.join(System.tmp_dir!(), "bourse-fake-#{System.unique_integer([:positive])}.sock")
-    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
-    on_exit(fn -> File.rm(path) end)
-
-    Task.start_link(fn ->
-      {:ok, socket} = :gen_tcp.accept(listener)
-      {:ok, _line} = :gen_tcp.recv(socket, 0)
-
-      hello =
-        :erlang.term_to_binary(%{
-          "id" => 0,
-          "ok" => true,
-          "protocol" => 1,
-          "max_frame_bytes" => 65_536,
-          "auth" => nil,
-          "clock_us" => System.monotonic_time(:microsecond)
-        })
-
-      :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
-      {:ok, _request} = :gen_tcp.recv(socket, 0)
+    FakeDaemon.start("bourse-fake", fn socket ->
+      %{} = FakeDaemon.request(socket)
       filler = :binary.copy(<<0>>, 1024 * 1024)
       :gen_tcp.send(socket, <<size::32>>)
       Enum.reduce_while(1..chunks, :ok, fn _, :ok -> {:cont, :gen_tcp.send(socket, filler)} end)
       Process.sleep(:infinity)
     end)
-
-    path
   end
 
   test "an answer announced as 4 GiB breaks the stream at once instead of being buffered" do

@@ -8,11 +8,14 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   import Bourse.BackendCase
   import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
 
-  alias Bourse.RateLimiter
+  alias Bourse.{FakeDaemon, RateLimiter}
 
   @moduletag :capture_log
 
   @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
+  # The counters' slots (SocketStream): who reads, who writes.
+  @reader 2
+  @writer 3
   # Admits 3 checks, then says how long to wait: an answer routed to the wrong caller shows.
   @three %{capacity: 3, refill_per_sec: 0.001}
 
@@ -27,6 +30,27 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   defp in_flight_and_reader(name) do
     counters = counters(name)
     {:atomics.get(counters, 1), :atomics.get(counters, 2)}
+  end
+
+  # A caller that takes `slot` of the stream's counters as a caller does before it writes
+  # or reads alone (SocketStream.solo/5: its row, then the slot), killed there; returns
+  # once the connection's sweep dropped its row.
+  defp killed_holding(name, slot) do
+    counters = counters(name)
+    table = handle(name).table
+    id = System.unique_integer([:positive])
+
+    holder =
+      spawn(fn ->
+        :ets.insert(table, {{:solo, id}, self()})
+        :ok = :atomics.compare_exchange(counters, slot, 0, id)
+        Process.sleep(:infinity)
+      end)
+
+    eventually(fn -> :atomics.get(counters, slot) == id end)
+    Process.exit(holder, :kill)
+    eventually(fn -> :ets.lookup(table, {:solo, id}) == [] end)
+    {table, id}
   end
 
   defp unix_daemon(timeout \\ 1_000) do
@@ -94,11 +118,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
       Process.exit(victim, :kill)
     end
 
-    for {first, later} <- Task.await_many(callers, 30_000) do
-      assert first == [:ok, :ok, :ok]
-      assert later != []
-      for answer <- later, do: assert({:delay, _} = answer)
-    end
+    callers |> Task.await_many(30_000) |> assert_own_answers()
 
     # The answers of the victims' last requests are read by someone, then no one reads.
     eventually(fn -> in_flight_and_reader(name) == {0, 0} end)
@@ -115,22 +135,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   test "a caller killed while it reads the socket: the connection reads instead, also once its row was swept" do
     # Routes and rows of dead callers are swept every 200 ms.
     name = unix_daemon(200)
-    counters = counters(name)
-    table = handle(name).table
-    id = System.unique_integer([:positive])
-
-    # What a caller does before it writes alone (SocketStream.solo/5): its row, then the
-    # socket is its to read. It dies there.
-    reader =
-      spawn(fn ->
-        :ets.insert(table, {{:solo, id}, self()})
-        :ok = :atomics.compare_exchange(counters, 2, 0, id)
-        Process.sleep(:infinity)
-      end)
-
-    eventually(fn -> :atomics.get(counters, 2) == id end)
-    Process.exit(reader, :kill)
-    eventually(fn -> :ets.lookup(table, {:solo, id}) == [] end)
+    {table, id} = killed_holding(name, @reader)
 
     started = now_ms()
 
@@ -147,19 +152,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   test "a caller killed while it writes the socket: the stream, which may hold a part of its frame, is reopened, also once its row was swept" do
     name = unix_daemon(200)
     counters = counters(name)
-    table = handle(name).table
-    id = System.unique_integer([:positive])
-
-    writer =
-      spawn(fn ->
-        :ets.insert(table, {{:solo, id}, self()})
-        :ok = :atomics.compare_exchange(counters, 3, 0, id)
-        Process.sleep(:infinity)
-      end)
-
-    eventually(fn -> :atomics.get(counters, 3) == id end)
-    Process.exit(writer, :kill)
-    eventually(fn -> :ets.lookup(table, {:solo, id}) == [] end)
+    killed_holding(name, @writer)
 
     assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
              RateLimiter.check_rate({"ex", "k"}, @wide, 1, name)
@@ -179,8 +172,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   end
 
   test "a daemon that answers a request twice: the stream is reopened, and later calls are answered" do
-    path = Path.join(System.tmp_dir!(), "twice-#{System.unique_integer([:positive])}.sock")
-    fake_daemon(path, _answer_twice = 2)
+    path = fake_daemon(_answer_twice = 2)
     name = start_limiter({:daemon, {:unix, path}, timeout: 300})
 
     assert {:error, %Bourse.Error{message: message}} =
@@ -199,44 +191,20 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     for i <- 1..20, do: assert(:ok = RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name))
   end
 
-  # On a Unix socket: the hello, then every request admitted, the `twice`-th request (of
-  # all connections) answered twice.
-  defp fake_daemon(path, twice) do
-    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
-    on_exit(fn -> File.rm(path) end)
+  # Every request admitted, the `twice`-th one (of all connections) answered twice.
+  defp fake_daemon(twice) do
     requests = :counters.new(1, [:atomics])
-    Task.start_link(fn -> accept(listener, {requests, twice}) end)
+    FakeDaemon.start("twice", &answer(&1, requests, twice))
   end
 
-  defp accept(listener, twice) do
-    {:ok, socket} = :gen_tcp.accept(listener)
-    {:ok, _line} = :gen_tcp.recv(socket, 0)
-
-    hello =
-      :erlang.term_to_binary(%{
-        "id" => 0,
-        "ok" => true,
-        "protocol" => 1,
-        "max_frame_bytes" => 65_536,
-        "auth" => nil,
-        "clock_us" => System.monotonic_time(:microsecond)
-      })
-
-    :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
-    Task.start_link(fn -> answer(socket, twice) end)
-    accept(listener, twice)
-  end
-
-  defp answer(socket, {requests, twice} = count) do
-    with {:ok, <<size::32>>} <- :gen_tcp.recv(socket, 4),
-         {:ok, request} <- :gen_tcp.recv(socket, size) do
-      %{id: id} = :erlang.binary_to_term(request)
+  defp answer(socket, requests, twice) do
+    with %{id: id} <- FakeDaemon.request(socket) do
       admitted = :erlang.term_to_binary(%{"id" => id, "ok" => true, "result" => "admitted"})
       frame = [<<byte_size(admitted)::32>>, admitted]
       :counters.add(requests, 1, 1)
       n = :counters.get(requests, 1)
       :gen_tcp.send(socket, if(n == twice, do: [frame, frame], else: frame))
-      answer(socket, count)
+      answer(socket, requests, twice)
     end
   end
 end
