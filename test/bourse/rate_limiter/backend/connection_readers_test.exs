@@ -32,10 +32,10 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     {:atomics.get(counters, 1), :atomics.get(counters, 2)}
   end
 
-  # A caller that takes `slot` of the stream's counters as a caller does before it writes
-  # or reads alone (SocketStream.solo/5: its row, then the slot), killed there; returns
-  # once the connection's sweep dropped its row.
-  defp killed_holding(name, slot) do
+  # A caller that sets `slot` of the stream's counters as a caller does before it writes
+  # or reads alone (SocketStream.solo/5: its row, then the slot set to its id, or to what
+  # `value` makes of it), killed there; returns once the connection's sweep dropped its row.
+  defp killed_holding(name, slot, value \\ & &1) do
     counters = counters(name)
     table = handle(name).table
     id = System.unique_integer([:positive])
@@ -43,11 +43,11 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     holder =
       spawn(fn ->
         :ets.insert(table, {{:solo, id}, self()})
-        :ok = :atomics.compare_exchange(counters, slot, 0, id)
+        :ok = :atomics.compare_exchange(counters, slot, 0, value.(id))
         Process.sleep(:infinity)
       end)
 
-    eventually(fn -> :atomics.get(counters, slot) == id end)
+    eventually(fn -> :atomics.get(counters, slot) == value.(id) end)
     Process.exit(holder, :kill)
     eventually(fn -> :ets.lookup(table, {:solo, id}) == [] end)
     {table, id}
@@ -149,10 +149,27 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     assert :ets.lookup(table, {:solo, id}) == []
   end
 
-  test "a caller killed while it writes the socket: the stream, which may hold a part of its frame, is reopened, also once its row was swept" do
+  test "a caller killed while it holds the write: its frame went whole or not at all, and the connection writes instead, also once its row was swept" do
     name = unix_daemon(200)
     counters = counters(name)
-    killed_holding(name, @writer)
+    killed_holding(name, @writer, & &1)
+
+    started = now_ms()
+
+    tasks =
+      for i <- 1..4,
+          do: Task.async(fn -> RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name) end)
+
+    assert Task.await_many(tasks, 10_000) == [:ok, :ok, :ok, :ok]
+    assert now_ms() - started < 150, "answered only at the timeout"
+    # The same stream.
+    assert counters(name) == counters
+  end
+
+  test "a caller killed as it hands the rest of a frame the socket took in part: the stream, which holds a part of it, is reopened" do
+    name = unix_daemon(200)
+    counters = counters(name)
+    killed_holding(name, @writer, &(-&1))
 
     assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
              RateLimiter.check_rate({"ex", "k"}, @wide, 1, name)

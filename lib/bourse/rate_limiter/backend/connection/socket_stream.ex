@@ -29,11 +29,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   #     reads, reads until no answer is expected (`read_for/2`, `received/2`, `settled/3`).
   #
   # A caller that stops reading while answers are still expected tells the connection. A
-  # caller killed while it reads is noticed by the connection, which then reads instead;
-  # one killed while it writes may have left a frame in part, so the connection closes the
-  # stream. A caller killed after taking its answer, before counting it, leaves one answer
-  # counted too many: callers alone then go through the connection, until the stream is
-  # reopened.
+  # caller killed while it reads or writes is noticed by the connection, which then reads
+  # or writes instead (`solo_write/6` says why its frame is whole). A caller killed between
+  # counting its request and writing it, or after taking its answer, before counting it,
+  # leaves one answer counted too many: callers alone then go through the connection,
+  # until the stream is reopened.
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
@@ -47,9 +47,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @misses 4
   @crowd 5
   @connection -1
-  # The writer's value once a caller handed what the socket did not take of its frame to
-  # the connection, which has yet to read it from its mailbox.
-  @handing -2
   @max_misses 8
   @probe_every 64
   # Callers write alone only once the connection wrote no one's frames for this long: in a
@@ -256,8 +253,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp release(counters, slot, id), do: :atomics.compare_exchange(counters, slot, id, 0)
 
-  # With the write to itself, the caller counts its request; what the socket took in part
-  # goes to the connection, which writes the rest first (it takes the write over).
+  # The caller counts its request, then writes it: killed in between, it leaves one answer
+  # counted too many (safe: the connection then reads), never an answer uncounted. Killed
+  # while it holds the write, it wrote its frame whole or not at all (one call of the
+  # socket), and the connection takes the write over; unless the socket took a part only
+  # (never, in practice: a small frame into a socket the daemon emptied): then the caller
+  # marks the write as handed over (its id, negated) and sends the rest to the connection,
+  # which writes it first; one killed before it sent the rest leaves the stream to close.
   defp solo_write(
          {socket, counters, _select, _port} = stream,
          table,
@@ -266,9 +268,10 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
          frame,
          polls
        ) do
+    :atomics.add(counters, @in_flight, 1)
+
     case :socket.send(socket, frame, [], 0) do
       :ok ->
-        :atomics.add(counters, @in_flight, 1)
         release(counters, @writer, id)
 
         if polls do
@@ -280,14 +283,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
         end
 
       {:error, :timeout} ->
+        :atomics.sub(counters, @in_flight, 1)
         release(counters, @writer, id)
         done(stream, table, connection, id, polls)
         :shared
 
       {:error, {:timeout, rest}} ->
-        :atomics.add(counters, @in_flight, 1)
+        :atomics.compare_exchange(counters, @writer, id, -id)
         send(connection, {:unsent, stream, rest})
-        :atomics.compare_exchange(counters, @writer, id, @handing)
         done(stream, table, connection, id, polls)
         :written
 
@@ -296,6 +299,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
         {:error, reason}
 
       {:error, reason} ->
+        :atomics.sub(counters, @in_flight, 1)
         release(counters, @writer, id)
         done(stream, table, connection, id, polls)
         {:error, reason}
@@ -419,25 +423,37 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
       @connection ->
         :ok
 
-      @handing ->
-        :wait
-
-      caller ->
-        case holder(table, counters, @writer, caller) do
+      # Handing the rest of its frame over.
+      handing when handing < 0 ->
+        case holder(table, counters, @writer, -handing, handing) do
           :alive -> :wait
           :released -> writer(counters, table)
           :dead -> {:error, :writer_killed}
         end
+
+      caller ->
+        case holder(table, counters, @writer, caller, caller) do
+          :alive -> :wait
+          :released -> writer(counters, table)
+          :dead -> take_over(counters, caller, table)
+        end
     end
   end
 
-  # Whether the caller holding `slot` is alive. It keeps its row until it released every
-  # slot, so a holder without a row (dropped by the connection's sweep) is dead.
-  defp holder(table, counters, slot, caller) do
+  # Whether the caller that set `slot` to `value` is alive. It keeps its row until it
+  # released every slot, so a holder without a row (dropped by the connection's sweep) is
+  # dead.
+  defp holder(table, counters, slot, caller, value) do
     case :ets.lookup(table, {:solo, caller}) do
       [{_row, pid}] -> if Process.alive?(pid), do: :alive, else: :dead
-      [] -> if :atomics.get(counters, slot) == caller, do: :dead, else: :released
+      [] -> if :atomics.get(counters, slot) == value, do: :dead, else: :released
     end
+  end
+
+  defp take_over(counters, caller, table) do
+    if :atomics.compare_exchange(counters, @writer, caller, @connection) == :ok,
+      do: :ok,
+      else: writer(counters, table)
   end
 
   # A caller's frame the socket took in part: the connection writes the rest first.
@@ -460,7 +476,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
           :ok
 
         caller ->
-          case holder(table, counters, @reader, caller) do
+          case holder(table, counters, @reader, caller, caller) do
             :alive ->
               Process.send_after(self(), {:read, stream}, @reader_check_ms)
 
