@@ -216,9 +216,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   @doc """
   A caller's request, written by the caller itself when no other caller waits, no answer
-  is expected and no one writes: then, if no one reads either, it polls for its answer: `{:answer, frame}`; or
-  `:written` (the connection reads the answer), or `{:error, reason}` (the stream is
-  broken). `:shared` when the connection is to write it.
+  is expected and no one writes; then, if no one reads either, it polls for its answer:
+  `{:answer, frame}`. Otherwise `:written` (the connection reads the answer),
+  `{:error, reason}` (the stream is broken), or `:shared` (the connection is to write it).
   """
   @spec solo(t(), :ets.tid(), pid(), pos_integer(), iodata()) ::
           {:answer, binary()} | :written | :shared | {:error, term()}
