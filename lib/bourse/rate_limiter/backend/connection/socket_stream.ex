@@ -382,7 +382,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # The connection's writes of `count` requests, counted once written; what the socket did
   # not take is returned, to be written first next time (until then the connection keeps
   # the write to itself). A caller writing meanwhile is waited for (`:wait`); one that died
-  # with the write may have left a frame in part.
+  # holding the write wrote its frame whole or not at all, and its write is taken over; one
+  # that died handing over what the socket did not take of its frame left a part of it.
   @impl true
   def write_nowait({socket, counters, _select, _port}, table, iodata, count) do
     :atomics.put(counters, @crowd, :erlang.monotonic_time(:microsecond))
