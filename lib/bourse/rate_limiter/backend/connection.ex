@@ -8,19 +8,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   its route (the `id` and an alias of the call) in this process's table. A caller with no
   other request in flight writes its frame to the socket itself and, while the daemon
   answers within microseconds, polls for its own answer: that costs less than being woken
-  (`SocketStream`, "Who reads"). Otherwise it hands the frame to this process, which
-  writes every frame it was handed meanwhile in one write (one system call, one wake-up of
-  the daemon for many requests), reads the answers (many per read), finds each one's `id`
-  without decoding it, takes its route from the table and sends it there; the caller
-  decodes it (an admitted check's answer, the most common, it knows by its bytes).
+  (`SocketStream`, "Who writes, who reads"). Otherwise it hands the frame to this process,
+  which writes every frame it was handed meanwhile in one write (one system call, one
+  wake-up of the daemon for many requests), reads the answers (many per read), finds each
+  one's `id` without decoding it, takes its route from the table and sends it there; the
+  caller decodes it (an admitted check's answer, the most common, it knows by its bytes).
   Encoding and decoding thus run in parallel in the callers. One reader at a time, and a
   caller only ever takes its own answer off the socket, whole.
 
-  Frames never interleave: a caller writes only when nothing else is in flight, and this
-  process writes the rest. What the socket takes only in part (the daemon is behind with
-  its input) is written first, whole, when it has room; frames that find the socket full
-  are tried again every millisecond, each until its caller's deadline; a socket that takes
-  nothing more for the callers' timeout is closed (and reopened).
+  Frames never interleave: one writer at a time, a caller only when nothing else is in
+  flight, this process the rest. What the socket takes only in part (the daemon is behind
+  with its input) is written first, whole, when it has room; frames that find the socket
+  full are tried again every millisecond, each until its caller's deadline; a socket that
+  takes nothing more for the callers' timeout is closed (and reopened).
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
