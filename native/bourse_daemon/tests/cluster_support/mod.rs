@@ -90,11 +90,15 @@ fn runs(program: &str, args: &[&str]) -> Option<String> {
 impl Cluster {
     /// Three masters with a replica each; failure detection after `node_timeout_ms`.
     pub fn start(node_timeout_ms: u64) -> Option<Self> {
-        Self::start_at(free_port(), node_timeout_ms)
+        Self::start_with(None, node_timeout_ms)
     }
 
     /// As [`Cluster::start`], with the first node on `port`.
     pub fn start_at(port: u16, node_timeout_ms: u64) -> Option<Self> {
+        Self::start_with(Some(port), node_timeout_ms)
+    }
+
+    fn start_with(first_port: Option<u16>, node_timeout_ms: u64) -> Option<Self> {
         if runs("redis-server", &["--version"]).is_none() {
             eprintln!("SKIPPED: no redis-server binary on PATH (make deps installs it)");
             return None;
@@ -122,13 +126,8 @@ impl Cluster {
             node_timeout_ms,
         };
         for n in 0..6 {
-            let node = cluster.spawn(if n == 0 { port } else { free_port() });
+            let node = cluster.spawn_listening(first_port.filter(|_| n == 0));
             cluster.nodes.push(node);
-        }
-        for node in &cluster.nodes {
-            eventually("a cluster node answers PING", || {
-                node_query::<String>(node.port, &mut ::redis::cmd("PING")).is_some()
-            });
         }
         let addresses: Vec<String> = cluster
             .nodes
@@ -149,6 +148,28 @@ impl Cluster {
         );
         cluster.wait_healthy();
         Some(cluster)
+    }
+
+    /// A node listening on `port`, or on a free port: a port found free may be taken
+    /// before the node binds it (by a node of a test running beside this one), and the node
+    /// then exits and starts again on another. Only this node's own answer counts.
+    fn spawn_listening(&self, port: Option<u16>) -> Node {
+        let mut node = self.spawn(port.unwrap_or_else(free_port));
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if answers(&node) {
+                return node;
+            }
+            if port.is_none() && matches!(node.child.try_wait(), Ok(Some(_))) {
+                node = self.spawn(free_port());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never happened: a cluster node answers on port {}",
+                node.port
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn spawn(&self, port: u16) -> Node {
@@ -459,6 +480,12 @@ fn node_query<T: ::redis::FromRedisValue>(port: u16, command: &mut ::redis::Cmd)
         .set_read_timeout(Some(Duration::from_secs(5)))
         .ok()?;
     command.query(&mut connection).ok()
+}
+
+/// Whether `node`'s own process answers on its port.
+fn answers(node: &Node) -> bool {
+    node_query::<String>(node.port, ::redis::cmd("INFO").arg("server"))
+        .is_some_and(|info| info.contains(&format!("process_id:{}\r\n", node.child.id())))
 }
 
 /// A replica whose link to its master is up and whose offset has caught up with it.
