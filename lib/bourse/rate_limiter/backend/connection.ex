@@ -410,9 +410,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def handle_info(:reopen, %{stream: nil} = state), do: {:noreply, reopen(state)}
 
-  # The daemon closes connections idle for longer than its idle timeout. A stream too busy
-  # to take the hello is not idle.
-  # Written with the callers' frames, dropped as theirs are when the stream is busy.
+  # The daemon closes connections idle for longer than its idle timeout. The hello is written
+  # with the callers' frames, and dropped as theirs are when the stream is busy (a stream too
+  # busy to take it is not idle).
   def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
     hello = encode(0, %{op: "hello"})
     frame = {0, PortStream.frame(hello, byte_size(hello))}
@@ -420,10 +420,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # A caller's frame that the socket took in part: the rest goes first.
-  def handle_info({:unsent, stream, rest}, %{stream: stream} = state) do
-    :ok = state.transport.unsent(stream)
-    {:noreply, write_pending(%{state | unsent: {rest, now_ms()}})}
-  end
+  def handle_info({:unsent, stream, rest}, %{stream: stream} = state),
+    do: {:noreply, write_pending(take_unsent(state, rest))}
 
   # A caller wrote its request and left the reading, or stopped reading, with answers still
   # expected.
@@ -547,12 +545,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # it over looks dead to `write_nowait/4`).
   defp unsent_of_caller(%{stream: stream} = state) do
     receive do
-      {:unsent, ^stream, rest} ->
-        :ok = state.transport.unsent(stream)
-        %{state | unsent: {rest, now_ms()}}
+      {:unsent, ^stream, rest} -> take_unsent(state, rest)
     after
       0 -> state
     end
+  end
+
+  defp take_unsent(state, rest) do
+    :ok = state.transport.unsent(state.stream)
+    %{state | unsent: {rest, now_ms()}}
   end
 
   defp written(state) do

@@ -495,14 +495,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     :ok
   end
 
-  # The connection reads when the socket has something: the first look is now.
+  # The connection reads when the socket has something: the next look is now.
   defp start_reading({socket, _counters, select, _port}),
     do: send(self(), {:"$socket", socket, :select, select})
 
   @impl true
-  def received({:"$socket", socket, :select, select}, {socket, counters, select, _port}) do
+  def received({:"$socket", socket, :select, select}, {socket, counters, select, _port} = stream) do
     if :atomics.get(counters, @reader) == @connection,
-      do: read(socket, select, [], @reads_per_turn),
+      do: read(stream, [], @reads_per_turn),
       else: :other
   end
 
@@ -516,15 +516,15 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   # What the socket has, until it has nothing more (it sends a select message when it
   # does) or @reads_per_turn reads were made (a message to itself continues).
-  defp read(socket, select, read, 0) do
-    send(self(), {:"$socket", socket, :select, select})
+  defp read(stream, read, 0) do
+    start_reading(stream)
     {:data, IO.iodata_to_binary(read)}
   end
 
-  defp read(socket, select, read, reads_left) do
+  defp read({socket, _counters, select, _port} = stream, read, reads_left) do
     case :socket.recv(socket, 0, [], select) do
       {:ok, data} ->
-        read(socket, select, [read, data], reads_left - 1)
+        read(stream, [read, data], reads_left - 1)
 
       {:select, {info, data}} ->
         Process.put({__MODULE__, select}, info)
@@ -539,7 +539,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
       # The answers read before it first: the error comes again at the next read.
       {:error, _reason} ->
-        send(self(), {:"$socket", socket, :select, select})
+        start_reading(stream)
         {:data, IO.iodata_to_binary(read)}
     end
   end
