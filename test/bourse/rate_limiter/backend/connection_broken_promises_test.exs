@@ -65,7 +65,8 @@ defmodule Bourse.RateLimiter.Backend.ConnectionBrokenPromisesTest do
       # route, finding the port busy and taking the route back, until they are killed.
       os_pid = stop_port(handle)
       flooder = flood(name, @wide)
-      eventually(fn -> routes(handle) == 1 end)
+      # The flood's route; the limiter's own periodic sweep may be waiting beside it.
+      eventually(fn -> routes(handle) >= 1 end)
 
       for round <- 1..40 do
         callers =
