@@ -55,9 +55,8 @@ defmodule Bourse.RedisCluster do
     node_timeout = Keyword.get(opts, :node_timeout_ms, 2_000)
     dir = Path.join(System.tmp_dir!(), "bourse-cluster-#{System.unique_integer([:positive])}")
     File.mkdir_p!(dir)
-    nodes = for _ <- 1..6, into: %{}, do: spawn_node(dir, free_port(), node_timeout)
+    nodes = for _ <- 1..6, into: %{}, do: start_node(dir, node_timeout)
     ports = Map.keys(nodes)
-    for port <- ports, do: wait_until(fn -> ping(port) end, "node #{port} answers PING")
 
     {output, status} =
       cli(
@@ -181,6 +180,22 @@ defmodule Bourse.RedisCluster do
     Enum.find(Map.keys(cluster.nodes), &ping/1) || flunk("no cluster node answers")
   end
 
+  # A node on a port found free. Another process can take that port (or the bus port)
+  # before the node binds it: the node then exits, and is started again on other ports.
+  # Only the node's own process answering counts (INFO's process_id).
+  defp start_node(dir, node_timeout, attempts \\ 10) do
+    port = free_port()
+    {server, os_pid} = spawn_node(dir, port, node_timeout)
+
+    if wait_serving(server, port, os_pid) do
+      {port, os_pid}
+    else
+      System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+      assert attempts > 1, "no redis-server node could bind a free port"
+      start_node(dir, node_timeout, attempts - 1)
+    end
+  end
+
   defp spawn_node(dir, port, node_timeout) do
     node_dir = Path.join(dir, "#{port}")
     File.mkdir_p!(node_dir)
@@ -188,6 +203,7 @@ defmodule Bourse.RedisCluster do
     server =
       Port.open({:spawn_executable, System.find_executable("redis-server")}, [
         :binary,
+        :exit_status,
         args:
           ~w(--port #{port} --bind 127.0.0.1 --cluster-enabled yes) ++
             ~w(--cluster-port #{free_port()} --cluster-config-file nodes.conf) ++
@@ -196,7 +212,27 @@ defmodule Bourse.RedisCluster do
       ])
 
     {:os_pid, os_pid} = Port.info(server, :os_pid)
-    {port, os_pid}
+    {server, os_pid}
+  end
+
+  # Whether the node's own process answers on `port` before it exits (within 60 s).
+  defp wait_serving(server, port, os_pid, waited_ms \\ 0) do
+    receive do
+      {^server, {:exit_status, _}} -> false
+    after
+      0 ->
+        cond do
+          redis(port, ["INFO", "server"]) =~ "process_id:#{os_pid}\r\n" ->
+            true
+
+          waited_ms >= 60_000 ->
+            flunk("node #{port} never answered")
+
+          true ->
+            Process.sleep(50)
+            wait_serving(server, port, os_pid, waited_ms + 50)
+        end
+    end
   end
 
   defp url(port), do: "redis://127.0.0.1:#{port}"
