@@ -536,6 +536,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         send(self(), {:write_pending, state.stream})
         %{state | retry_timer: :posted}
 
+      # A caller sends the rest of its frame before it drops its row: one that looked dead
+      # handing it over may have handed it over since this write looked for it.
+      {:error, :writer_killed} ->
+        case unsent_of_caller(state) do
+          %{unsent: nil} -> reconnect(broken(state, "cannot write: :writer_killed"))
+          handed_over -> write_pending(handed_over)
+        end
+
       {:error, reason} ->
         reconnect(broken(state, "cannot write: #{inspect(reason)}"))
     end

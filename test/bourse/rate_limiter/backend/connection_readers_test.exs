@@ -9,6 +9,8 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
 
   alias Bourse.{FakeDaemon, RateLimiter}
+  alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.Connection.PortStream
 
   @moduletag :capture_log
 
@@ -173,6 +175,53 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     assert message =~ "writer_killed"
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @wide, 1, name) == :ok end)
     assert counters(name) != counters
+  end
+
+  @tag timeout: 60_000
+  test "a caller alive as it hands over the rest of its frame: the connection writes it, the stream stays" do
+    name = unix_daemon()
+    counters = counters(name)
+
+    for round <- 1..200 do
+      assert handing_over(name, round) == {:answered, true}
+      assert counters(name) == counters, "round #{round}: the stream was reopened"
+    end
+  end
+
+  # A caller whose frame the socket took in part, as `SocketStream.solo_write/6` hands the
+  # rest over (here the whole frame, so that the daemon reads a request): its write marked
+  # as handed over, the rest sent to the connection, then its row dropped; meanwhile other
+  # callers' frames keep the connection waiting for the write.
+  defp handing_over(name, round) do
+    %{table: table, pid: connection} = handle(name)
+    counters = counters(name)
+    [{:stream, stream, _, _, _, _}] = :ets.lookup(table, :stream)
+    id = System.unique_integer([:positive])
+    payload = Connection.encode(id, %{op: "hello"})
+    frame = PortStream.frame(payload, byte_size(payload))
+    reply_to = :erlang.alias([:reply])
+    :ets.insert(table, {id, {reply_to, now_ms() + 1_000}})
+    :ets.insert(table, {{:solo, id}, self()})
+    eventually(fn -> :atomics.compare_exchange(counters, @writer, 0, id) == :ok end)
+    :atomics.add(counters, 1, 1)
+    :atomics.put(counters, @writer, -id)
+
+    others =
+      for i <- 1..2,
+          do:
+            Task.async(fn -> RateLimiter.check_rate({"ex", "o#{round}-#{i}"}, @wide, 1, name) end)
+
+    Process.sleep(1)
+    send(connection, {:unsent, stream, frame})
+    :ets.delete(table, {:solo, id})
+    if :atomics.get(counters, 1) > 0, do: send(connection, {:read, stream})
+    assert Task.await_many(others) == [:ok, :ok]
+
+    receive do
+      {^reply_to, answer} -> {:answered, Map.has_key?(Connection.answer(answer, id), "protocol")}
+    after
+      1_000 -> :ets.delete(table, id) && :no_answer
+    end
   end
 
   defp later(key, name, stop_at, answers) do
