@@ -311,6 +311,57 @@ fn a_unix_client_wakes_the_daemon_once_per_request() {
     );
 }
 
+/// A TCP connection, once it proved the secret, is served on a thread of its own, as a
+/// Unix one: requests sent in the same write as the proof are answered in order, a later
+/// request wakes the daemon once, and the thread ends with the connection.
+#[test]
+fn a_tcp_connection_is_served_on_a_thread_once_it_proved_the_secret() {
+    let server = Server::tcp(&[]);
+    let threads = || connection_threads(server.child.id());
+    assert_eq!(threads(), 0);
+    let mut client = server.connect_unproved();
+    let hello = client.call(json!({"op": "hello"}));
+    let nonce = hello["auth"]["nonce"].as_str().expect("a nonce to prove");
+    let mut frames =
+        json!({"op": "auth", "proof": common::proof(common::SECRET.as_bytes(), nonce)}).to_string();
+    for id in 0..50 {
+        frames.push_str(&format!("\n{}", json!({"op": "hello", "id": id})));
+    }
+    client.send_raw(format!("{frames}\n").as_bytes());
+    assert_eq!(client.recv(), json!({"ok": true}));
+    for id in 0..50 {
+        assert_eq!(client.recv()["id"], id);
+    }
+    assert_eq!(threads(), 1, "no thread of its own");
+    thread::sleep(Duration::from_millis(100));
+    let requests = 200;
+    let asleep = sleeps(server.child.id());
+    for id in 0..requests {
+        // Long enough for the daemon to sleep, not poll, after it answered and between
+        // requests.
+        client.send(&json!({"op": "hello", "id": id}));
+        thread::sleep(Duration::from_millis(1));
+        assert_eq!(client.recv()["id"], id);
+        thread::sleep(Duration::from_millis(1));
+    }
+    let per_request = (sleeps(server.child.id()) - asleep) as f64 / requests as f64;
+    assert!(
+        per_request < 1.5,
+        "{per_request:.2} times asleep per request"
+    );
+    drop(client);
+    eventually("the connection's thread ends", || threads() == 0);
+}
+
+/// The threads of process `pid` serving one connection each (named so).
+fn connection_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim_end() == "connection")
+        .count()
+}
+
 /// How many times the threads of process `pid` went to sleep so far (voluntary context
 /// switches).
 fn sleeps(pid: u32) -> u64 {
@@ -364,7 +415,8 @@ fn a_polled_connection_reads_requests_byte_by_byte_and_its_end_mid_frame() {
 }
 
 /// The same requests, hostile ones included, get the same bytes from a Unix connection
-/// (served on a thread of its own), a TCP connection (a task of the runtime) and a port:
+/// (served on a thread of its own), a TCP connection (a task of the runtime until it
+/// proved the secret, then a thread of its own) and a port:
 /// each transport has a daemon of its own, asked the same frames in the same order. A
 /// wait's milliseconds may differ by how far apart in time the three were asked.
 #[test]

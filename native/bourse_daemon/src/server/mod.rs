@@ -1,7 +1,8 @@
 //! Server mode: many clients on loopback TCP and/or Unix sockets, newline-delimited JSON, or
 //! length-prefixed external terms once a connection's first `hello` chose them.
-//! A Unix connection to the in-memory table is served on a thread of its own ([`thread`]);
-//! any other connection is a task of the runtime. When its input runs out and it is the
+//! A connection to the in-memory table is served on a thread of its own ([`thread`]), a
+//! Unix one once accepted, a TCP one once it proved the secret; any other connection is a
+//! task of the runtime. When its input runs out and it is the
 //! only connection, a connection polls its socket for a few microseconds before it sleeps,
 //! as [`Spin`] decides. Unix sockets are created owner-only (or owner and group); TCP
 //! clients prove the shared secret before anything but `hello` is served. Connections are
@@ -228,11 +229,29 @@ impl Listener {
             Self::Unix(listener) => {
                 let (stream, _) = listener.accept().await?;
                 match Arc::clone(&context.connections).try_acquire_owned() {
-                    // A remote store answers concurrently: tasks wait for its answers.
-                    Ok(permit) if !S::REMOTE => thread::spawn(stream, context.clone(), permit),
                     Ok(permit) => {
                         let slot = Slot::Held { _permit: permit };
-                        tokio::spawn(serve(stream, context.clone(), slot));
+                        // A remote store answers concurrently: tasks wait for its answers.
+                        let thread = if S::REMOTE {
+                            None
+                        } else {
+                            thread::start::<S>()
+                        };
+                        match thread {
+                            Some(thread) => {
+                                let stream = thread::Stream::Unix(stream);
+                                let begun = None;
+                                let connection = thread::Connection {
+                                    stream,
+                                    slot,
+                                    begun,
+                                };
+                                thread.serve(connection, context.clone());
+                            }
+                            None => {
+                                tokio::spawn(serve(stream, context.clone(), slot));
+                            }
+                        }
                     }
                     Err(_) => refuse_unix(stream, context),
                 }
@@ -377,7 +396,7 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
 /// its timeout, or the daemon shuts down (then the lines already received are answered
 /// first). With the in-memory table lines are answered in order; with a remote store each
 /// runs as a task and its answer is written as soon as it is ready.
-async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
+async fn serve<T: NonBlocking + ToThread + AsyncRead + AsyncWrite + Unpin, S: Store>(
     mut stream: T,
     mut context: Context<S>,
     mut slot: Slot,
@@ -385,7 +404,7 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
     let prove = matches!(slot, Slot::Unproved(_));
     let service = Arc::clone(&context.service);
     let idle = context.limits.idle_timeout;
-    let session = Arc::new(service.session(prove, idle.map(|idle| idle.as_millis() as u64)));
+    let mut session = Arc::new(service.session(prove, idle.map(|idle| idle.as_millis() as u64)));
     let mut input = Frames::new(context.limits.max_frame_bytes);
     let mut out = Vec::with_capacity(4096);
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
@@ -394,6 +413,7 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
     let opened = Instant::now();
     let mut active = opened;
     let mut closing = false;
+    let mut handed_over = false;
     loop {
         loop {
             match input.next() {
@@ -431,7 +451,14 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
                         if session.authenticated() {
                             context.unproved.leave(entry);
                             match Arc::clone(&context.connections).try_acquire_owned() {
-                                Ok(permit) => slot = Slot::Held { _permit: permit },
+                                Ok(permit) => {
+                                    slot = Slot::Held { _permit: permit };
+                                    // Served on a thread from here, as a Unix connection.
+                                    if !S::REMOTE {
+                                        handed_over = true;
+                                        break;
+                                    }
+                                }
                                 Err(_) => {
                                     if send(&mut stream, &mut out).await.is_err() {
                                         return;
@@ -471,6 +498,29 @@ async fn serve<T: NonBlocking + AsyncRead + AsyncWrite + Unpin, S: Store>(
         }
         if send(&mut stream, &mut out).await.is_err() {
             return;
+        }
+        // A thread serves the rest, unless none can start. No task holds the session: none
+        // runs for the in-memory table.
+        if std::mem::take(&mut handed_over) {
+            match Arc::try_unwrap(session) {
+                Ok(owned) => match thread::start::<S>() {
+                    Some(thread) => {
+                        let stream = stream.into_thread();
+                        let begun = Some((owned, input));
+                        thread.serve(
+                            thread::Connection {
+                                stream,
+                                slot,
+                                begun,
+                            },
+                            context,
+                        );
+                        return;
+                    }
+                    None => session = Arc::new(owned),
+                },
+                Err(shared) => session = shared,
+            }
         }
         if *context.shutdown.borrow_and_update() {
             closing = true;
@@ -563,15 +613,32 @@ pub trait NonBlocking {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize>;
 }
 
+/// A stream of the runtime that a thread can serve instead.
+trait ToThread {
+    fn into_thread(self) -> thread::Stream;
+}
+
 impl NonBlocking for TcpStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         TcpStream::try_read_buf(self, buf)
     }
 }
 
+impl ToThread for TcpStream {
+    fn into_thread(self) -> thread::Stream {
+        thread::Stream::Tcp(self)
+    }
+}
+
 impl NonBlocking for UnixStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         UnixStream::try_read_buf(self, buf)
+    }
+}
+
+impl ToThread for UnixStream {
+    fn into_thread(self) -> thread::Stream {
+        thread::Stream::Unix(self)
     }
 }
 

@@ -1,63 +1,86 @@
-//! A Unix connection to the in-memory table, served on a thread of its own: the thread that
+//! A connection to the in-memory table, served on a thread of its own: the thread that
 //! reads a request answers it, and sleeps in `poll` on the socket alone, so no other thread
 //! hands it work or is woken for it. (A runtime's reactor also watches the socket for room
-//! to write, and wakes whenever the client reads an answer.) Reads never block; writes
+//! to write, and wakes whenever the client reads an answer.) A Unix connection comes here
+//! once accepted, a TCP connection once it proved the secret. Reads never block; writes
 //! block this connection only.
 
 use std::io::{self, ErrorKind, Write};
-use std::net::Shutdown;
+use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::runtime::{Builder, Runtime};
-use tokio::sync::OwnedSemaphorePermit;
 
 use super::frames::{framed, Frames, Framing, Next};
 use super::{Context, NonBlocking, Slot, WRITE_CHUNK};
-use crate::protocol::Codec;
+use crate::protocol::{Codec, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
 
-/// Serves `stream` on a new thread; without one (at the system's thread limit), as a task
-/// of the runtime, as a TCP connection is.
-pub fn spawn<S: Store>(
-    stream: tokio::net::UnixStream,
-    context: Context<S>,
-    permit: OwnedSemaphorePermit,
-) {
+/// A connection's socket, still registered with the runtime's reactor.
+pub enum Stream {
+    Unix(tokio::net::UnixStream),
+    Tcp(tokio::net::TcpStream),
+}
+
+/// What a thread serves: the stream, the slot it holds while it serves, and, for a
+/// connection served by the runtime so far, its session and what it read and has not
+/// answered yet.
+pub struct Connection {
+    pub stream: Stream,
+    pub slot: Slot,
+    pub begun: Option<(Session, Frames)>,
+}
+
+/// A thread started to serve one connection, waiting for it.
+pub struct Thread<S: Store> {
+    give: SyncSender<(Connection, Context<S>, Runtime)>,
+    runtime: Option<Runtime>,
+}
+
+/// Starts a thread for a connection; `None` at the system's thread limit.
+pub fn start<S: Store>() -> Option<Thread<S>> {
     // The store's futures are ready at once: a runtime without drivers runs them.
-    let runtime = Builder::new_current_thread().build();
+    let runtime = Builder::new_current_thread().build().ok()?;
     let (give, take) = std::sync::mpsc::sync_channel(1);
-    let started = runtime.is_ok()
-        && std::thread::Builder::new()
-            .name("connection".into())
-            .spawn(move || {
-                if let Ok((stream, context, runtime)) = take.recv() {
-                    serve(stream, context, runtime);
-                }
-            })
-            .is_ok();
-    let slot = Slot::Held { _permit: permit };
-    match runtime {
-        Ok(runtime) if started => {
-            let _ = give.send((Connection { stream, slot }, context, runtime));
-        }
-        runtime => {
-            // Dropped, it would wait for its blocking threads, which this task must not.
-            if let Ok(runtime) = runtime {
-                runtime.shutdown_background();
+    let started = std::thread::Builder::new()
+        .name("connection".into())
+        .spawn(move || {
+            if let Ok((connection, context, runtime)) = take.recv() {
+                serve(connection, context, runtime);
             }
-            tokio::spawn(super::serve(stream, context, slot));
+        });
+    let runtime = Some(runtime);
+    match started {
+        Ok(_) => Some(Thread { give, runtime }),
+        // Dropped here, the runtime is shut down without waiting.
+        Err(_) => {
+            drop(Thread { give, runtime });
+            None
         }
     }
 }
 
-/// What the thread gets: its stream, and the slot it holds while it serves.
-struct Connection {
-    stream: tokio::net::UnixStream,
-    slot: Slot,
+impl<S: Store> Thread<S> {
+    /// Hands the connection to the thread.
+    pub fn serve(mut self, connection: Connection, context: Context<S>) {
+        if let Some(runtime) = self.runtime.take() {
+            let _ = self.give.send((connection, context, runtime));
+        }
+    }
+}
+
+impl<S: Store> Drop for Thread<S> {
+    fn drop(&mut self) {
+        // Dropped, it would wait for its blocking threads, which the caller must not.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// Answers the connection's frames in order until it closes, sends an oversized frame,
@@ -67,18 +90,19 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
     let Connection {
         stream,
         slot: _slot,
+        begun,
     } = connection;
     // Out of the runtime's reactor, and blocking: reads ask not to wait.
-    let Ok(stream) = stream.into_std() else {
+    let Some(stream) = Socket::blocking(stream) else {
         return;
     };
-    if stream.set_nonblocking(false).is_err() {
-        return;
-    }
     let service = Arc::clone(&context.service);
     let idle = context.limits.idle_timeout;
-    let session = service.session(false, idle.map(|idle| idle.as_millis() as u64));
-    let mut input = Frames::new(context.limits.max_frame_bytes);
+    let (session, mut input) = begun.unwrap_or_else(|| {
+        let idle_ms = idle.map(|idle| idle.as_millis() as u64);
+        let input = Frames::new(context.limits.max_frame_bytes);
+        (service.session(false, idle_ms), input)
+    });
     let mut out = Vec::with_capacity(4096);
     let mut spin = Spin::default();
     let mut active = Instant::now();
@@ -178,14 +202,57 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
     }
 }
 
-impl NonBlocking for UnixStream {
+/// A connection's socket out of the runtime, blocking.
+enum Socket {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Socket {
+    fn blocking(stream: Stream) -> Option<Self> {
+        let socket = match stream {
+            Stream::Unix(stream) => Socket::Unix(stream.into_std().ok()?),
+            Stream::Tcp(stream) => Socket::Tcp(stream.into_std().ok()?),
+        };
+        let blocking = match &socket {
+            Socket::Unix(stream) => stream.set_nonblocking(false),
+            Socket::Tcp(stream) => stream.set_nonblocking(false),
+        };
+        blocking.ok().map(|()| socket)
+    }
+
+    fn write_all(&self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Socket::Unix(stream) => Write::write_all(&mut &*stream, bytes),
+            Socket::Tcp(stream) => Write::write_all(&mut &*stream, bytes),
+        }
+    }
+
+    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Socket::Unix(stream) => stream.shutdown(how),
+            Socket::Tcp(stream) => stream.shutdown(how),
+        }
+    }
+}
+
+impl AsFd for Socket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Socket::Unix(stream) => stream.as_fd(),
+            Socket::Tcp(stream) => stream.as_fd(),
+        }
+    }
+}
+
+impl NonBlocking for Socket {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         let spare = buf.spare_capacity_mut();
         // SAFETY: recv writes at most `spare.len()` bytes into the spare capacity, and
         // reports how many it wrote; only those are then counted as initialised.
         let read = unsafe {
             libc::recv(
-                self.as_raw_fd(),
+                self.as_fd().as_raw_fd(),
                 spare.as_mut_ptr().cast(),
                 spare.len(),
                 libc::MSG_DONTWAIT,
@@ -200,7 +267,7 @@ impl NonBlocking for UnixStream {
     }
 }
 
-fn send(mut stream: &UnixStream, out: &mut Vec<u8>) -> io::Result<()> {
+fn send(stream: &Socket, out: &mut Vec<u8>) -> io::Result<()> {
     if !out.is_empty() {
         stream.write_all(out)?;
         out.clear();
@@ -257,7 +324,7 @@ fn wait(socket: BorrowedFd, stopped: Option<BorrowedFd>, deadline: Option<Instan
 
 /// Reads and discards what the peer still sends, for at most `patience` and 1 MiB: closing
 /// a socket with unread input resets it, which can destroy answers the peer has not read.
-fn linger(stream: &UnixStream, patience: Duration) {
+fn linger(stream: &Socket, patience: Duration) {
     let until = Instant::now() + patience;
     let mut sink = Vec::with_capacity(8192);
     let mut budget = 1usize << 20;
