@@ -443,6 +443,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         not Process.alive?(pid),
         do: :ets.delete(state.table, solo)
 
+    # A caller killed once it wrote its request alone, before it left the reading to this
+    # process, left its answer to no one: read now, so that callers alone read their own
+    # again.
+    if state.stream, do: :ok = state.transport.read_for(state.stream, state.table)
     drop_late_routes_later(state)
     {:noreply, state}
   end
