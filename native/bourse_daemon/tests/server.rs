@@ -293,18 +293,7 @@ fn a_unix_client_wakes_the_daemon_once_per_request() {
     let server = Server::start(&["--socket", path.to_str().unwrap()]);
     let mut client = LineClient::new(UnixStream::connect(&path).unwrap());
     assert_eq!(client.call(json!({"op": "hello"}))["ok"], true);
-    thread::sleep(Duration::from_millis(100));
-    let requests = 200;
-    let before = sleeps(server.child.id());
-    for id in 0..requests {
-        // Long enough for the daemon to sleep, not poll, after it answered and between
-        // requests.
-        client.send(&json!({"op": "hello", "id": id}));
-        thread::sleep(Duration::from_millis(1));
-        assert_eq!(client.recv()["id"], id);
-        thread::sleep(Duration::from_millis(1));
-    }
-    let per_request = (sleeps(server.child.id()) - before) as f64 / requests as f64;
+    let per_request = sleeps_per_spaced_request(&mut client, server.child.id());
     assert!(
         per_request < 1.5,
         "{per_request:.2} times asleep per request"
@@ -333,18 +322,7 @@ fn a_tcp_connection_is_served_on_a_thread_once_it_proved_the_secret() {
         assert_eq!(client.recv()["id"], id);
     }
     assert_eq!(threads(), 1, "no thread of its own");
-    thread::sleep(Duration::from_millis(100));
-    let requests = 200;
-    let asleep = sleeps(server.child.id());
-    for id in 0..requests {
-        // Long enough for the daemon to sleep, not poll, after it answered and between
-        // requests.
-        client.send(&json!({"op": "hello", "id": id}));
-        thread::sleep(Duration::from_millis(1));
-        assert_eq!(client.recv()["id"], id);
-        thread::sleep(Duration::from_millis(1));
-    }
-    let per_request = (sleeps(server.child.id()) - asleep) as f64 / requests as f64;
+    let per_request = sleeps_per_spaced_request(&mut client, server.child.id());
     assert!(
         per_request < 1.5,
         "{per_request:.2} times asleep per request"
@@ -360,6 +338,21 @@ fn connection_threads(pid: u32) -> usize {
         .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
         .filter(|name| name.trim_end() == "connection")
         .count()
+}
+
+/// How many times the daemon `pid` went to sleep per request of `client`, its requests
+/// spaced so that the daemon sleeps, not polls, after it answered and between requests.
+fn sleeps_per_spaced_request<S: Stream>(client: &mut LineClient<S>, pid: u32) -> f64 {
+    thread::sleep(Duration::from_millis(100));
+    let requests = 200;
+    let before = sleeps(pid);
+    for id in 0..requests {
+        client.send(&json!({"op": "hello", "id": id}));
+        thread::sleep(Duration::from_millis(1));
+        assert_eq!(client.recv()["id"], id);
+        thread::sleep(Duration::from_millis(1));
+    }
+    (sleeps(pid) - before) as f64 / requests as f64
 }
 
 /// How many times the threads of process `pid` went to sleep so far (voluntary context
