@@ -600,13 +600,20 @@ fn sigterm_with_a_thread_blocked_writing_exits_zero_after_the_drain() {
 /// Without room for more threads (here an address-space limit a little above what the
 /// daemon holds once started: each thread reserves its stack), further Unix connections
 /// are served as tasks: every one is answered, the listener goes on accepting, and SIGTERM
-/// still stops the daemon.
+/// still stops the daemon. A TCP connection that proves the secret stays a task too, and
+/// the requests it sent in the same write as the proof are answered.
 #[test]
-fn unix_connections_past_the_threads_the_system_allows_are_served_as_tasks() {
+fn connections_past_the_threads_the_system_allows_are_served_as_tasks() {
     let path = common::temp_path("no-threads.sock");
-    // No sweep during the test: the runtime starts no thread of its own for one.
+    // No sweep during the test, which allocates at the edge of the address space.
     let args = ["--max-connections", "500", "--sweep-interval-ms", "3600000"];
-    let mut server = Server::start(&[&["--socket", path.to_str().unwrap()][..], &args].concat());
+    let listeners = [
+        "--socket",
+        path.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    let mut server = Server::start(&[&listeners[..], &args].concat());
     let pid = server.child.id();
     let held = || -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -653,9 +660,19 @@ fn unix_connections_past_the_threads_the_system_allows_are_served_as_tasks() {
         clients.push(client);
     }
     assert!(threads() < 150, "{} threads: none was refused", threads());
+    let threads_before_tcp = connection_threads(pid);
     for (id, client) in clients.iter_mut().enumerate() {
         assert_eq!(client.call(json!({"op": "stats", "id": id}))["id"], id);
     }
+    let mut tcp = server.connect_unproved();
+    let nonce = tcp.call(json!({"op": "hello"}))["auth"]["nonce"].clone();
+    let proof = common::proof(common::SECRET.as_bytes(), nonce.as_str().unwrap());
+    let auth = json!({"op": "auth", "proof": proof});
+    let behind = [1, 2].map(|id| json!({"op": "stats", "id": id}));
+    tcp.send_raw(format!("{auth}\n{}\n{}\n", behind[0], behind[1]).as_bytes());
+    assert_eq!(tcp.recv(), json!({"ok": true}));
+    assert_eq!([tcp.recv()["id"].clone(), tcp.recv()["id"].clone()], [1, 2]);
+    assert_eq!(connection_threads(pid), threads_before_tcp);
     drop(clients);
     common::signal(&server.child, "TERM");
     assert!(common::wait_exit(&mut server.child).success());

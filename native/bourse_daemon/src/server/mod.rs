@@ -12,6 +12,7 @@ use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -119,21 +120,23 @@ pub async fn run<S: Store>(
         tokio::spawn(accept_loop(listener, context.clone()));
     }
     drop(context);
-    let sweeper = tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(sweep_interval);
-        ticks.tick().await;
-        loop {
-            ticks.tick().await;
-            let service = Arc::clone(&service);
-            let _ = tokio::task::spawn_blocking(move || service.store().sweep()).await;
-        }
-    });
+    // On a thread of its own from the start: a sweep blocks, and a thread started for each
+    // one could not start once the system's threads run out.
+    let (stop_sweeping, sweeping) = std::sync::mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("sweeper".into())
+        .spawn(move || {
+            while sweeping.recv_timeout(sweep_interval) == Err(RecvTimeoutError::Timeout) {
+                service.store().sweep();
+            }
+        })
+        .map_err(|e| format!("cannot start the sweeper thread: {e}"))?;
 
     tokio::select! {
         _ = terminate.recv() => {}
         _ = interrupt.recv() => {}
     }
-    sweeper.abort();
+    drop(stop_sweeping);
     // Accept loops stop and drop their listeners; connections answer what they hold.
     let _ = shutdown_tx.send(true);
     let _ = stop.write_all(&[1]);
@@ -521,6 +524,8 @@ async fn serve<T: NonBlocking + ToThread + AsyncRead + AsyncWrite + Unpin, S: St
                 },
                 Err(shared) => session = shared,
             }
+            // Still a task: the frames read behind the proof are answered first.
+            continue;
         }
         if *context.shutdown.borrow_and_update() {
             closing = true;
