@@ -71,6 +71,20 @@ pub async fn run<S: Store>(
     let mut interrupt =
         signal(SignalKind::interrupt()).map_err(|e| format!("SIGINT handler: {e}"))?;
 
+    // On a thread of its own, started before the daemon says it listens: a sweep blocks,
+    // and a thread started for each one could not start once the system's threads run out.
+    // It stops when `stop_sweeping` is dropped.
+    let (stop_sweeping, sweeping) = std::sync::mpsc::channel::<()>();
+    let sweeper = Arc::clone(&service);
+    std::thread::Builder::new()
+        .name("sweeper".into())
+        .spawn(move || {
+            while sweeping.recv_timeout(sweep_interval) == Err(RecvTimeoutError::Timeout) {
+                sweeper.store().sweep();
+            }
+        })
+        .map_err(|e| format!("cannot start the sweeper thread: {e}"))?;
+
     let mut sockets = SocketFiles(Vec::new());
     let mut tcp_listeners = Vec::new();
     let mut unix_listeners = Vec::new();
@@ -120,17 +134,6 @@ pub async fn run<S: Store>(
         tokio::spawn(accept_loop(listener, context.clone()));
     }
     drop(context);
-    // On a thread of its own from the start: a sweep blocks, and a thread started for each
-    // one could not start once the system's threads run out.
-    let (stop_sweeping, sweeping) = std::sync::mpsc::channel::<()>();
-    std::thread::Builder::new()
-        .name("sweeper".into())
-        .spawn(move || {
-            while sweeping.recv_timeout(sweep_interval) == Err(RecvTimeoutError::Timeout) {
-                service.store().sweep();
-            }
-        })
-        .map_err(|e| format!("cannot start the sweeper thread: {e}"))?;
 
     tokio::select! {
         _ = terminate.recv() => {}
