@@ -14,6 +14,7 @@ mod spin;
 mod stdio;
 mod stdio_socket;
 mod store;
+mod sweeper;
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -27,6 +27,7 @@ use tokio::runtime::Runtime;
 use crate::protocol::{self, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
+use crate::sweeper;
 
 /// How long a stop waits for the answers of requests still running on a remote store.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -112,11 +113,13 @@ pub fn run<S: Store>(
         eprintln!("bourse_daemon: cannot install signal handlers: {error}");
         return ExitCode::FAILURE;
     }
-    let sweeper = Arc::clone(&shared.service);
-    std::thread::spawn(move || loop {
-        std::thread::sleep(sweep_interval);
-        sweeper.store().sweep();
-    });
+    let _sweeper = match sweeper::start(Arc::clone(&shared.service), sweep_interval) {
+        Ok(sweeper) => sweeper,
+        Err(error) => {
+            eprintln!("bourse_daemon: cannot start the sweeper thread: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     if S::REMOTE {
         return runtime.block_on(serve_remote(shared, max_frame_bytes));
     }

@@ -12,7 +12,6 @@ use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +27,7 @@ use self::frames::{framed, Frames, Framing, Next};
 use crate::protocol::{Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
+use crate::sweeper;
 
 /// How long shutdown waits for connections to finish the lines they had received.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -71,18 +71,8 @@ pub async fn run<S: Store>(
     let mut interrupt =
         signal(SignalKind::interrupt()).map_err(|e| format!("SIGINT handler: {e}"))?;
 
-    // On a thread of its own, started before the daemon says it listens: a sweep blocks,
-    // and a thread started for each one could not start once the system's threads run out.
-    // It stops when `stop_sweeping` is dropped.
-    let (stop_sweeping, sweeping) = std::sync::mpsc::channel::<()>();
-    let sweeper = Arc::clone(&service);
-    std::thread::Builder::new()
-        .name("sweeper".into())
-        .spawn(move || {
-            while sweeping.recv_timeout(sweep_interval) == Err(RecvTimeoutError::Timeout) {
-                sweeper.store().sweep();
-            }
-        })
+    // Started before the daemon says it listens: its thread is there from then on.
+    let sweeper = sweeper::start(Arc::clone(&service), sweep_interval)
         .map_err(|e| format!("cannot start the sweeper thread: {e}"))?;
 
     let mut sockets = SocketFiles(Vec::new());
@@ -139,7 +129,7 @@ pub async fn run<S: Store>(
         _ = terminate.recv() => {}
         _ = interrupt.recv() => {}
     }
-    drop(stop_sweeping);
+    drop(sweeper);
     // Accept loops stop and drop their listeners; connections answer what they hold.
     let _ = shutdown_tx.send(true);
     let _ = stop.write_all(&[1]);
@@ -245,7 +235,7 @@ impl Listener {
                         };
                         match thread {
                             Some(thread) => {
-                                let stream = thread::Stream::Unix(stream);
+                                let stream = stream.into();
                                 let begun = None;
                                 let connection = thread::Connection {
                                     stream,
@@ -402,11 +392,10 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
 /// its timeout, or the daemon shuts down (then the lines already received are answered
 /// first). With the in-memory table lines are answered in order; with a remote store each
 /// runs as a task and its answer is written as soon as it is ready.
-async fn serve<T: NonBlocking + ToThread + AsyncRead + AsyncWrite + Unpin, S: Store>(
-    mut stream: T,
-    mut context: Context<S>,
-    mut slot: Slot,
-) {
+async fn serve<T, S: Store>(mut stream: T, mut context: Context<S>, mut slot: Slot)
+where
+    T: NonBlocking + Into<thread::Stream> + AsyncRead + AsyncWrite + Unpin,
+{
     let prove = matches!(slot, Slot::Unproved(_));
     let service = Arc::clone(&context.service);
     let idle = context.limits.idle_timeout;
@@ -511,7 +500,7 @@ async fn serve<T: NonBlocking + ToThread + AsyncRead + AsyncWrite + Unpin, S: St
             match Arc::try_unwrap(session) {
                 Ok(owned) => match thread::start::<S>() {
                     Some(thread) => {
-                        let stream = stream.into_thread();
+                        let stream = stream.into();
                         let begun = Some((owned, input));
                         thread.serve(
                             thread::Connection {
@@ -621,32 +610,15 @@ pub trait NonBlocking {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize>;
 }
 
-/// A stream of the runtime that a thread can serve instead.
-trait ToThread {
-    fn into_thread(self) -> thread::Stream;
-}
-
 impl NonBlocking for TcpStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         TcpStream::try_read_buf(self, buf)
     }
 }
 
-impl ToThread for TcpStream {
-    fn into_thread(self) -> thread::Stream {
-        thread::Stream::Tcp(self)
-    }
-}
-
 impl NonBlocking for UnixStream {
     fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         UnixStream::try_read_buf(self, buf)
-    }
-}
-
-impl ToThread for UnixStream {
-    fn into_thread(self) -> thread::Stream {
-        thread::Stream::Unix(self)
     }
 }
 

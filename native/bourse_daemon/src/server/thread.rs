@@ -36,10 +36,22 @@ pub struct Connection {
     pub begun: Option<(Session, Frames)>,
 }
 
+impl From<tokio::net::UnixStream> for Stream {
+    fn from(stream: tokio::net::UnixStream) -> Self {
+        Stream::Unix(stream)
+    }
+}
+
+impl From<tokio::net::TcpStream> for Stream {
+    fn from(stream: tokio::net::TcpStream) -> Self {
+        Stream::Tcp(stream)
+    }
+}
+
 /// A thread started to serve one connection, waiting for it.
 pub struct Thread<S: Store> {
     give: SyncSender<(Connection, Context<S>, Runtime)>,
-    runtime: Option<Runtime>,
+    runtime: Runtime,
 }
 
 /// Starts a thread for a connection; `None` at the system's thread limit.
@@ -54,12 +66,11 @@ pub fn start<S: Store>() -> Option<Thread<S>> {
                 serve(connection, context, runtime);
             }
         });
-    let runtime = Some(runtime);
     match started {
         Ok(_) => Some(Thread { give, runtime }),
-        // Dropped here, the runtime is shut down without waiting.
         Err(_) => {
-            drop(Thread { give, runtime });
+            // Dropped, it would wait for its blocking threads, which the caller must not.
+            runtime.shutdown_background();
             None
         }
     }
@@ -67,19 +78,8 @@ pub fn start<S: Store>() -> Option<Thread<S>> {
 
 impl<S: Store> Thread<S> {
     /// Hands the connection to the thread.
-    pub fn serve(mut self, connection: Connection, context: Context<S>) {
-        if let Some(runtime) = self.runtime.take() {
-            let _ = self.give.send((connection, context, runtime));
-        }
-    }
-}
-
-impl<S: Store> Drop for Thread<S> {
-    fn drop(&mut self) {
-        // Dropped, it would wait for its blocking threads, which the caller must not.
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
-        }
+    pub fn serve(self, connection: Connection, context: Context<S>) {
+        let _ = self.give.send((connection, context, self.runtime));
     }
 }
 
