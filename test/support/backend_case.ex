@@ -55,11 +55,14 @@ defmodule Bourse.BackendCase do
     {daemon, name}
   end
 
-  @doc "Starts a limiter on `backend` under the test's supervisor; returns its name."
-  @spec start_limiter(term(), String.t()) :: atom()
-  def start_limiter(backend, prefix \\ "limiter") do
+  @doc """
+  Starts a limiter on `backend`, with the limiter options `opts`, under the test's
+  supervisor; returns its name.
+  """
+  @spec start_limiter(term(), String.t(), keyword()) :: atom()
+  def start_limiter(backend, prefix \\ "limiter", opts \\ []) do
     name = :"#{prefix}_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend}, id: name)
+    start_supervised!({RateLimiter, [name: name, backend: backend] ++ opts}, id: name)
     name
   end
 

@@ -20,6 +20,8 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   @writer 3
   # Admits 3 checks, then says how long to wait: an answer routed to the wrong caller shows.
   @three %{capacity: 3, refill_per_sec: 0.001}
+  # A limiter whose periodic sweep (a request to the daemon) does not come within a test.
+  @unswept [sweep_interval_ms: 3_600_000]
 
   # The stream's counters (SocketStream): requests in flight, and who reads.
   defp counters(name) do
@@ -55,13 +57,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     {table, id}
   end
 
-  # A limiter whose periodic sweep (a request to the daemon) does not come within a test.
-  defp start_unswept_limiter(backend) do
-    name = :"unswept_#{System.unique_integer([:positive])}"
-    start_supervised!({RateLimiter, name: name, backend: backend, sweep_interval_ms: 3_600_000})
-    name
-  end
-
   defp four_callers(name) do
     1..4
     |> Enum.map(fn i ->
@@ -70,10 +65,13 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     |> Task.await_many(10_000)
   end
 
-  defp unix_daemon(timeout \\ 1_000) do
+  defp unix_daemon(timeout \\ 1_000, limiter_opts \\ []) do
     path = Path.join(System.tmp_dir!(), "readers-#{System.unique_integer([:positive])}.sock")
     daemon = start_daemon(["--socket", path])
-    name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: timeout})
+
+    name =
+      start_limiter({:daemon, {:unix, daemon.unix}, timeout: timeout}, "limiter", limiter_opts)
+
     assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
     name
   end
@@ -142,7 +140,9 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     # must be preempted right there), which leaves one answer expected for good
     # (SocketStream's comment), the connection reading, and callers going through it.
     settled = eventually(fn -> in_flight_and_reader(name) in [{0, 0}, {1, -1}] end)
-    eventually(fn -> routes(handle(name)) == 0 end)
+    # No route left, and the rows of victims killed as they wrote or read alone swept: the
+    # table holds the stream alone, as a caller alone finds it.
+    eventually(fn -> :ets.info(handle(name).table, :size) == 1 end)
 
     messages =
       received_by_connection(name, fn ->
@@ -155,10 +155,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
 
   test "a caller killed once it wrote alone, before it left the reading: its answer is read at the next sweep, and callers alone read their own again" do
     # The limiter's periodic sweep, a request, would read the answer too.
-    path = Path.join(System.tmp_dir!(), "readers-#{System.unique_integer([:positive])}.sock")
-    daemon = start_daemon(["--socket", path])
-    name = start_unswept_limiter({:daemon, {:unix, daemon.unix}, timeout: 200})
-    assert :ok = RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name)
+    name = unix_daemon(200, @unswept)
     [{:stream, stream, _, _, _, _}] = :ets.lookup(handle(name).table, :stream)
     {socket, counters, _select, _port} = stream
 
@@ -270,7 +267,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   test "a daemon that answers a request twice: the stream is reopened, and later calls are answered" do
     path = fake_daemon(_answer_twice = 2)
     # Only the test's own requests: the third is the one that finds the stream broken.
-    name = start_unswept_limiter({:daemon, {:unix, path}, timeout: 300})
+    name = start_limiter({:daemon, {:unix, path}, timeout: 300}, "limiter", @unswept)
 
     assert {:error, %Bourse.Error{message: message}} =
              eventually(fn ->
