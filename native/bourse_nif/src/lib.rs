@@ -350,7 +350,11 @@ fn checks_answer<'a>(env: Env<'a>, args: [Term<'a>; 4], len: Result<usize, Shape
         let mode = max_wait(max_wait_term)?;
         len.map_err(rules::not_a_check_list)?;
         let answered = prepared::check_list(table, owner(owner_term), elements(checks_term), mode)?;
-        Ok(outcome(env, answered))
+        Ok(match answered {
+            Ok(answered) => outcome(env, answered),
+            // Counted by the table.
+            Err(refused) => error_term(env, refused),
+        })
     })
 }
 

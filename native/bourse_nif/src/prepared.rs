@@ -128,12 +128,14 @@ impl<'a> Entry<'a> {
 
 /// Checks the elements of a check list all-or-nothing: by their prepared buckets when
 /// every one has one, otherwise by their keys and limits (in the order given either way).
+/// An element that does not decode is the outer error; the inner one is the table's
+/// refusal of the checks (conflicting definitions), which the table counted itself.
 pub fn check_list<'a>(
     table: &Table,
     owner: u64,
     list: impl Iterator<Item = Term<'a>>,
     mode: Mode,
-) -> Decoded<Outcome> {
+) -> Decoded<Decoded<Outcome>> {
     // On the stack up to a few buckets: no allocation for the common multi-bucket check.
     let mut prepared: SmallVec<[PreparedCheck; 8]> = SmallVec::new();
     let mut checks: SmallVec<[Check; 8]> = SmallVec::new();
@@ -151,9 +153,9 @@ pub fn check_list<'a>(
             }
         }
     }
-    if checks.is_empty() {
+    Ok(if checks.is_empty() {
         table.check_prepared_all(owner, &prepared, mode)
     } else {
         table.check_rates(owner, &checks, mode)
-    }
+    })
 }

@@ -87,6 +87,21 @@ defmodule Bourse.ContractTests.CheckRates do
           assert get_cost({"ex", "k"}, 1, name) == 0
           assert get_cost({"ex", "o"}, 1, name) == 0
         end
+
+        test "each refused call counts one invalid input, conflicts included", %{name: name} do
+          a = %{capacity: 10, refill_per_sec: 1}
+          b = %{capacity: 10, refill_per_sec: 2}
+          %{invalid: before} = stats(name)
+
+          assert_invalid(check_rates([{{"ex", "k"}, a, 1}, {{"ex", "k"}, b, 1}], name))
+          assert %{invalid: counted} = stats(name)
+          assert counted == before + 1
+
+          assert_invalid(check_rates([{{"ex", "k"}, a, -1}, {{"ex", "o"}, a, 1}], name))
+          assert_invalid(check_rate({"ex", "k"}, a, -1, name))
+          assert %{invalid: counted} = stats(name)
+          assert counted == before + 3
+        end
       end
     end
   end
