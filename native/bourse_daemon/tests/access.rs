@@ -298,3 +298,83 @@ fn refused_connections_held_open_keep_few_descriptors() {
         "{most} descriptors held, {before} before 200 refused connections"
     );
 }
+
+/// Requests whose answers far outnumber what the sockets' buffers hold, written to `stream`
+/// from a thread of its own that never reads an answer; it ends once its write fails (the
+/// daemon closed the connection) or after 30 MB of them (more than loopback TCP buffers
+/// take: several MB).
+fn flood_unread<S: std::io::Write + Send + 'static>(mut stream: S) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
+        for _ in 0..2000 {
+            if stream.write_all(&lines).is_err() {
+                break;
+            }
+        }
+    })
+}
+
+/// A client that has not proved the secret, sending requests and never reading the
+/// answers (the daemon's write of them waits), is closed at its deadline all the same: it
+/// cannot hold a descriptor by not reading. Its deadline here is the idle timeout.
+#[test]
+fn an_unproved_client_that_never_reads_is_closed_at_its_deadline() {
+    let daemon = common::Server::tcp(&["--idle-timeout-ms", "500"]);
+    let flood = flood_unread(TcpStream::connect(daemon.tcp_addr()).unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!flood.is_finished(), "the daemon read the whole flood");
+    // Its writes fail once the daemon closed the connection.
+    common::eventually("the unproved connection is closed", || flood.is_finished());
+}
+
+/// Clients that stop reading (a paused process, say), on a Unix socket or over TCP once
+/// proved, hold their connection slots only until their answers have waited the idle
+/// timeout to be written: then a new client is served, not refused.
+#[test]
+fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
+    let socket = common::temp_path("stop-reading.sock");
+    let daemon = common::Server::start(&[
+        "--socket",
+        socket.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--idle-timeout-ms",
+        "500",
+        "--max-connections",
+        "2",
+    ]);
+    let unix = flood_unread(UnixStream::connect(&socket).unwrap());
+    let proved = daemon.connect();
+    let tcp = flood_unread(proved.stream.try_clone().unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !unix.is_finished() && !tcp.is_finished(),
+        "a flood was read whole"
+    );
+    common::eventually("a new client is served", || {
+        let mut client = LineClient::new(UnixStream::connect(&socket).unwrap());
+        client.call(json!({"op": "hello"}))["ok"] == true
+    });
+    unix.join().unwrap();
+    tcp.join().unwrap();
+}
+
+/// Before it proves the secret a client is told `unauthorized` for any request but `hello`
+/// and `auth`, a request already past its deadline included, and what it sends is not
+/// counted in the daemon's counters: anyone may connect, only clients count.
+#[test]
+fn an_unproved_client_is_answered_unauthorized_and_counts_nothing() {
+    let daemon = common::Server::tcp(&[]);
+    let mut unproved = daemon.connect_unproved();
+    unproved.send_raw(b"not json\n");
+    assert_eq!(unproved.recv()["error"]["type"], "invalid_parameters");
+    let late = json!({"op": "check", "key": key("x", None), "limit": {"requests": 5},
+                      "deadline_us": 1, "timeout_ms": 1000, "id": 7});
+    let answer = unproved.call(late);
+    assert_eq!(
+        (answer["id"].clone(), answer["error"]["type"].clone()),
+        (json!(7), json!("unauthorized"))
+    );
+    let mut client = daemon.connect();
+    assert_eq!(client.call(json!({"op": "stats"}))["stats"]["invalid"], 0);
+}

@@ -226,7 +226,7 @@ impl<S: Store> Service<S> {
             Ok(request) => request,
             Err((id, invalid)) => {
                 let to = id.as_ref().map_or(To::Frame(number), |id| To::Id(Some(id)));
-                return self.invalid(out, session.codec(), to, &invalid);
+                return self.invalid(session, out, to, &invalid);
             }
         };
         let to = To::Id(request.get("id"));
@@ -246,6 +246,10 @@ impl<S: Store> Service<S> {
         out: &mut Vec<u8>,
     ) {
         let failure = match parsed {
+            // Before the secret is proved, only `hello` and `auth` are looked at further.
+            Ok((request, _)) if !session.authenticated() && !request.before_auth() => {
+                Failure::Unauthorized(UNAUTHORIZED)
+            }
             // Checked right before it runs: a caller told `unavailable` never pays.
             Ok((_, Some(last_run_us))) if self.clock_us() > last_run_us => {
                 Failure::Unavailable(rules::past_deadline(self.clock_us() - last_run_us))
@@ -262,7 +266,7 @@ impl<S: Store> Service<S> {
         };
         let codec = session.codec();
         match failure {
-            Failure::Invalid(invalid) => self.invalid(out, codec, to, &invalid),
+            Failure::Invalid(invalid) => self.invalid(session, out, to, &invalid),
             Failure::Refused(invalid) => error(out, codec, to, "invalid_parameters", &invalid),
             Failure::Unavailable(message) => {
                 error(out, codec, to, "unavailable", &InvalidInput::new(message))
@@ -275,7 +279,7 @@ impl<S: Store> Service<S> {
 
     /// The answer to a frame longer than `max` bytes; the transport then closes.
     pub fn frame_too_large(&self, session: &Session, out: &mut Vec<u8>, number: u64, max: usize) {
-        self.store.count_invalid();
+        self.count_invalid(session);
         let message = format!("frame longer than {max} bytes (--max-frame-bytes); closing");
         error(
             out,
@@ -290,7 +294,7 @@ impl<S: Store> Service<S> {
     pub fn truncated_frame(&self, session: &Session, out: &mut Vec<u8>, number: u64) {
         let message = "the stream ended in the middle of a frame; it was not executed";
         let invalid = InvalidInput::new(message);
-        self.invalid(out, session.codec(), To::Frame(number), &invalid);
+        self.invalid(session, out, To::Frame(number), &invalid);
     }
 
     /// An `unavailable` error answering no request (the connection is then closed).
@@ -299,9 +303,17 @@ impl<S: Store> Service<S> {
         error(out, session.codec(), To::Id(None), "unavailable", &message);
     }
 
-    fn invalid(&self, out: &mut Vec<u8>, codec: Codec, to: To, invalid: &InvalidInput) {
-        self.store.count_invalid();
-        error(out, codec, to, "invalid_parameters", invalid);
+    fn invalid(&self, session: &Session, out: &mut Vec<u8>, to: To, invalid: &InvalidInput) {
+        self.count_invalid(session);
+        error(out, session.codec(), to, "invalid_parameters", invalid);
+    }
+
+    /// Counts malformed input in the store's counters, unless a connection that has not
+    /// proved the secret sent it: anyone may connect, and only clients count.
+    fn count_invalid(&self, session: &Session) {
+        if session.authenticated() {
+            self.store.count_invalid();
+        }
     }
 
     /// Runs one valid request, which must not start past `last_run`.
@@ -312,9 +324,6 @@ impl<S: Store> Service<S> {
         request: Request<'_>,
         last_run: LastRun,
     ) -> Result<Answer, Failure> {
-        if !session.authenticated() && !request.before_auth() {
-            return Err(Failure::Unauthorized(UNAUTHORIZED));
-        }
         let store = &self.store;
         Ok(match request {
             Request::Hello { codec } => {

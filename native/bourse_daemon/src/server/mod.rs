@@ -8,6 +8,7 @@
 //! clients prove the shared secret before anything but `hello` is served. Connections are
 //! bounded in number, and closed when idle.
 
+use std::future::Future;
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -406,6 +407,7 @@ where
     let mut running = 0usize;
     let mut spin = Spin::default();
     let opened = Instant::now();
+    let auth_deadline = opened + idle.map_or(AUTH_TIMEOUT, |idle| idle.min(AUTH_TIMEOUT));
     let mut active = opened;
     let mut closing = false;
     let mut handed_over = false;
@@ -455,7 +457,8 @@ where
                                     }
                                 }
                                 Err(_) => {
-                                    if send(&mut stream, &mut out).await.is_err() {
+                                    let ends = write_ends(&slot, auth_deadline, idle);
+                                    if send_until(&mut stream, &mut out, ends).await.is_err() {
                                         return;
                                     }
                                     let max = context.limits.max_connections;
@@ -466,8 +469,11 @@ where
                             }
                         }
                     }
-                    if out.len() >= WRITE_CHUNK && send(&mut stream, &mut out).await.is_err() {
-                        return;
+                    if out.len() >= WRITE_CHUNK {
+                        let ends = write_ends(&slot, auth_deadline, idle);
+                        if send_until(&mut stream, &mut out, ends).await.is_err() {
+                            return;
+                        }
                     }
                 }
                 Next::TooLarge => {
@@ -483,7 +489,8 @@ where
                         running -= 1;
                         out.extend_from_slice(&answer);
                     }
-                    let _ = send(&mut stream, &mut out).await;
+                    let ends = write_ends(&slot, auth_deadline, idle);
+                    let _ = send_until(&mut stream, &mut out, ends).await;
                     let _ = stream.shutdown().await;
                     linger(&mut stream, Duration::from_secs(1)).await;
                     return;
@@ -491,7 +498,8 @@ where
                 Next::Pending => break,
             }
         }
-        if send(&mut stream, &mut out).await.is_err() {
+        let ends = write_ends(&slot, auth_deadline, idle);
+        if send_until(&mut stream, &mut out, ends).await.is_err() {
             return;
         }
         // A thread serves the rest, unless none can start. No task holds the session: none
@@ -535,7 +543,7 @@ where
         let deadline = if session.authenticated() {
             idle.map(|idle| active + idle)
         } else {
-            Some(opened + idle.map_or(AUTH_TIMEOUT, |idle| idle.min(AUTH_TIMEOUT)))
+            Some(auth_deadline)
         };
         let expired = async {
             match deadline {
@@ -644,6 +652,35 @@ async fn send<S: AsyncWrite + Unpin>(stream: &mut S, out: &mut Vec<u8>) -> io::R
         out.clear();
     }
     Ok(())
+}
+
+/// Writes `out`, unless `ends` comes first (then the connection is to close).
+async fn send_until<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    out: &mut Vec<u8>,
+    ends: impl Future<Output = ()>,
+) -> io::Result<()> {
+    tokio::select! {
+        sent = send(stream, out) => sent,
+        () = ends => Err(ErrorKind::TimedOut.into()),
+    }
+}
+
+/// When a write of answers that the client does not read ends its connection: for one
+/// that has not proved the secret, at its deadline or once evicted (whatever it sends,
+/// it cannot stay longer by not reading); for any other, after the idle timeout without
+/// the write finishing (its client stopped reading).
+async fn write_ends(slot: &Slot, auth_deadline: Instant, idle: Option<Duration>) {
+    match slot {
+        Slot::Unproved(entry) => tokio::select! {
+            () = tokio::time::sleep_until(auth_deadline.into()) => {}
+            () = entry.evicted.notified() => {}
+        },
+        Slot::Held { .. } => match idle {
+            Some(idle) => tokio::time::sleep(idle).await,
+            None => std::future::pending().await,
+        },
+    }
 }
 
 /// Removes a socket file left by a daemon that is gone; refuses to replace a live socket or

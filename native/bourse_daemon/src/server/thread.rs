@@ -92,12 +92,12 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
         slot: _slot,
         begun,
     } = connection;
+    let idle = context.limits.idle_timeout;
     // Out of the runtime's reactor, and blocking: reads ask not to wait.
-    let Some(stream) = Socket::blocking(stream) else {
+    let Some(stream) = Socket::blocking(stream, idle) else {
         return;
     };
     let service = Arc::clone(&context.service);
-    let idle = context.limits.idle_timeout;
     let (session, mut input) = begun.unwrap_or_else(|| {
         let idle_ms = idle.map(|idle| idle.as_millis() as u64);
         let input = Frames::new(context.limits.max_frame_bytes);
@@ -209,14 +209,20 @@ enum Socket {
 }
 
 impl Socket {
-    fn blocking(stream: Stream) -> Option<Self> {
+    /// The socket, blocking; a write that makes no progress for `idle` fails (its client
+    /// stopped reading), which closes the connection.
+    fn blocking(stream: Stream, idle: Option<Duration>) -> Option<Self> {
         let socket = match stream {
             Stream::Unix(stream) => Socket::Unix(stream.into_std().ok()?),
             Stream::Tcp(stream) => Socket::Tcp(stream.into_std().ok()?),
         };
         let blocking = match &socket {
-            Socket::Unix(stream) => stream.set_nonblocking(false),
-            Socket::Tcp(stream) => stream.set_nonblocking(false),
+            Socket::Unix(stream) => stream
+                .set_nonblocking(false)
+                .and_then(|()| stream.set_write_timeout(idle)),
+            Socket::Tcp(stream) => stream
+                .set_nonblocking(false)
+                .and_then(|()| stream.set_write_timeout(idle)),
         };
         blocking.ok().map(|()| socket)
     }
