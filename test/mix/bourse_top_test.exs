@@ -110,4 +110,11 @@ defmodule Mix.Tasks.Bourse.TopTest do
     assert_raise Mix.Error, ~r/usage: mix bourse.top/, fn -> Top.run(["--frobnicate"]) end
     assert_raise Mix.Error, ~r/usage: mix bourse.top/, fn -> Top.run(["extra"]) end
   end
+
+  test "--help prints how to use it" do
+    Top.run(["--help"])
+    assert_received {:mix_shell, :info, [help]}
+    assert help =~ "mix bourse.top --node app@host --cookie COOKIE"
+    assert help =~ "`--count`"
+  end
 end

@@ -46,6 +46,8 @@ defmodule Mix.Tasks.Bourse.Top do
   ]
 
   @impl true
+  def run(args) when args in [["--help"], ["-h"]], do: Mix.shell().info(@moduledoc)
+
   def run(args) do
     opts =
       case OptionParser.parse(args, strict: @switches) do
