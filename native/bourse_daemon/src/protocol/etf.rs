@@ -386,8 +386,9 @@ impl<'a> Reader<'a> {
                     if top && name == "id" {
                         self.id = Some(value.clone());
                     }
-                    if named {
-                        object.insert(name, value);
+                    // An atom and a binary of one name: the request would read as one.
+                    if named && object.insert(name, value).is_some() {
+                        return Err("a map has two keys of one name".into());
                     }
                 }
                 Key::Other => named = false,

@@ -9,6 +9,7 @@
 mod answer;
 mod etf;
 mod etf_check;
+mod repeated_names;
 mod request;
 
 use std::collections::hash_map::RandomState;
@@ -468,7 +469,10 @@ type Unread = (Option<Value>, InvalidInput);
 /// A JSON frame's request object.
 fn read_json(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
     match serde_json::from_slice::<Value>(frame) {
-        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(Value::Object(fields)) => match repeated_names::find(frame) {
+            None => Ok(fields),
+            Some(message) => Err((fields.get("id").cloned(), InvalidInput::new(message))),
+        },
         Ok(other) => {
             let message = format!(
                 "a request must be a JSON object, got {}",

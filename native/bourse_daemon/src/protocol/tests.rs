@@ -1195,3 +1195,37 @@ fn a_map_that_is_no_request_is_answered_with_its_id() {
     assert_eq!(answer["id"], 9, "{answer}");
     assert_eq!(answer["error"]["type"], "invalid_parameters");
 }
+
+/// A request that names one field twice is refused, whatever the codec: read by another
+/// reader it could mean the other request (`serde_json` alone would keep the last one).
+#[test]
+fn a_field_named_twice_is_refused_in_json_and_in_terms() {
+    let f = Fixture::new();
+    let json = f.call(r#"{"op":"check","op":"stats","id":3}"#);
+    assert_eq!(
+        (json["id"].clone(), json["error"]["type"].clone()),
+        (json!(3), json!("invalid_parameters"))
+    );
+    assert_eq!(
+        json["error"]["message"],
+        "an object names one of its members twice"
+    );
+    let nested = f.call(&check(r#"{"requests":5,"requests":500}"#, r#","id":4"#));
+    assert_eq!(nested["error"]["type"], "invalid_parameters");
+    // %{:id => 3, :op => "stats", "op" => "check"}, as term_to_binary writes it.
+    let mut frame = vec![131, 116, 0, 0, 0, 3, 119, 2, b'i', b'd', 97, 3];
+    frame.extend_from_slice(&[119, 2, b'o', b'p', 109, 0, 0, 0, 5]);
+    frame.extend_from_slice(b"stats");
+    frame.extend_from_slice(&[109, 0, 0, 0, 2, b'o', b'p', 109, 0, 0, 0, 5]);
+    frame.extend_from_slice(b"check");
+    let session = f.etf_session();
+    let term = etf::decode(&f.call_bytes(&session, &frame)).expect("an answer term");
+    assert_eq!(
+        (term["id"].clone(), term["error"]["message"].clone()),
+        (
+            json!(3),
+            json!("malformed external term (a map has two keys of one name)")
+        )
+    );
+    assert_eq!(f.stat("invalid"), 3);
+}
