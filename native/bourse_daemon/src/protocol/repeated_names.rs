@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 
 /// Objects up to this many members are searched in a list, larger ones in a set.
 const LISTED: usize = 16;
