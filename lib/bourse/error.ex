@@ -115,11 +115,11 @@ defmodule Bourse.Error do
 
   @doc """
   `error` with its `:exchange` set to `exchange` when it has none and `exchange` is an
-  exchange id (a binary within the core's bound on key parts, 1024 bytes).
+  exchange id by the core's rule for key parts (UTF-8 text of at most 1024 bytes).
   """
   @spec with_exchange(t(), term()) :: t()
   def with_exchange(%__MODULE__{exchange: nil} = error, exchange) when is_binary(exchange) do
-    if byte_size(exchange) <= Bourse.Native.bound(:max_key_part_bytes),
+    if Bourse.Native.check_key({exchange, :public}) == :ok,
       do: %{error | exchange: exchange},
       else: error
   end

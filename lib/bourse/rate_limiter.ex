@@ -195,9 +195,14 @@ defmodule Bourse.RateLimiter do
 
   def check_rate(key, limit), do: check_rate(key, limit, 1, @default)
 
-  @doc "`check_rate(bucket)` is `check_rate(bucket, 1)`."
+  @doc "`check_rate(bucket)` is `check_rate(bucket, 1)`; anything but a bucket is `:invalid_parameters`."
   @spec check_rate(bucket()) :: :ok | {:delay, pos_integer()} | error()
   def check_rate(%Bucket{} = bucket), do: check_rate(bucket, 1)
+
+  def check_rate(other) do
+    message = "check_rate/1 takes a bucket made by bucket/3, got #{Error.describe(other)}"
+    failed({:error, message}, {:key, other})
+  end
 
   @doc "`check_rate(key, limit, cost)` is `check_rate(key, limit, cost, Bourse.RateLimiter)`."
   @spec check_rate(key(), rate_limit() | nil, number()) ::
@@ -543,8 +548,8 @@ defmodule Bourse.RateLimiter do
     * `:paused` – answers held back by a pause;
     * `:debited` – `record_request/3` calls;
     * `:invalid` – calls refused as malformed (`:invalid_parameters`); with the port,
-      daemon and Redis backends, terms that cannot even be sent to the daemon (a
-      charlist credential, say) are refused before it and not counted;
+      daemon and Redis backends, calls the daemon did not judge (it could not answer, or
+      the request was larger than its frames) are refused by the caller and not counted;
     * `:event_failures` – `:on_event` callbacks that raised;
     * `:buckets`, `:bookings` – live buckets and bookings now.
   """
@@ -674,11 +679,13 @@ defmodule Bourse.RateLimiter do
   ## Supervision
 
   @doc """
-  A child specification; the child id is the limiter's name.
+  A child specification; the child id is the limiter's name. `opts` may be any term: one
+  that is not a keyword list has the default name's id, and `start_link/1` refuses it.
   """
-  @spec child_spec(keyword()) :: Supervisor.child_spec()
+  @spec child_spec(term()) :: Supervisor.child_spec()
   def child_spec(opts) do
-    %{id: Keyword.get(opts, :name, @default), start: {__MODULE__, :start_link, [opts]}}
+    id = if Keyword.keyword?(opts), do: Keyword.get(opts, :name, @default), else: @default
+    %{id: id, start: {__MODULE__, :start_link, [opts]}}
   end
 
   @doc """

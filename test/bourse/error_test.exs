@@ -66,4 +66,14 @@ defmodule Bourse.ErrorTest do
 
     assert %Error{exchange: "a"} = Error.with_exchange(%Error{type: :x, exchange: "a"}, "b")
   end
+
+  test "with_exchange/2 takes an exchange id by the core's rule: UTF-8 text within its bound" do
+    for bad <- [<<255>>, "ok" <> <<0xC3>>, <<0xED, 0xA0, 0x80>>, :binary.copy("é", 513)] do
+      assert %Error{exchange: nil} = Error.with_exchange(Error.invalid("x"), bad), inspect(bad)
+    end
+
+    for good <- ["é", :binary.copy("é", 512), :binary.copy("k", 1024)] do
+      assert %Error{exchange: ^good} = Error.with_exchange(Error.invalid("x"), good)
+    end
+  end
 end

@@ -94,6 +94,45 @@ defmodule Bourse.OptionMessagesTest do
              "unknown option :no_such"
   end
 
+  test "an option given twice is refused as repeated; an unknown one as unknown" do
+    key = {"ex", "k"}
+    limit = %{capacity: 10, refill_per_sec: 1}
+    name = :"option_messages_#{System.unique_integer([:positive])}"
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.wait_for_capacity(key, limit, 1, name, max_wait_ms: 5000, max_wait_ms: 1)
+
+    assert message == "options :max_wait_ms given more than once"
+
+    assert {:error, %Error{message: ^message}} =
+             RateLimiter.check_rates([{key, limit, 1}], name, max_wait_ms: 5, max_wait_ms: 5)
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: name, name: :other, backend: :nif, backend: :nif)
+
+    assert message == "start_link/1 options :name, :backend given more than once"
+
+    assert {:error, %Error{message: message}} =
+             RateLimiter.start_link(name: name, no_such: 1, no_such: 2, name: :other)
+
+    assert message =~ ~r/^unknown start_link\/1 options :no_such; expected :name, /
+
+    assert {:error, %Error{message: "daemon option :timeout given more than once"}} =
+             RateLimiter.start_link(
+               name: name,
+               backend: {:daemon, "/tmp/none.sock", timeout: 1, timeout: 2}
+             )
+
+    assert {:error, %Error{message: "redis option :prefix given more than once"}} =
+             RateLimiter.start_link(
+               name: name,
+               backend: {:redis, "redis://127.0.0.1:1", prefix: "a", prefix: "b"}
+             )
+
+    assert {:error, %Error{message: "option :share given more than once"}} =
+             Bourse.RateLimiter.Exchange.buckets(:binance_spot, share: 0.8, share: 0.5)
+  end
+
   test "booking slack and sweep interval are bounded by the core's longest setting, as the daemon's flags are" do
     day = Bourse.Native.bound(:max_setting_ms)
     assert day == 86_400_000

@@ -62,7 +62,7 @@ defmodule Bourse.RateLimiter.Exchange do
   """
 
   alias Bourse.Error
-  alias Bourse.RateLimiter.{Feedback, Limits}
+  alias Bourse.RateLimiter.{Feedback, Limits, Options}
   alias Bourse.RateLimiter.Exchange.{BinanceSpot, BinanceUSDM, BybitV5, CoinbaseAdvanced}
   alias Bourse.RateLimiter.Exchange.{KrakenSpot, OKX}
 
@@ -143,12 +143,17 @@ defmodule Bourse.RateLimiter.Exchange do
       not Keyword.keyword?(opts) ->
         invalid("options must be a keyword list, got #{Error.describe(opts)}")
 
-      Keyword.keys(opts) -- @options != [] ->
-        [unknown | _] = Keyword.keys(opts) -- @options
-        invalid("unknown option #{Error.describe(unknown)}; expected one of #{inspect(@options)}")
-
       true ->
-        :ok
+        case Options.odd_key(opts, @options) do
+          {:unknown, key} ->
+            invalid("unknown option #{Error.describe(key)}; expected one of #{inspect(@options)}")
+
+          {:repeated, key} ->
+            invalid("option #{inspect(key)} given more than once")
+
+          :ok ->
+            :ok
+        end
     end
   end
 

@@ -96,18 +96,36 @@ defmodule Bourse.RateLimiter.Options do
        "got #{Error.describe(other)}"}
   end
 
+  # A keyword list of `known` options, each given once.
   defp keyword(opts, what, known) do
-    cond do
-      not Keyword.keyword?(opts) ->
-        {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
+    if Keyword.keyword?(opts) do
+      keys = Keyword.keys(opts)
+      unknown = keys |> Enum.reject(&(&1 in known)) |> Enum.uniq()
+      repeated = Enum.uniq(keys -- Enum.uniq(keys))
 
-      (unknown = Enum.uniq(Keyword.keys(opts) -- known)) != [] ->
-        {:error,
-         "unknown #{what} #{Enum.map_join(unknown, ", ", &inspect/1)}; expected " <>
-           Enum.map_join(known, ", ", &inspect/1)}
+      cond do
+        unknown != [] -> {:error, "unknown #{what} #{names(unknown)}; expected #{names(known)}"}
+        repeated != [] -> {:error, "#{what} #{names(repeated)} given more than once"}
+        true -> :ok
+      end
+    else
+      {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
+    end
+  end
 
-      true ->
-        :ok
+  defp names(options), do: Enum.map_join(options, ", ", &inspect/1)
+
+  @doc false
+  # The first key of the keyword list `opts` that `known` lacks, else the first one given
+  # more than once, else `:ok`.
+  @spec odd_key(keyword(), [atom()]) :: {:unknown, atom()} | {:repeated, atom()} | :ok
+  def odd_key(opts, known) do
+    keys = Keyword.keys(opts)
+
+    case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
+      {[unknown | _], _repeated} -> {:unknown, unknown}
+      {[], [repeated | _]} -> {:repeated, repeated}
+      {[], []} -> :ok
     end
   end
 

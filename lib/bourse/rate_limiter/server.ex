@@ -41,9 +41,28 @@ defmodule Bourse.RateLimiter.Server do
     :busiest
   ]
 
-  @doc "Starts the limiter process for a checked configuration (`Options.start/1`)."
-  @spec start_link(Options.config()) :: GenServer.on_start()
-  def start_link(config), do: GenServer.start_link(__MODULE__, config, name: config.name)
+  @doc """
+  Starts the limiter process for a checked configuration (`Options.start/1`). A failure to
+  start is `{:error, %Bourse.Error{}}`, and the caller, though linked, lives on.
+  """
+  @spec start_link(Options.config()) :: GenServer.on_start() | {:error, Error.t()}
+  def start_link(config) do
+    ref = make_ref()
+
+    # A failed init sends its error, then exits :normal (which spares the linked caller):
+    # the error arrives before gen_server's `{:error, :normal}`.
+    case GenServer.start_link(__MODULE__, {config, self(), ref}, name: config.name) do
+      {:error, :normal} ->
+        receive do
+          {^ref, error} -> {:error, error}
+        after
+          0 -> {:error, :normal}
+        end
+
+      started ->
+        started
+    end
+  end
 
   @doc """
   Counters of the limiter whose table is `handle` on `backend` and whose sink is
@@ -58,7 +77,7 @@ defmodule Bourse.RateLimiter.Server do
   end
 
   @impl true
-  def init(config) do
+  def init({config, starter, ref}) do
     {previous, previous_events} =
       case Router.published(config.name) do
         {backend, handle, events, _pid} when backend == config.backend -> {handle, events}
@@ -80,7 +99,8 @@ defmodule Bourse.RateLimiter.Server do
          })}
 
       {:error, error} ->
-        {:stop, error}
+        send(starter, {ref, error})
+        {:stop, :normal}
     end
   end
 

@@ -109,6 +109,34 @@ defmodule Bourse.ContractTests.KeysAndLimits do
           assert :ok = check_rates([{key, nil, 1}, {key, nil, 2}], name)
         end
 
+        test "a map that is no limit is named by its size, whatever its keys, and counts one invalid input",
+             %{name: name} do
+          not_a_limit =
+            "limit must be %{capacity: c, refill_per_sec: r}, %{requests: n, period: ms}, " <>
+              "%{requests: n} or nil, got "
+
+          many = Map.new(1..5_000, &{:"k#{&1}", &1})
+
+          cases = [
+            {Map.new(1..5_000, &{&1, &1}), "a map of 5000 keys"},
+            {Map.merge(many, %{capacity: 10, refill_per_sec: 1}), "a map of 5002 keys"},
+            {%{capacity: 10, refill_per_sec: 1, requests: 10}, "a map of 3 keys"},
+            {%{:"$key1" => 1, "x" => 2}, "a map of 2 keys"},
+            {%{:"$key0" => 10, :requests => 10}, "a map of 2 keys"},
+            {%{:requests => 10, "period" => 1000}, "a map of 2 keys"}
+          ]
+
+          %{invalid: before} = stats(name)
+
+          for {limit, got} <- cases do
+            message = assert_invalid(check_rate({"ex", "k"}, limit, 1, name))
+            assert message == not_a_limit <> got
+          end
+
+          assert %{invalid: counted} = stats(name)
+          assert counted == before + length(cases)
+        end
+
         test "an empty check list is :ok", %{name: name} do
           assert :ok = check_rates([], name)
           assert :ok = check_rates([], name, [])

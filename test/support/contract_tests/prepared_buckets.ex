@@ -99,6 +99,21 @@ defmodule Bourse.ContractTests.PreparedBuckets do
           assert ms in 990_000..@one_token_ms
         end
 
+        test "check_rate/1 takes a bucket alone: anything else is :invalid_parameters, described" do
+          for {other, got} <- [
+                {{"binance", "SECRET-KEY", "request"}, "a tuple of 3 elements"},
+                {"SECRET-KEY", "a binary of 10 bytes"},
+                {%{capacity: 1}, "a map of 1 key"},
+                {nil, "nil"}
+              ] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters, message: message} = error} =
+                     check_rate(other)
+
+            assert message == "check_rate/1 takes a bucket made by bucket/3, got #{got}"
+            assert error.exchange == if(is_tuple(other), do: "binance")
+          end
+        end
+
         test "a bucket never shows its credential", %{name: name} do
           {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
 

@@ -71,6 +71,16 @@ defmodule Bourse.ContractTests.Supervision do
           assert %{id: Bourse.RateLimiter} = Bourse.RateLimiter.child_spec([])
         end
 
+        test "child_spec/1 takes any term; start_link/1 answers bad options with its error" do
+          for opts <- [:bad, %{}, %{name: :x}, [:name], "opts"] do
+            assert %{id: Bourse.RateLimiter, start: {Bourse.RateLimiter, :start_link, [^opts]}} =
+                     Bourse.RateLimiter.child_spec(opts)
+
+            assert {:error, {%Bourse.Error{type: :invalid_parameters}, _child}} =
+                     start_supervised({Bourse.RateLimiter, opts})
+          end
+        end
+
         @tag skip: Bourse.ContractTests.skip(@contract_skip, :own_table)
         test "several limiters fit under one supervisor, each with its own buckets",
              %{backend: backend} do
@@ -119,10 +129,13 @@ defmodule Bourse.ContractTests.Supervision do
             name = unique_name()
 
             assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
-                     Bourse.RateLimiter.start_link(opts ++ [name: name, backend: backend]),
+                     Bourse.RateLimiter.start_link(
+                       Keyword.merge([name: name, backend: backend], opts)
+                     ),
                    "accepted #{inspect(opts)}"
 
             assert is_binary(message) and message != ""
+            refute message =~ "more than once"
             assert Process.whereis(name) == nil
           end
 

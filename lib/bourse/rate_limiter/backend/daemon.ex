@@ -54,6 +54,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   alias Bourse.Error
   alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Options
 
   @default_timeout 5_000
   @options [:allow_remote, :timeout, :secret_file]
@@ -123,14 +124,18 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       not Keyword.keyword?(opts) ->
         {:error, "daemon options must be a keyword list, got #{Error.describe(opts)}"}
 
-      Keyword.keys(opts) -- @options != [] ->
-        [unknown | _] = Keyword.keys(opts) -- @options
-
-        {:error,
-         "unknown daemon option #{Error.describe(unknown)}; expected one of #{inspect(@options)}"}
-
       true ->
-        :ok
+        case Options.odd_key(opts, @options) do
+          {:unknown, key} ->
+            {:error,
+             "unknown daemon option #{Error.describe(key)}; expected one of #{inspect(@options)}"}
+
+          {:repeated, key} ->
+            {:error, "daemon option #{inspect(key)} given more than once"}
+
+          :ok ->
+            :ok
+        end
     end
   end
 

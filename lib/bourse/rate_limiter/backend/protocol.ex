@@ -16,7 +16,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   and so is one longer than a key part may be, which would not fit the daemon's frames.
   The daemon judges everything with `bourse_core`'s rules, as the NIF does, and its error
   comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message
-  and exchange. Booking owners are the calling pids, rendered as strings.
+  and exchange. Booking owners are the calling pids, rendered as strings. A call the daemon
+  cannot answer (`:unavailable`) or take (a request larger than its frames) is judged by
+  the core in the caller, on a scratch NIF table: malformed input gets the NIF's
+  `:invalid_parameters` error whatever the state of the daemon.
 
   ## Codec
 
@@ -29,7 +32,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   """
 
   alias Bourse.{Error, Native}
-  alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.Backend.{Connection, NIF}
+  @limit_keys [:capacity, :refill_per_sec, :requests, :period]
   @info_fields ~w(tokens borrowed debt bookings booked_cost next_ready_ms pause_ms)a
   @stats_fields ~w(admitted claimed delayed booked over_budget lapsed paused debited invalid buckets bookings)a
 
@@ -82,59 +86,75 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rate(handle, owner, key, limit, cost, max_wait) do
-    %{
-      op: "check",
-      key: key(key),
-      limit: limit(limit),
-      cost: value(cost),
-      owner: Connection.owner(handle, owner)
-    }
-    |> waiting(max_wait)
-    |> run(handle, &outcome/1)
+    request =
+      %{
+        op: "check",
+        key: key(key),
+        limit: limit(limit),
+        cost: value(cost),
+        owner: Connection.owner(handle, owner)
+      }
+      |> waiting(max_wait)
+
+    with {:error, _} = error <- run(request, handle, &outcome/1),
+         do: judged(error, :check_rate, [owner, key, limit, cost, max_wait])
   end
 
   @doc "`check_rates/3`: all or nothing over several buckets."
   @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
-    %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
-    |> waiting(max_wait)
-    |> run(handle, &outcome/1)
+    request =
+      %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
+      |> waiting(max_wait)
+
+    with {:error, _} = error <- run(request, handle, &outcome/1),
+         do: judged(error, :check_rates, [owner, checks, max_wait])
   end
 
   @doc "`record_request/3`."
   @spec record_request(handle(), term(), term()) :: :ok | error()
   def record_request(handle, key, cost) do
-    %{op: "record", key: key(key), cost: value(cost)} |> run(handle, &done/1)
+    with {:error, _} = error <-
+           run(%{op: "record", key: key(key), cost: value(cost)}, handle, &done/1),
+         do: judged(error, :record_request, [key, cost])
   end
 
   @doc "`get_cost/3`: the tokens borrowed from the key's bucket."
   @spec get_cost(handle(), term()) :: number() | error()
   def get_cost(handle, key) do
-    %{op: "get_cost", key: key(key)} |> run(handle, &field(&1, "borrowed"))
+    with {:error, _} = error <-
+           run(%{op: "get_cost", key: key(key)}, handle, &field(&1, "borrowed")),
+         do: judged(error, :get_cost, [key])
   end
 
   @doc "Lowers the key's tokens to what the exchange still allows; returns the tokens taken."
   @spec sync(handle(), term(), term(), term()) :: number() | error()
   def sync(handle, key, allowance, window_left_ms) do
-    %{
+    request = %{
       op: "sync",
       key: key(key),
       allowance: value(allowance),
       window_left_ms: value(window_left_ms)
     }
-    |> run(handle, &field(&1, "taken"))
+
+    with {:error, _} = error <- run(request, handle, &field(&1, "taken")),
+         do: judged(error, :sync, [key, allowance, window_left_ms])
   end
 
   @doc "`reset/2`."
   @spec reset(handle(), term()) :: :ok | error()
-  def reset(handle, key),
-    do: %{op: "reset", key: key(key)} |> run(handle, &done/1)
+  def reset(handle, key) do
+    with {:error, _} = error <- run(%{op: "reset", key: key(key)}, handle, &done/1),
+         do: judged(error, :reset, [key])
+  end
 
   @doc "`reset_exchange/2`."
   @spec reset_exchange(handle(), term()) :: :ok | error()
   def reset_exchange(handle, exchange) do
-    %{op: "reset_exchange", exchange: value(exchange)} |> run(handle, &done/1)
+    with {:error, _} = error <-
+           run(%{op: "reset_exchange", exchange: value(exchange)}, handle, &done/1),
+         do: judged(error, :reset_exchange, [exchange])
   end
 
   @doc "`reset_all/1`."
@@ -144,31 +164,36 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
   def back_off(handle, credential, scope) do
-    %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
-    |> run(handle, &field(&1, "ms"))
+    request = %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
+
+    with {:error, _} = error <- run(request, handle, &field(&1, "ms")),
+         do: judged(error, :back_off, [credential, scope])
   end
 
   @doc "Forgets the backoff count of `{exchange_id, credential_key}`."
   @spec reset_backoff(handle(), term()) :: :ok | error()
   def reset_backoff(handle, credential) do
-    %{op: "reset_backoff", credential: backoff_credential(credential)}
-    |> run(handle, &done/1)
+    request = %{op: "reset_backoff", credential: backoff_credential(credential)}
+
+    with {:error, _} = error <- run(request, handle, &done/1),
+         do: judged(error, :reset_backoff, [credential])
   end
 
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
   def pause(handle, target, ms) do
-    %{op: "pause", target: pause_target(target), ms: value(ms)}
-    |> run(handle, &done/1)
+    with {:error, _} = error <-
+           run(%{op: "pause", target: pause_target(target), ms: value(ms)}, handle, &done/1),
+         do: judged(error, :pause, [target, ms])
   end
 
   @doc "A snapshot of one key, or `nil` when the table does not hold it."
   @spec inspect(handle(), term()) :: map() | nil | error()
   def inspect(handle, key) do
-    %{op: "inspect", key: key(key)}
-    |> run(handle, fn answer ->
-      with {:ok, info} <- Map.fetch(answer, "info"), do: info(info)
-    end)
+    shape = fn answer -> with {:ok, info} <- Map.fetch(answer, "info"), do: info(info) end
+
+    with {:error, _} = error <- run(%{op: "inspect", key: key(key)}, handle, shape),
+         do: judged(error, :inspect, [key])
   end
 
   @doc "The daemon's counters since it started, and its live buckets and bookings."
@@ -182,14 +207,16 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "The `count` keys with the most tokens borrowed (credentials as fingerprints)."
   @spec busiest(handle(), term()) :: [{tuple(), map()}] | error()
   def busiest(handle, count) do
-    %{op: "busiest", count: value(count)}
-    |> run(handle, fn
+    shape = fn
       %{"keys" => rows} when is_list(rows) ->
         for %{"key" => key, "info" => info} <- rows, do: {key_term(key), info(info)}
 
       _answer ->
         :error
-    end)
+    end
+
+    with {:error, _} = error <- run(%{op: "busiest", count: value(count)}, handle, shape),
+         do: judged(error, :busiest, [count])
   end
 
   @doc "Drops idle full buckets now; returns how many."
@@ -223,6 +250,25 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
       {:error, _} = error ->
         error
+    end
+  end
+
+  # An error of a call the daemon did not judge (it is unavailable, or the request is too
+  # large for its frames: Connection.request's plain-string error): the core's
+  # `:invalid_parameters` for the same call, judged by `NIF` on a scratch table thrown away
+  # after, or else `error` as it is. Run only on these failures.
+  defp judged({:error, %Error{type: :unavailable}} = error, callback, args),
+    do: judge(error, callback, args)
+
+  defp judged({:error, message} = error, callback, args) when is_binary(message),
+    do: judge(error, callback, args)
+
+  defp judged(error, _callback, _args), do: error
+
+  defp judge(error, callback, args) do
+    case apply(NIF, callback, [Native.new_table(false, 0) | args]) do
+      {:error, %Error{type: :invalid_parameters}} = invalid -> invalid
+      _answer -> error
     end
   end
 
@@ -298,8 +344,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp credential(nil), do: %{"$term": "nil"}
   defp credential(credential), do: value(credential)
 
-  # A limit map with its keys (atoms by name, any other key by a placeholder, so that the
-  # daemon sees the map's size and which limit keys it has), `nil` as null.
+  # A limit map of at most 2 keys with its keys: the limit's own atom keys by name, any
+  # other by a placeholder of its index, so that none collide and the daemon sees the map's
+  # size and which limit keys it has. A larger map, which the core refuses by its size
+  # alone, as its value; `nil` as null.
   defp limit(nil), do: nil
 
   # The common shape, as the general clause below writes it, without walking the map.
@@ -307,11 +355,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
        when map_size(limit) == 2 and is_number(capacity) and is_number(refill),
        do: %{"capacity" => capacity, "refill_per_sec" => refill}
 
-  defp limit(%{} = limit) when not is_struct(limit) do
+  defp limit(%{} = limit) when map_size(limit) <= 2 and not is_struct(limit) do
     limit
     |> Enum.with_index()
     |> Map.new(fn
-      {{key, value}, _i} when is_atom(key) -> {Atom.to_string(key), value(value)}
+      {{key, value}, _i} when key in @limit_keys -> {Atom.to_string(key), value(value)}
       {{_key, value}, i} -> {"$key#{i}", value(value)}
     end)
   end

@@ -68,6 +68,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   alias Bourse.Error
   alias Bourse.RateLimiter.Backend.Port
+  alias Bourse.RateLimiter.Options
 
   @default_prefix "bourse"
   @default_redis_timeout_ms 1_000
@@ -186,14 +187,18 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       not Keyword.keyword?(opts) ->
         {:error, "redis options must be a keyword list, got #{Error.describe(opts)}"}
 
-      Keyword.keys(opts) -- [:prefix, :redis_timeout_ms] != [] ->
-        [unknown | _] = Keyword.keys(opts) -- [:prefix, :redis_timeout_ms]
-
-        {:error,
-         "unknown redis option #{Error.describe(unknown)}; expected :prefix or :redis_timeout_ms"}
-
       true ->
-        :ok
+        case Options.odd_key(opts, [:prefix, :redis_timeout_ms]) do
+          {:unknown, key} ->
+            {:error,
+             "unknown redis option #{Error.describe(key)}; expected :prefix or :redis_timeout_ms"}
+
+          {:repeated, key} ->
+            {:error, "redis option #{inspect(key)} given more than once"}
+
+          :ok ->
+            :ok
+        end
     end
   end
 

@@ -82,7 +82,6 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
   end
 
   test "a password that is no UTF-8 text once decoded is refused, and nothing of it is shown" do
-    Process.flag(:trap_exit, true)
     url = "redis://:pw%FFsecret-part@127.0.0.1:6379"
 
     assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
