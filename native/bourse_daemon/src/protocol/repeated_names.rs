@@ -1,94 +1,103 @@
 //! Whether a JSON text has an object that names a member twice. `serde_json` keeps the
 //! last one, so `{"cost": 1, "cost": 2}` would cost 2 where another reader sees 1: such a
-//! request is refused instead. A second pass over the text, reading names only.
+//! request is refused instead. A scan of the text serde_json has read whole, looking at
+//! member names only: no value is built, and no name is copied unless it has escapes.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
-use std::fmt;
-
-use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 
 /// Objects up to this many members are searched in a list, larger ones in a set.
 const LISTED: usize = 16;
 
-/// The message for a text in which some object names a member twice, or `None`.
-pub fn find(text: &[u8]) -> Option<&'static str> {
-    let mut reader = serde_json::Deserializer::from_slice(text);
-    match reader.deserialize_any(Names) {
-        Err(error) if error.to_string().starts_with(REPEATED) => Some(REPEATED),
-        _ => None,
-    }
-}
-
 const REPEATED: &str = "an object names one of its members twice";
 
-/// Reads every value, ignoring all but member names.
-struct Names;
-
-impl<'de> Visitor<'de> for Names {
-    type Value = ();
-
-    fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
-        formatter.write_str("any JSON value")
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<(), A::Error> {
-        while items.next_element_seed(Seed)?.is_some() {}
-        Ok(())
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<(), A::Error> {
-        let mut listed: Vec<String> = Vec::new();
-        let mut set: HashSet<String> = HashSet::new();
-        while let Some(name) = members.next_key::<String>()? {
-            let repeated = if set.is_empty() && listed.len() < LISTED {
-                let repeated = listed.contains(&name);
-                listed.push(name);
-                repeated
-            } else {
-                set.extend(listed.drain(..));
-                !set.insert(name)
-            };
-            if repeated {
-                return Err(de::Error::custom(REPEATED));
-            }
-            members.next_value_seed(Seed)?;
-        }
-        Ok(())
-    }
+/// An object being scanned: where its names start in the shared list, and its set once it
+/// has more than [`LISTED`] of them.
+struct Object<'a> {
+    first: usize,
+    set: Option<HashSet<Cow<'a, [u8]>>>,
 }
 
-/// [`Names`] as a seed, for nested values.
-struct Seed;
+/// The message for `text`, valid JSON, when some object in it names a member twice.
+pub fn find(text: &[u8]) -> Option<&'static str> {
+    // `None` for an array.
+    let mut open: Vec<Option<Object>> = Vec::new();
+    let mut names: Vec<Cow<[u8]>> = Vec::new();
+    let mut expect_name = false;
+    let mut at = 0;
+    while at < text.len() {
+        match text[at] {
+            b'"' => {
+                let end = string_end(text, at);
+                if let (true, Some(Some(object))) = (expect_name, open.last_mut()) {
+                    let name = name(&text[at..=end]);
+                    let repeated = match &mut object.set {
+                        Some(set) => !set.insert(name),
+                        None if names.len() - object.first < LISTED => {
+                            let repeated = names[object.first..].contains(&name);
+                            names.push(name);
+                            repeated
+                        }
+                        None => {
+                            let mut set: HashSet<_> = names.drain(object.first..).collect();
+                            let repeated = !set.insert(name);
+                            object.set = Some(set);
+                            repeated
+                        }
+                    };
+                    if repeated {
+                        return Some(REPEATED);
+                    }
+                    expect_name = false;
+                }
+                at = end;
+            }
+            b'{' => {
+                let first = names.len();
+                open.push(Some(Object { first, set: None }));
+                expect_name = true;
+            }
+            b'[' => {
+                open.push(None);
+                expect_name = false;
+            }
+            b'}' | b']' => {
+                if let Some(Some(object)) = open.pop() {
+                    names.truncate(object.first);
+                }
+                expect_name = false;
+            }
+            b',' => expect_name = matches!(open.last(), Some(Some(_))),
+            b':' => expect_name = false,
+            _ => {}
+        }
+        at += 1;
+    }
+    None
+}
 
-impl<'de> de::DeserializeSeed<'de> for Seed {
-    type Value = ();
+/// Where the string opened at `start` closes.
+fn string_end(text: &[u8], start: usize) -> usize {
+    let mut at = start + 1;
+    while at < text.len() {
+        match text[at] {
+            b'\\' => at += 2,
+            b'"' => return at,
+            _ => at += 1,
+        }
+    }
+    text.len() - 1
+}
 
-    fn deserialize<D: Deserializer<'de>>(self, reader: D) -> Result<(), D::Error> {
-        reader.deserialize_any(Names)
+/// A name as its characters: its bytes, or unescaped if it has escapes.
+fn name(quoted: &[u8]) -> Cow<'_, [u8]> {
+    let raw = &quoted[1..quoted.len() - 1];
+    if !raw.contains(&b'\\') {
+        return Cow::Borrowed(raw);
+    }
+    match serde_json::from_slice::<String>(quoted) {
+        Ok(name) => Cow::Owned(name.into_bytes()),
+        Err(_) => Cow::Borrowed(raw),
     }
 }
 
@@ -120,7 +129,18 @@ mod tests {
             None
         );
         assert_eq!(find(format!("{{{}}}", many.join(",")).as_bytes()), None);
-        // Not JSON: for the parser to describe.
-        assert_eq!(find(b"{\"a\": "), None);
+        // Names that are values, in arrays or after a colon.
+        assert_eq!(
+            find(br#"{"a": "a", "b": ["a", "a"], "c": {"a": "c"}}"#),
+            None
+        );
+        assert_eq!(find(br#"[{"a": 1}, {"a": 1}]"#), None);
+    }
+
+    #[test]
+    fn escaped_names_are_compared_by_their_characters() {
+        assert_eq!(find(br#"{"a": 1, "\u0061": 2}"#), Some(REPEATED));
+        let nested = br#"{"a": {"x": [1, {"b": 2}], "y": "\"z\\"}, "a": 0}"#;
+        assert_eq!(find(nested), Some(REPEATED));
     }
 }
