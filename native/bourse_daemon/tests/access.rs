@@ -378,3 +378,31 @@ fn an_unproved_client_is_answered_unauthorized_and_counts_nothing() {
     let mut client = daemon.connect();
     assert_eq!(client.call(json!({"op": "stats"}))["stats"]["invalid"], 0);
 }
+
+/// Until it proves the secret a connection's frames are short (a `hello` or an `auth`
+/// takes about 100 bytes), so an unknown client cannot make the daemon read large ones;
+/// once proved, its frames may be as long as `--max-frame-bytes`.
+#[test]
+fn frames_are_short_until_the_secret_is_proved() {
+    let daemon = common::Server::tcp(&[]);
+    let padded = |id: u64| {
+        format!(
+            "{{\"op\":\"hello\",\"id\":{id},\"pad\":\"{}\"}}\n",
+            "x".repeat(2000)
+        )
+    };
+    let mut proved = daemon.connect();
+    proved.send_raw(padded(1).as_bytes());
+    let answer = proved.recv();
+    assert_eq!(answer["ok"], false, "the pad is an unknown field");
+    assert_eq!(answer["id"], 1);
+    let mut unproved = daemon.connect_unproved();
+    unproved.send_raw(padded(2).as_bytes());
+    let refused = unproved.recv();
+    assert_eq!(refused["error"]["type"], "frame_too_large");
+    assert_eq!(
+        refused["error"]["message"],
+        "frame longer than 1024 bytes before the secret is proved; closing"
+    );
+    assert_eq!(unproved.recv_line(), None);
+}

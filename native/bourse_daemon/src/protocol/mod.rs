@@ -281,7 +281,10 @@ impl<S: Store> Service<S> {
     /// The answer to a frame longer than `max` bytes; the transport then closes.
     pub fn frame_too_large(&self, session: &Session, out: &mut Vec<u8>, number: u64, max: usize) {
         self.count_invalid(session);
-        let message = format!("frame longer than {max} bytes (--max-frame-bytes); closing");
+        let message = match session.authenticated() {
+            true => format!("frame longer than {max} bytes (--max-frame-bytes); closing"),
+            false => format!("frame longer than {max} bytes before the secret is proved; closing"),
+        };
         error(
             out,
             session.codec(),

@@ -60,6 +60,16 @@ impl Frames {
         }
     }
 
+    /// The longest frame taken.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// From the next frame on, frames may be `max` bytes long.
+    pub fn allow(&mut self, max: usize) {
+        self.max = max;
+    }
+
     /// From the next frame on, frames are length-prefixed.
     pub fn length_prefixed(&mut self) {
         self.framing = Framing::LengthPrefixed;

@@ -42,6 +42,9 @@ const MAX_RUNNING: usize = 4096;
 const REFUSED_READ_BYTES: usize = 64 * 1024;
 /// TCP connections that have not proved the secret yet, at most.
 pub const MAX_UNPROVED: usize = 64;
+/// The longest frame of a connection that has not proved the secret yet (a `hello` or an
+/// `auth` takes about 100 bytes): reading one costs an unknown client little.
+const UNPROVED_MAX_FRAME_BYTES: usize = 1024;
 /// Refused connections read until their client closes, at once, at most; past it a
 /// refusal is written and the connection closed at once, so that clients holding refused
 /// connections open cannot take the descriptors kept spare.
@@ -401,7 +404,11 @@ where
     let service = Arc::clone(&context.service);
     let idle = context.limits.idle_timeout;
     let mut session = Arc::new(service.session(prove, idle.map(|idle| idle.as_millis() as u64)));
-    let mut input = Frames::new(context.limits.max_frame_bytes);
+    let max_frame_bytes = context.limits.max_frame_bytes;
+    let mut input = Frames::new(match prove {
+        true => max_frame_bytes.min(UNPROVED_MAX_FRAME_BYTES),
+        false => max_frame_bytes,
+    });
     let mut out = Vec::with_capacity(4096);
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
@@ -447,6 +454,7 @@ where
                     if let Slot::Unproved(entry) = &slot {
                         if session.authenticated() {
                             context.unproved.leave(entry);
+                            input.allow(max_frame_bytes);
                             match Arc::clone(&context.connections).try_acquire_owned() {
                                 Ok(permit) => {
                                     slot = Slot::Held { _permit: permit };
@@ -479,8 +487,7 @@ where
                 Next::TooLarge => {
                     let number = session.next_frame();
                     let start = out.len();
-                    let max = context.limits.max_frame_bytes;
-                    service.frame_too_large(&session, &mut out, number, max);
+                    service.frame_too_large(&session, &mut out, number, input.max());
                     framed(&mut out, start, session.codec());
                     while running > 0 {
                         let Some(answer) = answers.recv().await else {
