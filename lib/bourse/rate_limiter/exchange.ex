@@ -139,22 +139,9 @@ defmodule Bourse.RateLimiter.Exchange do
   @options [:share, :burst, :tier]
 
   defp check_options(opts) do
-    cond do
-      not Keyword.keyword?(opts) ->
-        invalid("options must be a keyword list, got #{Error.describe(opts)}")
-
-      true ->
-        case Options.odd_key(opts, @options) do
-          {:unknown, key} ->
-            invalid("unknown option #{Error.describe(key)}; expected one of #{inspect(@options)}")
-
-          {:repeated, key} ->
-            invalid("option #{inspect(key)} given more than once")
-
-          :ok ->
-            :ok
-        end
-    end
+    with {:error, message} <-
+           Options.known_options(opts, "option", @options, "one of #{inspect(@options)}"),
+         do: invalid(message)
   end
 
   defp size_counters(counters, opts) do

@@ -116,16 +116,26 @@ defmodule Bourse.RateLimiter.Options do
   defp names(options), do: Enum.map_join(options, ", ", &inspect/1)
 
   @doc false
-  # The first key of the keyword list `opts` that `known` lacks, else the first one given
-  # more than once, else `:ok`.
-  @spec odd_key(keyword(), [atom()]) :: {:unknown, atom()} | {:repeated, atom()} | :ok
-  def odd_key(opts, known) do
-    keys = Keyword.keys(opts)
+  # `:ok` for a keyword list of `known` options, each given once; else the error about its
+  # first unknown option, or its first repeated one. `what` names one option ("daemon
+  # option"), `expected` the options it takes.
+  @spec known_options(term(), String.t(), [atom()], String.t()) :: :ok | {:error, String.t()}
+  def known_options(opts, what, known, expected) do
+    if Keyword.keyword?(opts) do
+      keys = Keyword.keys(opts)
 
-    case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
-      {[unknown | _], _repeated} -> {:unknown, unknown}
-      {[], [repeated | _]} -> {:repeated, repeated}
-      {[], []} -> :ok
+      case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
+        {[unknown | _], _repeated} ->
+          {:error, "unknown #{what} #{Error.describe(unknown)}; expected #{expected}"}
+
+        {[], [repeated | _]} ->
+          {:error, "#{what} #{inspect(repeated)} given more than once"}
+
+        {[], []} ->
+          :ok
+      end
+    else
+      {:error, "#{what}s must be a keyword list, got #{Error.describe(opts)}"}
     end
   end
 

@@ -299,28 +299,13 @@ fn refused_connections_held_open_keep_few_descriptors() {
     );
 }
 
-/// Requests whose answers far outnumber what the sockets' buffers hold, written to `stream`
-/// from a thread of its own that never reads an answer; it ends once its write fails (the
-/// daemon closed the connection) or after 30 MB of them (more than loopback TCP buffers
-/// take: several MB).
-fn flood_unread<S: std::io::Write + Send + 'static>(mut stream: S) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
-        for _ in 0..2000 {
-            if stream.write_all(&lines).is_err() {
-                break;
-            }
-        }
-    })
-}
-
 /// A client that has not proved the secret, sending requests and never reading the
 /// answers (the daemon's write of them waits), is closed at its deadline all the same: it
 /// cannot hold a descriptor by not reading. Its deadline here is the idle timeout.
 #[test]
 fn an_unproved_client_that_never_reads_is_closed_at_its_deadline() {
     let daemon = common::Server::tcp(&["--idle-timeout-ms", "500"]);
-    let flood = flood_unread(TcpStream::connect(daemon.tcp_addr()).unwrap());
+    let flood = common::flood_unread(TcpStream::connect(daemon.tcp_addr()).unwrap());
     std::thread::sleep(Duration::from_millis(200));
     assert!(!flood.is_finished(), "the daemon read the whole flood");
     // Its writes fail once the daemon closed the connection.
@@ -343,9 +328,9 @@ fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
         "--max-connections",
         "2",
     ]);
-    let unix = flood_unread(UnixStream::connect(&socket).unwrap());
+    let unix = common::flood_unread(UnixStream::connect(&socket).unwrap());
     let proved = daemon.connect();
-    let tcp = flood_unread(proved.stream.try_clone().unwrap());
+    let tcp = common::flood_unread(proved.stream.try_clone().unwrap());
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         !unix.is_finished() && !tcp.is_finished(),

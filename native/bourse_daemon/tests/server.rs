@@ -267,7 +267,7 @@ fn a_unix_client_that_stops_reading_holds_up_no_other() {
     };
     let before = threads();
     let stopped = UnixStream::connect(&path).unwrap();
-    let flood = flood_unread(&stopped);
+    let flood = common::flood_unread(stopped.try_clone().unwrap());
     thread::sleep(Duration::from_millis(300));
     let mut other = LineClient::new(UnixStream::connect(&path).unwrap());
     for id in 0..100 {
@@ -556,21 +556,6 @@ fn unix_connections_opened_and_closed_fast_leak_no_thread_nor_descriptor() {
     );
 }
 
-/// Requests whose answers far outnumber what the sockets' buffers hold, written to
-/// `stream` from a thread of its own, which never reads an answer; it ends after 3 MB
-/// of them, or once the connection is shut down.
-fn flood_unread(stream: &UnixStream) -> thread::JoinHandle<()> {
-    let mut writer = stream.try_clone().unwrap();
-    thread::spawn(move || {
-        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
-        for _ in 0..200 {
-            if writer.write_all(&lines).is_err() {
-                break;
-            }
-        }
-    })
-}
-
 /// SIGTERM while a connection's thread is blocked writing to a client that stopped reading
 /// (as a stopped process does): the other connections are answered and closed, and the
 /// daemon exits 0 once its drain timeout passed, its socket file removed.
@@ -579,7 +564,7 @@ fn sigterm_with_a_thread_blocked_writing_exits_zero_after_the_drain() {
     let path = common::temp_path("term-blocked.sock");
     let mut server = Server::start(&["--socket", path.to_str().unwrap()]);
     let stopped = UnixStream::connect(&path).unwrap();
-    let flood = flood_unread(&stopped);
+    let flood = common::flood_unread(stopped.try_clone().unwrap());
     let mut other = LineClient::new(UnixStream::connect(&path).unwrap());
     assert_eq!(other.call(json!({"op": "hello"}))["ok"], true);
     thread::sleep(Duration::from_millis(300));

@@ -119,25 +119,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
-  defp known_options(opts) do
-    cond do
-      not Keyword.keyword?(opts) ->
-        {:error, "daemon options must be a keyword list, got #{Error.describe(opts)}"}
-
-      true ->
-        case Options.odd_key(opts, @options) do
-          {:unknown, key} ->
-            {:error,
-             "unknown daemon option #{Error.describe(key)}; expected one of #{inspect(@options)}"}
-
-          {:repeated, key} ->
-            {:error, "daemon option #{inspect(key)} given more than once"}
-
-          :ok ->
-            :ok
-        end
-    end
-  end
+  defp known_options(opts),
+    do: Options.known_options(opts, "daemon option", @options, "one of #{inspect(@options)}")
 
   defp allow_remote(opts) do
     case Keyword.get(opts, :allow_remote, false) do

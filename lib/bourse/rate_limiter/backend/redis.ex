@@ -183,23 +183,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   defp known_options(opts) do
-    cond do
-      not Keyword.keyword?(opts) ->
-        {:error, "redis options must be a keyword list, got #{Error.describe(opts)}"}
-
-      true ->
-        case Options.odd_key(opts, [:prefix, :redis_timeout_ms]) do
-          {:unknown, key} ->
-            {:error,
-             "unknown redis option #{Error.describe(key)}; expected :prefix or :redis_timeout_ms"}
-
-          {:repeated, key} ->
-            {:error, "redis option #{inspect(key)} given more than once"}
-
-          :ok ->
-            :ok
-        end
-    end
+    Options.known_options(
+      opts,
+      "redis option",
+      [:prefix, :redis_timeout_ms],
+      ":prefix or :redis_timeout_ms"
+    )
   end
 
   defp url(seeds) when is_list(seeds), do: seeds(seeds, 0, [])

@@ -56,6 +56,20 @@ pub fn wait_exit(child: &mut Child) -> ExitStatus {
     }
 }
 
+/// Requests whose answers far outnumber what the sockets' buffers hold (loopback TCP takes
+/// several MB), written to `stream` from a thread of its own that never reads an answer;
+/// it ends once its write fails (the connection was shut down or closed) or after 30 MB.
+pub fn flood_unread<S: Write + Send + 'static>(mut stream: S) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let lines = b"{\"op\":\"hello\"}\n".repeat(1000);
+        for _ in 0..2000 {
+            if stream.write_all(&lines).is_err() {
+                break;
+            }
+        }
+    })
+}
+
 /// Polls `probe` until it holds, failing after [`PATIENCE`].
 pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
     let deadline = Instant::now() + PATIENCE;
