@@ -391,3 +391,47 @@ fn frames_are_short_until_the_secret_is_proved() {
     );
     assert_eq!(unproved.recv_line(), None);
 }
+
+/// A client that reads its answers slowly but steadily while it still sends requests is
+/// neither idle nor stopped: the time the daemon waits to write to it, or has requests it
+/// could not read yet, is not idleness. Every answer arrives, with an idle timeout far
+/// shorter than the whole exchange.
+#[test]
+fn a_slow_but_steady_reader_is_served_to_the_end() {
+    let socket = common::temp_path("slow-reader.sock");
+    let _daemon = common::Server::start(&[
+        "--socket",
+        socket.to_str().unwrap(),
+        "--idle-timeout-ms",
+        "300",
+    ]);
+    let stream = UnixStream::connect(&socket).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let requests = 2000;
+    let sending = std::thread::spawn(move || {
+        for id in 0..requests {
+            let line = format!("{{\"op\":\"hello\",\"id\":{id}}}\n");
+            if std::io::Write::write_all(&mut writer, line.as_bytes()).is_err() {
+                return false;
+            }
+        }
+        true
+    });
+    let mut reader = stream;
+    reader
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let (mut answers, mut chunk) = (0, [0u8; 8192]);
+    while answers < requests {
+        std::thread::sleep(Duration::from_millis(50));
+        match std::io::Read::read(&mut reader, &mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => answers += chunk[..read].iter().filter(|&&b| b == b'\n').count(),
+        }
+    }
+    assert_eq!(answers, requests, "closed before the last answer");
+    assert!(
+        sending.join().unwrap(),
+        "closed while the client was sending"
+    );
+}

@@ -30,9 +30,9 @@ Access (server mode):
   --max-connections N       Connections served at once (default 256, 1..=65536); past it
                             a connection is told so and closed.
   --idle-timeout-ms N       Close a connection that sent nothing for N ms, or whose
-                            answers waited N ms to be written (default 300000; 0:
-                            never). A connection that must prove the secret has 10 s
-                            to do it.
+                            client read none of its answers for N ms (default 300000;
+                            0: never). A connection that must prove the secret has
+                            10 s to do it.
 
 Storage:
   (default)                 The buckets live in this process.

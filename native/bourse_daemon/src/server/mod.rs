@@ -8,9 +8,9 @@
 //! clients prove the shared secret before anything but `hello` is served. Connections are
 //! bounded in number, and closed when idle.
 
-use std::future::Future;
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -376,6 +376,15 @@ impl Unproved {
     }
 }
 
+/// Takes a connection off the unproved list when dropped.
+struct LeaveUnproved(Arc<Unproved>, Arc<Evictable>);
+
+impl Drop for LeaveUnproved {
+    fn drop(&mut self) {
+        self.0.leave(&self.1);
+    }
+}
+
 async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
     let mut shutdown = context.shutdown.clone();
     while !*shutdown.borrow_and_update() {
@@ -398,7 +407,7 @@ async fn accept_loop<S: Store>(listener: Listener, context: Context<S>) {
 /// runs as a task and its answer is written as soon as it is ready.
 async fn serve<T, S: Store>(mut stream: T, mut context: Context<S>, mut slot: Slot)
 where
-    T: NonBlocking + Into<thread::Stream> + AsyncRead + AsyncWrite + Unpin,
+    T: NonBlocking + AsRawFd + Into<thread::Stream> + AsyncRead + AsyncWrite + Unpin,
 {
     let prove = matches!(slot, Slot::Unproved(_));
     let service = Arc::clone(&context.service);
@@ -413,6 +422,14 @@ where
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
     let mut spin = Spin::default();
+    // Off the unproved list however the service ends (once proved, it left already).
+    let _unproved = match &slot {
+        Slot::Unproved(entry) => Some(LeaveUnproved(
+            Arc::clone(&context.unproved),
+            Arc::clone(entry),
+        )),
+        Slot::Held { .. } => None,
+    };
     let opened = Instant::now();
     let auth_deadline = opened + idle.map_or(AUTH_TIMEOUT, |idle| idle.min(AUTH_TIMEOUT));
     let mut active = opened;
@@ -465,8 +482,14 @@ where
                                     }
                                 }
                                 Err(_) => {
-                                    let ends = write_ends(&slot, auth_deadline, idle);
-                                    if send_until(&mut stream, &mut out, ends).await.is_err() {
+                                    let sent = send_until(
+                                        &mut stream,
+                                        &mut out,
+                                        &slot,
+                                        auth_deadline,
+                                        idle,
+                                    );
+                                    if sent.await.is_err() {
                                         return;
                                     }
                                     let max = context.limits.max_connections;
@@ -478,10 +501,12 @@ where
                         }
                     }
                     if out.len() >= WRITE_CHUNK {
-                        let ends = write_ends(&slot, auth_deadline, idle);
-                        if send_until(&mut stream, &mut out, ends).await.is_err() {
+                        let sent = send_until(&mut stream, &mut out, &slot, auth_deadline, idle);
+                        if sent.await.is_err() {
                             return;
                         }
+                        // Its client reads: it is not idle.
+                        active = Instant::now();
                     }
                 }
                 Next::TooLarge => {
@@ -496,8 +521,7 @@ where
                         running -= 1;
                         out.extend_from_slice(&answer);
                     }
-                    let ends = write_ends(&slot, auth_deadline, idle);
-                    let _ = send_until(&mut stream, &mut out, ends).await;
+                    let _ = send_until(&mut stream, &mut out, &slot, auth_deadline, idle).await;
                     let _ = stream.shutdown().await;
                     linger(&mut stream, Duration::from_secs(1)).await;
                     return;
@@ -505,9 +529,15 @@ where
                 Next::Pending => break,
             }
         }
-        let ends = write_ends(&slot, auth_deadline, idle);
-        if send_until(&mut stream, &mut out, ends).await.is_err() {
-            return;
+        if !out.is_empty() {
+            if send_until(&mut stream, &mut out, &slot, auth_deadline, idle)
+                .await
+                .is_err()
+            {
+                return;
+            }
+            // Its client reads: it is not idle.
+            active = Instant::now();
         }
         // A thread serves the rest, unless none can start. No task holds the session: none
         // runs for the in-memory table.
@@ -610,9 +640,6 @@ where
             Err(_) => return,
         }
     }
-    if let Slot::Unproved(entry) = &slot {
-        context.unproved.leave(entry);
-    }
     let _ = stream.shutdown().await;
     if *context.shutdown.borrow() {
         linger(&mut stream, Duration::from_millis(100)).await;
@@ -653,41 +680,63 @@ async fn linger<S: AsyncRead + Unpin>(stream: &mut S, patience: Duration) {
     .await;
 }
 
-async fn send<S: AsyncWrite + Unpin>(stream: &mut S, out: &mut Vec<u8>) -> io::Result<()> {
-    if !out.is_empty() {
-        stream.write_all(out).await?;
-        out.clear();
-    }
-    Ok(())
-}
-
-/// Writes `out`, unless `ends` comes first (then the connection is to close).
-async fn send_until<S: AsyncWrite + Unpin>(
+/// Writes `out` and empties it, unless a write makes no progress until [`write_ends`]
+/// (then the connection is to close): each part the socket takes starts the wait again.
+async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
     stream: &mut S,
     out: &mut Vec<u8>,
-    ends: impl Future<Output = ()>,
+    slot: &Slot,
+    auth_deadline: Instant,
+    idle: Option<Duration>,
 ) -> io::Result<()> {
-    tokio::select! {
-        sent = send(stream, out) => sent,
-        () = ends => Err(ErrorKind::TimedOut.into()),
+    let mut sent = 0;
+    let fd = stream.as_raw_fd();
+    while sent < out.len() {
+        tokio::select! {
+            wrote = stream.write(&out[sent..]) => match wrote? {
+                0 => return Err(ErrorKind::WriteZero.into()),
+                wrote => sent += wrote,
+            },
+            () = write_ends(slot, auth_deadline, idle, fd) => return Err(ErrorKind::TimedOut.into()),
+        }
     }
+    out.clear();
+    Ok(())
 }
 
 /// When a write of answers that the client does not read ends its connection: for one
 /// that has not proved the secret, at its deadline or once evicted (whatever it sends,
-/// it cannot stay longer by not reading); for any other, after the idle timeout without
-/// the write finishing (its client stopped reading).
-async fn write_ends(slot: &Slot, auth_deadline: Instant, idle: Option<Duration>) {
+/// it cannot stay longer by not reading); for any other, once its client read none of
+/// what the socket `fd` holds for it for the idle timeout (it stopped reading). A slow
+/// reader makes progress though the socket may not take more until it read much more.
+async fn write_ends(slot: &Slot, auth_deadline: Instant, idle: Option<Duration>, fd: RawFd) {
     match slot {
         Slot::Unproved(entry) => tokio::select! {
             () = tokio::time::sleep_until(auth_deadline.into()) => {}
             () = entry.evicted.notified() => {}
         },
         Slot::Held { .. } => match idle {
-            Some(idle) => tokio::time::sleep(idle).await,
+            Some(idle) => {
+                let mut unread = unread_bytes(fd);
+                loop {
+                    tokio::time::sleep(idle).await;
+                    match (unread, unread_bytes(fd)) {
+                        (Some(before), Some(now)) if now < before => unread = Some(now),
+                        _ => return,
+                    }
+                }
+            }
             None => std::future::pending().await,
         },
     }
+}
+
+/// The bytes written to socket `fd` that its peer has not read yet (`SIOCOUTQ`).
+fn unread_bytes(fd: RawFd) -> Option<usize> {
+    let mut unread: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ writes one int at the pointer given, a live local.
+    let done = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut unread) };
+    (done == 0).then_some(unread as usize)
 }
 
 /// Removes a socket file left by a daemon that is gone; refuses to replace a live socket or

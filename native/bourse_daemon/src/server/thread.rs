@@ -124,8 +124,12 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                     if number == 1 && session.codec() == Codec::Etf {
                         input.length_prefixed();
                     }
-                    if out.len() >= WRITE_CHUNK && send(&stream, &mut out).is_err() {
-                        return;
+                    if out.len() >= WRITE_CHUNK {
+                        if send(&stream, &mut out).is_err() {
+                            return;
+                        }
+                        // Its client reads: it is not idle.
+                        active = Instant::now();
                     }
                 }
                 Next::TooLarge => {
@@ -142,8 +146,11 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                 Next::Pending => break,
             }
         }
-        if send(&stream, &mut out).is_err() {
-            return;
+        if !out.is_empty() {
+            if send(&stream, &mut out).is_err() {
+                return;
+            }
+            active = Instant::now();
         }
         if closing || *context.shutdown.borrow() {
             break;
@@ -308,12 +315,17 @@ fn wait(socket: BorrowedFd, stopped: Option<BorrowedFd>, deadline: Option<Instan
         },
     ];
     loop {
-        let timeout = match deadline {
-            None => -1,
+        // Past the deadline, one look without waiting: input that came while this thread
+        // was busy (writing, say) is read, not taken for idleness.
+        let (timeout, last) = match deadline {
+            None => (-1, false),
             Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
-                None => return Woken::Expired,
+                None => (0, true),
                 // Rounded up: woken before the deadline, it would only wait again.
-                Some(left) => left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
+                Some(left) => (
+                    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
+                    false,
+                ),
             },
         };
         // SAFETY: `fds` is an array of two initialised pollfd, as its length says.
@@ -323,6 +335,9 @@ fn wait(socket: BorrowedFd, stopped: Option<BorrowedFd>, deadline: Option<Instan
                 true => Woken::Stopped,
                 false => Woken::Input,
             };
+        }
+        if last {
+            return Woken::Expired;
         }
         // Interrupted, or timed out (then the deadline is checked again).
     }
