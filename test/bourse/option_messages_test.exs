@@ -129,6 +129,9 @@ defmodule Bourse.OptionMessagesTest do
                backend: {:redis, "redis://127.0.0.1:1", prefix: "a", prefix: "b"}
              )
 
+    assert {:error, %Error{message: "option :body given more than once"}} =
+             RateLimiter.observe_response("bybit", "k", 200, [], name, body: "{}", body: "{}")
+
     assert {:error, %Error{message: "option :share given more than once"}} =
              Bourse.RateLimiter.Exchange.buckets(:binance_spot, share: 0.8, share: 0.5)
   end

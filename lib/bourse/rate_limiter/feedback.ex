@@ -144,7 +144,7 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, Native, RateLimiter}
-  alias Bourse.RateLimiter.{BodySignal, Events, RetryAfter, Router}
+  alias Bourse.RateLimiter.{BodySignal, Events, Options, RetryAfter, Router}
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
@@ -290,21 +290,14 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp options(opts, exchange_id, credential) do
-    with true <- Keyword.keyword?(opts) || {:not_keyword, opts},
-         {known, []} <- Keyword.split(opts, [:body, :limits]),
-         {:ok, body} <- body(Keyword.get(known, :body)),
+    with :ok <- Options.known_options(opts, "option", [:body, :limits], ":body or :limits"),
+         {:ok, body} <- body(Keyword.get(opts, :body)),
          {:ok, definitions} <-
-           definitions(Keyword.get(known, :limits, %{}), exchange_id, credential) do
+           definitions(Keyword.get(opts, :limits, %{}), exchange_id, credential) do
       {:ok, body, definitions}
     else
-      {:error, %Error{}} = error ->
-        error
-
-      {:not_keyword, opts} ->
-        invalid("options must be a keyword list, got #{Error.describe(opts)}")
-
-      {_known, [{option, _value} | _]} ->
-        invalid("unknown option #{Error.describe(option)}; expected :body or :limits")
+      {:error, %Error{}} = error -> error
+      {:error, message} -> invalid(message)
     end
   end
 
