@@ -313,8 +313,8 @@ fn an_unproved_client_that_never_reads_is_closed_at_its_deadline() {
 }
 
 /// Clients that stop reading (a paused process, say), on a Unix socket or over TCP once
-/// proved, hold their connection slots only until their answers have waited the idle
-/// timeout to be written: then a new client is served, not refused.
+/// proved, hold their connection slots only until they have read none of their answers
+/// for the idle timeout: then a new client is served, not refused.
 #[test]
 fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
     let socket = common::temp_path("stop-reading.sock");
