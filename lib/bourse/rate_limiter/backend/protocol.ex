@@ -96,8 +96,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       }
       |> waiting(max_wait)
 
-    with {:error, _} = error <- run(request, handle, &outcome/1),
-         do: judged(error, :check_rate, [owner, key, limit, cost, max_wait])
+    run(request, handle, &outcome/1, {:check_rate, [owner, key, limit, cost, max_wait]})
   end
 
   @doc "`check_rates/3`: all or nothing over several buckets."
@@ -108,24 +107,24 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
       |> waiting(max_wait)
 
-    with {:error, _} = error <- run(request, handle, &outcome/1),
-         do: judged(error, :check_rates, [owner, checks, max_wait])
+    run(request, handle, &outcome/1, {:check_rates, [owner, checks, max_wait]})
   end
 
   @doc "`record_request/3`."
   @spec record_request(handle(), term(), term()) :: :ok | error()
   def record_request(handle, key, cost) do
-    with {:error, _} = error <-
-           run(%{op: "record", key: key(key), cost: value(cost)}, handle, &done/1),
-         do: judged(error, :record_request, [key, cost])
+    run(
+      %{op: "record", key: key(key), cost: value(cost)},
+      handle,
+      &done/1,
+      {:record_request, [key, cost]}
+    )
   end
 
   @doc "`get_cost/3`: the tokens borrowed from the key's bucket."
   @spec get_cost(handle(), term()) :: number() | error()
   def get_cost(handle, key) do
-    with {:error, _} = error <-
-           run(%{op: "get_cost", key: key(key)}, handle, &field(&1, "borrowed")),
-         do: judged(error, :get_cost, [key])
+    run(%{op: "get_cost", key: key(key)}, handle, &field(&1, "borrowed"), {:get_cost, [key]})
   end
 
   @doc "Lowers the key's tokens to what the exchange still allows; returns the tokens taken."
@@ -138,23 +137,24 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       window_left_ms: value(window_left_ms)
     }
 
-    with {:error, _} = error <- run(request, handle, &field(&1, "taken")),
-         do: judged(error, :sync, [key, allowance, window_left_ms])
+    run(request, handle, &field(&1, "taken"), {:sync, [key, allowance, window_left_ms]})
   end
 
   @doc "`reset/2`."
   @spec reset(handle(), term()) :: :ok | error()
   def reset(handle, key) do
-    with {:error, _} = error <- run(%{op: "reset", key: key(key)}, handle, &done/1),
-         do: judged(error, :reset, [key])
+    run(%{op: "reset", key: key(key)}, handle, &done/1, {:reset, [key]})
   end
 
   @doc "`reset_exchange/2`."
   @spec reset_exchange(handle(), term()) :: :ok | error()
   def reset_exchange(handle, exchange) do
-    with {:error, _} = error <-
-           run(%{op: "reset_exchange", exchange: value(exchange)}, handle, &done/1),
-         do: judged(error, :reset_exchange, [exchange])
+    run(
+      %{op: "reset_exchange", exchange: value(exchange)},
+      handle,
+      &done/1,
+      {:reset_exchange, [exchange]}
+    )
   end
 
   @doc "`reset_all/1`."
@@ -166,8 +166,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   def back_off(handle, credential, scope) do
     request = %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
 
-    with {:error, _} = error <- run(request, handle, &field(&1, "ms")),
-         do: judged(error, :back_off, [credential, scope])
+    run(request, handle, &field(&1, "ms"), {:back_off, [credential, scope]})
   end
 
   @doc "Forgets the backoff count of `{exchange_id, credential_key}`."
@@ -175,16 +174,18 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   def reset_backoff(handle, credential) do
     request = %{op: "reset_backoff", credential: backoff_credential(credential)}
 
-    with {:error, _} = error <- run(request, handle, &done/1),
-         do: judged(error, :reset_backoff, [credential])
+    run(request, handle, &done/1, {:reset_backoff, [credential]})
   end
 
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
   def pause(handle, target, ms) do
-    with {:error, _} = error <-
-           run(%{op: "pause", target: pause_target(target), ms: value(ms)}, handle, &done/1),
-         do: judged(error, :pause, [target, ms])
+    run(
+      %{op: "pause", target: pause_target(target), ms: value(ms)},
+      handle,
+      &done/1,
+      {:pause, [target, ms]}
+    )
   end
 
   @doc "A snapshot of one key, or `nil` when the table does not hold it."
@@ -192,8 +193,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   def inspect(handle, key) do
     shape = fn answer -> with {:ok, info} <- Map.fetch(answer, "info"), do: info(info) end
 
-    with {:error, _} = error <- run(%{op: "inspect", key: key(key)}, handle, shape),
-         do: judged(error, :inspect, [key])
+    run(%{op: "inspect", key: key(key)}, handle, shape, {:inspect, [key]})
   end
 
   @doc "The daemon's counters since it started, and its live buckets and bookings."
@@ -215,8 +215,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
         :error
     end
 
-    with {:error, _} = error <- run(%{op: "busiest", count: value(count)}, handle, shape),
-         do: judged(error, :busiest, [count])
+    run(%{op: "busiest", count: value(count)}, handle, shape, {:busiest, [count]})
   end
 
   @doc "Drops idle full buckets now; returns how many."
@@ -226,8 +225,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   ## Sending
 
   # Sends `request` and shapes a successful answer with `shape`; the daemon's errors come
-  # back as it wrote them.
-  defp run(request, handle, shape) do
+  # back as it wrote them. `call` (`{callback, args}`, `nil` for a call without input) is
+  # the same call for `NIF`, to judge its input when the daemon did not (`judged/2`).
+  defp run(request, handle, shape, call \\ nil) do
+    request |> answer(handle, shape) |> judged(call)
+  end
+
+  defp answer(request, handle, shape) do
     case Connection.request(handle, request) do
       %{"ok" => true} = answer ->
         case shape.(answer) do
@@ -257,15 +261,15 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   # large for its frames: Connection.request's plain-string error): the core's
   # `:invalid_parameters` for the same call, judged by `NIF` on a scratch table thrown away
   # after, or else `error` as it is. Run only on these failures.
-  defp judged({:error, %Error{type: :unavailable}} = error, callback, args),
-    do: judge(error, callback, args)
+  defp judged({:error, %Error{type: :unavailable}} = error, {_callback, _args} = call),
+    do: judge(error, call)
 
-  defp judged({:error, message} = error, callback, args) when is_binary(message),
-    do: judge(error, callback, args)
+  defp judged({:error, message} = error, {_callback, _args} = call) when is_binary(message),
+    do: judge(error, call)
 
-  defp judged(error, _callback, _args), do: error
+  defp judged(answer, _call), do: answer
 
-  defp judge(error, callback, args) do
+  defp judge(error, {callback, args}) do
     case apply(NIF, callback, [Native.new_table(false, 0) | args]) do
       {:error, %Error{type: :invalid_parameters}} = invalid -> invalid
       _answer -> error

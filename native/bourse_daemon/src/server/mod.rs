@@ -422,8 +422,8 @@ where
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
     let mut spin = Spin::default();
-    // Off the unproved list however the service ends (once proved, it left already).
-    let _unproved = match &slot {
+    // On the unproved list until it proves the secret, or however its service ends.
+    let mut unproved = match &slot {
         Slot::Unproved(entry) => Some(LeaveUnproved(
             Arc::clone(&context.unproved),
             Arc::clone(entry),
@@ -468,9 +468,9 @@ where
                     }
                     // Proved: from now on it needs a connection slot, before another
                     // frame is served.
-                    if let Slot::Unproved(entry) = &slot {
+                    if let Slot::Unproved(_) = &slot {
                         if session.authenticated() {
-                            context.unproved.leave(entry);
+                            drop(unproved.take());
                             input.allow(max_frame_bytes);
                             match Arc::clone(&context.connections).try_acquire_owned() {
                                 Ok(permit) => {

@@ -135,8 +135,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                 Next::TooLarge => {
                     let number = session.next_frame();
                     let start = out.len();
-                    let max = context.limits.max_frame_bytes;
-                    service.frame_too_large(&session, &mut out, number, max);
+                    service.frame_too_large(&session, &mut out, number, input.max());
                     framed(&mut out, start, session.codec());
                     let _ = send(&stream, &mut out);
                     let _ = stream.shutdown(Shutdown::Write);
