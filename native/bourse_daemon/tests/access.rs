@@ -405,33 +405,5 @@ fn a_slow_but_steady_reader_is_served_to_the_end() {
         "--idle-timeout-ms",
         "300",
     ]);
-    let stream = UnixStream::connect(&socket).unwrap();
-    let mut writer = stream.try_clone().unwrap();
-    let requests = 2000;
-    let sending = std::thread::spawn(move || {
-        for id in 0..requests {
-            let line = format!("{{\"op\":\"hello\",\"id\":{id}}}\n");
-            if std::io::Write::write_all(&mut writer, line.as_bytes()).is_err() {
-                return false;
-            }
-        }
-        true
-    });
-    let mut reader = stream;
-    reader
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let (mut answers, mut chunk) = (0, [0u8; 8192]);
-    while answers < requests {
-        std::thread::sleep(Duration::from_millis(50));
-        match std::io::Read::read(&mut reader, &mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(read) => answers += chunk[..read].iter().filter(|&&b| b == b'\n').count(),
-        }
-    }
-    assert_eq!(answers, requests, "closed before the last answer");
-    assert!(
-        sending.join().unwrap(),
-        "closed while the client was sending"
-    );
+    common::read_slowly(&socket);
 }

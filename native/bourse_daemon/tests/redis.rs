@@ -584,6 +584,25 @@ fn a_redis_restart_admits_nothing_while_down_and_recovers() {
     assert!(admitted <= 5, "admitted {admitted}");
 }
 
+/// With `--redis` a connection is served by the runtime, not a thread of its own: a client
+/// that reads its answers slowly but steadily is not taken for one that stopped reading.
+#[test]
+fn a_slow_but_steady_reader_is_served_to_the_end() {
+    let Some(redis) = Redis::start() else { return };
+    let socket = common::temp_path("redis-slow-reader.sock");
+    let url = redis.url();
+    let mut args = vec!["--redis", url.as_str()];
+    args.extend_from_slice(&PATIENT);
+    args.extend_from_slice(&[
+        "--socket",
+        socket.to_str().unwrap(),
+        "--idle-timeout-ms",
+        "300",
+    ]);
+    let _daemon = Server::start(&args);
+    common::read_slowly(&socket);
+}
+
 #[test]
 fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     let Some(redis) = Redis::start() else { return };

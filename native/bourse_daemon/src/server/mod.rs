@@ -34,6 +34,10 @@ use crate::sweeper;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Answers are written out once this many bytes are pending, even mid-batch.
 const WRITE_CHUNK: usize = 64 * 1024;
+/// The most one write hands the socket: a Unix socket frees what it holds for the client
+/// only once the client read the whole of a write, so a slow reader's progress shows once
+/// it read this much.
+const WRITE_PIECE: usize = 8 * 1024;
 /// How long a connection that must prove the secret may take to do it.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Requests of one connection running at once on a remote store; past it, reading waits.
@@ -693,7 +697,7 @@ async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
     let fd = stream.as_raw_fd();
     while sent < out.len() {
         tokio::select! {
-            wrote = stream.write(&out[sent..]) => match wrote? {
+            wrote = stream.write(&out[sent..out.len().min(sent + WRITE_PIECE)]) => match wrote? {
                 0 => return Err(ErrorKind::WriteZero.into()),
                 wrote => sent += wrote,
             },

@@ -2,10 +2,10 @@
 //! reads a request answers it, and sleeps in `poll` on the socket alone, so no other thread
 //! hands it work or is woken for it. (A runtime's reactor also watches the socket for room
 //! to write, and wakes whenever the client reads an answer.) A Unix connection comes here
-//! once accepted, a TCP connection once it proved the secret. Reads never block; writes
-//! block this connection only.
+//! once accepted, a TCP connection once it proved the secret. Reads and writes never
+//! block; a write waits for room in `poll`, blocking this connection only.
 
-use std::io::{self, ErrorKind, Write};
+use std::io::{self, ErrorKind};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::{Builder, Runtime};
 
 use super::frames::{framed, Frames, Framing, Next};
-use super::{Context, NonBlocking, Slot, WRITE_CHUNK};
+use super::{unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE};
 use crate::protocol::{Codec, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
@@ -93,8 +93,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
         begun,
     } = connection;
     let idle = context.limits.idle_timeout;
-    // Out of the runtime's reactor, and blocking: reads ask not to wait.
-    let Some(stream) = Socket::blocking(stream, idle) else {
+    let Some(stream) = Socket::out_of_runtime(stream) else {
         return;
     };
     let service = Arc::clone(&context.service);
@@ -125,7 +124,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                         input.length_prefixed();
                     }
                     if out.len() >= WRITE_CHUNK {
-                        if send(&stream, &mut out).is_err() {
+                        if send(&stream, &mut out, idle).is_err() {
                             return;
                         }
                         // Its client reads: it is not idle.
@@ -137,7 +136,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                     let start = out.len();
                     service.frame_too_large(&session, &mut out, number, input.max());
                     framed(&mut out, start, session.codec());
-                    let _ = send(&stream, &mut out);
+                    let _ = send(&stream, &mut out, idle);
                     let _ = stream.shutdown(Shutdown::Write);
                     linger(&stream, Duration::from_secs(1));
                     return;
@@ -146,7 +145,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
             }
         }
         if !out.is_empty() {
-            if send(&stream, &mut out).is_err() {
+            if send(&stream, &mut out, idle).is_err() {
                 return;
             }
             active = Instant::now();
@@ -208,35 +207,34 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
     }
 }
 
-/// A connection's socket out of the runtime, blocking.
+/// A connection's socket out of the runtime's reactor. Its reads and writes never wait.
 enum Socket {
     Unix(UnixStream),
     Tcp(TcpStream),
 }
 
 impl Socket {
-    /// The socket, blocking; a write that makes no progress for `idle` fails (its client
-    /// stopped reading), which closes the connection.
-    fn blocking(stream: Stream, idle: Option<Duration>) -> Option<Self> {
-        let socket = match stream {
+    fn out_of_runtime(stream: Stream) -> Option<Self> {
+        Some(match stream {
             Stream::Unix(stream) => Socket::Unix(stream.into_std().ok()?),
             Stream::Tcp(stream) => Socket::Tcp(stream.into_std().ok()?),
-        };
-        let blocking = match &socket {
-            Socket::Unix(stream) => stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_write_timeout(idle)),
-            Socket::Tcp(stream) => stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_write_timeout(idle)),
-        };
-        blocking.ok().map(|()| socket)
+        })
     }
 
-    fn write_all(&self, bytes: &[u8]) -> io::Result<()> {
-        match self {
-            Socket::Unix(stream) => Write::write_all(&mut &*stream, bytes),
-            Socket::Tcp(stream) => Write::write_all(&mut &*stream, bytes),
+    /// Writes what the socket takes of `bytes` now; `WouldBlock` if it takes nothing.
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+        // SAFETY: send reads at most `bytes.len()` bytes from the slice given.
+        let wrote = unsafe {
+            libc::send(
+                self.as_fd().as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        match wrote {
+            0.. => Ok(wrote as usize),
+            _ => Err(io::Error::last_os_error()),
         }
     }
 
@@ -279,12 +277,48 @@ impl NonBlocking for Socket {
     }
 }
 
-fn send(stream: &Socket, out: &mut Vec<u8>) -> io::Result<()> {
-    if !out.is_empty() {
-        stream.write_all(out)?;
-        out.clear();
+/// Writes `out` and empties it, unless the client read none of what the socket holds for
+/// it for `idle` while the socket had no room (it stopped reading; the connection is to
+/// close). A slow reader makes progress though the socket may take no more until it read
+/// much more.
+fn send(stream: &Socket, out: &mut Vec<u8>, idle: Option<Duration>) -> io::Result<()> {
+    let mut sent = 0;
+    while sent < out.len() {
+        match stream.try_write(&out[sent..out.len().min(sent + WRITE_PIECE)]) {
+            Ok(wrote) => sent += wrote,
+            Err(error) if error.kind() == ErrorKind::WouldBlock => room(stream, idle)?,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
     }
+    out.clear();
     Ok(())
+}
+
+/// Waits until `stream` has room to write; fails once its client read none of what the
+/// socket holds for it for `idle`.
+fn room(stream: &Socket, idle: Option<Duration>) -> io::Result<()> {
+    let fd = stream.as_fd().as_raw_fd();
+    let mut unread = unread_bytes(fd);
+    let timeout = idle.map_or(-1, |idle| {
+        idle.as_millis().clamp(1, i32::MAX as u128) as libc::c_int
+    });
+    loop {
+        let mut fds = [libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        }];
+        // SAFETY: `fds` is an array of one initialised pollfd, as its length says.
+        // Interrupted or with room, the caller tries to write again.
+        if unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout) } != 0 {
+            return Ok(());
+        }
+        match (unread, unread_bytes(fd)) {
+            (Some(before), Some(now)) if now < before => unread = Some(now),
+            _ => return Err(ErrorKind::TimedOut.into()),
+        }
+    }
 }
 
 /// What ended a [`wait`].

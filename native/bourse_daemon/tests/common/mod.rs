@@ -70,6 +70,42 @@ pub fn flood_unread<S: Write + Send + 'static>(mut stream: S) -> std::thread::Jo
     })
 }
 
+/// Sends 2000 `hello`s to the daemon at `socket` while reading the answers 4 KiB every
+/// 50 ms; fails unless every answer arrives and every request could be sent. Each read takes
+/// 4 KiB, far less than the socket must be rid of before it takes more: with an idle
+/// timeout of 300 ms, what the client reads in one is three of the daemon's 8 KiB parts.
+pub fn read_slowly(socket: &std::path::Path) {
+    let stream = UnixStream::connect(socket).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let requests = 2000;
+    let sending = std::thread::spawn(move || {
+        for id in 0..requests {
+            let line = format!("{{\"op\":\"hello\",\"id\":{id}}}\n");
+            if writer.write_all(line.as_bytes()).is_err() {
+                return false;
+            }
+        }
+        true
+    });
+    let mut reader = stream;
+    reader
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let (mut answers, mut chunk) = (0, [0u8; 4096]);
+    while answers < requests {
+        std::thread::sleep(Duration::from_millis(50));
+        match reader.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => answers += chunk[..read].iter().filter(|&&b| b == b'\n').count(),
+        }
+    }
+    assert_eq!(answers, requests, "closed before the last answer");
+    assert!(
+        sending.join().unwrap(),
+        "closed while the client was sending"
+    );
+}
+
 /// Polls `probe` until it holds, failing after [`PATIENCE`].
 pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
     let deadline = Instant::now() + PATIENCE;
