@@ -697,6 +697,8 @@ async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
     let fd = stream.as_raw_fd();
     while sent < out.len() {
         tokio::select! {
+            // A write that can go at once goes without the wait's timer and `SIOCOUTQ`.
+            biased;
             wrote = stream.write(&out[sent..out.len().min(sent + WRITE_PIECE)]) => match wrote? {
                 0 => return Err(ErrorKind::WriteZero.into()),
                 wrote => sent += wrote,
