@@ -603,6 +603,28 @@ fn a_slow_but_steady_reader_is_served_to_the_end() {
     common::read_slowly(&socket);
 }
 
+/// With `--redis`, a client that stops reading its answers gives its slot back once it read
+/// none of them for the idle timeout.
+#[test]
+fn a_client_that_stops_reading_gives_its_slot_back() {
+    let Some(redis) = Redis::start() else { return };
+    let socket = common::temp_path("redis-stop-reading.sock");
+    let url = redis.url();
+    let mut args = vec!["--redis", url.as_str()];
+    args.extend_from_slice(&PATIENT);
+    args.extend_from_slice(&["--socket", socket.to_str().unwrap()]);
+    args.extend_from_slice(&["--idle-timeout-ms", "500", "--max-connections", "1"]);
+    let _daemon = Server::start(&args);
+    let flood = common::flood_unread(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+    thread::sleep(Duration::from_millis(200));
+    assert!(!flood.is_finished(), "the flood was read whole");
+    eventually("a new client is served", || {
+        let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        LineClient::new(stream).call(json!({"op": "hello"}))["ok"] == true
+    });
+    flood.join().unwrap();
+}
+
 #[test]
 fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     let Some(redis) = Redis::start() else { return };
