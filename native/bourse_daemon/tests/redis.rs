@@ -121,6 +121,20 @@ fn daemon(redis: &Redis, extra: &[&str]) -> Server {
     Server::tcp(&args)
 }
 
+/// A daemon on `redis` serving the Unix socket `socket` only, with extra options.
+fn socket_daemon(redis: &Redis, socket: &std::path::Path, extra: &[&str]) -> Server {
+    let url = redis.url();
+    let mut args = vec![
+        "--redis",
+        url.as_str(),
+        "--socket",
+        socket.to_str().unwrap(),
+    ];
+    args.extend_from_slice(&PATIENT);
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
 fn ms(answer: &Value) -> u64 {
     answer["ms"]
         .as_u64()
@@ -590,16 +604,7 @@ fn a_redis_restart_admits_nothing_while_down_and_recovers() {
 fn a_slow_but_steady_reader_is_served_to_the_end() {
     let Some(redis) = Redis::start() else { return };
     let socket = common::temp_path("redis-slow-reader.sock");
-    let url = redis.url();
-    let mut args = vec!["--redis", url.as_str()];
-    args.extend_from_slice(&PATIENT);
-    args.extend_from_slice(&[
-        "--socket",
-        socket.to_str().unwrap(),
-        "--idle-timeout-ms",
-        "300",
-    ]);
-    let _daemon = Server::start(&args);
+    let _daemon = socket_daemon(&redis, &socket, &["--idle-timeout-ms", "300"]);
     common::read_slowly(&socket);
 }
 
@@ -609,12 +614,8 @@ fn a_slow_but_steady_reader_is_served_to_the_end() {
 fn a_client_that_stops_reading_gives_its_slot_back() {
     let Some(redis) = Redis::start() else { return };
     let socket = common::temp_path("redis-stop-reading.sock");
-    let url = redis.url();
-    let mut args = vec!["--redis", url.as_str()];
-    args.extend_from_slice(&PATIENT);
-    args.extend_from_slice(&["--socket", socket.to_str().unwrap()]);
-    args.extend_from_slice(&["--idle-timeout-ms", "500", "--max-connections", "1"]);
-    let _daemon = Server::start(&args);
+    let extra = ["--idle-timeout-ms", "500", "--max-connections", "1"];
+    let _daemon = socket_daemon(&redis, &socket, &extra);
     let flood = common::flood_unread(std::os::unix::net::UnixStream::connect(&socket).unwrap());
     thread::sleep(Duration::from_millis(200));
     assert!(!flood.is_finished(), "the flood was read whole");
