@@ -726,14 +726,25 @@ async fn write_ends(slot: &Slot, auth_deadline: Instant, idle: Option<Duration>,
                 let mut unread = unread_bytes(fd);
                 loop {
                     tokio::time::sleep(idle).await;
-                    match (unread, unread_bytes(fd)) {
-                        (Some(before), Some(now)) if now < before => unread = Some(now),
-                        _ => return,
+                    if !read_since(fd, &mut unread) {
+                        return;
                     }
                 }
             }
             None => std::future::pending().await,
         },
+    }
+}
+
+/// Whether the peer of socket `fd` read some of the `unread` bytes it had not read at the
+/// last look; `unread` becomes what it has not read now.
+fn read_since(fd: RawFd, unread: &mut Option<usize>) -> bool {
+    match (*unread, unread_bytes(fd)) {
+        (Some(before), Some(now)) if now < before => {
+            *unread = Some(now);
+            true
+        }
+        _ => false,
     }
 }
 

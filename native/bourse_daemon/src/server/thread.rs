@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::{Builder, Runtime};
 
 use super::frames::{framed, Frames, Framing, Next};
-use super::{unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE};
+use super::{read_since, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE};
 use crate::protocol::{Codec, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
@@ -314,9 +314,8 @@ fn room(stream: &Socket, idle: Option<Duration>) -> io::Result<()> {
         if unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout) } != 0 {
             return Ok(());
         }
-        match (unread, unread_bytes(fd)) {
-            (Some(before), Some(now)) if now < before => unread = Some(now),
-            _ => return Err(ErrorKind::TimedOut.into()),
+        if !read_since(fd, &mut unread) {
+            return Err(ErrorKind::TimedOut.into());
         }
     }
 }
