@@ -154,11 +154,13 @@ pub trait Transport {
     }
 }
 
-/// A daemon in server mode; killed when dropped if still running.
+/// A daemon in server mode; killed when dropped if still running, and its Unix socket
+/// files removed (a killed daemon leaves them).
 pub struct Server {
     pub child: Child,
     /// The `listening ...` lines it printed, one per listener.
     pub listening: Vec<String>,
+    sockets: Vec<PathBuf>,
 }
 
 impl Server {
@@ -186,7 +188,16 @@ impl Server {
             );
             listening.push(line.trim_end().to_string());
         }
-        Self { child, listening }
+        let sockets = args
+            .windows(2)
+            .filter(|pair| pair[0] == "--socket")
+            .map(|pair| PathBuf::from(pair[1]))
+            .collect();
+        Self {
+            child,
+            listening,
+            sockets,
+        }
     }
 
     /// A daemon on a free loopback TCP port.
@@ -224,6 +235,9 @@ impl Drop for Server {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        for socket in &self.sockets {
+            let _ = std::fs::remove_file(socket);
         }
     }
 }

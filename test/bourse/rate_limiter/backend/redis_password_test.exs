@@ -16,8 +16,8 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
   @password "s3+cr=t+pw"
   @limit %{capacity: 5, refill_per_sec: 0.001}
 
-  # A redis-server asking for `@password`, on a free port and on a Unix socket; killed when
-  # the test ends.
+  # A redis-server asking for `@password`, on a free port and on a Unix socket; killed and its
+  # socket file removed when the test ends.
   defp start_redis do
     port = Loopback.free_port()
 
@@ -33,7 +33,12 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
       ])
 
     {:os_pid, os_pid} = Port.info(server, :os_pid)
-    on_exit(fn -> System.cmd("kill", ["-9", "#{os_pid}"], stderr_to_stdout: true) end)
+
+    on_exit(fn ->
+      System.cmd("kill", ["-9", "#{os_pid}"], stderr_to_stdout: true)
+      File.rm(socket)
+    end)
+
     Loopback.wait_until(fn -> ready?(port) end, "redis-server answers PING", 10_000)
     Loopback.wait_until(fn -> File.exists?(socket) end, "redis-server listens", 10_000)
     %{port: port, socket: socket}
