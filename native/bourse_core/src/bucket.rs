@@ -1,8 +1,9 @@
 //! One key's bucket: token arithmetic, bookings and the sweep rule.
 
-use crate::clock::NANOS_PER_SEC;
+use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC};
 use crate::key::Key;
 use crate::limit::Limit;
+use crate::rules::KEEP_MARGIN_MS;
 
 /// The longest wait the table will compute (about 31 years); longer ones saturate here.
 pub(crate) const MAX_WAIT_NS: u64 = 1_000_000_000_000_000_000;
@@ -191,12 +192,18 @@ impl Bucket {
         before - self.bookings.len()
     }
 
-    /// A full, idle bucket without bookings or debt behaves exactly as a new one.
+    /// A full bucket without bookings or debt, idle past its fill time, behaves exactly as
+    /// a new one. One that answered a delay is kept [`KEEP_MARGIN_MS`] past that delay: a
+    /// caller back a little late still finds what accrued beyond the capacity.
     pub fn sweepable(&self, now: u64) -> bool {
         match &self.limit {
             Some(limit) => {
                 let idle = now.saturating_sub(self.seen_at);
-                idle > self.answered_delay
+                let told_to_wait = match self.answered_delay {
+                    0 => 0,
+                    delay => delay.saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS),
+                };
+                idle > told_to_wait
                     && idle > accrual_ns(limit.capacity(), limit)
                     && self.bookings.is_empty()
                     && covers(self.tokens(now), limit.capacity())

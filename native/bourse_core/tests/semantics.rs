@@ -1,6 +1,6 @@
 //! Exact scenarios on a manual clock: delays in whole milliseconds, token counts to the unit.
 
-use bourse_core::rules::{BACKOFF_LAPSE_MS, MAX_PAUSES};
+use bourse_core::rules::{BACKOFF_LAPSE_MS, KEEP_MARGIN_MS, MAX_PAUSES};
 use bourse_core::{
     BackoffScope, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
 };
@@ -453,6 +453,28 @@ fn sweep_keeps_a_refused_over_capacity_probe_accruing() {
     assert_eq!(t.sweep(), 0, "the answered delay keeps the bucket");
     clock.advance_ms(19_000);
     assert_eq!(probe(&t, "request", l, 30.0), Outcome::Admitted);
+}
+
+#[test]
+fn sweep_keeps_an_over_capacity_accrual_for_a_caller_back_late() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Delay(3_000));
+    // The caller sleeps 3 s and comes back 15 ms late; a sweep ran 1 ms after its delay.
+    clock.advance_ms(3_001);
+    assert_eq!(
+        t.sweep(),
+        0,
+        "a sweep right after the delay keeps the accrual"
+    );
+    clock.advance_ms(14);
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Admitted);
+    // Once full, idle and past its last delay by KEEP_MARGIN_MS, it is dropped.
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Delay(4_000));
+    clock.advance_ms(4_000 + KEEP_MARGIN_MS);
+    assert_eq!(t.sweep(), 0, "not later than its margin");
+    clock.advance_ms(1);
+    assert_eq!(t.sweep(), 1);
 }
 
 #[test]

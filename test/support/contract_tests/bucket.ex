@@ -69,6 +69,18 @@ defmodule Bourse.ContractTests.Bucket do
           assert_delay(check_rate(key, limit, 2, name), 1..1_000)
         end
 
+        @tag limiter_opts: [sweep_interval_ms: 10]
+        test "an over-capacity probe back a little late after its delay, swept meanwhile, finds its accrual",
+             %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 10}
+          key = {"ex", "late"}
+
+          # Full after 100 ms; told 300 ms, back 20 ms late while sweeps run every 10 ms.
+          assert {:delay, 300} = check_rate(key, limit, 4, name)
+          Process.sleep(320)
+          assert :ok = check_rate(key, limit, 4, name)
+        end
+
         test "cheap traffic never sees more than the capacity", %{name: name} do
           limit = %{capacity: 2, refill_per_sec: 4}
           key = {"ex", "k"}

@@ -46,7 +46,7 @@
 local KEYS, ARGV
 
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
-local MARGIN = 1e6 -- µs a key outlives the moment it would behave as new
+local MARGIN = 1000000 -- µs a key outlives the moment it would behave as new (bourse_core's KEEP_MARGIN_MS)
 local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
 local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check, at least
 local MARKER_SLACK = 3600e6 -- µs a marker's lifetime is set beyond MARKER_TTL when renewed

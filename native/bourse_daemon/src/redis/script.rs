@@ -279,4 +279,13 @@ mod tests {
         );
         assert_eq!(checks.get_packed_command(), expected.get_packed_command());
     }
+
+    /// The script keeps a key as long past its last answered delay as the core keeps a
+    /// bucket.
+    #[test]
+    fn the_script_keeps_keys_the_cores_margin() {
+        let margin_us = bourse_core::rules::KEEP_MARGIN_MS * 1000;
+        let line = format!("local MARGIN = {margin_us} -- ");
+        assert!(BUCKET.contains(&line), "bucket.lua lacks {line:?}");
+    }
 }
