@@ -141,7 +141,15 @@ defmodule Bourse.RateLimiter.Options do
 
   defp name(name) when is_atom(name) and not is_nil(name), do: {:ok, name}
   defp name({:global, _} = name), do: {:ok, name}
-  defp name({:via, module, _} = name) when is_atom(module), do: {:ok, name}
+  # gen_server asks a `:via` module for the name in the caller before it starts the
+  # process: a module that cannot answer is refused here, not raised in the caller.
+  defp name({:via, module, via} = name) when is_atom(module) do
+    module.whereis_name(via)
+    {:ok, name}
+  catch
+    _kind, _reason ->
+      {:error, "name {:via, #{inspect(module)}, term}: #{inspect(module)}.whereis_name/1 failed"}
+  end
 
   defp name(other) do
     {:error,

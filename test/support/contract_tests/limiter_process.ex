@@ -172,6 +172,18 @@ defmodule Bourse.ContractTests.LimiterProcess do
             assert Process.whereis(name) == nil
           end
 
+          # A :via module that cannot look the name up: refused, the caller unharmed.
+          for {via, module} <- [
+                {{:via, NotAModule, :x}, "NotAModule"},
+                {{:via, :erlang, :x}, ":erlang"},
+                {{:via, Registry, :x}, "Registry"}
+              ] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+                     Bourse.RateLimiter.start_link(name: via, backend: backend)
+
+            assert message =~ "{:via, #{module}, term}"
+          end
+
           # A bad value is described, not printed whole.
           assert {:error, %Bourse.Error{message: message}} =
                    Bourse.RateLimiter.start_link(name: String.duplicate("k", 10_000))
