@@ -709,7 +709,8 @@ defmodule Bourse.RateLimiter do
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time, 0 to
       86_400_000 ms (default `Bourse.Defaults.booking_slack_ms/0`);
     * `:sweep_interval_ms` – how often full idle buckets are dropped, 1 to 86_400_000
-      ms (default 1000);
+      ms (default 1000); on the NIF and the port (a shared daemon sweeps on its own
+      `--sweep-interval-ms`, Redis by TTL);
     * `:on_event` – a function `fn event, measurements, metadata -> ... end` or
       `{module, function, extra_args}` called with every event the limiter emits (see
       `Bourse.RateLimiter.Events`).

@@ -203,7 +203,7 @@ fn write_failed(error: io::Error) -> ExitCode {
 }
 
 /// Serves a remote store on this thread's runtime: every whole frame read runs as a task
-/// (the first one, which may choose the codec of the next ones, is answered first).
+/// (a first one that may choose the codec of the next ones is answered first).
 async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) -> ExitCode {
     let mut stdin = match Input::open() {
         Ok(stdin) => stdin,
@@ -262,7 +262,7 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
             shared.running.fetch_sub(1, Ordering::SeqCst);
             continue;
         }
-        if number > 1 {
+        if number > 1 || !protocol::may_set_up(frame) {
             spawn(&shared, number, frame.to_vec());
             continue;
         }

@@ -832,7 +832,7 @@ impl Pipelined for StdioDaemon {
     }
 }
 
-impl Pipelined for LineClient<TcpStream> {
+impl<S: common::Stream> Pipelined for LineClient<S> {
     fn send_request(&mut self, request: &Value) {
         self.send(request);
     }
@@ -968,6 +968,46 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
             tokens > 18.99,
             "{name}: calls told unavailable paid: {info}"
         );
+    }
+}
+
+/// A client that skips the `hello` and pipelines its first requests waits no longer for
+/// them than one that said hello: with Redis stopped, the requests behind the first were
+/// read only once it was answered, a Redis timeout later, and answered a timeout after that.
+#[test]
+fn requests_pipelined_behind_a_first_check_are_answered_within_the_timeout() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let socket = common::temp_path("redis-first-frame.sock");
+    let timeout_ms = 1000;
+    let timeout = timeout_ms.to_string();
+    let args = [
+        "--redis",
+        url.as_str(),
+        "--redis-timeout-ms",
+        timeout.as_str(),
+    ];
+    let mut stdio = StdioDaemon::start(&args);
+    let _server = Server::start(&[&args[..], &["--socket", socket.to_str().unwrap()]].concat());
+    let mut unix = LineClient::new(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+    let (k, limit) = (
+        key("first", None),
+        json!({"capacity": 20, "refill_per_sec": 1}),
+    );
+    kill("STOP", redis.child.id());
+    let stdio_answers = burst(4, &k, &limit, &mut stdio);
+    let unix_answers = burst(4, &k, &limit, &mut unix);
+    kill("CONT", redis.child.id());
+    // Before: 1.0, 2.0, 2.0 and 2.0 s.
+    let slack = Duration::from_millis(700);
+    for (name, answers) in [("stdio", &stdio_answers), ("unix", &unix_answers)] {
+        for (answer, took) in answers.iter() {
+            assert_eq!(answer["error"]["type"], "unavailable", "{name}: {answer}");
+            assert!(
+                *took <= Duration::from_millis(timeout_ms) + slack,
+                "{name}: {answer} after {took:?}"
+            );
+        }
     }
 }
 

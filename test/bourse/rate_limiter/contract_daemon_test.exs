@@ -2,8 +2,9 @@ defmodule Bourse.RateLimiter.ContractDaemonTest do
   # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in one shared
   # bourse_daemon server on loopback TCP. Every limiter of the module connects to it, so
   # the tests run one at a time on a table cleared before each. Its booking slack is the
-  # one the contract's booking tests ask for; the tests that set table options per
-  # limiter, or need limiters with buckets of their own, do not apply.
+  # one the contract's booking tests ask for, and it sweeps as often as the limiters of
+  # the sweep tests do; the tests that set table options per limiter, or need limiters
+  # with buckets of their own, do not apply.
   use Bourse.ContractTests,
     backend: {:daemon, "set in setup_all"},
     async: false,
@@ -12,7 +13,12 @@ defmodule Bourse.RateLimiter.ContractDaemonTest do
   alias Bourse.DaemonServer
 
   setup_all do
-    daemon = DaemonServer.start(["--listen", "127.0.0.1:0", "--booking-slack-ms", "5000"])
+    daemon =
+      DaemonServer.start(
+        ["--listen", "127.0.0.1:0", "--booking-slack-ms", "5000"] ++
+          ["--sweep-interval-ms", "10"]
+      )
+
     on_exit(fn -> DaemonServer.stop(daemon) end)
     # Overrides the module's :backend tag for every test.
     %{backend: {:daemon, daemon.tcp}}

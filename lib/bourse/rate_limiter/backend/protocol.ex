@@ -218,9 +218,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     run(%{op: "busiest", count: value(count)}, handle, shape, {:busiest, [count]})
   end
 
-  @doc "Drops idle full buckets now; returns how many."
-  @spec sweep(handle()) :: non_neg_integer() | error()
-  def sweep(handle), do: run(%{op: "sweep"}, handle, &field(&1, "dropped"))
+  @doc """
+  Nothing, and 0: a daemon sweeps its table on its own schedule (`--sweep-interval-ms`,
+  which a port is started with from the limiter's `:sweep_interval_ms`), and Redis drops
+  keys by their TTL. Limiters sharing one daemon would otherwise each sweep all of it.
+  """
+  @spec sweep(handle()) :: 0
+  def sweep(_handle), do: 0
 
   ## Sending
 

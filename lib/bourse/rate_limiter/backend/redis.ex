@@ -36,7 +36,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       told `:unavailable` by then pays nothing. Callers wait for the daemon itself at most
       four times this, and at least 5 s.
 
-  The limiter's `:booking_slack_ms` and `:sweep_interval_ms` apply to its daemon; with
+  The limiter's `:booking_slack_ms` applies to its daemon (`:sweep_interval_ms` does not:
+  keys expire by their TTL, see docs/PROTOCOL.md); with
   `:assume_busy_at_start`, a bucket first seen within its fill time after its exchange's
   state began in Redis starts as if empty then, so a Redis that lost its data never hands
   out a fresh burst.

@@ -29,6 +29,15 @@ use request::{Owner, Request};
 pub const PROTOCOL_VERSION: u64 = 1;
 pub const SERVER: &str = concat!("bourse_daemon ", env!("CARGO_PKG_VERSION"));
 
+/// Whether `frame`, a session's first, may change how the next frames are read or
+/// served (a `hello` choosing the codec, an `auth`), so that it must be answered before
+/// they are read: it names either op, or escapes a character. Any other first frame
+/// runs beside the next ones, so that a client that skips the `hello` waits no longer.
+pub fn may_set_up(frame: &[u8]) -> bool {
+    let names = |word: &[u8]| frame.windows(word.len()).any(|part| part == word);
+    names(b"hello") || names(b"auth") || frame.contains(&b'\\')
+}
+
 /// The store and what every connection shares.
 pub struct Service<S: Store = Memory> {
     store: S,

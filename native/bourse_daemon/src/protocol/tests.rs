@@ -1229,3 +1229,16 @@ fn a_field_named_twice_is_refused_in_json_and_in_terms() {
     );
     assert_eq!(f.stat("invalid"), 3);
 }
+
+#[test]
+fn only_a_first_frame_that_may_set_up_the_session_is_answered_before_the_next() {
+    for frame in [
+        &br#"{"op":"hello","codec":"etf","id":0}"#[..],
+        br#"{"op":"auth","proof":"00"}"#,
+        br#"{"op":"hell\u006f"}"#,
+    ] {
+        assert!(may_set_up(frame), "{}", String::from_utf8_lossy(frame));
+    }
+    let check = br#"{"op":"check","key":{"exchange":"x","axis":"a"},"cost":1}"#;
+    assert!(!may_set_up(check));
+}

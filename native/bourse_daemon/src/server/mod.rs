@@ -25,7 +25,7 @@ mod frames;
 mod thread;
 
 use self::frames::{framed, Frames, Framing, Next};
-use crate::protocol::{Codec, Service, Session};
+use crate::protocol::{self, Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
 use crate::sweeper;
@@ -451,8 +451,9 @@ where
                     let number = session.next_frame();
                     // The first frame may choose the codec (and framing) of the next ones,
                     // and `auth` whether the next ones are served: answered before they are
-                    // read.
-                    if S::REMOTE && number > 1 && matches!(slot, Slot::Held { .. }) {
+                    // read, if it may.
+                    let first = number == 1 && protocol::may_set_up(frame);
+                    if S::REMOTE && !first && matches!(slot, Slot::Held { .. }) {
                         running += 1;
                         let (service, session) = (Arc::clone(&service), Arc::clone(&session));
                         let (frame, answered) = (frame.to_vec(), answered.clone());
