@@ -1245,6 +1245,41 @@ fn a_call_whose_answer_was_lost_is_not_paid_twice() {
     assert!(paid < n as f64 + 0.01, "paid {paid} for {n} checks");
 }
 
+/// A `record` and a `back_off` whose answers were lost as above run once: sent again on
+/// the fresh connection, each finds its run marker. Before, the debt was recorded twice
+/// and the backoff counted twice (its next pause four times the first, not twice).
+#[test]
+fn a_record_or_back_off_whose_answer_was_lost_runs_once() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let k = key("once", Some("k"));
+    let credential = json!({"exchange": "once", "credential": "k"});
+    let back_off = json!({"op": "back_off", "credential": credential, "scope": "credential"});
+    assert_eq!(t.call(json!({"op": "get_cost", "key": k}))["ok"], true);
+    let requests = [
+        json!({"op": "record", "key": k, "cost": 5}),
+        back_off.clone(),
+    ];
+    let answers = pipelined_while_stopped(
+        &redis,
+        &mut t,
+        requests.into_iter(),
+        WhileStopped::AnswerLost,
+    );
+    for answer in &answers {
+        assert_eq!(answer["ok"], true, "{answer}");
+    }
+    assert_eq!(borrowed(&mut t, &k), 5.0, "the debt was recorded twice");
+    let ms = |answer: &Value| answer["ms"].as_u64().unwrap();
+    let first = answers.iter().find(|a| a["id"] == 1).map(ms).unwrap();
+    assert_eq!(
+        ms(&t.call(back_off)),
+        2 * first,
+        "the backoff was counted twice"
+    );
+}
+
 /// A malformed check among checks pipelined at once is refused alone: the others, which
 /// may share one script call, are answered as they would be alone, each under its own id.
 #[test]

@@ -76,6 +76,15 @@ impl Batcher {
         }
     }
 
+    /// Ends `call` (a `record` or `back_off`, see bucket.lua) with a run marker of its slot
+    /// and the marker's lifetime, as a `checks` call has: sent again after a lost
+    /// connection, it does not run twice.
+    pub fn once(&self, call: &mut Call) {
+        let marker = self.runs.marker(hash_tag(call.first_key()));
+        call.key(marker)
+            .arg(self.client.marker_lifetime().as_millis() as u64);
+    }
+
     /// Runs one check (its keys and arguments, see bucket.lua), within the timeout and not
     /// past `last_run`.
     pub async fn check(&self, part: Call, last_run: LastRun) -> StoreResult<CheckAnswer> {

@@ -23,9 +23,9 @@
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
 --                        wait since its last success
---   P:{E}:r:<n>  string  the answers of the `checks` call numbered n (by its daemon), as
---                        it returned them, written when it ran; lives twice the daemon's
---                        Redis timeout
+--   P:{E}:r:<n>  string  the answers of the `checks`, `record` or `back_off` call
+--                        numbered n (by its daemon), as it returned them, written when it
+--                        ran; lives twice the daemon's Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
@@ -723,6 +723,26 @@ local ops = {
   reset = reset,
 }
 
+-- Ops that must not run twice: their calls end their keys with a run marker and their
+-- arguments with its lifetime (ms). Sent again after a lost connection, such a call answers
+-- what its first run answered, even past its deadline (what it did is done).
+local once = { record = true, back_off = true }
+
+local function run_once(op, now, late)
+  local marker, lifetime = KEYS[#KEYS], ARGV[#ARGV]
+  KEYS[#KEYS], ARGV[#ARGV] = nil, nil
+  local ran = redis.call('GET', marker)
+  if ran then
+    return ran
+  end
+  if late then
+    return late_error(now)
+  end
+  local answer = op(now)
+  redis.call('SET', marker, type(answer) == 'number' and int_text(answer) or answer, 'PX', lifetime)
+  return answer
+end
+
 -- Runs one call: the entry point, called with the call's keys and arguments (script.rs
 -- ends the source with it, as a script or as a function of a library).
 local function run(keys, args)
@@ -738,6 +758,9 @@ local function run(keys, args)
   local late = deadline > 0 and now > deadline
   if op == checks then
     return checks(now, late)
+  end
+  if once[ARGV[1]] then
+    return run_once(op, now, late)
   end
   if late then
     return late_error(now)

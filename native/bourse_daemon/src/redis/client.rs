@@ -1,7 +1,7 @@
 //! Sends script calls and commands to Redis, each bounded by the timeout. A call that
 //! found the connection lost is sent once more on the fresh connection it triggered (a
-//! `checks` call carries a marker that lets it run only once: sent again, it answers what
-//! its first run answered).
+//! `checks`, `record` or `back_off` call carries a marker that lets it run only once: sent
+//! again, it answers what its first run answered; the other calls may run twice).
 //!
 //! A call answered `Unavailable` never pays later: each script carries a deadline on the
 //! Redis server's own clock ([`ServerClock`]), the earlier of the timeout's and the
@@ -109,7 +109,7 @@ impl Client {
                     .into_iter()
                     .zip(parts.iter().map(|(_, _, part)| *part))
                     .collect();
-                let lifetime = self.timeout * 2;
+                let lifetime = self.marker_lifetime();
                 let command =
                     |script: Script<'_>| script::checks(script, marker, lifetime, latest, &each);
                 self.run::<(u64, String)>(command, &mut connection).await
@@ -117,6 +117,12 @@ impl Client {
             .await;
         let (now, text) = self.late(answer, started)?;
         Ok((now, answer::checks_from(&text)?))
+    }
+
+    /// How long a call's run marker lives: past any resend of the call, which happens
+    /// within the timeout.
+    pub fn marker_lifetime(&self) -> Duration {
+        self.timeout * 2
     }
 
     /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` for a

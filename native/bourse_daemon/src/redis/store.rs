@@ -287,6 +287,7 @@ impl Store for RedisStore {
             .arg("record")
             .arg(cost)
             .arg(shown);
+        self.checks.once(&mut call);
         let _: String = self.client.invoke(&call, last_run).await?;
         self.counters.debited();
         Ok(())
@@ -397,6 +398,7 @@ impl Store for RedisStore {
             .arg(FIRST_BACKOFF_MS)
             .arg(MAX_BACKOFF_MS)
             .arg(BACKOFF_LAPSE_MS);
+        self.checks.once(&mut call);
         self.client.invoke(&call, last_run).await
     }
 
