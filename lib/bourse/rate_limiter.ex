@@ -183,6 +183,7 @@ defmodule Bourse.RateLimiter do
     if :erlang.is_process_alive(pid) do
       case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
         :ok -> :ok
+        :not_prepared -> check_rate(bucket.key, bucket.limit, cost, bucket.name)
         other -> checked(other, route, bucket.key, cost)
       end
     else

@@ -24,7 +24,7 @@ mod atoms {
         capacity, refill_per_sec, requests, period,
         admitted, claimed, delayed, lapsed, paused, debited, invalid, buckets, bookings,
         limit, tokens, borrowed, debt, booked_cost, next_ready_ms, pause_ms,
-        credential, exchange,
+        credential, exchange, not_prepared,
     }
 }
 

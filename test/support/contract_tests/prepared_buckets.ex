@@ -114,6 +114,16 @@ defmodule Bourse.ContractTests.PreparedBuckets do
           end
         end
 
+        test "a bucket whose reference is not the one bucket/3 made is checked as its key and limit",
+             %{name: name} do
+          {:ok, bucket} =
+            Bourse.RateLimiter.bucket({"ex", "forged"}, %{@still | capacity: 2}, name)
+
+          forged = %{bucket | prepared: make_ref()}
+          assert :ok = check_rate(forged, 2)
+          assert {:delay, _} = check_rate(bucket, 1)
+        end
+
         test "a bucket never shows its credential", %{name: name} do
           {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
 

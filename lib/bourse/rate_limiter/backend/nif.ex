@@ -37,9 +37,12 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @spec prepare(reference(), term(), term()) :: reference() | nil | {:error, Bourse.Error.t()}
   def prepare(table, key, limit), do: table |> Native.prepare(key, limit) |> answer()
 
-  @doc "`check_rate/6` of a bucket `prepare/3` made, on `table`."
+  @doc """
+  `check_rate/6` of a bucket `prepare/3` made, on `table`; `:not_prepared` when `bucket` is
+  another reference.
+  """
   @spec check_prepared(reference(), pid(), reference(), term(), pos_integer() | nil) ::
-          Bourse.RateLimiter.Backend.check_answer() | {:error, Bourse.Error.t()}
+          Bourse.RateLimiter.Backend.check_answer() | :not_prepared | {:error, Bourse.Error.t()}
   def check_prepared(table, owner, bucket, cost, max_wait),
     do: table |> Native.check_prepared(owner, bucket, cost, max_wait) |> answer()
 
