@@ -131,7 +131,9 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert invalid(NIF.check_rates(t, self(), [{forged, 1}], nil)).message =~
                "key must be {exchange_id, credential_key, bucket_axis}"
 
-      assert_raise ArgumentError, fn -> NIF.check_prepared(t, self(), t, 1, nil) end
+      # A reference that is no prepared bucket (here, the table's) is not taken for one.
+      assert NIF.check_prepared(t, self(), t, 1, nil) == :not_prepared
+      assert NIF.check_prepared(t, self(), make_ref(), 1, nil) == :not_prepared
     end
   end
 
