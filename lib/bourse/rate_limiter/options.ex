@@ -142,13 +142,22 @@ defmodule Bourse.RateLimiter.Options do
   defp name(name) when is_atom(name) and not is_nil(name), do: {:ok, name}
   defp name({:global, _} = name), do: {:ok, name}
   # gen_server asks a `:via` module for the name in the caller before it starts the
-  # process: a module that cannot answer is refused here, not raised in the caller.
+  # process, which registers it: a module that cannot do both is refused here, not raised
+  # in the caller or its linked process.
   defp name({:via, module, via} = name) when is_atom(module) do
-    module.whereis_name(via)
-    {:ok, name}
+    if Code.ensure_loaded?(module) and function_exported?(module, :register_name, 2) do
+      module.whereis_name(via)
+      {:ok, name}
+    else
+      via_error(module)
+    end
   catch
-    _kind, _reason ->
-      {:error, "name {:via, #{inspect(module)}, term}: #{inspect(module)}.whereis_name/1 failed"}
+    _kind, _reason -> via_error(module)
+  end
+
+  defp via_error(module) do
+    {:error,
+     "name {:via, #{inspect(module)}, term}: #{inspect(module)} cannot register and look up that name"}
   end
 
   defp name(other) do

@@ -30,10 +30,12 @@ pub(crate) struct Bucket {
     /// Without a limit: minus the pending debt.
     base: f64,
     base_at: u64,
-    /// The last access, and the delay it answered: the bucket is kept for longer than
-    /// both that delay and its fill time after it.
+    /// The last access: the bucket is kept for longer than its fill time after it.
     seen_at: u64,
-    answered_delay: u64,
+    /// The latest moment an answer since the last payment (or that payment, a booking)
+    /// told its caller to come back; 0 for none. The bucket is kept [`KEEP_MARGIN_MS`]
+    /// past it.
+    told_until: u64,
     pub bookings: Vec<Booking>,
 }
 
@@ -63,7 +65,7 @@ impl Bucket {
             base: tokens,
             base_at: now,
             seen_at: now,
-            answered_delay: 0,
+            told_until: 0,
             bookings: Vec::new(),
         }
     }
@@ -76,7 +78,7 @@ impl Bucket {
             base: -debt,
             base_at: now,
             seen_at: now,
-            answered_delay: 0,
+            told_until: 0,
             bookings: Vec::new(),
         }
     }
@@ -176,10 +178,25 @@ impl Bucket {
         }
     }
 
-    /// Records an access at `now` that answered `delay_ns`.
+    /// Records a payment or debit at `now` whose caller comes back after `delay_ns` (a
+    /// booking's wait, else 0): what accrued before is spent, so earlier refusals promise
+    /// nothing more.
     pub fn touch(&mut self, now: u64, delay_ns: u64) {
         self.seen_at = now;
-        self.answered_delay = delay_ns;
+        self.told_until = match delay_ns {
+            0 => 0,
+            delay => now.saturating_add(delay),
+        };
+    }
+
+    /// Records an answer at `now` that paid nothing (a refusal, a claim) and told its
+    /// caller to come back after `delay_ns` (0: not at all); it never shortens what an
+    /// earlier answer told.
+    pub fn told(&mut self, now: u64, delay_ns: u64) {
+        self.seen_at = now;
+        if delay_ns > 0 {
+            self.told_until = self.told_until.max(now.saturating_add(delay_ns));
+        }
     }
 
     /// Drops bookings whose slack has run out; their cost stays paid. Returns how many.
@@ -193,17 +210,19 @@ impl Bucket {
     }
 
     /// A full bucket without bookings or debt, idle past its fill time, behaves exactly as
-    /// a new one. One that answered a delay is kept [`KEEP_MARGIN_MS`] past that delay: a
-    /// caller back a little late still finds what accrued beyond the capacity.
+    /// a new one. One whose refusals told callers to come back is kept [`KEEP_MARGIN_MS`]
+    /// past the latest such moment: a caller back a little late still finds what accrued
+    /// beyond the capacity, whatever other callers were told meanwhile.
     pub fn sweepable(&self, now: u64) -> bool {
         match &self.limit {
             Some(limit) => {
                 let idle = now.saturating_sub(self.seen_at);
-                let told_to_wait = match self.answered_delay {
-                    0 => 0,
-                    delay => delay.saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS),
-                };
-                idle > told_to_wait
+                let told = self.told_until > 0;
+                (!told
+                    || now
+                        > self
+                            .told_until
+                            .saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS))
                     && idle > accrual_ns(limit.capacity(), limit)
                     && self.bookings.is_empty()
                     && covers(self.tokens(now), limit.capacity())

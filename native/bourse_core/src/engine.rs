@@ -180,7 +180,7 @@ pub(crate) fn decide(
         }
         _ => {
             for bucket in buckets.iter_mut() {
-                bucket.touch(now, ready - now);
+                bucket.told(now, ready - now);
             }
             if mode == Mode::Probe {
                 stats.delayed += 1;
@@ -246,7 +246,7 @@ fn claim(
             booking.ready_at = ready;
             booking.lapse_at = lapse_at;
         }
-        bucket.touch(now, ready.saturating_sub(now));
+        bucket.told(now, ready.saturating_sub(now));
     }
     if ready <= now {
         stats.claimed += 1;

@@ -478,6 +478,24 @@ fn sweep_keeps_an_over_capacity_accrual_for_a_caller_back_late() {
 }
 
 #[test]
+fn sweep_keeps_an_over_capacity_accrual_whatever_others_are_told_meanwhile() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Delay(4_000));
+    // A cheap caller refused meanwhile is told a shorter wait; it pays nothing.
+    clock.advance_ms(900);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+    clock.advance_ms(3_100 + 20);
+    assert_eq!(
+        t.sweep(),
+        0,
+        "the heavy caller's wait still keeps the bucket"
+    );
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Admitted);
+}
+
+#[test]
 fn zero_cost_is_admitted_without_paying() {
     let (t, _) = table();
     let l = limit(1.0, 1.0);

@@ -176,7 +176,8 @@ defmodule Bourse.ContractTests.LimiterProcess do
           for {via, module} <- [
                 {{:via, NotAModule, :x}, "NotAModule"},
                 {{:via, :erlang, :x}, ":erlang"},
-                {{:via, Registry, :x}, "Registry"}
+                {{:via, Registry, :x}, "Registry"},
+                {{:via, Bourse.ContractTests.OnlyWhereis, :x}, "Bourse.ContractTests.OnlyWhereis"}
               ] do
             assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                      Bourse.RateLimiter.start_link(name: via, backend: backend)
@@ -216,4 +217,10 @@ defmodule Bourse.ContractTests.LimiterProcess do
       end
     end
   end
+end
+
+defmodule Bourse.ContractTests.OnlyWhereis do
+  @moduledoc false
+  # A `:via` module that looks names up but cannot register them.
+  def whereis_name(_name), do: :undefined
 end

@@ -273,8 +273,9 @@ local function drop_lapsed(item, now, id)
 end
 
 -- Keeps the bucket (and its bookings) until it would behave as new: refilled to capacity
--- (through any debt), past the delay it answered and its last booking's lapse.
-local function keep(item, now, delay)
+-- (through any debt), past the delay it answered and its last booking's lapse. A refusal
+-- or a claim pays nothing, so it never shortens what an earlier answer told its caller.
+local function keep(item, now, delay, unpaid)
   local bucket = item.bucket
   local ttl = DEBT_TTL
   if bucket.c then
@@ -286,6 +287,9 @@ local function keep(item, now, delay)
     ttl = math.max(ttl, tonumber(last) - now)
   end
   local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
+  if unpaid then
+    ms = math.max(ms, redis.call('PTTL', item.key))
+  end
   redis.call('PEXPIRE', item.key, int_text(ms))
   if last then
     redis.call('PEXPIRE', item.wkey, int_text(ms))
@@ -355,7 +359,7 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
     if item.bucket.dirty then
       save(item.key, item.bucket)
     end
-    item.kept = keep(item, now, math.max(ready - now, 0))
+    item.kept = keep(item, now, math.max(ready - now, 0), true)
   end
   if ready <= now then
     return answer('claimed', 0, 0, lapsed)
@@ -557,7 +561,7 @@ decide = function(now, k, at)
     if item.bucket.dirty then
       save(item.key, item.bucket)
     end
-    item.kept = keep(item, now, ready - now)
+    item.kept = keep(item, now, ready - now, true)
   end
   return items, answer(max_wait > 0 and 'over_budget' or 'delay', ms, paused, lapsed)
 end
