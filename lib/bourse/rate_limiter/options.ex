@@ -155,14 +155,14 @@ defmodule Bourse.RateLimiter.Options do
     _kind, _reason -> via_error(module)
   end
 
-  defp via_error(module) do
-    {:error,
-     "name {:via, #{inspect(module)}, term}: #{inspect(module)} cannot register and look up that name"}
-  end
-
   defp name(other) do
     {:error,
      "name must be an atom, {:global, term} or {:via, module, term}, got #{Error.describe(other)}"}
+  end
+
+  defp via_error(module) do
+    {:error,
+     "name {:via, #{inspect(module)}, term}: #{inspect(module)} cannot register and look up that name"}
   end
 
   defp backend(backend) do
