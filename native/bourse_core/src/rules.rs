@@ -30,9 +30,10 @@ pub const MAX_BACKOFF_MS: u64 = 300_000;
 pub const BACKOFF_LAPSE_MS: u64 = 600_000;
 /// How long past its ready time a booking may still be claimed, unless configured.
 pub const DEFAULT_BOOKING_SLACK_MS: u64 = 250;
-/// How long a bucket is kept past the last delay it answered, full and idle: a caller
-/// that sleeps the delay it was told and comes back late still finds what accrued beyond
-/// the capacity. The Redis script keeps every key this much longer (`MARGIN`).
+/// How long a full, idle bucket is kept past the latest moment it told a caller to come
+/// back: a caller that sleeps the delay it was told and comes back late still finds what
+/// accrued beyond the capacity. The Redis script keeps every key this much longer
+/// (`MARGIN`).
 pub const KEEP_MARGIN_MS: u64 = 1000;
 /// Longest budget, pause, booking slack or exchange window, in milliseconds: what
 /// `Process.sleep/1` accepts.
