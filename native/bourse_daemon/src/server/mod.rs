@@ -452,8 +452,8 @@ where
                     // The first frame may choose the codec (and framing) of the next ones,
                     // and `auth` whether the next ones are served: answered before they are
                     // read, if it may.
-                    let first = number == 1 && protocol::may_set_up(frame);
-                    if S::REMOTE && !first && matches!(slot, Slot::Held { .. }) {
+                    let sets_up = number == 1 && protocol::may_set_up(frame);
+                    if S::REMOTE && !sets_up && matches!(slot, Slot::Held { .. }) {
                         running += 1;
                         let (service, session) = (Arc::clone(&service), Arc::clone(&session));
                         let (frame, answered) = (frame.to_vec(), answered.clone());
