@@ -178,7 +178,7 @@ defmodule Bourse.RateLimiter do
         %Bucket{route: {Backend.NIF, table, _events, pid} = route, prepared: prepared} = bucket,
         cost
       )
-      when is_reference(prepared) do
+      when is_reference(prepared) and is_pid(pid) do
     # While the limiter that prepared the bucket lives, its table is the one it names.
     if :erlang.is_process_alive(pid) do
       case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
@@ -302,7 +302,7 @@ defmodule Bourse.RateLimiter do
   def check_rates(checks, opts, []) when is_list(opts), do: check_rates(checks, @default, opts)
 
   def check_rates(checks, name, opts) do
-    route = checks_route(checks, name)
+    route = Router.route(name)
 
     with {:ok, max_wait} <- options(opts, nil, route, {:checks, checks}) do
       # The NIF takes buckets as they are; every other backend their keys and limits.
@@ -329,14 +329,6 @@ defmodule Bourse.RateLimiter do
       end
     end
   end
-
-  # The route of `name`; that of the first check's bucket when the bucket was made with
-  # that name and its limiter still lives (the route it would find), without the look-up.
-  defp checks_route([{%Bucket{name: name, route: {_, _, _, pid} = route}, _cost} | _], name) do
-    if :erlang.is_process_alive(pid), do: route, else: Router.route(name)
-  end
-
-  defp checks_route(_checks, name), do: Router.route(name)
 
   @doc """
   Blocks the caller until the request is admitted, then returns `:ok`.

@@ -41,13 +41,14 @@ in_place_nif!("check_prepared", 5, check_prepared);
 
 /// `check_prepared(table, owner, bucket, cost, max_wait)`: `check_rate` of a prepared
 /// bucket. A bucket prepared for another table is answered there as its key and limit;
-/// `:not_prepared` when `bucket` is no prepared bucket (a forged struct's reference).
+/// `:not_prepared` when `table` is no table or `bucket` no prepared bucket (a forged
+/// struct's references).
 fn check_prepared<'a>(env: Env<'a>, args: [Term<'a>; 5]) -> Term<'a> {
     let [table, owner_term, bucket, cost_term, max_wait_term] = args;
-    let Ok(Handle(table)) = table.decode::<Handle<Table>>() else {
-        return entry::badarg(env);
-    };
-    let Ok(Handle(bucket)) = bucket.decode::<Handle<PreparedBucket>>() else {
+    let (Ok(Handle(table)), Ok(Handle(bucket))) = (
+        table.decode::<Handle<Table>>(),
+        bucket.decode::<Handle<PreparedBucket>>(),
+    ) else {
         return atoms::not_prepared().encode(env);
     };
     answer(env, table, || {

@@ -124,6 +124,28 @@ defmodule Bourse.ContractTests.PreparedBuckets do
           assert {:delay, _} = check_rate(bucket, 1)
         end
 
+        test "a bucket whose route was rewritten is checked as its key and limit by its name",
+             %{name: name} do
+          {:ok, bucket} =
+            Bourse.RateLimiter.bucket({"ex", "rerouted"}, %{@still | capacity: 4}, name)
+
+          live = spawn(fn -> Process.sleep(:infinity) end)
+
+          for route <- [
+                {Bourse.RateLimiter.Backend.NIF, make_ref(), nil, live},
+                {Bourse.RateLimiter.Backend.NIF, :no_table, nil, live},
+                {Bourse.RateLimiter.Backend.NIF, make_ref(), nil, :no_pid},
+                :no_route
+              ] do
+            forged = %{bucket | route: route}
+            assert :ok = check_rate(forged, 1)
+            assert :ok = Bourse.RateLimiter.check_rates([{forged, 0}], name)
+          end
+
+          assert {:delay, _} = check_rate(bucket, 1)
+          Process.exit(live, :kill)
+        end
+
         test "a bucket never shows its credential", %{name: name} do
           {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
 

@@ -38,8 +38,8 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   def prepare(table, key, limit), do: table |> Native.prepare(key, limit) |> answer()
 
   @doc """
-  `check_rate/6` of a bucket `prepare/3` made, on `table`; `:not_prepared` when `bucket` is
-  another reference.
+  `check_rate/6` of a bucket `prepare/3` made, on `table`; `:not_prepared` when `table` is
+  no table or `bucket` no prepared bucket.
   """
   @spec check_prepared(reference(), pid(), reference(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | :not_prepared | {:error, Bourse.Error.t()}
