@@ -6,7 +6,7 @@ use bourse_core::{Check, Mode, Outcome, PreparedBucket, PreparedCheck, Table};
 use rustler::{Encoder, Env, Term};
 use smallvec::SmallVec;
 
-use crate::entry::{self, in_place_nif};
+use crate::entry::in_place_nif;
 use crate::handle::{self, Handle};
 use crate::{answer, atoms, check_parts, cost, is_atom, key, limit, max_wait, naming, outcome};
 use crate::{owner, rules, shape, tuple, Decoded};
