@@ -115,6 +115,14 @@ defmodule Bourse.RateLimiter.Server do
     exception -> {:error, cannot_start(config, Exception.message(exception))}
   end
 
+  # A daemon that refused its flags was given options it cannot take.
+  defp cannot_start(config, {:refused, message}) do
+    Error.invalid(
+      "cannot start the limiter's #{inspect(config.backend)} backend: " <>
+        "bourse_daemon refused its configuration: #{message}"
+    )
+  end
+
   defp cannot_start(config, reason) do
     reason = if is_binary(reason), do: reason, else: Error.describe(reason)
     Error.unavailable("cannot start the limiter's #{inspect(config.backend)} backend: #{reason}")

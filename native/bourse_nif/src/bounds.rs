@@ -5,7 +5,7 @@
 
 use bourse_core::rules::{
     DEFAULT_BOOKING_SLACK_MS, MAX_AMOUNT, MAX_BUSIEST, MAX_CHECKS, MAX_KEY_PART_BYTES, MAX_MS,
-    MAX_PAUSES, MAX_SETTING_MS,
+    MAX_PAUSES, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS,
 };
 use bourse_core::InvalidInput;
 use rustler::{Encoder, Env, Term};
@@ -15,7 +15,7 @@ use crate::{atoms, error_term, key, limit, MAX_INLINE_CHECKS};
 mod names {
     rustler::atoms! {
         max_key_part_bytes, max_checks, max_busiest, max_pauses, default_booking_slack_ms,
-        max_ms, max_setting_ms, max_amount, max_inline_checks,
+        max_ms, max_setting_ms, max_store_timeout_ms, max_amount, max_inline_checks,
     }
 }
 
@@ -51,6 +51,7 @@ fn bounds(env: Env) -> Term {
         (names::default_booking_slack_ms(), DEFAULT_BOOKING_SLACK_MS),
         (names::max_ms(), MAX_MS),
         (names::max_setting_ms(), MAX_SETTING_MS),
+        (names::max_store_timeout_ms(), MAX_STORE_TIMEOUT_MS),
         (names::max_inline_checks(), MAX_INLINE_CHECKS as u64),
     ];
     let mut pairs: Vec<(Term, Term)> = integers

@@ -60,9 +60,13 @@ defmodule Bourse.RateLimiter.ContractRedisTest do
     test "bad Redis options are :invalid_parameters" do
       for backend <- [
             {:redis, "http://127.0.0.1:6379"},
+            {:redis, "rediss://127.0.0.1:6379"},
+            {:redis, ["rediss://127.0.0.1:7000"]},
+            {:redis, "redis://127.0.0.1:99999"},
             {:redis, 6379},
             {:redis, "redis://127.0.0.1:6379", prefix: "a*b"},
             {:redis, "redis://127.0.0.1:6379", redis_timeout_ms: 0},
+            {:redis, "redis://127.0.0.1:6379", redis_timeout_ms: 60_001},
             {:redis, "redis://127.0.0.1:6379", timeout: 5}
           ] do
         assert {:error, %Bourse.Error{type: :invalid_parameters}} =

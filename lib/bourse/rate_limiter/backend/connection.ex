@@ -329,7 +329,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       # A port that cannot start is a configuration error; a daemon may come up later.
       {:error, reason} ->
         if state.transport.start_without_it?() do
-          Logger.warning("#{describe(state)}: #{reason}; retrying")
+          Logger.warning("#{describe(state)}: #{reason_text(reason)}; retrying")
           Process.link(limiter)
           {:ok, down(state, reason)}
         else
@@ -775,7 +775,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # Still down, for `reason`: callers are told so; try again later.
   defp down(state, reason) do
-    state = %{state | down_reason: reason}
+    state = %{state | down_reason: reason_text(reason)}
     publish(state, nil, nil)
     reopen_later(state)
   end
@@ -792,6 +792,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp transport({:socket, _address}), do: SocketStream
 
   defp describe(state), do: state.transport.describe(state.target)
+
+  defp reason_text({:refused, message}), do: "it refused its configuration: #{message}"
+  defp reason_text(reason), do: reason
 
   defp open(state) do
     settings = Map.take(state, [:assume_busy, :env, :secret, :timeout])
@@ -840,8 +843,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def hello_request, do: ~s({"id":0,"op":"hello","codec":"etf"})
 
   @doc false
-  # The daemon's hello answer, if it speaks this protocol; or why it refused to start.
-  @spec hello(binary()) :: {:ok, map()} | {:error, String.t()}
+  # The daemon's hello answer, if it speaks this protocol; or why it refused to start
+  # (`{:refused, message}`: its flags, which `attach/3` answers as invalid parameters).
+  @spec hello(binary()) :: {:ok, map()} | {:error, String.t() | {:refused, String.t()}}
   def hello(frame) do
     case decode(frame) do
       {:ok, %{"protocol" => @protocol_version, "max_frame_bytes" => max} = hello}
@@ -850,7 +854,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       # A port whose daemon refused its configuration answers why, then exits.
       {:ok, %{"ok" => false, "error" => %{"message" => message}}} when is_binary(message) ->
-        {:error, "it refused its configuration: #{String.slice(message, 0, 500)}"}
+        {:error, {:refused, String.slice(message, 0, 500)}}
 
       _ ->
         {:error,

@@ -14,7 +14,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   addresses and Unix sockets are accepted unless the backend is given as
   `{:daemon, address, allow_remote: true}` (then host names are accepted too). Other
   options of that form: `timeout: ms`, how long a call waits for its answer (default
-  #{5_000}), and `secret_file: path`.
+  #{5_000}, at most a day), and `secret_file: path`.
 
   ## Access
 
@@ -52,7 +52,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   use Bourse.RateLimiter.Backend.Protocol
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Options
 
@@ -129,13 +129,17 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
+  # Bounded by the core's longest setting (one day), as the limiter's own are.
   defp timeout(opts) do
+    max = Native.bound(:max_setting_ms)
+
     case Keyword.get(opts, :timeout, @default_timeout) do
-      ms when is_integer(ms) and ms > 0 ->
+      ms when is_integer(ms) and ms in 1..max ->
         {:ok, ms}
 
       other ->
-        {:error, "daemon timeout must be a positive integer (ms), got #{Error.describe(other)}"}
+        {:error,
+         "daemon timeout must be an integer from 1 to #{max} (ms), got #{Error.describe(other)}"}
     end
   end
 

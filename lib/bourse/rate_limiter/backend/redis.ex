@@ -23,7 +23,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   A password in the URL (`redis://:secret@host:6379`, percent-encoded, or
   `unix:///path?pass=secret`) reaches the daemon in its environment
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
-  first seed's that holds one). Redis key names hold
+  first seed's that holds one). TLS (`rediss://`) is not supported: reach a Redis that
+  requires it through a local TLS tunnel. Redis key names hold
   keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
   `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
   every limiter on that Redis.
@@ -67,13 +68,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   use Bourse.RateLimiter.Backend.Protocol
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.Backend.Port
   alias Bourse.RateLimiter.Options
 
   @default_prefix "bourse"
   @default_redis_timeout_ms 1_000
-  @schemes ~w(redis rediss unix)
+  @schemes ~w(redis unix)
   @max_seeds 64
 
   @impl true
@@ -208,13 +209,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp url(other), do: {:error, bad_url(other)}
 
-  # A cluster's seeds: 1 to @max_seeds redis:// or rediss:// URLs (a proper list).
+  # A cluster's seeds: 1 to @max_seeds redis:// URLs (a proper list).
   defp seeds([], count, seeds) when count > 0, do: {:ok, Enum.reverse(seeds)}
 
   defp seeds([seed | rest], count, seeds) when is_binary(seed) and count < @max_seeds do
     case URI.parse(seed) do
       %URI{scheme: scheme, host: host}
-      when scheme in ~w(redis rediss) and host not in [nil, ""] ->
+      when scheme == "redis" and host not in [nil, ""] ->
         if String.contains?(seed, <<0>>),
           do: {:error, bad_seeds()},
           else: seeds(rest, count + 1, [seed | seeds])
@@ -228,12 +229,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp bad_seeds do
     "redis cluster seeds must be a list of 1 to #{@max_seeds} URLs " <>
-      "\"redis://HOST:PORT\" or \"rediss://HOST:PORT\""
+      "\"redis://HOST:PORT\" (TLS, rediss://, is not supported)"
   end
 
   defp bad_url(url) do
-    "redis URL must be a string \"redis://HOST:PORT[/DB]\", \"rediss://...\" or " <>
-      "\"unix:///PATH\", got #{Error.describe(url)}"
+    "redis URL must be a string \"redis://HOST:PORT[/DB]\" or \"unix:///PATH\" " <>
+      "(TLS, rediss://, is not supported), got #{Error.describe(url)}"
   end
 
   defp prefix(prefix) when is_binary(prefix) do
@@ -247,10 +248,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   defp bad_prefix(prefix),
     do: "redis prefix must be 1 to 64 of A-Z a-z 0-9 _ - . :, got #{Error.describe(prefix)}"
 
-  defp redis_timeout(ms) when is_integer(ms) and ms in 1..60_000, do: {:ok, ms}
+  defp redis_timeout(ms) do
+    max = Native.bound(:max_store_timeout_ms)
 
-  defp redis_timeout(other),
-    do:
-      {:error,
-       "redis_timeout_ms must be an integer from 1 to 60000, got #{Error.describe(other)}"}
+    if is_integer(ms) and ms in 1..max,
+      do: {:ok, ms},
+      else:
+        {:error,
+         "redis_timeout_ms must be an integer from 1 to #{max}, got #{Error.describe(ms)}"}
+  end
 end

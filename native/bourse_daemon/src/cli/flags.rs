@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use bourse_core::rules::{DEFAULT_BOOKING_SLACK_MS, MAX_SETTING_MS};
+use bourse_core::rules::{DEFAULT_BOOKING_SLACK_MS, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS};
 
 /// Bounds of the numeric options.
 const FRAME_BYTES: (u64, u64) = (64, 64 * 1024 * 1024);
@@ -161,7 +161,7 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
                 f.redis_timeout_ms = Some(number(
                     "--redis-timeout-ms",
                     &value("--redis-timeout-ms")?,
-                    (1, 60_000),
+                    (1, MAX_STORE_TIMEOUT_MS),
                 )?)
             }
             _ => return Err(format!("unknown argument {arg:?}")),

@@ -63,6 +63,9 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
             {:daemon, "127.0.0.1:0"},
             {:daemon, "127.0.0.1:7878", bogus: 1},
             {:daemon, "127.0.0.1:7878", timeout: 0},
+            {:daemon, "127.0.0.1:7878", timeout: 86_400_001},
+            {:daemon, "127.0.0.1:7878", timeout: 4_294_967_295},
+            {:daemon, "127.0.0.1:7878", timeout: 10 ** 20},
             {:daemon, "127.0.0.1:7878", allow_remote: :yes},
             {:daemon, "127.0.0.1:7878", [:timeout]},
             {:daemon, "127.0.0.1:7878", [], :extra}

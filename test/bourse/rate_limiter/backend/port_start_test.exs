@@ -8,15 +8,18 @@ defmodule Bourse.RateLimiter.Backend.PortStartTest do
 
   alias Bourse.RateLimiter
 
-  test "a Redis URL the daemon refuses: the start's error names what is wrong with it" do
-    url = "redis://127.0.0.1:6379/notanumber"
+  test "a Redis URL the daemon refuses: :invalid_parameters, naming what is wrong with it" do
+    for {url, cause} <- [
+          {"redis://127.0.0.1:6379/notanumber", "Invalid database number"},
+          {"redis://127.0.0.1:99999", "99999"}
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.start_link(name: :port_start_bad_url, backend: {:redis, url})
 
-    assert {:error, %Bourse.Error{message: message}} =
-             RateLimiter.start_link(name: :port_start_bad_db, backend: {:redis, url})
-
-    assert message =~ "it refused its configuration"
-    assert message =~ "Invalid database number"
-    refute message =~ "exited with status"
+      assert message =~ "bourse_daemon refused its configuration"
+      assert message =~ cause
+      refute message =~ "exited with status"
+    end
   end
 
   test "a password in the URL is never in the refusal" do
