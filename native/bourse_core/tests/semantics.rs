@@ -520,3 +520,18 @@ fn sync_lowers_tokens_to_what_the_exchange_still_allows() {
     assert_eq!(t.inspect(key("ip")).unwrap().tokens, 1.0);
     assert_eq!(t.sync(key("unknown"), 0.0, 1000), 0.0);
 }
+
+#[test]
+fn sync_of_an_exchange_counted_past_its_limit_leaves_no_debt_past_its_window() {
+    let (t, clock) = table();
+    let l = limit(2.0, 8.0);
+    assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
+    // The exchange counted far more than its limit, with 500 ms of its window left: nothing
+    // until the window ends, then the refill as usual.
+    assert_eq!(t.sync(key("ip"), -1.0e12, 500), 6.0);
+    assert_eq!(t.inspect(key("ip")).unwrap().tokens, -4.0);
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(625));
+    clock.advance_ms(500);
+    assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
+    assert_eq!(t.inspect(key("ip")).unwrap().tokens, 0.0);
+}

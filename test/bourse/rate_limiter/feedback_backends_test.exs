@@ -30,6 +30,18 @@ defmodule Bourse.FeedbackScenario do
     tokens = RateLimiter.inspect_key(key, name).tokens
     assert_in_delta tokens, min(5999, 100 - 100 * left / 1000), 20
 
+    # A counter reported far past the exchange's limit holds checks until its window ends,
+    # never longer: the exchange forgets its count then.
+    over = {binance, "k2", "ip"}
+    assert :ok = RateLimiter.check_rate(over, %{requests: 6000, period: 60_000}, 1, name)
+    headers = [{"x-mbx-used-weight-1m", "999999999999999"}]
+    assert :ok = RateLimiter.observe_response(binance, "k2", 200, headers, name)
+    left = 60_000 - rem(System.os_time(:millisecond), 60_000)
+
+    assert {:delay, ms} = RateLimiter.check_rate(over, %{requests: 6000, period: 60_000}, 1, name)
+
+    assert ms <= left + 20
+
     answers =
       for {exchange, status, headers, body} <- [
             {bybit, 200, [], ~s({"retCode":10006,"retMsg":"Too many visits!"})},

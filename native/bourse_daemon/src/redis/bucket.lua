@@ -587,8 +587,8 @@ local function record(now)
 end
 
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
--- tokens so that they plus the refill until the window ends fit the allowance; never
--- raises them. Returns the tokens taken.
+-- tokens so that they plus the refill until the window ends fit the allowance (a negative
+-- one as 0: no debt past the window); never raises them. Returns the tokens taken.
 local function sync(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local bucket = load(item.key, now)
@@ -597,7 +597,7 @@ local function sync(now)
   end
   item.bucket = bucket
   local before = tokens(bucket, now)
-  local max_tokens = tonumber(ARGV[2]) - bucket.r * tonumber(ARGV[3]) / 1000
+  local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * tonumber(ARGV[3]) / 1000
   if max_tokens < before then
     bucket.b = max_tokens
     bucket.t = now
