@@ -43,14 +43,36 @@ impl Pauses {
         }
     }
 
-    fn len(&self) -> usize {
-        self.exchanges.len() + self.credentials.len() + self.keys.len()
+    /// Holds `target` until `until`; an existing pause of it keeps the later end. Key and
+    /// credential pauses are at most [`MAX_PAUSES`] (ended ones count until
+    /// [`Self::drop_ended`]), and so are exchange pauses. With no room, a new key or
+    /// credential pause holds its whole exchange instead: a limited reply is never
+    /// ignored. Only a new exchange pause past [`MAX_PAUSES`] exchanges is refused.
+    pub fn add(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
+        match (self.insert(target, until), target) {
+            (Err(_), PauseTarget::Credential(exchange, _)) => {
+                self.insert(&PauseTarget::Exchange(exchange.clone()), until)
+            }
+            (Err(_), PauseTarget::Key(key)) => {
+                self.insert(&PauseTarget::Exchange(key.exchange().to_vec()), until)
+            }
+            (held, _) => held,
+        }
     }
 
-    /// Holds `target` until `until`; an existing pause of it keeps the later end. Past
-    /// [`MAX_PAUSES`] pauses, a new target is refused.
-    pub fn add(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
-        let full = self.len() >= MAX_PAUSES;
+    /// Whether a new pause of `target`'s kind fits.
+    fn room(&self, target: &PauseTarget) -> bool {
+        let in_force = match target {
+            PauseTarget::Exchange(_) => self.exchanges.len(),
+            _ => self.credentials.len() + self.keys.len(),
+        };
+        in_force < MAX_PAUSES
+    }
+
+    /// Holds `target` until `until`: an existing pause keeps the later end; a new one is
+    /// added if there is room, else refused.
+    fn insert(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
+        let room = self.room(target);
         let (index, key) = match target {
             PauseTarget::Exchange(exchange) => {
                 (&mut self.exchanges, KeyRef::new(exchange, None, b""))
@@ -72,7 +94,7 @@ impl Pauses {
                 let pause = pause.get_mut();
                 pause.until = pause.until.max(until);
             }
-            Entry::Vacant(_) if full => {
+            Entry::Vacant(_) if !room => {
                 return Err(rules::too_many_pauses().for_exchange(target.exchange()))
             }
             Entry::Vacant(vacant) => {
@@ -180,22 +202,52 @@ mod tests {
         assert_eq!(pauses.until(&public, hasher.hash_one(public)), 0);
     }
 
+    fn len(pauses: &Pauses) -> usize {
+        pauses.exchanges.len() + pauses.credentials.len() + pauses.keys.len()
+    }
+
     #[test]
-    fn the_number_of_pauses_is_bounded_and_ended_ones_make_room() {
-        let mut pauses = Pauses::new(foldhash::fast::RandomState::default());
+    fn past_the_bound_a_key_or_credential_pause_holds_its_exchange() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut pauses = Pauses::new(hasher);
         for i in 0..MAX_PAUSES {
             pauses.add(&target(i), 100).unwrap();
         }
-        let refused = pauses.add(&target(MAX_PAUSES), 100).unwrap_err();
+        let other = KeyRef::new(b"ex", Some(b"other"), b"ip");
+        assert_eq!(pauses.until(&other, hasher.hash_one(other)), 0);
+        // An existing target is extended; a new one holds the exchange.
+        pauses.add(&target(0), 200).unwrap();
+        pauses.add(&target(MAX_PAUSES), 300).unwrap();
+        let credential = PauseTarget::Credential(b"ex".to_vec(), Some(b"new".to_vec()));
+        pauses.add(&credential, 400).unwrap();
+        assert_eq!(pauses.until(&other, hasher.hash_one(other)), 400);
+        assert_eq!(len(&pauses), MAX_PAUSES + 1);
+        // Ended pauses make room again.
+        pauses.drop_ended(350);
+        pauses.add(&target(MAX_PAUSES + 1), 500).unwrap();
+        assert_eq!(len(&pauses), 2);
+    }
+
+    #[test]
+    fn exchange_pauses_past_the_bound_are_refused() {
+        let mut pauses = Pauses::new(foldhash::fast::RandomState::default());
+        let exchange = |i: usize| PauseTarget::Exchange(format!("ex-{i}").into_bytes());
+        for i in 0..MAX_PAUSES {
+            pauses.add(&exchange(i), 100).unwrap();
+        }
+        let refused = pauses.add(&exchange(MAX_PAUSES), 100).unwrap_err();
         assert_eq!(
             refused.message(),
-            format!("at most {MAX_PAUSES} pauses may be in force at once; this one was not added")
+            format!(
+                "at most {MAX_PAUSES} exchanges may be paused at once; this pause was not added"
+            )
         );
-        assert_eq!(refused.exchange(), Some(&b"ex"[..]));
-        // An existing target may still be extended.
-        pauses.add(&target(0), 200).unwrap();
-        pauses.drop_ended(150);
-        pauses.add(&target(MAX_PAUSES), 300).unwrap();
-        assert_eq!(pauses.len(), 2);
+        assert_eq!(
+            refused.exchange(),
+            Some(format!("ex-{MAX_PAUSES}").as_bytes())
+        );
+        // A key of an exchange already paused is held as before.
+        pauses.add(&exchange(0), 200).unwrap();
+        pauses.add(&target(0), 300).unwrap();
     }
 }

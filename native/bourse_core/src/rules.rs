@@ -400,10 +400,11 @@ pub fn not_a_pause_target(given: Shape) -> InvalidInput {
     ))
 }
 
-/// A table holds at most [`MAX_PAUSES`] pauses in force; ended ones do not count.
+/// A table holds at most [`MAX_PAUSES`] pauses of exchanges (and as many of keys and
+/// credentials, past which those hold their exchange instead).
 pub fn too_many_pauses() -> InvalidInput {
     InvalidInput::new(format!(
-        "at most {MAX_PAUSES} pauses may be in force at once; this one was not added"
+        "at most {MAX_PAUSES} exchanges may be paused at once; this pause was not added"
     ))
 }
 

@@ -553,8 +553,9 @@ impl<C: Clock> Table<C> {
 
     /// Holds every bucket of `target` for `ms` milliseconds: nothing is admitted until
     /// then; waiters book behind the pause. Overlapping pauses keep the later end. Past
-    /// [`crate::rules::MAX_PAUSES`] pauses (ended ones count until the next sweep), a new
-    /// target is refused.
+    /// [`crate::rules::MAX_PAUSES`] pauses of keys and credentials (ended ones count until
+    /// the next sweep), a new one holds its whole exchange; past as many of exchanges, a
+    /// new exchange is refused.
     pub fn pause(&self, target: PauseTarget, ms: u64) -> Result<(), InvalidInput> {
         let until = self
             .clock

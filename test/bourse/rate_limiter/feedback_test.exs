@@ -246,6 +246,19 @@ defmodule Bourse.RateLimiter.FeedbackTest do
   end
 
   describe "429 and 418" do
+    test "with the table's pauses of credentials all in use, a 429 pauses the exchange",
+         %{name: name} do
+      for i <- 1..Bourse.Native.bound(:max_pauses),
+          do: :ok = RateLimiter.pause({"binance", "held-#{i}"}, 60_000, name)
+
+      assert {:error, %Error{type: :rate_limit_exceeded}} =
+               observe(429, [{"Retry-After", "5"}], name, "new")
+
+      assert_paused({"binance", "new", "a"}, name, 4_000..5_000)
+      assert_paused({"binance", "another", "a"}, name, 4_000..5_000)
+      assert :ok = RateLimiter.check_rate({"okx", "new", "a"}, @slow, 1, name)
+    end
+
     test "a 429 pauses every axis of the credential, for every caller, per Retry-After",
          %{name: name} do
       assert {:error, %Error{} = error} = observe(429, [{"Retry-After", "2"}], name)
