@@ -101,7 +101,10 @@ defmodule Bourse.RateLimiter.Exchange do
   def profile(name, opts \\ []) do
     case @modules do
       %{^name => module} ->
-        module.profile(opts)
+        case Options.known_options(opts, "profile option", [:tier], "[:tier]") do
+          :ok -> module.profile(opts)
+          {:error, message} -> invalid(message)
+        end
 
       _ ->
         invalid(

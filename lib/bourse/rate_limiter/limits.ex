@@ -22,6 +22,9 @@ defmodule Bourse.RateLimiter.Limits do
   """
 
   alias Bourse.Error
+  alias Bourse.RateLimiter.Options
+
+  @size_options [:share, :burst]
 
   @type limit :: %{capacity: float(), refill_per_sec: float()}
   @type binance_key :: {type :: String.t(), interval_num :: pos_integer(), interval :: String.t()}
@@ -46,9 +49,17 @@ defmodule Bourse.RateLimiter.Limits do
   """
   @spec size(number(), number(), keyword()) :: {:ok, limit()} | {:error, Error.t()}
   def size(limit, window_ms, opts \\ []) do
-    share = Keyword.get(opts, :share, 0.8)
-    burst = Keyword.get(opts, :burst, 0.1)
+    with :ok <- known_options(opts, @size_options) do
+      size_checked(
+        limit,
+        window_ms,
+        Keyword.get(opts, :share, 0.8),
+        Keyword.get(opts, :burst, 0.1)
+      )
+    end
+  end
 
+  defp size_checked(limit, window_ms, share, burst) do
     cond do
       not positive?(limit) ->
         invalid("limit must be a positive number, got #{Error.describe(limit)}")
@@ -78,6 +89,12 @@ defmodule Bourse.RateLimiter.Limits do
     else
       invalid("limit too small to size a bucket: capacity #{capacity}, refill #{refill}/s")
     end
+  end
+
+  defp known_options(opts, known) do
+    with {:error, message} <-
+           Options.known_options(opts, "option", known, "one of #{inspect(known)}"),
+         do: invalid(message)
   end
 
   defp round_significant(x), do: String.to_float(:erlang.float_to_binary(x, scientific: 11))
@@ -134,7 +151,8 @@ defmodule Bourse.RateLimiter.Limits do
   def from_binance_exchange_info(info, opts \\ [])
 
   def from_binance_exchange_info(info, opts) when is_map(info) do
-    with {:ok, exchange} <- exchange_option(opts),
+    with :ok <- known_options(opts, [:exchange | @size_options]),
+         {:ok, exchange} <- exchange_option(opts),
          {:ok, buckets, header_limits} <- rate_limits(info, opts),
          :ok <- put_header_limits(exchange, header_limits) do
       {:ok, buckets}
@@ -163,7 +181,7 @@ defmodule Bourse.RateLimiter.Limits do
   defp entries([entry | rest], index, {buckets, headers}, opts) do
     with {:ok, key, limit, window_ms} <- entry(entry, index),
          :ok <- unique(key, buckets),
-         {:ok, bucket} <- size(limit, window_ms, opts) do
+         {:ok, bucket} <- size(limit, window_ms, Keyword.take(opts, @size_options)) do
       headers = Map.merge(headers, used_header(key, limit))
       entries(rest, index + 1, {Map.put(buckets, key, bucket), headers}, opts)
     end

@@ -21,8 +21,10 @@ defmodule Bourse.RateLimiter.RetryAfter do
 
   It never raises on a binary, number or any other term.
 
-  Options: `:floor_ms` (default 1000), `:cap_ms` (default 300_000) and `:now`, the
-  current time used for dates, a `DateTime` or unix ms (default: the system clock).
+  Options: `:floor_ms` (default 1000) and `:cap_ms` (default 300_000), non-negative
+  integers, and `:now`, the current time used for dates, a `DateTime` or unix ms
+  (default: the system clock). Other options are
+  `{:error, %Bourse.Error{type: :invalid_parameters}}`, naming the option.
 
       RetryAfter.parse("2")                                  #=> {:ok, 2000}
       RetryAfter.parse("1e-400")                             #=> {:ok, 1000}
@@ -32,7 +34,13 @@ defmodule Bourse.RateLimiter.RetryAfter do
         now: ~U[2015-10-21 07:28:00Z])                       #=> {:ok, 5000}
   """
 
-  @type result :: {:ok, non_neg_integer()} | {:stop, pos_integer()} | :error
+  alias Bourse.Error
+  alias Bourse.RateLimiter.Options
+
+  @options [:floor_ms, :cap_ms, :now]
+
+  @type result ::
+          {:ok, non_neg_integer()} | {:stop, pos_integer()} | :error | {:error, Bourse.Error.t()}
 
   # Longer values are nonsense for this header; refusing them bounds the work.
   @max_length 256
@@ -50,14 +58,38 @@ defmodule Bourse.RateLimiter.RetryAfter do
   """
   @spec parse(term(), keyword()) :: result()
   def parse(value, opts \\ []) do
-    cap = Keyword.get(opts, :cap_ms, 300_000)
-
-    case to_ms(value, opts) do
-      {:ok, ms} when ms > cap -> {:stop, ms}
-      {:ok, ms} -> {:ok, max(ms, Keyword.get(opts, :floor_ms, 1000))}
-      :error -> :error
+    with {:ok, floor, cap} <- options(opts) do
+      case to_ms(value, opts) do
+        {:ok, ms} when ms > cap -> {:stop, ms}
+        {:ok, ms} -> {:ok, max(ms, floor)}
+        :error -> :error
+      end
     end
   end
+
+  defp options(opts) do
+    with :ok <- Options.known_options(opts, "option", @options, "one of #{inspect(@options)}"),
+         {:ok, floor} <- ms_option(opts, :floor_ms, 1000),
+         {:ok, cap} <- ms_option(opts, :cap_ms, 300_000),
+         {:ok, _now} <- now_option(opts[:now]) do
+      {:ok, floor, cap}
+    else
+      {:error, message} -> {:error, Error.invalid(message)}
+    end
+  end
+
+  defp ms_option(opts, key, default) do
+    case Keyword.get(opts, key, default) do
+      ms when is_integer(ms) and ms >= 0 -> {:ok, ms}
+      other -> {:error, "#{key} must be a non-negative integer, got #{Error.describe(other)}"}
+    end
+  end
+
+  defp now_option(now) when is_nil(now) or is_integer(now), do: {:ok, now}
+  defp now_option(%DateTime{} = now), do: {:ok, now}
+
+  defp now_option(other),
+    do: {:error, "now must be a DateTime or unix ms, got #{Error.describe(other)}"}
 
   defp to_ms(seconds, _opts) when is_integer(seconds), do: {:ok, seconds * 1000}
   # Times 1000, a huge double would overflow; far above any cap, whole seconds will do.

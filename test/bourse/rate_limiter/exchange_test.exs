@@ -94,6 +94,12 @@ defmodule Bourse.RateLimiter.ExchangeTest do
                  Exchange.buckets(arg, opts),
                inspect({arg, opts})
       end
+
+      for opts <- [:x, [tir: :pro], [share: 0.5]] do
+        assert {:error, %Error{type: :invalid_parameters, message: "" <> _}} =
+                 Exchange.profile(:kraken_spot, opts),
+               inspect(opts)
+      end
     end
 
     test "put_header_limits: the profile's limits bound header sync for its exchange id" do

@@ -71,7 +71,10 @@ defmodule Bourse.RateLimiter.LimitsTest do
             {[10, 1000, [share: 1.5]], "share"},
             {[10, 1000, [burst: 1]], "burst"},
             {[10, 1000, [burst: 0]], "burst"},
-            {[10, 1000, [burst: "0.1"]], "burst"}
+            {[10, 1000, [burst: "0.1"]], "burst"},
+            {[10, 1000, [shar: 0.5]], ":shar"},
+            {[10, 1000, :x], "keyword list"},
+            {[10, 1000, [share: 0.5, share: 0.6]], "more than once"}
           ] do
         assert {:error, %Error{type: :invalid_parameters, message: message}} =
                  apply(Limits, :size, args)
@@ -113,6 +116,15 @@ defmodule Bourse.RateLimiter.LimitsTest do
     test "options reach the sizing" do
       assert {:ok, %{{"REQUEST_WEIGHT", 1, "MINUTE"} => %{capacity: 600.0, refill_per_sec: 90.0}}} =
                Limits.from_binance_exchange_info(@exchange_info, share: 1.0)
+    end
+
+    test "unknown options and options not in a keyword list are refused, naming them" do
+      for {opts, word} <- [{[bogus: 1], ":bogus"}, {:x, "keyword list"}] do
+        assert {:error, %Error{type: :invalid_parameters, message: message}} =
+                 Limits.from_binance_exchange_info(@exchange_info, opts)
+
+        assert message =~ word
+      end
     end
 
     test "exchange: the entries' limits bound that exchange's used-weight headers" do

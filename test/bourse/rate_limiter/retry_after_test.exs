@@ -158,4 +158,20 @@ defmodule Bourse.RateLimiter.RetryAfterTest do
 
     assert parse(String.duplicate("9", 10_000)) == :error
   end
+
+  test "options other than :floor_ms, :cap_ms and :now are :invalid_parameters, naming them" do
+    for {opts, word} <- [
+          {:x, "keyword list"},
+          {[cap: 1], ":cap"},
+          {[cap_ms: "x"], "cap_ms"},
+          {[floor_ms: -1], "floor_ms"},
+          {[now: "today"], "now"}
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RetryAfter.parse("2", opts),
+             inspect(opts)
+
+      assert message =~ word
+    end
+  end
 end
