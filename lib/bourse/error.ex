@@ -20,8 +20,10 @@ defmodule Bourse.Error do
 
   Examples:
 
+      {:ok, _} = Bourse.RateLimiter.start_link(name: MyApp.Limiter)
+
       {:error, %Bourse.Error{type: :invalid_parameters}} =
-        Bourse.RateLimiter.check_rate({"binance", "key"}, %{capacity: -1, refill_per_sec: 1})
+        Bourse.RateLimiter.check_rate({"binance", "key"}, %{capacity: -1, refill_per_sec: 1}, 1, MyApp.Limiter)
 
       Bourse.Error.rate_limited(1_500, exchange: "binance", http_status: 429)
       #=> %Bourse.Error{type: :rate_limit_exceeded, retry_after: 1500, ...}

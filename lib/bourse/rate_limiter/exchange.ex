@@ -45,7 +45,8 @@ defmodule Bourse.RateLimiter.Exchange do
     * `:header` – the reply header that reports it, if any (header sync,
       `Bourse.RateLimiter.Feedback`);
     * `:burst` (optional) – the part of the counter's ceiling available at once, where
-      the default would leave less than one request;
+      the default would leave fewer than two whole requests: each such counter gets a
+      capacity of 2;
     * `:source` – `%{url: ..., read: "YYYY-MM-DD"}`, and `:note` where the number comes
       from a copy of the page rather than the page itself.
 
@@ -56,8 +57,9 @@ defmodule Bourse.RateLimiter.Exchange do
 
   A `:fixed` or `:rolling` counter of `L` per window `W` gets the bucket of
   `Bourse.RateLimiter.Limits.size/3`: `capacity + refill_per_sec * W <= share * L`, with
-  `capacity = burst * share * L`. A `:decaying` counter gets `capacity = share * max` and
-  `refill_per_sec = share * decay_per_sec`: the bucket never spends faster than the
+  `capacity = burst * share * L`. A `:decaying` counter gets `capacity = share * max`, but
+  at least one request of cost 1 where `max` allows one (Kraken's public counter of 1),
+  and `refill_per_sec = share * decay_per_sec`: the bucket never spends faster than the
   counter decays, nor holds more than its maximum.
   """
 
@@ -169,7 +171,7 @@ defmodule Bourse.RateLimiter.Exchange do
     share = share(opts)
 
     if is_number(share) and share > 0 and share <= 1,
-      do: {:ok, axis, %{capacity: share * max, refill_per_sec: share * decay}},
+      do: {:ok, axis, %{capacity: max(share * max, min(max, 1)), refill_per_sec: share * decay}},
       else: invalid("share must be in (0, 1], got #{Error.describe(share)}")
   end
 

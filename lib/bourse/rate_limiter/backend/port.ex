@@ -1,14 +1,17 @@
 defmodule Bourse.RateLimiter.Backend.Port do
   @moduledoc """
   `backend: :port`: the bucket table lives in a `bourse_daemon --stdio` process that the
-  limiter runs as an Erlang port (`{:packet, 4}` frames of external terms, see
-  `Bourse.RateLimiter.Backend.Protocol`). A crash in native code there cannot take the VM
-  down.
+  limiter runs as an Erlang port. The port is the daemon's life (its exit status, its end
+  with the VM); its requests and answers go over a Unix socket of its own
+  (`--stdio-socket`, in a directory only this OS user may enter): 4-byte length-prefixed
+  frames of external terms (`Bourse.RateLimiter.Backend.Protocol`). A crash in native code
+  there cannot take the VM down.
 
-  The port is owned by a `Bourse.RateLimiter.Backend.Connection` process linked to the
-  limiter. Callers encode their checks and write them to the port in their own process,
-  pipelined with every other caller's; the connection reads the answers and sends each to
-  its caller. Each calling process owns its own bookings.
+  The port and its socket are owned by a `Bourse.RateLimiter.Backend.Connection` process
+  linked to the limiter. Callers encode their checks in their own process; a caller alone
+  in flight writes to the socket and reads its own answer, others are pipelined by the
+  connection, which sends each answer to its caller. Each calling process owns its own
+  bookings.
 
   If the daemon dies (even `kill -9`), callers in flight get
   `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with
