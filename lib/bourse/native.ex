@@ -33,7 +33,7 @@ defmodule Bourse.Native do
 
   def bounds, do: :erlang.nif_error(:not_loaded)
   def check_key(_key), do: :erlang.nif_error(:not_loaded)
-  def check_limit(_limit), do: :erlang.nif_error(:not_loaded)
+  def limit_definition(_limit), do: :erlang.nif_error(:not_loaded)
   def new_table(_assume_busy_at_start, _booking_slack_ms), do: :erlang.nif_error(:not_loaded)
 
   def check_rate(_table, _owner, _key, _limit, _cost, _max_wait),

@@ -265,7 +265,7 @@ defmodule Bourse.RateLimiter do
 
   defp validate(route, key, limit) do
     with :ok <- verdict(Bourse.Native.check_key(key)),
-         :ok <- verdict(Bourse.Native.check_limit(limit)) do
+         {:ok, _definition} <- verdict(Bourse.Native.limit_definition(limit)) do
       {:ok, nil}
     else
       error ->
@@ -277,7 +277,7 @@ defmodule Bourse.RateLimiter do
   defp verdict({:error, message, exchange}),
     do: {:error, Error.with_exchange(Error.invalid(message), exchange)}
 
-  defp verdict(:ok), do: :ok
+  defp verdict(valid), do: valid
 
   @doc """
   Checks several buckets at once: all of them pay, or none does. Each check is

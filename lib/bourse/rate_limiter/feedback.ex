@@ -52,7 +52,7 @@ defmodule Bourse.RateLimiter.Feedback do
   `back_off`) per limited reply; one to start the backoff count again per 2xx without a
   signal; per used-weight header present, one `sync`, after an `inspect_key` for the
   bucket's definition unless the adapter passes it
-  (`limits: %{axis => %{capacity: c, refill_per_sec: r}}`, such as
+  (`limits: %{axis => limit}`, each limit in any form a check takes, such as
   `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical 2xx reply
   with one used-weight header and `limits:` costs two round trips to a daemon or Redis.
 
@@ -303,46 +303,32 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   # `limits:` – the definitions of the credential's buckets by axis, as the adapter
-  # passes them to its checks: header sync then reads no definition from the table. Each
-  # axis and definition is held to the rules of every check (`Bourse.Native`).
+  # passes them to its checks (any form of a limit): header sync then reads no definition
+  # from the table. Each axis and definition is held to the rules of every check
+  # (`Bourse.Native`), and the definition taken as capacity and refill.
   defp definitions(limits, exchange_id, credential)
        when is_map(limits) and not is_struct(limits) do
-    Enum.reduce_while(limits, {:ok, limits}, fn {axis, definition}, ok ->
+    Enum.reduce_while(limits, {:ok, %{}}, fn {axis, definition}, {:ok, definitions} ->
       case definition(exchange_id, credential, axis, definition) do
-        :ok -> {:cont, ok}
+        {:ok, definition} -> {:cont, {:ok, Map.put(definitions, axis, definition)}}
         error -> {:halt, error}
       end
     end)
   end
 
   defp definitions(other, _exchange_id, _credential),
-    do:
-      invalid(
-        "limits must be a map of axis => %{capacity: c, refill_per_sec: r}, " <>
-          "got #{Error.describe(other)}"
-      )
+    do: invalid("limits must be a map of axis => limit, got #{Error.describe(other)}")
 
   defp definition(exchange_id, credential, axis, definition) do
     with :ok <- native(Native.check_key({exchange_id, credential, axis}), "limits: "),
-         %{capacity: _, refill_per_sec: _} when map_size(definition) == 2 <- definition do
-      native(Native.check_limit(definition), "limits: ")
-    else
-      {:error, %Error{}} = error ->
-        error
-
-      _other ->
-        invalid(
-          "limits: each definition must be %{capacity: c, refill_per_sec: r}, " <>
-            "got #{Error.describe(definition)}"
-        )
-    end
+         do: native(Native.limit_definition(definition), "limits: ")
   end
 
   # The answer of a rule of the core, as every call gives it.
-  defp native(:ok, _prefix), do: :ok
-
   defp native({:error, message, exchange}, prefix),
     do: {:error, Error.with_exchange(Error.invalid(prefix <> message), exchange)}
+
+  defp native(valid, _prefix), do: valid
 
   defp body(body) when is_nil(body) or is_binary(body) or is_map(body) or is_list(body),
     do: {:ok, body}

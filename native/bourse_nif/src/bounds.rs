@@ -10,7 +10,7 @@ use bourse_core::rules::{
 use bourse_core::InvalidInput;
 use rustler::{Encoder, Env, Term};
 
-use crate::{atoms, error_term, key, limit, MAX_INLINE_CHECKS};
+use crate::{atoms, error_term, key, limit, limit_term_of, MAX_INLINE_CHECKS};
 
 mod names {
     rustler::atoms! {
@@ -33,10 +33,14 @@ fn check_key<'a>(env: Env<'a>, key_term: Term<'a>) -> Term<'a> {
     verdict(env, key(key_term).map(|_| ()))
 }
 
-/// `check_limit(limit)`: `:ok` (also for `nil`), or the error a check answers for it.
+/// `limit_definition(limit)`: `{:ok, %{capacity: c, refill_per_sec: r}}` for any form of
+/// a limit (`{:ok, nil}` for `nil`), or the error a check answers for it.
 #[rustler::nif]
-fn check_limit<'a>(env: Env<'a>, limit_term: Term<'a>) -> Term<'a> {
-    verdict(env, limit(limit_term).map(|_| ()))
+fn limit_definition<'a>(env: Env<'a>, limit_term: Term<'a>) -> Term<'a> {
+    match limit(limit_term) {
+        Ok(limit) => (atoms::ok(), limit_term_of(env, limit)).encode(env),
+        Err(err) => error_term(env, err),
+    }
 }
 
 /// `bounds()`: the bounds and defaults of `bourse_core::rules`, and the longest check list

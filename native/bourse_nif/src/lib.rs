@@ -515,8 +515,9 @@ fn key_term<'a>(env: Env<'a>, key: &Key) -> Term<'a> {
     (binary(env, key.exchange), credential, binary(env, key.axis)).encode(env)
 }
 
-fn info_term<'a>(env: Env<'a>, info: &KeyInfo) -> Term<'a> {
-    let limit = match info.limit {
+/// A definition as Elixir reads it: `%{capacity: c, refill_per_sec: r}`, or `nil`.
+pub(crate) fn limit_term_of(env: Env, limit: Option<Limit>) -> Term {
+    match limit {
         Some(limit) => Term::map_from_pairs(
             env,
             &[
@@ -526,7 +527,11 @@ fn info_term<'a>(env: Env<'a>, info: &KeyInfo) -> Term<'a> {
         )
         .expect("distinct keys"),
         None => atoms::nil().encode(env),
-    };
+    }
+}
+
+fn info_term<'a>(env: Env<'a>, info: &KeyInfo) -> Term<'a> {
+    let limit = limit_term_of(env, info.limit);
     let optional = |value: Option<u64>| match value {
         Some(ms) => ms.encode(env),
         None => atoms::nil().encode(env),

@@ -114,9 +114,27 @@ defmodule Bourse.RateLimiter.FeedbackTest do
             [limits: %{"ip" => %{capacity: -1, refill_per_sec: 1}}],
             [limits: []],
             [limits: %{ip: %{capacity: 1, refill_per_sec: 1}}],
-            [limits: %{"ip" => %{requests: 5}}]
+            [limits: %{"ip" => %{requests: 0}}],
+            [limits: %{"ip" => %{capacity: 1}}]
           ] do
         assert_invalid(RateLimiter.observe_response("binance", "k", 200, [], name, bad))
+      end
+    end
+
+    test "limits: any form a check takes, read as its capacity and refill", %{name: name} do
+      # 10 + 10/s: 610 per minute.
+      for {credential, limit} <- [
+            {"map", %{capacity: 10, refill_per_sec: 10}},
+            {"period", %{requests: 10, period: 1_000}},
+            {"per_second", %{requests: 10}}
+          ] do
+        key = {"binance", credential, "ip"}
+        assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+        headers = [{"x-mbx-used-weight-1m", "600"}]
+        opts = [limits: %{"ip" => limit}]
+        assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
+        left = window_left(60_000)
+        assert_in_delta tokens(key, name), min(9, 10 - 10 * left / 1000), 10 * 0.2
       end
     end
 
