@@ -652,10 +652,12 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   A snapshot of one key, or `nil` when the limiter holds nothing for it (never seen, or
-  dropped by the sweep once full and idle, when it behaves as a new full bucket):
+  dropped by the sweep once full and idle, when it behaves as a new full bucket) and no
+  pause covers it:
 
     * `:limit` – the bucket definition `%{capacity: c, refill_per_sec: r}`; `nil` for a
-      key that only has `record_request/3` debt;
+      key that only has `record_request/3` debt, or only a pause (its other fields are
+      then zero);
     * `:tokens` – tokens now, negative while in debt;
     * `:borrowed` – what `get_cost/3` answers;
     * `:debt` – how far below zero the bucket is (or the pending debt of a key without a

@@ -424,13 +424,16 @@ impl<C: Clock> Table<C> {
             .map_or(0.0, |bucket| bucket.borrowed(now))
     }
 
-    /// A snapshot of `key`, or `None` if the table does not hold it.
+    /// A snapshot of `key` (of a pause alone, for a key without a bucket that a pause
+    /// covers), or `None` if the table holds nothing for it.
     pub fn inspect(&self, key: KeyRef) -> Option<KeyInfo> {
         let hash = self.hash(&key);
         let now = self.clock.now();
         let pause_ms = self.pause_ms(&key, hash, now);
         let mut shard = self.lock(hash);
-        let bucket = shard.buckets.find_mut(hash, Sought::Parts(key))?;
+        let Some(bucket) = shard.buckets.find_mut(hash, Sought::Parts(key)) else {
+            return pause_ms.map(KeyInfo::paused);
+        };
         let lapsed = bucket.drop_lapsed(now);
         let info = Self::info(bucket, now, pause_ms);
         shard.stats.lapsed += lapsed as u64;

@@ -121,7 +121,8 @@ pub struct Stats {
 /// A snapshot of one key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyInfo {
-    /// The key's definition; `None` while it has only `record_request` debt.
+    /// The key's definition; `None` while it has only `record_request` debt, or only a
+    /// pause.
     pub limit: Option<Limit>,
     /// Tokens now, capped at the capacity; negative while in debt.
     pub tokens: f64,
@@ -137,4 +138,20 @@ pub struct KeyInfo {
     pub next_ready_ms: Option<u64>,
     /// Milliseconds left of a pause covering the key, if any.
     pub pause_ms: Option<u64>,
+}
+
+impl KeyInfo {
+    /// A key without a bucket, covered by a pause with `pause_ms` left.
+    pub fn paused(pause_ms: u64) -> Self {
+        Self {
+            limit: None,
+            tokens: 0.0,
+            borrowed: 0.0,
+            debt: 0.0,
+            bookings: 0,
+            booked_cost: 0.0,
+            next_ready_ms: None,
+            pause_ms: Some(pause_ms),
+        }
+    }
 }

@@ -28,6 +28,21 @@ defmodule Bourse.ContractTests.Pause do
           assert :ok = check_rate({"other", "k", "request"}, limit, 1, name)
         end
 
+        test "inspect_key shows a pause over a key the limiter holds no bucket for",
+             %{name: name} do
+          assert :ok = pause({"ex", "k"}, 5_000, name)
+          assert :ok = pause({"ex", "k3", "request"}, 5_000, name)
+
+          for key <- [{"ex", "k", "never-checked"}, {"ex", "k3", "request"}] do
+            assert %{limit: nil, bookings: 0, pause_ms: ms} =
+                     Bourse.RateLimiter.inspect_key(key, name)
+
+            assert ms in 1..5_000
+          end
+
+          assert Bourse.RateLimiter.inspect_key({"ex", "k2", "request"}, name) == nil
+        end
+
         test "after a pause the bucket is as it was: nothing was paid", %{name: name} do
           limit = %{capacity: 5, refill_per_sec: 0.001}
           key = {"ex", "k"}
