@@ -383,26 +383,32 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
     t.reset_all();
     assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
-    // Never a bucket: nothing shows among the keys.
+    // Never a bucket: nothing shows among the keys; a key shows the pause alone.
     assert!(t.busiest(10).is_empty());
-    assert_eq!(t.inspect(KeyRef::new(b"binance", me, b"")), None);
+    let info = t.inspect(KeyRef::new(b"binance", me, b"")).unwrap();
+    assert_eq!((info.limit, info.pause_ms), (None, Some(1000)));
 }
 
 #[test]
 fn a_backoff_refused_for_want_of_room_for_its_pause_counts_nothing() {
     let (t, _) = table();
     for i in 0..MAX_PAUSES {
-        let key = KeyRef::new(b"ex", Some(format!("{i}").as_bytes()), b"ip").to_owned_key();
-        t.pause(PauseTarget::Key(key), 60_000).unwrap();
+        t.pause(
+            PauseTarget::Exchange(format!("ex-{i}").into_bytes()),
+            60_000,
+        )
+        .unwrap();
     }
     let me = Some(&b"api-key"[..]);
-    let refused = t.back_off(b"binance", me, BackoffScope::Credential);
-    assert_eq!(refused.unwrap_err().exchange(), Some(&b"binance"[..]));
-    t.reset_exchange(b"ex");
+    // A credential's pause fits (its own index), an exchange's does not.
     assert_eq!(
         t.back_off(b"binance", me, BackoffScope::Credential),
         Ok(1000)
     );
+    let refused = t.back_off(b"binance", me, BackoffScope::Exchange);
+    assert_eq!(refused.unwrap_err().exchange(), Some(&b"binance"[..]));
+    t.reset_exchange(b"ex-0");
+    assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), Ok(2000));
 }
 
 #[test]
@@ -416,7 +422,8 @@ fn resets_forget_keys_bookings_and_pauses() {
     t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000)
         .unwrap();
     t.reset(key("ip"));
-    assert_eq!(t.inspect(key("ip")), None);
+    let info = t.inspect(key("ip")).unwrap();
+    assert_eq!((info.limit, info.tokens, info.bookings), (None, 0.0, 0));
     assert_eq!(t.get_cost(key("request")), 10.0);
     t.reset_exchange(b"binance");
     assert_eq!(t.get_cost(key("request")), 0.0);

@@ -346,11 +346,12 @@ fn sync_lowers_tokens_to_what_the_exchange_allows() {
     assert_eq!(sync("5", 2000)["taken"], 6.0);
     let borrowed = f.call(&format!(r#"{{"op":"get_cost","key":{KEY}}}"#))["borrowed"].clone();
     assert_eq!(borrowed, 7.0);
-    // Never raises the tokens; a negative allowance puts the bucket in debt.
+    // Never raises the tokens; a negative allowance allows nothing until the window ends,
+    // with no debt past it.
     assert_eq!(sync("100", 0)["taken"], 0.0);
-    assert_eq!(sync("-2.5", 0)["taken"], 5.5);
+    assert_eq!(sync("-2.5", 1000)["taken"], 4.0);
     let info = f.call(&format!(r#"{{"op":"inspect","key":{KEY}}}"#))["info"].clone();
-    assert_eq!(info["debt"], 2.5);
+    assert_eq!(info["debt"], 1.0);
 }
 
 #[test]
