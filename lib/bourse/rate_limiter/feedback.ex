@@ -36,7 +36,8 @@ defmodule Bourse.RateLimiter.Feedback do
       paused for that whole time (a 418 with `Retry-After: 600` pauses the exchange for
       600 s), up to 3 days, Binance's longest IP ban: a request sent during a ban only
       extends it. A longer wait still pauses for 3 days; `retry_after` keeps the time
-      asked. `reset_exchange/2` lifts the pause;
+      asked, up to 4,294,967,295 ms (what `Process.sleep/1` takes).
+      `reset_exchange/2` lifts the pause;
     * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
       loop.
 
@@ -428,7 +429,9 @@ defmodule Bourse.RateLimiter.Feedback do
   defp pause(ms, why, {exchange_id, _} = credential, scope, name) do
     target = if scope == :exchange, do: exchange_id, else: credential
 
-    with :ok <- RateLimiter.pause(target, min(ms, @max_ban_ms), name), do: {:ok, ms, why}
+    # The time asked, as long as `Process.sleep/1` takes (a header may ask for 1e308 s).
+    with :ok <- RateLimiter.pause(target, min(ms, @max_ban_ms), name),
+         do: {:ok, min(ms, Native.bound(:max_ms)), why}
   end
 
   defp backoff(ms) when is_integer(ms), do: {:ok, ms, :backoff}

@@ -318,6 +318,12 @@ defmodule Bourse.RateLimiter.FeedbackTest do
                observe(429, [{"retry-after", "86400"}], name)
 
       assert_paused({"binance", "k", "ip"}, name, 86_000_000..86_400_000)
+
+      # Asked for 1e308 s: retry_after is as long as Process.sleep/1 takes.
+      assert {:error, %Error{retry_after: 4_294_967_295, stop: true, message: message}} =
+               observe(429, [{"retry-after", "1e308"}], name, "k2")
+
+      assert byte_size(message) < 200
       # The operator can lift it.
       assert :ok = RateLimiter.reset_exchange("binance", name)
       assert :ok = RateLimiter.check_rate({"binance", "k", "ip"}, @slow, 1, name)
@@ -376,7 +382,11 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       # No bucket, no debit, nothing among the busiest: only the pause's own record.
       assert %{buckets: 0, debited: 0} = RateLimiter.stats(name)
       assert RateLimiter.busiest(10, name) == []
-      assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
+
+      assert %{limit: nil, tokens: 0.0, pause_ms: ms} =
+               RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name)
+
+      assert ms in 1..4000
 
       # Per limiter: another one counts from 1 s.
       other = :"#{name}_other"
