@@ -172,11 +172,7 @@ pub fn elixir_float(value: f64) -> String {
     if (1.0..1e16).contains(&magnitude) && magnitude.fract() == 0.0 {
         return format!("{sign}{magnitude:.0}.0");
     }
-    // Rust's `{:e}` gives the shortest round-trip digits: "1.2345e-7".
-    let scientific = format!("{magnitude:e}");
-    let (mantissa, exponent) = scientific.split_once('e').expect("`{:e}` has an exponent");
-    let exponent: i32 = exponent.parse().expect("`{:e}` has an integer exponent");
-    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let (digits, exponent) = shortest_digits(magnitude);
     // The decimal point sits after `point` digits of `digits`.
     let point = exponent + 1;
     let count = digits.len() as i32;
@@ -204,6 +200,37 @@ pub fn elixir_float(value: f64) -> String {
         exponential
     };
     format!("{sign}{body}")
+}
+
+/// The shortest digits that read back to `magnitude` (positive, finite), and the exponent
+/// of the first: `("12345", -7)` for 1.2345e-7. Of two candidates equally near the exact
+/// value, the one ending in an even digit, as Erlang chooses (Rust's `{:e}` takes the
+/// upper one: 991159222237595.25 is written `...5.3` there, `...5.2` by Erlang).
+fn shortest_digits(magnitude: f64) -> (String, i32) {
+    let split = |scientific: &str| {
+        let (mantissa, exponent) = scientific.split_once('e').expect("`{:e}` has an exponent");
+        let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+        (
+            digits,
+            exponent.parse::<i32>().expect("an integer exponent"),
+        )
+    };
+    let (mut digits, exponent) = split(&format!("{magnitude:e}"));
+    let last = digits.as_bytes()[digits.len() - 1];
+    if digits.len() > 1 && last % 2 == 1 {
+        let mut lower = digits.clone();
+        lower.pop();
+        lower.push((last - 1) as char);
+        let reads_back = format!("{}.{}e{exponent}", &lower[..1], &lower[1..]).parse::<f64>();
+        if reads_back == Ok(magnitude) {
+            // A tie: the exact value is the lower candidate followed by a 5.
+            let (exact, exact_exponent) = split(&format!("{magnitude:.767e}"));
+            if exact_exponent == exponent && exact.trim_end_matches('0') == format!("{lower}5") {
+                digits = lower;
+            }
+        }
+    }
+    (digits, exponent)
 }
 
 /// A bucket definition as Elixir writes the normalised map.
@@ -529,6 +556,9 @@ mod tests {
             (5.0e-324, "5.0e-324"),
             (1.7976931348623157e308, "1.7976931348623157e308"),
             (0.30000000000000004, "0.30000000000000004"),
+            (991159222237595.25, "991159222237595.2"),
+            (-991159222237595.25, "-991159222237595.2"),
+            (991159222237595.75, "991159222237595.8"),
         ] {
             assert_eq!(elixir_float(value), written, "{value:e}");
         }
