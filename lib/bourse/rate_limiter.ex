@@ -179,8 +179,9 @@ defmodule Bourse.RateLimiter do
         cost
       )
       when is_reference(prepared) and is_pid(pid) do
-    # While the limiter that prepared the bucket lives, its table is the one it names.
-    if :erlang.is_process_alive(pid) do
+    # While the limiter that prepared the bucket lives and its name still routes to it,
+    # its table is the one the name reaches.
+    if Router.published(bucket.name) === route and :erlang.is_process_alive(pid) do
       case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
         :ok -> :ok
         :not_prepared -> check_rate(bucket.key, bucket.limit, cost, bucket.name)

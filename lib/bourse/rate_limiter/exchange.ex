@@ -171,7 +171,9 @@ defmodule Bourse.RateLimiter.Exchange do
     share = share(opts)
 
     if is_number(share) and share > 0 and share <= 1,
-      do: {:ok, axis, %{capacity: max(share * max, min(max, 1)), refill_per_sec: share * decay}},
+      do:
+        {:ok, axis,
+         %{capacity: max(share * max, 1.0 * min(max, 1)), refill_per_sec: share * decay}},
       else: invalid("share must be in (0, 1], got #{Error.describe(share)}")
   end
 

@@ -38,6 +38,7 @@ defmodule Bourse.RateLimiter.RetryAfter do
   alias Bourse.RateLimiter.Options
 
   @options [:floor_ms, :cap_ms, :now]
+  @max_unix_ms 253_402_300_799_999
 
   @type result ::
           {:ok, non_neg_integer()} | {:stop, pos_integer()} | :error | {:error, Bourse.Error.t()}
@@ -85,11 +86,16 @@ defmodule Bourse.RateLimiter.RetryAfter do
     end
   end
 
-  defp now_option(now) when is_nil(now) or is_integer(now), do: {:ok, now}
+  # Unix ms from 1970 to the end of 9999, as DateTime reads them.
+  defp now_option(now) when is_nil(now) or (is_integer(now) and now in 0..@max_unix_ms),
+    do: {:ok, now}
+
   defp now_option(%DateTime{} = now), do: {:ok, now}
 
   defp now_option(other),
-    do: {:error, "now must be a DateTime or unix ms, got #{Error.describe(other)}"}
+    do:
+      {:error,
+       "now must be a DateTime or unix ms from 0 to #{@max_unix_ms}, got #{Error.describe(other)}"}
 
   defp to_ms(seconds, _opts) when is_integer(seconds), do: {:ok, seconds * 1000}
   # Times 1000, a huge double would overflow; far above any cap, whole seconds will do.

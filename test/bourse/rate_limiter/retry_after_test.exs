@@ -165,7 +165,9 @@ defmodule Bourse.RateLimiter.RetryAfterTest do
           {[cap: 1], ":cap"},
           {[cap_ms: "x"], "cap_ms"},
           {[floor_ms: -1], "floor_ms"},
-          {[now: "today"], "now"}
+          {[now: "today"], "now"},
+          {[now: 10 ** 40], "now"},
+          {[now: -1], "now"}
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RetryAfter.parse("2", opts),

@@ -146,6 +146,19 @@ defmodule Bourse.ContractTests.PreparedBuckets do
           Process.exit(live, :kill)
         end
 
+        test "a bucket whose route names another limiter's table is checked by its own name",
+             %{name: name, backend: backend} do
+          other = :"bucket_other_#{System.unique_integer([:positive])}"
+          start_supervised!({Bourse.RateLimiter, name: other, backend: backend}, id: other)
+          limit = %{@still | capacity: 1}
+          {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "own"}, limit, name)
+          {:ok, elsewhere} = Bourse.RateLimiter.bucket({"ex", "own"}, limit, other)
+
+          # Charged to `name` (limiters sharing a daemon or Redis share the bucket anyway).
+          assert :ok = check_rate(%{bucket | route: elsewhere.route}, 1)
+          assert {:delay, _} = check_rate(bucket, 1)
+        end
+
         test "a bucket never shows its credential", %{name: name} do
           {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
 
