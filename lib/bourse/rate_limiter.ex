@@ -515,7 +515,10 @@ defmodule Bourse.RateLimiter do
   Holds every bucket of `target` for `ms` milliseconds, for every caller at once: probes
   answer the remaining pause, waiters book behind it. `target` is a full key,
   `{exchange_id, credential_key}` (every axis of that credential) or an exchange id.
-  Overlapping pauses keep the later end.
+  Overlapping pauses keep the later end. A limiter's own table (NIF, port, daemon) holds
+  at most 10,000 pauses of keys and credentials in force,
+  past which a new one pauses its whole exchange, and as many of exchanges, past which a
+  new exchange's pause is `:invalid_parameters`; Redis keeps every pause.
   """
   @spec pause(pause_target(), non_neg_integer(), GenServer.name()) :: :ok | error()
   def pause(target, ms, name \\ @default) do

@@ -84,8 +84,8 @@ defmodule Bourse.RateLimiter.Feedback do
   `Bourse.RateLimiter.Limits` (`capacity + refill_per_sec * W <= share * limit`) may spend
   `B = capacity + refill_per_sec * W` per window, and the exchange admits `L` per window,
   so the bucket may still spend `min(B, L) - used` until the window ends in
-  `W - rem(now, W)` ms; nothing when that is negative, and no debt past the window, which
-  the exchange forgets. Its own requests are in `used` and already gone from its tokens,
+  `W - rem(now, W)` ms; nothing new when that is negative, and no debt past the window,
+  which the exchange forgets (bookings made before keep their turn: they were paid). Its own requests are in `used` and already gone from its tokens,
   so a correctly sized bucket alone on the counter is never lowered; what other programs
   on the IP or account spent is taken off. A bucket sized above the exchange's limit
   (`%{requests: 6000, period: 60_000}` may spend `B = 12_000` in one minute) is held to

@@ -10,6 +10,11 @@ use crate::key::{Key, KeyRef};
 use crate::rules::{self, InvalidInput, MAX_PAUSES};
 use crate::types::PauseTarget;
 
+/// Pauses an index holds before it reserves room for all it may ever hold
+/// ([`MAX_PAUSES`]): growing step by step past this would rehash every pause under the
+/// table's lock, which checks wait for on their callers' schedulers.
+const RESERVE_AT: usize = 64;
+
 /// A pause's target packed as a key (an exchange is `{exchange, :public, ""}` and a
 /// credential `{exchange, credential, ""}`, each in its own index), and when it ends.
 struct Pause {
@@ -83,6 +88,9 @@ impl Pauses {
             ),
             PauseTarget::Key(key) => (&mut self.keys, key.as_ref()),
         };
+        if index.len() >= RESERVE_AT && index.capacity() < MAX_PAUSES {
+            index.reserve(MAX_PAUSES - index.len(), |pause| pause.hash);
+        }
         let hash = self.hasher.hash_one(key);
         let entry = index.entry(
             hash,
@@ -149,16 +157,17 @@ impl Pauses {
         }
     }
 
-    /// Ends every pause.
-    pub fn clear(&mut self) {
-        *self = Self::new(self.hasher);
+    /// Ends every pause; returns them, for the caller to free once it let the lock go.
+    pub fn take(&mut self) -> Self {
+        std::mem::replace(self, Self::new(self.hasher))
     }
 
-    /// Drops the pauses that ended by `now`.
+    /// Drops the pauses that ended by `now`; an index back to a few pauses gives its
+    /// reserved room back.
     pub fn drop_ended(&mut self, now: u64) {
         for index in [&mut self.exchanges, &mut self.credentials, &mut self.keys] {
             index.retain(|pause| pause.until > now);
-            if index.len() < index.capacity() / 4 {
+            if index.len() < RESERVE_AT / 4 && index.capacity() > RESERVE_AT {
                 index.shrink_to(0, |pause| pause.hash);
             }
         }

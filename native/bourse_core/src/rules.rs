@@ -18,8 +18,10 @@ pub const MAX_KEY_PART_BYTES: usize = 1024;
 pub const MAX_CHECKS: usize = 1024;
 /// Most rows one `busiest` call may ask for.
 pub const MAX_BUSIEST: usize = 10_000;
-/// Most pauses in force at once in one table.
-pub const MAX_PAUSES: usize = 100_000;
+/// Most pauses of keys and credentials in force at once in one table, and most of
+/// exchanges: small enough that a walk over all of them under the table's lock (a reset,
+/// the sweep) stays short.
+pub const MAX_PAUSES: usize = 10_000;
 /// Most credentials whose backoff is counted at once in one table.
 pub const MAX_BACKOFFS: usize = 10_000;
 /// The backoff after a limited reply without a usable wait, when none came just before.

@@ -536,7 +536,9 @@ impl<C: Clock> Table<C> {
             let buckets = std::mem::take(&mut shard.0.lock().buckets);
             drop(buckets);
         }
-        self.pauses.write().clear();
+        // Freed after the lock is let go.
+        let pauses = self.pauses.write().take();
+        drop(pauses);
         self.backoffs.lock().clear();
     }
 
