@@ -95,15 +95,21 @@ defmodule Bourse.RateLimiter.Exchange do
   @spec profiles() :: [atom()]
   def profiles, do: @modules |> Map.keys() |> Enum.sort()
 
+  # The options each profile takes; the others take none.
+  @profile_options %{kraken_spot: [:tier]}
+
   @doc """
-  The profile `name`. Options go to the profile (`tier:` for Kraken: `:starter`
-  (default), `:intermediate` or `:pro`).
+  The profile `name`. Options go to the profile: `tier:` for Kraken (`:starter`
+  (default), `:intermediate` or `:pro`); the other profiles take none.
   """
   @spec profile(atom(), keyword()) :: {:ok, profile()} | {:error, Error.t()}
   def profile(name, opts \\ []) do
     case @modules do
       %{^name => module} ->
-        case Options.known_options(opts, "profile option", [:tier], "[:tier]") do
+        known = Map.get(@profile_options, name, [])
+        expected = "#{inspect(known)} for #{inspect(name)}"
+
+        case Options.known_options(opts, "profile option", known, expected) do
           :ok -> module.profile(opts)
           {:error, message} -> invalid(message)
         end

@@ -189,6 +189,9 @@ defmodule Bourse.RateLimiter.Options do
     end
   end
 
+  # A refused `Bourse.RateLimiter.Telemetry.logger/1`, answered as it was given.
+  defp on_event({:error, %Error{message: message}}), do: {:error, message}
+
   defp on_event(on_event) do
     if is_nil(on_event) or Bourse.RateLimiter.Events.callback?(on_event),
       do: {:ok, on_event},

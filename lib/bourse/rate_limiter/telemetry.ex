@@ -22,6 +22,10 @@ defmodule Bourse.RateLimiter.Telemetry do
 
   require Logger
 
+  alias Bourse.Error
+  alias Bourse.RateLimiter.Options
+
+  @levels [:emergency, :alert, :critical, :error, :warning, :notice, :info, :debug]
   @handler_id "bourse-rate-limiter-default-logger"
   @names [:refused, :booked, :admitted_after_wait, :lapsed, :paused, :rate_limited]
   # Metadata written first, in this order; the rest follows sorted.
@@ -33,18 +37,22 @@ defmodule Bourse.RateLimiter.Telemetry do
 
   @doc """
   Attaches a `:telemetry` handler that logs every event of `events/0` at `:level`
-  (default `:info`). Returns `:ok`, `{:error, :already_exists}` when attached already, or
+  (default `:info`). Returns `:ok`, `{:error, :already_exists}` when attached already,
   `{:error, :telemetry_not_loaded}` when the `:telemetry` application is not available
-  (use `logger/1` as the limiter's `:on_event` then).
+  (use `logger/1` as the limiter's `:on_event` then), or `{:error, %Bourse.Error{}}` for an
+  unknown option or level.
   """
   @spec attach_default_logger(keyword()) ::
-          :ok | {:error, :already_exists | :telemetry_not_loaded}
+          :ok | {:error, :already_exists | :telemetry_not_loaded | Error.t()}
   def attach_default_logger(opts \\ []) do
-    if Code.ensure_loaded?(:telemetry) do
-      config = %{level: Keyword.get(opts, :level, :info)}
-      apply(:telemetry, :attach_many, [@handler_id, events(), &__MODULE__.handle_event/4, config])
-    else
-      {:error, :telemetry_not_loaded}
+    with {:ok, level} <- level(opts) do
+      if Code.ensure_loaded?(:telemetry) do
+        config = %{level: level}
+        handler = &__MODULE__.handle_event/4
+        apply(:telemetry, :attach_many, [@handler_id, events(), handler, config])
+      else
+        {:error, :telemetry_not_loaded}
+      end
     end
   end
 
@@ -58,10 +66,30 @@ defmodule Bourse.RateLimiter.Telemetry do
 
   @doc """
   An `:on_event` callback for `Bourse.RateLimiter.start_link/1` that logs every event at
-  `:level` (default `:info`), without `:telemetry`.
+  `:level` (default `:info`), without `:telemetry`. An unknown option or level gives
+  `{:error, %Bourse.Error{}}`, which `Bourse.RateLimiter.start_link/1` answers as given.
   """
-  @spec logger(keyword()) :: {module(), atom(), [Logger.level()]}
-  def logger(opts \\ []), do: {__MODULE__, :log, [Keyword.get(opts, :level, :info)]}
+  @spec logger(keyword()) :: {module(), atom(), [Logger.level()]} | {:error, Error.t()}
+  def logger(opts \\ []) do
+    with {:ok, level} <- level(opts), do: {__MODULE__, :log, [level]}
+  end
+
+  defp level(opts) do
+    with :ok <- known_options(opts) do
+      level = Keyword.get(opts, :level, :info)
+
+      if level in @levels,
+        do: {:ok, level},
+        else:
+          {:error,
+           Error.invalid("level must be one of #{inspect(@levels)}, got #{Error.describe(level)}")}
+    end
+  end
+
+  defp known_options(opts) do
+    with {:error, message} <- Options.known_options(opts, "option", [:level], "[:level]"),
+         do: {:error, Error.invalid(message)}
+  end
 
   @doc false
   # The `:telemetry` handler.

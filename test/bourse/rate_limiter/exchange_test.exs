@@ -83,6 +83,7 @@ defmodule Bourse.RateLimiter.ExchangeTest do
       for {arg, opts} <- [
             {:nope, []},
             {:kraken_spot, [tier: :gold]},
+            {:binance_spot, [tier: :pro]},
             {:binance_spot, [share: 0]},
             {:kraken_spot, [share: 2]},
             {%{counters: [%{axis: "x", kind: :fixed}]}, []},
@@ -101,6 +102,9 @@ defmodule Bourse.RateLimiter.ExchangeTest do
                  Exchange.profile(:kraken_spot, opts),
                inspect(opts)
       end
+
+      assert {:error, %Error{message: "unknown profile option :tier; expected [] for :okx"}} =
+               Exchange.profile(:okx, tier: :pro)
     end
 
     test "put_header_limits: the profile's limits bound header sync for its exchange id" do

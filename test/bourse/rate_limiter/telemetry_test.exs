@@ -31,6 +31,22 @@ defmodule Bourse.RateLimiter.TelemetryTest do
     refute log =~ @credential
   end
 
+  test "an unknown level or option is refused, and a limiter given it does not start" do
+    for opts <- [[level: :nope], [level: "info"], [leve: :info], :info] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               Telemetry.logger(opts),
+             inspect(opts)
+
+      assert {:error, %Bourse.Error{message: ^message}} = Telemetry.attach_default_logger(opts)
+
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: ^message}} =
+               RateLimiter.start_link(on_event: Telemetry.logger(opts))
+    end
+
+    assert {:error, %Bourse.Error{message: "level must be one of " <> _}} =
+             Telemetry.logger(level: :nope)
+  end
+
   test "attach_default_logger/1 logs the events a limiter sends to :telemetry" do
     refute Code.ensure_loaded?(:telemetry)
     assert Telemetry.attach_default_logger() == {:error, :telemetry_not_loaded}
