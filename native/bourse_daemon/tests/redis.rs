@@ -1523,10 +1523,52 @@ fn the_function_library_is_loaded_again_whenever_lost() {
     assert!((borrowed(&mut t, &k) - 4.0).abs() < 0.01);
     let libraries: Vec<::redis::Value> = redis.query(::redis::cmd("FUNCTION").arg("LIST"));
     assert_eq!(libraries.len(), 1, "{libraries:?}");
-    // 4 checks and get_cost, each sent once, and once more after the library was found
-    // missing: at the first call and after each FUNCTION FLUSH.
-    assert_eq!(calls_of(&redis, "fcall"), 5 + 3);
+    // 4 checks, each sent once, and once more after the library was found missing: at the
+    // first call and after each FUNCTION FLUSH; get_cost, which only reads, as FCALL_RO.
+    assert_eq!(calls_of(&redis, "fcall"), 4 + 3);
+    assert_eq!(calls_of(&redis, "fcall_ro"), 1);
     assert_eq!(calls_of(&redis, "evalsha") + calls_of(&redis, "eval"), 0);
+}
+
+/// A Redis out of memory (`maxmemory` reached under `noeviction`) refuses the script's
+/// writes: a check is `unavailable` and pays nothing. `get_cost`, `inspect`, `busiest` and
+/// `stats` only read, and are still answered (`FCALL_RO` of the library's function that
+/// writes nothing).
+#[test]
+fn a_redis_out_of_memory_admits_nothing_and_still_answers_reads() {
+    let Some(redis) = Redis::start() else { return };
+    if major_version(&redis) < 7 {
+        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+        return;
+    }
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("oom", Some("k"));
+    let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&k, limit.clone(), 4.0))["result"], "admitted");
+    let memory = |bytes: &str| {
+        let _: () = redis.query(
+            ::redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory")
+                .arg(bytes),
+        );
+    };
+    memory("1");
+    let refused = t.call(check(&k, limit.clone(), 1.0));
+    assert_eq!(refused["error"]["type"], "unavailable", "{refused}");
+    assert!((borrowed(&mut t, &k) - 4.0).abs() < 0.01);
+    let info = t.call(json!({"op": "inspect", "key": k}));
+    assert_eq!(
+        info["info"]["limit"],
+        json!({"capacity": 10.0, "refill_per_sec": 0.001})
+    );
+    let busiest = t.call(json!({"op": "busiest", "count": 2}));
+    assert_eq!(busiest["ok"], true, "{busiest}");
+    assert_eq!(t.call(json!({"op": "stats"}))["ok"], true);
+    memory("0");
+    assert_eq!(t.call(check(&k, limit, 1.0))["result"], "admitted");
+    assert!((borrowed(&mut t, &k) - 5.0).abs() < 0.01);
 }
 
 /// A Redis without functions runs the script with `EVALSHA` (loaded again on `NOSCRIPT`):

@@ -76,6 +76,7 @@ impl Client {
                 let deadline = self.deadline(started, last_run, &mut connection).await?;
                 self.run(
                     |script: Script<'_>| call.command(script, deadline),
+                    call.is_read_only(),
                     &mut connection,
                 )
                 .await
@@ -112,7 +113,8 @@ impl Client {
                 let lifetime = self.marker_lifetime();
                 let command =
                     |script: Script<'_>| script::checks(script, marker, lifetime, latest, &each);
-                self.run::<(u64, String)>(command, &mut connection).await
+                self.run::<(u64, String)>(command, false, &mut connection)
+                    .await
             })
             .await;
         let (now, text) = self.late(answer, started)?;
@@ -141,16 +143,21 @@ impl Client {
         Ok(self.clock.deadline(started, last_run).unwrap_or(0))
     }
 
-    /// Sends a call (`command` writes it for a form of the code) as `fcall` while Redis has
-    /// functions, else (or where a node lacks the library even after it was loaded) as
-    /// `evalsha`; each once more on the fresh connection if the connection was lost.
+    /// Sends a call (`command` writes it for a form of the code) as `fcall` (`fcall_ro` when
+    /// it only reads) while Redis has functions, else (or where a node lacks the library
+    /// even after it was loaded) as `evalsha`; each once more on the fresh connection if
+    /// the connection was lost.
     async fn run<T: FromRedisValue>(
         &self,
         command: impl Fn(Script) -> Cmd,
+        read_only: bool,
         connection: &mut Connection,
     ) -> Result<T, RedisError> {
         if self.functions.load(Ordering::Relaxed) {
-            let fcall = command(Script::Function(&self.sources.function));
+            let fcall = command(match read_only {
+                true => Script::ReadOnlyFunction(&self.sources.read_only),
+                false => Script::Function(&self.sources.function),
+            });
             let load = || load_library(&self.sources);
             let answer = match loading(&fcall, no_function, load, connection).await {
                 Err(error) if lost_connection(&error) => {
@@ -309,7 +316,7 @@ fn lacks_functions(error: &RedisError) -> bool {
     let detail = error.detail().unwrap_or_default().to_ascii_lowercase();
     match error.code() {
         Some("ERR") => detail.starts_with("unknown command"),
-        Some("NOPERM") => detail.contains("'fcall'") || detail.contains("'function"),
+        Some("NOPERM") => detail.contains("'fcall") || detail.contains("'function"),
         _ => false,
     }
 }

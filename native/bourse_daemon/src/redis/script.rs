@@ -21,7 +21,10 @@ pub struct Sources {
     pub sha: String,
     /// The function's name, also its library's.
     pub function: String,
-    /// The library (`FUNCTION LOAD`): the code, then `run` registered as the function.
+    /// The name of `run` registered once more as a function that writes nothing (`FCALL_RO`),
+    /// which Redis runs also when it is out of memory.
+    pub read_only: String,
+    /// The library (`FUNCTION LOAD`): the code, then `run` registered as both functions.
     pub library: String,
 }
 
@@ -34,13 +37,17 @@ impl Sources {
         let script = format!(
             "local call_keys, call_args = KEYS, ARGV\n{BUCKET}\nreturn run(call_keys, call_args)\n"
         );
+        let read_only = format!("{function}_ro");
         let library = format!(
-            "#!lua name={function}\n{BUCKET}\nredis.register_function('{function}', run)\n"
+            "#!lua name={function}\n{BUCKET}\nredis.register_function('{function}', run)\n\
+             redis.register_function{{function_name='{read_only}', callback=run, \
+             flags={{'no-writes'}}}}\n"
         );
         Self {
             sha: ::redis::Script::new(&script).get_hash().to_string(),
             script,
             function,
+            read_only,
             library,
         }
     }
@@ -53,6 +60,7 @@ pub struct Call {
     data: Vec<u8>,
     keys: Vec<Range<usize>>,
     args: Vec<Range<usize>>,
+    read_only: bool,
 }
 
 /// Appends parts to a call's buffer, each recorded as one range of `parts`.
@@ -98,12 +106,13 @@ impl RedisWrite for Parts<'_> {
     }
 }
 
-/// How a command names the code it runs: the function (`FCALL`), the script by its SHA1
-/// (`EVALSHA`) or the script's source (`EVAL`), which runs it on whichever node serves the
-/// keys and caches it there.
+/// How a command names the code it runs: the function (`FCALL`), the function that writes
+/// nothing (`FCALL_RO`), the script by its SHA1 (`EVALSHA`) or the script's source
+/// (`EVAL`), which runs it on whichever node serves the keys and caches it there.
 #[derive(Clone, Copy)]
 pub enum Script<'a> {
     Function(&'a str),
+    ReadOnlyFunction(&'a str),
     Sha(&'a str),
     Source(&'a str),
 }
@@ -114,6 +123,7 @@ impl Script<'_> {
     fn command(self, keys: usize, args: usize, bytes: usize) -> Cmd {
         let (name, script) = match self {
             Script::Function(name) => ("FCALL", name),
+            Script::ReadOnlyFunction(name) => ("FCALL_RO", name),
             Script::Sha(sha) => ("EVALSHA", sha),
             Script::Source(source) => ("EVAL", source),
         };
@@ -124,6 +134,19 @@ impl Script<'_> {
 }
 
 impl Call {
+    /// A call of an operation that only reads (`borrowed`, `info`): sent as `FCALL_RO`,
+    /// so that a Redis out of memory still answers it.
+    pub fn read_only() -> Self {
+        Self {
+            read_only: true,
+            ..Self::default()
+        }
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
     fn keys(&mut self) -> Parts<'_> {
         Parts {
             data: &mut self.data,

@@ -154,7 +154,7 @@ impl RedisStore {
 
     /// [`Self::infos`] of keys that share one slot.
     async fn infos_in_slot(&self, keys: &[KeyNames], last_run: LastRun) -> StoreResult<Vec<Info>> {
-        let mut call = Call::default();
+        let mut call = Call::read_only();
         call.arg("info");
         for names in keys {
             let names = names.clone();
@@ -311,7 +311,7 @@ impl Store for RedisStore {
     }
 
     async fn get_cost(&self, key: KeyRef<'_>, last_run: LastRun) -> StoreResult<f64> {
-        let mut call = Call::default();
+        let mut call = Call::read_only();
         call.key(self.names(&key).bucket).arg("borrowed");
         answer::number(&self.client.invoke::<String>(&call, last_run).await?)
     }
