@@ -642,6 +642,12 @@ fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     let k = key("x", None);
     let answer = t.call(check(&k, json!({"requests": 5}), 1.0));
     assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    // The error names where Redis is, so that an app with several limiters can tell.
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!("redis at 127.0.0.1:{port}: ")),
+        "{message}"
+    );
     let _late = Redis::on_port(port);
     assert_eq!(
         t.call(check(&k, json!({"requests": 5}), 1.0))["result"],
@@ -658,7 +664,43 @@ fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     let answer = t.call(check(&k, json!({"requests": 5}), 1.0));
     assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
     assert!(started.elapsed() < Duration::from_secs(5));
+    let within = format!(
+        "redis at {} did not answer within 200 ms",
+        silent.local_addr().unwrap()
+    );
+    assert_eq!(answer["error"]["message"], within.as_str());
     drop(silent);
+}
+
+/// Another server at the Redis address (HTTP here): the error says so, and where.
+#[test]
+fn another_server_at_the_redis_address_is_named_as_such() {
+    let http = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = http.local_addr().unwrap();
+    thread::spawn(move || {
+        for mut stream in http.incoming().flatten() {
+            let mut request = [0u8; 256];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        }
+    });
+    let url = format!("redis://{address}");
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "2000"]);
+    let answer = server
+        .connect()
+        .call(check(&key("x", None), json!({"requests": 5}), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "redis at {address}: its answer is not Redis's protocol"
+        )),
+        "{message}"
+    );
+    assert!(
+        message.ends_with("is a Redis server listening there?"),
+        "{message}"
+    );
 }
 
 #[test]

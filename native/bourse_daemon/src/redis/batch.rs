@@ -109,13 +109,8 @@ impl Batcher {
         }
         match tokio::time::timeout_at((sent + self.timeout).into(), answer).await {
             Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(StoreError::Unavailable(
-                "redis: the check was dropped unanswered".into(),
-            )),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "redis did not answer within {} ms",
-                self.timeout.as_millis()
-            ))),
+            Ok(Err(_)) => Err(self.client.unavailable("the check was dropped unanswered")),
+            Err(_) => Err(self.client.no_answer()),
         }
     }
 }
@@ -207,7 +202,7 @@ async fn run(
                 let answer = match answer.0.as_str() {
                     "late" => Err(client::late_refusal(waiting.sent)),
                     result => match result.strip_prefix("error ") {
-                        Some(error) => Err(StoreError::Unavailable(format!("redis: {error}"))),
+                        Some(error) => Err(client.unavailable(error)),
                         None => Ok(answer),
                     },
                 };
@@ -223,7 +218,7 @@ async fn run(
             fail(checks, &message);
         }
         Err(StoreError::Unavailable(message)) => fail(checks, &message),
-        Err(StoreError::Invalid(error)) => fail(checks, &format!("redis: {}", error.message())),
+        Err(StoreError::Invalid(error)) => fail(checks, &client.located(error.message())),
     }
 }
 

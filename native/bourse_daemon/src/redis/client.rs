@@ -37,12 +37,15 @@ pub struct Client {
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
     timeout: Duration,
+    /// Where Redis is, as errors name it (`Servers::describe`).
+    peer: String,
 }
 
 impl Client {
-    pub fn new(connection: Connection, timeout: Duration) -> Self {
+    pub fn new(connection: Connection, peer: String, timeout: Duration) -> Self {
         Self {
             connection,
+            peer,
             sources: Sources::new(),
             functions: AtomicBool::new(true),
             clock: ServerClock::new(timeout),
@@ -53,6 +56,25 @@ impl Client {
 
     pub fn is_cluster(&self) -> bool {
         self.connection.is_cluster()
+    }
+
+    /// Redis could not serve a request, for `reason`: the error names where Redis is.
+    pub fn unavailable(&self, reason: impl std::fmt::Display) -> StoreError {
+        StoreError::Unavailable(self.located(reason))
+    }
+
+    /// `reason`, after where Redis is.
+    pub fn located(&self, reason: impl std::fmt::Display) -> String {
+        format!("{}: {reason}", self.peer)
+    }
+
+    /// No answer came within the timeout.
+    pub fn no_answer(&self) -> StoreError {
+        StoreError::Unavailable(format!(
+            "{} did not answer within {} ms",
+            self.peer,
+            self.timeout.as_millis()
+        ))
     }
 
     /// Records the Redis time (µs) a script answered with, just received.
@@ -255,11 +277,21 @@ impl Client {
             Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
                 format!("{LATE}{}", error.detail().unwrap_or_default()),
             )),
-            Ok(Err(error)) => Err(StoreError::Unavailable(format!("redis: {error}"))),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "redis did not answer within {} ms",
-                self.timeout.as_millis()
-            ))),
+            // Not Redis's protocol: another server listens there.
+            Ok(Err(error)) if error.kind() == ErrorKind::Parse => {
+                let first_line = error
+                    .to_string()
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                Err(self.unavailable(format_args!(
+                    "its answer is not Redis's protocol ({first_line}); \
+                     is a Redis server listening there?"
+                )))
+            }
+            Ok(Err(error)) => Err(self.unavailable(error)),
+            Err(_) => Err(self.no_answer()),
         }
     }
 }

@@ -34,6 +34,25 @@ pub enum Servers {
     Cluster(Vec<String>),
 }
 
+impl Servers {
+    /// Where the buckets live, as errors name it: `redis at HOST:PORT` (or a socket's path),
+    /// `redis cluster at HOST:PORT, ...` (its seeds). Never a password: the URLs hold none.
+    pub fn describe(&self) -> String {
+        let address = |url: &String| {
+            url.as_str()
+                .into_connection_info()
+                .map_or_else(|_| url.clone(), |info| info.addr().to_string())
+        };
+        match self {
+            Self::One(url) => format!("redis at {}", address(url)),
+            Self::Cluster(seeds) => {
+                let seeds: Vec<String> = seeds.iter().map(address).collect();
+                format!("redis cluster at {}", seeds.join(", "))
+            }
+        }
+    }
+}
+
 /// A connection to one server or to a whole cluster; cheap to clone (clones share it).
 #[derive(Clone)]
 pub enum Connection {
@@ -241,6 +260,22 @@ pub fn hash_tag(name: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_name_the_servers_by_address_only() {
+        let one = Servers::One("redis://user@127.0.0.1:6400/2".into());
+        assert_eq!(one.describe(), "redis at 127.0.0.1:6400");
+        let socket = Servers::One("unix:///run/redis.sock".into());
+        assert_eq!(socket.describe(), "redis at /run/redis.sock");
+        let seeds = vec![
+            "redis://10.0.0.1:7000".into(),
+            "redis://10.0.0.2:7001".into(),
+        ];
+        assert_eq!(
+            Servers::Cluster(seeds).describe(),
+            "redis cluster at 10.0.0.1:7000, 10.0.0.2:7001"
+        );
+    }
 
     #[test]
     fn hash_tags_follow_redis() {

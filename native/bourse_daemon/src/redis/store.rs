@@ -56,7 +56,8 @@ impl RedisStore {
             options.password.as_deref(),
             options.timeout,
         )?;
-        let client = Arc::new(Client::new(connection, options.timeout));
+        let peer = options.servers.describe();
+        let client = Arc::new(Client::new(connection, peer, options.timeout));
         let prefix = options.prefix.into_bytes();
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),

@@ -145,6 +145,32 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end, 10_000)
   end
 
+  test "another server at the address (Redis, HTTP): the error says it is not a bourse_daemon" do
+    for greeting <- ["-ERR unknown command\r\n", "HTTP/1.1 400 Bad Request\r\n\r\n"] do
+      {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])
+      {:ok, port} = :inet.port(listener)
+
+      server =
+        spawn_link(fn ->
+          for _ <- 1..100 do
+            {:ok, socket} = :gen_tcp.accept(listener)
+            :gen_tcp.send(socket, greeting)
+          end
+        end)
+
+      name = start_limiter({:daemon, "127.0.0.1:#{port}"})
+
+      assert {:error, %Error{type: :unavailable, message: message}} =
+               RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+      assert message =~ "bourse_daemon at 127.0.0.1:#{port} is unavailable"
+      assert message =~ "the peer's answer began with #{inspect(binary_part(greeting, 0, 4))}"
+      assert message =~ "is a bourse_daemon listening there?"
+      unlink_and_kill(server)
+      :gen_tcp.close(listener)
+    end
+  end
+
   test "a daemon that stops answering: calls end as :unavailable after the timeout, never hang" do
     {daemon, name} = start_connected_daemon(timeout: 300)
 
@@ -243,5 +269,10 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     # Through b this process is another client (as a process of another VM would be).
     assert {:delay, _} = RateLimiter.check_rates(checks, b)
     assert :ok = RateLimiter.check_rates(checks, a)
+  end
+
+  defp unlink_and_kill(pid) do
+    Process.unlink(pid)
+    Process.exit(pid, :kill)
   end
 end

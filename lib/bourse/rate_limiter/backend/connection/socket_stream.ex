@@ -192,12 +192,19 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     with {:ok, header} <- recv(socket, 4, what) do
       case header do
         <<?{, _::binary>> -> json_line(socket, what, header)
-        <<size::32>> when size > 1024 * 1024 -> {:error, "#{what}: a frame of #{size} bytes"}
+        <<size::32>> when size > 1024 * 1024 -> {:error, "#{what}: #{not_a_daemon(header)}"}
         <<0::32>> -> {:ok, ""}
         <<size::32>> -> recv(socket, size, what)
       end
     end
   end
+
+  # A first answer no bourse_daemon would send (its hello is far under 1 MiB): another
+  # server (Redis answers "-ERR", HTTP "HTTP") listens there.
+  defp not_a_daemon(header),
+    do:
+      "the peer's answer began with #{inspect(header)}, not a bourse_daemon frame; " <>
+        "is a bourse_daemon listening there?"
 
   defp json_line(socket, what, line) do
     cond do
