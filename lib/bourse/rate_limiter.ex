@@ -60,9 +60,9 @@ defmodule Bourse.RateLimiter do
       :ok = Bourse.RateLimiter.check_rate(orders, 1)
       :ok = Bourse.RateLimiter.check_rates([{orders, 1}, {ip, 1}], MyApp.Limiter)
 
-  Local callers reach the bucket table from their own process (no mailbox on the hot
-  path). `{:global, _}`, `{:via, _, _}` and `{name, node}` names on other nodes go through
-  the limiter process.
+  Callers reach the bucket table from their own process (no mailbox on the hot path),
+  whatever the name's form; a call to a limiter on another node runs in a process started
+  there for it (`:erpc`), not in the limiter's process.
 
   ## Observing
 
@@ -554,7 +554,7 @@ defmodule Bourse.RateLimiter do
   def stats(name \\ @default) do
     case Router.route(name) do
       {backend, handle, events, _pid} -> Server.stats(backend, handle, events)
-      {:remote, pid} -> Router.call(pid, :stats)
+      {:remote, pid} -> Router.run(pid, :stats, [])
       elsewhere -> routed(elsewhere, name, :stats, [])
     end
     |> failed(nil)
@@ -737,10 +737,17 @@ defmodule Bourse.RateLimiter do
   defp routed({backend, handle, _events, _pid}, _name, fun, args),
     do: apply(backend, fun, [handle | args])
 
-  defp routed({:remote, pid}, _name, fun, args), do: Router.call(pid, {:run, fun, args})
+  defp routed({:remote, pid}, _name, fun, args), do: Router.run(pid, fun, args)
   defp routed(:noproc, name, _fun, _args), do: Router.exit_as_call(:noproc, name)
   defp routed({:exit, reason}, name, _fun, _args), do: Router.exit_as_call(reason, name)
   defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
+
+  @doc false
+  # A call of `fun` for the limiter `pid` of this node, run for a caller on another node
+  # (`Router.run/3`).
+  @spec run_here(pid(), atom(), list()) :: term()
+  def run_here(pid, :stats, []), do: stats(pid)
+  def run_here(pid, fun, args), do: pid |> Router.route() |> routed(pid, fun, args)
 
   # Where the events of a routed call go.
   defp sink({_backend, _handle, events, _pid}), do: events

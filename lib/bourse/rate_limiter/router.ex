@@ -3,12 +3,13 @@ defmodule Bourse.RateLimiter.Router do
   Where a call to a limiter name goes.
 
   A running limiter publishes its backend, its bucket table's handle, its event sink and
-  its pid in `:persistent_term` under its name (`publish/2`); a caller of a local name
-  reads that entry and reaches the table from its own process, without the limiter's mailbox.
-  Every other name (`{:global, _}`, `{:via, _, _}`, `{name, node}` on another node, a
-  pid) is resolved to a process, which is called only once it is known to be a limiter
-  (`Bourse.RateLimiter.Server`): a pid or name of any other process is refused with
-  `:invalid_parameters` and that process is left alone.
+  its pid in `:persistent_term` under its name, and that name under its pid
+  (`publish/2`); a caller of a local name reads that entry and reaches the table from its
+  own process, without the limiter's mailbox. Every other name (`{:global, _}`,
+  `{:via, _, _}`, `{name, node}`, a pid) is resolved to a process: one of this node
+  that published an entry is reached the same way; one of another node is asked there
+  (`run/3`). A pid or name of any other process is refused with `:invalid_parameters` and
+  that process is left alone.
 
   A limiter whose process has ended (stopped or crashed) answers like one never started
   (the call exits with `:noproc`), also while its entry is still published: the entry
@@ -42,8 +43,9 @@ defmodule Bourse.RateLimiter.Router do
   local names; for every name, a restarted limiter finds its predecessor's table there.
   """
   @spec publish(GenServer.name(), entry()) :: :ok
-  def publish(name, entry) do
+  def publish(name, {_backend, _handle, _events, owner} = entry) do
     if published(name) !== entry, do: :persistent_term.put(slot(name), entry)
+    :persistent_term.put(pid_slot(owner), name)
     :ok
   end
 
@@ -57,8 +59,10 @@ defmodule Bourse.RateLimiter.Router do
       ref = Process.monitor(owner)
 
       receive do
-        {:DOWN, ^ref, :process, _pid, _reason} -> Process.sleep(grace_ms)
+        {:DOWN, ^ref, :process, _pid, _reason} -> :persistent_term.erase(pid_slot(owner))
       end
+
+      Process.sleep(grace_ms)
 
       case published(name) do
         {_backend, _handle, _events, ^owner} -> :persistent_term.erase(slot(name))
@@ -70,6 +74,9 @@ defmodule Bourse.RateLimiter.Router do
   end
 
   defp slot(name), do: {Bourse.RateLimiter, name}
+
+  # The name a running limiter published its entry under, by its pid.
+  defp pid_slot(pid), do: {Bourse.RateLimiter, :pid, pid}
 
   ## Routing (by callers)
 
@@ -98,7 +105,7 @@ defmodule Bourse.RateLimiter.Router do
     end
   end
 
-  def route(pid) when is_pid(pid) and node(pid) == node(), do: limiter(pid)
+  def route(pid) when is_pid(pid) and node(pid) == node(), do: local(pid)
   def route(pid) when is_pid(pid), do: ask(node(pid), pid, pid)
   def route(name), do: invalid(name)
 
@@ -113,7 +120,7 @@ defmodule Bourse.RateLimiter.Router do
 
   defp whereis(name, lookup) do
     case lookup.() do
-      pid when is_pid(pid) and node(pid) == node() -> limiter(pid, name)
+      pid when is_pid(pid) and node(pid) == node() -> local(pid, name)
       pid when is_pid(pid) -> ask(node(pid), pid, name)
       _ -> :noproc
     end
@@ -122,7 +129,19 @@ defmodule Bourse.RateLimiter.Router do
     _ -> invalid(name)
   end
 
-  defp limiter(pid, name \\ nil) do
+  # A process of this node: a running limiter's published entry, so that its caller
+  # reaches the table itself, as for a local name; else what `limiter/2` finds.
+  defp local(pid, name \\ nil) do
+    with published_as when published_as != nil <- :persistent_term.get(pid_slot(pid), nil),
+         {_backend, _handle, _events, ^pid} = entry <- published(published_as),
+         true <- :erlang.is_process_alive(pid) do
+      entry
+    else
+      _ -> limiter(pid, name)
+    end
+  end
+
+  defp limiter(pid, name) do
     cond do
       :proc_lib.translate_initial_call(pid) == {Bourse.RateLimiter.Server, :init, 1} ->
         {:remote, pid}
@@ -152,9 +171,26 @@ defmodule Bourse.RateLimiter.Router do
 
   defp invalid(name), do: {:invalid, "not a limiter name: #{describe(name)}"}
 
-  @doc "Calls the limiter process `pid` (a `{:remote, pid}` route) with `request`."
-  @spec call(pid(), term()) :: term()
-  def call(pid, request), do: GenServer.call(pid, request)
+  @doc """
+  Runs the call `fun` of `Bourse.RateLimiter` with `args` for the limiter process `pid` (a
+  `{:remote, pid}` route). On another node it runs in a process of that node, which
+  reaches the limiter's table as a local caller does: calls do not queue in the limiter's
+  mailbox, and each is bounded by its backend's own timeout. A limiter of this node still
+  starting (its entry not yet published) is called.
+  """
+  @spec run(pid(), atom(), list()) :: term()
+  def run(pid, :stats, []) when node(pid) == node(), do: GenServer.call(pid, :stats)
+  def run(pid, fun, args) when node(pid) == node(), do: GenServer.call(pid, {:run, fun, args})
+
+  def run(pid, fun, args) do
+    :erpc.call(node(pid), Bourse.RateLimiter, :run_here, [pid, fun, args], :infinity)
+  catch
+    :error, {:erpc, :noconnection} -> exit_as_call({:nodedown, node(pid)}, pid)
+    :error, {:erpc, reason} -> exit_as_call(reason, pid)
+    # As raised there, without the stack, whose arguments would show the caller's key.
+    :exit, {:exception, reason} -> exit(reason)
+    :error, {:exception, reason, _stack} -> :erlang.error(reason)
+  end
 
   @doc """
   Exits as `GenServer.call/2` does for a name that reaches no running limiter (`reason`

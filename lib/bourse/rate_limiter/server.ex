@@ -4,8 +4,9 @@ defmodule Bourse.RateLimiter.Server do
 
   It attaches its backend's bucket table (taking over the one its previous incarnation
   left after a crash, docs/CONTRACT.md, P6), publishes it for local callers (`Bourse.RateLimiter.Router`),
-  runs the periodic sweep and reports lapsed bookings, and answers the callers that reach
-  it through its mailbox (`{:global, _}` and `{:via, _, _}` names, other nodes, pids).
+  runs the periodic sweep and reports lapsed bookings, receives the events of callers on
+  other nodes, and answers calls that arrive while it starts (before its table is
+  published).
 
   Once it has ended (stopped, or crashed), its name answers like one never started. Its
   table stays published for 5 s, for a limiter started again under that name

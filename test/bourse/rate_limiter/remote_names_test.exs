@@ -54,6 +54,18 @@ defmodule Bourse.RateLimiter.RemoteNamesTest do
     end
   end
 
+  test "calls there do not wait in the limiter's mailbox", %{node: node} do
+    pid = :erpc.call(node, Process, :whereis, [:remote_limiter])
+    :ok = :erpc.call(node, :sys, :suspend, [pid])
+    on_exit(fn -> :erpc.call(node, :sys, :resume, [pid]) end)
+
+    for name <- [{:remote_limiter, node}, pid] do
+      assert :ok = RateLimiter.check_rate({"ex", "suspended"}, @limit, 1, name)
+      assert RateLimiter.get_cost({"ex", "suspended"}, 1, name) >= 0.99
+      assert :ok = RateLimiter.reset({"ex", "suspended"}, name)
+    end
+  end
+
   test "another process there is :invalid_parameters and is left alone", %{node: node} do
     agent = :erpc.call(node, Process, :whereis, [:agent])
 

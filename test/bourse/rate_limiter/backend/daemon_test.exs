@@ -189,6 +189,41 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
   end
 
+  test "a stopped daemon reached by a :global name or a pid: every caller answered within its timeout" do
+    {daemon, name} = start_connected_daemon(timeout: 300)
+    pid = Process.whereis(name)
+    global = {:bourse_global, System.unique_integer([:positive])}
+    :yes = :global.register_name(global, pid)
+    on_exit(fn -> :global.unregister_name(global) end)
+
+    DaemonServer.signal(daemon, "STOP")
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    key = {"ex", "a-caller's-api-key"}
+
+    # Through the limiter's mailbox, 24 calls of 300 ms each would take 7.2 s in a row:
+    # the last ones would exit at GenServer.call's 5 s, their key in the exit reason.
+    callers =
+      for name <- [{:global, global}, pid, name], _ <- 1..8 do
+        Task.async(fn ->
+          started = System.monotonic_time(:millisecond)
+
+          answer =
+            try do
+              RateLimiter.check_rate(key, @limit, 1, name)
+            catch
+              :exit, reason -> {:exit, reason}
+            end
+
+          {answer, System.monotonic_time(:millisecond) - started}
+        end)
+      end
+
+    for {answer, ms} <- Task.await_many(callers, 20_000) do
+      assert {:error, %Error{type: :unavailable}} = answer
+      assert ms < 2_500, "answered after #{ms} ms"
+    end
+  end
+
   @tag timeout: 60_000
   test "a daemon that stops reading megabytes: writers find the socket busy and give up at their timeout" do
     path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
