@@ -180,7 +180,13 @@ defmodule Bourse.RateLimiter.Router do
   """
   @spec run(pid(), atom(), list()) :: term()
   def run(pid, :stats, []) when node(pid) == node(), do: GenServer.call(pid, :stats)
-  def run(pid, fun, args) when node(pid) == node(), do: GenServer.call(pid, {:run, fun, args})
+
+  def run(pid, fun, args) when node(pid) == node() do
+    GenServer.call(pid, {:run, fun, args})
+  catch
+    # Without the request, whose arguments hold the caller's key.
+    :exit, {reason, {GenServer, :call, _request}} -> exit_as_call(reason, pid)
+  end
 
   def run(pid, fun, args) do
     :erpc.call(node(pid), Bourse.RateLimiter, :run_here, [pid, fun, args], :infinity)
