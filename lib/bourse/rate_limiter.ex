@@ -341,6 +341,8 @@ defmodule Bourse.RateLimiter do
   `{:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: ms}}`. A caller that
   already holds a booking for this check gets the same answer, at once, when the
   booking's remaining wait exceeds the budget; the booking stays, to be claimed later.
+  The budget covers the whole call: a caller that wakes after its booking lapsed (later
+  than `:booking_slack_ms` after its ready time) books again only within what is left.
   """
   @spec wait_for_capacity(
           key(),
@@ -365,11 +367,16 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `since`: when the caller first slept (monotonic ms), `nil` until it does.
-  defp await(route, name, [_owner, key, _limit, cost, max_wait] = args, since) do
+  # `since`: when the caller first slept (monotonic ms), `nil` until it does. Each check
+  # after a sleep has what is left of the budget: a caller that woke later than the
+  # booking slack after its ready time finds its booking lapsed (and paid), and books
+  # again only within its budget, so the call ends by then.
+  defp await(route, name, [owner, key, limit, cost, max_wait], since) do
     metadata = fn -> %{key: key, cost: cost} end
+    budget = budget_left(max_wait, since)
+    args = [owner, key, limit, cost, elem(budget, 0)]
 
-    case route |> routed(name, :check_rate, args) |> observe(route, max_wait, metadata) do
+    case route |> routed(name, :check_rate, args) |> observe(route, budget, metadata) do
       :ok when since == nil ->
         :ok
 
@@ -382,20 +389,42 @@ defmodule Bourse.RateLimiter do
       {:delay, ms} ->
         since = since || System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        await(route, name, args, since)
+        await(route, name, [owner, key, limit, cost, max_wait], since)
 
       {:over_budget, ms} ->
-        {:error, over_budget(ms, max_wait, exchange({:key, key}))}
+        {:error, over_budget(ms, budget, exchange({:key, key}))}
 
       other ->
         failed(other, {:key, key})
     end
   end
 
+  # `{left, max_wait}`: the milliseconds a waiter may still wait (at least 1, which refuses
+  # any new booking), and its whole budget.
+  defp budget_left(max_wait, nil), do: {max_wait, max_wait}
+
+  defp budget_left(max_wait, since),
+    do: {max(max_wait - (System.monotonic_time(:millisecond) - since), 1), max_wait}
+
   # What a check's answer means to its caller, with the event it calls for (never for
   # `:ok`): one place for probes and waiters (docs/CONTRACT.md §4, §8). A waiter's `{:delay, ms}` is
-  # its own booking, not ready yet: past the budget it is `{:held, ms, max_wait}`, refused
-  # by `failed/2` while the booking stays.
+  # its own booking, not ready yet: past the budget it is `{:held, ms, budget}`, refused
+  # by `failed/2` while the booking stays. `budget` is `nil` (a probe), the budget, or
+  # `{left, max_wait}` (a waiter's, `budget_left/2`).
+  defp observe(answer, route, {left, _max_wait} = budget, metadata) do
+    case answer do
+      {:delay, ms} when ms > left ->
+        {:held, ms, budget}
+
+      {:over_budget, ms} ->
+        refused(route, ms, :over_budget, left, metadata)
+        {:over_budget, ms}
+
+      answer ->
+        observe(answer, route, left, metadata)
+    end
+  end
+
   defp observe(answer, route, max_wait, metadata) do
     case answer do
       {:delay, ms} when max_wait == nil ->
@@ -438,13 +467,16 @@ defmodule Bourse.RateLimiter do
 
   defp failed(answer, _source), do: answer
 
-  defp over_budget(ms, max_wait, exchange) do
+  defp over_budget(ms, budget, exchange) do
     Error.rate_limited(ms,
       exchange: exchange,
-      message:
-        "#{if exchange, do: "#{exchange}: "}waiting #{ms} ms exceeds max_wait_ms #{max_wait}"
+      message: "#{if exchange, do: "#{exchange}: "}waiting #{ms} ms exceeds #{budget(budget)}"
     )
   end
+
+  defp budget({max_wait, max_wait}), do: budget(max_wait)
+  defp budget({left, max_wait}), do: "the #{left} ms left of max_wait_ms #{max_wait}"
+  defp budget(max_wait), do: "max_wait_ms #{max_wait}"
 
   # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
   # of one call name several exchanges.
@@ -706,7 +738,9 @@ defmodule Bourse.RateLimiter do
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
       begin as if they had been empty at start (default `false`);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time, 0 to
-      86_400_000 ms (default `Bourse.Defaults.booking_slack_ms/0`);
+      86_400_000 ms (default `Bourse.Defaults.booking_slack_ms/0`); keep it above the
+      waiters' scheduling delay, or they find their bookings lapsed (and paid) when they
+      wake;
     * `:sweep_interval_ms` – how often full idle buckets are dropped, 1 to 86_400_000
       ms (default 1000); on the NIF and the port (a shared daemon sweeps on its own
       `--sweep-interval-ms`, Redis by TTL);

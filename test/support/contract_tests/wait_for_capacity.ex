@@ -34,6 +34,31 @@ defmodule Bourse.ContractTests.WaitForCapacity do
           assert waited >= 999, "two tokens admitted after #{waited} ms"
         end
 
+        @tag limiter_opts: [booking_slack_ms: 0]
+        test "a waiter that wakes after its booking lapsed books again only within its budget",
+             %{name: name} do
+          # With no slack a booking lapses at its ready time, before its waiter (which sleeps
+          # whole milliseconds, rounded up) can claim it: each pass pays and books again.
+          limit = %{capacity: 1, refill_per_sec: 10}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+          waiter = Task.async(fn -> wait_for_capacity(key, limit, 1, name, max_wait_ms: 500) end)
+
+          case Task.yield(waiter, 5_000) || Task.shutdown(waiter, :brutal_kill) do
+            {:ok, :ok} ->
+              :ok
+
+            {:ok, answer} ->
+              assert {:error, %Bourse.Error{type: :rate_limit_exceeded, message: message}} =
+                       answer
+
+              assert message =~ ~r/left of max_wait_ms 500$/
+
+            nil ->
+              flunk("wait_for_capacity with max_wait_ms: 500 still waited after 5 s")
+          end
+        end
+
         test "over max_wait_ms: rate_limit_exceeded at once, with retry_after, paying nothing",
              %{name: name} do
           limit = %{capacity: 1, refill_per_sec: 1}
