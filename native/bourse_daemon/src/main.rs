@@ -44,7 +44,9 @@ fn main() -> ExitCode {
         }
         Ok(Command::Run(options)) => *options,
         Err(message) => {
-            eprintln!("bourse_daemon: {message}\n\n{}", cli::USAGE);
+            // The synopsis, not every flag: a refused port writes into its VM's log.
+            let synopsis = cli::USAGE.split("\n\n").next().unwrap_or_default();
+            eprintln!("bourse_daemon: {message}\n\n{synopsis}\n(--help lists every flag)");
             return refused(&message);
         }
     };

@@ -58,6 +58,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   @default_timeout 5_000
   @options [:allow_remote, :timeout, :secret_file]
+  # A socket address holds 108 bytes of path, the last one its NUL (sockaddr_un).
+  @max_unix_path_bytes 107
 
   @typedoc "Where the daemon listens."
   @type address ::
@@ -152,9 +154,17 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   end
 
   defp address({:unix, path}, _allow_remote) when is_binary(path) and path != "" do
-    if String.contains?(path, <<0>>),
-      do: {:error, "a Unix socket path cannot contain NUL bytes"},
-      else: {:ok, {:unix, path}}
+    cond do
+      String.contains?(path, <<0>>) ->
+        {:error, "a Unix socket path cannot contain NUL bytes"}
+
+      byte_size(path) > @max_unix_path_bytes ->
+        {:error,
+         "a Unix socket path is at most #{@max_unix_path_bytes} bytes, got #{byte_size(path)}"}
+
+      true ->
+        {:ok, {:unix, path}}
+    end
   end
 
   defp address({ip, port}, allow_remote) when is_tuple(ip) and is_integer(port) do

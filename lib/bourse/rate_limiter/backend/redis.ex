@@ -164,16 +164,41 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          {:ok, timeout} <-
            redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)),
          {url, password} = without_password(url),
+         :ok <- no_password_left(url),
          :ok <- utf8_password(password) do
       {:ok, url: url, password: password, prefix: prefix, redis_timeout_ms: timeout}
     end
   end
 
-  # Redis clients take passwords of text; nothing of the password is shown.
+  # What is left of the URL goes on the daemon's command line: a password field its
+  # Redis client would not read (`password=`, or `pass=` in a redis:// URL) is refused
+  # here, before the command line is written.
+  defp no_password_left(seeds) when is_list(seeds),
+    do: seeds |> Enum.map(&no_password_left/1) |> Enum.find(:ok, &(&1 != :ok))
+
+  defp no_password_left(url) do
+    fields =
+      case URI.parse(url) do
+        %URI{query: query} when is_binary(query) -> query |> URI.query_decoder() |> Enum.to_list()
+        _ -> []
+      end
+
+    if Enum.any?(fields, &(elem(&1, 0) in ["pass", "password"])),
+      do:
+        {:error,
+         "the Redis URL's query must not hold a password: give it as redis://:PASSWORD@host:port " <>
+           "(or pass=PASSWORD in a unix:// URL's query)"},
+      else: :ok
+  rescue
+    ArgumentError -> :ok
+  end
+
+  # Redis clients take passwords of text, and an environment variable (where the daemon
+  # reads it) holds no NUL; nothing of the password is shown.
   defp utf8_password(password) do
-    if password == nil or String.valid?(password),
+    if password == nil or (String.valid?(password) and not String.contains?(password, <<0>>)),
       do: :ok,
-      else: {:error, "the Redis password in the URL must be UTF-8 text once decoded"}
+      else: {:error, "the Redis password in the URL must be UTF-8 text without NUL once decoded"}
   end
 
   # One password for the whole cluster: the first seed's that has one.

@@ -46,6 +46,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
             "[::1:7878",
             {:unix, ""},
             {:unix, "a\0b"},
+            {:unix, "/" <> String.duplicate("a", 107)},
             {:unix, ~c"/tmp/s"},
             {{127, 0, 0}, 1},
             7878,
@@ -53,6 +54,9 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
           ] do
         assert {:error, _message} = Daemon.options(address, []), inspect(address)
       end
+
+      longest = "/" <> String.duplicate("a", 106)
+      assert {:ok, address: {:unix, ^longest}, timeout: _} = Daemon.options({:unix, longest}, [])
     end
 
     test "start_link refuses a bad daemon backend with :invalid_parameters" do

@@ -86,15 +86,34 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute line =~ "pw"
   end
 
-  test "a password that is no UTF-8 text once decoded is refused, and nothing of it is shown" do
-    url = "redis://:pw%FFsecret-part@127.0.0.1:6379"
+  test "a password that is no UTF-8 text, or holds NUL, once decoded is refused, and nothing of it is shown" do
+    for url <- [
+          "redis://:pw%FFsecret-part@127.0.0.1:6379",
+          "redis://:%00secret-part@127.0.0.1:6379"
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.start_link(name: :redis_password_not_utf8, backend: {:redis, url})
 
-    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
-             RateLimiter.start_link(name: :redis_password_not_utf8, backend: {:redis, url})
+      assert message =~ "UTF-8 text without NUL"
+      refute message =~ "secret"
+      refute message =~ "115, 101, 99"
+    end
+  end
 
-    assert message =~ "UTF-8"
-    refute message =~ "secret"
-    refute message =~ "115, 101, 99"
+  test "a password in a query field the client would not read is refused before the daemon starts" do
+    for url <- [
+          "redis://127.0.0.1:6379/?password=secret-part",
+          "redis://127.0.0.1:6379/0?pass=secret-part",
+          "unix:///tmp/r.sock?password=secret-part",
+          ["redis://127.0.0.1:1", "redis://127.0.0.1:2/?password=secret-part"]
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
+
+      assert message =~ "the Redis URL's query must not hold a password"
+      refute message =~ "secret"
+      refute message =~ "bourse_daemon refused"
+    end
   end
 
   test "the options keep the password apart from the URL, decoded as the daemon's client decodes it" do
