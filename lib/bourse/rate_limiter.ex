@@ -370,11 +370,12 @@ defmodule Bourse.RateLimiter do
   # `since`: when the caller first slept (monotonic ms), `nil` until it does. Each check
   # after a sleep has what is left of the budget: a caller that woke later than the
   # booking slack after its ready time finds its booking lapsed (and paid), and books
-  # again only within its budget, so the call ends by then.
+  # again only within its budget; with nothing left it only probes (it claims a ready
+  # booking, or pays what the bucket holds now), so the call ends by then.
   defp await(route, name, [owner, key, limit, cost, max_wait], since) do
     metadata = fn -> %{key: key, cost: cost} end
-    budget = budget_left(max_wait, since)
-    args = [owner, key, limit, cost, elem(budget, 0)]
+    {left, _max_wait} = budget = budget_left(max_wait, since)
+    args = [owner, key, limit, cost, if(left > 0, do: left)]
 
     case route |> routed(name, :check_rate, args) |> observe(route, budget, metadata) do
       :ok when since == nil ->
@@ -389,7 +390,7 @@ defmodule Bourse.RateLimiter do
       {:delay, ms} ->
         since = since || System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        await(route, name, [owner, key, limit, cost, max_wait], since)
+        await(again(route, name), name, [owner, key, limit, cost, max_wait], since)
 
       {:over_budget, ms} ->
         {:error, over_budget(ms, budget, exchange({:key, key}))}
@@ -399,12 +400,18 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `{left, max_wait}`: the milliseconds a waiter may still wait (at least 1, which refuses
-  # any new booking), and its whole budget.
+  # `{left, max_wait}`: the milliseconds a waiter may still wait (0 for none), and its
+  # whole budget.
   defp budget_left(max_wait, nil), do: {max_wait, max_wait}
 
   defp budget_left(max_wait, since),
-    do: {max(max_wait - (System.monotonic_time(:millisecond) - since), 1), max_wait}
+    do: {max(max_wait - (System.monotonic_time(:millisecond) - since), 0), max_wait}
+
+  # The route of a waiter's next check: a limiter on another node is looked up again, as
+  # a supervisor may have restarted it (with the table, and the booking, taken over)
+  # while the waiter slept; a local route holds the table itself.
+  defp again({:remote, _pid}, name), do: Router.route(name)
+  defp again(route, _name), do: route
 
   # What a check's answer means to its caller, with the event it calls for (never for
   # `:ok`): one place for probes and waiters (docs/CONTRACT.md §4, §8). A waiter's `{:delay, ms}` is
@@ -475,6 +482,7 @@ defmodule Bourse.RateLimiter do
   end
 
   defp budget({max_wait, max_wait}), do: budget(max_wait)
+  defp budget({0, max_wait}), do: "max_wait_ms #{max_wait}, already waited"
   defp budget({left, max_wait}), do: "the #{left} ms left of max_wait_ms #{max_wait}"
   defp budget(max_wait), do: "max_wait_ms #{max_wait}"
 

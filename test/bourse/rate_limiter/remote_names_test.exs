@@ -66,6 +66,23 @@ defmodule Bourse.RateLimiter.RemoteNamesTest do
     end
   end
 
+  test "a waiter by {name, node} claims its booking from the limiter restarted there", %{
+    node: node
+  } do
+    key = {"ex", "restarted-while-waiting"}
+    limit = %{capacity: 1, refill_per_sec: 2}
+    name = {:remote_limiter, node}
+    assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+    waiter = Task.async(fn -> RateLimiter.wait_for_capacity(key, limit, 1, name) end)
+    Process.sleep(100)
+    old = :erpc.call(node, Process, :whereis, [:remote_limiter])
+    true = :erpc.call(node, Process, :exit, [old, :kill])
+
+    assert Task.await(waiter, 5_000) == :ok
+    assert :erpc.call(node, Process, :whereis, [:remote_limiter]) != old
+    assert RateLimiter.get_cost(key, 1, name) <= 1.01
+  end
+
   test "another process there is :invalid_parameters and is left alone", %{node: node} do
     agent = :erpc.call(node, Process, :whereis, [:agent])
 
