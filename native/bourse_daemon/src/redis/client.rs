@@ -192,6 +192,9 @@ impl Client {
                     self.functions.store(false, Ordering::Relaxed)
                 }
                 Err(error) if no_function(&error) => {}
+                // A Redis out of memory refuses to load the library, not to run a script
+                // that only reads.
+                Err(error) if read_only && error.code() == Some("OOM") => {}
                 answer => return answer,
             }
         }

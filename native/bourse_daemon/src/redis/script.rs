@@ -11,6 +11,8 @@ use ::redis::{Cmd, RedisWrite, ToRedisArgs};
 
 /// The bucket's code; it ends with its entry point, `run(keys, args)`.
 const BUCKET: &str = include_str!("bucket.lua");
+/// Where the library's text names itself, until its name is known.
+const NAME: &str = "@LIBRARY@";
 
 /// `bucket.lua` in its two forms: a script, and a library of one function. Both are named
 /// by the code's hash, so daemons of other versions sharing a Redis each run their own.
@@ -30,18 +32,21 @@ pub struct Sources {
 
 impl Sources {
     pub fn new() -> Self {
-        let hash = ::redis::Script::new(BUCKET);
+        // The library is named by the hash of its whole text (its name left out), so a
+        // library that registers other functions is another library.
+        let template = format!(
+            "#!lua name={NAME}\n{BUCKET}\nredis.register_function('{NAME}', run)\n\
+             redis.register_function{{function_name='{NAME}_ro', callback=run, \
+             flags={{'no-writes'}}}}\n"
+        );
+        let hash = ::redis::Script::new(&template);
         let function = format!("bourse_{}", &hash.get_hash()[..16]);
+        let read_only = format!("{function}_ro");
+        let library = template.replace(NAME, &function);
         // `run` is a local of the code, which also names its keys and arguments `KEYS` and
         // `ARGV`: the script's own are taken before.
         let script = format!(
             "local call_keys, call_args = KEYS, ARGV\n{BUCKET}\nreturn run(call_keys, call_args)\n"
-        );
-        let read_only = format!("{function}_ro");
-        let library = format!(
-            "#!lua name={function}\n{BUCKET}\nredis.register_function('{function}', run)\n\
-             redis.register_function{{function_name='{read_only}', callback=run, \
-             flags={{'no-writes'}}}}\n"
         );
         Self {
             sha: ::redis::Script::new(&script).get_hash().to_string(),
