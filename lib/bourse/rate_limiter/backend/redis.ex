@@ -222,10 +222,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp url(url) when is_binary(url) do
     case URI.parse(url) do
-      %URI{scheme: scheme} when scheme in @schemes ->
-        if String.contains?(url, <<0>>),
-          do: {:error, "a Redis URL cannot contain NUL bytes"},
-          else: {:ok, url}
+      %URI{scheme: scheme} = uri when scheme in @schemes ->
+        cond do
+          String.contains?(url, <<0>>) -> {:error, "a Redis URL cannot contain NUL bytes"}
+          at_past_host?(uri) -> {:error, at_past_host()}
+          true -> {:ok, url}
+        end
 
       _ ->
         {:error, bad_url(url)}
@@ -239,11 +241,13 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp seeds([seed | rest], count, seeds) when is_binary(seed) and count < @max_seeds do
     case URI.parse(seed) do
-      %URI{scheme: scheme, host: host}
+      %URI{scheme: scheme, host: host} = uri
       when scheme == "redis" and host not in [nil, ""] ->
-        if String.contains?(seed, <<0>>),
-          do: {:error, bad_seeds()},
-          else: seeds(rest, count + 1, [seed | seeds])
+        cond do
+          String.contains?(seed, <<0>>) -> {:error, bad_seeds()}
+          at_past_host?(uri) -> {:error, at_past_host()}
+          true -> seeds(rest, count + 1, [seed | seeds])
+        end
 
       _ ->
         {:error, bad_seeds()}
@@ -251,6 +255,20 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   defp seeds(_, _, _), do: {:error, bad_seeds()}
+
+  # An "@" after the host of a redis:// URL: a password holding "/", "?" or "#" that was
+  # not percent-encoded ended the host early, and the URL (password and all) would reach
+  # the daemon's command line. (A unix:// URL's path may hold "@"; its password is a
+  # query field.)
+  defp at_past_host?(%URI{scheme: "redis"} = uri),
+    do: String.contains?("#{uri.path}?#{uri.query}##{uri.fragment}", "@")
+
+  defp at_past_host?(_uri), do: false
+
+  defp at_past_host do
+    "a Redis URL has an \"@\" after its host: percent-encode \"/\", \"?\" and \"#\" in " <>
+      "its password (redis://:PASSWORD@HOST:PORT)"
+  end
 
   defp bad_seeds do
     "redis cluster seeds must be a list of 1 to #{@max_seeds} URLs " <>

@@ -100,17 +100,24 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     end
   end
 
-  test "a password in a query field the client would not read is refused before the daemon starts" do
+  test "a password in a query field the client would not read, or not percent-encoded, is refused before the daemon starts" do
     for url <- [
           "redis://127.0.0.1:6379/?password=secret-part",
           "redis://127.0.0.1:6379/0?pass=secret-part",
           "unix:///tmp/r.sock?password=secret-part",
-          ["redis://127.0.0.1:1", "redis://127.0.0.1:2/?password=secret-part"]
+          ["redis://127.0.0.1:1", "redis://127.0.0.1:2/?password=secret-part"],
+          "redis://:pw/secret-part@127.0.0.1:6379",
+          "redis://:pw?secret-part@127.0.0.1:6379",
+          "redis://:pw#secret-part@127.0.0.1:6379",
+          ["redis://127.0.0.1:1", "redis://:pw/secret-part@127.0.0.1:2"]
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
 
-      assert message =~ "the Redis URL's query must not hold a password"
+      assert message =~ "the Redis URL's query must not hold a password" or
+               message =~ ~s(has an "@" after its host) or
+               message =~ "redis cluster seeds must be a list of 1 to"
+
       refute message =~ "secret"
       refute message =~ "bourse_daemon refused"
     end
