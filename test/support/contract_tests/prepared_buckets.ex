@@ -159,6 +159,26 @@ defmodule Bourse.ContractTests.PreparedBuckets do
           assert {:delay, _} = check_rate(bucket, 1)
         end
 
+        test "a bucket of a :global name charges the limiter the name reaches now",
+             %{backend: backend} do
+          [one, two] =
+            for _ <- 1..2 do
+              global = {:global, {:bucket_global, System.unique_integer([:positive])}}
+              start_supervised!({Bourse.RateLimiter, name: global, backend: backend}, id: global)
+              global
+            end
+
+          on_exit(fn -> :global.unregister_name(elem(one, 1)) end)
+          limit = %{@still | capacity: 1}
+          key = {"ex", "global-#{System.unique_integer([:positive])}"}
+          {:ok, bucket} = Bourse.RateLimiter.bucket(key, limit, one)
+          :yes = :global.re_register_name(elem(one, 1), :global.whereis_name(elem(two, 1)))
+
+          assert :ok = check_rate(bucket, 1)
+          # The name's limiter now is `two`: the bucket's check was charged there.
+          assert {:delay, _} = check_rate(key, limit, 1, two)
+        end
+
         test "a bucket never shows its credential", %{name: name} do
           {:ok, bucket} = Bourse.RateLimiter.bucket({"ex", "SECRET-API-KEY", "ip"}, @still, name)
 
