@@ -180,8 +180,8 @@ defmodule Bourse.RateLimiter do
       )
       when is_reference(prepared) and is_pid(pid) do
     # While the limiter that prepared the bucket lives and its name still routes to it,
-    # its table is the one the name reaches. (An atom's route is what it published; any
-    # other name, `{:global, _}` say, may have been registered to another limiter since.)
+    # its table is the one the name reaches (a `{:global, _}` name, say, may have been
+    # registered to another limiter since).
     if reaches(bucket.name) === route and :erlang.is_process_alive(pid) do
       case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
         :ok -> :ok
@@ -195,9 +195,6 @@ defmodule Bourse.RateLimiter do
 
   def check_rate(%Bucket{key: key, limit: limit, name: name}, cost),
     do: check_rate(key, limit, cost, name)
-
-  defp reaches(name) when is_atom(name), do: Router.published(name)
-  defp reaches(name), do: Router.route(name)
 
   def check_rate(key, limit), do: check_rate(key, limit, 1, @default)
 
@@ -214,6 +211,10 @@ defmodule Bourse.RateLimiter do
   @spec check_rate(key(), rate_limit() | nil, number()) ::
           :ok | {:delay, pos_integer()} | error()
   def check_rate(key, limit, cost), do: check_rate(key, limit, cost, @default)
+
+  # What a prepared bucket's name reaches now: an atom's route is what it published.
+  defp reaches(name) when is_atom(name), do: Router.published(name)
+  defp reaches(name), do: Router.route(name)
 
   # A probe's answer other than `:ok`, with its event and its error shaped.
   defp checked(answer, route, key, cost),
