@@ -1566,15 +1566,15 @@ fn the_function_library_is_loaded_again_whenever_lost() {
     let libraries: Vec<::redis::Value> = redis.query(::redis::cmd("FUNCTION").arg("LIST"));
     assert_eq!(libraries.len(), 1, "{libraries:?}");
     // 4 checks, each sent once, and once more after the library was found missing: at the
-    // first call and after each FUNCTION FLUSH; get_cost, which only reads, as FCALL_RO.
-    assert_eq!(calls_of(&redis, "fcall"), 4 + 3);
-    assert_eq!(calls_of(&redis, "fcall_ro"), 1);
+    // first call and after each FUNCTION FLUSH; and get_cost (of the function that writes
+    // nothing).
+    assert_eq!(calls_of(&redis, "fcall"), 5 + 3);
     assert_eq!(calls_of(&redis, "evalsha") + calls_of(&redis, "eval"), 0);
 }
 
 /// A Redis out of memory (`maxmemory` reached under `noeviction`) refuses the script's
 /// writes: a check is `unavailable` and pays nothing. `get_cost`, `inspect`, `busiest` and
-/// `stats` only read, and are still answered (`FCALL_RO` of the library's function that
+/// `stats` only read, and are still answered (`FCALL` of the library's function that
 /// writes nothing).
 #[test]
 fn a_redis_out_of_memory_admits_nothing_and_still_answers_reads() {

@@ -317,6 +317,42 @@ fn served(cluster: &Cluster, slot: u16, dead: u16) -> bool {
     })
 }
 
+/// A slot left half moved (its bucket on the old master, a check's new keys not): the
+/// check is told `TRYAGAIN` and retried until the daemon's timeout, however long, then
+/// answered `unavailable`, nothing paid; served again once the slot settles.
+#[test]
+fn a_check_told_tryagain_is_retried_until_its_timeout() {
+    let Some(cluster) = Cluster::start(2000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "3000"]);
+    let mut t = server.connect();
+    let k = key("tryagain", Some("k"));
+    let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let from = master_holding(&cluster, "tryagain}");
+    let slot = cluster_support::key_slot(
+        cluster
+            .keys()
+            .iter()
+            .find(|name| name.contains("tryagain}"))
+            .unwrap()
+            .as_bytes(),
+    );
+    cluster.begin_moving_slot(slot, cluster.other_master(from));
+    let started = Instant::now();
+    let answer = t.call(check(&k, limit.clone(), 1.0));
+    let waited = started.elapsed();
+    cluster.settle_slot(slot);
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    assert!(
+        waited >= Duration::from_millis(2_500) && waited < Duration::from_secs(6),
+        "answered after {waited:?}: {answer}"
+    );
+    assert_eq!(t.call(check(&k, limit, 1.0))["result"], "admitted");
+    assert!((borrowed(&mut t, &k) - 2.0).abs() < 0.01);
+}
+
 /// A slot moved to another master key by key while daemons check a bucket in it. While the
 /// slot is half moved, the bucket's script (several keys, some not yet created) is answered
 /// `ASK` by the old master and `TRYAGAIN` by the new one: the daemon retries until its

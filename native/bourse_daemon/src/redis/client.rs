@@ -165,8 +165,8 @@ impl Client {
         Ok(self.clock.deadline(started, last_run).unwrap_or(0))
     }
 
-    /// Sends a call (`command` writes it for a form of the code) as `fcall` (`fcall_ro` when
-    /// it only reads) while Redis has functions, else (or where a node lacks the library
+    /// Sends a call (`command` writes it for a form of the code) as `fcall` (of the function
+    /// that writes nothing when it only reads) while Redis has functions, else (or where a node lacks the library
     /// even after it was loaded) as `evalsha`; each once more on the fresh connection if
     /// the connection was lost.
     async fn run<T: FromRedisValue>(
@@ -177,7 +177,7 @@ impl Client {
     ) -> Result<T, RedisError> {
         if self.functions.load(Ordering::Relaxed) {
             let fcall = command(match read_only {
-                true => Script::ReadOnlyFunction(&self.sources.read_only),
+                true => Script::Function(&self.sources.read_only),
                 false => Script::Function(&self.sources.function),
             });
             let load = || load_library(&self.sources);

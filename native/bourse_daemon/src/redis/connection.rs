@@ -22,7 +22,7 @@ use ::redis::{
 /// The longest pause between two tries of a cluster request (milliseconds): a slot that
 /// moved or a master that took over is found again within this.
 const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 50);
-/// Tries of one cluster request; the timeout ends them sooner.
+/// Tries of one cluster request at least: the timeout ends them (`cluster_retries`).
 const CLUSTER_RETRIES: u32 = 25;
 
 /// Where the buckets live.
@@ -32,6 +32,16 @@ pub enum Servers {
     One(String),
     /// A Redis Cluster, found through these seed nodes.
     Cluster(Vec<String>),
+}
+
+/// Tries of one cluster request: as many as pauses of the shortest wait take to fill
+/// `timeout`, so that the timeout, not the count, ends a request retried (`TRYAGAIN` while
+/// a slot moves, `CLUSTERDOWN` while a replica takes over).
+fn cluster_retries(timeout: Duration) -> u32 {
+    let pauses = timeout.as_millis() / u128::from(CLUSTER_RETRY_WAIT_MS.0);
+    u32::try_from(pauses)
+        .unwrap_or(u32::MAX)
+        .max(CLUSTER_RETRIES)
 }
 
 impl Servers {
@@ -108,7 +118,7 @@ impl Connection {
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .overall_response_timeout(Some(timeout))
-                    .retries(CLUSTER_RETRIES)
+                    .retries(cluster_retries(timeout))
                     .min_retry_wait(min_wait)
                     .max_retry_wait(max_wait);
                 if let Some(password) = password {
@@ -260,6 +270,13 @@ pub fn hash_tag(name: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cluster_requests_are_retried_until_their_timeout() {
+        assert_eq!(cluster_retries(Duration::from_millis(100)), CLUSTER_RETRIES);
+        assert_eq!(cluster_retries(Duration::from_secs(5)), 1000);
+        assert_eq!(cluster_retries(Duration::from_secs(60)), 12_000);
+    }
 
     #[test]
     fn errors_name_the_servers_by_address_only() {

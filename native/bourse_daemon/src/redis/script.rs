@@ -23,8 +23,8 @@ pub struct Sources {
     pub sha: String,
     /// The function's name, also its library's.
     pub function: String,
-    /// The name of `run` registered once more as a function that writes nothing (`FCALL_RO`),
-    /// which Redis runs also when it is out of memory.
+    /// The name of `run` registered once more as a function that writes nothing, which
+    /// Redis runs also when it is out of memory.
     pub read_only: String,
     /// The library (`FUNCTION LOAD`): the code, then `run` registered as both functions.
     pub library: String,
@@ -111,13 +111,12 @@ impl RedisWrite for Parts<'_> {
     }
 }
 
-/// How a command names the code it runs: the function (`FCALL`), the function that writes
-/// nothing (`FCALL_RO`), the script by its SHA1 (`EVALSHA`) or the script's source
-/// (`EVAL`), which runs it on whichever node serves the keys and caches it there.
+/// How a command names the code it runs: a function (`FCALL`), the script by its SHA1
+/// (`EVALSHA`) or the script's source (`EVAL`), which runs it on whichever node serves the
+/// keys and caches it there.
 #[derive(Clone, Copy)]
 pub enum Script<'a> {
     Function(&'a str),
-    ReadOnlyFunction(&'a str),
     Sha(&'a str),
     Source(&'a str),
 }
@@ -128,7 +127,6 @@ impl Script<'_> {
     fn command(self, keys: usize, args: usize, bytes: usize) -> Cmd {
         let (name, script) = match self {
             Script::Function(name) => ("FCALL", name),
-            Script::ReadOnlyFunction(name) => ("FCALL_RO", name),
             Script::Sha(sha) => ("EVALSHA", sha),
             Script::Source(source) => ("EVAL", source),
         };
@@ -139,8 +137,10 @@ impl Script<'_> {
 }
 
 impl Call {
-    /// A call of an operation that only reads (`borrowed`, `info`): sent as `FCALL_RO`,
-    /// so that a Redis out of memory still answers it.
+    /// A call of an operation that only reads (`borrowed`, `info`): it calls the function
+    /// that writes nothing, so that a Redis out of memory still answers it. (With `FCALL`,
+    /// not `FCALL_RO`: a cluster client may send a read-only command to a replica, which
+    /// may lag.)
     pub fn read_only() -> Self {
         Self {
             read_only: true,

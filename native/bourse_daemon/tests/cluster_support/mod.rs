@@ -369,6 +369,37 @@ impl Cluster {
         });
     }
 
+    /// Marks `slot` as moving from its master to the master on `to` (`IMPORTING`,
+    /// `MIGRATING`) without moving a key, until `settle_slot`.
+    pub fn begin_moving_slot(&self, slot: u16, to: u16) {
+        let from = self.master_of_slot(slot);
+        let (from_id, to_id) = (self.node_id(from), self.node_id(to));
+        for (port, state, id) in [(to, "IMPORTING", from_id), (from, "MIGRATING", to_id)] {
+            let _: String = node_query(
+                port,
+                ::redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg(state)
+                    .arg(id),
+            )
+            .unwrap_or_else(|| panic!("CLUSTER SETSLOT {slot} {state} on {port}"));
+        }
+    }
+
+    /// Ends a move `begin_moving_slot` began, the slot staying where it was.
+    pub fn settle_slot(&self, slot: u16) {
+        for port in self.live_ports() {
+            let _: Option<String> = node_query(
+                port,
+                ::redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg("STABLE"),
+            );
+        }
+    }
+
     /// Moves `slot` with its keys to the master on `to`, one key per `MIGRATE`, `pace` apart,
     /// so that requests meet the slot half-moved (ASK, TRYAGAIN). Returns the keys moved.
     pub fn move_slot(&self, slot: u16, to: u16, pace: Duration) -> usize {
