@@ -29,6 +29,17 @@ impl Redis {
         Self::start_with(&[])
     }
 
+    /// [`Self::start`], or `None` (after saying why) for a `redis-server` before 7.0, which
+    /// has no functions.
+    fn with_functions() -> Option<Self> {
+        let redis = Self::start()?;
+        if major_version(&redis) < 7 {
+            eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+            return None;
+        }
+        Some(redis)
+    }
+
     /// [`Self::start`] with further `redis-server` options.
     fn start_with(options: &[&str]) -> Option<Self> {
         if Command::new("redis-server")
@@ -1548,11 +1559,9 @@ fn major_version(redis: &Redis) -> u64 {
 /// the script is never needed.
 #[test]
 fn the_function_library_is_loaded_again_whenever_lost() {
-    let Some(redis) = Redis::start() else { return };
-    if major_version(&redis) < 7 {
-        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+    let Some(redis) = Redis::with_functions() else {
         return;
-    }
+    };
     let server = daemon(&redis, &[]);
     let mut t = server.connect();
     let k = key("fn", Some("k"));
@@ -1578,11 +1587,9 @@ fn the_function_library_is_loaded_again_whenever_lost() {
 /// writes nothing).
 #[test]
 fn a_redis_out_of_memory_admits_nothing_and_still_answers_reads() {
-    let Some(redis) = Redis::start() else { return };
-    if major_version(&redis) < 7 {
-        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+    let Some(redis) = Redis::with_functions() else {
         return;
-    }
+    };
     let server = daemon(&redis, &[]);
     let mut t = server.connect();
     let k = key("oom", Some("k"));
@@ -1860,11 +1867,9 @@ fn many_distinct_costs_are_each_paid_exactly() {
 /// function missing did not run; sent again after the reload, it runs once).
 #[test]
 fn checks_under_load_survive_the_library_flushed_again_and_again() {
-    let Some(redis) = Redis::start() else { return };
-    if major_version(&redis) < 7 {
-        eprintln!("SKIPPED: redis-server before 7.0 has no functions");
+    let Some(redis) = Redis::with_functions() else {
         return;
-    }
+    };
     let daemons: Vec<Server> = (0..2).map(|_| daemon(&redis, &[])).collect();
     let k = key("flush", Some("k"));
     let limit = json!({"capacity": 150, "refill_per_sec": 0.001});

@@ -373,18 +373,9 @@ impl Cluster {
     /// `MIGRATING`) without moving a key, until `settle_slot`.
     pub fn begin_moving_slot(&self, slot: u16, to: u16) {
         let from = self.master_of_slot(slot);
-        let (from_id, to_id) = (self.node_id(from), self.node_id(to));
-        for (port, state, id) in [(to, "IMPORTING", from_id), (from, "MIGRATING", to_id)] {
-            let _: String = node_query(
-                port,
-                ::redis::cmd("CLUSTER")
-                    .arg("SETSLOT")
-                    .arg(slot)
-                    .arg(state)
-                    .arg(id),
-            )
-            .unwrap_or_else(|| panic!("CLUSTER SETSLOT {slot} {state} on {port}"));
-        }
+        assert_ne!(from, to, "slot {slot} is already on {to}");
+        set_slot(to, slot, "IMPORTING", &self.node_id(from));
+        set_slot(from, slot, "MIGRATING", &self.node_id(to));
     }
 
     /// Ends a move `begin_moving_slot` began, the slot staying where it was.
@@ -404,21 +395,8 @@ impl Cluster {
     /// so that requests meet the slot half-moved (ASK, TRYAGAIN). Returns the keys moved.
     pub fn move_slot(&self, slot: u16, to: u16, pace: Duration) -> usize {
         let from = self.master_of_slot(slot);
-        assert_ne!(from, to, "slot {slot} is already on {to}");
-        let (from_id, to_id) = (self.node_id(from), self.node_id(to));
-        let setslot = |port: u16, state: &str, id: &str| {
-            let _: String = node_query(
-                port,
-                ::redis::cmd("CLUSTER")
-                    .arg("SETSLOT")
-                    .arg(slot)
-                    .arg(state)
-                    .arg(id),
-            )
-            .unwrap_or_else(|| panic!("CLUSTER SETSLOT {slot} {state} on {port}"));
-        };
-        setslot(to, "IMPORTING", &from_id);
-        setslot(from, "MIGRATING", &to_id);
+        let to_id = self.node_id(to);
+        self.begin_moving_slot(slot, to);
         let mut moved = 0;
         loop {
             let keys: Vec<Vec<u8>> = node_query(
@@ -448,8 +426,8 @@ impl Cluster {
             thread::sleep(pace);
         }
         // The new owner first, then the old one, then everyone else (as redis-cli does).
-        setslot(to, "NODE", &to_id);
-        setslot(from, "NODE", &to_id);
+        set_slot(to, slot, "NODE", &to_id);
+        set_slot(from, slot, "NODE", &to_id);
         for port in self.live_ports() {
             if port != to && port != from {
                 let _: Option<String> = node_query(
@@ -500,6 +478,19 @@ impl Drop for Cluster {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `CLUSTER SETSLOT slot state id` on the node on `port`.
+fn set_slot(port: u16, slot: u16, state: &str, id: &str) {
+    let _: String = node_query(
+        port,
+        ::redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg(state)
+            .arg(id),
+    )
+    .unwrap_or_else(|| panic!("CLUSTER SETSLOT {slot} {state} on {port}"));
 }
 
 fn node_query<T: ::redis::FromRedisValue>(port: u16, command: &mut ::redis::Cmd) -> Option<T> {
