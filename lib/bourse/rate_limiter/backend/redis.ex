@@ -112,37 +112,64 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   # The password goes to the daemon in its environment, never on its command line (which
   # every local user can read in /proc): a redis:// URL's userinfo, percent-encoded (a `+`
   # is a plus), or the `pass` field of a unix:// URL's query, form-encoded, as the daemon's
-  # Redis client reads each.
+  # Redis client reads each. It is cut out of the URL's text, which is otherwise left as
+  # given (rebuilt from its parsed parts, a malformed host or port could change, and the
+  # password go elsewhere).
   defp split_password(url) do
-    case URI.parse(url) do
-      %URI{scheme: "unix", query: query} = uri when is_binary(query) ->
-        {passwords, fields} =
-          query |> URI.query_decoder() |> Enum.split_with(&(elem(&1, 0) == "pass"))
+    [scheme, rest] = String.split(url, "://", parts: 2)
 
-        query = if fields != [], do: URI.encode_query(fields)
+    if String.downcase(scheme) == "unix",
+      do: split_query_password(url),
+      else: split_userinfo_password(scheme, rest, url)
+  end
 
-        case passwords do
-          [] -> {url, nil}
-          _ -> {URI.to_string(%{uri | query: query}), passwords |> List.last() |> elem(1)}
-        end
+  defp split_userinfo_password(scheme, rest, url) do
+    {authority, tail} = split_at_first(rest, ["/", "?", "#"])
 
-      %URI{userinfo: userinfo} = uri when is_binary(userinfo) ->
-        case String.split(userinfo, ":", parts: 2) do
-          [user, password] ->
-            user = if user == "", do: nil, else: user
-            {URI.to_string(%{uri | userinfo: user}), URI.decode(password)}
+    with [_ | _] = ats <- :binary.matches(authority, "@"),
+         {at, 1} = List.last(ats),
+         <<userinfo::binary-size(at), "@", host::binary>> = authority,
+         [user, password] <- String.split(userinfo, ":", parts: 2) do
+      user = if user == "", do: "", else: user <> "@"
+      {scheme <> "://" <> user <> host <> tail, decoded(password, &URI.decode/1)}
+    else
+      _ -> {url, nil}
+    end
+  end
 
-          [_user] ->
-            {url, nil}
-        end
+  defp split_query_password(url) do
+    {before, query_and_fragment} = split_at_first(url, ["?"])
+    {query, fragment} = split_at_first(String.trim_leading(query_and_fragment, "?"), ["#"])
+    fields = String.split(query, "&")
+    {passwords, kept} = Enum.split_with(fields, &(field_name(&1) == "pass"))
+
+    case passwords do
+      [] ->
+        {url, nil}
 
       _ ->
-        {url, nil}
+        query = if kept == [], do: "", else: "?" <> Enum.join(kept, "&")
+        password = passwords |> List.last() |> String.split("=", parts: 2) |> Enum.at(1, "")
+        {before <> query <> fragment, decoded(password, &URI.decode_www_form/1)}
     end
+  end
+
+  defp field_name(field),
+    do: field |> String.split("=", parts: 2) |> hd() |> decoded(&URI.decode_www_form/1)
+
+  # A malformed percent-encoding is `:malformed`, refused by `utf8_password/1`.
+  defp decoded(text, decode) do
+    decode.(text)
   rescue
-    # Malformed percent-encoding: the daemon is given the URL as it is, and refuses a
-    # password in it.
-    ArgumentError -> {url, nil}
+    ArgumentError -> :malformed
+  end
+
+  # `text` cut before the first of `separators`: `{before, from_it_on}`.
+  defp split_at_first(text, separators) do
+    case :binary.match(text, separators) do
+      {at, _} -> {binary_part(text, 0, at), binary_part(text, at, byte_size(text) - at)}
+      :nomatch -> {text, ""}
+    end
   end
 
   @impl true
@@ -196,9 +223,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   # Redis clients take passwords of text, and an environment variable (where the daemon
   # reads it) holds no NUL; nothing of the password is shown.
   defp utf8_password(password) do
-    if password == nil or (String.valid?(password) and not String.contains?(password, <<0>>)),
-      do: :ok,
-      else: {:error, "the Redis password in the URL must be UTF-8 text without NUL once decoded"}
+    if password == nil or
+         (is_binary(password) and String.valid?(password) and
+            not String.contains?(password, <<0>>)),
+       do: :ok,
+       else:
+         {:error, "the Redis password in the URL must be percent-encoded UTF-8 text without NUL"}
   end
 
   # One password for the whole cluster: the first seed's that has one.
@@ -224,8 +254,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     case URI.parse(url) do
       %URI{scheme: scheme} = uri when scheme in @schemes ->
         cond do
-          String.contains?(url, <<0>>) -> {:error, "a Redis URL cannot contain NUL bytes"}
+          control_characters?(url) -> {:error, control_characters()}
           at_past_host?(uri) -> {:error, at_past_host()}
+          unix_userinfo_password?(uri) -> {:error, unix_userinfo_password()}
           true -> {:ok, url}
         end
 
@@ -244,7 +275,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       %URI{scheme: scheme, host: host} = uri
       when scheme == "redis" and host not in [nil, ""] ->
         cond do
-          String.contains?(seed, <<0>>) -> {:error, bad_seeds()}
+          control_characters?(seed) -> {:error, control_characters()}
           at_past_host?(uri) -> {:error, at_past_host()}
           true -> seeds(rest, count + 1, [seed | seeds])
         end
@@ -264,6 +295,22 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     do: String.contains?("#{uri.path}?#{uri.query}##{uri.fragment}", "@")
 
   defp at_past_host?(_uri), do: false
+
+  # A URL parser drops tabs and newlines wherever they are, so a field named "pa\tss"
+  # would be read as "pass": no control character goes through.
+  defp control_characters?(url), do: String.match?(url, ~r/[\x00-\x1f\x7f]/)
+
+  defp control_characters,
+    do: "a Redis URL cannot contain control characters (NUL, tab, newline, ...)"
+
+  # The daemon's client reads a unix:// URL's password from its query only.
+  defp unix_userinfo_password?(%URI{scheme: "unix", userinfo: userinfo}) when is_binary(userinfo),
+    do: String.contains?(userinfo, ":")
+
+  defp unix_userinfo_password?(_uri), do: false
+
+  defp unix_userinfo_password,
+    do: "a unix:// Redis URL takes its password in its query: unix:///PATH?pass=PASSWORD"
 
   defp at_past_host do
     "a Redis URL has an \"@\" after its host: percent-encode \"/\", \"?\" and \"#\" in " <>

@@ -45,8 +45,13 @@ pub fn read_secret(
 }
 
 /// Whether a Redis URL holds `user:password@` (or `:password@`), or a query field `pass`
-/// (where a `unix://` URL holds its password) or `password`.
+/// (where a `unix://` URL holds its password) or `password`; read as a URL parser reads
+/// it, without the tabs and newlines it drops.
 pub fn has_password(url: &str) -> bool {
+    let url: String = url
+        .chars()
+        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
+        .collect();
     let Some((_, rest)) = url.split_once("://") else {
         return false;
     };

@@ -65,6 +65,8 @@ fn secrets_come_from_files_or_the_environment_never_argv() {
         "redis://h:1/?password=pw",
         "unix:///tmp/redis.sock?pass=pw",
         "unix:///tmp/redis.sock?db=1&pass=pw",
+        "unix:///tmp/redis.sock?pa\tss=pw",
+        "redis://:p\nw@h:1",
     ] {
         let error = run(&["--stdio", "--redis", url]).unwrap_err();
         assert!(error.contains("must not hold a password"), "{url}: {error}");

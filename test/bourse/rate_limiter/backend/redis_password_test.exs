@@ -109,14 +109,20 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           "redis://:pw/secret-part@127.0.0.1:6379",
           "redis://:pw?secret-part@127.0.0.1:6379",
           "redis://:pw#secret-part@127.0.0.1:6379",
-          ["redis://127.0.0.1:1", "redis://:pw/secret-part@127.0.0.1:2"]
+          ["redis://127.0.0.1:1", "redis://:pw/secret-part@127.0.0.1:2"],
+          # A URL parser drops tabs and newlines: "pa\tss" would be read as "pass".
+          "unix:///tmp/r.sock?pa\tss=secret-part",
+          "redis://:secret-part@127.0.0.1:6379\n",
+          "unix://:secret-part@/tmp/r.sock"
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
 
       assert message =~ "the Redis URL's query must not hold a password" or
                message =~ ~s(has an "@" after its host) or
-               message =~ "redis cluster seeds must be a list of 1 to"
+               message =~ "redis cluster seeds must be a list of 1 to" or
+               message =~ "cannot contain control characters" or
+               message =~ "takes its password in its query"
 
       refute message =~ "secret"
       refute message =~ "bourse_daemon refused"
@@ -132,6 +138,13 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {"redis://user@h:1", "redis://user@h:1", nil},
           {"unix:///tmp/r.sock?db=2&pass=a+b%21", "unix:///tmp/r.sock?db=2", "a b!"},
           {"unix:///tmp/r.sock?pass=x", "unix:///tmp/r.sock", "x"},
+          {"unix:///tmp/r.sock?db=2&pass=x#f", "unix:///tmp/r.sock?db=2#f", "x"},
+          # The rest of the URL as given, for the daemon to judge: rebuilt from its parsed
+          # parts, a malformed host or port changed (to "fe80", or port 6391), and the
+          # password went there.
+          {"redis://:pw@[fe80::1%25lo]:6392", "redis://[fe80::1%25lo]:6392", "pw"},
+          {"redis://:pw@127.0.0.1:6391x", "redis://127.0.0.1:6391x", "pw"},
+          {"redis://a@b:pw@h:1", "redis://a@b@h:1", "pw"},
           {["redis://a:1", "redis://:first@b:2", "redis://:second@c:3"],
            ["redis://a:1", "redis://b:2", "redis://c:3"], "first"}
         ] do
