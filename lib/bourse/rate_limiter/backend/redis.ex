@@ -138,9 +138,17 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   defp split_query_password(url) do
-    {before, query_and_fragment} = split_at_first(url, ["?"])
-    {query, fragment} = split_at_first(String.trim_leading(query_and_fragment, "?"), ["#"])
-    fields = String.split(query, "&")
+    case split_at_first(url, ["?", "#"]) do
+      {before, "?" <> query_and_fragment} ->
+        {query, fragment} = split_at_first(query_and_fragment, ["#"])
+        split_query_password(url, before, String.split(query, "&"), fragment)
+
+      _no_query ->
+        {url, nil}
+    end
+  end
+
+  defp split_query_password(url, before, fields, fragment) do
     {passwords, kept} = Enum.split_with(fields, &(field_name(&1) == "pass"))
 
     case passwords do
@@ -255,6 +263,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       %URI{scheme: scheme} = uri when scheme in @schemes ->
         cond do
           control_characters?(url) -> {:error, control_characters()}
+          not String.starts_with?(String.downcase(url), scheme <> "://") -> {:error, bad_url(url)}
+          uri.fragment != nil -> {:error, "a Redis URL has no fragment (\"#...\")"}
           at_past_host?(uri) -> {:error, at_past_host()}
           unix_userinfo_password?(uri) -> {:error, unix_userinfo_password()}
           true -> {:ok, url}
@@ -296,12 +306,15 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   defp at_past_host?(_uri), do: false
 
-  # A URL parser drops tabs and newlines wherever they are, so a field named "pa\tss"
-  # would be read as "pass": no control character goes through.
-  defp control_characters?(url), do: String.match?(url, ~r/[\x00-\x1f\x7f]/)
+  # A URL parser drops tabs and newlines wherever they are (a field named "pa\tss" would be
+  # read as "pass") and trims spaces at its ends (which cutting the password out could
+  # make of inner ones): no space or control character goes through.
+  defp control_characters?(url), do: String.match?(url, ~r/[\x00-\x20\x7f]/)
 
   defp control_characters,
-    do: "a Redis URL cannot contain control characters (NUL, tab, newline, ...)"
+    do:
+      "a Redis URL cannot contain spaces or control characters (NUL, tab, newline, ...): " <>
+        "percent-encode them"
 
   # The daemon's client reads a unix:// URL's password from its query only.
   defp unix_userinfo_password?(%URI{scheme: "unix", userinfo: userinfo}) when is_binary(userinfo),

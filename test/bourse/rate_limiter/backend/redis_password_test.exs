@@ -113,7 +113,14 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           # A URL parser drops tabs and newlines: "pa\tss" would be read as "pass".
           "unix:///tmp/r.sock?pa\tss=secret-part",
           "redis://:secret-part@127.0.0.1:6379\n",
-          "unix://:secret-part@/tmp/r.sock"
+          "unix://:secret-part@/tmp/r.sock",
+          # Without "//" after the scheme, or a "://" further on, the URL's text is not
+          # cut where the client reads its parts.
+          "unix:/run/redis.sock?pass=secret-part",
+          "unix:/tmp/x://:secret-part@y.sock",
+          "redis:secret-part",
+          "unix:///run/redis.sock ?pass=secret-part",
+          "unix:///run/redis.sock#?pass=secret-part"
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
@@ -121,7 +128,9 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
       assert message =~ "the Redis URL's query must not hold a password" or
                message =~ ~s(has an "@" after its host) or
                message =~ "redis cluster seeds must be a list of 1 to" or
-               message =~ "cannot contain control characters" or
+               message =~ "cannot contain spaces or control characters" or
+               message =~ "redis URL must be a string" or
+               message =~ "has no fragment" or
                message =~ "takes its password in its query"
 
       refute message =~ "secret"
@@ -138,7 +147,8 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {"redis://user@h:1", "redis://user@h:1", nil},
           {"unix:///tmp/r.sock?db=2&pass=a+b%21", "unix:///tmp/r.sock?db=2", "a b!"},
           {"unix:///tmp/r.sock?pass=x", "unix:///tmp/r.sock", "x"},
-          {"unix:///tmp/r.sock?db=2&pass=x#f", "unix:///tmp/r.sock?db=2#f", "x"},
+          {"unix:///tmp/r.sock?db=2&pass=x&b", "unix:///tmp/r.sock?db=2&b", "x"},
+          {"unix:///tmp/r.sock??db=3&pass=x", "unix:///tmp/r.sock??db=3", "x"},
           # The rest of the URL as given, for the daemon to judge: rebuilt from its parsed
           # parts, a malformed host or port changed (to "fe80", or port 6391), and the
           # password went there.
