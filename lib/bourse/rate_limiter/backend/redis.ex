@@ -23,7 +23,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   A password in the URL (`redis://:secret@host:6379`, percent-encoded, or
   `unix:///path?pass=secret`) reaches the daemon in its environment
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
-  first seed's that holds one). TLS (`rediss://`) is not supported: reach a Redis that
+  first seed's that holds one). A URL that could carry it there otherwise is refused with
+  `:invalid_parameters`, without showing it: a password elsewhere (`?password=`, a
+  `unix://` userinfo), spaces or control characters, a fragment, an `@` after the host
+  (percent-encode `/`, `?` and `#` in a password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis that
   requires it through a local TLS tunnel. Redis key names hold
   keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
   `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
