@@ -599,7 +599,6 @@ defmodule Bourse.RateLimiter do
   def stats(name \\ @default) do
     case Router.route(name) do
       {backend, handle, events, _pid} -> Server.stats(backend, handle, events)
-      {:remote, pid} -> Router.run(pid, :stats, [])
       elsewhere -> routed(elsewhere, name, :stats, [])
     end
     |> failed(nil)

@@ -26,11 +26,11 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   first seed's that holds one). A URL that could carry it there otherwise is refused with
   `:invalid_parameters`, without showing it: a password elsewhere (`?password=`, a
   `unix://` userinfo), spaces or control characters, a fragment, an `@` after the host
-  (percent-encode `/`, `?` and `#` in a password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis that
-  requires it through a local TLS tunnel. Redis key names hold
-  keyed fingerprints of credentials, never API keys (docs/PROTOCOL.md, "Redis"); set
-  `BOURSE_REDIS_KEY_SECRET` in the VM's environment to key them with a secret shared by
-  every limiter on that Redis.
+  (percent-encode `/`, `?` and `#` in a password), no `//` after the scheme. TLS
+  (`rediss://`) is not supported: reach a Redis that requires it through a local TLS
+  tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
+  (docs/PROTOCOL.md, "Redis"); set `BOURSE_REDIS_KEY_SECRET` in the VM's environment to
+  key them with a secret shared by every limiter on that Redis.
 
   Options of `{:redis, url, opts}`:
 

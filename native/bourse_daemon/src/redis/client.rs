@@ -166,9 +166,9 @@ impl Client {
     }
 
     /// Sends a call (`command` writes it for a form of the code) as `fcall` (of the function
-    /// that writes nothing when it only reads) while Redis has functions, else (or where a node lacks the library
-    /// even after it was loaded) as `evalsha`; each once more on the fresh connection if
-    /// the connection was lost.
+    /// that writes nothing when it only reads) while Redis has functions, else (or where a
+    /// node lacks the library even after it was loaded) as `evalsha`; each once more on the
+    /// fresh connection if the connection was lost.
     async fn run<T: FromRedisValue>(
         &self,
         command: impl Fn(Script) -> Cmd,
@@ -176,10 +176,11 @@ impl Client {
         connection: &mut Connection,
     ) -> Result<T, RedisError> {
         if self.functions.load(Ordering::Relaxed) {
-            let fcall = command(match read_only {
-                true => Script::Function(&self.sources.read_only),
-                false => Script::Function(&self.sources.function),
-            });
+            let function = match read_only {
+                true => &self.sources.read_only,
+                false => &self.sources.function,
+            };
+            let fcall = command(Script::Function(function));
             let load = || load_library(&self.sources);
             let answer = match loading(&fcall, no_function, load, connection).await {
                 Err(error) if lost_connection(&error) => {
