@@ -16,9 +16,9 @@ defmodule Bourse.ContractTests do
       (default 20_000);
     * `:skip` – groups of tests that do not apply to the backend, each skipped with a
       reason: `:crash` (P6 by killing the limiter process), `:concurrency`, `:names`,
-      `:table_options` (`:assume_busy_at_start` and `:booking_slack_ms` set per limiter:
-      a shared daemon takes them from its own command line), `:own_table` (every limiter
-      has buckets of its own: limiters on one daemon share them).
+      `:assume_busy_at_start` (counted from the limiter's start: a shared daemon takes it
+      from its own command line, Redis from its exchange's state), `:own_table` (every
+      limiter has buckets of its own: limiters on one daemon share them).
 
   The tests live in one module per topic under `test/support/contract_tests/`
   (`Bourse.ContractTests.Bookings`, ...), each `use`d here; they share the imports and

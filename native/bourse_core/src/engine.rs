@@ -166,7 +166,7 @@ pub(crate) fn decide(
     }
     let ms = delay_ms(now, ready);
     match mode {
-        Mode::Wait { max_wait_ms } if ms <= max_wait_ms => {
+        Mode::Wait { max_wait_ms, .. } if ms <= max_wait_ms => {
             stats.booked += 1;
             let booking = Booking {
                 owner,

@@ -458,9 +458,10 @@ pub fn not_a_backoff_scope(given: Shape) -> InvalidInput {
     ))
 }
 
-/// The booking slack of a table: an integer of milliseconds from 0 to [`MAX_MS`].
+/// The booking slack of a table or of a waiter: an integer of milliseconds from 0 to
+/// [`MAX_SETTING_MS`].
 pub fn booking_slack_ms(given: Shape) -> Result<u64, InvalidInput> {
-    integer_in("booking_slack_ms", given, 0, MAX_MS)
+    integer_in("booking_slack_ms", given, 0, MAX_SETTING_MS)
 }
 
 /// What an exchange still allows: a finite number from `-MAX_AMOUNT` to [`MAX_AMOUNT`]
@@ -680,6 +681,7 @@ mod tests {
         );
         assert!(busiest_count(Shape::Integer(0)).is_err());
         assert_eq!(booking_slack_ms(Shape::Integer(0)), Ok(0));
+        assert!(booking_slack_ms(Shape::Integer(MAX_SETTING_MS as i64 + 1)).is_err());
         assert!(window_left_ms(Shape::Integer(MAX_MS as i64 + 1)).is_err());
     }
 

@@ -338,7 +338,14 @@ impl<C: Clock> Table<C> {
             mode,
             now,
             pause_until: self.pause_until(items, now),
-            slack_ns: self.config.booking_slack_ms.saturating_mul(NANOS_PER_MS),
+            slack_ns: match mode {
+                Mode::Wait {
+                    booking_slack_ms: Some(ms),
+                    ..
+                } => ms,
+                _ => self.config.booking_slack_ms,
+            }
+            .saturating_mul(NANOS_PER_MS),
         }
     }
 

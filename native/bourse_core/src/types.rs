@@ -43,6 +43,9 @@ pub enum Mode {
     Wait {
         /// The longest delay the caller accepts, in milliseconds.
         max_wait_ms: u64,
+        /// How long past its ready time the caller's booking may be claimed, in
+        /// milliseconds; `None`: the table's `booking_slack_ms`.
+        booking_slack_ms: Option<u64>,
     },
 }
 

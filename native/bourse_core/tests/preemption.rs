@@ -186,7 +186,7 @@ proptest! {
                     for round in 0..60 {
                         let cost = f64::from(costs[(round + thread) % costs.len()]);
                         let mode = if waiters && round % 4 == 0 {
-                            Mode::Wait { max_wait_ms: 1 }
+                            Mode::Wait { max_wait_ms: 1, booking_slack_ms: None }
                         } else {
                             Mode::Probe
                         };

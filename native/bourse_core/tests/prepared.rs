@@ -27,6 +27,7 @@ fn check(axis: &str, limit: Limit, cost: f64) -> Check<'_> {
 
 const WAIT: Mode = Mode::Wait {
     max_wait_ms: 60_000,
+    booking_slack_ms: None,
 };
 
 #[test]

@@ -140,6 +140,7 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
                 }],
                 Mode::Wait {
                     max_wait_ms: budget_ms,
+                    booking_slack_ms: None,
                 },
             ),
             Op::Multi {
@@ -161,7 +162,10 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
                     },
                 ],
                 if wait {
-                    Mode::Wait { max_wait_ms: 3_000 }
+                    Mode::Wait {
+                        max_wait_ms: 3_000,
+                        booking_slack_ms: None,
+                    }
                 } else {
                     Mode::Probe
                 },

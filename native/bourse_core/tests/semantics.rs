@@ -39,6 +39,7 @@ fn wait(t: &Table<ManualClock>, owner: u64, axis: &str, l: Limit, cost: f64) -> 
         check(key(axis), l, cost),
         Mode::Wait {
             max_wait_ms: 60_000,
+            booking_slack_ms: None,
         },
     )
 }
@@ -205,6 +206,35 @@ fn a_booking_not_claimed_within_the_slack_lapses_but_stays_paid() {
 }
 
 #[test]
+fn a_waiter_that_names_its_slack_keeps_its_booking_that_long() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    let wait_with_slack = |owner, slack_ms| {
+        t.check_rate(
+            owner,
+            check(key("request"), l, 5.0),
+            Mode::Wait {
+                max_wait_ms: 60_000,
+                booking_slack_ms: slack_ms,
+            },
+        )
+    };
+    t.record_request(key("request"), 10.0);
+    assert_eq!(wait_with_slack(ME, Some(5_000)), Outcome::Booked(500));
+    assert_eq!(wait_with_slack(OTHER, None), Outcome::Booked(1000));
+    // Past the table's 250 ms slack: the other waiter's booking lapsed, not this one's.
+    clock.advance_ms(1_000 + 251);
+    assert_eq!(wait_with_slack(ME, None), Outcome::Claimed);
+    assert_eq!(t.inspect(key("request")).unwrap().bookings, 0);
+    assert_eq!(t.stats().lapsed, 1);
+    // A slack of 0 lapses a booking once its ready time has passed.
+    assert_eq!(wait_with_slack(ME, Some(0)), Outcome::Booked(249));
+    clock.advance_ms(250);
+    assert_eq!(wait_with_slack(ME, None), Outcome::Booked(499));
+    assert_eq!(t.stats().lapsed, 2);
+}
+
+#[test]
 fn a_waiter_over_budget_books_nothing() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);
@@ -212,7 +242,10 @@ fn a_waiter_over_budget_books_nothing() {
     let outcome = t.check_rate(
         ME,
         check(key("request"), l, 5.0),
-        Mode::Wait { max_wait_ms: 499 },
+        Mode::Wait {
+            max_wait_ms: 499,
+            booking_slack_ms: None,
+        },
     );
     assert_eq!(outcome, Outcome::OverBudget(500));
     assert_eq!(t.inspect(key("request")).unwrap().bookings, 0);

@@ -214,7 +214,10 @@ fn max_wait(term: Term) -> Decoded<Mode> {
     if is_atom(term, atoms::nil()) {
         return Ok(Mode::Probe);
     }
-    rules::max_wait_ms(number(term)).map(|max_wait_ms| Mode::Wait { max_wait_ms })
+    rules::max_wait_ms(number(term)).map(|max_wait_ms| Mode::Wait {
+        max_wait_ms,
+        booking_slack_ms: None,
+    })
 }
 
 /// A booking owner: the pid itself for a local process, a 64-bit hash for anything else.

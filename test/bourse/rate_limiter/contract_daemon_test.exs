@@ -1,23 +1,19 @@
 defmodule Bourse.RateLimiter.ContractDaemonTest do
   # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in one shared
   # bourse_daemon server on loopback TCP. Every limiter of the module connects to it, so
-  # the tests run one at a time on a table cleared before each. Its booking slack is the
-  # one the contract's booking tests ask for, and it sweeps as often as the limiters of
-  # the sweep tests do; the tests that set table options per limiter, or need limiters
-  # with buckets of their own, do not apply.
+  # the tests run one at a time on a table cleared before each. It runs with the default
+  # booking slack (each limiter's waiters name their own) and sweeps as often as the
+  # limiters of the sweep tests do; the tests of assume_busy_at_start counted from a
+  # limiter's start, or of limiters with buckets of their own, do not apply.
   use Bourse.ContractTests,
     backend: {:daemon, "set in setup_all"},
     async: false,
-    skip: [:table_options, :own_table]
+    skip: [:assume_busy_at_start, :own_table]
 
   alias Bourse.DaemonServer
 
   setup_all do
-    daemon =
-      DaemonServer.start(
-        ["--listen", "127.0.0.1:0", "--booking-slack-ms", "5000"] ++
-          ["--sweep-interval-ms", "10"]
-      )
+    daemon = DaemonServer.start(["--listen", "127.0.0.1:0", "--sweep-interval-ms", "10"])
 
     on_exit(fn -> DaemonServer.stop(daemon) end)
     # Overrides the module's :backend tag for every test.

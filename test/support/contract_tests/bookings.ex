@@ -146,7 +146,6 @@ defmodule Bourse.ContractTests.Bookings do
         end
 
         @tag limiter_opts: [booking_slack_ms: 10]
-        @tag skip: Bourse.ContractTests.skip(@contract_skip, :table_options)
         test "a booking not claimed within booking_slack_ms lapses; its cost stays paid",
              %{name: name} do
           limit = %{capacity: 1, refill_per_sec: 1}

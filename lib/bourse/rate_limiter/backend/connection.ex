@@ -57,18 +57,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
   @enforce_keys [:pid, :table, :owner_prefix, :timeout]
-  defstruct @enforce_keys
+  defstruct @enforce_keys ++ [booking_slack_ms: nil]
 
   @typedoc """
   A limiter's handle: the connection process and its table (the current stream, the
   requests in flight), the prefix that makes booking owners unique among every client of
-  the daemon, and how long a caller waits for an answer.
+  the daemon, how long a caller waits for an answer, and the booking slack its waiters
+  name (`nil`: the daemon's own).
   """
   @type t :: %__MODULE__{
           pid: pid(),
           table: :ets.tid(),
           owner_prefix: String.t(),
-          timeout: pos_integer()
+          timeout: pos_integer(),
+          booking_slack_ms: non_neg_integer() | nil
         }
 
   @typedoc "What to connect to: the daemon binary with its arguments, or a server address."
@@ -96,8 +98,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`,
   `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
-  always when it replaces a previous one), `:env` (the port's environment: secrets never
-  go on its command line) and `:secret` (what a socket proves when the daemon asks).
+  always when it replaces a previous one; a socket's daemon is expected to run with it),
+  `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
+  secrets never go on its command line) and `:secret` (what a socket proves when the
+  daemon asks).
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
@@ -119,7 +123,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
          pid: pid,
          table: GenServer.call(pid, :table),
          owner_prefix: Keyword.get(opts, :owner_prefix, ""),
-         timeout: timeout
+         timeout: timeout,
+         booking_slack_ms: Keyword.get(opts, :booking_slack_ms)
        }}
     end
   end
@@ -800,12 +805,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     settings = Map.take(state, [:assume_busy, :env, :secret, :timeout])
 
     with {:ok, stream, hello} <- state.transport.open(state.target, settings) do
-      if state.connected_before and hello["assume_busy_at_start"] == false do
-        Logger.warning(
-          "#{describe(state)}: reconnected to a daemon started without " <>
-            "--assume-busy-at-start; if it restarted, its buckets started full while the " <>
-            "exchange still counts the previous run"
-        )
+      cond do
+        hello["assume_busy_at_start"] != false ->
+          :ok
+
+        state.connected_before ->
+          Logger.warning(
+            "#{describe(state)}: reconnected to a daemon started without " <>
+              "--assume-busy-at-start; if it restarted, its buckets started full while " <>
+              "the exchange still counts the previous run"
+          )
+
+        state.assume_busy ->
+          Logger.warning(
+            "#{describe(state)}: the daemon runs without --assume-busy-at-start, so the " <>
+              "limiter's assume_busy_at_start: true does not hold for its buckets"
+          )
+
+        true ->
+          :ok
       end
 
       {:ok, state |> connected(stream, hello) |> keepalive(hello["idle_timeout_ms"])}

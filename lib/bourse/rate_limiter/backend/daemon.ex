@@ -46,8 +46,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   a fresh burst. A limiter that reconnects to a daemon running without that flag logs a
   warning.
 
-  The daemon's own command line sets booking slack, sweeps and `--assume-busy-at-start`;
-  the limiter's options of those names do not apply to it.
+  The limiter's `:booking_slack_ms` goes with each of its waiting checks, so its bookings
+  lapse by its own slack (the daemon's `--booking-slack-ms` is the slack of clients that
+  name none). Sweeps and `--assume-busy-at-start` are the daemon's: a limiter started
+  with `assume_busy_at_start: true` logs a warning when its daemon runs without the flag,
+  and its `:sweep_interval_ms` does not apply.
   """
 
   use Bourse.RateLimiter.Backend.Protocol
@@ -73,7 +76,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       Connection.attach(previous, {:socket, daemon[:address]},
         timeout: daemon[:timeout],
         owner_prefix: owner_prefix(),
-        secret: secret
+        secret: secret,
+        booking_slack_ms: opts[:booking_slack_ms],
+        assume_busy_at_start: opts[:assume_busy_at_start]
       )
     end
   end

@@ -94,7 +94,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
         cost: value(cost),
         owner: Connection.owner(handle, owner)
       }
-      |> waiting(max_wait)
+      |> waiting(max_wait, handle)
 
     run(request, handle, &outcome/1, {:check_rate, [owner, key, limit, cost, max_wait]})
   end
@@ -105,7 +105,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   def check_rates(handle, owner, checks, max_wait) do
     request =
       %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
-      |> waiting(max_wait)
+      |> waiting(max_wait, handle)
 
     run(request, handle, &outcome/1, {:check_rates, [owner, checks, max_wait]})
   end
@@ -284,9 +284,15 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp unexpected(%{} = answer),
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
 
-  # `max_wait_ms` for a waiter (a probe has none).
-  defp waiting(request, nil), do: request
-  defp waiting(request, max_wait), do: Map.put(request, :max_wait_ms, value(max_wait))
+  # `max_wait_ms` for a waiter (a probe has none), and the limiter's booking slack when
+  # the daemon is shared (a port's daemon was started with it).
+  defp waiting(request, nil, _handle), do: request
+
+  defp waiting(request, max_wait, %Connection{booking_slack_ms: nil}),
+    do: Map.put(request, :max_wait_ms, value(max_wait))
+
+  defp waiting(request, max_wait, %Connection{booking_slack_ms: slack}),
+    do: Map.merge(request, %{max_wait_ms: value(max_wait), booking_slack_ms: slack})
 
   ## Answers
 

@@ -34,6 +34,7 @@ struct Fields<'a> {
     deadline_us: Option<Shape>,
     timeout_ms: Option<Shape>,
     max_wait_ms: Option<Shape>,
+    booking_slack_ms: Option<Shape>,
 }
 
 /// `frame` as a check request, if it is one in the common form that the rules accept.
@@ -41,7 +42,7 @@ pub fn read(frame: &[u8]) -> Option<FastCheck<'_>> {
     let mut reader = Reader { bytes: frame };
     reader.tag(VERSION)?;
     let mut fields = Fields::default();
-    for _ in 0..reader.map_size(9)? {
+    for _ in 0..reader.map_size(10)? {
         match reader.atom()? {
             b"op" => once(&mut fields.op, reader.binary()?)?,
             b"key" => once(&mut fields.key, reader.key()?)?,
@@ -55,6 +56,7 @@ pub fn read(frame: &[u8]) -> Option<FastCheck<'_>> {
             b"deadline_us" => once(&mut fields.deadline_us, reader.number()?)?,
             b"timeout_ms" => once(&mut fields.timeout_ms, reader.number()?)?,
             b"max_wait_ms" => once(&mut fields.max_wait_ms, reader.number()?)?,
+            b"booking_slack_ms" => once(&mut fields.booking_slack_ms, reader.number()?)?,
             _ => return None,
         }
     }
@@ -67,10 +69,16 @@ pub fn read(frame: &[u8]) -> Option<FastCheck<'_>> {
         limit: rules::limit(capacity, refill_per_sec).ok()?,
         cost: fields.cost.map_or(Ok(1.0), rules::cost).ok()?,
     };
+    let booking_slack_ms = fields
+        .booking_slack_ms
+        .map(rules::booking_slack_ms)
+        .transpose()
+        .ok()?;
     let mode = match fields.max_wait_ms {
         None => Mode::Probe,
         Some(max_wait_ms) => Mode::Wait {
             max_wait_ms: rules::max_wait_ms(max_wait_ms).ok()?,
+            booking_slack_ms,
         },
     };
     let owner = match fields.owner {

@@ -103,7 +103,14 @@ impl<'a> Request<'a> {
         Ok(match op {
             "check" => {
                 fields(
-                    &["key", "limit", "cost", "owner", "max_wait_ms"],
+                    &[
+                        "key",
+                        "limit",
+                        "cost",
+                        "owner",
+                        "max_wait_ms",
+                        "booking_slack_ms",
+                    ],
                     "a check request",
                 )?;
                 let key = key_field()?;
@@ -125,7 +132,10 @@ impl<'a> Request<'a> {
                 }
             }
             "check_many" => {
-                fields(&["checks", "owner", "max_wait_ms"], "a check_many request")?;
+                fields(
+                    &["checks", "owner", "max_wait_ms", "booking_slack_ms"],
+                    "a check_many request",
+                )?;
                 let mode = mode(request)?;
                 Self::Check {
                     checks: checks(required(request, "checks")?)?,
@@ -407,12 +417,18 @@ fn owner(request: &Map<String, Value>) -> Result<Owner<'_>> {
     }
 }
 
-/// `max_wait_ms` present: the caller is a waiter with that budget; absent: a probe.
+/// `max_wait_ms` present: the caller is a waiter with that budget (and the booking slack
+/// it names, if any); absent: a probe.
 fn mode(request: &Map<String, Value>) -> Result<Mode> {
+    let booking_slack_ms = request
+        .get("booking_slack_ms")
+        .map(|value| rules::booking_slack_ms(number(value)))
+        .transpose()?;
     Ok(match request.get("max_wait_ms") {
         None => Mode::Probe,
         Some(value) => Mode::Wait {
             max_wait_ms: rules::max_wait_ms(number(value))?,
+            booking_slack_ms,
         },
     })
 }

@@ -228,6 +228,29 @@ fn waiters_book_and_claim_by_owner() {
 }
 
 #[test]
+fn a_waiter_may_name_its_own_booking_slack() {
+    let f = Fixture::new();
+    let limit = r#"{"capacity":1,"refill_per_sec":10}"#;
+    f.call(&check(limit, ""));
+    let slack = r#","max_wait_ms":1000,"booking_slack_ms":"#;
+    let patient = format!(r#"{slack}5000,"owner":"patient""#);
+    let hasty = format!(r#"{slack}0,"owner":"hasty""#);
+    assert_eq!(f.call(&check(limit, &patient))["result"], "booked");
+    assert_eq!(f.call(&check(limit, &hasty))["result"], "booked");
+    // Both are late by more than the daemon's own slack of 250 ms.
+    f.clock.advance_ms(200 + 300);
+    assert_eq!(
+        f.call(&check(limit, r#","owner":"patient""#))["result"],
+        "claimed"
+    );
+    assert_eq!(
+        f.call(&check(limit, r#","owner":"hasty""#))["result"],
+        "admitted"
+    );
+    assert_eq!(f.stat("lapsed"), 1);
+}
+
+#[test]
 fn the_default_owner_is_the_connection() {
     let f = Fixture::new();
     let limit = r#"{"capacity":1,"refill_per_sec":10}"#;
@@ -667,6 +690,17 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         (
             check(r#"{"requests":1}"#, r#","owner":null"#),
             "owner must be",
+        ),
+        (
+            check(
+                r#"{"requests":1}"#,
+                r#","max_wait_ms":10,"booking_slack_ms":86400001"#,
+            ),
+            "booking_slack_ms must be an integer from 0 to 86400000, got 86400001",
+        ),
+        (
+            check(r#"{"requests":1}"#, r#","booking_slack_ms":-1"#),
+            "booking_slack_ms must be",
         ),
         (
             check(r#"{"requests":1}"#, r#","owner":1.5"#),

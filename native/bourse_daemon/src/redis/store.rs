@@ -219,9 +219,12 @@ impl Store for RedisStore {
             return Ok(Outcome::Admitted);
         }
         self.one_slot(&items)?;
-        let max_wait = match mode {
-            Mode::Probe => 0,
-            Mode::Wait { max_wait_ms } => max_wait_ms,
+        let (max_wait, slack_ms) = match mode {
+            Mode::Probe => (0, None),
+            Mode::Wait {
+                max_wait_ms,
+                booking_slack_ms,
+            } => (max_wait_ms, booking_slack_ms),
         };
         let mut call = Call::default();
         call.arg_with(|out| {
@@ -229,7 +232,11 @@ impl Store for RedisStore {
             let _ = write!(out, "{owner}:{}", signature(&items));
         })
         .arg(max_wait)
-        .arg(self.config.booking_slack_ms.saturating_mul(1000))
+        .arg(
+            slack_ms
+                .unwrap_or(self.config.booking_slack_ms)
+                .saturating_mul(1000),
+        )
         .arg(if self.config.assume_busy_at_start {
             "1"
         } else {

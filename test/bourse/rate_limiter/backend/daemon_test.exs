@@ -133,6 +133,45 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert log =~ "without --assume-busy-at-start"
   end
 
+  test "a limiter's booking_slack_ms holds for its waiters on a daemon with another slack" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0", "--booking-slack-ms", "0"])
+    patient = start_limiter({:daemon, daemon.tcp}, "patient", booking_slack_ms: 5_000)
+    hasty = start_limiter({:daemon, daemon.tcp}, "hasty")
+    still = %{capacity: 1, refill_per_sec: 2}
+
+    for {name, key} <- [{patient, {"ex", "patient"}}, {hasty, {"ex", "hasty"}}] do
+      assert :ok = RateLimiter.check_rate(key, still, 1, name)
+      assert {:delay, ms} = RateLimiter.check_rates([{key, still, 1}], name, max_wait_ms: 5_000)
+      # Woken well past the daemon's slack of 0 (and the default of 250).
+      Process.sleep(ms + 300)
+      send(self(), {name, key, RateLimiter.check_rates([{key, still, 1}], name)})
+    end
+
+    # The patient waiter claims its booking; the other's lapsed by the default 250 ms.
+    assert_received {^patient, _key, :ok}
+    assert_received {^hasty, _key, {:delay, _}}
+  end
+
+  test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+
+    log =
+      capture_log(fn ->
+        name = start_limiter({:daemon, daemon.tcp}, "busy", assume_busy_at_start: true)
+        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+      end)
+
+    assert log =~ "assume_busy_at_start: true does not hold"
+
+    log =
+      capture_log(fn ->
+        name = start_limiter({:daemon, daemon.tcp})
+        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+      end)
+
+    refute log =~ "assume-busy-at-start"
+  end
+
   test "started before its daemon: :unavailable until the daemon is up, then it connects" do
     # A free port: where a daemon listened a moment ago.
     address =

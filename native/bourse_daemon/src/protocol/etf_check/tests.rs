@@ -203,6 +203,15 @@ fn variations() -> Vec<Term> {
     terms.push(with(|fields| {
         fields.push((atom("max_wait_ms"), Integer(-1)))
     }));
+    for slack in [Integer(0), Integer(5_000), Integer(86_400_001), Float(1.5)] {
+        terms.push(with(|fields| {
+            fields.push((atom("max_wait_ms"), Integer(250)));
+            fields.push((atom("booking_slack_ms"), slack.clone()));
+        }));
+        terms.push(with(|fields| {
+            fields.push((atom("booking_slack_ms"), slack.clone()))
+        }));
+    }
     terms.push(with(|fields| fields.push((atom("unknown"), Integer(1)))));
     terms.push(with(|fields| fields.push((text("cost"), Integer(2)))));
     terms
