@@ -60,10 +60,12 @@ pub trait Store: Send + Sync + 'static {
 
     fn config(&self) -> Config;
 
-    /// Checks one bucket; `owner` identifies the caller's bookings.
+    /// Checks one bucket; `owner` identifies the caller's bookings, `connection` the
+    /// connection the request came on (a shared server serves connections in turn).
     fn check_rate(
         &self,
         owner: u64,
+        connection: u64,
         check: Check<'_>,
         mode: Mode,
         last_run: LastRun,
@@ -74,6 +76,7 @@ pub trait Store: Send + Sync + 'static {
     fn check_rates(
         &self,
         owner: u64,
+        connection: u64,
         checks: &[Check<'_>],
         mode: Mode,
         last_run: LastRun,
@@ -179,6 +182,7 @@ impl<C: Clock> Store for Memory<C> {
     fn check_rate(
         &self,
         owner: u64,
+        _connection: u64,
         check: Check<'_>,
         mode: Mode,
         _last_run: LastRun,
@@ -189,6 +193,7 @@ impl<C: Clock> Store for Memory<C> {
     fn check_rates(
         &self,
         owner: u64,
+        _connection: u64,
         checks: &[Check<'_>],
         mode: Mode,
         _last_run: LastRun,

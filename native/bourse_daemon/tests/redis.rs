@@ -556,6 +556,90 @@ fn several_daemons_share_one_bucket() {
     );
 }
 
+/// Connections are served in turn: clients that pipeline seconds of Redis work make
+/// another client's check wait for a call or two, not behind all of it. Before, every
+/// check waited in one queue, first come first served: the other client's checks were all
+/// answered `unavailable` after the Redis timeout.
+#[test]
+fn checks_pipelined_by_other_connections_do_not_hold_a_client_past_its_timeout() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
+    let roomy = json!({"capacity": 1e9, "refill_per_sec": 1e9});
+    // Four connections, each 300 calls of 200 buckets: seconds of Redis work.
+    let floods: Vec<_> = (0..4)
+        .map(|flooder| {
+            let mut client = server.connect();
+            let checks: Vec<Value> = (0..200)
+                .map(|i| json!({"key": key("flood", Some(&format!("{flooder}-{i}"))), "limit": roomy}))
+                .collect();
+            let mut frames = Vec::new();
+            for id in 0..300 {
+                frames.extend(serde_json::to_vec(&json!({"id": id, "op": "check_many", "checks": checks})).unwrap());
+                frames.push(b'\n');
+            }
+            thread::spawn(move || {
+                client.send_raw(&frames);
+                for _ in 0..300 {
+                    client.recv();
+                }
+            })
+        })
+        .collect();
+    // Once the floods are read, most of them still waiting for Redis.
+    sleep_ms(200);
+    let mut t = server.connect();
+    let k = key("alone", None);
+    for _ in 0..5 {
+        assert_eq!(t.call(check(&k, roomy.clone(), 1.0))["result"], "admitted");
+    }
+    for flood in floods {
+        flood.join().unwrap();
+    }
+}
+
+/// Table-wide walks run one at a time: a burst of `stats` over many buckets makes checks
+/// wait for a page of one walk, not for every walk at once. Before, the walks' pages held
+/// Redis together and every check of another client was answered `unavailable`.
+#[test]
+fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
+    let still = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let mut filler = server.connect();
+    for round in 0..20 {
+        let mut frames = Vec::new();
+        for i in 0..1000 {
+            let k = key("walked", Some(&format!("{round}-{i}")));
+            frames.extend(serde_json::to_vec(&check(&k, still.clone(), 1.0)).unwrap());
+            frames.push(b'\n');
+        }
+        filler.send_raw(&frames);
+        for _ in 0..1000 {
+            assert_eq!(filler.recv()["result"], "admitted");
+        }
+    }
+    let bursts: Vec<_> = (0..4)
+        .map(|_| {
+            let mut client = server.connect();
+            thread::spawn(move || {
+                client.send_raw(&b"{\"op\":\"stats\"}\n".repeat(50));
+                for _ in 0..50 {
+                    client.recv();
+                }
+            })
+        })
+        .collect();
+    sleep_ms(200);
+    let mut t = server.connect();
+    let k = key("alone", None);
+    for _ in 0..5 {
+        assert_eq!(t.call(check(&k, still.clone(), 1.0))["result"], "admitted");
+    }
+    for burst in bursts {
+        burst.join().unwrap();
+    }
+}
+
 /// Concurrent multi-bucket checks from several daemons pay on all buckets or none (P4).
 #[test]
 fn concurrent_multi_bucket_checks_are_atomic() {

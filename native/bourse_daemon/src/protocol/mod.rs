@@ -355,10 +355,19 @@ impl<S: Store> Service<S> {
                 mode,
             } => {
                 let owner = self.owner(session, owner);
+                let connection = session.default_owner;
                 Answer::Outcome(match checks.as_slice() {
                     [] => Outcome::Admitted,
-                    [check] => store.check_rate(owner, *check, mode, last_run).await?,
-                    checks => store.check_rates(owner, checks, mode, last_run).await?,
+                    [check] => {
+                        store
+                            .check_rate(owner, connection, *check, mode, last_run)
+                            .await?
+                    }
+                    checks => {
+                        store
+                            .check_rates(owner, connection, checks, mode, last_run)
+                            .await?
+                    }
                 })
             }
             Request::Record { key, cost } => {

@@ -1,8 +1,11 @@
-//! Concurrent checks share round trips. Each check waits in one queue; a dispatcher takes
-//! every check waiting (up to [`MAX_BATCH`], or [`MAX_BATCH_KEYS`]) into one `checks` call of the script, one
-//! per slot on a cluster, while at most [`BATCHES_IN_FLIGHT`] calls are on their way, so
-//! the checks that arrive meanwhile form the next call. A check that finds a call free
-//! (nothing waits) is sent alone at once, from its own task.
+//! Concurrent checks share round trips. Each check waits in its connection's queue; a
+//! dispatcher takes checks waiting (up to [`MAX_BATCH`], or [`MAX_BATCH_KEYS`]) into one
+//! `checks` call of the script, one per slot on a cluster, while at most
+//! [`BATCHES_IN_FLIGHT`] calls are on their way, so the checks that arrive meanwhile form
+//! the next call. It takes one check of each waiting connection in turn: a connection
+//! that pipelines thousands of checks does not make another's wait behind all of them.
+//! A check that finds a call free (nothing waits) is sent alone at once, from its own
+//! task.
 //!
 //! Every check is answered exactly once, with its own outcome or
 //! [`StoreError::Unavailable`]: a check that fails inside Redis fails alone, having paid
@@ -11,7 +14,7 @@
 //! check, if still waiting, is dropped, or refused by the script past its deadline.
 
 use std::collections::hash_map::RandomState;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,6 +39,7 @@ const BATCHES_IN_FLIGHT: usize = 2;
 /// One check waiting for its call.
 struct Waiting {
     part: Call,
+    connection: u64,
     sent: Instant,
     last_run: LastRun,
     reply: oneshot::Sender<StoreResult<CheckAnswer>>,
@@ -85,13 +89,19 @@ impl Batcher {
             .arg(self.client.marker_lifetime().as_millis() as u64);
     }
 
-    /// Runs one check (its keys and arguments, see bucket.lua), within the timeout and not
-    /// past `last_run`.
-    pub async fn check(&self, part: Call, last_run: LastRun) -> StoreResult<CheckAnswer> {
+    /// Runs one check (its keys and arguments, see bucket.lua) that came on `connection`,
+    /// within the timeout and not past `last_run`.
+    pub async fn check(
+        &self,
+        part: Call,
+        connection: u64,
+        last_run: LastRun,
+    ) -> StoreResult<CheckAnswer> {
         let sent = Instant::now();
         let (reply, answer) = oneshot::channel();
         let waiting = Waiting {
             part,
+            connection,
             sent,
             last_run,
             reply,
@@ -131,33 +141,74 @@ impl Runs {
     }
 }
 
+/// Checks waiting for a call, by connection, taken one per connection in turn.
+#[derive(Default)]
+struct Queues {
+    by_connection: HashMap<u64, VecDeque<Waiting>>,
+    /// The connections with checks waiting, the next to serve first.
+    order: VecDeque<u64>,
+}
+
+impl Queues {
+    fn push(&mut self, waiting: Waiting) {
+        let queue = self.by_connection.entry(waiting.connection).or_default();
+        if queue.is_empty() {
+            self.order.push_back(waiting.connection);
+        }
+        queue.push_back(waiting);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// The first check waiting of the connection whose turn it is.
+    fn pop(&mut self) -> Option<Waiting> {
+        let connection = self.order.pop_front()?;
+        let queue = self.by_connection.get_mut(&connection)?;
+        let waiting = queue.pop_front();
+        if queue.is_empty() {
+            self.by_connection.remove(&connection);
+        } else {
+            self.order.push_back(connection);
+        }
+        waiting
+    }
+}
+
 async fn dispatch(
     client: Arc<Client>,
     mut queue: mpsc::UnboundedReceiver<Waiting>,
     runs: Arc<Runs>,
     turns: Arc<Semaphore>,
 ) {
+    let mut queues = Queues::default();
     loop {
         // Never closed: acquiring only waits.
         let Ok(turn) = turns.clone().acquire_owned().await else {
             return;
         };
-        let Some(first) = queue.recv().await else {
-            return;
-        };
-        let mut keys = first.part.key_count();
-        let mut batch = vec![first];
+        if queues.is_empty() {
+            let Some(first) = queue.recv().await else {
+                return;
+            };
+            queues.push(first);
+        }
+        while let Ok(next) = queue.try_recv() {
+            queues.push(next);
+        }
+        let mut keys = 0;
+        let mut batch = Vec::new();
         while batch.len() < MAX_BATCH && keys < MAX_BATCH_KEYS {
-            match queue.try_recv() {
-                Ok(waiting) => {
-                    keys += waiting.part.key_count();
-                    batch.push(waiting);
-                }
-                Err(_) => break,
+            let Some(next) = queues.pop() else {
+                break;
+            };
+            // Callers that gave up were answered already.
+            if !next.reply.is_closed() {
+                keys += next.part.key_count();
+                batch.push(next);
             }
         }
-        // Callers that gave up were answered already.
-        batch.retain(|waiting| !waiting.reply.is_closed());
         let turn = Arc::new(turn);
         for (tag, checks) in by_slot(&client, batch) {
             let marker = runs.marker(&tag);

@@ -11,9 +11,12 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
@@ -26,6 +29,9 @@ const LATE: &str = "late:";
 /// Script calls in flight at once on the connection; further calls wait their turn (within
 /// their timeout), so that a burst does not make every call miss its deadline.
 const MAX_IN_FLIGHT: usize = 64;
+/// Table-wide walks (`SCAN`s) at once; further ones wait their turn (within the timeout),
+/// so that a burst of them does not hold Redis from every check.
+const MAX_WALKS: usize = 1;
 
 /// The connection, the code's forms and what is known of the Redis clock.
 pub struct Client {
@@ -36,6 +42,7 @@ pub struct Client {
     functions: AtomicBool,
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
+    walks: Arc<Semaphore>,
     timeout: Duration,
     /// Where Redis is, as errors name it (`Servers::describe`).
     peer: String,
@@ -50,6 +57,7 @@ impl Client {
             functions: AtomicBool::new(true),
             clock: ServerClock::new(timeout),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
+            walks: Arc::new(Semaphore::new(MAX_WALKS)),
             timeout,
         }
     }
@@ -263,6 +271,19 @@ impl Client {
                 let mut connection = self.connection.clone();
                 self.bounded(connection.query_on(node, command)).await
             }
+        }
+    }
+
+    /// A turn to walk the table, held until dropped; waited for within the timeout.
+    pub async fn walk_turn(&self) -> StoreResult<OwnedSemaphorePermit> {
+        match tokio::time::timeout(self.timeout, self.walks.clone().acquire_owned()).await {
+            // Never closed.
+            Ok(Ok(turn)) => Ok(turn),
+            Ok(Err(_)) | Err(_) => Err(self.unavailable(format_args!(
+                "another table-wide walk (stats, busiest, reset_exchange, reset_all) \
+                 held its turn for {} ms",
+                self.timeout.as_millis()
+            ))),
         }
     }
 

@@ -1,26 +1,34 @@
 //! Table-wide walks: `SCAN` of every node holding keys (the server, or each master of a
-//! cluster), one page at a time.
+//! cluster), one page at a time, one walk at a time.
+
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::client::Client;
 use super::connection::ScanNode;
 use crate::store::StoreResult;
 
-/// Keys asked of each `SCAN` step.
-const SCAN_COUNT: usize = 1000;
+/// Keys asked of each `SCAN` step: a page's work holds Redis from checks meanwhile.
+const SCAN_COUNT: usize = 250;
 
 /// Where a table-wide `SCAN` stands: the nodes left to scan (the current one last) and the
-/// cursor in the current one.
+/// cursor in the current one; it holds the client's turn to walk.
 pub struct Scan {
     nodes: Vec<ScanNode>,
     cursor: u64,
+    _turn: OwnedSemaphorePermit,
 }
 
 impl Scan {
-    /// Starts a scan of every node holding keys.
+    /// Starts a scan of every node holding keys, once no other walk runs.
     pub async fn start(client: &Client) -> StoreResult<Self> {
+        let turn = client.walk_turn().await?;
         let mut nodes = client.scan_nodes().await?;
         nodes.reverse();
-        Ok(Self { nodes, cursor: 0 })
+        Ok(Self {
+            nodes,
+            cursor: 0,
+            _turn: turn,
+        })
     }
 
     /// The next page of names matching `pattern`, or `None` once every node was scanned.

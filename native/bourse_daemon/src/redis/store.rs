@@ -197,16 +197,19 @@ impl Store for RedisStore {
     async fn check_rate(
         &self,
         owner: u64,
+        connection: u64,
         check: Check<'_>,
         mode: Mode,
         last_run: LastRun,
     ) -> StoreResult<Outcome> {
-        self.check_rates(owner, &[check], mode, last_run).await
+        self.check_rates(owner, connection, &[check], mode, last_run)
+            .await
     }
 
     async fn check_rates(
         &self,
         owner: u64,
+        connection: u64,
         checks: &[Check<'_>],
         mode: Mode,
         last_run: LastRun,
@@ -276,7 +279,7 @@ impl Store for RedisStore {
             call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
                 .key_with(|out| names::write_marker(out, &self.prefix, exchange));
         }
-        let (result, ms, paused, lapsed) = self.checks.check(call, last_run).await?;
+        let (result, ms, paused, lapsed) = self.checks.check(call, connection, last_run).await?;
         let outcome = answer::outcome(&result, ms)?;
         self.counters.outcome(outcome, paused > 0, lapsed);
         Ok(outcome)
