@@ -94,6 +94,28 @@ defmodule Bourse.OptionMessagesTest do
              "unknown option :no_such"
   end
 
+  test "a list of thousands of unknown or repeated options gets a short message" do
+    key = {"ex", "k"}
+    limit = %{capacity: 10, refill_per_sec: 1}
+    name = :"option_messages_#{System.unique_integer([:positive])}"
+    unknown = for i <- 1..5000, do: {:"opt_#{i}_#{String.duplicate("x", 200)}", 1}
+    repeated = List.duplicate({:max_wait_ms, 1}, 2000)
+
+    for opts <- [unknown, repeated, unknown ++ repeated] do
+      for answer <- [
+            RateLimiter.wait_for_capacity(key, limit, 1, name, opts),
+            RateLimiter.check_rates([{key, limit, 1}], name, opts),
+            RateLimiter.start_link([name: name] ++ opts)
+          ] do
+        assert {:error, %Error{type: :invalid_parameters, message: message}} = answer
+        assert byte_size(message) < 400, "#{byte_size(message)} bytes"
+      end
+    end
+
+    assert {:error, %Error{message: "name must be an atom" <> _}} =
+             RateLimiter.start_link(name: :undefined)
+  end
+
   test "an option given twice is refused as repeated; an unknown one as unknown" do
     key = {"ex", "k"}
     limit = %{capacity: 10, refill_per_sec: 1}
@@ -110,7 +132,7 @@ defmodule Bourse.OptionMessagesTest do
     assert {:error, %Error{type: :invalid_parameters, message: message}} =
              RateLimiter.start_link(name: name, name: :other, backend: :nif, backend: :nif)
 
-    assert message == "start_link/1 options :name, :backend given more than once"
+    assert message == "start_link/1 options :name given more than once"
 
     assert {:error, %Error{message: message}} =
              RateLimiter.start_link(name: name, no_such: 1, no_such: 2, name: :other)

@@ -275,13 +275,14 @@ defmodule Bourse.RateLimiter.Feedback do
           keyword()
         ) :: :ok | {:error, Error.t()}
   def observe_response(exchange_id, credential_key, status, headers, name, opts \\ []) do
-    with :ok <- check_name(name),
+    with {:ok, running} <- check_name(name),
          :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
          {:ok, body, definitions} <- options(opts, exchange_id, credential_key),
          {:ok, axes} <- axes(),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
+         :ok <- running(running, name),
          :ok <- sync_all(exchange_id, credential_key, found, {axes, limits, definitions}, name) do
       now = System.os_time(:millisecond)
       signal = BodySignal.find(exchange_id, status, body, found, now)
@@ -343,12 +344,18 @@ defmodule Bourse.RateLimiter.Feedback do
   # A reply may need no call to the bucket table: the name is resolved here, and a name
   # that is not a limiter's is refused (that process is never called). A limiter not
   # running exits the caller only when a call to its table is needed.
+  # A name of anything but a limiter is refused before the input is judged; a limiter that
+  # is not running exits the caller after (`running/2`), whatever the response.
   defp check_name(name) do
     case Router.route(name) do
       {:invalid, message} -> invalid(message)
-      _reachable_or_not -> :ok
+      :noproc -> {:ok, false}
+      _reachable -> {:ok, true}
     end
   end
+
+  defp running(true, _name), do: :ok
+  defp running(false, name), do: Router.exit_as_call(:noproc, name)
 
   # The key-part rules of every call, from the core.
   defp check_credential(exchange_id, credential_key),

@@ -97,16 +97,21 @@ defmodule Bourse.RateLimiter.Options do
   end
 
   # A keyword list of `known` options, each given once.
+  # The first unknown option is named, else the first repeated one: a message stays short
+  # whatever the list holds.
   defp keyword(opts, what, known) do
     if Keyword.keyword?(opts) do
       keys = Keyword.keys(opts)
-      unknown = keys |> Enum.reject(&(&1 in known)) |> Enum.uniq()
-      repeated = Enum.uniq(keys -- Enum.uniq(keys))
 
-      cond do
-        unknown != [] -> {:error, "unknown #{what} #{names(unknown)}; expected #{names(known)}"}
-        repeated != [] -> {:error, "#{what} #{names(repeated)} given more than once"}
-        true -> :ok
+      case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
+        {[], []} ->
+          :ok
+
+        {[], [repeated | _]} ->
+          {:error, "#{what} #{inspect(repeated)} given more than once"}
+
+        {[unknown | _], _} ->
+          {:error, "unknown #{what} #{inspect(unknown)}; expected #{names(known)}"}
       end
     else
       {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
@@ -139,7 +144,8 @@ defmodule Bourse.RateLimiter.Options do
     end
   end
 
-  defp name(name) when is_atom(name) and not is_nil(name), do: {:ok, name}
+  # `:undefined` is what OTP's registries answer for a name that is not registered.
+  defp name(name) when is_atom(name) and name not in [nil, :undefined], do: {:ok, name}
   defp name({:global, _} = name), do: {:ok, name}
   # gen_server asks a `:via` module for the name in the caller before it starts the
   # process, which registers it: a module that cannot do both is refused here, not raised

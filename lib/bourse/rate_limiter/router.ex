@@ -110,11 +110,12 @@ defmodule Bourse.RateLimiter.Router do
   def route(name), do: invalid(name)
 
   # A local name without a published entry: a limiter still starting (it answers through
-  # its process once started), another process (refused) or nothing.
+  # its process once started), another process or a port (refused) or nothing.
   defp registered(name) do
     case Process.whereis(name) do
       nil -> :noproc
-      pid -> limiter(pid, name)
+      pid when is_pid(pid) -> limiter(pid, name)
+      _port -> {:invalid, "not a limiter: #{describe(name)} is a port"}
     end
   end
 

@@ -25,22 +25,26 @@ defmodule Bourse.RateLimiter.Server do
   # long as the port's connection (Bourse.RateLimiter.Backend.Connection) waits.
   @takeover_ms 5_000
 
-  # The backend callbacks a caller may ask the process to run for it.
-  @callbacks [
-    :check_rate,
-    :check_rates,
-    :record_request,
-    :get_cost,
-    :sync,
-    :reset,
-    :reset_exchange,
-    :reset_all,
-    :pause,
-    :back_off,
-    :reset_backoff,
-    :inspect,
-    :busiest
-  ]
+  # The backend callbacks a caller may ask the process to run for it, by how many
+  # arguments they take besides the handle.
+  @callbacks for {fun, arity} <- Bourse.RateLimiter.Backend.behaviour_info(:callbacks),
+                 fun in [
+                   :check_rate,
+                   :check_rates,
+                   :record_request,
+                   :get_cost,
+                   :sync,
+                   :reset,
+                   :reset_exchange,
+                   :reset_all,
+                   :pause,
+                   :back_off,
+                   :reset_backoff,
+                   :inspect,
+                   :busiest
+                 ],
+                 into: %{},
+                 do: {fun, arity - 1}
 
   @doc """
   Starts the limiter process for a checked configuration (`Options.start/1`). A failure to
@@ -130,7 +134,9 @@ defmodule Bourse.RateLimiter.Server do
   end
 
   @impl true
-  def handle_call({:run, fun, args}, _from, state) when fun in @callbacks and is_list(args) do
+  def handle_call({:run, fun, args}, _from, state)
+      when is_map_key(@callbacks, fun) and is_list(args) and
+             length(args) == :erlang.map_get(fun, @callbacks) do
     {:reply, apply(state.backend, fun, [state.handle | args]), state}
   catch
     # Should a caller's request crash this process, its crash report must not show the

@@ -25,8 +25,10 @@ defmodule Bourse.ContractTests.LimiterProcess do
               assert {:error, %Bourse.Error{type: :invalid_parameters}} =
                        GenServer.call(pid, {:bogus, "SECRET-KEY-IN-A-MESSAGE"})
 
-              assert {:error, %Bourse.Error{type: :invalid_parameters}} =
-                       GenServer.call(pid, {:run, :sweep, []})
+              for run <- [{:run, :sweep, []}, {:run, :reset_all, [:extra]}, {:run, :reset, :x}] do
+                assert {:error, %Bourse.Error{type: :invalid_parameters}} =
+                         GenServer.call(pid, run)
+              end
 
               # Everything before it has been handled once a call is answered.
               assert is_map(Bourse.RateLimiter.stats(name))
@@ -56,6 +58,9 @@ defmodule Bourse.ContractTests.LimiterProcess do
           :yes = :global.register_name({:agent, id}, agent)
           {:ok, _} = Registry.register(registry, :me, nil)
           server = start_supervised!({Task, fn -> Process.sleep(:infinity) end}, id: :task)
+          port = Port.open({:spawn, "cat"}, [:binary])
+          port_name = :"port_#{id}"
+          true = Process.register(port, port_name)
 
           others = [
             agent,
@@ -64,7 +69,9 @@ defmodule Bourse.ContractTests.LimiterProcess do
             {:global, {:agent, id}},
             {:via, Registry, {registry, :me}},
             server,
-            self()
+            self(),
+            port_name,
+            {port_name, node()}
           ]
 
           for other <- others, {label, call} <- every_call(other) do
@@ -79,6 +86,7 @@ defmodule Bourse.ContractTests.LimiterProcess do
 
           assert Agent.get(agent, & &1) == :untouched
           assert Process.alive?(server)
+          assert Port.info(port)
 
           # A :via module that does not exist, or that cannot resolve names: refused too.
           for bad <- [{:via, NotAModule, :x}, {:via, :no_such_module, :x}, {:via, Registry, :x}] do
@@ -212,7 +220,11 @@ defmodule Bourse.ContractTests.LimiterProcess do
           {"stats", fn -> Bourse.RateLimiter.stats(name) end},
           {"busiest", fn -> Bourse.RateLimiter.busiest(5, name) end},
           {"inspect_key", fn -> Bourse.RateLimiter.inspect_key(key, name) end},
-          {"sync", fn -> Bourse.RateLimiter.sync(key, 5, 1_000, name) end}
+          {"sync", fn -> Bourse.RateLimiter.sync(key, 5, 1_000, name) end},
+          {"observe_response 500",
+           fn -> Bourse.RateLimiter.observe_response("ex", "k", 500, [], name) end},
+          {"observe_response 429",
+           fn -> Bourse.RateLimiter.observe_response("ex", "k", 429, [], name) end}
         ]
       end
     end
