@@ -21,14 +21,15 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   "Redis").
 
   A password in the URL (`redis://:secret@host:6379`, percent-encoded, or
-  `unix:///path?pass=secret`) reaches the daemon in its environment
+  `unix:///path?pass=secret`, a field's name read percent-decoded as the daemon's client
+  reads it: `%70ass=` is `pass=`) reaches the daemon in its environment
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
   first seed's that holds one). A URL that could carry it there otherwise is refused with
-  `:invalid_parameters`, without showing it: a password elsewhere (`?password=`, a
-  `unix://` userinfo), spaces or control characters, a fragment, an `@` after the host
-  (percent-encode `/`, `?` and `#` in a password), no `//` after the scheme. TLS
-  (`rediss://`) is not supported: reach a Redis that requires it through a local TLS
-  tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
+  `:invalid_parameters`, without showing it: a password elsewhere (`?password=` or
+  `?p%61ssword=`, a `unix://` userinfo), spaces or control characters, a fragment, an
+  `@` after the host (percent-encode `/`, `?` and `#` in a password), no `//` after the
+  scheme. TLS (`rediss://`) is not supported: reach a Redis that requires it through a
+  local TLS tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
   (docs/PROTOCOL.md, "Redis"); set `BOURSE_REDIS_KEY_SECRET` in the VM's environment to
   key them with a secret shared by every limiter on that Redis.
 
@@ -114,10 +115,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   # The password goes to the daemon in its environment, never on its command line (which
   # every local user can read in /proc): a redis:// URL's userinfo, percent-encoded (a `+`
-  # is a plus), or the `pass` field of a unix:// URL's query, form-encoded, as the daemon's
-  # Redis client reads each. It is cut out of the URL's text, which is otherwise left as
-  # given (rebuilt from its parsed parts, a malformed host or port could change, and the
-  # password go elsewhere).
+  # is a plus), or the `pass` field of a unix:// URL's query, its name and value
+  # form-encoded (`%70ass` is `pass`), as the daemon's Redis client reads each. It is cut
+  # out of the URL's text, which is otherwise left as given (rebuilt from its parsed
+  # parts, a malformed host or port could change, and the password go elsewhere).
   defp split_password(url) do
     [scheme, rest] = String.split(url, "://", parts: 2)
 
@@ -209,8 +210,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   # What is left of the URL goes on the daemon's command line: a password field its
-  # Redis client would not read (`password=`, or `pass=` in a redis:// URL) is refused
-  # here, before the command line is written.
+  # Redis client would not read (`password=`, or `pass=` in a redis:// URL; names
+  # form-decoded, as the daemon judges them) is refused here, before the command line is
+  # written.
   defp no_password_left(seeds) when is_list(seeds),
     do: seeds |> Enum.map(&no_password_left/1) |> Enum.find(:ok, &(&1 != :ok))
 

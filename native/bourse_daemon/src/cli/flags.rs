@@ -164,7 +164,7 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
                     (1, MAX_STORE_TIMEOUT_MS),
                 )?)
             }
-            _ => return Err(format!("unknown argument {arg:?}")),
+            _ => return Err(format!("unknown argument {flag:?}")),
         }
         if inline.is_some()
             && matches!(

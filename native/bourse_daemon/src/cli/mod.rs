@@ -11,9 +11,9 @@ pub use options::{Access, Command, Options, RedisOptions, Transport};
 pub use secrets::{Environment, Process};
 pub use usage::USAGE;
 
-use crate::redis::Servers;
+use crate::redis::{has_password, Servers};
 use flags::{Flags, Read};
-use secrets::{has_password, read_secret};
+use secrets::read_secret;
 
 /// Parses the arguments after the program name. An error is a message for stderr.
 pub fn parse<I: IntoIterator<Item = String>>(

@@ -43,24 +43,3 @@ pub fn read_secret(
     }
     Ok(Some(bytes))
 }
-
-/// Whether a Redis URL holds `user:password@` (or `:password@`), or a query field `pass`
-/// (where a `unix://` URL holds its password) or `password`; read as a URL parser reads
-/// it, without the tabs and newlines it drops.
-pub fn has_password(url: &str) -> bool {
-    let url: String = url
-        .chars()
-        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
-        .collect();
-    let Some((_, rest)) = url.split_once("://") else {
-        return false;
-    };
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let query = rest.split_once('?').map_or("", |(_, query)| query);
-    authority
-        .rsplit_once('@')
-        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
-        || query
-            .split(['&', '#'])
-            .any(|field| matches!(field.split('=').next(), Some("pass" | "password")))
-}

@@ -78,6 +78,10 @@ fn secrets_come_from_files_or_the_environment_never_argv() {
         "unix:///tmp/redis.sock?db=1&passive=1"
     ])
     .is_ok());
+    // A typo'd flag's value (a URL, a password) is not shown.
+    let error = run(&["--stdio", "--redis-clustr=redis://:hunter2@h:1"]).unwrap_err();
+    assert!(error.contains("\"--redis-clustr\""), "{error}");
+    assert!(!error.contains("hunter2"), "{error}");
     let env = Fake(vec![
         ("BOURSE_REDIS_PASSWORD", "pw"),
         ("BOURSE_REDIS_KEY_SECRET", "k"),
@@ -104,6 +108,49 @@ fn secrets_come_from_files_or_the_environment_never_argv() {
         other => panic!("{other:?}"),
     };
     assert_eq!(o.redis.unwrap().password.as_deref(), Some("file: /p"));
+}
+
+#[test]
+fn redis_passwords_are_refused_however_the_url_spells_them() {
+    use ::redis::IntoConnectionInfo;
+    let client_password = |url: &str| {
+        url.into_connection_info()
+            .is_ok_and(|info| info.redis_settings().password().is_some())
+    };
+    // The client reads a query field's name percent-decoded (`%70ass` is `pass`), and the
+    // query of a unix: URL without `//`.
+    for url in [
+        "unix:///tmp/redis.sock?%70ass=pw",
+        "unix:///tmp/redis.sock?p%61ss=pw",
+        "unix:///tmp/redis.sock?db=1&%70%61%73%73=pw",
+        "unix:/tmp/redis.sock?pass=pw",
+    ] {
+        assert!(client_password(url), "{url}");
+        let error = run(&["--stdio", "--redis", url]).unwrap_err();
+        assert!(error.contains("must not hold a password"), "{url}: {error}");
+    }
+    // Fields the client does not read (`password`, `pass` in a redis:// URL), and a URL it
+    // refuses (`db=x`, whose error would show the URL), are refused too.
+    for url in [
+        "unix:///tmp/redis.sock?db=1&%70ass=pw&db=x",
+        "unix:///tmp/redis.sock?%70assword=pw",
+        "unix:///tmp/redis.sock?passw%6Frd=pw",
+        "unix:///tmp/redis.sock?passw%6frd=pw",
+        "redis://h:1/?p%61ss=pw",
+    ] {
+        let error = run(&["--stdio", "--redis", url]).unwrap_err();
+        assert!(error.contains("must not hold a password"), "{url}: {error}");
+    }
+    // Names read as neither: `%50` is `P`, `+` a space, `%2570` is `%70`, `%3D` is `=`.
+    for url in [
+        "unix:///tmp/redis.sock?%50ass=x",
+        "unix:///tmp/redis.sock?pa+ss=x",
+        "unix:///tmp/redis.sock?%2570ass=x",
+        "unix:///tmp/redis.sock?pass%3D=x",
+    ] {
+        assert!(!client_password(url), "{url}");
+        assert!(run(&["--stdio", "--redis", url]).is_ok(), "{url}");
+    }
 }
 
 #[test]

@@ -41,8 +41,10 @@ Storage:
                             prefix, timed by the Redis server's clock. While Redis cannot be
                             reached, requests are answered with an `unavailable` error and
                             nothing is admitted; the connection is retried on each request.
-                            The URL may not hold a password: it comes from the file named by
-                            --redis-password-file PATH, or from BOURSE_REDIS_PASSWORD.
+                            The URL may not hold a password (user:PASSWORD@, nor a query
+                            field pass or password, its name percent-encoded or not): it
+                            comes from the file named by --redis-password-file PATH, or
+                            from BOURSE_REDIS_PASSWORD.
   --redis-cluster URL       The buckets live in a Redis Cluster found through this seed node
                             (redis://[user@]HOST:PORT; repeat for more seeds), instead of
                             --redis. Each check runs on the master of its exchange's slot;

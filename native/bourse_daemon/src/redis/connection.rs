@@ -19,6 +19,8 @@ use ::redis::{
     Client, Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value,
 };
 
+use super::urls::without_password;
+
 /// The longest pause between two tries of a cluster request (milliseconds): a slot that
 /// moved or a master that took over is found again within this.
 const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 50);
@@ -46,12 +48,12 @@ fn cluster_retries(timeout: Duration) -> u32 {
 
 impl Servers {
     /// Where the buckets live, as errors name it: `redis at HOST:PORT` (or a socket's path),
-    /// `redis cluster at HOST:PORT, ...` (its seeds). Never a password: the URLs hold none.
+    /// `redis cluster at HOST:PORT, ...` (its seeds). Never a password.
     pub fn describe(&self) -> String {
         let address = |url: &String| {
             url.as_str()
                 .into_connection_info()
-                .map_or_else(|_| url.clone(), |info| info.addr().to_string())
+                .map_or_else(|_| without_password(url), |info| info.addr().to_string())
         };
         match self {
             Self::One(url) => format!("redis at {}", address(url)),
@@ -92,13 +94,13 @@ impl Connection {
                 let mut info = url
                     .as_str()
                     .into_connection_info()
-                    .map_err(|error| format!("--redis {url:?}: {error}"))?;
+                    .map_err(|error| format!("--redis {:?}: {error}", without_password(url)))?;
                 if let Some(password) = password {
                     let settings = info.redis_settings().clone().set_password(password);
                     info = info.set_redis_settings(settings);
                 }
-                let client =
-                    Client::open(info).map_err(|error| format!("--redis {url:?}: {error}"))?;
+                let client = Client::open(info)
+                    .map_err(|error| format!("--redis {:?}: {error}", without_password(url)))?;
                 let manager = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     .set_response_timeout(Some(timeout))
@@ -109,9 +111,9 @@ impl Connection {
             }
             Servers::Cluster(seeds) => {
                 for seed in seeds {
-                    seed.as_str()
-                        .into_connection_info()
-                        .map_err(|error| format!("--redis-cluster {seed:?}: {error}"))?;
+                    seed.as_str().into_connection_info().map_err(|error| {
+                        format!("--redis-cluster {:?}: {error}", without_password(seed))
+                    })?;
                 }
                 let (min_wait, max_wait) = CLUSTER_RETRY_WAIT_MS;
                 let mut builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
@@ -292,6 +294,28 @@ mod tests {
             Servers::Cluster(seeds).describe(),
             "redis cluster at 10.0.0.1:7000, 10.0.0.2:7001"
         );
+        let unread = Servers::One("redis://:hunter2@h:99999".into());
+        assert_eq!(unread.describe(), "redis at redis://:***@h:99999");
+    }
+
+    #[test]
+    fn errors_show_the_urls_without_their_passwords() {
+        for servers in [
+            Servers::One("unix:///tmp/r.sock?db=1&%70ass=hunter2&db=x".into()),
+            Servers::One("redis://:hunter2@h:1/x".into()),
+            Servers::Cluster(vec![
+                "redis://h:1".into(),
+                "redis://:hunter2@h:99999".into(),
+            ]),
+        ] {
+            let error = Connection::open(&servers, None, Duration::from_secs(1))
+                .err()
+                .unwrap();
+            assert!(
+                error.contains("***") && !error.contains("hunter2"),
+                "{error}"
+            );
+        }
     }
 
     #[test]

@@ -25,7 +25,8 @@
 //! - `fingerprints`: the fingerprints of recently seen credentials;
 //! - `answer`: the script's answers read back;
 //! - `scan`: table-wide `SCAN` of every node;
-//! - `counters`: the statistics of this daemon's answers.
+//! - `counters`: the statistics of this daemon's answers;
+//! - `urls`: the passwords in Redis URLs, found and hidden.
 
 mod answer;
 mod batch;
@@ -38,6 +39,8 @@ mod names;
 mod scan;
 mod script;
 mod store;
+mod urls;
 
 pub use connection::Servers;
 pub use store::{Options, RedisStore};
+pub use urls::has_password;

@@ -86,6 +86,18 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute line =~ "pw"
   end
 
+  test "a unix:// URL's password under a percent-encoded name (?%70ass=) is Redis's password too, and never on the daemon's command line" do
+    redis = start_redis()
+    url = "unix://#{redis.socket}?db=0&%70ass=#{URI.encode_www_form(@password)}"
+    name = start_limiter({:redis, url, redis_timeout_ms: 4_000})
+    assert :ok = RateLimiter.check_rate({"binance", "unix"}, @limit, 1, name)
+
+    assert [line] = daemon_command_lines(redis.socket)
+    assert line =~ "db=0"
+    refute line =~ "s3"
+    refute line =~ "pw"
+  end
+
   test "a password that is no UTF-8 text, or holds NUL, once decoded is refused, and nothing of it is shown" do
     for url <- [
           "redis://:pw%FFsecret-part@127.0.0.1:6379",
@@ -105,6 +117,13 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           "redis://127.0.0.1:6379/?password=secret-part",
           "redis://127.0.0.1:6379/0?pass=secret-part",
           "unix:///tmp/r.sock?password=secret-part",
+          # The client reads a field's name percent-decoded: "p%61ss" is "pass".
+          "unix:///tmp/r.sock?%70assword=secret-part",
+          "unix:///tmp/r.sock?db=1&passw%6Frd=secret-part",
+          "unix:///tmp/r.sock?passw%6frd=secret-part",
+          "redis://127.0.0.1:6379/?p%61ss=secret-part",
+          "redis://127.0.0.1:6379/?%70%61%73%73%77%6F%72%64=secret-part",
+          ["redis://127.0.0.1:1", "redis://127.0.0.1:2/?%70ass=secret-part"],
           ["redis://127.0.0.1:1", "redis://127.0.0.1:2/?password=secret-part"],
           "redis://:pw/secret-part@127.0.0.1:6379",
           "redis://:pw?secret-part@127.0.0.1:6379",
@@ -149,6 +168,13 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {"unix:///tmp/r.sock?pass=x", "unix:///tmp/r.sock", "x"},
           {"unix:///tmp/r.sock?db=2&pass=x&b", "unix:///tmp/r.sock?db=2&b", "x"},
           {"unix:///tmp/r.sock??db=3&pass=x", "unix:///tmp/r.sock??db=3", "x"},
+          # A field's name read percent-decoded, as the client reads it: "%70ass" is "pass";
+          # "%50ass" ("Pass"), "pa+ss" ("pa ss") and "%2570ass" ("%70ass") are not.
+          {"unix:///tmp/r.sock?db=2&%70ass=x", "unix:///tmp/r.sock?db=2", "x"},
+          {"unix:///tmp/r.sock?p%61s%73=a+b&db=2", "unix:///tmp/r.sock?db=2", "a b"},
+          {"unix:///tmp/r.sock?%70%61%73%73=x", "unix:///tmp/r.sock", "x"},
+          {"unix:///tmp/r.sock?%50ass=x&pa+ss=y&%2570ass=z",
+           "unix:///tmp/r.sock?%50ass=x&pa+ss=y&%2570ass=z", nil},
           # The rest of the URL as given, for the daemon to judge: rebuilt from its parsed
           # parts, a malformed host or port changed (to "fe80", or port 6391), and the
           # password went there.
