@@ -202,9 +202,18 @@ defmodule Bourse.RateLimiter.Exchange do
     with {:ok, profile} <- profile(name, opts), do: put_header_limits(profile, opts)
   end
 
-  def put_header_limits(%{exchange_id: exchange_id, counters: counters}, _opts) do
+  def put_header_limits(%{exchange_id: exchange_id, counters: counters}, [])
+      when is_list(counters) do
     limits = for %{header: header, limit: limit} <- counters, into: %{}, do: {header, limit}
     Feedback.put_header_limits(exchange_id, limits)
+  end
+
+  def put_header_limits(other, opts) do
+    invalid(
+      "put_header_limits/2 takes a profile name, or a profile map (with :exchange_id and a " <>
+        "list of :counters) and no options, got #{Error.describe(other)} and " <>
+        Error.describe(opts)
+    )
   end
 
   defp invalid(message), do: {:error, Error.invalid(message)}

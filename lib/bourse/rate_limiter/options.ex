@@ -215,15 +215,17 @@ defmodule Bourse.RateLimiter.Options do
   end
 
   # Bounded by the core's longest setting (one day), as `bourse_daemon` is.
+  # `default` may come from the application env: an error names where the value was set.
   defp integer(opts, key, default, min) do
     max = Native.bound(:max_setting_ms)
+    what = if Keyword.has_key?(opts, key), do: "#{key}", else: "config :bourse, #{key}"
 
     case Keyword.get(opts, key, default) do
       value when is_integer(value) and value in min..max ->
         {:ok, value}
 
       other ->
-        {:error, "#{key} must be an integer from #{min} to #{max}, got #{Error.describe(other)}"}
+        {:error, "#{what} must be an integer from #{min} to #{max}, got #{Error.describe(other)}"}
     end
   end
 end

@@ -158,6 +158,20 @@ impl fmt::Display for Shape {
     }
 }
 
+/// A shape shown without its value, even a number's: a key part (a credential, perhaps).
+struct Unshown(Shape);
+
+impl fmt::Display for Unshown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Shape::Integer(_) => f.write_str("an integer"),
+            Shape::Float(_) => f.write_str("a float"),
+            Shape::Boolean(_) => f.write_str("a boolean"),
+            shape => shape.fmt(f),
+        }
+    }
+}
+
 /// A float as Elixir's `inspect/1` writes it: the shortest digits that read back to the
 /// same float, `1000.0` for integral values below 1.0e16, otherwise decimal or scientific
 /// notation, whichever is shorter (`0.001`, `1.0e-5`, `1.0e16`).
@@ -332,7 +346,8 @@ pub fn key_part(
         KeyPart::Exchange | KeyPart::Axis => "",
     };
     invalid(format!(
-        "{name} must be {public}a UTF-8 binary of at most {MAX_KEY_PART_BYTES} bytes, got {given}{not_utf8}"
+        "{name} must be {public}a UTF-8 binary of at most {MAX_KEY_PART_BYTES} bytes, got {}{not_utf8}",
+        Unshown(given)
     ))
 }
 
@@ -615,6 +630,13 @@ mod tests {
             "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, \
              got a binary of 2 bytes that is not UTF-8"
         );
+        for (number, shown) in [
+            (Shape::Integer(123_456_789_012_345), "an integer"),
+            (Shape::Float(1.5e14), "a float"),
+        ] {
+            let err = key_part(KeyPart::Credential, number, || true).unwrap_err();
+            assert!(err.message().ends_with(&format!("got {shown}")), "{err:?}");
+        }
         let err = limit(Shape::Integer(0), Shape::Integer(1)).unwrap_err();
         assert_eq!(
             err.message(),

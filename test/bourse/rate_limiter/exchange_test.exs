@@ -107,6 +107,23 @@ defmodule Bourse.RateLimiter.ExchangeTest do
                Exchange.profile(:okx, tier: :pro)
     end
 
+    test "put_header_limits refuses what is not a profile, never raising" do
+      {:ok, profile} = Exchange.profile(:binance_usdm)
+
+      for {given, opts} <- [
+            {"binance", []},
+            {%{exchange_id: "x", counters: :x}, []},
+            {%{counters: []}, []},
+            {profile, share: 0.5},
+            {:binance_usdm, :x},
+            {:no_such_profile, []}
+          ] do
+        assert {:error, %Error{type: :invalid_parameters}} =
+                 Exchange.put_header_limits(given, opts),
+               inspect({given, opts})
+      end
+    end
+
     test "put_header_limits: the profile's limits bound header sync for its exchange id" do
       name = :"exchange_#{System.unique_integer([:positive])}"
       start_supervised!({RateLimiter, name: name})

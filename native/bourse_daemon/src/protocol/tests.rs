@@ -583,7 +583,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"check","key":{"exchange":1,"credential":null},"limit":null}"#.into(),
-            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got 1",
+            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got an integer",
         ),
         (
             r#"{"op":"check","key":{"exchange":"b","credential":2},"limit":null}"#.into(),
@@ -826,7 +826,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"reset_backoff","credential":{"exchange":"b","credential":1}}"#.into(),
-            "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, got 1",
+            "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, got an integer",
         ),
         (r#"{"op":"busiest","count":0}"#.into(), "count must be an integer from 1 to 10000"),
         (
