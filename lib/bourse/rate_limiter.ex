@@ -469,7 +469,7 @@ defmodule Bourse.RateLimiter do
   # the exchange of `source` (`{:key, key}`, `{:checks, checks}`, `{:exchange, id}`,
   # `{:target, pause_target}` or `nil`) when it can be read.
   defp failed({:held, ms, max_wait}, source),
-    do: {:error, over_budget(ms, max_wait, exchange(source))}
+    do: {:error, over_budget(ms, max_wait, exchange(source), several_exchanges(source))}
 
   defp failed({:error, message}, source) when is_binary(message),
     do: {:error, Error.with_exchange(Error.invalid(message), exchange(source))}
@@ -479,12 +479,33 @@ defmodule Bourse.RateLimiter do
 
   defp failed(answer, _source), do: answer
 
-  defp over_budget(ms, budget, exchange) do
+  # The message names the exchange, or the exchanges of a call's checks (`named`).
+  defp over_budget(ms, budget, exchange, named \\ nil) do
     Error.rate_limited(ms,
       exchange: exchange,
-      message: "#{if exchange, do: "#{exchange}: "}waiting #{ms} ms exceeds #{budget(budget)}"
+      message:
+        "#{named || exchange}#{if named || exchange, do: ": "}waiting #{ms} ms exceeds " <>
+          budget(budget)
     )
   end
+
+  # The exchanges of checks that name several, as a message lists them: the first three,
+  # then how many more.
+  defp several_exchanges({:checks, checks}) do
+    exchanges =
+      for {key, _limit, _cost} <- unprepared(checks),
+          exchange = exchange({:key, key}),
+          uniq: true,
+          do: exchange
+
+    case Enum.split(exchanges, 3) do
+      {[_, _ | _] = named, []} -> Enum.join(named, ", ")
+      {named, [_ | _] = more} -> "#{Enum.join(named, ", ")} and #{length(more)} more"
+      _one_or_none -> nil
+    end
+  end
+
+  defp several_exchanges(_source), do: nil
 
   defp budget({max_wait, max_wait}), do: budget(max_wait)
   defp budget({0, max_wait}), do: "max_wait_ms #{max_wait}, already waited"

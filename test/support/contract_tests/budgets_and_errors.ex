@@ -128,6 +128,23 @@ defmodule Bourse.ContractTests.BudgetsAndErrors do
                     retry_after: 1_000,
                     message: "okx: waiting 1000 ms exceeds max_wait_ms 40"
                   }} = wait_for_capacity({"okx", "k"}, limit, 2, name, max_wait_ms: 40)
+
+          # A booking of checks of several exchanges, come back for with a shorter budget:
+          # the message names them (the first three).
+          exchanges = ["binance", "okx", "bybit", "kraken", "okx"]
+
+          for {count, named} <- [{2, "binance, okx"}, {5, "binance, okx, bybit and 1 more"}] do
+            checks =
+              for exchange <- Enum.take(exchanges, count), do: {{exchange, "k#{count}"}, limit, 2}
+
+            assert {:delay, ms} = check_rates(checks, name, max_wait_ms: 5_000)
+            assert ms > 40
+
+            assert {:error, %Bourse.Error{exchange: nil, message: message}} =
+                     check_rates(checks, name, max_wait_ms: 40)
+
+            assert message =~ ~r/^#{named}: waiting \d+ ms exceeds max_wait_ms 40$/
+          end
         end
 
         test "messages describe a bad option or name by its type and size", %{name: name} do
