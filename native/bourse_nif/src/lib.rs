@@ -317,10 +317,38 @@ fn check_parts<'a>(
 /// `MAX_CHECKS`, ~150 ns per check) continue on a dirty CPU scheduler, so that no call
 /// holds a normal scheduler for more than a few tens of microseconds.
 pub(crate) const MAX_INLINE_CHECKS: usize = 64;
+/// The most key bytes a check list answered on a normal scheduler holds: checking and
+/// hashing multi-byte UTF-8 takes up to ~1.3 ns a byte (64 checks of three 1 KiB parts of
+/// `"é"`: 250 µs).
+const MAX_INLINE_KEY_BYTES: usize = 16 * 1024;
 
-/// Whether a list of `len` checks is answered on a dirty scheduler.
-fn runs_dirty(len: usize) -> bool {
-    len > MAX_INLINE_CHECKS
+/// Whether a list of `len` checks, whose keys hold `key_bytes`, is answered on a dirty
+/// scheduler.
+fn runs_dirty(len: usize, key_bytes: impl FnOnce() -> usize) -> bool {
+    len > MAX_INLINE_CHECKS || key_bytes() > MAX_INLINE_KEY_BYTES
+}
+
+/// The bytes of the binary key parts of the `{key, limit, cost}` checks of a proper list
+/// (a prepared bucket's key was read when it was prepared).
+fn key_bytes(checks: Term) -> usize {
+    let of = |parts: &[Term]| -> usize {
+        parts
+            .iter()
+            .map(|part| part.decode::<Binary>().map_or(0, |binary| binary.len()))
+            .sum()
+    };
+    let mut bytes = 0;
+    let mut rest = checks;
+    while let Some((check, tail)) = list_cell(rest) {
+        if let Some([key, _limit, _cost]) = tuple::<3>(check) {
+            bytes += match tuple::<3>(key) {
+                Some(parts) => of(&parts),
+                None => tuple::<2>(key).map_or(0, |parts| of(&parts)),
+            };
+        }
+        rest = tail;
+    }
+    bytes
 }
 
 in_place_nif!("check_rates", 4, check_rates);
@@ -331,7 +359,7 @@ entry::dirty_entry!(check_rates_dirty, 4, check_rates_on_dirty);
 /// (walking at most `MAX_CHECKS + 1` cells); a long list continues on a dirty scheduler.
 fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     match bounded_len(args[2]) {
-        Ok(len) if runs_dirty(len) => {
+        Ok(len) if runs_dirty(len, || key_bytes(args[2])) => {
             entry::on_dirty_scheduler(env, c"check_rates", check_rates_dirty, args)
         }
         len => checks_answer(env, args, len),
@@ -618,10 +646,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn long_check_lists_run_on_a_dirty_scheduler() {
-        assert!(!runs_dirty(1));
-        assert!(!runs_dirty(MAX_INLINE_CHECKS));
-        assert!(runs_dirty(MAX_INLINE_CHECKS + 1));
-        assert!(runs_dirty(MAX_CHECKS));
+    fn long_check_lists_and_long_keys_run_on_a_dirty_scheduler() {
+        assert!(!runs_dirty(1, || 0));
+        assert!(!runs_dirty(MAX_INLINE_CHECKS, || MAX_INLINE_KEY_BYTES));
+        assert!(runs_dirty(MAX_INLINE_CHECKS + 1, || 0));
+        assert!(runs_dirty(MAX_CHECKS, || 0));
+        assert!(runs_dirty(1, || MAX_INLINE_KEY_BYTES + 1));
     }
 }
