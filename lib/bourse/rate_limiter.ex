@@ -348,6 +348,8 @@ defmodule Bourse.RateLimiter do
   booking's remaining wait exceeds the budget; the booking stays, to be claimed later.
   The budget covers the whole call: a caller that wakes after its booking lapsed (later
   than `:booking_slack_ms` after its ready time) books again only within what is left.
+  A caller that wakes to find the limiter stopped, or its store unavailable, is admitted
+  against the booking it paid: `:ok`.
   """
   @spec wait_for_capacity(
           key(),
@@ -377,6 +379,12 @@ defmodule Bourse.RateLimiter do
   # booking slack after its ready time finds its booking lapsed (and paid), and books
   # again only within its budget; with nothing left it only probes (it claims a ready
   # booking, or pays what the bucket holds now), so the call ends by then.
+  #
+  # A caller that slept has paid its booking and woke at its ready time: when the limiter
+  # has stopped since, or its store cannot be asked, it is admitted against that booking
+  # (an exit, or an `:unavailable` refusal, would be an answer that paid).
+  defp await(:noproc, _name, _args, since) when is_integer(since), do: :ok
+
   defp await(route, name, [owner, key, limit, cost, max_wait], since) do
     metadata = fn -> %{key: key, cost: cost} end
     {left, _max_wait} = budget = budget_left(max_wait, since)
@@ -387,9 +395,10 @@ defmodule Bourse.RateLimiter do
         :ok
 
       :ok ->
-        waited_ms = System.monotonic_time(:millisecond) - since
-        Events.emit_to(sink(route), :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
-        :ok
+        admitted_after_wait(route, since, metadata)
+
+      {:error, %Error{type: :unavailable}} when is_integer(since) ->
+        admitted_after_wait(route, since, metadata)
 
       # Booked, or early for the caller's booking: within the budget either way.
       {:delay, ms} ->
@@ -403,6 +412,12 @@ defmodule Bourse.RateLimiter do
       other ->
         failed(other, {:key, key})
     end
+  end
+
+  defp admitted_after_wait(route, since, metadata) do
+    waited_ms = System.monotonic_time(:millisecond) - since
+    Events.emit_to(sink(route), :admitted_after_wait, %{waited_ms: waited_ms}, metadata)
+    :ok
   end
 
   # `{left, max_wait}`: the milliseconds a waiter may still wait (0 for none), and its

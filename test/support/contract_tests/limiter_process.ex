@@ -125,6 +125,26 @@ defmodule Bourse.ContractTests.LimiterProcess do
           )
         end
 
+        test "a waiter whose limiter stops while it sleeps is admitted against its paid booking",
+             %{backend: backend} do
+          name = :"stopped_while_waiting_#{System.unique_integer([:positive])}"
+          children = [{Bourse.RateLimiter, name: name, backend: backend}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          limit = %{capacity: 1, refill_per_sec: 2}
+          assert :ok = check_rate({"ex", "k"}, limit, 1, name)
+
+          waiter =
+            Task.async(fn ->
+              wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 5_000)
+            end)
+
+          eventually(fn -> Bourse.RateLimiter.inspect_key({"ex", "k"}, name).bookings == 1 end)
+          Supervisor.stop(supervisor)
+
+          # Neither an exit nor an :unavailable refusal after paying.
+          assert Task.await(waiter) == :ok
+        end
+
         test "a killed limiter that is not restarted answers like one never started",
              %{backend: backend} do
           name = :"killed_#{System.unique_integer([:positive])}"
