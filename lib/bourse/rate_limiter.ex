@@ -614,7 +614,8 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   Counters since the limiter's bucket table was created (they survive a restart of the
-  limiter's process), and what it holds now:
+  limiter's process), and what it holds now. A limiter on a shared daemon, or on Redis,
+  reads its daemon's counters: the answers to every client of that daemon.
 
     * `:admitted` – checks paid at once;
     * `:claimed` – waiters admitted against their booking;
