@@ -125,9 +125,9 @@ defmodule Mix.Tasks.Bourse.Top do
   end
 
   defp busiest(node, cookie, count, name) do
-    node = String.to_atom(node)
-
-    with :ok <- connect(node, cookie) do
+    with :ok <- full_name(node),
+         node = String.to_atom(node),
+         :ok <- connect(node, cookie) do
       case :rpc.call(node, Bourse.RateLimiter, :busiest, [count, name], 15_000) do
         {:badrpc, {:EXIT, {:noproc, _}}} ->
           {:error, "no limiter named #{inspect(name)} runs on #{node}"}
@@ -138,6 +138,14 @@ defmodule Mix.Tasks.Bourse.Top do
         answer ->
           rows(answer)
       end
+    end
+  end
+
+  # A node name without a host cannot be connected to (Erlang logs why first).
+  defp full_name(node) do
+    case String.split(node, "@") do
+      [name, host] when name != "" and host != "" -> :ok
+      _ -> {:error, "--node must be name@host (as the node names itself), got #{inspect(node)}"}
     end
   end
 
