@@ -1536,6 +1536,10 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
     assert_eq!(load::classify(failed), "unavailable", "{failed}");
     let message = failed["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("WRONGTYPE"), "{failed}");
+    // Table-wide reads pass it over as unknown; before, they answered `unavailable`.
+    assert_eq!(t.call(json!({"op": "stats"}))["ok"], true);
+    let busiest = t.call(json!({"op": "busiest", "count": 10}));
+    assert_eq!(busiest["keys"].as_array().map(Vec::len), Some(1), "{busiest}");
 }
 
 /// Commands the script ran on `redis` since the stats were reset: all but the daemon's

@@ -620,49 +620,55 @@ end
 -- its credential and key pause fields. Per key: false when unknown and not paused, else {c,
 -- r, tokens, borrowed, debt, bookings, booked cost, µs to the earliest booking, µs of pause
 -- left, shown fingerprint} (strings; '' for none; a pause alone: no definition, zeros).
--- Reads only: lapsed bookings are skipped, not dropped.
+-- Reads only: lapsed bookings are skipped, not dropped. A key that is not a bucket (of
+-- another type, written by something else under the prefix) is shown as unknown.
+local function info_row(i, now)
+  local key, wkey, pauses = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local bucket = load(key, now)
+  local pause_until = 0
+  local ends = redis.call('HMGET', pauses, 'x', ARGV[2 * i], ARGV[2 * i + 1])
+  for j = 1, 3 do
+    if ends[j] then
+      pause_until = math.max(pause_until, tonumber(ends[j]))
+    end
+  end
+  local pause_ms = pause_until > now and fmt(pause_until - now) or ''
+  if bucket then
+    local ids = redis.call('ZRANGEBYSCORE', wkey, fmt(now), '+inf')
+    local booked, next_ready = 0, nil
+    for _, id in ipairs(ids) do
+      local booking = redis.call('HGET', key, 'w:' .. id)
+      if booking then
+        local ready, cost = booking:match('^(%S+) (%S+)$')
+        booked = booked + tonumber(cost)
+        next_ready = math.min(next_ready or math.huge, tonumber(ready))
+      end
+    end
+    local left = tokens(bucket, now)
+    return {
+      bucket.c and fmt(bucket.c) or '',
+      bucket.r and fmt(bucket.r) or '',
+      fmt(left),
+      fmt(borrowed(bucket, now)),
+      fmt(bucket.c and math.max(-left, 0) or -bucket.b),
+      tostring(#ids),
+      fmt(booked),
+      next_ready and fmt(math.max(next_ready - now, 0)) or '',
+      pause_ms,
+      redis.call('HGET', key, 'f') or '',
+    }
+  elseif pause_ms ~= '' then
+    return { '', '', '0', '0', '0', '0', '0', '', pause_ms, '' }
+  else
+    return false
+  end
+end
+
 local function info(now)
   local rows = {}
   for i = 1, #KEYS / 3 do
-    local key, wkey, pauses = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-    local bucket = load(key, now)
-    local pause_until = 0
-    local ends = redis.call('HMGET', pauses, 'x', ARGV[2 * i], ARGV[2 * i + 1])
-    for j = 1, 3 do
-      if ends[j] then
-        pause_until = math.max(pause_until, tonumber(ends[j]))
-      end
-    end
-    local pause_ms = pause_until > now and fmt(pause_until - now) or ''
-    if bucket then
-      local ids = redis.call('ZRANGEBYSCORE', wkey, fmt(now), '+inf')
-      local booked, next_ready = 0, nil
-      for _, id in ipairs(ids) do
-        local booking = redis.call('HGET', key, 'w:' .. id)
-        if booking then
-          local ready, cost = booking:match('^(%S+) (%S+)$')
-          booked = booked + tonumber(cost)
-          next_ready = math.min(next_ready or math.huge, tonumber(ready))
-        end
-      end
-      local left = tokens(bucket, now)
-      rows[i] = {
-        bucket.c and fmt(bucket.c) or '',
-        bucket.r and fmt(bucket.r) or '',
-        fmt(left),
-        fmt(borrowed(bucket, now)),
-        fmt(bucket.c and math.max(-left, 0) or -bucket.b),
-        tostring(#ids),
-        fmt(booked),
-        next_ready and fmt(math.max(next_ready - now, 0)) or '',
-        pause_ms,
-        redis.call('HGET', key, 'f') or '',
-      }
-    elseif pause_ms ~= '' then
-      rows[i] = { '', '', '0', '0', '0', '0', '0', '', pause_ms, '' }
-    else
-      rows[i] = false
-    end
+    local read, row = pcall(info_row, i, now)
+    rows[i] = read and row
   end
   return rows
 end
