@@ -136,7 +136,8 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
 
 /// File descriptors kept for listeners, Redis, the runtime and the connections that have
 /// not proved the secret yet or are being refused.
-const SPARE_DESCRIPTORS: u64 = 64 + (server::MAX_UNPROVED + server::MAX_LINGERING) as u64;
+const SPARE_DESCRIPTORS: u64 =
+    64 + (server::MAX_SILENT + server::MAX_GREETED + server::MAX_LINGERING) as u64;
 
 /// `wanted` connections if the descriptor limit allows them (raising the soft limit
 /// towards the hard one if needed), else as many as it does: connections past the limit

@@ -4,12 +4,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -228,6 +230,70 @@ fn idle_and_unproved_connections_cannot_lock_out_a_real_client() {
         client.call(json!({"op": "check", "key": key("x", None), "limit": {"requests": 5}}));
     assert_eq!(answer["result"], "admitted");
     drop(idle);
+}
+
+/// Connections opened as fast as one thread can and held without a word (another local
+/// user's, say) do not close a client's connection while it proves the secret: 20
+/// clients, each with at least 20 ms and 256 such connections between the answer to its
+/// `hello` and its `auth`, all prove it.
+#[test]
+fn silent_connections_cannot_close_a_client_proving_the_secret() {
+    let daemon = common::Server::tcp(&[]);
+    let addr = daemon.tcp_addr();
+    let opened = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let attacker = {
+        let (addr, opened, stop) = (addr.clone(), Arc::clone(&opened), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut held = std::collections::VecDeque::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(stream) = TcpStream::connect(&addr) {
+                    held.push_back(stream);
+                    opened.fetch_add(1, Ordering::Relaxed);
+                }
+                if held.len() > 256 {
+                    held.pop_front();
+                }
+            }
+        })
+    };
+    let proved = (0..20)
+        .filter(|_| {
+            // A connection closed before its hello is answered was not proving anything
+            // yet: the client opens another.
+            let (stream, nonce) = (0..100)
+                .find_map(|_| greeted(&addr))
+                .expect("a hello answered");
+            let before = opened.load(Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(20));
+            common::eventually("256 silent connections are opened", || {
+                opened.load(Ordering::Relaxed) >= before + 256
+            });
+            let proof = common::proof(SECRET.as_bytes(), &nonce);
+            call(&stream, &json!({"op": "auth", "proof": proof})) == Some(json!({"ok": true}))
+        })
+        .count();
+    stop.store(true, Ordering::Relaxed);
+    attacker.join().unwrap();
+    assert_eq!(proved, 20, "clients that proved the secret");
+}
+
+/// A TCP connection to `addr` and the nonce the answer to its `hello` carried.
+fn greeted(addr: &str) -> Option<(TcpStream, String)> {
+    let stream = TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(common::PATIENCE)).ok()?;
+    let hello = call(&stream, &json!({"op": "hello"}))?;
+    let nonce = hello["auth"]["nonce"].as_str()?.to_string();
+    Some((stream, nonce))
+}
+
+/// The answer to `request` on `stream`; `None` once the connection is closed (its write
+/// or its read may fail: reset).
+fn call(mut stream: &TcpStream, request: &Value) -> Option<Value> {
+    stream.write_all(format!("{request}\n").as_bytes()).ok()?;
+    let mut answer = String::new();
+    BufReader::new(stream).read_line(&mut answer).ok()?;
+    serde_json::from_str(&answer).ok()
 }
 
 #[test]

@@ -99,6 +99,8 @@ pub struct Session {
     default_owner: u64,
     /// The nonce its `auth` must answer, while it has not proved the secret.
     nonce: Option<String>,
+    /// Whether a `hello` answer carried the nonce.
+    nonce_sent: AtomicBool,
     authenticated: AtomicBool,
     idle_timeout_ms: Option<u64>,
     frames: AtomicU64,
@@ -113,6 +115,11 @@ impl Session {
     /// Whether requests other than `hello` and `auth` are served.
     pub fn authenticated(&self) -> bool {
         self.authenticated.load(Ordering::Relaxed)
+    }
+
+    /// Whether a `hello` answer carried the nonce: the client may be proving the secret.
+    pub fn nonce_sent(&self) -> bool {
+        self.nonce_sent.load(Ordering::Relaxed)
     }
 
     /// The codec of the frames read from now on, and of the answers written.
@@ -203,6 +210,7 @@ impl<S: Store> Service<S> {
             codec: AtomicU8::new(0),
             default_owner: self.owners.hash_one(("connection", n)),
             nonce: prove.then(nonce),
+            nonce_sent: AtomicBool::new(false),
             authenticated: AtomicBool::new(!prove),
             idle_timeout_ms,
             frames: AtomicU64::new(0),
@@ -419,13 +427,18 @@ impl<S: Store> Service<S> {
         })
     }
 
+    /// The answer to a `hello`; carrying the nonce, it marks the nonce sent.
     fn hello(&self, session: &Session) -> Answer {
+        let nonce = (!session.authenticated())
+            .then(|| session.nonce.clone())
+            .flatten();
+        if nonce.is_some() {
+            session.nonce_sent.store(true, Ordering::Relaxed);
+        }
         Answer::Hello(Hello {
             assume_busy_at_start: self.store.config().assume_busy_at_start,
             max_frame_bytes: self.max_frame_bytes,
-            nonce: (!session.authenticated())
-                .then(|| session.nonce.clone())
-                .flatten(),
+            nonce,
             idle_timeout_ms: session.idle_timeout_ms,
             clock_us: self.clock_us(),
         })

@@ -8,18 +8,20 @@
 //! clients prove the shared secret before anything but `hello` is served. Connections are
 //! bounded in number, and closed when idle.
 
+use std::collections::VecDeque;
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 mod frames;
 mod thread;
@@ -44,8 +46,11 @@ const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_RUNNING: usize = 4096;
 /// What a refused connection may still send (its hello) before it is closed, at most.
 const REFUSED_READ_BYTES: usize = 64 * 1024;
-/// TCP connections that have not proved the secret yet, at most.
-pub const MAX_UNPROVED: usize = 64;
+/// TCP connections that have not been sent their nonce yet, at most (see [`Unproved`]).
+pub const MAX_SILENT: usize = 64;
+/// TCP connections that have been sent their nonce and have not proved the secret yet, at
+/// most (see [`Unproved`]).
+pub const MAX_GREETED: usize = 256;
 /// The longest frame of a connection that has not proved the secret yet (a `hello` or an
 /// `auth` takes about 100 bytes): reading one costs an unknown client little.
 const UNPROVED_MAX_FRAME_BYTES: usize = 1024;
@@ -336,56 +341,117 @@ async fn refuse<T: AsyncRead + AsyncWrite + Unpin, S: Store>(
 enum Slot {
     /// A connection slot, given back when the connection ends.
     Held { _permit: OwnedSemaphorePermit },
-    /// A place among the connections that have not proved the secret yet; notified when
-    /// a newer one takes it.
-    Unproved(Arc<Evictable>),
+    /// A place among the connections that have not proved the secret yet.
+    Unproved(Place),
 }
 
-/// A connection that may be closed to make room.
-pub struct Evictable {
-    evicted: tokio::sync::Notify,
-}
-
-/// The connections that have not proved the secret: at most [`MAX_UNPROVED`]; a new one
-/// closes the oldest, so that connections that never prove anything (another local user's)
-/// cannot keep a real client out.
+/// The TCP connections that have not proved the secret, in two queues: the silent ones,
+/// not sent their nonce yet (no `hello`, or nothing valid), at most [`MAX_SILENT`]; and
+/// the greeted ones, sent their nonce, at most [`MAX_GREETED`]. A new connection evicts the
+/// oldest silent one past their bound; a connection sent its nonce leaves the silent ones
+/// and evicts the oldest greeted one past theirs. An evicted connection reads what it had
+/// sent by then, and is closed unless that moved it on (a `hello` makes it greeted, an
+/// `auth` proves the secret). So connections that send no `hello` (another local user's),
+/// however many and fast, never evict a client that was sent its nonce; connections that
+/// do must be sent [`MAX_GREETED`] nonces while the client computes its `auth`.
 #[derive(Default)]
 struct Unproved {
-    waiting: std::sync::Mutex<std::collections::VecDeque<Arc<Evictable>>>,
+    queues: Mutex<Queues>,
+}
+
+/// The entries of [`Unproved`], oldest first.
+#[derive(Default)]
+struct Queues {
+    silent: VecDeque<Arc<Evictable>>,
+    greeted: VecDeque<Arc<Evictable>>,
+}
+
+/// A connection's entry in a queue of [`Unproved`]; evicted, the connection is to close.
+struct Evictable {
+    /// Whether it is in the greeted queue, not the silent one.
+    greeted: bool,
+    evicted: AtomicBool,
+    notify: Notify,
+}
+
+impl Evictable {
+    fn evict(&self) {
+        self.evicted.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+
+    fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Acquire)
+    }
+
+    /// Returns once the entry is evicted.
+    async fn evicted(&self) {
+        // A `notify_one` before the wait leaves a permit: the wait returns at once.
+        while !self.is_evicted() {
+            self.notify.notified().await;
+        }
+    }
 }
 
 impl Unproved {
-    fn admit(&self) -> Arc<Evictable> {
+    /// A place among the silent connections, for a new one.
+    fn admit(self: &Arc<Self>) -> Place {
+        self.join(false)
+    }
+
+    /// A place among the greeted connections, for one just sent its nonce.
+    fn greet(self: &Arc<Self>) -> Place {
+        self.join(true)
+    }
+
+    /// A place at the end of a queue, evicting the queue's oldest past its bound.
+    fn join(self: &Arc<Self>, greeted: bool) -> Place {
         let entry = Arc::new(Evictable {
-            evicted: tokio::sync::Notify::new(),
+            greeted,
+            evicted: AtomicBool::new(false),
+            notify: Notify::new(),
         });
-        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        if waiting.len() >= MAX_UNPROVED {
-            if let Some(oldest) = waiting.pop_front() {
-                oldest.evicted.notify_one();
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let (queue, max) = match greeted {
+            false => (&mut queues.silent, MAX_SILENT),
+            true => (&mut queues.greeted, MAX_GREETED),
+        };
+        if queue.len() >= max {
+            if let Some(oldest) = queue.pop_front() {
+                oldest.evict();
             }
         }
-        waiting.push_back(Arc::clone(&entry));
-        entry
+        queue.push_back(Arc::clone(&entry));
+        Place {
+            unproved: Arc::clone(self),
+            entry,
+        }
     }
 
     fn is_empty(&self) -> bool {
-        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        waiting.is_empty()
-    }
-
-    fn leave(&self, entry: &Arc<Evictable>) {
-        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        waiting.retain(|other| !Arc::ptr_eq(other, entry));
+        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues.silent.is_empty() && queues.greeted.is_empty()
     }
 }
 
-/// Takes a connection off the unproved list when dropped.
-struct LeaveUnproved(Arc<Unproved>, Arc<Evictable>);
+/// A connection's place in a queue of [`Unproved`], left when dropped.
+struct Place {
+    unproved: Arc<Unproved>,
+    entry: Arc<Evictable>,
+}
 
-impl Drop for LeaveUnproved {
+impl Drop for Place {
     fn drop(&mut self) {
-        self.0.leave(&self.1);
+        let mut queues = self
+            .unproved
+            .queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let queue = match self.entry.greeted {
+            false => &mut queues.silent,
+            true => &mut queues.greeted,
+        };
+        queue.retain(|other| !Arc::ptr_eq(other, &self.entry));
     }
 }
 
@@ -426,14 +492,8 @@ where
     let (answered, mut answers) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut running = 0usize;
     let mut spin = Spin::default();
-    // On the unproved list until it proves the secret, or however its service ends.
-    let mut unproved = match &slot {
-        Slot::Unproved(entry) => Some(LeaveUnproved(
-            Arc::clone(&context.unproved),
-            Arc::clone(entry),
-        )),
-        Slot::Held { .. } => None,
-    };
+    // Whether it read what it had sent once its place was evicted.
+    let mut looked = false;
     let opened = Instant::now();
     let auth_deadline = opened + idle.map_or(AUTH_TIMEOUT, |idle| idle.min(AUTH_TIMEOUT));
     let mut active = opened;
@@ -472,10 +532,9 @@ where
                         input.length_prefixed();
                     }
                     // Proved: from now on it needs a connection slot, before another
-                    // frame is served.
-                    if let Slot::Unproved(_) = &slot {
+                    // frame is served. Sent its nonce: from now on it is greeted.
+                    if let Slot::Unproved(place) = &slot {
                         if session.authenticated() {
-                            drop(unproved.take());
                             input.allow(max_frame_bytes);
                             match Arc::clone(&context.connections).try_acquire_owned() {
                                 Ok(permit) => {
@@ -497,12 +556,17 @@ where
                                     if sent.await.is_err() {
                                         return;
                                     }
+                                    // Refused: its place is given back.
+                                    drop(slot);
                                     let max = context.limits.max_connections;
                                     let linger = context.linger();
                                     let chosen = Some((&*service, &*session));
                                     return refuse(stream, max, linger, chosen).await;
                                 }
                             }
+                        } else if session.nonce_sent() && !place.entry.greeted {
+                            slot = Slot::Unproved(context.unproved.greet());
+                            looked = false;
                         }
                     }
                     if out.len() >= WRITE_CHUNK {
@@ -544,6 +608,10 @@ where
             // Its client reads: it is not idle.
             active = Instant::now();
         }
+        // Evicted, and what it had sent by then did not move it on.
+        if looked && matches!(&slot, Slot::Unproved(place) if place.entry.is_evicted()) {
+            break;
+        }
         // A thread serves the rest, unless none can start. No task holds the session: none
         // runs for the in-memory table.
         if std::mem::take(&mut handed_over) {
@@ -577,7 +645,7 @@ where
         }
         let evicted = async {
             match &slot {
-                Slot::Unproved(entry) => entry.evicted.notified().await,
+                Slot::Unproved(place) => place.entry.evicted().await,
                 Slot::Held { .. } => std::future::pending().await,
             }
         };
@@ -628,7 +696,12 @@ where
                 }
                 _ = context.shutdown.changed(), if !closing => continue,
                 () = expired, if running == 0 && !closing => break,
-                () = evicted, if running == 0 && !closing => break,
+                // One last look at what it sent already (nothing: closed), which a
+                // `hello` or an `auth` moves on.
+                () = evicted, if running == 0 && !closing => {
+                    looked = true;
+                    input.try_fill(&stream)
+                }
             },
         };
         match read {
@@ -718,9 +791,9 @@ async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
 /// reader makes progress though the socket may not take more until it read much more.
 async fn write_ends(slot: &Slot, auth_deadline: Instant, idle: Option<Duration>, fd: RawFd) {
     match slot {
-        Slot::Unproved(entry) => tokio::select! {
+        Slot::Unproved(place) => tokio::select! {
             () = tokio::time::sleep_until(auth_deadline.into()) => {}
-            () = entry.evicted.notified() => {}
+            () = place.entry.evicted() => {}
         },
         Slot::Held { .. } => match idle {
             Some(idle) => {
@@ -786,5 +859,41 @@ impl Drop for SocketFiles {
         for path in &self.0 {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// New connections, however many, evict only the oldest silent ones; a connection sent
+    /// its nonce evicts only the oldest greeted one; places are left when dropped.
+    #[test]
+    fn silent_connections_evict_only_silent_ones() {
+        let unproved = Arc::new(Unproved::default());
+        let first = unproved.admit();
+        let greeted: Vec<Place> = (0..MAX_GREETED).map(|_| unproved.greet()).collect();
+        let silent: Vec<Place> = (0..10 * MAX_SILENT).map(|_| unproved.admit()).collect();
+        assert!(first.entry.is_evicted());
+        assert!(greeted.iter().all(|place| !place.entry.is_evicted()));
+        let kept = silent.iter().position(|place| !place.entry.is_evicted());
+        assert_eq!(
+            kept,
+            Some(silent.len() - MAX_SILENT),
+            "the newest silent ones kept"
+        );
+        assert!(silent[silent.len() - MAX_SILENT..]
+            .iter()
+            .all(|place| !place.entry.is_evicted()));
+        let newest = unproved.greet();
+        let evicted: Vec<bool> = greeted
+            .iter()
+            .map(|place| place.entry.is_evicted())
+            .collect();
+        assert_eq!(evicted.iter().filter(|&&evicted| evicted).count(), 1);
+        assert!(evicted[0] && !newest.entry.is_evicted());
+        assert!(!silent.last().unwrap().entry.is_evicted());
+        drop((first, greeted, silent, newest));
+        assert!(unproved.is_empty());
     }
 }
