@@ -218,6 +218,32 @@ fn sigterm_answers_what_was_received_then_exits_zero() {
     assert!(UnixStream::connect(&path).is_err());
 }
 
+/// A socket path replaced while the daemon serves (by a file, or a symlink to one: whoever
+/// can write the directory may) is left as it is on exit: the daemon removes only the
+/// socket file it bound.
+#[test]
+fn a_socket_path_replaced_while_serving_is_left_on_exit() {
+    let path = common::temp_path("replaced.sock");
+    let other = common::temp_path("replaced-other");
+    let swapped = common::temp_path("replaced-swapped");
+    for symlink in [false, true] {
+        let mut server = Server::start(&["--socket", path.to_str().unwrap()]);
+        std::fs::write(&other, "not the daemon's").unwrap();
+        match symlink {
+            false => std::fs::copy(&other, &swapped).map(drop).unwrap(),
+            true => std::os::unix::fs::symlink(&other, &swapped).unwrap(),
+        }
+        std::fs::rename(&swapped, &path).unwrap();
+        common::signal(&server.child, "TERM");
+        assert!(common::wait_exit(&mut server.child).success());
+        let left = std::fs::symlink_metadata(&path).expect("the replacement left");
+        assert_eq!(left.file_type().is_symlink(), symlink);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "not the daemon's");
+        let _ = std::fs::remove_file(&path);
+    }
+    let _ = std::fs::remove_file(&other);
+}
+
 #[test]
 fn sigint_stops_a_server_too() {
     let mut server = Server::tcp(&[]);

@@ -16,7 +16,8 @@ Modes:
   --listen ADDR             Serve many clients on a TCP address (PORT 0 picks a free one);
                             newline-delimited JSON. Repeatable.
   --socket PATH             Serve many clients on a Unix socket; a stale socket file is
-                            replaced, the file is removed on exit. Repeatable.
+                            replaced, the file is removed on exit (unless replaced
+                            meanwhile). Repeatable.
   On start a server prints `listening tcp ADDR` / `listening unix PATH` per listener.
 
 Access (server mode):

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -88,7 +88,7 @@ pub async fn run<S: Store>(
     let sweeper = sweeper::start(Arc::clone(&service), sweep_interval)
         .map_err(|e| format!("cannot start the sweeper thread: {e}"))?;
 
-    let mut sockets = SocketFiles(Vec::new());
+    let mut sockets = Vec::new();
     let mut tcp_listeners = Vec::new();
     let mut unix_listeners = Vec::new();
     let mut lines = String::new();
@@ -102,8 +102,8 @@ pub async fn run<S: Store>(
     }
     for path in unix {
         remove_stale_socket(path)?;
-        let listener = bind_unix(path, limits.socket_mode)?;
-        sockets.0.push(path.clone());
+        let (listener, file) = bind_unix(path, limits.socket_mode)?;
+        sockets.push(file);
         lines.push_str(&format!("listening unix {}\n", path.display()));
         unix_listeners.push(listener);
     }
@@ -157,8 +157,11 @@ pub async fn run<S: Store>(
 }
 
 /// Binds a Unix socket whose file has `mode` from the start: the process umask is narrowed
-/// around `bind`, so no other user can connect in between.
-fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, String> {
+/// around `bind`, so no other user can connect in between. Nothing changes the mode after:
+/// `bind` applies the umask to the socket file even under a default ACL of the directory
+/// (which may only narrow it), and a change by path could reach another file, put there
+/// (as a symlink) by whoever can write the directory.
+fn bind_unix(path: &Path, mode: u32) -> Result<(UnixListener, SocketFile), String> {
     let cannot = |e: io::Error| format!("cannot listen on {}: {e}", path.display());
     // SAFETY: umask only changes this process's file-creation mask; no other thread
     // creates files while the listeners are bound.
@@ -166,8 +169,8 @@ fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, String> {
     let bound = UnixListener::bind(path);
     unsafe { libc::umask(previous) };
     let listener = bound.map_err(cannot)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(cannot)?;
-    Ok(listener)
+    let file = SocketFile::bound(path).map_err(cannot)?;
+    Ok((listener, file))
 }
 
 /// What every accept loop and connection task shares.
@@ -851,13 +854,39 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
     }
 }
 
-/// The Unix socket files this daemon created, removed when it stops.
-struct SocketFiles(Vec<PathBuf>);
+/// A Unix socket file this daemon bound, removed when dropped if its path still names it.
+struct SocketFile {
+    path: PathBuf,
+    /// Its device and inode, as found right after `bind`.
+    id: (u64, u64),
+}
 
-impl Drop for SocketFiles {
+impl SocketFile {
+    /// The socket file just bound at `path`.
+    fn bound(path: &Path) -> io::Result<Self> {
+        let found = std::fs::symlink_metadata(path)?;
+        if !found.file_type().is_socket() {
+            return Err(io::Error::other(
+                "replaced by something else right after bind",
+            ));
+        }
+        let path = path.to_path_buf();
+        let id = (found.dev(), found.ino());
+        Ok(Self { path, id })
+    }
+
+    /// Whether its path still names it (a symlink there is not followed).
+    fn is_there(&self) -> bool {
+        std::fs::symlink_metadata(&self.path).is_ok_and(|found| {
+            found.file_type().is_socket() && (found.dev(), found.ino()) == self.id
+        })
+    }
+}
+
+impl Drop for SocketFile {
     fn drop(&mut self) {
-        for path in &self.0 {
-            let _ = std::fs::remove_file(path);
+        if self.is_there() {
+            let _ = std::fs::remove_file(&self.path);
         }
     }
 }
