@@ -112,6 +112,7 @@ defmodule Mix.Tasks.Bourse.TopTest do
     for node <- ["newapp", "newapp@", "@host", "a@b@c"] do
       assert_raise Mix.Error, ~r/--node must be name@host/, fn -> Top.run(["--node", node]) end
     end
+
     assert_raise Mix.Error, ~r/usage: mix bourse.top/, fn -> Top.run(["extra"]) end
   end
 

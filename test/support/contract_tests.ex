@@ -18,7 +18,9 @@ defmodule Bourse.ContractTests do
       reason: `:crash` (P6 by killing the limiter process), `:concurrency`, `:names`,
       `:assume_busy_at_start` (counted from the limiter's start: a shared daemon takes it
       from its own command line, Redis from its exchange's state), `:own_table` (every
-      limiter has buckets of its own: limiters on one daemon share them).
+      limiter has buckets of its own: limiters on one daemon share them),
+      `:several_exchanges` (one check over buckets of several exchanges: a Redis Cluster
+      refuses it).
 
   The tests live in one module per topic under `test/support/contract_tests/`
   (`Bourse.ContractTests.Bookings`, ...), each `use`d here; they share the imports and

@@ -8,7 +8,7 @@ defmodule Bourse.RateLimiter.ContractRedisClusterTest do
   use Bourse.ContractTests,
     backend: {:redis, ["set in setup_all"]},
     async: false,
-    skip: [:assume_busy_at_start, :own_table],
+    skip: [:assume_busy_at_start, :own_table, :several_exchanges],
     fuzz_calls: 5_000
 
   alias Bourse.RedisCluster
