@@ -568,7 +568,6 @@ fn checks_pipelined_by_other_connections_do_not_hold_a_client_past_its_timeout()
     // Four connections, each 300 calls of 200 buckets: seconds of Redis work.
     let floods: Vec<_> = (0..4)
         .map(|flooder| {
-            let mut client = server.connect();
             let checks: Vec<Value> = (0..200)
                 .map(|i| json!({"key": key("flood", Some(&format!("{flooder}-{i}"))), "limit": roomy}))
                 .collect();
@@ -577,20 +576,32 @@ fn checks_pipelined_by_other_connections_do_not_hold_a_client_past_its_timeout()
                 frames.extend(serde_json::to_vec(&json!({"id": id, "op": "check_many", "checks": checks})).unwrap());
                 frames.push(b'\n');
             }
-            thread::spawn(move || {
-                client.send_raw(&frames);
-                for _ in 0..300 {
-                    client.recv();
-                }
-            })
+            pipelined(&server, frames, 300)
         })
         .collect();
-    // Once the floods are read, most of them still waiting for Redis.
+    another_client_is_served(&server, &roomy, floods);
+}
+
+/// Sends `frames` (`count` requests) on a connection of its own, from a thread that then
+/// reads their answers.
+fn pipelined(server: &Server, frames: Vec<u8>, count: usize) -> thread::JoinHandle<()> {
+    let mut client = server.connect();
+    thread::spawn(move || {
+        client.send_raw(&frames);
+        for _ in 0..count {
+            client.recv();
+        }
+    })
+}
+
+/// Once the `floods` are read (most still waiting for Redis), another client's five checks
+/// of a bucket under `limit` are admitted, none answered `unavailable`.
+fn another_client_is_served(server: &Server, limit: &Value, floods: Vec<thread::JoinHandle<()>>) {
     sleep_ms(200);
     let mut t = server.connect();
     let k = key("alone", None);
     for _ in 0..5 {
-        assert_eq!(t.call(check(&k, roomy.clone(), 1.0))["result"], "admitted");
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
     }
     for flood in floods {
         flood.join().unwrap();
@@ -618,26 +629,10 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
             assert_eq!(filler.recv()["result"], "admitted");
         }
     }
-    let bursts: Vec<_> = (0..4)
-        .map(|_| {
-            let mut client = server.connect();
-            thread::spawn(move || {
-                client.send_raw(&b"{\"op\":\"stats\"}\n".repeat(50));
-                for _ in 0..50 {
-                    client.recv();
-                }
-            })
-        })
+    let bursts = (0..4)
+        .map(|_| pipelined(&server, b"{\"op\":\"stats\"}\n".repeat(50), 50))
         .collect();
-    sleep_ms(200);
-    let mut t = server.connect();
-    let k = key("alone", None);
-    for _ in 0..5 {
-        assert_eq!(t.call(check(&k, still.clone(), 1.0))["result"], "admitted");
-    }
-    for burst in bursts {
-        burst.join().unwrap();
-    }
+    another_client_is_served(&server, &still, bursts);
 }
 
 /// Concurrent multi-bucket checks from several daemons pay on all buckets or none (P4).
@@ -1539,7 +1534,11 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
     // Table-wide reads pass it over as unknown; before, they answered `unavailable`.
     assert_eq!(t.call(json!({"op": "stats"}))["ok"], true);
     let busiest = t.call(json!({"op": "busiest", "count": 10}));
-    assert_eq!(busiest["keys"].as_array().map(Vec::len), Some(1), "{busiest}");
+    assert_eq!(
+        busiest["keys"].as_array().map(Vec::len),
+        Some(1),
+        "{busiest}"
+    );
 }
 
 /// Commands the script ran on `redis` since the stats were reset: all but the daemon's
