@@ -348,8 +348,10 @@ defmodule Bourse.RateLimiter do
   booking's remaining wait exceeds the budget; the booking stays, to be claimed later.
   The budget covers the whole call: a caller that wakes after its booking lapsed (later
   than `:booking_slack_ms` after its ready time) books again only within what is left.
-  A caller that wakes to find the limiter stopped, or its store unavailable, is admitted
-  against the booking it paid: `:ok`.
+  A caller that wakes to find the limiter stopped, or is told its store is unavailable
+  within `:booking_slack_ms` of waking, is admitted against the booking it paid: `:ok`.
+  Told later, its booking has lapsed (as any late waiter's), and the call answers
+  `:unavailable`.
   """
   @spec wait_for_capacity(
           key(),
@@ -374,19 +376,22 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `since`: when the caller first slept (monotonic ms), `nil` until it does. Each check
-  # after a sleep has what is left of the budget: a caller that woke later than the
-  # booking slack after its ready time finds its booking lapsed (and paid), and books
-  # again only within its budget; with nothing left it only probes (it claims a ready
-  # booking, or pays what the bucket holds now), so the call ends by then.
+  # `slept`: `nil` until the caller first sleeps, then `{since, woke}`, when it first slept
+  # and when it last woke (monotonic ms). Each check after a sleep has what is left of the
+  # budget: a caller that woke later than the booking slack after its ready time finds its
+  # booking lapsed (and paid), and books again only within its budget; with nothing left
+  # it only probes (it claims a ready booking, or pays what the bucket holds now), so the
+  # call ends by then.
   #
-  # A caller that slept has paid its booking and woke at its ready time: when the limiter
-  # has stopped since, or its store cannot be asked, it is admitted against that booking
-  # (an exit, or an `:unavailable` refusal, would be an answer that paid).
-  defp await(:noproc, _name, _args, since) when is_integer(since), do: :ok
+  # A caller that slept has paid its booking and woke at its ready time: when it finds the
+  # limiter stopped, or its store unavailable within the booking slack of waking, it is
+  # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
+  # answer that paid). Told later than that, its booking has lapsed, as any late waiter's.
+  defp await(:noproc, _name, _args, {_since, _woke}), do: :ok
 
-  defp await(route, name, [owner, key, limit, cost, max_wait], since) do
+  defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
     metadata = fn -> %{key: key, cost: cost} end
+    since = slept && elem(slept, 0)
     {left, _max_wait} = budget = budget_left(max_wait, since)
     args = [owner, key, limit, cost, if(left > 0, do: left)]
 
@@ -397,14 +402,17 @@ defmodule Bourse.RateLimiter do
       :ok ->
         admitted_after_wait(route, since, metadata)
 
-      {:error, %Error{type: :unavailable}} when is_integer(since) ->
-        admitted_after_wait(route, since, metadata)
+      {:error, %Error{type: :unavailable}} = unavailable when since != nil ->
+        if on_time?(route, slept),
+          do: admitted_after_wait(route, since, metadata),
+          else: failed(unavailable, {:key, key})
 
       # Booked, or early for the caller's booking: within the budget either way.
       {:delay, ms} ->
         since = since || System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        await(again(route, name), name, [owner, key, limit, cost, max_wait], since)
+        woke = System.monotonic_time(:millisecond)
+        await(again(route, name), name, [owner, key, limit, cost, max_wait], {since, woke})
 
       {:over_budget, ms} ->
         {:error, over_budget(ms, budget, exchange({:key, key}))}
@@ -413,6 +421,14 @@ defmodule Bourse.RateLimiter do
         failed(other, {:key, key})
     end
   end
+
+  # Whether a waiter is still within its booking slack of waking. A connection's handle
+  # holds its limiter's slack; without one (a limiter on another node) it is not.
+  defp on_time?({_backend, %{booking_slack_ms: slack}, _events, _pid}, {_since, woke})
+       when is_integer(slack),
+       do: System.monotonic_time(:millisecond) - woke <= slack
+
+  defp on_time?(_route, _slept), do: false
 
   defp admitted_after_wait(route, since, metadata) do
     waited_ms = System.monotonic_time(:millisecond) - since

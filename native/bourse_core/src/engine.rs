@@ -228,11 +228,9 @@ fn claim(
         owner,
         now,
         pause_until,
-        slack_ns,
         ..
     } = request;
     let ready = booked_ready.max(pause_until);
-    let lapse_at = ready.saturating_add(slack_ns);
     for bucket in buckets.iter_mut() {
         let position = bucket
             .bookings
@@ -242,9 +240,11 @@ fn claim(
         if ready <= now {
             bucket.bookings.swap_remove(position);
         } else {
+            // Moved later by a pause, it keeps the slack it was booked with.
             let booking = &mut bucket.bookings[position];
+            let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);
             booking.ready_at = ready;
-            booking.lapse_at = lapse_at;
+            booking.lapse_at = ready.saturating_add(slack_ns);
         }
         bucket.told(now, ready.saturating_sub(now));
     }

@@ -235,6 +235,30 @@ fn a_waiter_that_names_its_slack_keeps_its_booking_that_long() {
 }
 
 #[test]
+fn an_early_claim_or_a_pause_keeps_the_slack_a_booking_was_made_with() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    let check = || check(key("request"), l, 1.0);
+    let waiter = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: Some(5_000),
+    };
+    t.record_request(key("request"), 1.0);
+    assert_eq!(t.check_rate(ME, check(), waiter), Outcome::Booked(1000));
+    // Early, by a probe (the table's slack is 250 ms): told the rest of the wait.
+    clock.advance_ms(500);
+    assert_eq!(t.check_rate(ME, check(), Mode::Probe), Outcome::Delay(500));
+    // A pause moves it later.
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000)
+        .unwrap();
+    assert_eq!(t.check_rate(ME, check(), Mode::Probe), Outcome::Delay(1000));
+    // Two seconds past its new ready time: within its own slack still.
+    clock.advance_ms(1_000 + 2_000);
+    assert_eq!(t.check_rate(ME, check(), Mode::Probe), Outcome::Claimed);
+    assert_eq!(t.stats().lapsed, 0);
+}
+
+#[test]
 fn a_waiter_over_budget_books_nothing() {
     let (t, _) = table();
     let l = limit(10.0, 10.0);

@@ -317,6 +317,33 @@ fn silent_connections_cannot_close_a_client_proving_the_secret() {
     assert_eq!(proved, 20, "clients that proved the secret");
 }
 
+/// A connection that has not proved the secret and sends a frame too large for it is
+/// closed at once: its descriptor is not held past the bounds of the unproved queues.
+/// Before, each lingered a second, so 500 of them held 500 descriptors.
+#[test]
+fn unproved_connections_sending_oversized_frames_hold_no_descriptors() {
+    let daemon = common::Server::tcp(&[]);
+    let addr = daemon.tcp_addr();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", daemon.child.id()))
+            .map(|entries| entries.count())
+            .unwrap_or(0)
+    };
+    let oversized = vec![b'x'; 1100];
+    let held: Vec<TcpStream> = (0..500)
+        .filter_map(|_| {
+            let mut stream = TcpStream::connect(&addr).ok()?;
+            stream.write_all(&oversized).ok()?;
+            Some(stream)
+        })
+        .collect();
+    assert!(held.len() >= 400, "{} connections opened", held.len());
+    // Well within the second each lingered before.
+    std::thread::sleep(Duration::from_millis(200));
+    let open = fds();
+    assert!(open < 150, "the daemon holds {open} descriptors");
+}
+
 /// A TCP connection to `addr` and the nonce the answer to its `hello` carried.
 fn greeted(addr: &str) -> Option<(TcpStream, String)> {
     let stream = TcpStream::connect(addr).ok()?;

@@ -373,6 +373,18 @@ fn waiters_book_claim_once_and_lapse() {
     // Coming back finds no booking: a new check, booked behind the lapsed one's payment.
     assert_eq!(s.call(booking)["result"], "booked");
     assert_eq!(s.call(json!({"op": "stats"}))["stats"]["lapsed"], 1);
+
+    // A booking that names its slack keeps it through an early claim without a budget
+    // (before, the claim gave it the daemon's slack of 1 ms).
+    let named = key("okx", Some("named"));
+    let booking = json!({"op": "check", "key": named, "limit": slow, "owner": 2, "max_wait_ms": 5000, "booking_slack_ms": 60_000});
+    let claim = json!({"op": "check", "key": named, "limit": slow, "owner": 2});
+    assert_eq!(s.call(booking.clone())["result"], "admitted");
+    let booked = s.call(booking);
+    assert_eq!(booked["result"], "booked");
+    assert_eq!(s.call(claim.clone())["result"], "delay");
+    sleep_ms(ms(&booked) + 300);
+    assert_eq!(s.call(claim)["result"], "claimed");
 }
 
 #[test]
@@ -616,12 +628,52 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
     let Some(redis) = Redis::start() else { return };
     let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
     let still = json!({"capacity": 10, "refill_per_sec": 0.001});
+    fill(&server, 20_000, &still);
+    let bursts = (0..4)
+        .map(|_| pipelined(&server, b"{\"op\":\"stats\"}\n".repeat(50), 50))
+        .collect();
+    another_client_is_served(&server, &still, bursts);
+}
+
+/// Walks take turns page by page: while one client asks for `stats` over and over, each
+/// walk far longer than the Redis timeout, another's `reset_exchange` gets its turns.
+/// Before, a walk held its turn to the end, and the reset was answered `unavailable`.
+#[test]
+fn a_long_walk_does_not_keep_another_from_its_turn() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "300"]);
+    fill(
+        &server,
+        20_000,
+        &json!({"capacity": 10, "refill_per_sec": 0.001}),
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let walker = {
+        let (mut client, stop) = (server.connect(), stop.clone());
+        thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                client.call(json!({"op": "stats"}));
+            }
+        })
+    };
+    sleep_ms(100);
+    let mut t = server.connect();
+    for _ in 0..5 {
+        let reset = t.call(json!({"op": "reset_exchange", "exchange": "elsewhere"}));
+        assert_eq!(reset["ok"], true, "{reset}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    walker.join().unwrap();
+}
+
+/// Fills `server`'s Redis with `count` buckets of `limit`, 1,000 checks pipelined at a time.
+fn fill(server: &Server, count: usize, limit: &Value) {
     let mut filler = server.connect();
-    for round in 0..20 {
+    for round in 0..count / 1000 {
         let mut frames = Vec::new();
         for i in 0..1000 {
             let k = key("walked", Some(&format!("{round}-{i}")));
-            frames.extend(serde_json::to_vec(&check(&k, still.clone(), 1.0)).unwrap());
+            frames.extend(serde_json::to_vec(&check(&k, limit.clone(), 1.0)).unwrap());
             frames.push(b'\n');
         }
         filler.send_raw(&frames);
@@ -629,10 +681,6 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
             assert_eq!(filler.recv()["result"], "admitted");
         }
     }
-    let bursts = (0..4)
-        .map(|_| pipelined(&server, b"{\"op\":\"stats\"}\n".repeat(50), 50))
-        .collect();
-    another_client_is_served(&server, &still, bursts);
 }
 
 /// Concurrent multi-bucket checks from several daemons pay on all buckets or none (P4).

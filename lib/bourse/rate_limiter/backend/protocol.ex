@@ -284,8 +284,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp unexpected(%{} = answer),
     do: Error.unavailable("unexpected answer with fields #{Kernel.inspect(Map.keys(answer))}")
 
-  # `max_wait_ms` for a waiter (a probe has none), and the limiter's booking slack when
-  # the daemon is shared (a port's daemon was started with it).
+  # `max_wait_ms` for a waiter (a probe has none), with the limiter's booking slack.
   defp waiting(request, nil, _handle), do: request
 
   defp waiting(request, max_wait, %Connection{booking_slack_ms: nil}),

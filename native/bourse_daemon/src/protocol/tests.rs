@@ -237,8 +237,14 @@ fn a_waiter_may_name_its_own_booking_slack() {
     let hasty = format!(r#"{slack}0,"owner":"hasty""#);
     assert_eq!(f.call(&check(limit, &patient))["result"], "booked");
     assert_eq!(f.call(&check(limit, &hasty))["result"], "booked");
+    // Coming back early without a budget keeps the booking's own slack.
+    f.clock.advance_ms(50);
+    assert_eq!(
+        f.call(&check(limit, r#","owner":"patient""#))["result"],
+        "delay"
+    );
     // Both are late by more than the daemon's own slack of 250 ms.
-    f.clock.advance_ms(200 + 300);
+    f.clock.advance_ms(150 + 300);
     assert_eq!(
         f.call(&check(limit, r#","owner":"patient""#))["result"],
         "claimed"

@@ -352,8 +352,12 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
       redis.call('HDEL', item.key, 'w:' .. id)
       redis.call('ZREM', item.wkey, id)
     else
-      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
-      redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+      if ready > booked_ready then
+        -- Moved later by a pause, it keeps the slack it was booked with.
+        local lapse = tonumber(redis.call('ZSCORE', item.wkey, id)) or booked_ready + slack
+        redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
+        redis.call('ZADD', item.wkey, fmt(ready + lapse - booked_ready), id)
+      end
       item.unbooked = nil
     end
     if item.bucket.dirty then

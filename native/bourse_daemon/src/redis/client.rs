@@ -29,9 +29,9 @@ const LATE: &str = "late:";
 /// Script calls in flight at once on the connection; further calls wait their turn (within
 /// their timeout), so that a burst does not make every call miss its deadline.
 const MAX_IN_FLIGHT: usize = 64;
-/// Table-wide walks (`SCAN`s) at once; further ones wait their turn (within the timeout),
-/// so that a burst of them does not hold Redis from every check.
-const MAX_WALKS: usize = 1;
+/// Table-wide walks (`SCAN`s) at once; a further one waits for one to end (within the
+/// timeout), so that a burst of them fails fast instead of crawling on together.
+const MAX_WALKS: usize = 4;
 
 /// The connection, the code's forms and what is known of the Redis clock.
 pub struct Client {
@@ -43,6 +43,8 @@ pub struct Client {
     clock: ServerClock,
     in_flight: tokio::sync::Semaphore,
     walks: Arc<Semaphore>,
+    /// One page of a walk at a time: walks take turns page by page.
+    pages: Arc<Semaphore>,
     timeout: Duration,
     /// Where Redis is, as errors name it (`Servers::describe`).
     peer: String,
@@ -58,6 +60,7 @@ impl Client {
             clock: ServerClock::new(timeout),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             walks: Arc::new(Semaphore::new(MAX_WALKS)),
+            pages: Arc::new(Semaphore::new(1)),
             timeout,
         }
     }
@@ -274,14 +277,29 @@ impl Client {
         }
     }
 
-    /// A turn to walk the table, held until dropped; waited for within the timeout.
-    pub async fn walk_turn(&self) -> StoreResult<OwnedSemaphorePermit> {
-        match tokio::time::timeout(self.timeout, self.walks.clone().acquire_owned()).await {
+    /// A place among the table-wide walks running, held until dropped; waited for within
+    /// the timeout.
+    pub async fn walk_place(&self) -> StoreResult<OwnedSemaphorePermit> {
+        self.walk_permit(&self.walks, "left no place").await
+    }
+
+    /// A walk's turn to work on one page, held until dropped; waited for within the
+    /// timeout.
+    pub async fn page_turn(&self) -> StoreResult<OwnedSemaphorePermit> {
+        self.walk_permit(&self.pages, "held the turn").await
+    }
+
+    async fn walk_permit(
+        &self,
+        of: &Arc<Semaphore>,
+        what: &str,
+    ) -> StoreResult<OwnedSemaphorePermit> {
+        match tokio::time::timeout(self.timeout, of.clone().acquire_owned()).await {
             // Never closed.
-            Ok(Ok(turn)) => Ok(turn),
+            Ok(Ok(permit)) => Ok(permit),
             Ok(Err(_)) | Err(_) => Err(self.unavailable(format_args!(
-                "another table-wide walk (stats, busiest, reset_exchange, reset_all) \
-                 held its turn for {} ms",
+                "other table-wide walks (stats, busiest, reset_exchange, reset_all) {what} \
+                 for {} ms",
                 self.timeout.as_millis()
             ))),
         }

@@ -1,5 +1,7 @@
 //! Table-wide walks: `SCAN` of every node holding keys (the server, or each master of a
-//! cluster), one page at a time, one walk at a time.
+//! cluster), one page at a time. A few walks run at once, taking turns page by page: one
+//! page's work at a time holds Redis from checks, and no walk, however long, keeps another
+//! from its turn.
 
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -11,35 +13,44 @@ use crate::store::StoreResult;
 const SCAN_COUNT: usize = 250;
 
 /// Where a table-wide `SCAN` stands: the nodes left to scan (the current one last) and the
-/// cursor in the current one; it holds the client's turn to walk.
+/// cursor in the current one; it holds a place among the walks running.
 pub struct Scan {
     nodes: Vec<ScanNode>,
     cursor: u64,
+    _place: OwnedSemaphorePermit,
+}
+
+/// One page of a scan: the names found, and the client's turn to walk, held while the
+/// page's work is done (until the page is dropped).
+pub struct Page {
+    pub names: Vec<Vec<u8>>,
     _turn: OwnedSemaphorePermit,
 }
 
 impl Scan {
-    /// Starts a scan of every node holding keys, once no other walk runs.
+    /// Starts a scan of every node holding keys, once it has a place among the walks.
     pub async fn start(client: &Client) -> StoreResult<Self> {
-        let turn = client.walk_turn().await?;
+        let place = client.walk_place().await?;
         let mut nodes = client.scan_nodes().await?;
         nodes.reverse();
         Ok(Self {
             nodes,
             cursor: 0,
-            _turn: turn,
+            _place: place,
         })
     }
 
-    /// The next page of names matching `pattern`, or `None` once every node was scanned.
+    /// The next page of names matching `pattern`, in the client's turn to walk; `None` once
+    /// every node was scanned.
     pub async fn next_page(
         &mut self,
         client: &Client,
         pattern: &[u8],
-    ) -> StoreResult<Option<Vec<Vec<u8>>>> {
+    ) -> StoreResult<Option<Page>> {
         let Some(node) = self.nodes.last() else {
             return Ok(None);
         };
+        let turn = client.page_turn().await?;
         let mut command = ::redis::cmd("SCAN");
         command
             .arg(self.cursor)
@@ -52,17 +63,17 @@ impl Scan {
         if next == 0 {
             self.nodes.pop();
         }
-        Ok(Some(names))
+        Ok(Some(Page { names, _turn: turn }))
     }
 }
 
 /// Deletes every key matching `pattern`, one `SCAN` page at a time.
 pub async fn unlink_matching(client: &Client, pattern: &[u8]) -> StoreResult<()> {
     let mut scan = Scan::start(client).await?;
-    while let Some(names) = scan.next_page(client, pattern).await? {
-        if !names.is_empty() {
+    while let Some(page) = scan.next_page(client, pattern).await? {
+        if !page.names.is_empty() {
             let mut unlink = ::redis::cmd("UNLINK");
-            unlink.arg(names);
+            unlink.arg(&page.names);
             let _: u64 = client.command(&unlink).await?;
         }
     }

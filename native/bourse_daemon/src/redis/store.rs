@@ -101,8 +101,9 @@ impl RedisStore {
     ) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
         let mut scan = Scan::start(&self.client).await?;
-        while let Some(names) = scan.next_page(&self.client, &pattern).await? {
-            let keys: Vec<names::NamedKey> = names
+        while let Some(page) = scan.next_page(&self.client, &pattern).await? {
+            let keys: Vec<names::NamedKey> = page
+                .names
                 .iter()
                 .filter_map(|name| names::decode_bucket_name(&self.prefix, name))
                 .collect();

@@ -595,7 +595,11 @@ where
                     }
                     let _ = send_until(&mut stream, &mut out, &slot, auth_deadline, idle).await;
                     let _ = stream.shutdown().await;
-                    linger(&mut stream, Duration::from_secs(1)).await;
+                    // A connection that has not proved the secret closes at once: lingering
+                    // would hold its descriptor outside the bounds of its queue.
+                    if let Slot::Held { .. } = slot {
+                        linger(&mut stream, Duration::from_secs(1)).await;
+                    }
                     return;
                 }
                 Next::Pending => break,

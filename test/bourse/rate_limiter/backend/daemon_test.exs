@@ -152,6 +152,27 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert_received {^hasty, _key, {:delay, _}}
   end
 
+  test "a waiter whose claim is answered :unavailable only after its booking slack is refused" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+
+    name = start_limiter({:daemon, daemon.tcp, timeout: 300}, "late", booking_slack_ms: 50)
+
+    limit = %{capacity: 1, refill_per_sec: 4}
+    assert :ok = RateLimiter.check_rate({"ex", "late"}, limit, 1, name)
+
+    waiter =
+      Task.async(fn ->
+        RateLimiter.wait_for_capacity({"ex", "late"}, limit, 1, name, max_wait_ms: 5_000)
+      end)
+
+    eventually(fn -> RateLimiter.inspect_key({"ex", "late"}, name).bookings == 1 end)
+    DaemonServer.signal(daemon, "STOP")
+
+    # Its claim times out 300 ms after it woke: the booking lapsed meanwhile.
+    assert unavailable?(Task.await(waiter))
+    DaemonServer.signal(daemon, "CONT")
+  end
+
   test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 
