@@ -376,18 +376,18 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `slept`: `nil` until the caller first sleeps, then `{since, woke}`, when it first slept
-  # and when it last woke (monotonic ms). Each check after a sleep has what is left of the
+  # `slept`: `nil` until the caller first sleeps, then `{since, due}`, when it first slept
+  # and when its last sleep was to end, its booking's ready time (monotonic ms). Each check after a sleep has what is left of the
   # budget: a caller that woke later than the booking slack after its ready time finds its
   # booking lapsed (and paid), and books again only within its budget; with nothing left
   # it only probes (it claims a ready booking, or pays what the bucket holds now), so the
   # call ends by then.
   #
-  # A caller that slept has paid its booking and woke at its ready time: when it finds the
-  # limiter stopped, or its store unavailable within the booking slack of waking, it is
+  # A caller that slept has paid its booking: when it finds the limiter stopped, or is told
+  # its store is unavailable within the booking slack of the booking's ready time, it is
   # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
   # answer that paid). Told later than that, its booking has lapsed, as any late waiter's.
-  defp await(:noproc, _name, _args, {_since, _woke}), do: :ok
+  defp await(:noproc, _name, _args, {_since, _due}), do: :ok
 
   defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
     metadata = fn -> %{key: key, cost: cost} end
@@ -409,10 +409,15 @@ defmodule Bourse.RateLimiter do
 
       # Booked, or early for the caller's booking: within the budget either way.
       {:delay, ms} ->
-        since = since || System.monotonic_time(:millisecond)
+        now = System.monotonic_time(:millisecond)
         Process.sleep(ms)
-        woke = System.monotonic_time(:millisecond)
-        await(again(route, name), name, [owner, key, limit, cost, max_wait], {since, woke})
+
+        await(
+          again(route, name),
+          name,
+          [owner, key, limit, cost, max_wait],
+          {since || now, now + ms}
+        )
 
       {:over_budget, ms} ->
         {:error, over_budget(ms, budget, exchange({:key, key}))}
@@ -422,11 +427,12 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # Whether a waiter is still within its booking slack of waking. A connection's handle
-  # holds its limiter's slack; without one (a limiter on another node) it is not.
-  defp on_time?({_backend, %{booking_slack_ms: slack}, _events, _pid}, {_since, woke})
+  # Whether a waiter is still within its booking slack of the booking's ready time. A
+  # connection's handle holds its limiter's slack; without one (a limiter on another node)
+  # it is not.
+  defp on_time?({_backend, %{booking_slack_ms: slack}, _events, _pid}, {_since, due})
        when is_integer(slack),
-       do: System.monotonic_time(:millisecond) - woke <= slack
+       do: System.monotonic_time(:millisecond) - due <= slack
 
   defp on_time?(_route, _slept), do: false
 

@@ -207,6 +207,11 @@ fn pay_all(
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
         if let Some(booking) = &booking {
+            // The caller's earlier booking of this check, left on some buckets only (the
+            // others were reset), is replaced; its cost stays paid, as a lapsed one's.
+            bucket
+                .bookings
+                .retain(|b| b.owner != booking.owner || b.signature != booking.signature);
             bucket.bookings.push(Booking {
                 cost: item.check.cost,
                 ..booking.clone()

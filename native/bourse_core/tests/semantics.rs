@@ -235,6 +235,31 @@ fn a_waiter_that_names_its_slack_keeps_its_booking_that_long() {
 }
 
 #[test]
+fn booking_again_after_one_of_its_buckets_was_reset_replaces_the_old_booking() {
+    let (t, _) = table();
+    let l = limit(1.0, 1.0);
+    let checks = [check(key("request"), l, 1.0), check(key("ip"), l, 1.0)];
+    let waiter = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: None,
+    };
+    t.record_request(key("request"), 1.0);
+    t.record_request(key("ip"), 1.0);
+    assert_eq!(
+        t.check_rates(ME, &checks, waiter),
+        Ok(Outcome::Booked(1000))
+    );
+    t.reset(key("request"));
+    assert_eq!(
+        t.check_rates(ME, &checks, waiter),
+        Ok(Outcome::Booked(2000))
+    );
+    // One booking per bucket, as in the Redis script (whose booking field is rewritten).
+    assert_eq!(t.inspect(key("ip")).unwrap().bookings, 1);
+    assert_eq!(t.stats().bookings, 2);
+}
+
+#[test]
 fn an_early_claim_or_a_pause_keeps_the_slack_a_booking_was_made_with() {
     let (t, clock) = table();
     let l = limit(1.0, 1.0);

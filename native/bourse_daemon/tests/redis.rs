@@ -635,9 +635,10 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
     another_client_is_served(&server, &still, bursts);
 }
 
-/// Walks take turns page by page: while one client asks for `stats` over and over, each
-/// walk far longer than the Redis timeout, another's `reset_exchange` gets its turns.
-/// Before, a walk held its turn to the end, and the reset was answered `unavailable`.
+/// Walks take turns page by page: while clients ask for `stats` over and over, as many as
+/// may read at once, each walk far longer than the Redis timeout, another's
+/// `reset_exchange` gets its turns. Before, a walk held its turn to the end (and then the
+/// reading walks filled every place), and the reset was answered `unavailable`.
 #[test]
 fn a_long_walk_does_not_keep_another_from_its_turn() {
     let Some(redis) = Redis::start() else { return };
@@ -648,14 +649,16 @@ fn a_long_walk_does_not_keep_another_from_its_turn() {
         &json!({"capacity": 10, "refill_per_sec": 0.001}),
     );
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let walker = {
-        let (mut client, stop) = (server.connect(), stop.clone());
-        thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                client.call(json!({"op": "stats"}));
-            }
+    let walkers: Vec<_> = (0..4)
+        .map(|_| {
+            let (mut client, stop) = (server.connect(), stop.clone());
+            thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    client.call(json!({"op": "stats"}));
+                }
+            })
         })
-    };
+        .collect();
     sleep_ms(100);
     let mut t = server.connect();
     for _ in 0..5 {
@@ -663,7 +666,9 @@ fn a_long_walk_does_not_keep_another_from_its_turn() {
         assert_eq!(reset["ok"], true, "{reset}");
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    walker.join().unwrap();
+    for walker in walkers {
+        walker.join().unwrap();
+    }
 }
 
 /// Fills `server`'s Redis with `count` buckets of `limit`, 1,000 checks pipelined at a time.

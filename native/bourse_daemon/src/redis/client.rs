@@ -29,8 +29,9 @@ const LATE: &str = "late:";
 /// Script calls in flight at once on the connection; further calls wait their turn (within
 /// their timeout), so that a burst does not make every call miss its deadline.
 const MAX_IN_FLIGHT: usize = 64;
-/// Table-wide walks (`SCAN`s) at once; a further one waits for one to end (within the
-/// timeout), so that a burst of them fails fast instead of crawling on together.
+/// Reading table-wide walks (`SCAN`s of `stats` and `busiest`) at once; a further one
+/// waits for one to end (within the timeout), so that a burst of them fails fast instead
+/// of crawling on together.
 const MAX_WALKS: usize = 4;
 
 /// The connection, the code's forms and what is known of the Redis clock.
@@ -277,16 +278,21 @@ impl Client {
         }
     }
 
-    /// A place among the table-wide walks running, held until dropped; waited for within
-    /// the timeout.
+    /// A place among the reading walks running, held until dropped; waited for within the
+    /// timeout.
     pub async fn walk_place(&self) -> StoreResult<OwnedSemaphorePermit> {
-        self.walk_permit(&self.walks, "left no place").await
+        self.walk_permit(&self.walks, "(stats, busiest) left no place")
+            .await
     }
 
     /// A walk's turn to work on one page, held until dropped; waited for within the
     /// timeout.
     pub async fn page_turn(&self) -> StoreResult<OwnedSemaphorePermit> {
-        self.walk_permit(&self.pages, "held the turn").await
+        self.walk_permit(
+            &self.pages,
+            "(stats, busiest, reset_exchange, reset_all) held the turn",
+        )
+        .await
     }
 
     async fn walk_permit(
@@ -298,8 +304,7 @@ impl Client {
             // Never closed.
             Ok(Ok(permit)) => Ok(permit),
             Ok(Err(_)) | Err(_) => Err(self.unavailable(format_args!(
-                "other table-wide walks (stats, busiest, reset_exchange, reset_all) {what} \
-                 for {} ms",
+                "other table-wide walks {what} for {} ms",
                 self.timeout.as_millis()
             ))),
         }

@@ -1,7 +1,8 @@
 //! Table-wide walks: `SCAN` of every node holding keys (the server, or each master of a
-//! cluster), one page at a time. A few walks run at once, taking turns page by page: one
-//! page's work at a time holds Redis from checks, and no walk, however long, keeps another
-//! from its turn.
+//! cluster), one page at a time. Walks take turns page by page: one page's work at a time
+//! holds Redis from checks, and no walk, however long, keeps another from its turn. A few
+//! reading walks (`stats`, `busiest`) run at once, so that a burst of them fails fast
+//! instead of crawling on together; deleting walks (the resets) always get their turns.
 
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -13,11 +14,11 @@ use crate::store::StoreResult;
 const SCAN_COUNT: usize = 250;
 
 /// Where a table-wide `SCAN` stands: the nodes left to scan (the current one last) and the
-/// cursor in the current one; it holds a place among the walks running.
+/// cursor in the current one; a reading walk holds a place among those running.
 pub struct Scan {
     nodes: Vec<ScanNode>,
     cursor: u64,
-    _place: OwnedSemaphorePermit,
+    _place: Option<OwnedSemaphorePermit>,
 }
 
 /// One page of a scan: the names found, and the client's turn to walk, held while the
@@ -28,9 +29,19 @@ pub struct Page {
 }
 
 impl Scan {
-    /// Starts a scan of every node holding keys, once it has a place among the walks.
-    pub async fn start(client: &Client) -> StoreResult<Self> {
+    /// Starts a reading scan of every node holding keys, once it has a place among the
+    /// reading walks.
+    pub async fn reading(client: &Client) -> StoreResult<Self> {
         let place = client.walk_place().await?;
+        Self::start(client, Some(place)).await
+    }
+
+    /// Starts a scan of every node holding keys, to delete what it finds.
+    pub async fn deleting(client: &Client) -> StoreResult<Self> {
+        Self::start(client, None).await
+    }
+
+    async fn start(client: &Client, place: Option<OwnedSemaphorePermit>) -> StoreResult<Self> {
         let mut nodes = client.scan_nodes().await?;
         nodes.reverse();
         Ok(Self {
@@ -69,7 +80,7 @@ impl Scan {
 
 /// Deletes every key matching `pattern`, one `SCAN` page at a time.
 pub async fn unlink_matching(client: &Client, pattern: &[u8]) -> StoreResult<()> {
-    let mut scan = Scan::start(client).await?;
+    let mut scan = Scan::deleting(client).await?;
     while let Some(page) = scan.next_page(client, pattern).await? {
         if !page.names.is_empty() {
             let mut unlink = ::redis::cmd("UNLINK");

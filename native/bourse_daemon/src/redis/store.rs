@@ -100,7 +100,7 @@ impl RedisStore {
         mut visit: impl FnMut(ShownKey, KeyInfo),
     ) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
-        let mut scan = Scan::start(&self.client).await?;
+        let mut scan = Scan::reading(&self.client).await?;
         while let Some(page) = scan.next_page(&self.client, &pattern).await? {
             let keys: Vec<names::NamedKey> = page
                 .names
