@@ -349,9 +349,9 @@ defmodule Bourse.RateLimiter do
   The budget covers the whole call: a caller that wakes after its booking lapsed (later
   than `:booking_slack_ms` after its ready time) books again only within what is left.
   A caller that wakes to find the limiter stopped, or is told its store is unavailable
-  within `:booking_slack_ms` of waking, is admitted against the booking it paid: `:ok`.
-  Told later, its booking has lapsed (as any late waiter's), and the call answers
-  `:unavailable`.
+  within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
+  it paid: `:ok`. Told later, its booking has lapsed (as any late waiter's), and the call
+  answers `:unavailable`.
   """
   @spec wait_for_capacity(
           key(),
@@ -376,12 +376,12 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `slept`: `nil` until the caller first sleeps, then `{since, due}`, when it first slept
-  # and when its last sleep was to end, its booking's ready time (monotonic ms). Each check after a sleep has what is left of the
-  # budget: a caller that woke later than the booking slack after its ready time finds its
-  # booking lapsed (and paid), and books again only within its budget; with nothing left
-  # it only probes (it claims a ready booking, or pays what the bucket holds now), so the
-  # call ends by then.
+  # `slept`: `nil` until the caller first sleeps, then `{since, due}`: when it first slept,
+  # and when its last sleep was to end, its booking's ready time (monotonic ms). Each
+  # check after a sleep has what is left of the budget: a caller that woke later than the
+  # booking slack after its ready time finds its booking lapsed (and paid), and books
+  # again only within its budget; with nothing left it only probes (it claims a ready
+  # booking, or pays what the bucket holds now), so the call ends by then.
   #
   # A caller that slept has paid its booking: when it finds the limiter stopped, or is told
   # its store is unavailable within the booking slack of the booking's ready time, it is
