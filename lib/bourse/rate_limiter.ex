@@ -529,13 +529,7 @@ defmodule Bourse.RateLimiter do
   # The exchanges of checks that name several, as a message lists them: the first three,
   # then how many more.
   defp several_exchanges({:checks, checks}) do
-    exchanges =
-      for {key, _limit, _cost} <- unprepared(checks),
-          exchange = exchange({:key, key}),
-          uniq: true,
-          do: exchange
-
-    case Enum.split(exchanges, 3) do
+    case checks |> checks_exchanges() |> Enum.split(3) do
       {[_, _ | _] = named, []} -> Enum.join(named, ", ")
       {named, [_ | _] = more} -> "#{Enum.join(named, ", ")} and #{length(more)} more"
       _one_or_none -> nil
@@ -551,8 +545,12 @@ defmodule Bourse.RateLimiter do
 
   # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
   # of one call name several exchanges.
-  defp exchange({:checks, checks}),
-    do: checks |> unprepared() |> checks_exchange(nil, Bourse.Native.bound(:max_checks))
+  defp exchange({:checks, checks}) do
+    case checks_exchanges(checks) do
+      [exchange] -> exchange
+      _none_or_several -> nil
+    end
+  end
 
   defp exchange({:exchange, exchange}) when is_binary(exchange), do: exchange
   defp exchange({:target, exchange}) when is_binary(exchange), do: exchange
@@ -563,15 +561,19 @@ defmodule Bourse.RateLimiter do
 
   defp exchange(_source), do: nil
 
-  defp checks_exchange([{key, _limit, _cost} | rest], found, left) when left > 0 do
-    case {exchange({:key, key}), found} do
-      {nil, found} -> checks_exchange(rest, found, left - 1)
-      {exchange, found} when found in [nil, exchange] -> checks_exchange(rest, exchange, left - 1)
-      _several -> nil
+  # The exchanges the checks of one call name, as they can be read, each once, in order;
+  # a malformed tail is not walked.
+  defp checks_exchanges(checks),
+    do: checks |> unprepared() |> checks_exchanges([], Bourse.Native.bound(:max_checks))
+
+  defp checks_exchanges([{key, _limit, _cost} | rest], found, left) when left > 0 do
+    case exchange({:key, key}) do
+      nil -> checks_exchanges(rest, found, left - 1)
+      exchange -> checks_exchanges(rest, [exchange | found], left - 1)
     end
   end
 
-  defp checks_exchange(_rest, found, _left), do: found
+  defp checks_exchanges(_rest, found, _left), do: found |> Enum.reverse() |> Enum.uniq()
 
   # Checks with every `{bucket, cost}` as `{key, limit, cost}`: the first `:max_checks` + 1
   # elements (a longer list is refused as it is), a malformed tail left as it is.

@@ -96,25 +96,13 @@ defmodule Bourse.RateLimiter.Options do
        "got #{Error.describe(other)}"}
   end
 
-  # A keyword list of `known` options, each given once.
-  # The first unknown option is named, else the first repeated one: a message stays short
-  # whatever the list holds.
+  # A keyword list of `known` options, each given once; `what` names them ("options").
   defp keyword(opts, what, known) do
-    if Keyword.keyword?(opts) do
-      keys = Keyword.keys(opts)
-
-      case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
-        {[], []} ->
-          :ok
-
-        {[], [repeated | _]} ->
-          {:error, "#{what} #{inspect(repeated)} given more than once"}
-
-        {[unknown | _], _} ->
-          {:error, "unknown #{what} #{inspect(unknown)}; expected #{names(known)}"}
-      end
-    else
-      {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
+    case Keyword.keyword?(opts) && bad_option(opts, known) do
+      :ok -> :ok
+      {:unknown, key} -> {:error, "unknown #{what} #{inspect(key)}; expected #{names(known)}"}
+      {:repeated, key} -> {:error, "#{what} #{inspect(key)} given more than once"}
+      false -> {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
     end
   end
 
@@ -126,21 +114,23 @@ defmodule Bourse.RateLimiter.Options do
   # option"), `expected` the options it takes.
   @spec known_options(term(), String.t(), [atom()], String.t()) :: :ok | {:error, String.t()}
   def known_options(opts, what, known, expected) do
-    if Keyword.keyword?(opts) do
-      keys = Keyword.keys(opts)
+    case Keyword.keyword?(opts) && bad_option(opts, known) do
+      :ok -> :ok
+      {:unknown, key} -> {:error, "unknown #{what} #{Error.describe(key)}; expected #{expected}"}
+      {:repeated, key} -> {:error, "#{what} #{inspect(key)} given more than once"}
+      false -> {:error, "#{what}s must be a keyword list, got #{Error.describe(opts)}"}
+    end
+  end
 
-      case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
-        {[unknown | _], _repeated} ->
-          {:error, "unknown #{what} #{Error.describe(unknown)}; expected #{expected}"}
+  # The first unknown key of keyword list `opts`, else its first repeated one: a message
+  # names one, whatever the list holds.
+  defp bad_option(opts, known) do
+    keys = Keyword.keys(opts)
 
-        {[], [repeated | _]} ->
-          {:error, "#{what} #{inspect(repeated)} given more than once"}
-
-        {[], []} ->
-          :ok
-      end
-    else
-      {:error, "#{what}s must be a keyword list, got #{Error.describe(opts)}"}
+    case {Enum.reject(keys, &(&1 in known)), keys -- Enum.uniq(keys)} do
+      {[unknown | _], _repeated} -> {:unknown, unknown}
+      {[], [repeated | _]} -> {:repeated, repeated}
+      {[], []} -> :ok
     end
   end
 
