@@ -323,9 +323,12 @@ pub(crate) const MAX_INLINE_CHECKS: usize = 64;
 const MAX_INLINE_KEY_BYTES: usize = 16 * 1024;
 
 /// Whether a list of `len` checks, whose keys hold `key_bytes`, is answered on a dirty
-/// scheduler.
+/// scheduler. The keys are measured only when they could hold that many bytes: not for the
+/// short lists of the common case.
 fn runs_dirty(len: usize, key_bytes: impl FnOnce() -> usize) -> bool {
-    len > MAX_INLINE_CHECKS || key_bytes() > MAX_INLINE_KEY_BYTES
+    let most_key_bytes = len.saturating_mul(3 * rules::MAX_KEY_PART_BYTES);
+    len > MAX_INLINE_CHECKS
+        || (most_key_bytes > MAX_INLINE_KEY_BYTES && key_bytes() > MAX_INLINE_KEY_BYTES)
 }
 
 /// The bytes of the binary key parts of the `{key, limit, cost}` checks of a proper list
@@ -651,6 +654,8 @@ mod tests {
         assert!(!runs_dirty(MAX_INLINE_CHECKS, || MAX_INLINE_KEY_BYTES));
         assert!(runs_dirty(MAX_INLINE_CHECKS + 1, || 0));
         assert!(runs_dirty(MAX_CHECKS, || 0));
-        assert!(runs_dirty(1, || MAX_INLINE_KEY_BYTES + 1));
+        assert!(runs_dirty(6, || MAX_INLINE_KEY_BYTES + 1));
+        // Five checks' keys hold at most 15 KiB: not measured.
+        assert!(!runs_dirty(5, || unreachable!()));
     }
 }
