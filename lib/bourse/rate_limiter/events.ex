@@ -42,7 +42,7 @@ defmodule Bourse.RateLimiter.Events do
   | `:booked` | a waiter (`wait_for_capacity`, `check_rates` with `:max_wait_ms`) booked its cost | `delay_ms`: until the booking is ready | |
   | `:admitted_after_wait` | `wait_for_capacity` returned `:ok` after sleeping | `waited_ms`: from the call to the admission | |
   | `:lapsed` | bookings were not claimed within `:booking_slack_ms` of their ready time | `count`: bookings dropped (one per bucket of a multi-bucket booking) | only `:limiter` |
-  | `:paused` | `Bourse.RateLimiter.pause/3` was called | `ms` | `exchange`; `credential` (`nil` for a whole exchange); `axis` (`nil` unless a full key): the target asked for, also when a full pause table held its whole exchange instead |
+  | `:paused` | `Bourse.RateLimiter.pause/3` was called, or `Bourse.RateLimiter.observe_response/6` paused buckets after a limited reply (it also emits `:rate_limited`) | `ms` | `exchange`; `credential` (`nil` for a whole exchange); `axis` (`nil` unless a full key): the target asked for, also when a full pause table held its whole exchange instead |
   | `:rate_limited` | `Bourse.RateLimiter.observe_response/6` saw a 429, a 418 or a rate-limit signal in the body, and paused the credential (the exchange, for a 418 or an IP-wide signal) | `retry_after_ms`: the pause | `http_status`; `stop` (`true`: a ban, do not retry); `signal`: what the body or status said (`"Bybit retCode 10006 (too many visits)"`), `nil` for a plain 429 or 418; `axis` is `nil` |
 
   Lapses are counted inside the bucket table when a lapsed booking is next looked at;

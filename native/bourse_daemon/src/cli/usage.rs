@@ -52,9 +52,10 @@ Storage:
                             a check over several exchanges is refused. The password comes
                             as for --redis. Failover: see docs/PROTOCOL.md.
   --redis-key-secret-file P Key of the fingerprints that stand for credentials in Redis key
-                            names (else BOURSE_REDIS_KEY_SECRET, else a fixed key: names
-                            are then plain SHA-256 fingerprints). Every daemon sharing the
-                            buckets needs the same one.
+                            names (else BOURSE_REDIS_KEY_SECRET, else a fixed built-in key:
+                            names are then unkeyed HMAC-SHA256 fingerprints, one-way but
+                            not secret). Every daemon sharing the buckets needs the
+                            same one.
   --redis-prefix P          Prefix of every Redis key (default bourse; A-Z a-z 0-9 _ - . :).
   --redis-timeout-ms N      Longest wait for Redis per command, connecting included
                             (default 1000, 1..=60000).
