@@ -18,24 +18,14 @@ defmodule Bourse.Fingerprint do
   @type t :: String.t() | :public
 
   @doc """
-  The fingerprint of a credential: `:public` stays `:public`, a fingerprint stays itself;
-  any other term (a binary API key, or something malformed passed in its place) becomes
-  `"key:1a2b3c4d"`.
+  The fingerprint of a credential: `:public` stays `:public`; any other term (a binary API
+  key, one that looks like a fingerprint included, or something malformed passed in its
+  place) becomes `"key:1a2b3c4d"`.
   """
   @spec of(term()) :: t()
   def of(:public), do: :public
-  # Rows of a daemon or Redis carry fingerprints already: they are kept as they are.
-  def of(credential) when is_binary(credential),
-    do: if(fingerprint?(credential), do: credential, else: digest(credential))
-
+  def of(credential) when is_binary(credential), do: digest(credential)
   def of(other), do: digest(:erlang.term_to_binary(other))
-
-  @doc "Whether `term` already is a fingerprint (`\"key:\"` and 8 lowercase hex digits)."
-  @spec fingerprint?(term()) :: boolean()
-  def fingerprint?(<<"key:", hex::binary-size(8)>>),
-    do: for(<<digit <- hex>>, do: digit in ?0..?9 or digit in ?a..?f) |> Enum.all?()
-
-  def fingerprint?(_), do: false
 
   defp digest(bytes) do
     <<prefix::binary-size(4), _::binary>> = :crypto.hash(:sha256, bytes)

@@ -348,6 +348,9 @@ defmodule Bourse.RateLimiter do
   booking's remaining wait exceeds the budget; the booking stays, to be claimed later.
   The budget covers the whole call: a caller that wakes after its booking lapsed (later
   than `:booking_slack_ms` after its ready time) books again only within what is left.
+  Each lapsed booking stays paid, so a caller that keeps waking late pays once per
+  booking and may still end with `:rate_limit_exceeded` when the budget runs out: keep
+  the slack above the caller's wake-up delay.
   A caller that wakes to find the limiter stopped, or is told its store is unavailable
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
   it paid: `:ok`. Told later, its booking has lapsed (as any late waiter's), and the call
@@ -673,9 +676,7 @@ defmodule Bourse.RateLimiter do
   """
   @spec busiest(pos_integer(), GenServer.name()) :: [map()] | error()
   def busiest(count \\ 10, name \\ @default) do
-    with rows when is_list(rows) <- name |> run(:busiest, [count]) |> failed(nil) do
-      Enum.map(rows, fn {key, info} -> Map.merge(info, Events.describe_key(key)) end)
-    end
+    name |> run(:busiest, [count]) |> failed(nil)
   end
 
   ## Exchange feedback

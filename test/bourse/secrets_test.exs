@@ -36,6 +36,8 @@ defmodule Bourse.SecretsTest do
     assert Fingerprint.of(@secret) == @fingerprint
     assert Fingerprint.of(@secret <> "4") != @fingerprint
     assert Fingerprint.of(:public) == :public
+    assert Fingerprint.of("key:deadbeef") =~ ~r/\Akey:[0-9a-f]{8}\z/
+    assert Fingerprint.of("key:deadbeef") != "key:deadbeef"
     assert Fingerprint.of(~c"SECRET-API-KEY-123") =~ ~r/\Akey:[0-9a-f]{8}\z/
   end
 

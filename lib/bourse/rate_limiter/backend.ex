@@ -72,6 +72,10 @@ defmodule Bourse.RateLimiter.Backend do
   @callback reset_backoff(handle(), credential :: term()) :: :ok | error()
   @callback inspect(handle(), key :: term()) :: map() | nil | error()
   @callback stats(handle()) :: map() | error()
-  @callback busiest(handle(), count :: pos_integer()) :: [{tuple(), map()}] | error()
+  @doc """
+  The `count` busiest keys, each as its `inspect/2` fields with `:exchange`, `:credential`
+  (its fingerprint) and `:axis`.
+  """
+  @callback busiest(handle(), count :: pos_integer()) :: [map()] | error()
   @callback sweep(handle()) :: non_neg_integer() | error()
 end

@@ -99,6 +99,8 @@ defmodule Bourse.RateLimiter.Events do
   def emit(name, event, measurements, metadata)
       when is_atom(event) and is_map(measurements) and
              (is_map(metadata) or is_function(metadata, 0)) do
+    metadata = credential_shown(metadata)
+
     case Router.route(name) do
       {_backend, _handle, events, _pid} -> emit_to(events, event, measurements, metadata)
       {:remote, pid} -> emit_to({:remote, pid}, event, measurements, metadata)
@@ -231,20 +233,23 @@ defmodule Bourse.RateLimiter.Events do
 
   defp prepare(metadata) when is_function(metadata, 0), do: prepare(metadata.())
 
+  # Metadata built here carries fingerprints already (`describe_key/1`, `describe_target/1`);
+  # only a `:key` is left to describe.
   defp prepare(metadata) do
-    {key, metadata} = Map.pop(metadata, :key)
-    metadata = if key, do: Map.merge(describe_key(key), metadata), else: metadata
-
-    case metadata do
-      %{credential: credential} when is_binary(credential) ->
-        if Fingerprint.fingerprint?(credential),
-          do: metadata,
-          else: %{metadata | credential: Fingerprint.of(credential)}
-
-      _ ->
-        metadata
+    case Map.pop(metadata, :key) do
+      {nil, metadata} -> metadata
+      {key, metadata} -> Map.merge(describe_key(key), metadata)
     end
   end
+
+  # The `:credential` a caller of `emit/4` gave, as its fingerprint.
+  defp credential_shown(metadata) when is_function(metadata, 0),
+    do: fn -> credential_shown(metadata.()) end
+
+  defp credential_shown(%{credential: credential} = metadata) when is_binary(credential),
+    do: %{metadata | credential: Fingerprint.of(credential)}
+
+  defp credential_shown(metadata), do: metadata
 
   defp call(%__MODULE__{on_event: nil}, _name, _measurements, _metadata), do: :ok
 

@@ -199,7 +199,7 @@ defmodule Bourse.RateLimiter.Exchange do
   def put_header_limits(name_or_profile, opts \\ [])
 
   def put_header_limits(name, opts) when is_atom(name) do
-    with {:ok, profile} <- profile(name, opts), do: put_header_limits(profile, opts)
+    with {:ok, profile} <- profile(name, opts), do: put_header_limits(profile, [])
   end
 
   def put_header_limits(%{exchange_id: exchange_id, counters: counters}, [])

@@ -177,8 +177,13 @@ impl fmt::Display for Unshown {
 /// notation, whichever is shorter (`0.001`, `1.0e-5`, `1.0e16`).
 pub fn elixir_float(value: f64) -> String {
     if !value.is_finite() {
-        // Not an Elixir value; JSON and Erlang terms cannot carry one.
-        return if value.is_nan() { "NaN" } else { "Infinity" }.into();
+        // No Elixir value: only JSON's numbers past a double's range (`1e999`) read as one.
+        return if value.is_nan() {
+            "NaN"
+        } else {
+            "a number beyond a double"
+        }
+        .into();
     }
     let sign = if value.is_sign_negative() { "-" } else { "" };
     let magnitude = value.abs();

@@ -4,8 +4,8 @@
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-/// The key of [`Keyed`] when no secret is configured: names are then plain (unkeyed)
-/// fingerprints, still one-way.
+/// The key of [`Keyed`] when no secret is configured: names are then HMACs under a key
+/// anyone can read, one-way but not secret.
 const DEFAULT_KEY: &[u8] = b"bourse key names v2";
 
 /// `"key:"` and the first 8 hex digits of the credential's SHA-256, as

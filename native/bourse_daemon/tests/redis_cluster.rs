@@ -185,6 +185,35 @@ fn a_cluster_serves_every_op_shares_buckets_and_keeps_checks_atomic() {
 /// C + r*T; through one with --assume-busy-at-start, a bucket last paid under another master
 /// starts as if empty when the new one took over, and stays within C + r*T.
 #[test]
+fn a_cluster_of_one_node_serves_table_wide_ops() {
+    // Its node never met another, so it shows no address of its own.
+    let Some(cluster) = Cluster::start_one_node() else {
+        return;
+    };
+    let server = Server::tcp(&["--redis-cluster", &cluster.urls()[0]]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 5, "refill_per_sec": 0.001});
+    for exchange in ["one", "two"] {
+        let k = key(exchange, Some("k"));
+        assert_eq!(t.call(check(&k, slow.clone(), 2.0))["result"], "admitted");
+    }
+    let stats = t.call(json!({"op": "stats"}));
+    assert_eq!(stats["stats"]["buckets"], 2, "{stats}");
+    let busiest = t.call(json!({"op": "busiest", "count": 10}));
+    assert_eq!(
+        busiest["keys"].as_array().map(Vec::len),
+        Some(2),
+        "{busiest}"
+    );
+    let reset = t.call(json!({"op": "reset_exchange", "exchange": "one"}));
+    assert_eq!(reset, json!({"ok": true}));
+    assert_eq!(borrowed(&mut t, &key("one", Some("k"))), 0.0);
+    assert!(borrowed(&mut t, &key("two", Some("k"))) > 1.9);
+    assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
+    assert_eq!(borrowed(&mut t, &key("two", Some("k"))), 0.0);
+}
+
+#[test]
 fn a_master_killed_under_load_fails_over() {
     let Some(mut cluster) = Cluster::start(1000) else {
         return;

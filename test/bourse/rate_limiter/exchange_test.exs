@@ -128,6 +128,8 @@ defmodule Bourse.RateLimiter.ExchangeTest do
       name = :"exchange_#{System.unique_integer([:positive])}"
       start_supervised!({RateLimiter, name: name})
       assert :ok = Exchange.put_header_limits(:binance_usdm)
+      # A profile's options go to the profile.
+      assert :ok = Exchange.put_header_limits(:kraken_spot, tier: :pro)
 
       key = {"binance_usdm", "k-#{name}", "ip"}
       assert :ok = RateLimiter.check_rate(key, %{requests: 2400, period: 60_000}, 0, name)

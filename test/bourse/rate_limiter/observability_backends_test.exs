@@ -19,9 +19,11 @@ defmodule Bourse.ObservabilityScenario do
   end
 
   def run(name) do
-    credential = "backend-api-key-#{System.unique_integer([:positive])}"
+    # An API key that looks like a fingerprint is fingerprinted too, and once only.
+    credential = "key:" <> Base.encode16(:crypto.strong_rand_bytes(4), case: :lower)
     key = {"binance", credential, "ip"}
     fingerprint = Fingerprint.of(credential)
+    assert fingerprint != credential
     before = RateLimiter.stats(name)
 
     assert RateLimiter.inspect_key(key, name) == nil

@@ -292,8 +292,11 @@ defmodule Bourse.RateLimiter.ObservabilityTest do
       assert :ok = Events.emit(name, :rate_limited, %{}, fn -> %{credential: @credential} end)
       assert_received {_, %{}, %{credential: ^fingerprint}}
 
+      # An API key that looks like a fingerprint is no exception.
       assert :ok = Events.emit(name, :rate_limited, %{}, %{credential: fingerprint})
-      assert_received {_, %{}, %{credential: ^fingerprint}}
+      shown = Fingerprint.of(fingerprint)
+      assert shown != fingerprint
+      assert_received {_, %{}, %{credential: ^shown}}
 
       assert :ok = Events.emit(:no_such_limiter, :rate_limited, %{}, %{})
     end

@@ -10,6 +10,7 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @behaviour Bourse.RateLimiter.Backend
 
   alias Bourse.Native
+  alias Bourse.RateLimiter.Events
 
   @impl true
   def options([]), do: {:ok, []}
@@ -76,7 +77,16 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @impl true
   defdelegate stats(table), to: Native
   @impl true
-  def busiest(table, count), do: table |> Native.busiest(count) |> answer()
+  def busiest(table, count) do
+    case table |> Native.busiest(count) |> answer() do
+      rows when is_list(rows) ->
+        for {key, info} <- rows, do: Map.merge(info, Events.describe_key(key))
+
+      error ->
+        error
+    end
+  end
+
   @impl true
   defdelegate sweep(table), to: Native
 

@@ -204,12 +204,16 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     end)
   end
 
-  @doc "The `count` keys with the most tokens borrowed (credentials as fingerprints)."
-  @spec busiest(handle(), term()) :: [{tuple(), map()}] | error()
+  @doc """
+  The `count` keys with the most tokens borrowed, each as its `inspect/2` fields with its
+  key's fields (the daemon shows credentials as fingerprints already).
+  """
+  @spec busiest(handle(), term()) :: [map()] | error()
   def busiest(handle, count) do
     shape = fn
       %{"keys" => rows} when is_list(rows) ->
-        for %{"key" => key, "info" => info} <- rows, do: {key_term(key), info(info)}
+        rows = for %{"key" => key, "info" => info} <- rows, do: row(key, info(info))
+        if Enum.member?(rows, :error), do: :error, else: rows
 
       _answer ->
         :error
@@ -337,8 +341,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp atom_keys(_other, _fields), do: :error
 
-  defp key_term(%{"exchange" => exchange, "credential" => credential, "axis" => axis}),
-    do: {exchange, credential || :public, axis}
+  defp row(%{"exchange" => exchange, "credential" => credential, "axis" => axis}, %{} = info),
+    do: Map.merge(info, %{exchange: exchange, credential: credential || :public, axis: axis})
+
+  defp row(_key, _info), do: :error
 
   ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
 

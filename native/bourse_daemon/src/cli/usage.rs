@@ -53,8 +53,8 @@ Storage:
                             as for --redis. Failover: see docs/PROTOCOL.md.
   --redis-key-secret-file P Key of the fingerprints that stand for credentials in Redis key
                             names (else BOURSE_REDIS_KEY_SECRET, else a fixed built-in key:
-                            names are then unkeyed HMAC-SHA256 fingerprints, one-way but
-                            not secret). Every daemon sharing the buckets needs the
+                            names are then HMAC-SHA256 under a key anyone can read, one-way
+                            but not secret). Every daemon sharing the buckets needs the
                             same one.
   --redis-prefix P          Prefix of every Redis key (default bourse; A-Z a-z 0-9 _ - . :).
   --redis-timeout-ms N      Longest wait for Redis per command, connecting included

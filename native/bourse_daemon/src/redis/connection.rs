@@ -7,6 +7,7 @@
 //! A function or script missing on a node (a promoted replica, a restarted node) is loaded
 //! again on every master (see client.rs).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -16,7 +17,8 @@ use ::redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
 };
 use ::redis::{
-    Client, Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value,
+    Client, Cmd, ConnectionAddr, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture,
+    RedisResult, Value,
 };
 
 use super::urls::without_password;
@@ -69,7 +71,8 @@ impl Servers {
 #[derive(Clone)]
 pub enum Connection {
     One(ConnectionManager),
-    Cluster(ClusterConnection),
+    /// The cluster and its seeds' addresses (`host`, `port`).
+    Cluster(ClusterConnection, Arc<[(String, u16)]>),
 }
 
 /// A node a table-wide `SCAN` runs on.
@@ -110,10 +113,14 @@ impl Connection {
                     .map_err(|error| format!("cannot prepare the Redis connection: {error}"))
             }
             Servers::Cluster(seeds) => {
+                let mut addresses = Vec::with_capacity(seeds.len());
                 for seed in seeds {
-                    seed.as_str().into_connection_info().map_err(|error| {
+                    let info = seed.as_str().into_connection_info().map_err(|error| {
                         format!("--redis-cluster {:?}: {error}", without_password(seed))
                     })?;
+                    if let ConnectionAddr::Tcp(host, port) = info.addr() {
+                        addresses.push((host.clone(), *port));
+                    }
                 }
                 let (min_wait, max_wait) = CLUSTER_RETRY_WAIT_MS;
                 let mut builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
@@ -134,20 +141,21 @@ impl Connection {
                     .set_response_timeout(timeout);
                 Ok(Self::Cluster(
                     client.get_pending_async_connection_with_config(config),
+                    addresses.into(),
                 ))
             }
         }
     }
 
     pub fn is_cluster(&self) -> bool {
-        matches!(self, Self::Cluster(_))
+        matches!(self, Self::Cluster(..))
     }
 
     /// The nodes that together hold every key: the server, or each master serving slots.
     pub async fn scan_nodes(&mut self) -> RedisResult<Vec<ScanNode>> {
         match self {
             Self::One(_) => Ok(vec![ScanNode::Server]),
-            Self::Cluster(cluster) => {
+            Self::Cluster(cluster, seeds) => {
                 let mut command = ::redis::cmd("CLUSTER");
                 command.arg("NODES");
                 let text: String = cluster
@@ -157,7 +165,7 @@ impl Connection {
                     )
                     .await
                     .and_then(|value| Ok(String::from_redis_value(value)?))?;
-                Ok(masters(&text))
+                Ok(masters(&text, seeds))
             }
         }
     }
@@ -169,7 +177,7 @@ impl Connection {
         command: &Cmd,
     ) -> RedisResult<T> {
         match (self, node) {
-            (Self::Cluster(cluster), ScanNode::Master { host, port }) => {
+            (Self::Cluster(cluster, _), ScanNode::Master { host, port }) => {
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                     host: host.clone(),
                     port: *port,
@@ -188,7 +196,7 @@ impl ConnectionLike for Connection {
             Self::One(connection) => connection.req_packed_command(command),
             // The crate may load scripts on every node, replicas included: one replica down
             // would then fail the reload. Every master is enough: only masters run them.
-            Self::Cluster(cluster) => {
+            Self::Cluster(cluster, _) => {
                 if is_load(command) {
                     let routing = RoutingInfo::MultiNode((
                         MultipleNodeRoutingInfo::AllMasters,
@@ -210,14 +218,14 @@ impl ConnectionLike for Connection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::One(connection) => connection.req_packed_commands(pipeline, offset, count),
-            Self::Cluster(cluster) => cluster.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(cluster, _) => cluster.req_packed_commands(pipeline, offset, count),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Self::One(connection) => connection.get_db(),
-            Self::Cluster(cluster) => cluster.get_db(),
+            Self::Cluster(cluster, _) => cluster.get_db(),
         }
     }
 }
@@ -235,8 +243,10 @@ fn is_load(command: &Cmd) -> bool {
     )
 }
 
-/// The masters serving slots in a `CLUSTER NODES` answer.
-fn masters(text: &str) -> Vec<ScanNode> {
+/// The masters serving slots in a `CLUSTER NODES` answer. A node that does not know its own
+/// address (a cluster of one node, which never met another) shows an empty host: it is the
+/// seed of its port.
+fn masters(text: &str, seeds: &[(String, u16)]) -> Vec<ScanNode> {
     text.lines()
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -248,10 +258,12 @@ fn masters(text: &str) -> Vec<ScanNode> {
             // ip:port@cport[,hostname]
             let address = fields[1].split(['@', ',']).next()?;
             let (host, port) = address.rsplit_once(':')?;
-            Some(ScanNode::Master {
-                host: host.to_string(),
-                port: port.parse().ok()?,
-            })
+            let port = port.parse().ok()?;
+            let host = match seeds.iter().find(|seed| host.is_empty() && seed.1 == port) {
+                Some((seed, _)) => seed.clone(),
+                None => host.to_string(),
+            };
+            Some(ScanNode::Master { host, port })
         })
         .collect()
 }
@@ -278,6 +290,16 @@ mod tests {
         assert_eq!(cluster_retries(Duration::from_millis(100)), CLUSTER_RETRIES);
         assert_eq!(cluster_retries(Duration::from_secs(5)), 1000);
         assert_eq!(cluster_retries(Duration::from_secs(60)), 12_000);
+    }
+
+    #[test]
+    fn a_node_without_its_own_address_is_the_seed_of_its_port() {
+        let seeds = [("127.0.0.1".to_string(), 7000)];
+        let one_node = "07c3 :7000@17000 myself,master - 0 0 0 connected 0-16383\n";
+        let found = masters(one_node, &seeds);
+        assert!(
+            matches!(&found[..], [ScanNode::Master { host, port: 7000 }] if host == "127.0.0.1")
+        );
     }
 
     #[test]
@@ -339,7 +361,7 @@ d4 127.0.0.1:7004@17004 slave a1 0 0 1 connected
 e5 ::1:7005@17005 master - 0 0 4 connected 10923-16383
 f6 127.0.0.1:7006@17006 master - 0 0 5 connected
 ";
-        let found: Vec<(String, u16)> = masters(nodes)
+        let found: Vec<(String, u16)> = masters(nodes, &[])
             .into_iter()
             .map(|node| match node {
                 ScanNode::Master { host, port } => (host, port),

@@ -98,11 +98,45 @@ impl Cluster {
         Self::start_with(Some(port), node_timeout_ms)
     }
 
-    fn start_with(first_port: Option<u16>, node_timeout_ms: u64) -> Option<Self> {
+    /// A cluster of one master serving every slot, which never met another node: it
+    /// shows no address of its own in `CLUSTER NODES`.
+    pub fn start_one_node() -> Option<Self> {
+        let mut cluster = Self::empty()?;
+        let node = cluster.spawn_listening(None);
+        let port = node.port;
+        cluster.nodes.push(node);
+        let added: Option<String> = node_query(
+            port,
+            ::redis::cmd("CLUSTER")
+                .arg("ADDSLOTSRANGE")
+                .arg(0)
+                .arg(16383),
+        );
+        assert_eq!(added.as_deref(), Some("OK"), "CLUSTER ADDSLOTSRANGE");
+        cluster.wait_healthy();
+        Some(cluster)
+    }
+
+    /// No node yet, in a new directory; `None` without `redis-server`.
+    fn empty() -> Option<Self> {
         if runs("redis-server", &["--version"]).is_none() {
             eprintln!("SKIPPED: no redis-server binary on PATH (make deps installs it)");
             return None;
         }
+        let dir = std::env::temp_dir().join(format!(
+            "bourse-cluster-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).expect("create the cluster directory");
+        Some(Self {
+            nodes: Vec::new(),
+            dir,
+            node_timeout_ms: 2000,
+        })
+    }
+
+    fn start_with(first_port: Option<u16>, node_timeout_ms: u64) -> Option<Self> {
         match runs("redis-cli", &["--cluster", "help"]) {
             Some(help) if help.contains("create") => {}
             Some(_) => {
@@ -114,17 +148,8 @@ impl Cluster {
                 return None;
             }
         }
-        let dir = std::env::temp_dir().join(format!(
-            "bourse-cluster-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&dir).expect("create the cluster directory");
-        let mut cluster = Self {
-            nodes: Vec::new(),
-            dir,
-            node_timeout_ms,
-        };
+        let mut cluster = Self::empty()?;
+        cluster.node_timeout_ms = node_timeout_ms;
         for n in 0..6 {
             let node = cluster.spawn_listening(first_port.filter(|_| n == 0));
             cluster.nodes.push(node);
