@@ -4,6 +4,7 @@ use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC};
 use crate::key::Key;
 use crate::limit::Limit;
 use crate::rules::KEEP_MARGIN_MS;
+use smallvec::SmallVec;
 
 /// The longest wait the table will compute (about 31 years); longer ones saturate here.
 pub(crate) const MAX_WAIT_NS: u64 = 1_000_000_000_000_000_000;
@@ -156,6 +157,33 @@ impl Bucket {
         self.base = after - lead;
         self.base_at = now;
         self.limit = Some(limit);
+    }
+
+    /// Bookings due before `pause_until` (> now: a pause began after they were made) go
+    /// out after it instead, in their order, each keeping its slack: their costs are paid
+    /// again as of their new ready times (the pause's end, or later when the bucket cannot
+    /// cover them all then), as if they had been booked behind the pause. Paid as of their
+    /// old ready times, they would have left the refill of the pause to the traffic waiting
+    /// for its end as well.
+    pub fn hold_bookings(&mut self, pause_until: u64, now: u64) {
+        let Some(limit) = self.limit else { return };
+        let mut held: SmallVec<[usize; 8]> = (0..self.bookings.len())
+            .filter(|&i| self.bookings[i].ready_at < pause_until)
+            .collect();
+        held.sort_by_key(|&i| self.bookings[i].ready_at);
+        for &i in &held {
+            self.base += self.bookings[i].cost;
+        }
+        for &i in &held {
+            let cost = self.bookings[i].cost;
+            let start = self.accrued(&limit, now);
+            let ready = Self::ready_at(&limit, cost, start, now).max(pause_until);
+            self.pay(limit, cost, start, now, ready);
+            let booking = &mut self.bookings[i];
+            let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);
+            booking.ready_at = ready;
+            booking.lapse_at = ready.saturating_add(slack_ns);
+        }
     }
 
     /// Debits `cost` without checking; the bucket may go into debt.

@@ -44,6 +44,10 @@ pub(crate) struct Request {
     pub slack_ns: u64,
 }
 
+/// The end of the pause covering each item of a check (0 for none), or nothing when no
+/// pause lasts past now.
+pub(crate) type ItemPauses = SmallVec<[u64; INLINE_CHECKS]>;
+
 /// Whole milliseconds from `from` to `to`, rounded up, at least 1.
 pub(crate) fn delay_ms(from: u64, to: u64) -> u64 {
     to.saturating_sub(from).div_ceil(NANOS_PER_MS).max(1)
@@ -113,12 +117,14 @@ fn items_signature(items: &[Item]) -> u64 {
     fold_signature(items.iter().map(|item| (item.hash, item.check.cost)))
 }
 
-/// Admits, books or refuses a check over `buckets` (aligned with `items`).
+/// Admits, books or refuses a check over `buckets` (aligned with `items`, and with
+/// `pauses` unless that is empty).
 pub(crate) fn decide(
     buckets: &mut [&mut Bucket],
     items: &[Item],
     stats: &mut Stats,
     request: Request,
+    pauses: &[u64],
 ) -> Outcome {
     let Request {
         owner,
@@ -131,8 +137,12 @@ pub(crate) fn decide(
     let mut ready = now;
     let mut starts: SmallVec<[f64; INLINE_CHECKS]> = SmallVec::new();
     let mut all_booked = true;
-    for (bucket, item) in buckets.iter_mut().zip(items) {
+    for (i, (bucket, item)) in buckets.iter_mut().zip(items).enumerate() {
         stats.lapsed += bucket.drop_lapsed(now) as u64;
+        match pauses.get(i) {
+            Some(&held_until) if held_until > now => bucket.hold_bookings(held_until, now),
+            _ => {}
+        }
         all_booked &= !bucket.bookings.is_empty();
         let start = bucket.start_under(&item.check.limit, now);
         starts.push(start);
@@ -220,8 +230,8 @@ fn pay_all(
     }
 }
 
-/// The caller comes back for its booking: admitted from its ready time, held by a pause
-/// that began since, never charged again.
+/// The caller comes back for its booking: admitted from its ready time (which a pause that
+/// began since moved after it, `Bucket::hold_bookings`), never charged again.
 fn claim(
     buckets: &mut [&mut Bucket],
     stats: &mut Stats,
@@ -258,7 +268,7 @@ fn claim(
         Outcome::Claimed
     } else {
         stats.delayed += 1;
-        stats.paused += u64::from(pause_until > booked_ready);
+        stats.paused += u64::from(pause_until > now);
         Outcome::Delay(delay_ms(now, ready))
     }
 }

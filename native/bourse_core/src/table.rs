@@ -12,7 +12,7 @@ use crate::backoffs::Backoffs;
 use crate::bucket::{Bucket, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
-use crate::engine::{self, delay_ms, Item, Request};
+use crate::engine::{self, delay_ms, Item, ItemPauses, Request};
 use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::Pauses;
@@ -239,10 +239,10 @@ impl<C: Clock> Table<C> {
 
     fn check_item(&self, owner: u64, item: Item, mode: Mode) -> Outcome {
         let mut guard = self.lock(item.hash);
-        let request = self.request(std::slice::from_ref(&item), owner, mode);
+        let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        let outcome = engine::decide(&mut [bucket], &[item], &mut shard.stats, request);
+        let outcome = engine::decide(&mut [bucket], &[item], &mut shard.stats, request, &pauses);
         Self::unlock(guard);
         outcome
     }
@@ -277,7 +277,7 @@ impl<C: Clock> Table<C> {
             }
             item.slot = guards.len() - 1;
         }
-        let request = self.request(items, owner, mode);
+        let (request, pauses) = self.request(items, owner, mode);
         let mut found = self.find_buckets(&mut guards, items, request.now);
         if found.len() < items.len() {
             // First seen: created first, then looked up again (creating may move others).
@@ -294,7 +294,7 @@ impl<C: Clock> Table<C> {
             // allocations, apart from the shards' other fields (the stats borrowed below).
             buckets.push(unsafe { &mut *bucket });
         }
-        let outcome = engine::decide(&mut buckets, items, &mut guards[0].stats, request);
+        let outcome = engine::decide(&mut buckets, items, &mut guards[0].stats, request, &pauses);
         // Every lock released before any table is allocated.
         let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()
@@ -328,16 +328,18 @@ impl<C: Clock> Table<C> {
         found
     }
 
-    /// What a check of `items` needs besides its buckets, as of now. Called with the
+    /// What a check of `items` needs besides its buckets, as of now, and the end of the
+    /// pause covering each item (none when no pause lasts past now). Called with the
     /// buckets' shards locked: a caller preempted before the lock reads the time after it,
     /// so no bucket is ever paid as of an instant before its last payment.
-    fn request(&self, items: &[Item], owner: u64, mode: Mode) -> Request {
+    fn request(&self, items: &[Item], owner: u64, mode: Mode) -> (Request, ItemPauses) {
         let now = self.clock.now();
-        Request {
+        let pauses = self.pauses_of(items, now);
+        let request = Request {
             owner,
             mode,
             now,
-            pause_until: self.pause_until(items, now),
+            pause_until: pauses.iter().copied().max().unwrap_or(0),
             slack_ns: match mode {
                 Mode::Wait {
                     booking_slack_ms: Some(ms),
@@ -346,7 +348,8 @@ impl<C: Clock> Table<C> {
                 _ => self.config.booking_slack_ms,
             }
             .saturating_mul(NANOS_PER_MS),
-        }
+        };
+        (request, pauses)
     }
 
     /// The bucket of `item`, created (or first defined) under the item's limit if needed.
@@ -615,17 +618,17 @@ impl<C: Clock> Table<C> {
             .remove(&KeyRef::new(exchange, credential, b""));
     }
 
-    /// The end of the latest pause covering any of `items`, or 0.
-    fn pause_until(&self, items: &[Item], now: u64) -> u64 {
+    /// The end of the latest pause covering each of `items` (0 for none); none at all
+    /// when no pause lasts past `now`.
+    fn pauses_of(&self, items: &[Item], now: u64) -> ItemPauses {
         if self.pause_horizon.load(Ordering::Relaxed) <= now {
-            return 0;
+            return ItemPauses::new();
         }
         let pauses = self.pauses.read();
         items
             .iter()
             .map(|item| pauses.until(&item.check.key, item.hash))
-            .max()
-            .unwrap_or(0)
+            .collect()
     }
 
     fn pause_ms(&self, key: &KeyRef, hash: u64, now: u64) -> Option<u64> {

@@ -432,6 +432,65 @@ fn a_pause_that_starts_after_booking_holds_the_claim() {
 }
 
 #[test]
+fn bookings_a_pause_held_and_the_traffic_behind_it_fit_the_bucket_at_its_end() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    for _ in 0..10 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    // Ten waiters book the next ten tokens; a 429 then pauses the exchange for 2 s.
+    for owner in 0..10 {
+        assert_eq!(
+            wait(&t, 100 + owner, "request", l, 1.0),
+            Outcome::Booked(100 * (owner + 1))
+        );
+    }
+    clock.advance_ms(50);
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 2_000)
+        .unwrap();
+    // Each comes back at its ready time and is held to the pause's end.
+    for owner in 0..10 {
+        clock.advance_ms(if owner == 0 { 50 } else { 100 });
+        let left = 2_050 - 100 * (owner + 1);
+        assert_eq!(
+            wait(&t, 100 + owner, "request", l, 1.0),
+            Outcome::Delay(left)
+        );
+    }
+    clock.advance_ms(1_050);
+    for owner in 0..10 {
+        assert_eq!(wait(&t, 100 + owner, "request", l, 1.0), Outcome::Claimed);
+    }
+    // The bucket refilled during the pause, but the ten it held took those tokens:
+    // nothing more goes out with them.
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+    clock.advance_ms(1_000);
+    for _ in 0..10 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+}
+
+#[test]
+fn a_short_pause_charges_a_held_booking_nothing_more() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    for _ in 0..10 {
+        assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    }
+    assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Booked(500));
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 600)
+        .unwrap();
+    clock.advance_ms(500);
+    assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Delay(100));
+    clock.advance_ms(100);
+    assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Claimed);
+    // 6 s of refill less the booking's 5: one token, as without the pause.
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
+}
+
+#[test]
 fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);

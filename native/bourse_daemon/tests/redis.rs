@@ -387,6 +387,36 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
+/// A pause that began after waiters booked holds them to its end, and they take what
+/// refilled meanwhile: traffic waiting for the pause's end does not go out beside them.
+#[test]
+fn bookings_a_pause_held_and_the_traffic_behind_it_fit_the_bucket() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("okx", Some("held"));
+    let limit = json!({"capacity": 10, "refill_per_sec": 10});
+    assert_eq!(t.call(check(&k, limit.clone(), 10.0))["result"], "admitted");
+    let waiter = |owner: u64| json!({"op": "check", "key": k, "limit": limit, "owner": owner, "max_wait_ms": 5000});
+    for owner in 0..10 {
+        assert_eq!(t.call(waiter(owner))["result"], "booked");
+    }
+    let pause = json!({"op": "pause", "target": {"exchange": "okx"}, "ms": 1500});
+    assert_eq!(t.call(pause)["ok"], true);
+    let started = std::time::Instant::now();
+    for owner in 0..10 {
+        let held = t.call(waiter(owner));
+        assert_eq!(held["result"], "delay", "{held}");
+        about(ms(&held), 1500, "a booking held to the pause's end");
+    }
+    sleep_ms(1500u64.saturating_sub(started.elapsed().as_millis() as u64) + 20);
+    let claimed = (0..10).filter(|&owner| t.call(waiter(owner))["result"] == "claimed");
+    assert_eq!(claimed.count(), 10);
+    // Paid again as of the pause's end, the ten leave the bucket empty then.
+    let behind = t.call(check(&k, limit.clone(), 5.0));
+    assert_eq!(behind["result"], "delay", "{behind}");
+}
+
 #[test]
 fn multi_bucket_checks_pauses_resets_and_sync() {
     let Some(redis) = Redis::start() else { return };

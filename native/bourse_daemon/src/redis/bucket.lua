@@ -18,7 +18,8 @@
 --   P:{E}:b:C:A  hash    c, r: the definition (absent while the key only has debt);
 --                        b, t: b + r * (now - t) tokens have accrued since the last payment;
 --                        f: the credential's shown fingerprint ("key:" and 8 hex digits);
---                        w:<booking id>: "<ready_at> <cost>" of each booking
+--                        w:<booking id>: "<ready_at> <cost>" of each booking;
+--                        h: the pause end its bookings were last moved behind
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
@@ -343,8 +344,62 @@ local function pay(item, now, at)
   save(item.key, bucket)
 end
 
+-- Bookings due before `held_until` (> now: a pause began after they were made) go out after
+-- it instead, in their order, each keeping its slack: their costs are paid again as of
+-- their new ready times (the pause's end, or later when the bucket cannot cover them all
+-- then), as if booked behind the pause (bourse_core's Bucket::hold_bookings). Returns the
+-- booking of `id` on this bucket as it now is.
+local function hold_bookings(item, held_until, now, id, booking)
+  local bucket = item.bucket
+  local until_text = fmt(held_until)
+  if item.unbooked or not bucket.c or redis.call('HGET', item.key, 'h') == until_text then
+    return booking
+  end
+  redis.call('HSET', item.key, 'h', until_text)
+  local lapse_of = {}
+  local lapses = redis.call('ZRANGE', item.wkey, '0', '-1', 'WITHSCORES')
+  for j = 1, #lapses, 2 do
+    lapse_of[lapses[j]] = tonumber(lapses[j + 1])
+  end
+  local held = {}
+  local fields = redis.call('HGETALL', item.key)
+  for j = 1, #fields, 2 do
+    local booked = fields[j]:match('^w:(.*)$')
+    local ready, cost = fields[j + 1]:match('^(%S+) (%S+)$')
+    ready = tonumber(ready)
+    if booked and lapse_of[booked] and ready and ready < held_until then
+      held[#held + 1] = {
+        id = booked,
+        ready = ready,
+        cost = tonumber(cost),
+        cost_text = cost,
+        slack = lapse_of[booked] - ready,
+      }
+      bucket.b = bucket.b + tonumber(cost)
+    end
+  end
+  table.sort(held, function(x, y) return x.ready < y.ready end)
+  for _, b in ipairs(held) do
+    local start = accrued(bucket, now)
+    local cap = math.max(bucket.c, b.cost)
+    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), held_until)
+    local lead = bucket.r * ((ready - now) / 1e6)
+    bucket.b = math.min(math.min(start, cap) + lead, cap) - b.cost - lead
+    bucket.t = now
+    bucket.dirty = true
+    local text = fmt(ready) .. ' ' .. b.cost_text
+    redis.call('HSET', item.key, 'w:' .. b.id, text)
+    redis.call('ZADD', item.wkey, fmt(ready + b.slack), b.id)
+    if b.id == id then
+      booking = text
+    end
+  end
+  return booking
+end
+
 -- The caller's booking for this check was found on every bucket: admitted from its ready
--- time (held by a pause that began since), never charged again.
+-- time (a pause that began since moved it after itself: `hold_bookings`), never charged
+-- again.
 local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
   local ready = math.max(booked_ready, pause_until)
   for _, item in ipairs(items) do
@@ -368,7 +423,7 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
   if ready <= now then
     return answer('claimed', 0, 0, lapsed)
   end
-  return answer('delay', delay_ms(now, ready), pause_until > booked_ready and 1 or 0, lapsed)
+  return answer('delay', delay_ms(now, ready), pause_until > now and 1 or 0, lapsed)
 end
 
 -- checks: several independent checks in one call, run one after another at one `now`,
@@ -522,15 +577,22 @@ decide = function(now, k, at)
     item.bucket = bucket
     local dropped, booking_lapsed = drop_lapsed(item, now, id)
     lapsed = lapsed + dropped
+    if booking_lapsed then
+      booking = nil
+    end
+    local held_until = pause_end(pauses, ARGV[a + 5], ARGV[a + 6])
+    if held_until > now then
+      booking = hold_bookings(item, held_until, now, id, booking)
+    end
     if claim_ready then
-      item.booking = not booking_lapsed and booking or nil
+      item.booking = booking
       if item.booking then
         claim_ready = math.max(claim_ready, tonumber(item.booking:match('^(%S+)')))
       else
         claim_ready = nil
       end
     end
-    pause_until = math.max(pause_until, pause_end(pauses, ARGV[a + 5], ARGV[a + 6]))
+    pause_until = math.max(pause_until, held_until)
     item.start = start_under(bucket, item.c, item.r, now)
     ready = math.max(ready, ready_at(item, now))
     items[i] = item
