@@ -36,7 +36,11 @@ defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},
 {"requests": n, "period": ms}, {"requests": n} (period 1000 ms) or None (no limit).
 
 One client holds one connection and sends one request at a time (a lock makes it safe to
-share between threads; give each busy thread its own client for throughput). Bookings
+share between threads; give each busy thread its own client for throughput). A client is
+not shared across fork(): in a child process it raises ConnectionError (open a new one
+there). A call ends within ``timeout`` (TimeoutError); a call that failed while its answer
+was on its way (timeout, interrupt, lost connection) closes the client, and a request the
+daemon reads after its caller stopped waiting is not run. Bookings
 belong to an owner: by default wait() uses a fresh owner per call; check() with
 max_wait_ms and no owner uses the connection. The wire protocol is docs/PROTOCOL.md
 (version 1, newline-delimited JSON).
@@ -73,19 +77,25 @@ _ALL = object()
 
 
 class BourseError(Exception):
-    """An error answer from the daemon (``type`` is e.g. "invalid_parameters")."""
+    """An error answer from the daemon (``type`` is e.g. "invalid_parameters"); ``exchange``
+    is the request's exchange when the daemon could read it, as in ``%Bourse.Error{}``."""
 
-    def __init__(self, type: str, message: str):
+    def __init__(self, type: str, message: str, exchange: Optional[str] = None):
         super().__init__(f"{type}: {message}")
         self.type = type
         self.message = message
+        self.exchange = exchange
 
 
 class RateLimitExceeded(BourseError):
-    """wait() would have to wait longer than its budget; nothing was paid."""
+    """wait() would have to wait longer than what is left of its budget. Told so at once,
+    it paid nothing; told so after it booked (a pause began since), its booking stays paid,
+    as Elixir's wait_for_capacity/5 answers it."""
 
-    def __init__(self, retry_after: int):
-        super().__init__("rate_limit_exceeded", f"the wait of {retry_after} ms exceeds max_wait_ms")
+    def __init__(self, retry_after: int, exchange: Optional[str] = None,
+                 message: Optional[str] = None):
+        super().__init__("rate_limit_exceeded",
+                         message or f"waiting {retry_after} ms exceeds max_wait_ms", exchange)
         self.retry_after = retry_after
 
 
@@ -104,7 +114,27 @@ class Decision(NamedTuple):
 
 def key(exchange: str, credential: Optional[str], axis: str = "request") -> dict:
     """A key object; credential None is the public pool."""
-    return {"exchange": exchange, "credential": credential, "axis": axis}
+    return {"exchange": _part(exchange), "credential": _part(credential), "axis": _part(axis)}
+
+
+# The longest key part (bytes of UTF-8), and the most checks of one check_many.
+_MAX_PART_BYTES = 1024
+_MAX_CHECKS = 1024
+
+
+def _part(value: Any) -> Any:
+    """A key part as the daemon is to judge it: a string that cannot be one (longer than
+    1024 bytes, or not UTF-8: a lone surrogate) goes as its shape, as the Elixir client
+    sends such binaries, so it is refused as from Elixir ("got a binary of N bytes") and
+    a misplaced API key, however long, never travels or outgrows a frame."""
+    if isinstance(value, str):
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError:
+            return {"$term": "binary", "size": len(value.encode("utf-8", "surrogatepass"))}
+        if size > _MAX_PART_BYTES:
+            return {"$term": "binary", "size": size}
+    return value
 
 
 class BourseClient:
@@ -124,10 +154,24 @@ class BourseClient:
         except OSError:
             self._sock.close()
             raise
-        self._reader = self._sock.makefile("rb")
+        self._timeout = timeout
+        self._buffer = bytearray()
         self._lock = threading.Lock()
         self._next_id = 0
-        hello = self.hello()
+        self._closed = False
+        # The process that connected: after fork() parent and child would share one
+        # connection (and one sequence of ids) and read each other's answers.
+        self._pid = os.getpid()
+        self._max_frame_bytes: Optional[int] = None
+        # The tightest lower bound of (daemon clock - our clock) in µs the hellos proved.
+        self._offset_us: Optional[int] = None
+        try:
+            hello = self.hello()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(hello.get("max_frame_bytes"), int):
+            self._max_frame_bytes = hello["max_frame_bytes"]
         if hello.get("protocol") != PROTOCOL_VERSION:
             self.close()
             raise BourseError("protocol", f"the daemon speaks protocol {hello.get('protocol')!r}, "
@@ -154,31 +198,100 @@ class BourseClient:
     # -- plumbing ---------------------------------------------------------------------------
 
     def request(self, op: str, **fields: Any) -> dict:
-        """Sends one request and returns its answer; raises BourseError on an error answer."""
+        """Sends one request and returns its answer; raises BourseError on an error answer.
+
+        The whole call (sending included) ends within the client's ``timeout``; the request
+        carries that moment (``deadline_us``, ``timeout_ms``), so a daemon that reads it too
+        late (it was stopped) does not run it. Any failure between sending and reading the
+        whole answer closes the client: its next answer could not be paired with its request.
+        """
+        self._usable()
         with self._lock:
+            self._usable()
             self._next_id += 1
             request_id = self._next_id
             # The id first: the daemon attributes even a malformed frame by it.
-            line = json.dumps({"id": request_id, "op": op, **fields}, allow_nan=False)
+            body = {"id": request_id, "op": op, **fields}
+            started = time.monotonic()
+            deadline = None if self._timeout is None else started + self._timeout
+            if deadline is not None and self._offset_us is not None and op not in ("hello", "auth"):
+                body["deadline_us"] = max(0, _us(started) + self._offset_us + int(self._timeout * 1e6))
+                body["timeout_ms"] = max(1, int(self._timeout * 1000))
+            line = json.dumps(body, allow_nan=False).encode()
+            if self._max_frame_bytes is not None and len(line) > self._max_frame_bytes:
+                raise BourseError("invalid_parameters",
+                                  f"the request is {len(line)} bytes encoded, more than the daemon "
+                                  f"accepts ({self._max_frame_bytes}, its --max-frame-bytes)",
+                                  _exchange_of(fields))
             try:
-                self._sock.sendall(line.encode() + b"\n")
-                raw = self._reader.readline()
-            except OSError:
-                # A timeout mid-answer would pair later answers with the wrong requests.
+                self._send(line + b"\n", deadline)
+                raw = self._read_line(deadline)
+                read_us = _us(time.monotonic())
+                if not raw:
+                    raise ConnectionError("bourse_daemon closed the connection")
+                try:
+                    answer = json.loads(raw)
+                except ValueError:
+                    answer = None
+                if not isinstance(answer, dict):
+                    raise BourseError("protocol", f"not an answer of bourse_daemon "
+                                                  f"({len(raw)} bytes that are not a JSON object)")
+                if answer.get("id") != request_id and not ("id" not in answer and not answer.get("ok")):
+                    raise BourseError("protocol",
+                                      f"answer for id {answer.get('id')!r}, expected {request_id}")
+            except BaseException:
+                # A timeout, an interrupt (KeyboardInterrupt, a signal handler's exception)
+                # or a stray answer: the next answer read would belong to another request.
                 self.close()
                 raise
-        if not raw:
-            raise ConnectionError("bourse_daemon closed the connection")
-        answer = json.loads(raw)
-        if not answer.get("ok"):
-            error = answer.get("error") or {}
-            raise BourseError(error.get("type", "unknown"), error.get("message", repr(answer)))
-        if answer.get("id") != request_id:
-            raise BourseError("protocol", f"answer for id {answer.get('id')!r}, expected {request_id}")
-        return answer
+            if not answer.get("ok"):
+                if "id" not in answer:
+                    # frame_too_large (and any error the daemon could not attribute) ends
+                    # the connection on the daemon's side.
+                    self.close()
+                error = answer.get("error") or {}
+                raise BourseError(error.get("type", "unknown"), error.get("message", repr(answer)),
+                                  error.get("exchange"))
+            if op == "hello" and isinstance(answer.get("clock_us"), int):
+                offset = answer["clock_us"] - read_us
+                if self._offset_us is None or offset > self._offset_us:
+                    self._offset_us = offset
+            return answer
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ConnectionError("this BourseClient is closed; open a new one")
+        if os.getpid() != self._pid:
+            raise ConnectionError(f"this BourseClient was connected by process {self._pid}; "
+                                  "after fork() open a new BourseClient in each process")
+
+    def _send(self, data: bytes, deadline: Optional[float]) -> None:
+        self._sock.settimeout(_left(deadline))
+        self._sock.sendall(data)
+
+    def _read_line(self, deadline: Optional[float]) -> bytes:
+        """One answer line (b"" when the daemon closed the connection), read within
+        ``deadline`` as a whole and at most ``_MAX_ANSWER_BYTES`` long."""
+        scanned = 0
+        while True:
+            end = self._buffer.find(b"\n", scanned)
+            if end >= 0:
+                line = bytes(self._buffer[:end + 1])
+                del self._buffer[:end + 1]
+                return line
+            scanned = len(self._buffer)
+            if scanned > _MAX_ANSWER_BYTES:
+                raise BourseError("protocol", f"an answer longer than {_MAX_ANSWER_BYTES} bytes")
+            self._sock.settimeout(_left(deadline))
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                return b""
+            self._buffer += chunk
 
     def close(self) -> None:
-        self._reader.close()
+        """Closes the connection (again: nothing). In a child process after fork() it closes
+        only the child's copy of the socket."""
+        self._closed = True
         self._sock.close()
 
     def __enter__(self) -> "BourseClient":
@@ -206,6 +319,12 @@ class BourseClient:
                    max_wait_ms: Optional[int] = None) -> Decision:
         """All-or-nothing over several (key(...), limit, cost) buckets."""
         fields: dict = {"checks": [{"key": k, "limit": lim, "cost": c} for k, lim, c in checks]}
+        if len(fields["checks"]) > _MAX_CHECKS:
+            # As Elixir refuses it, before anything travels.
+            raise BourseError("invalid_parameters",
+                              f"checks must be a list of at most {_MAX_CHECKS} {{key, limit, cost}}, "
+                              f"got a list of more than {_MAX_CHECKS} elements",
+                              _exchange_of(fields))
         _options(fields, owner, max_wait_ms)
         return _decision(self.request("check_many", **fields))
 
@@ -213,16 +332,35 @@ class BourseClient:
              axis: str = "request", max_wait_ms: int = 5000,
              owner: Union[str, int, None] = None) -> float:
         """Blocks until admitted; returns the seconds waited. Raises RateLimitExceeded at
-        once, paying nothing, if the wait would exceed max_wait_ms."""
+        once, paying nothing, if the wait would exceed max_wait_ms. The budget covers the
+        whole call, as Elixir's wait_for_capacity/5: a pause that began after the booking
+        and outlasts what is left of the budget raises RateLimitExceeded (the booking stays
+        paid); a booking that lapsed (the caller woke too late) is made again only within
+        what is left."""
         owner = uuid.uuid4().hex if owner is None else owner
         started = time.monotonic()
+        slept_since: Optional[int] = None
+        k = key(exchange, credential, axis)
         while True:
-            decision = self.check(exchange, credential, limit, cost, axis, owner, max_wait_ms)
+            if slept_since is None:
+                left = max_wait_ms
+            else:
+                left = max(max_wait_ms - (_ms(time.monotonic()) - slept_since), 0)
+            fields: dict = {"key": k, "limit": limit, "cost": cost, "owner": owner}
+            if slept_since is None or left > 0:
+                # The first check sends the budget as given: the daemon judges it (None, 0,
+                # a float... are invalid_parameters, as from Elixir).
+                fields["max_wait_ms"] = left
+            decision = _decision(self.request("check", **fields))
             if decision.admitted:
                 return time.monotonic() - started
-            if decision.result == "over_budget":
-                raise RateLimitExceeded(decision.ms)
+            if decision.result == "over_budget" or decision.ms > left:
+                budget = _budget(left, max_wait_ms, slept_since is None)
+                raise RateLimitExceeded(decision.ms, exchange,
+                                        f"{exchange}: waiting {decision.ms} ms exceeds {budget}")
             # booked: sleep until ready, then claim; delay: a pause began since, sleep again.
+            if slept_since is None:
+                slept_since = _ms(time.monotonic())
             time.sleep(decision.ms / 1000)
 
     def record(self, exchange: str, credential: Optional[str], cost: float = 1,
@@ -240,7 +378,7 @@ class BourseClient:
 
     def reset_exchange(self, exchange: str) -> None:
         """Forgets every key of one exchange."""
-        self.request("reset_exchange", exchange=exchange)
+        self.request("reset_exchange", exchange=_part(exchange))
 
     def reset_all(self) -> None:
         self.request("reset_all")
@@ -249,11 +387,11 @@ class BourseClient:
               axis: Optional[str] = None) -> None:
         """Holds every bucket of the exchange, of one credential (None: the public pool), or
         of one key (with axis) for ms milliseconds, for every client."""
-        target: dict = {"exchange": exchange}
+        target: dict = {"exchange": _part(exchange)}
         if credential is not _ALL:
-            target["credential"] = credential
+            target["credential"] = _part(credential)
             if axis is not None:
-                target["axis"] = axis
+                target["axis"] = _part(axis)
         elif axis is not None:
             raise ValueError("pause: an axis needs a credential")
         self.request("pause", target=target, ms=ms)
@@ -271,6 +409,55 @@ class BourseClient:
 
     def sweep(self) -> int:
         return self.request("sweep")["dropped"]
+
+
+# The longest answer line read (busiest(10000) answers a few MB).
+_MAX_ANSWER_BYTES = 64 << 20
+
+
+def _us(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """The socket timeout that ends an operation at ``deadline`` (None: no deadline)."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("bourse_daemon did not answer within the client's timeout")
+    return left
+
+
+def _budget(left: int, max_wait_ms: int, first: bool) -> str:
+    """The budget as Elixir's over-budget message names it."""
+    if first or left == max_wait_ms:
+        return f"max_wait_ms {max_wait_ms}"
+    if left == 0:
+        return f"max_wait_ms {max_wait_ms}, already waited"
+    return f"the {left} ms left of max_wait_ms {max_wait_ms}"
+
+
+def _exchange_of(fields: dict) -> Optional[str]:
+    """The exchange a request names, as Elixir reads it for errors raised in the caller:
+    the key's (or target's) exchange; of several checks, theirs if the first 1024 name
+    exactly one."""
+    def of(candidate: Any) -> Optional[str]:
+        if isinstance(candidate, dict) and isinstance(candidate.get("exchange"), str):
+            return candidate["exchange"]
+        return None
+    if isinstance(fields.get("checks"), list):
+        named = {of(c.get("key")) for c in fields["checks"][:_MAX_CHECKS] if isinstance(c, dict)}
+        named.discard(None)
+        return named.pop() if len(named) == 1 else None
+    for candidate in (fields.get("key"), fields.get("target")):
+        if of(candidate) is not None:
+            return of(candidate)
+    return fields["exchange"] if isinstance(fields.get("exchange"), str) else None
 
 
 def _options(fields: dict, owner: Union[str, int, None], max_wait_ms: Optional[int]) -> None:

@@ -6,9 +6,13 @@ built with `cargo build -p bourse_daemon`.
 """
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import unittest
 from pathlib import Path
 
@@ -154,6 +158,197 @@ class BourseClientTest(unittest.TestCase):
         ]
         admitted = sum(int(worker.communicate(timeout=60)[0]) for worker in workers)
         self.assertEqual(admitted, 30)
+
+
+class Interrupted(Exception):
+    """Raised by a SIGALRM handler, as signal-based timeouts in bots do."""
+
+
+class BourseClientFailureTest(unittest.TestCase):
+    """What a bot meets: fork(), interrupted calls, a stopped daemon, pauses that outlast a
+    waiter's budget, requests too large for a frame, something else on the address."""
+
+    def setUp(self):
+        self.daemon = Daemon()
+        self.client = BourseClient(self.daemon.socket, timeout=5)
+
+    def tearDown(self):
+        self.client.close()
+        try:
+            os.kill(self.daemon.process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.assertEqual(self.daemon.stop(), 0)
+
+    def test_a_forked_child_does_not_read_the_parents_answers(self):
+        # Parent and child would share one connection and one sequence of ids: each could
+        # be handed the other's answer (the child told "admitted" for a full bucket).
+        self.client.check("x", "child", {"capacity": 1, "refill_per_sec": 0.001})
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                result = self.client.check("x", "child", SLOW).result
+            except ConnectionError as error:
+                result = "ConnectionError " + str(error)
+            except BaseException as error:
+                result = type(error).__name__
+            os.write(write, result.encode())
+            os._exit(0)
+        os.close(write)
+        self.assertTrue(self.client.check("x", "parent", None).admitted)
+        os.waitpid(pid, 0)
+        child = os.read(read, 1000).decode()
+        os.close(read)
+        self.assertTrue(child.startswith("ConnectionError"), child)
+        self.assertIn("fork()", child)
+        self.assertTrue(self.client.check("x", "parent", None).admitted)
+
+    def test_an_interrupted_call_closes_the_client(self):
+        # A call interrupted while it waits for its answer leaves that answer unread: the
+        # client must not pair it with the next request.
+        def interrupt(*_):
+            raise Interrupted()
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            os.kill(self.daemon.process.pid, signal.SIGSTOP)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with self.assertRaises(Interrupted):
+                self.client.check("binance", "a", None)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            os.kill(self.daemon.process.pid, signal.SIGCONT)
+        time.sleep(0.1)
+        with self.assertRaises(ConnectionError):
+            self.client.check("binance", "b", {"capacity": -1, "refill_per_sec": 1})
+        with self.assertRaises(ConnectionError):
+            self.client.check("binance", "c", None)
+
+    def test_a_call_that_timed_out_is_not_run_when_the_daemon_resumes(self):
+        client = BourseClient(self.daemon.socket, timeout=0.5)
+        os.kill(self.daemon.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with self.assertRaises(TimeoutError):
+            client.check("stopped", "k", {"capacity": 5, "refill_per_sec": 0.001}, cost=5)
+        self.assertLess(time.monotonic() - started, 1.5)
+        os.kill(self.daemon.process.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        self.assertEqual(self.client.get_cost("stopped", "k"), 0)
+        with self.assertRaises(ConnectionError):
+            client.check("stopped", "k", None)
+
+    def test_the_budget_of_wait_covers_a_pause_begun_after_booking(self):
+        limit = {"capacity": 1, "refill_per_sec": 2}
+        self.client.check("e", "k", limit)
+        with BourseClient(self.daemon.socket) as other:
+            threading.Timer(0.1, lambda: other.pause("e", 10_000)).start()
+            started = time.monotonic()
+            with self.assertRaises(RateLimitExceeded) as raised:
+                self.client.wait("e", "k", limit, max_wait_ms=2000)
+            self.assertLess(time.monotonic() - started, 2.0)
+            self.assertGreater(raised.exception.retry_after, 2000)
+            self.assertEqual(raised.exception.exchange, "e")
+            self.assertRegex(raised.exception.message,
+                             r"^e: waiting \d+ ms exceeds the \d+ ms left of max_wait_ms 2000$")
+            # Its booking stays paid, as Elixir's wait_for_capacity leaves it.
+            self.assertEqual(other.inspect("e", "k")["bookings"], 1)
+
+    def test_wait_messages_and_budgets_as_elixir(self):
+        with self.assertRaises(RateLimitExceeded) as raised:
+            self.client.wait("binance", "k", SLOW, cost=31, max_wait_ms=10)
+        self.assertEqual(raised.exception.exchange, "binance")
+        self.assertRegex(raised.exception.message, r"^binance: waiting \d+ ms exceeds max_wait_ms 10$")
+        with self.assertRaises(BourseError) as raised:
+            self.client.wait("binance", "k", SLOW, max_wait_ms=None)
+        self.assertEqual(raised.exception.type, "invalid_parameters")
+        self.assertEqual(raised.exception.message,
+                         "max_wait_ms must be an integer from 1 to 4294967295, got nil")
+
+    def test_errors_carry_the_exchange(self):
+        with self.assertRaises(BourseError) as raised:
+            self.client.check("binance", 123, SLOW)
+        self.assertEqual(raised.exception.exchange, "binance")
+
+    def test_requests_too_large_for_a_frame_are_refused_and_the_client_goes_on(self):
+        with self.assertRaises(BourseError) as raised:
+            self.client.check("binance", "S" * (1 << 20), SLOW)
+        self.assertEqual(raised.exception.type, "invalid_parameters")
+        self.assertEqual(raised.exception.message,
+                         "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, "
+                         "got a binary of 1048576 bytes")
+        many = [(key("binance", "k%d" % i), SLOW, 1) for i in range(500)]
+        with self.assertRaises(BourseError) as raised:
+            self.client.check_many(many)
+        self.assertEqual(raised.exception.type, "invalid_parameters")
+        self.assertIn("--max-frame-bytes", raised.exception.message)
+        with self.assertRaises(BourseError) as raised:
+            self.client.check_many([(key("b", "k"), SLOW, 1)] * 1025)
+        self.assertEqual(raised.exception.message,
+                         "checks must be a list of at most 1024 {key, limit, cost}, "
+                         "got a list of more than 1024 elements")
+        self.assertEqual(raised.exception.exchange, "b")
+        self.assertTrue(self.client.check("binance", "k", SLOW).admitted)
+        self.assertEqual(self.client.stats()["invalid"], 1)
+
+    def test_a_closed_client_says_so(self):
+        self.client.close()
+        self.client.close()
+        with self.assertRaisesRegex(ConnectionError, "closed"):
+            self.client.check("binance", "k", SLOW)
+
+
+class ImpostorTest(unittest.TestCase):
+    """Something else listens on the daemon's address."""
+
+    def serve(self, handler):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        self.addCleanup(listener.close)
+
+        def accept():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            with connection:
+                try:
+                    connection.recv(100)
+                    handler(connection)
+                except OSError:
+                    pass
+        threading.Thread(target=accept, daemon=True).start()
+        return listener.getsockname()
+
+    def test_an_endless_line_is_refused_not_buffered(self):
+        # 72 MiB without a newline (then the peer closes): past the client's bound on an
+        # answer line. (Unbounded, it would be read whole into memory.)
+        def endless(connection):
+            for _ in range(72 * 16):
+                connection.sendall(b"x" * 65536)
+        address = self.serve(endless)
+        with self.assertRaises(BourseError) as raised:
+            BourseClient(address, timeout=10)
+        self.assertEqual(raised.exception.type, "protocol")
+
+    def test_a_trickle_ends_within_the_timeout(self):
+        def trickle(connection):
+            for _ in range(30):
+                connection.sendall(b" ")
+                time.sleep(0.2)
+        address = self.serve(trickle)
+        started = time.monotonic()
+        with self.assertRaises(TimeoutError):
+            BourseClient(address, timeout=1)
+        self.assertLess(time.monotonic() - started, 2)
+
+    def test_an_answer_that_is_not_json_is_a_bourse_error(self):
+        address = self.serve(lambda connection: connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"))
+        with self.assertRaises(BourseError) as raised:
+            BourseClient(address, timeout=2)
+        self.assertEqual(raised.exception.type, "protocol")
 
 
 if __name__ == "__main__":
