@@ -476,6 +476,37 @@ fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
     tcp.join().unwrap();
 }
 
+/// A client that adds a byte now and then to a frame it never ends sends no request: it
+/// is idle, and gives its slot back after the idle timeout, on a Unix socket as over TCP
+/// once proved. (Were any byte activity, such clients would hold every slot for ever.)
+#[test]
+fn a_frame_that_never_ends_gives_its_slot_back_after_the_idle_timeout() {
+    let socket = common::temp_path("never-ending-frame.sock");
+    let daemon = common::Server::start(&[
+        "--socket",
+        socket.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--idle-timeout-ms",
+        "500",
+        "--max-connections",
+        "2",
+    ]);
+    let unix = common::never_ending_frame(UnixStream::connect(&socket).unwrap());
+    let proved = daemon.connect();
+    let tcp = common::never_ending_frame(proved.stream.try_clone().unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    let mut refused = LineClient::new(UnixStream::connect(&socket).unwrap());
+    assert_eq!(refused.call(json!({"op": "hello"}))["error"]["type"], "unavailable");
+    // Well before the never-ending frames give up (10 s).
+    assert!(
+        common::served_within(&socket, Duration::from_secs(5)),
+        "no new client served while the never-ending frames go on"
+    );
+    let (unix_closed, tcp_closed) = (unix.join().unwrap(), tcp.join().unwrap());
+    assert!(unix_closed && tcp_closed, "still open: unix {} tcp {}", !unix_closed, !tcp_closed);
+}
+
 /// Before it proves the secret a client is told `unauthorized` for any request but `hello`
 /// and `auth`, a request already past its deadline included, and what it sends is not
 /// counted in the daemon's counters: anyone may connect, only clients count.

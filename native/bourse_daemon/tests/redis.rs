@@ -799,6 +799,24 @@ fn a_client_that_stops_reading_gives_its_slot_back() {
     flood.join().unwrap();
 }
 
+/// With `--redis`, a client that adds a byte now and then to a frame it never ends sends
+/// no request: it gives its slot back after the idle timeout.
+#[test]
+fn a_frame_that_never_ends_gives_its_slot_back() {
+    let Some(redis) = Redis::start() else { return };
+    let socket = common::temp_path("redis-never-ending.sock");
+    let extra = ["--idle-timeout-ms", "500", "--max-connections", "1"];
+    let _daemon = socket_daemon(&redis, &socket, &extra);
+    let slow =
+        common::never_ending_frame(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+    // Well before the never-ending frame gives up (10 s).
+    assert!(
+        common::served_within(&socket, Duration::from_secs(5)),
+        "no new client served while the never-ending frame goes on"
+    );
+    assert!(slow.join().unwrap(), "the never-ending frame's connection stayed open");
+}
+
 #[test]
 fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     let Some(redis) = Redis::start() else { return };

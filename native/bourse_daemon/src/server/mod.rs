@@ -511,6 +511,10 @@ where
                     {
                         continue;
                     }
+                    // A request: the connection is not idle. (Bytes alone are not: a client
+                    // that adds a byte now and then to a frame it never ends would hold its
+                    // connection slot for ever.)
+                    active = Instant::now();
                     let number = session.next_frame();
                     // The first frame may choose the codec (and framing) of the next ones,
                     // and `auth` whether the next ones are served: answered before they are
@@ -721,7 +725,8 @@ where
                 }
                 closing = true;
             }
-            Ok(_) => active = Instant::now(),
+            // Idleness ends with a whole request (above), not with any byte.
+            Ok(_) => {}
             Err(_) => return,
         }
     }

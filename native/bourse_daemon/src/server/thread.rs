@@ -115,6 +115,10 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                     {
                         continue;
                     }
+                    // A request: the connection is not idle. (Bytes alone are not: a client
+                    // that adds a byte now and then to a frame it never ends would hold its
+                    // connection slot for ever.)
+                    active = Instant::now();
                     let number = session.next_frame();
                     let start = out.len();
                     runtime.block_on(service.handle(&session, number, frame, &mut out));
@@ -195,7 +199,8 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                 }
                 closing = true;
             }
-            Ok(_) => active = Instant::now(),
+            // Idleness ends with a whole request (above), not with any byte.
+            Ok(_) => {}
             Err(error)
                 if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
             Err(_) => return,

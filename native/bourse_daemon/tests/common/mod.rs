@@ -70,6 +70,39 @@ pub fn flood_unread<S: Write + Send + 'static>(mut stream: S) -> std::thread::Jo
     })
 }
 
+/// A frame that never ends: its start, then one more byte every 50 ms (a slowloris), from
+/// a thread of its own; it ends once a write fails (the connection was closed) or after
+/// 10 s. Answers whether the daemon closed the connection.
+pub fn never_ending_frame<S: Write + Send + 'static>(
+    mut stream: S,
+) -> std::thread::JoinHandle<bool> {
+    std::thread::spawn(move || {
+        if stream.write_all(b"{\"op\":\"hello\"").is_err() {
+            return true;
+        }
+        for _ in 0..200 {
+            std::thread::sleep(Duration::from_millis(50));
+            if stream.write_all(b" ").is_err() {
+                return true;
+            }
+        }
+        false
+    })
+}
+
+/// Whether a new client of the Unix socket `socket` is served (not refused) within `within`.
+pub fn served_within(socket: &std::path::Path, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        let mut client = LineClient::new(UnixStream::connect(socket).unwrap());
+        if client.call(serde_json::json!({"op": "hello"}))["ok"] == true {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
 /// Sends 2000 `hello`s to the daemon at `socket` while reading the answers 4 KiB every
 /// 50 ms; fails unless every answer arrives and every request could be sent. Each read takes
 /// 4 KiB, far less than the socket must be rid of before it takes more: with an idle
