@@ -91,6 +91,12 @@ defmodule Bourse.RateLimiter.Feedback do
   (`%{requests: 6000, period: 60_000}` may spend `B = 12_000` in one minute) is held to
   `L` as soon as a reply says how much of it is spent.
 
+  A reply whose `Date` header falls in an earlier window than the current one (made just
+  before the boundary, read just after it) counted `used` in a window that has ended: its
+  used counters are not applied, so it does not hold the bucket through the new window.
+  Pass the reply's `Date` with the other headers; without it every reading is taken as
+  current.
+
   `L` is, for each used counter, the first of:
 
     1. the exchange's own, for that exchange id: set by
@@ -475,13 +481,29 @@ defmodule Bourse.RateLimiter.Feedback do
         end
 
       _used_counter ->
+        now = System.os_time(:millisecond)
+
         with {:ok, used} <- number(found[header]),
+             false <- ended_window?(found["date"], window_ms, now),
              %{capacity: capacity, refill_per_sec: refill} <- definition(definition, key, name) do
           budget = capacity + refill * window_ms / 1000
           budget = if exchange_limit, do: min(budget, exchange_limit), else: budget
-          left = window_ms - rem(System.os_time(:millisecond), window_ms)
+          left = window_ms - rem(now, window_ms)
           sync(key, budget - used, left, name)
         end
+    end
+  end
+
+  # Whether a reply's `Date` puts it in a window of the counter that has ended: its
+  # `used` was counted there, and the exchange has forgotten that window (a reply made
+  # just before the boundary and read just after it would otherwise hold the bucket
+  # through the whole new window). `Date` has whole seconds, never later than when the
+  # reply was made, so a reply made in the current window is never taken for an old one.
+  # Without a readable `Date`, the reading is taken as current.
+  defp ended_window?(date, window_ms, now) do
+    case RetryAfter.http_date_ms(date) do
+      {:ok, made} -> div(made, window_ms) < div(now, window_ms)
+      :error -> false
     end
   end
 
@@ -577,7 +599,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   # The lower-case header names the axes read.
   defp wanted(axes) do
-    Enum.reduce(axes, MapSet.new(["retry-after"]), fn
+    Enum.reduce(axes, MapSet.new(["retry-after", "date"]), fn
       {header, _}, names ->
         case @families do
           %{^header => {limit, remaining, reset, _}} ->

@@ -68,6 +68,27 @@ defmodule Bourse.RateLimiter.RetryAfter do
     end
   end
 
+  @doc """
+  The time an HTTP date (IMF-fixdate, RFC 850 or asctime, as `parse/2` reads them) names,
+  in unix milliseconds; `:error` for anything else (numbers included).
+
+      RetryAfter.http_date_ms("Wed, 21 Oct 2015 07:28:00 GMT")   #=> {:ok, 1_445_412_480_000}
+  """
+  @spec http_date_ms(term()) :: {:ok, integer()} | :error
+  def http_date_ms(text) when is_binary(text) and byte_size(text) <= @max_length do
+    now = System.os_time(:millisecond)
+
+    with match when is_map(match) <-
+           Regex.named_captures(@fixdate, text) || Regex.named_captures(@asctime, text),
+         {:ok, from_now} <- date_ms(match, now: now) do
+      {:ok, from_now + now}
+    else
+      _ -> :error
+    end
+  end
+
+  def http_date_ms(_other), do: :error
+
   defp options(opts) do
     with :ok <- Options.known_options(opts, "option", @options, "one of #{inspect(@options)}"),
          {:ok, floor} <- ms_option(opts, :floor_ms, 1000),

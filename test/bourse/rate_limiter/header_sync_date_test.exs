@@ -1,0 +1,59 @@
+defmodule Bourse.RateLimiter.HeaderSyncDateTest do
+  # A used-weight reading counted by the exchange in a window that has ended (its reply
+  # crossed the window boundary on the way back) says nothing about the new window: it
+  # must not hold the bucket through the new window. The reply's `Date` header tells which
+  # window it was made in.
+  use ExUnit.Case, async: true
+
+  alias Bourse.RateLimiter
+
+  # A Binance spot "ip" bucket sized as `Limits` sizes it (share 0.8): B = 480 + 72 * 60.
+  @ip %{capacity: 480, refill_per_sec: 72}
+  @key {"binance", "date-key", "ip"}
+
+  setup do
+    name = :"header_sync_date_#{System.unique_integer([:positive])}"
+    start_supervised!({RateLimiter, name: name})
+    # Not within 2 s of a minute's end, so that "now" stays in one minute throughout.
+    now = System.os_time(:millisecond)
+    if rem(now, 60_000) > 58_000, do: Process.sleep(60_000 - rem(now, 60_000) + 10)
+    :ok = RateLimiter.check_rate(@key, @ip, 1, name)
+    %{name: name}
+  end
+
+  defp http_date(unix_ms) do
+    unix_ms
+    |> DateTime.from_unix!(:millisecond)
+    |> Calendar.strftime("%a, %d %b %Y %H:%M:%S GMT")
+  end
+
+  defp observe(name, used, date) do
+    RateLimiter.observe_response(
+      "binance",
+      "date-key",
+      200,
+      [{"Date", date}, {"X-MBX-USED-WEIGHT-1M", Integer.to_string(used)}],
+      name,
+      limits: %{"ip" => @ip}
+    )
+  end
+
+  test "a reading dated in the previous minute does not hold the bucket through this one",
+       %{name: name} do
+    previous_minute = System.os_time(:millisecond) - 60_000
+    assert :ok = observe(name, 4800, http_date(previous_minute))
+    assert :ok = RateLimiter.check_rate(@key, @ip, 1, name)
+    assert RateLimiter.inspect_key(@key, name).tokens > 470
+  end
+
+  test "a reading dated in this minute is applied as before", %{name: name} do
+    assert :ok = observe(name, 4800, http_date(System.os_time(:millisecond)))
+    assert {:delay, ms} = RateLimiter.check_rate(@key, @ip, 1, name)
+    assert ms > 1_000
+  end
+
+  test "an unreadable or absent Date changes nothing", %{name: name} do
+    assert :ok = observe(name, 4800, "not a date")
+    assert {:delay, _} = RateLimiter.check_rate(@key, @ip, 1, name)
+  end
+end
