@@ -497,14 +497,22 @@ fn a_frame_that_never_ends_gives_its_slot_back_after_the_idle_timeout() {
     let tcp = common::never_ending_frame(proved.stream.try_clone().unwrap());
     std::thread::sleep(Duration::from_millis(200));
     let mut refused = LineClient::new(UnixStream::connect(&socket).unwrap());
-    assert_eq!(refused.call(json!({"op": "hello"}))["error"]["type"], "unavailable");
+    assert_eq!(
+        refused.call(json!({"op": "hello"}))["error"]["type"],
+        "unavailable"
+    );
     // Well before the never-ending frames give up (10 s).
     assert!(
         common::served_within(&socket, Duration::from_secs(5)),
         "no new client served while the never-ending frames go on"
     );
     let (unix_closed, tcp_closed) = (unix.join().unwrap(), tcp.join().unwrap());
-    assert!(unix_closed && tcp_closed, "still open: unix {} tcp {}", !unix_closed, !tcp_closed);
+    assert!(
+        unix_closed && tcp_closed,
+        "still open: unix {} tcp {}",
+        !unix_closed,
+        !tcp_closed
+    );
 }
 
 /// Before it proves the secret a client is told `unauthorized` for any request but `hello`

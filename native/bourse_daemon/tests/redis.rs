@@ -814,7 +814,10 @@ fn a_frame_that_never_ends_gives_its_slot_back() {
         common::served_within(&socket, Duration::from_secs(5)),
         "no new client served while the never-ending frame goes on"
     );
-    assert!(slow.join().unwrap(), "the never-ending frame's connection stayed open");
+    assert!(
+        slow.join().unwrap(),
+        "the never-ending frame's connection stayed open"
+    );
 }
 
 #[test]
