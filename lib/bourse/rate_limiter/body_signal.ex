@@ -16,7 +16,7 @@ defmodule Bourse.RateLimiter.BodySignal do
 
   | exchange | signal | scope | reaction |
   | --- | --- | --- | --- |
-  | Binance | `"code"` -1003 `TOO_MANY_REQUESTS` (request weight) | credential | as a 429; with `IP banned until <ms>` in `"msg"`: a ban until then, stop |
+  | Binance | `"code"` -1003 `TOO_MANY_REQUESTS` (request weight, counted per IP) | exchange (the IP) | as a 429, for every credential; with `IP banned until <ms>` in `"msg"`: a ban until then, stop |
   | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429 |
   | Binance | HTTP 403: the WAF limit was violated | exchange (the IP) | as a 418: stop |
   | Bybit | `"retCode"` 10006: too many visits, the per-UID API limit | credential | as a 429; the wait is `X-Bapi-Limit-Reset-Timestamp` when no `Retry-After` |
@@ -154,7 +154,7 @@ defmodule Bourse.RateLimiter.BodySignal do
       -1003 ->
         case banned_until(get(body, "msg")) do
           nil ->
-            signal(:credential, false, nil, "Binance code -1003 (too many requests)")
+            signal(:exchange, false, nil, "Binance code -1003 (too many requests)")
 
           until ->
             signal(:exchange, true, max(until - now_ms, 0), "Binance code -1003: IP banned")

@@ -23,7 +23,7 @@ defmodule Bourse.RateLimiter.BodySignalTest do
       now = System.os_time(:millisecond)
 
       for {exchange, status, body, scope, stop} <- [
-            {"binance", 429, ~s({"code":-1003,"msg":"Too much request weight used"}), :credential,
+            {"binance", 429, ~s({"code":-1003,"msg":"Too much request weight used"}), :exchange,
              false},
             {"binance", 400, %{"code" => -1015, "msg" => "Too many new orders"}, :credential,
              false},
@@ -51,7 +51,7 @@ defmodule Bourse.RateLimiter.BodySignalTest do
              :credential, false},
             {"coinbase", 200, %{"error" => "rate_limit_exceeded"}, :credential, false},
             # Ids that extend a known one.
-            {"binance_usdm", 429, %{"code" => -1003}, :credential, false},
+            {"binance_usdm", 429, %{"code" => -1003}, :exchange, false},
             {"bybit-testnet", 200, %{"retCode" => 10006}, :credential, false}
           ] do
         assert %{scope: ^scope, stop: ^stop, reason: "" <> _} = find(exchange, status, body),
