@@ -356,9 +356,12 @@ defmodule Bourse.DependentAppTest do
           IO.puts("checked \#{inspect(name)}: \#{inspect(answers)}")
         end
 
-        # Two 429s without Retry-After back off 1 s then 2 s, counted in the limiter's table.
+        # Two 429s without Retry-After, the second after the first's pause, back off 1 s
+        # then 2 s, counted in the limiter's table.
         backoff =
-          for _ <- 1..2 do
+          for pause <- [0, 1_000] do
+            Process.sleep(pause)
+
             {:error, error} =
               Bourse.RateLimiter.observe_response("okx", "release-api-key", 429, [], DepApp.Limiter.NIF)
 

@@ -25,7 +25,9 @@ defmodule Bourse.RateLimiter.Feedback do
        floor and cap;
     3. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
        consecutive limited reply without a usable wait on that credential; a 2xx without
-       a signal on the credential starts the count again.
+       a signal on the credential starts the count again. A reply that comes back while
+       the backoff's pause holds was sent before it: it pauses as long again and is not
+       counted (a burst of replies to requests in flight together is one step).
 
   The answer is `{:error, %Bourse.Error{type: :rate_limit_exceeded, http_status: status,
   retry_after: ms, exchange: exchange_id}}` (`http_status` is the reply's own: 200 for a

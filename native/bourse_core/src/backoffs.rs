@@ -1,5 +1,6 @@
 //! Backoff counts: consecutive limited replies without a usable wait, per credential, each
-//! lapsing [`BACKOFF_LAPSE_MS`] after the last reply that counted into it.
+//! lapsing [`BACKOFF_LAPSE_MS`] after the last reply that counted into it, with the end of
+//! the last backoff's pause.
 
 use std::hash::BuildHasher;
 
@@ -10,11 +11,20 @@ use crate::clock::NANOS_PER_MS;
 use crate::key::{Key, KeyRef};
 use crate::rules::{BACKOFF_LAPSE_MS, MAX_BACKOFFS};
 
-/// A credential packed as a key (`{exchange, credential, ""}`), its count and when it lapses.
+/// A credential's backoff: the limited replies counted, and when the pause of the last
+/// backoff ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Backoff {
+    pub count: u32,
+    pub held_until: u64,
+}
+
+/// A credential packed as a key (`{exchange, credential, ""}`), its backoff and when it
+/// lapses.
 struct Count {
     key: Key,
     hash: u64,
-    count: u32,
+    backoff: Backoff,
     lapses_at: u64,
 }
 
@@ -32,21 +42,21 @@ impl Backoffs {
         }
     }
 
-    /// The count of `credential` at `now`: 0 when it has none, or it lapsed.
-    pub fn count(&self, credential: &KeyRef, now: u64) -> u32 {
+    /// The backoff of `credential` at `now`: none (0) when it has none, or it lapsed.
+    pub fn get(&self, credential: &KeyRef, now: u64) -> Backoff {
         let hash = self.hasher.hash_one(credential);
         self.counts
             .find(hash, |count| {
                 count.hash == hash && count.key.as_ref() == *credential
             })
             .filter(|count| count.lapses_at > now)
-            .map_or(0, |count| count.count)
+            .map_or(Backoff::default(), |count| count.backoff)
     }
 
-    /// Sets the count of `credential` to `count`, lapsing [`BACKOFF_LAPSE_MS`] after `now`.
+    /// Sets the backoff of `credential`, lapsing [`BACKOFF_LAPSE_MS`] after `now`.
     /// When [`MAX_BACKOFFS`] credentials are counted, lapsed counts are dropped first; if
     /// none has lapsed, a new credential is not counted (its next backoff is the first).
-    pub fn set(&mut self, credential: &KeyRef, count: u32, now: u64) {
+    pub fn set(&mut self, credential: &KeyRef, backoff: Backoff, now: u64) {
         let lapses_at = now.saturating_add(BACKOFF_LAPSE_MS * NANOS_PER_MS);
         let hash = self.hasher.hash_one(credential);
         let known = |entry: &Count| entry.hash == hash && entry.key.as_ref() == *credential;
@@ -59,14 +69,14 @@ impl Backoffs {
         match self.counts.entry(hash, known, |entry| entry.hash) {
             Entry::Occupied(mut entry) => {
                 let entry = entry.get_mut();
-                entry.count = count;
+                entry.backoff = backoff;
                 entry.lapses_at = lapses_at;
             }
             Entry::Vacant(vacant) => {
                 vacant.insert(Count {
                     key: credential.to_owned_key(),
                     hash,
-                    count,
+                    backoff,
                     lapses_at,
                 });
             }
@@ -106,6 +116,13 @@ impl Backoffs {
 mod tests {
     use super::*;
 
+    fn counted(count: u32) -> Backoff {
+        Backoff {
+            count,
+            held_until: 0,
+        }
+    }
+
     fn credential(i: usize) -> Vec<u8> {
         format!("key-{i}").into_bytes()
     }
@@ -115,14 +132,14 @@ mod tests {
         let mut backoffs = Backoffs::new(foldhash::fast::RandomState::default());
         let a = KeyRef::new(b"ex", Some(b"a"), b"");
         let public = KeyRef::new(b"ex", None, b"");
-        backoffs.set(&a, 2, 0);
-        assert_eq!(backoffs.count(&a, 0), 2);
-        assert_eq!(backoffs.count(&public, 0), 0);
+        backoffs.set(&a, counted(2), 0);
+        assert_eq!(backoffs.get(&a, 0).count, 2);
+        assert_eq!(backoffs.get(&public, 0).count, 0);
         let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
-        assert_eq!(backoffs.count(&a, lapse - 1), 2);
-        assert_eq!(backoffs.count(&a, lapse), 0);
+        assert_eq!(backoffs.get(&a, lapse - 1).count, 2);
+        assert_eq!(backoffs.get(&a, lapse).count, 0);
         backoffs.remove(&a);
-        assert_eq!(backoffs.count(&a, 0), 0);
+        assert_eq!(backoffs.get(&a, 0).count, 0);
     }
 
     #[test]
@@ -130,24 +147,28 @@ mod tests {
         let mut backoffs = Backoffs::new(foldhash::fast::RandomState::default());
         let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
         for i in 0..MAX_BACKOFFS {
-            backoffs.set(&KeyRef::new(b"ex", Some(&credential(i)), b""), 1, 0);
+            backoffs.set(
+                &KeyRef::new(b"ex", Some(&credential(i)), b""),
+                counted(1),
+                0,
+            );
         }
         let late = credential(MAX_BACKOFFS);
         let late = KeyRef::new(b"ex", Some(&late), b"");
-        backoffs.set(&late, 1, 1);
+        backoffs.set(&late, counted(1), 1);
         assert_eq!(
-            backoffs.count(&late, 1),
+            backoffs.get(&late, 1).count,
             0,
             "full: a new credential is not counted"
         );
         // A counted credential still counts on.
         let first = credential(0);
         let first = KeyRef::new(b"ex", Some(&first), b"");
-        backoffs.set(&first, 2, lapse - 1);
-        assert_eq!(backoffs.count(&first, lapse - 1), 2);
+        backoffs.set(&first, counted(2), lapse - 1);
+        assert_eq!(backoffs.get(&first, lapse - 1).count, 2);
         // Once the others lapsed, the new one is counted.
-        backoffs.set(&late, 1, lapse);
-        assert_eq!(backoffs.count(&late, lapse), 1);
+        backoffs.set(&late, counted(1), lapse);
+        assert_eq!(backoffs.get(&late, lapse).count, 1);
         assert_eq!(backoffs.counts.len(), 2);
     }
 }

@@ -8,7 +8,7 @@ use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use smallvec::SmallVec;
 
-use crate::backoffs::Backoffs;
+use crate::backoffs::{Backoff, Backoffs};
 use crate::bucket::{Bucket, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
@@ -584,8 +584,10 @@ impl<C: Clock> Table<C> {
     /// Counts a limited reply without a usable wait for `exchange`'s `credential` (`None`:
     /// the public pool) and pauses `scope` for the backoff: [`rules::backoff_ms`] of the
     /// consecutive replies counted before this one (which lapse
-    /// [`rules::BACKOFF_LAPSE_MS`] after the last). Returns the pause in milliseconds. A
-    /// pause refused (see [`Table::pause`]) counts nothing.
+    /// [`rules::BACKOFF_LAPSE_MS`] after the last). A reply that comes while the last
+    /// backoff's pause still holds is not counted: its request was sent before that pause.
+    /// Returns the pause in milliseconds. A pause refused (see [`Table::pause`]) counts
+    /// nothing.
     pub fn back_off(
         &self,
         exchange: &[u8],
@@ -602,12 +604,23 @@ impl<C: Clock> Table<C> {
         let mut pauses = self.pauses.write();
         let mut backoffs = self.backoffs.lock();
         let now = self.clock.now();
-        let count = backoffs.count(&counted, now);
-        let ms = rules::backoff_ms(count);
+        let backoff = backoffs.get(&counted, now);
+        // A reply that comes back while the last backoff's pause holds was sent before it:
+        // paused again as long, it does not count (one burst of replies is one backoff).
+        let counts = backoff.held_until <= now;
+        let level = match counts {
+            true => backoff.count,
+            false => backoff.count.saturating_sub(1),
+        };
+        let ms = rules::backoff_ms(level);
         let until = now.saturating_add(ms * NANOS_PER_MS);
         pauses.add(&target, until)?;
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
-        backoffs.set(&counted, count.saturating_add(1), now);
+        let backoff = Backoff {
+            count: backoff.count.saturating_add(u32::from(counts)),
+            held_until: backoff.held_until.max(until),
+        };
+        backoffs.set(&counted, backoff, now);
         Ok(ms)
     }
 

@@ -496,11 +496,20 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     let l = limit(10.0, 10.0);
     let me = Some(&b"api-key"[..]);
     let credential = BackoffScope::Credential;
-    let steps: Vec<u64> = (0..4)
+    // Each reply after the last backoff's pause ended counts: the pause doubles.
+    let mut steps = Vec::new();
+    for _ in 0..4 {
+        steps.push(t.back_off(b"binance", me, credential).unwrap());
+        clock.advance_ms(*steps.last().unwrap());
+    }
+    assert_eq!(steps, [1000, 2000, 4000, 8000]);
+    // Replies that come back during a backoff's pause were sent before it: each pauses as
+    // long again and counts nothing (a burst of 429s is one backoff, not eight).
+    let burst: Vec<u64> = (0..8)
         .map(|_| t.back_off(b"binance", me, credential).unwrap())
         .collect();
-    assert_eq!(steps, [1000, 2000, 4000, 8000]);
-    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(8000));
+    assert_eq!(burst, [16_000; 8]);
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(16_000));
     // Per credential: another one, and the public pool, count for themselves.
     assert_eq!(t.back_off(b"binance", Some(b"k2"), credential), Ok(1000));
     assert_eq!(t.back_off(b"binance", None, credential), Ok(1000));
@@ -532,7 +541,7 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
 
 #[test]
 fn a_backoff_refused_for_want_of_room_for_its_pause_counts_nothing() {
-    let (t, _) = table();
+    let (t, clock) = table();
     for i in 0..MAX_PAUSES {
         t.pause(
             PauseTarget::Exchange(format!("ex-{i}").into_bytes()),
@@ -549,6 +558,7 @@ fn a_backoff_refused_for_want_of_room_for_its_pause_counts_nothing() {
     let refused = t.back_off(b"binance", me, BackoffScope::Exchange);
     assert_eq!(refused.unwrap_err().exchange(), Some(&b"binance"[..]));
     t.reset_exchange(b"ex-0");
+    clock.advance_ms(1000);
     assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), Ok(2000));
 }
 

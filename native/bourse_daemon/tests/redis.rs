@@ -387,6 +387,21 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
+/// Limited replies that come back during a backoff's pause were sent before it: they
+/// pause as long again and are not counted; the next one after the pause is.
+#[test]
+fn a_burst_of_limited_replies_is_one_backoff() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let credential = json!({"exchange": "burst", "credential": "k"});
+    let back_off = json!({"op": "back_off", "credential": credential, "scope": "credential"});
+    let burst: Vec<u64> = (0..8).map(|_| ms(&t.call(back_off.clone()))).collect();
+    assert_eq!(burst, [1000; 8]);
+    sleep_ms(1100);
+    assert_eq!(ms(&t.call(back_off)), 2000);
+}
+
 /// A pause that began after waiters booked holds them to its end, and they take what
 /// refilled meanwhile: traffic waiting for the pause's end does not go out beside them.
 #[test]
@@ -1505,6 +1520,8 @@ fn a_record_or_back_off_whose_answer_was_lost_runs_once() {
     assert_eq!(borrowed(&mut t, &k), 5.0, "the debt was recorded twice");
     let ms = |answer: &Value| answer["ms"].as_u64().unwrap();
     let first = answers.iter().find(|a| a["id"] == 1).map(ms).unwrap();
+    // Once its pause has ended, the next limited reply counts.
+    sleep_ms(first + 100);
     assert_eq!(
         ms(&t.call(back_off)),
         2 * first,

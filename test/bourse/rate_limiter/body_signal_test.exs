@@ -198,7 +198,10 @@ defmodule Bourse.RateLimiter.BodySignalTest do
       # The credential only.
       assert :ok = RateLimiter.check_rate({"bybit", "k2", "request"}, @slow, 1, name)
 
-      # The backoff counts it: the next one without a usable wait waits 2 s.
+      # The backoff counts it: the next one without a usable wait, once its pause has
+      # ended, waits 2 s.
+      Process.sleep(1_000)
+
       assert {:error, %Error{retry_after: 2000}} =
                RateLimiter.observe_response("bybit", "k", 200, [], name, body: %{retCode: 10006})
 

@@ -22,8 +22,9 @@
 --                        h: the pause end its bookings were last moved behind
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
---   P:{E}:o:C    string  the credential's backoff count: limited replies without a usable
---                        wait since its last success
+--   P:{E}:o:C    string  the credential's backoff: "<count> <end of its last pause>", the
+--                        limited replies without a usable wait counted since its last
+--                        success
 --   P:{E}:r:<n>  string  the answers of the `checks`, `record` or `back_off` call
 --                        numbered n (by its daemon), as it returned them, written when it
 --                        ran; lives twice the daemon's Redis timeout
@@ -766,15 +767,22 @@ local function pause(now)
   return 'OK'
 end
 
--- back_off: KEYS = pauses, the credential's backoff count; ARGV = 'back_off', pause field,
--- first ms, longest ms, lapse ms (bourse_core::rules). Holds the field for the first
--- backoff doubled per reply counted before (at most the longest), counts this one (the
--- count lapses after the lapse); returns the pause in ms.
+-- back_off: KEYS = pauses, the credential's backoff; ARGV = 'back_off', pause field, first
+-- ms, longest ms, lapse ms (bourse_core::rules). Holds the field for the first backoff
+-- doubled per reply counted before (at most the longest) and counts this one, unless the
+-- last backoff's pause still holds: a reply sent before it is held as long again and not
+-- counted. The backoff ("<count> <end of its last pause, µs>") lapses after the lapse.
+-- Returns the pause in ms.
 local function back_off(now)
-  local count = tonumber(redis.call('GET', KEYS[2])) or 0
-  local ms = math.min(tonumber(ARGV[3]) * 2 ^ math.min(count, 30), tonumber(ARGV[4]))
+  local count, held = string.match(redis.call('GET', KEYS[2]) or '', '^(%d+) ?(%d*)$')
+  count, held = tonumber(count) or 0, tonumber(held) or 0
+  local counts = held <= now
+  local level = counts and count or math.max(count - 1, 0)
+  local ms = math.min(tonumber(ARGV[3]) * 2 ^ math.min(level, 30), tonumber(ARGV[4]))
   hold(KEYS[1], ARGV[2], ms, now)
-  redis.call('SET', KEYS[2], count + 1, 'PX', ARGV[5])
+  count = counts and count + 1 or count
+  held = math.max(held, now + ms * 1000)
+  redis.call('SET', KEYS[2], string.format('%d %s', count, fmt(held)), 'PX', ARGV[5])
   return ms
 end
 
