@@ -167,17 +167,25 @@ impl Bucket {
     /// for its end as well.
     pub fn hold_bookings(&mut self, pause_until: u64, now: u64) {
         let Some(limit) = self.limit else { return };
-        let mut held: SmallVec<[usize; 8]> = (0..self.bookings.len())
-            .filter(|&i| self.bookings[i].ready_at < pause_until)
-            .collect();
+        if !self.bookings.iter().any(|b| b.ready_at < pause_until) {
+            return;
+        }
+        // Every booking is paid again, the held ones and those behind them, in ready
+        // order: a held one paid again after a later one it now goes out with would take
+        // tokens that later one already counted on, beyond the capacity at that instant.
+        let mut held: SmallVec<[usize; 8]> = (0..self.bookings.len()).collect();
         held.sort_by_key(|&i| self.bookings[i].ready_at);
         for &i in &held {
             self.base += self.bookings[i].cost;
         }
+        let mut last = pause_until;
         for &i in &held {
             let cost = self.bookings[i].cost;
             let start = self.accrued(&limit, now);
-            let ready = Self::ready_at(&limit, cost, start, now).max(pause_until);
+            let ready = Self::ready_at(&limit, cost, start, now)
+                .max(last)
+                .max(self.bookings[i].ready_at);
+            last = ready;
             self.pay(limit, cost, start, now, ready);
             let booking = &mut self.bookings[i];
             let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);

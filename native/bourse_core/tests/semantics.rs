@@ -693,3 +693,49 @@ fn sync_of_an_exchange_counted_past_its_limit_leaves_no_debt_past_its_window() {
     assert_eq!(probe(&t, "ip", l, 0.0), Outcome::Admitted);
     assert_eq!(t.inspect(key("ip")).unwrap().tokens, 0.0);
 }
+
+#[test]
+fn a_booking_held_again_does_not_go_out_with_one_booked_behind_it_beyond_the_capacity() {
+    // Found by attacking hold_bookings: waiter A's booking, held by a first pause, is held
+    // again by a longer one after waiter B booked behind it; paid again after B's payment,
+    // A was given B's ready time: 3 + 1 tokens out at one instant from a 3-token bucket.
+    let (t, clock) = table();
+    let l = limit(3.0, 4.0);
+    let credential = || PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec()));
+    assert_eq!(probe(&t, "request", l, 3.0), Outcome::Admitted);
+    assert_eq!(wait(&t, ME, "request", l, 3.0), Outcome::Booked(750));
+    clock.advance_ms(271);
+    t.pause(credential(), 1_000).unwrap();
+    clock.advance_ms(57);
+    let b_ready = match wait(&t, OTHER, "request", l, 1.0) {
+        Outcome::Booked(ms) => 328 + ms,
+        other => panic!("{other:?}"),
+    };
+    t.pause(credential(), 1_007).unwrap();
+    clock.advance_ms(422);
+    let a_ready = match wait(&t, ME, "request", l, 3.0) {
+        Outcome::Delay(ms) => 750 + ms,
+        other => panic!("{other:?}"),
+    };
+    // Each comes back when told, until claimed: A's 3 and B's 1 must be at least
+    // 250 ms apart (3 tokens of capacity, 4 per second).
+    let mut due = vec![(a_ready, ME, 3.0), (b_ready, OTHER, 1.0)];
+    let mut now = 750;
+    let mut claimed = vec![];
+    while !due.is_empty() {
+        due.sort_by_key(|d| d.0);
+        let (at, owner, cost) = due.remove(0);
+        clock.advance_ms(at - now);
+        now = at;
+        match wait(&t, owner, "request", l, cost) {
+            Outcome::Claimed => claimed.push(at),
+            Outcome::Delay(ms) => due.push((at + ms, owner, cost)),
+            other => panic!("{other:?}"),
+        }
+    }
+    let apart = claimed[1] - claimed[0];
+    assert!(
+        apart >= 250,
+        "4 tokens within {apart} ms on a 3-token bucket refilling 4/s"
+    );
+}

@@ -2312,3 +2312,45 @@ fn each_database_keeps_its_own_markers_past_its_buckets() {
         assert!(marker >= left, "marker {marker} ms, key of db 2 {left} ms");
     }
 }
+
+/// A booking held by a pause and held again by a longer one after another waiter booked
+/// behind it may not go out with that waiter beyond the capacity (as in bourse_core's
+/// `a_booking_held_again_does_not_go_out_with_one_booked_behind_it_beyond_the_capacity`).
+#[test]
+fn a_booking_held_again_does_not_go_out_with_one_booked_behind_it() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("okx", Some("again"));
+    let limit = json!({"capacity": 3, "refill_per_sec": 4});
+    let waiter = |owner: u64, cost: f64| json!({"op": "check", "key": k, "limit": limit, "cost": cost, "owner": owner, "max_wait_ms": 5000});
+    let pause = |ms: u64| json!({"op": "pause", "target": {"exchange": "okx", "credential": "again"}, "ms": ms});
+    assert_eq!(t.call(check(&k, limit.clone(), 3.0))["result"], "admitted");
+    let started = Instant::now();
+    assert_eq!(t.call(waiter(1, 3.0))["result"], "booked");
+    assert_eq!(t.call(pause(1000))["ok"], true);
+    let b = t.call(waiter(2, 1.0));
+    assert_eq!(b["result"], "booked", "{b}");
+    assert_eq!(t.call(pause(1100))["ok"], true);
+    let a = t.call(waiter(1, 3.0));
+    assert_eq!(a["result"], "delay", "{a}");
+    let mut due = vec![(ms(&a), 1u64, 3.0), (ms(&b), 2, 1.0)];
+    let mut claimed = vec![];
+    while !due.is_empty() {
+        due.sort_by_key(|d| d.0);
+        let (at, owner, cost) = due.remove(0);
+        sleep_ms(at.saturating_sub(started.elapsed().as_millis() as u64));
+        let answer = t.call(waiter(owner, cost));
+        let now = started.elapsed().as_millis() as u64;
+        match answer["result"].as_str() {
+            Some("claimed") => claimed.push(now),
+            Some("delay") => due.push((now + ms(&answer), owner, cost)),
+            _ => panic!("{answer}"),
+        }
+    }
+    let apart = claimed[1] - claimed[0];
+    assert!(
+        apart >= 150,
+        "4 tokens within {apart} ms on a 3-token bucket refilling 4/s"
+    );
+}

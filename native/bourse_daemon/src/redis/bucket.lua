@@ -362,13 +362,16 @@ local function hold_bookings(item, held_until, now, id, booking)
   for j = 1, #lapses, 2 do
     lapse_of[lapses[j]] = tonumber(lapses[j + 1])
   end
-  local held = {}
+  -- Every booking is paid again, the held ones and those behind them, in ready order: a
+  -- held one paid again after a later one it now goes out with would take tokens that
+  -- later one already counted on, beyond the capacity at that instant.
+  local held, any_held = {}, false
   local fields = redis.call('HGETALL', item.key)
   for j = 1, #fields, 2 do
     local booked = fields[j]:match('^w:(.*)$')
     local ready, cost = fields[j + 1]:match('^(%S+) (%S+)$')
     ready = tonumber(ready)
-    if booked and lapse_of[booked] and ready and ready < held_until then
+    if booked and lapse_of[booked] and ready then
       held[#held + 1] = {
         id = booked,
         ready = ready,
@@ -376,14 +379,22 @@ local function hold_bookings(item, held_until, now, id, booking)
         cost_text = cost,
         slack = lapse_of[booked] - ready,
       }
-      bucket.b = bucket.b + tonumber(cost)
+      any_held = any_held or ready < held_until
     end
   end
+  if not any_held then
+    return booking
+  end
+  for _, b in ipairs(held) do
+    bucket.b = bucket.b + b.cost
+  end
   table.sort(held, function(x, y) return x.ready < y.ready end)
+  local last = held_until
   for _, b in ipairs(held) do
     local start = accrued(bucket, now)
     local cap = math.max(bucket.c, b.cost)
-    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), held_until)
+    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), last, b.ready)
+    last = ready
     local lead = bucket.r * ((ready - now) / 1e6)
     bucket.b = math.min(math.min(start, cap) + lead, cap) - b.cost - lead
     bucket.t = now
