@@ -387,6 +387,46 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
+/// A booking over two buckets whose claim a pause of one of them holds keeps its booking
+/// on the other too: claimed at the pause's end, not lapsed and booked (paid) again.
+#[test]
+fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_at_its_end() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 10, "refill_per_sec": 10});
+    let order = json!({"exchange": "okx", "credential": "held", "axis": "order"});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let both = |owner: Option<u64>| {
+        let mut request = json!({"op": "check_many", "checks": [
+            {"key": order, "limit": limit, "cost": 1}, {"key": ip, "limit": limit, "cost": 1},
+        ]});
+        if let Some(owner) = owner {
+            request["owner"] = json!(owner);
+            request["max_wait_ms"] = json!(5000);
+        }
+        request
+    };
+    for _ in 0..10 {
+        assert_eq!(t.call(both(None))["result"], "admitted");
+    }
+    for owner in 0..10 {
+        assert_eq!(t.call(both(Some(owner)))["result"], "booked");
+    }
+    let pause =
+        json!({"op": "pause", "target": {"exchange": "okx", "credential": "held"}, "ms": 1500});
+    assert_eq!(t.call(pause)["ok"], true);
+    let started = std::time::Instant::now();
+    for owner in 0..10 {
+        assert_eq!(t.call(both(Some(owner)))["result"], "delay");
+    }
+    sleep_ms(1500u64.saturating_sub(started.elapsed().as_millis() as u64) + 20);
+    for owner in 0..10 {
+        let claim = t.call(both(Some(owner)));
+        assert_eq!(claim["result"], "claimed", "{claim}");
+    }
+}
+
 /// Limited replies that come back during a backoff's pause were sent before it: they
 /// pause as long again and are not counted; the next one after the pause is.
 #[test]

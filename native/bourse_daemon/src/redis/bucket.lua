@@ -419,11 +419,13 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
       redis.call('HDEL', item.key, 'w:' .. id)
       redis.call('ZREM', item.wkey, id)
     else
-      if ready > booked_ready then
-        -- Moved later by a pause, it keeps the slack it was booked with.
-        local lapse = tonumber(redis.call('ZSCORE', item.wkey, id)) or booked_ready + slack
+      -- Moved later (by a pause of this or another of its buckets), each of its bookings
+      -- keeps the slack it was booked with.
+      local own = tonumber(item.booking:match('^(%S+)'))
+      if ready > own then
+        local lapse = tonumber(redis.call('ZSCORE', item.wkey, id)) or own + slack
         redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
-        redis.call('ZADD', item.wkey, fmt(ready + lapse - booked_ready), id)
+        redis.call('ZADD', item.wkey, fmt(ready + lapse - own), id)
       end
       item.unbooked = nil
     end
