@@ -444,13 +444,9 @@ fn an_unproved_client_that_never_reads_is_closed_at_its_deadline() {
     common::eventually("the unproved connection is closed", || flood.is_finished());
 }
 
-/// Clients that stop reading (a paused process, say), on a Unix socket or over TCP once
-/// proved, hold their connection slots only until they have read none of their answers
-/// for the idle timeout: then a new client is served, not refused.
-#[test]
-fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
-    let socket = common::temp_path("stop-reading.sock");
-    let daemon = common::Server::start(&[
+/// A daemon on `socket` and TCP serving two connections, idle after 500 ms.
+fn two_slots_idle_after_500_ms(socket: &std::path::Path) -> common::Server {
+    common::Server::start(&[
         "--socket",
         socket.to_str().unwrap(),
         "--listen",
@@ -459,7 +455,16 @@ fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
         "500",
         "--max-connections",
         "2",
-    ]);
+    ])
+}
+
+/// Clients that stop reading (a paused process, say), on a Unix socket or over TCP once
+/// proved, hold their connection slots only until they have read none of their answers
+/// for the idle timeout: then a new client is served, not refused.
+#[test]
+fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
+    let socket = common::temp_path("stop-reading.sock");
+    let daemon = two_slots_idle_after_500_ms(&socket);
     let unix = common::flood_unread(UnixStream::connect(&socket).unwrap());
     let proved = daemon.connect();
     let tcp = common::flood_unread(proved.stream.try_clone().unwrap());
@@ -482,16 +487,7 @@ fn clients_that_stop_reading_give_their_slots_back_after_the_idle_timeout() {
 #[test]
 fn a_frame_that_never_ends_gives_its_slot_back_after_the_idle_timeout() {
     let socket = common::temp_path("never-ending-frame.sock");
-    let daemon = common::Server::start(&[
-        "--socket",
-        socket.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--idle-timeout-ms",
-        "500",
-        "--max-connections",
-        "2",
-    ]);
+    let daemon = two_slots_idle_after_500_ms(&socket);
     let unix = common::never_ending_frame(UnixStream::connect(&socket).unwrap());
     let proved = daemon.connect();
     let tcp = common::never_ending_frame(proved.stream.try_clone().unwrap());

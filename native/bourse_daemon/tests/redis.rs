@@ -410,21 +410,34 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_at_its_end() {
     for _ in 0..10 {
         assert_eq!(t.call(both(None))["result"], "admitted");
     }
+    let target = json!({"exchange": "okx", "credential": "held"});
+    hold_ten_waiters(&mut t, |owner| both(Some(owner)), target);
+}
+
+/// Books ten waiters (`waiter(owner)`), pauses `target` for 1.5 s, has each come back
+/// during the pause (told `delay`), and each claim its booking at the pause's end; returns
+/// the answers they were told during the pause.
+fn hold_ten_waiters(
+    t: &mut LineClient<TcpStream>,
+    waiter: impl Fn(u64) -> Value,
+    target: Value,
+) -> Vec<Value> {
     for owner in 0..10 {
-        assert_eq!(t.call(both(Some(owner)))["result"], "booked");
+        assert_eq!(t.call(waiter(owner))["result"], "booked");
     }
-    let pause =
-        json!({"op": "pause", "target": {"exchange": "okx", "credential": "held"}, "ms": 1500});
+    let pause = json!({"op": "pause", "target": target, "ms": 1500});
     assert_eq!(t.call(pause)["ok"], true);
     let started = std::time::Instant::now();
-    for owner in 0..10 {
-        assert_eq!(t.call(both(Some(owner)))["result"], "delay");
+    let held: Vec<Value> = (0..10).map(|owner| t.call(waiter(owner))).collect();
+    for answer in &held {
+        assert_eq!(answer["result"], "delay", "{answer}");
     }
     sleep_ms(1500u64.saturating_sub(started.elapsed().as_millis() as u64) + 20);
     for owner in 0..10 {
-        let claim = t.call(both(Some(owner)));
+        let claim = t.call(waiter(owner));
         assert_eq!(claim["result"], "claimed", "{claim}");
     }
+    held
 }
 
 /// Limited replies that come back during a backoff's pause were sent before it: they
@@ -453,20 +466,9 @@ fn bookings_a_pause_held_and_the_traffic_behind_it_fit_the_bucket() {
     let limit = json!({"capacity": 10, "refill_per_sec": 10});
     assert_eq!(t.call(check(&k, limit.clone(), 10.0))["result"], "admitted");
     let waiter = |owner: u64| json!({"op": "check", "key": k, "limit": limit, "owner": owner, "max_wait_ms": 5000});
-    for owner in 0..10 {
-        assert_eq!(t.call(waiter(owner))["result"], "booked");
-    }
-    let pause = json!({"op": "pause", "target": {"exchange": "okx"}, "ms": 1500});
-    assert_eq!(t.call(pause)["ok"], true);
-    let started = std::time::Instant::now();
-    for owner in 0..10 {
-        let held = t.call(waiter(owner));
-        assert_eq!(held["result"], "delay", "{held}");
+    for held in hold_ten_waiters(&mut t, waiter, json!({"exchange": "okx"})) {
         about(ms(&held), 1500, "a booking held to the pause's end");
     }
-    sleep_ms(1500u64.saturating_sub(started.elapsed().as_millis() as u64) + 20);
-    let claimed = (0..10).filter(|&owner| t.call(waiter(owner))["result"] == "claimed");
-    assert_eq!(claimed.count(), 10);
     // Paid again as of the pause's end, the ten leave the bucket empty then.
     let behind = t.call(check(&k, limit.clone(), 5.0));
     assert_eq!(behind["result"], "delay", "{behind}");
