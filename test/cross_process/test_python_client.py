@@ -16,6 +16,18 @@ import time
 import unittest
 from pathlib import Path
 
+
+def stop(pid):
+    """SIGSTOPs `pid` and waits until it is stopped (the signal takes effect a little later)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 
@@ -212,7 +224,7 @@ class BourseClientFailureTest(unittest.TestCase):
             raise Interrupted()
         previous = signal.signal(signal.SIGALRM, interrupt)
         try:
-            os.kill(self.daemon.process.pid, signal.SIGSTOP)
+            stop(self.daemon.process.pid)
             signal.setitimer(signal.ITIMER_REAL, 0.2)
             with self.assertRaises(Interrupted):
                 self.client.check("binance", "a", None)
@@ -228,7 +240,7 @@ class BourseClientFailureTest(unittest.TestCase):
 
     def test_a_call_that_timed_out_is_not_run_when_the_daemon_resumes(self):
         client = BourseClient(self.daemon.socket, timeout=0.5)
-        os.kill(self.daemon.process.pid, signal.SIGSTOP)
+        stop(self.daemon.process.pid)
         started = time.monotonic()
         with self.assertRaises(TimeoutError):
             client.check("stopped", "k", {"capacity": 5, "refill_per_sec": 0.001}, cost=5)
