@@ -181,6 +181,17 @@ defmodule Bourse.ContractCase do
     value
   end
 
+  @doc """
+  Given a waiter's last answer for `checks`, sleeps each delay it is told and asks again
+  (claiming its booking) until admitted; returns that last answer.
+  """
+  def claim_when_told({:delay, ms}, checks, name) do
+    Process.sleep(ms)
+    claim_when_told(RateLimiter.check_rates(checks, name, max_wait_ms: 5_000), checks, name)
+  end
+
+  def claim_when_told(answer, _checks, _name), do: answer
+
   @doc "Pays `count` checks of `cost` on `key`, asserting each is admitted."
   def drain(key, limit, count, name, cost \\ 1) do
     for _ <- 1..count//1, do: assert(:ok == RateLimiter.check_rate(key, limit, cost, name))

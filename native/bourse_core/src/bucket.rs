@@ -166,25 +166,58 @@ impl Bucket {
     /// old ready times, they would have left the refill of the pause to the traffic waiting
     /// for its end as well.
     pub fn hold_bookings(&mut self, pause_until: u64, now: u64) {
+        if self.bookings.iter().any(|b| b.ready_at < pause_until) {
+            self.replan(|b| b.ready_at.max(pause_until), now);
+        }
+    }
+
+    /// Holds one booking (`owner`'s, of `signature`) until at least `until` (> its ready
+    /// time: a pause of the check's other buckets holds it), paid again here as of its new
+    /// ready time, which it returns; the bucket's other bookings keep theirs when it can
+    /// still cover them.
+    pub fn hold_booking(&mut self, owner: u64, signature: u64, until: u64, now: u64) -> u64 {
+        let held = |b: &Booking| b.owner == owner && b.signature == signature;
+        self.replan(
+            |b| {
+                if held(b) {
+                    b.ready_at.max(until)
+                } else {
+                    b.ready_at
+                }
+            },
+            now,
+        );
+        self.bookings
+            .iter()
+            .find(|b| held(b))
+            .map_or(until, |b| b.ready_at)
+    }
+
+    /// Pays every booking again in order of `earliest` (when each may go out now, never
+    /// before its ready time), each as of the latest of that, when the bucket covers it and
+    /// the booking before it; each keeps its slack. Paying again only the bookings that
+    /// moved, after those behind them, would take tokens those counted on, beyond the
+    /// capacity at that instant.
+    fn replan(&mut self, earliest: impl Fn(&Booking) -> u64, now: u64) {
         let Some(limit) = self.limit else { return };
-        if !self.bookings.iter().any(|b| b.ready_at < pause_until) {
-            return;
+        // First come, first served among bookings that may go out at one instant.
+        let mut order: SmallVec<[(u64, u64, usize); 8]> = self
+            .bookings
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (earliest(b), b.ready_at, i))
+            .collect();
+        order.sort_unstable();
+        for booking in &self.bookings {
+            self.base += booking.cost;
         }
-        // Every booking is paid again, the held ones and those behind them, in ready
-        // order: a held one paid again after a later one it now goes out with would take
-        // tokens that later one already counted on, beyond the capacity at that instant.
-        let mut held: SmallVec<[usize; 8]> = (0..self.bookings.len()).collect();
-        held.sort_by_key(|&i| self.bookings[i].ready_at);
-        for &i in &held {
-            self.base += self.bookings[i].cost;
-        }
-        let mut last = pause_until;
-        for &i in &held {
+        let mut last = 0;
+        for &(earliest, _, i) in &order {
             let cost = self.bookings[i].cost;
             let start = self.accrued(&limit, now);
             let ready = Self::ready_at(&limit, cost, start, now)
                 .max(last)
-                .max(self.bookings[i].ready_at);
+                .max(earliest);
             last = ready;
             self.pay(limit, cost, start, now, ready);
             let booking = &mut self.bookings[i];

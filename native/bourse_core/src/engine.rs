@@ -230,6 +230,10 @@ fn pay_all(
     }
 }
 
+/// Rounds of [`hold_everywhere`] one claim runs at most; a claim left unsettled answers a
+/// delay and runs more when the caller comes back.
+const HOLD_ROUNDS: usize = 4;
+
 /// The caller comes back for its booking: admitted from its ready time (which a pause that
 /// began since moved after it, `Bucket::hold_bookings`), never charged again.
 fn claim(
@@ -245,30 +249,60 @@ fn claim(
         pause_until,
         ..
     } = request;
-    let ready = booked_ready.max(pause_until);
-    for bucket in buckets.iter_mut() {
-        let position = bucket
-            .bookings
-            .iter()
-            .position(|b| b.owner == owner && b.signature == signature)
-            .expect("booking found in the planning pass");
-        if ready <= now {
-            bucket.bookings.swap_remove(position);
-        } else {
-            // Moved later by a pause, it keeps the slack it was booked with.
-            let booking = &mut bucket.bookings[position];
-            let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);
-            booking.ready_at = ready;
-            booking.lapse_at = ready.saturating_add(slack_ns);
+    let mut ready = booked_ready.max(pause_until);
+    let mut settled = false;
+    for _ in 0..HOLD_ROUNDS {
+        match hold_everywhere(buckets, owner, signature, ready, now) {
+            None => {
+                settled = true;
+                break;
+            }
+            Some(later) => ready = later,
         }
+    }
+    if settled && ready <= now {
+        for bucket in buckets.iter_mut() {
+            let position = booking_position(bucket, owner, signature);
+            bucket.bookings.swap_remove(position);
+            bucket.told(now, 0);
+        }
+        stats.claimed += 1;
+        return Outcome::Claimed;
+    }
+    for bucket in buckets.iter_mut() {
         bucket.told(now, ready.saturating_sub(now));
     }
-    if ready <= now {
-        stats.claimed += 1;
-        Outcome::Claimed
-    } else {
-        stats.delayed += 1;
-        stats.paused += u64::from(pause_until > now);
-        Outcome::Delay(delay_ms(now, ready))
+    stats.delayed += 1;
+    stats.paused += u64::from(pause_until > now);
+    Outcome::Delay(delay_ms(now, ready))
+}
+
+/// Holds the booking until `ready` on each bucket where it is due before (a pause of the
+/// check's other buckets moved it there, or the caller comes back under a pause that began
+/// since): it goes out at one instant on all of them, paid there as of it. Returns the
+/// latest ready time this gave it, or `None` when no bucket had it due before `ready`.
+fn hold_everywhere(
+    buckets: &mut [&mut Bucket],
+    owner: u64,
+    signature: u64,
+    ready: u64,
+    now: u64,
+) -> Option<u64> {
+    let mut held = None;
+    for bucket in buckets.iter_mut() {
+        let position = booking_position(bucket, owner, signature);
+        if bucket.bookings[position].ready_at < ready {
+            let moved = bucket.hold_booking(owner, signature, ready, now);
+            held = Some(held.unwrap_or(ready).max(moved));
+        }
     }
+    held
+}
+
+fn booking_position(bucket: &Bucket, owner: u64, signature: u64) -> usize {
+    bucket
+        .bookings
+        .iter()
+        .position(|b| b.owner == owner && b.signature == signature)
+        .expect("booking found in the planning pass")
 }

@@ -472,6 +472,68 @@ fn bookings_a_pause_held_and_the_traffic_behind_it_fit_the_bucket_at_its_end() {
 }
 
 #[test]
+fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_paid_again_on_the_others() {
+    // Ten waiters check their credential's bucket and the IP's; a 429 then pauses the
+    // credential only. Paid on the IP bucket as of their old ready times, the held waiters
+    // would go out at the pause's end beside ten requests of another credential on the IP,
+    // which found that bucket refilled: 20 at one instant from 10 tokens.
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    let ip = KeyRef::new(b"binance", None, b"ip");
+    let both = [check(key("request"), l, 1.0), check(ip, l, 1.0)];
+    let waiter = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: None,
+    };
+    for _ in 0..10 {
+        assert_eq!(t.check_rates(ME, &both, Mode::Probe), Ok(Outcome::Admitted));
+    }
+    for owner in 0..10 {
+        assert_eq!(
+            t.check_rates(100 + owner, &both, waiter),
+            Ok(Outcome::Booked(100 * (owner + 1)))
+        );
+    }
+    clock.advance_ms(50);
+    t.pause(
+        PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
+        2_000,
+    )
+    .unwrap();
+    for owner in 0..10 {
+        clock.advance_ms(if owner == 0 { 50 } else { 100 });
+        assert_eq!(
+            t.check_rates(100 + owner, &both, waiter),
+            Ok(Outcome::Delay(2_050 - 100 * (owner + 1)))
+        );
+    }
+    clock.advance_ms(1_050);
+    let other = KeyRef::new(b"binance", Some(b"other-key"), b"request");
+    let others = [check(other, l, 1.0), check(ip, l, 1.0)];
+    assert_eq!(
+        t.check_rates(OTHER, &others, Mode::Probe),
+        Ok(Outcome::Delay(100))
+    );
+    for owner in 0..10 {
+        assert_eq!(
+            t.check_rates(100 + owner, &both, waiter),
+            Ok(Outcome::Claimed)
+        );
+    }
+    clock.advance_ms(1_000);
+    for _ in 0..10 {
+        assert_eq!(
+            t.check_rates(OTHER, &others, Mode::Probe),
+            Ok(Outcome::Admitted)
+        );
+    }
+    assert_eq!(
+        t.check_rates(OTHER, &others, Mode::Probe),
+        Ok(Outcome::Delay(100))
+    );
+}
+
+#[test]
 fn a_short_pause_charges_a_held_booking_nothing_more() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);

@@ -387,10 +387,11 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
-/// A booking over two buckets whose claim a pause of one of them holds keeps its booking
-/// on the other too: claimed at the pause's end, not lapsed and booked (paid) again.
+/// A booking over two buckets whose claim a pause of one of them holds is held on the
+/// other too: claimed at the pause's end, not lapsed and booked again, and paid there as of
+/// that end, so another credential on the IP finds no refill of the pause left beside it.
 #[test]
-fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_at_its_end() {
+fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_and_paid_at_its_end() {
     let Some(redis) = Redis::start() else { return };
     let server = daemon(&redis, &[]);
     let mut t = server.connect();
@@ -412,6 +413,11 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_at_its_end() {
     }
     let target = json!({"exchange": "okx", "credential": "held"});
     hold_ten_waiters(&mut t, |owner| both(Some(owner)), target);
+    let other = json!({"exchange": "okx", "credential": "other", "axis": "order"});
+    let beside = t.call(json!({"op": "check_many", "checks": [
+        {"key": other, "limit": limit, "cost": 1}, {"key": ip, "limit": limit, "cost": 1},
+    ]}));
+    assert_eq!(beside["result"], "delay", "{beside}");
 }
 
 /// Books ten waiters (`waiter(owner)`), pauses `target` for 1.5 s, has each come back

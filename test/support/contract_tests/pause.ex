@@ -98,6 +98,37 @@ defmodule Bourse.ContractTests.Pause do
           assert_delay(check_rate({"ex", "o"}, limit, 1, name), 1_000..5_000)
         end
 
+        # A token every 500 ms: the other credential's check may come up to 500 ms after
+        # the claims (a loaded machine) and still find the IP bucket as they left it.
+        test "bookings a credential's pause holds are paid on the IP bucket at its end",
+             %{name: name} do
+          limit = %{capacity: 2, refill_per_sec: 2}
+          ip = {"ex", :public, "ip"}
+          mine = [{{"ex", "k"}, limit, 1}, {ip, limit, 1}]
+          for _ <- 1..2, do: assert(:ok = check_rates(mine, name))
+          test = self()
+
+          # Two waiters book the next two tokens of both buckets (at 500 and 1000 ms), then
+          # each comes back when told until claimed.
+          waiters =
+            for _ <- 1..2 do
+              Task.async(fn ->
+                booked = check_rates(mine, name, max_wait_ms: 5_000)
+                send(test, :booked)
+                receive do: (:paused -> claim_when_told(booked, mine, name))
+              end)
+            end
+
+          for _ <- waiters, do: assert_receive(:booked, 5_000)
+          assert :ok = pause({"ex", "k"}, 1_500, name)
+          for waiter <- waiters, do: send(waiter.pid, :paused)
+          assert Task.await_many(waiters, 10_000) == [:ok, :ok]
+
+          # Paid on the IP bucket as of their old ready times, the held waiters would leave
+          # it a token of its refill during the pause: 3 out at once from 2 tokens.
+          assert {:delay, _} = check_rates([{{"ex", "k2"}, limit, 1}, {ip, limit, 1}], name)
+        end
+
         test "bad targets and durations are invalid", %{name: name} do
           for target <- [
                 :ex,

@@ -345,55 +345,55 @@ local function pay(item, now, at)
   save(item.key, bucket)
 end
 
--- Bookings due before `held_until` (> now: a pause began after they were made) go out after
--- it instead, in their order, each keeping its slack: their costs are paid again as of
--- their new ready times (the pause's end, or later when the bucket cannot cover them all
--- then), as if booked behind the pause (bourse_core's Bucket::hold_bookings). Returns the
--- booking of `id` on this bucket as it now is.
-local function hold_bookings(item, held_until, now, id, booking)
-  local bucket = item.bucket
-  local until_text = fmt(held_until)
-  if item.unbooked or not bucket.c or redis.call('HGET', item.key, 'h') == until_text then
-    return booking
-  end
-  redis.call('HSET', item.key, 'h', until_text)
+-- The bucket's bookings: id, ready time, cost (and its text) and slack of each.
+local function bookings_of(item)
   local lapse_of = {}
   local lapses = redis.call('ZRANGE', item.wkey, '0', '-1', 'WITHSCORES')
   for j = 1, #lapses, 2 do
     lapse_of[lapses[j]] = tonumber(lapses[j + 1])
   end
-  -- Every booking is paid again, the held ones and those behind them, in ready order: a
-  -- held one paid again after a later one it now goes out with would take tokens that
-  -- later one already counted on, beyond the capacity at that instant.
-  local held, any_held = {}, false
+  local list = {}
   local fields = redis.call('HGETALL', item.key)
   for j = 1, #fields, 2 do
     local booked = fields[j]:match('^w:(.*)$')
     local ready, cost = fields[j + 1]:match('^(%S+) (%S+)$')
     ready = tonumber(ready)
     if booked and lapse_of[booked] and ready then
-      held[#held + 1] = {
+      list[#list + 1] = {
         id = booked,
         ready = ready,
         cost = tonumber(cost),
         cost_text = cost,
         slack = lapse_of[booked] - ready,
       }
-      any_held = any_held or ready < held_until
     end
   end
-  if not any_held then
-    return booking
-  end
-  for _, b in ipairs(held) do
+  return list
+end
+
+-- Pays every booking of `list` again in order of `earliest` (when each may go out now,
+-- never before its ready time), each as of the latest of that, when the bucket covers it
+-- and the booking before it; each keeps its slack (bourse_core's Bucket::replan). Returns
+-- the booking of `id` on this bucket as it now is.
+local function replan(item, list, now, id, booking)
+  local bucket = item.bucket
+  for _, b in ipairs(list) do
     bucket.b = bucket.b + b.cost
   end
-  table.sort(held, function(x, y) return x.ready < y.ready end)
-  local last = held_until
-  for _, b in ipairs(held) do
+  -- First come, first served among bookings that may go out at one instant.
+  table.sort(list, function(x, y)
+    if x.earliest ~= y.earliest then
+      return x.earliest < y.earliest
+    elseif x.ready ~= y.ready then
+      return x.ready < y.ready
+    end
+    return x.id < y.id
+  end)
+  local last = 0
+  for _, b in ipairs(list) do
     local start = accrued(bucket, now)
     local cap = math.max(bucket.c, b.cost)
-    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), last, b.ready)
+    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), last, b.earliest)
     last = ready
     local lead = bucket.r * ((ready - now) / 1e6)
     bucket.b = math.min(math.min(start, cap) + lead, cap) - b.cost - lead
@@ -409,24 +409,78 @@ local function hold_bookings(item, held_until, now, id, booking)
   return booking
 end
 
+-- Bookings due before `held_until` (> now: a pause began after they were made) go out after
+-- it instead, in their order, each keeping its slack: their costs are paid again as of
+-- their new ready times (the pause's end, or later when the bucket cannot cover them all
+-- then), as if booked behind the pause (bourse_core's Bucket::hold_bookings). Every
+-- booking is paid again, the held ones and those behind them: a held one paid again after
+-- a later one it now goes out with would take tokens that later one already counted on.
+-- Marks the pause's end it planned for, so later checks during the pause read one field.
+-- Returns the booking of `id` on this bucket as it now is.
+local function hold_bookings(item, held_until, now, id, booking)
+  local until_text = fmt(held_until)
+  if item.unbooked or not item.bucket.c or redis.call('HGET', item.key, 'h') == until_text then
+    return booking
+  end
+  redis.call('HSET', item.key, 'h', until_text)
+  local list, any_held = bookings_of(item), false
+  for _, b in ipairs(list) do
+    b.earliest = math.max(b.ready, held_until)
+    any_held = any_held or b.ready < held_until
+  end
+  if not any_held then
+    return booking
+  end
+  return replan(item, list, now, id, booking)
+end
+
+-- The ready time of a booking's text.
+local function ready_of(booking)
+  return tonumber(booking:match('^(%S+)'))
+end
+
+-- Holds `id`'s booking on this bucket until at least `held_until` (a pause of the check's other
+-- buckets holds it), paid again here as of its new ready time, which it returns
+-- (bourse_core's Bucket::hold_booking).
+local function hold_booking(item, id, held_until, now)
+  local list = bookings_of(item)
+  for _, b in ipairs(list) do
+    b.earliest = b.id == id and math.max(b.ready, held_until) or b.ready
+  end
+  item.booking = replan(item, list, now, id, item.booking)
+  return ready_of(item.booking)
+end
+
+-- Rounds of holding one claim runs at most; a claim left unsettled answers a delay and
+-- runs more when the caller comes back.
+local HOLD_ROUNDS = 4
+
 -- The caller's booking for this check was found on every bucket: admitted from its ready
--- time (a pause that began since moved it after itself: `hold_bookings`), never charged
--- again.
-local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
+-- time, never charged again. Where a pause that began since moved it later on some of its
+-- buckets (`hold_bookings`), it is held until then on the others too, paid again there as
+-- of its new ready time, which may be later still (bourse_core's engine::claim).
+local function claim(items, id, now, booked_ready, pause_until, lapsed)
   local ready = math.max(booked_ready, pause_until)
+  local settled = false
+  for _ = 1, HOLD_ROUNDS do
+    local later
+    for _, item in ipairs(items) do
+      if ready_of(item.booking) < ready then
+        later = math.max(later or ready, hold_booking(item, id, ready, now))
+      end
+    end
+    if not later then
+      settled = true
+      break
+    end
+    ready = later
+  end
+  local claimed = settled and ready <= now
   for _, item in ipairs(items) do
-    if ready <= now then
+    if claimed then
       redis.call('HDEL', item.key, 'w:' .. id)
       redis.call('ZREM', item.wkey, id)
     else
-      -- Moved later (by a pause of this or another of its buckets), each of its bookings
-      -- keeps the slack it was booked with.
-      local own = tonumber(item.booking:match('^(%S+)'))
-      if ready > own then
-        local lapse = tonumber(redis.call('ZSCORE', item.wkey, id)) or own + slack
-        redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. item.booking:match(' (.*)$'))
-        redis.call('ZADD', item.wkey, fmt(ready + lapse - own), id)
-      end
       item.unbooked = nil
     end
     if item.bucket.dirty then
@@ -434,7 +488,7 @@ local function claim(items, id, now, booked_ready, pause_until, slack, lapsed)
     end
     item.kept = keep(item, now, math.max(ready - now, 0), true)
   end
-  if ready <= now then
+  if claimed then
     return answer('claimed', 0, 0, lapsed)
   end
   return answer('delay', delay_ms(now, ready), pause_until > now and 1 or 0, lapsed)
@@ -591,7 +645,8 @@ decide = function(now, k, at)
     item.bucket = bucket
     local dropped, booking_lapsed = drop_lapsed(item, now, id)
     lapsed = lapsed + dropped
-    if booking_lapsed then
+    -- A booking's field outlived by its lapse (the bookings key expired) is no booking.
+    if booking_lapsed or item.unbooked then
       booking = nil
     end
     local held_until = pause_end(pauses, ARGV[a + 5], ARGV[a + 6])
@@ -601,7 +656,7 @@ decide = function(now, k, at)
     if claim_ready then
       item.booking = booking
       if item.booking then
-        claim_ready = math.max(claim_ready, tonumber(item.booking:match('^(%S+)')))
+        claim_ready = math.max(claim_ready, ready_of(item.booking))
       else
         claim_ready = nil
       end
@@ -612,8 +667,7 @@ decide = function(now, k, at)
     items[i] = item
   end
   if claim_ready then
-    local slack = tonumber(ARGV[at + 3])
-    return items, claim(items, id, now, claim_ready, pause_until, slack, lapsed)
+    return items, claim(items, id, now, claim_ready, pause_until, lapsed)
   end
   local paused = pause_until > ready and 1 or 0
   ready = math.max(ready, pause_until)
