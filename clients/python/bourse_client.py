@@ -354,10 +354,16 @@ class BourseClient:
             decision = _decision(self.request("check", **fields))
             if decision.admitted:
                 return time.monotonic() - started
-            if decision.result == "over_budget" or decision.ms > left:
+            if decision.ms > left:
                 budget = _budget(left, max_wait_ms, slept_since is None)
                 raise RateLimitExceeded(decision.ms, exchange,
                                         f"{exchange}: waiting {decision.ms} ms exceeds {budget}")
+            if decision.result == "over_budget":
+                # Within the budget: a bucket of the check already holds as many bookings
+                # as it queues.
+                raise RateLimitExceeded(decision.ms, exchange,
+                                        f"{exchange}: waiters fill the queue of a bucket of "
+                                        f"this check; retry after {decision.ms} ms")
             # booked: sleep until ready, then claim; delay: a pause began since, sleep again.
             if slept_since is None:
                 slept_since = _ms(time.monotonic())

@@ -523,11 +523,20 @@ defmodule Bourse.RateLimiter do
   defp over_budget(ms, budget, exchange, named \\ nil) do
     Error.rate_limited(ms,
       exchange: exchange,
-      message:
-        "#{named || exchange}#{if named || exchange, do: ": "}waiting #{ms} ms exceeds " <>
-          budget(budget)
+      message: "#{named || exchange}#{if named || exchange, do: ": "}" <> refusal(ms, budget)
     )
   end
+
+  # Why a waiter was refused: its wait exceeds its budget or, within it, a bucket of its
+  # check already holds as many bookings as it queues (docs/CONTRACT.md §4).
+  defp refusal(ms, budget) do
+    if ms > left(budget),
+      do: "waiting #{ms} ms exceeds " <> budget(budget),
+      else: "waiters fill the queue of a bucket of this check; retry after #{ms} ms"
+  end
+
+  defp left({left, _max_wait}), do: left
+  defp left(max_wait), do: max_wait
 
   # The exchanges of checks that name several, as a message lists them: the first three,
   # then how many more.
@@ -648,7 +657,8 @@ defmodule Bourse.RateLimiter do
     * `:claimed` – waiters admitted against their booking;
     * `:delayed` – probes answered `{:delay, ms}`, and waiters that came back early;
     * `:booked` – waiters that booked their cost;
-    * `:over_budget` – waiters refused because the wait exceeded `:max_wait_ms`;
+    * `:over_budget` – waiters refused because the wait exceeded `:max_wait_ms` (or a
+      bucket's queue of bookings was full);
     * `:lapsed` – bookings not claimed in time (counted when next looked at: at the
       latest by the next sweep);
     * `:paused` – answers held back by a pause;

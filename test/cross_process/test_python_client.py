@@ -278,6 +278,21 @@ class BourseClientFailureTest(unittest.TestCase):
         self.assertEqual(raised.exception.message,
                          "max_wait_ms must be an integer from 1 to 4294967295, got nil")
 
+    def test_wait_beyond_a_full_queue_of_bookings_pays_nothing(self):
+        limit = {"capacity": 1, "refill_per_sec": 10}
+        self.assertTrue(self.client.check("e", "k", limit).admitted)
+        # bourse_core's MAX_BOOKINGS.
+        for owner in range(256):
+            booked = self.client.check("e", "k", limit, owner=owner, max_wait_ms=60_000)
+            self.assertEqual(booked.result, "booked")
+        borrowed = self.client.get_cost("e", "k")
+        with self.assertRaises(RateLimitExceeded) as raised:
+            self.client.wait("e", "k", limit, max_wait_ms=60_000)
+        self.assertRegex(raised.exception.message,
+                         r"^e: waiters fill the queue of a bucket of this check; retry after \d+ ms$")
+        self.assertGreater(raised.exception.retry_after, 20_000)
+        self.assertAlmostEqual(self.client.get_cost("e", "k"), borrowed, places=1)
+
     def test_errors_carry_the_exchange(self):
         with self.assertRaises(BourseError) as raised:
             self.client.check("binance", 123, SLOW)

@@ -7,7 +7,7 @@ use smallvec::SmallVec;
 use crate::bucket::{Booking, Bucket};
 use crate::clock::NANOS_PER_MS;
 use crate::key::{Key, Sought};
-use crate::rules::{self, InvalidInput};
+use crate::rules::{self, InvalidInput, MAX_BOOKINGS};
 use crate::table::INLINE_CHECKS;
 use crate::types::{Check, Mode, Outcome, Stats};
 
@@ -176,7 +176,9 @@ pub(crate) fn decide(
     }
     let ms = delay_ms(now, ready);
     match mode {
-        Mode::Wait { max_wait_ms, .. } if ms <= max_wait_ms => {
+        Mode::Wait { max_wait_ms, .. }
+            if ms <= max_wait_ms && buckets.iter().all(|b| b.bookings.len() < MAX_BOOKINGS) =>
+        {
             stats.booked += 1;
             let booking = Booking {
                 owner,

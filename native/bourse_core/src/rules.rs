@@ -16,6 +16,11 @@ use crate::limit::Limit;
 pub const MAX_KEY_PART_BYTES: usize = 1024;
 /// Most checks in one multi-bucket call.
 pub const MAX_CHECKS: usize = 1024;
+/// Most bookings one bucket holds: a waiter that would book beyond them is refused as
+/// over its budget, with the delay it would have booked, and pays nothing. A pause
+/// re-plans a bucket's bookings (and a claim held by a pause of another bucket of its
+/// check re-plans the others), sorting and paying each again: about 20 µs for this many.
+pub const MAX_BOOKINGS: usize = 256;
 /// Most rows one `busiest` call may ask for.
 pub const MAX_BUSIEST: usize = 10_000;
 /// Most pauses of keys and credentials in force at once in one table, and most of

@@ -1,6 +1,6 @@
 //! Exact scenarios on a manual clock: delays in whole milliseconds, token counts to the unit.
 
-use bourse_core::rules::{BACKOFF_LAPSE_MS, KEEP_MARGIN_MS, MAX_PAUSES};
+use bourse_core::rules::{BACKOFF_LAPSE_MS, KEEP_MARGIN_MS, MAX_BOOKINGS, MAX_PAUSES};
 use bourse_core::{
     BackoffScope, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
 };
@@ -531,6 +531,28 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_paid_again_on_the_others()
         t.check_rates(OTHER, &others, Mode::Probe),
         Ok(Outcome::Delay(100))
     );
+}
+
+#[test]
+fn a_bucket_holds_at_most_max_bookings_and_a_waiter_beyond_them_pays_nothing() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1000.0);
+    assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
+    for owner in 0..MAX_BOOKINGS as u64 {
+        assert!(matches!(
+            wait(&t, 100 + owner, "request", l, 1.0),
+            Outcome::Booked(_)
+        ));
+    }
+    // Within its budget, but the queue is full: refused with the delay it would have
+    // booked, and nothing is paid.
+    let borrowed = t.inspect(key("request")).unwrap().borrowed;
+    assert_eq!(wait(&t, OTHER, "request", l, 1.0), Outcome::OverBudget(257));
+    assert_eq!(t.inspect(key("request")).unwrap().borrowed, borrowed);
+    // A claim makes room.
+    clock.advance_ms(1);
+    assert_eq!(wait(&t, 100, "request", l, 1.0), Outcome::Claimed);
+    assert_eq!(wait(&t, OTHER, "request", l, 1.0), Outcome::Booked(256));
 }
 
 #[test]

@@ -318,6 +318,28 @@ fn probes_over_capacity_costs_and_definition_changes() {
     assert_eq!(t.call(check(&debt, slow(5), 1.0))["result"], "delay");
 }
 
+/// As many bookings per bucket as the core holds: a waiter beyond them is refused as over
+/// its budget, within it, and pays nothing.
+#[test]
+fn a_bucket_holds_at_most_max_bookings() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("okx", Some("queue"));
+    let limit = json!({"capacity": 1, "refill_per_sec": 1});
+    let waiter = |owner: usize| json!({"op": "check", "key": k, "limit": limit, "owner": owner, "max_wait_ms": 1_000_000});
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    for owner in 0..bourse_core::rules::MAX_BOOKINGS {
+        assert_eq!(t.call(waiter(owner))["result"], "booked");
+    }
+    let before = borrowed(&mut t, &k);
+    let beyond = t.call(waiter(bourse_core::rules::MAX_BOOKINGS));
+    assert_eq!(beyond["result"], "over_budget", "{beyond}");
+    // The delay it would have booked: 257 s from the first check.
+    assert!((250_000..=257_000).contains(&ms(&beyond)), "{beyond}");
+    assert!((borrowed(&mut t, &k) - before).abs() < 0.01);
+}
+
 #[test]
 fn waiters_book_claim_once_and_lapse() {
     let Some(redis) = Redis::start() else { return };

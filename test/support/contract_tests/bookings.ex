@@ -145,6 +145,31 @@ defmodule Bourse.ContractTests.Bookings do
           assert :ok = check_rate({"okx", "k"}, okx, 1, name)
         end
 
+        # bourse_core's MAX_BOOKINGS.
+        test "a bucket queues 256 bookings: a waiter beyond them books and pays nothing",
+             %{name: name} do
+          limit = %{capacity: 1, refill_per_sec: 10}
+          key = {"ex", "k"}
+          drain(key, limit, 1, name)
+
+          1..256
+          |> Enum.map(fn _ ->
+            Task.async(fn -> check_rates([{key, limit, 1}], name, max_wait_ms: 60_000) end)
+          end)
+          |> Task.await_many(10_000)
+          |> Enum.each(&assert_delay(&1, 1..25_600))
+
+          borrowed = get_cost(key, 1, name)
+
+          assert {:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: ms} = error} =
+                   wait_for_capacity(key, limit, 1, name, max_wait_ms: 60_000)
+
+          assert ms in 20_000..25_700
+          assert error.message =~ "ex: waiters fill the queue of a bucket of this check"
+          assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 60_000), 20_000..25_700)
+          assert_about(get_cost(key, 1, name), borrowed, 0.1)
+        end
+
         @tag limiter_opts: [booking_slack_ms: 10]
         test "a booking not claimed within booking_slack_ms lapses; its cost stays paid",
              %{name: name} do

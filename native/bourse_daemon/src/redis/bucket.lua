@@ -48,6 +48,7 @@
 local KEYS, ARGV
 
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
+local MAX_BOOKINGS = 256 -- most bookings one bucket holds (bourse_core's MAX_BOOKINGS)
 local MARGIN = 1000000 -- µs a key outlives the moment it would behave as new (bourse_core's KEEP_MARGIN_MS)
 local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
 local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check, at least
@@ -434,6 +435,17 @@ local function hold_bookings(item, held_until, now, id, booking)
   return replan(item, list, now, id, booking)
 end
 
+-- Whether every bucket of a check has room for one more booking (bourse_core's
+-- MAX_BOOKINGS): a waiter beyond them is refused as over its budget.
+local function room_to_book(items)
+  for _, item in ipairs(items) do
+    if not item.unbooked and redis.call('ZCARD', item.wkey) >= MAX_BOOKINGS then
+      return false
+    end
+  end
+  return true
+end
+
 -- The ready time of a booking's text.
 local function ready_of(booking)
   return tonumber(booking:match('^(%S+)'))
@@ -680,7 +692,7 @@ decide = function(now, k, at)
   end
   local ms = delay_ms(now, ready)
   local max_wait, slack = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
-  if max_wait > 0 and ms <= max_wait then
+  if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
       pay(item, now, ready)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost))

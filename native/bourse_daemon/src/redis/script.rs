@@ -308,6 +308,16 @@ mod tests {
         assert_eq!(checks.get_packed_command(), expected.get_packed_command());
     }
 
+    /// The script holds as many bookings per bucket as the core.
+    #[test]
+    fn the_script_holds_the_cores_bookings() {
+        let line = format!(
+            "local MAX_BOOKINGS = {} -- ",
+            bourse_core::rules::MAX_BOOKINGS
+        );
+        assert!(BUCKET.contains(&line), "bucket.lua lacks {line:?}");
+    }
+
     /// The script keeps a key as long past its last answered delay as the core keeps a
     /// bucket.
     #[test]
