@@ -26,9 +26,10 @@ then, from any number of processes:
         # After a 429 with Retry-After: 30, hold every bucket of that credential.
         limiter.pause("binance", 30_000, credential="API-KEY")
 
-Over TCP the client proves the daemon's shared secret (the HMAC-SHA256 of the nonce in the
-daemon's hello; the secret itself is never sent): pass secret=b"...", else it is read from
-the environment variable BOURSE_DAEMON_SECRET. A Unix socket needs none (its file is
+Over TCP the client and the daemon prove the shared secret to each other (the HMAC-SHA256
+of the nonce in the daemon's hello, then of a challenge of the client's; the secret itself
+is never sent), so a program without it that listens on the daemon's port is refused: pass
+secret=b"...", else it is read from the environment variable BOURSE_DAEMON_SECRET. A Unix socket needs none (its file is
 owner-only). Answers never hold an API key: busiest() shows fingerprints.
 
 Keys are (exchange, credential, axis): credential None is the exchange's public pool, axis
@@ -180,20 +181,38 @@ class BourseClient:
         auth = hello.get("auth")
         if auth is not None:
             self._prove(auth, secret)
+        elif not isinstance(address, str):
+            # Every daemon serving TCP asks (a Unix socket's permissions stand for the proof).
+            self.close()
+            raise BourseError("unauthorized", "the peer did not ask for the shared secret, as "
+                                              "every bourse_daemon serving TCP does: another "
+                                              "program may be listening there")
 
     def _prove(self, auth: dict, secret: Optional[bytes]) -> None:
+        """Proves the secret (the HMAC-SHA256 of the hello's nonce), and has the daemon prove
+        it in turn over a challenge of ours; the secret itself never travels."""
         if secret is None:
             secret = os.environ.get("BOURSE_DAEMON_SECRET", "").encode() or None
-        if secret is None or auth.get("scheme") != "hmac-sha256":
+        if (secret is None or auth.get("scheme") != "hmac-sha256"
+                or not isinstance(auth.get("nonce"), str)):
             self.close()
             raise BourseError("unauthorized", "the daemon asks for its shared secret: pass "
                                               "secret= or set BOURSE_DAEMON_SECRET")
-        proof = hmac.new(secret, auth["nonce"].encode(), hashlib.sha256).hexdigest()
+        nonce = auth["nonce"]
+        challenge = os.urandom(32).hex()
+        proof = hmac.new(secret, nonce.encode(), hashlib.sha256).hexdigest()
+        expected = hmac.new(secret, f"daemon {challenge} {nonce}".encode(),
+                            hashlib.sha256).hexdigest()
         try:
-            self.request("auth", proof=proof)
+            proved = self.request("auth", proof=proof, challenge=challenge)
         except BourseError:
             self.close()
             raise
+        if not hmac.compare_digest(str(proved.get("proof", "")), expected):
+            self.close()
+            raise BourseError("unauthorized", "the peer accepted the proof of the shared secret "
+                                              "without proving it in turn: another program may "
+                                              "be listening there")
 
     # -- plumbing ---------------------------------------------------------------------------
 

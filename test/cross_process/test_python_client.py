@@ -5,6 +5,7 @@ The daemon binary is $BOURSE_DAEMON, else target/{debug,release}/bourse_daemon, 
 built with `cargo build -p bourse_daemon`.
 """
 
+import json
 import os
 import signal
 import socket
@@ -370,6 +371,31 @@ class ImpostorTest(unittest.TestCase):
         with self.assertRaises(TimeoutError):
             BourseClient(address, timeout=1)
         self.assertLess(time.monotonic() - started, 2)
+
+    def impostor_hello(self, connection, auth):
+        hello = {"ok": True, "protocol": 1, "server": "bourse_daemon 0", "id": 1,
+                 "max_frame_bytes": 65536, "clock_us": 1}
+        if auth:
+            hello["auth"] = {"scheme": "hmac-sha256", "nonce": "ab" * 32}
+        connection.sendall(json.dumps(hello).encode() + b"\n")
+
+    def test_a_tcp_peer_that_asks_no_secret_is_refused(self):
+        address = self.serve(lambda connection: self.impostor_hello(connection, auth=False))
+        with self.assertRaises(BourseError) as raised:
+            BourseClient(address, timeout=2, secret=SECRET)
+        self.assertEqual(raised.exception.type, "unauthorized")
+        self.assertIn("another program may be listening there", raised.exception.message)
+
+    def test_a_tcp_peer_that_does_not_prove_the_secret_is_refused(self):
+        def accept_any_proof(connection):
+            self.impostor_hello(connection, auth=True)
+            connection.recv(1000)
+            connection.sendall(b'{"ok": true, "id": 2}\n')
+        address = self.serve(accept_any_proof)
+        with self.assertRaises(BourseError) as raised:
+            BourseClient(address, timeout=2, secret=SECRET)
+        self.assertEqual(raised.exception.type, "unauthorized")
+        self.assertIn("without proving it in turn", raised.exception.message)
 
     def test_an_answer_that_is_not_json_is_a_bourse_error(self):
         address = self.serve(lambda connection: connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"))

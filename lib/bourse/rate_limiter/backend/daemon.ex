@@ -21,7 +21,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   A Unix socket is owner-only (the daemon's `--socket-mode 660` lets its group in too).
   Over TCP the daemon serves nothing but `hello` until the client proves the shared
   secret it was started with: the HMAC-SHA256 of a nonce from the daemon's hello; the
-  secret never travels. The limiter reads the secret from `secret_file:` (a trailing
+  daemon then proves it in turn, over a challenge of the client's, so that a program
+  without it listening on that port is refused (`:unavailable`, "another program may be
+  listening there"), never believed. The secret never travels. The limiter reads the secret from `secret_file:` (a trailing
   newline is ignored) or else from the environment variable `BOURSE_DAEMON_SECRET`, when
   it connects. Answers never hold an API key: `busiest` shows fingerprints
   (`Bourse.Fingerprint`).

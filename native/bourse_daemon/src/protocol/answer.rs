@@ -20,6 +20,8 @@ pub enum Answer {
     Info(Option<KeyInfo>),
     Stats(Stats),
     Hello(Hello),
+    /// A proved `auth`, with the daemon's own proof when the client asked for it.
+    Proved(Option<String>),
     Swept(usize),
     Busiest(Vec<(ShownKey, KeyInfo)>),
 }
@@ -107,6 +109,8 @@ pub fn encode(out: &mut Vec<u8>, codec: Codec, to: To, answer: Answer) {
             }
             body
         }
+        Answer::Proved(None) => json!({"ok": true}),
+        Answer::Proved(Some(proof)) => json!({"ok": true, "proof": proof}),
         Answer::Swept(dropped) => json!({"ok": true, "dropped": dropped}),
         Answer::Busiest(rows) => json!({
             "ok": true,

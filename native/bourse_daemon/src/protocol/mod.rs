@@ -353,9 +353,8 @@ impl<S: Store> Service<S> {
                 }
                 self.hello(session)
             }
-            Request::Auth { proof } => {
-                self.authenticate(session, proof)?;
-                Answer::Done
+            Request::Auth { proof, challenge } => {
+                Answer::Proved(self.authenticate(session, proof, challenge)?)
             }
             Request::Check {
                 checks,
@@ -445,21 +444,45 @@ impl<S: Store> Service<S> {
     }
 
     /// Checks an `auth` proof: the HMAC-SHA256, under the secret, of the session's nonce.
-    fn authenticate(&self, session: &Session, proof: &str) -> Result<(), Failure> {
+    /// Once it holds, a client's `challenge` (64 hex digits) is answered with the daemon's
+    /// own proof: the HMAC-SHA256 of `daemon <challenge> <nonce>`, which no client proof
+    /// (of a nonce alone) can be, so that an impostor without the secret is found out.
+    fn authenticate(
+        &self,
+        session: &Session,
+        proof: &str,
+        challenge: Option<&str>,
+    ) -> Result<Option<String>, Failure> {
         let (Some(secret), Some(nonce)) = (&self.secret, &session.nonce) else {
             // Nothing to prove on this connection.
-            return Ok(());
+            return Ok(None);
         };
         let proof = decode_hex(proof).ok_or(Failure::Unauthorized(
             "proof must be 64 hex digits (the HMAC-SHA256 of the hello's nonce)",
         ))?;
-        let mut mac = Hmac::<Sha256>::new_from_slice(secret)
-            .map_err(|_| Failure::Unauthorized("the daemon's secret is unusable"))?;
-        mac.update(nonce.as_bytes());
-        mac.verify_slice(&proof)
+        if challenge.is_some_and(|challenge| decode_hex(challenge).is_none()) {
+            return Err(Failure::Unauthorized(
+                "challenge must be 64 hex digits (32 random bytes)",
+            ));
+        }
+        let mac = || {
+            Hmac::<Sha256>::new_from_slice(secret)
+                .map_err(|_| Failure::Unauthorized("the daemon's secret is unusable"))
+        };
+        let mut client = mac()?;
+        client.update(nonce.as_bytes());
+        client
+            .verify_slice(&proof)
             .map_err(|_| Failure::Unauthorized("wrong proof: the secret differs"))?;
         session.authenticated.store(true, Ordering::Relaxed);
-        Ok(())
+        Ok(match challenge {
+            None => None,
+            Some(challenge) => {
+                let mut daemon = mac()?;
+                daemon.update(format!("daemon {challenge} {nonce}").as_bytes());
+                Some(crate::fingerprint::hex(&daemon.finalize().into_bytes()))
+            }
+        })
     }
 
     /// The booking owner: the connection's own, or a named one (hashed).

@@ -29,9 +29,11 @@ pub enum Request<'a> {
     Hello {
         codec: Option<Codec>,
     },
-    /// Proves the connection's secret: the HMAC of the hello's nonce, in hex.
+    /// Proves the connection's secret: the HMAC of the hello's nonce, in hex; with a
+    /// `challenge`, asks the daemon to prove it too.
     Auth {
         proof: &'a str,
+        challenge: Option<&'a str>,
     },
     /// `check` (one check, or none when its limit is null) and `check_many`.
     Check {
@@ -253,15 +255,20 @@ impl<'a> Request<'a> {
                 Self::Hello { codec }
             }
             "auth" => {
-                fields(&["proof"], "an auth request")?;
-                match required(request, "proof")? {
-                    Value::String(proof) => Self::Auth { proof },
-                    other => {
-                        return Err(envelope(format!(
-                            "proof must be a string, got {}",
-                            shape(other)
-                        )))
-                    }
+                fields(&["proof", "challenge"], "an auth request")?;
+                let string = |name: &str, value: &'a Value| match value {
+                    Value::String(text) => Ok(text.as_str()),
+                    other => Err(envelope(format!(
+                        "{name} must be a string, got {}",
+                        shape(other)
+                    ))),
+                };
+                Self::Auth {
+                    proof: string("proof", required(request, "proof")?)?,
+                    challenge: match request.get("challenge") {
+                        None => None,
+                        Some(challenge) => Some(string("challenge", challenge)?),
+                    },
                 }
             }
             _ => {

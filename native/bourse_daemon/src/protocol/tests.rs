@@ -1076,6 +1076,43 @@ fn connections_that_must_prove_the_secret_serve_nothing_else_before() {
     // Connections that need no proof (Unix sockets) are served at once.
     let local = service.session(false, None);
     assert_eq!(call(&local, r#"{"op":"stats"}"#)["ok"], true);
+
+    // A client's challenge is answered with the daemon's own proof, once the client's holds.
+    let mac = |message: &str| {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"0123456789abcdef").unwrap();
+        mac.update(message.as_bytes());
+        crate::fingerprint::hex(&mac.finalize().into_bytes())
+    };
+    let challenged = service.session(true, None);
+    let nonce = call(&challenged, r#"{"op":"hello"}"#)["auth"]["nonce"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let challenge = "0f".repeat(32);
+    let auth = |proof: &str, challenge: &str| {
+        format!(r#"{{"op":"auth","proof":"{proof}","challenge":"{challenge}"}}"#)
+    };
+    for (proof, challenge, message) in [
+        (
+            mac("wrong"),
+            challenge.clone(),
+            "wrong proof: the secret differs",
+        ),
+        (
+            mac(&nonce),
+            "0f".repeat(31),
+            "challenge must be 64 hex digits (32 random bytes)",
+        ),
+    ] {
+        let refused = call(&challenged, &auth(&proof, &challenge));
+        assert_eq!(refused["error"]["message"], message, "{refused}");
+        assert!(refused.get("proof").is_none());
+    }
+    let proved = call(&challenged, &auth(&mac(&nonce), &challenge));
+    assert_eq!(
+        proved,
+        json!({"ok": true, "proof": mac(&format!("daemon {challenge} {nonce}"))})
+    );
 }
 
 #[test]

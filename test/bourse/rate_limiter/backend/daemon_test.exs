@@ -236,6 +236,59 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  # A local user that binds the daemon's TCP port (while it restarts, say) and answers as
+  # one, without the secret: were it believed, every check would be "admitted".
+  test "an impostor without the secret on the TCP port is found out, never believed" do
+    impostors = [
+      {"did not ask for the shared secret", fn _socket -> :ok end, nil},
+      {"without proving it in turn", &accept_any_proof/1,
+       %{"scheme" => "hmac-sha256", "nonce" => String.duplicate("ab", 32)}}
+    ]
+
+    for {says, after_hello, auth} <- impostors do
+      {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])
+      {:ok, port} = :inet.port(listener)
+      server = spawn_link(fn -> impersonate(listener, auth, after_hello) end)
+      name = start_limiter({:daemon, "127.0.0.1:#{port}"})
+
+      assert {:error, %Error{type: :unavailable, message: message}} =
+               RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+      assert message =~ says
+      assert message =~ "another program may be listening there"
+      unlink_and_kill(server)
+      :gen_tcp.close(listener)
+    end
+  end
+
+  # Answers every connection's hello as a daemon does (with `auth`), then `after_hello`.
+  defp impersonate(listener, auth, after_hello) do
+    {:ok, socket} = :gen_tcp.accept(listener)
+    {:ok, _hello_line} = :gen_tcp.recv(socket, 0)
+
+    hello =
+      :erlang.term_to_binary(%{
+        "id" => 0,
+        "ok" => true,
+        "protocol" => 1,
+        "max_frame_bytes" => 65_536,
+        "auth" => auth,
+        "clock_us" => System.monotonic_time(:microsecond)
+      })
+
+    :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
+    after_hello.(socket)
+    impersonate(listener, auth, after_hello)
+  end
+
+  defp accept_any_proof(socket) do
+    with {:ok, <<size::32>>} <- :gen_tcp.recv(socket, 4),
+         {:ok, _auth} <- :gen_tcp.recv(socket, size) do
+      ok = :erlang.term_to_binary(%{"id" => 0, "ok" => true})
+      :gen_tcp.send(socket, [<<byte_size(ok)::32>>, ok])
+    end
+  end
+
   test "a daemon that stops answering: calls end as :unavailable after the timeout, never hang" do
     {daemon, name} = start_connected_daemon(timeout: 300)
 

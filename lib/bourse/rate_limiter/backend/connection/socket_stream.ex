@@ -82,7 +82,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   @impl true
   def open({:socket, address}, settings) do
     with {:ok, socket} <- connect(address, settings.timeout) do
-      case handshake(socket, settings.secret) do
+      case handshake(socket, address, settings.secret) do
         {:ok, hello} ->
           {:ok, stream(socket, nil), hello}
 
@@ -129,33 +129,51 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp handshake(socket, secret) do
+  defp handshake(socket, address, secret) do
     with :ok <- send_all(socket, [Connection.hello_request(), ?\n]),
          {:ok, frame} <- recv_frame(socket, "no hello"),
          {:ok, hello} <- Connection.hello(frame),
-         :ok <- prove(socket, hello, secret),
+         :ok <- prove(socket, Map.get(hello, "auth"), secret, address),
          do: {:ok, hello}
   end
 
   # A daemon reached over TCP asks for proof of the shared secret: the HMAC-SHA256 of the
-  # nonce in its hello. The secret itself is never sent.
-  defp prove(_socket, %{"auth" => nil}, _secret), do: :ok
+  # nonce in its hello; and proves it in turn, over a challenge of ours. The secret itself
+  # never travels. Every daemon serving TCP asks: one that does not is not a bourse_daemon
+  # (a Unix socket's permissions stand for the proof).
+  defp prove(_socket, nil, _secret, {:tcp, _host, _port}) do
+    {:error,
+     "the peer did not ask for the shared secret, as every bourse_daemon serving TCP " <>
+       "does: another program may be listening there"}
+  end
 
-  defp prove(_socket, %{"auth" => %{}}, nil) do
+  defp prove(_socket, nil, _secret, _unix), do: :ok
+
+  defp prove(_socket, %{}, nil, _address) do
     {:error,
      "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
        "secret_file: option"}
   end
 
-  defp prove(socket, %{"auth" => %{"scheme" => "hmac-sha256", "nonce" => nonce}}, secret) do
-    proof = :crypto.mac(:hmac, :sha256, secret, nonce) |> Base.encode16(case: :lower)
-    request = Connection.encode(0, %{op: "auth", proof: proof})
+  defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address)
+       when is_binary(nonce) do
+    challenge = :crypto.strong_rand_bytes(32) |> Base.encode16(case: :lower)
+
+    request =
+      Connection.encode(0, %{op: "auth", proof: hmac(secret, nonce), challenge: challenge})
+
+    expected = hmac(secret, "daemon #{challenge} #{nonce}")
 
     with :ok <- send_all(socket, PortStream.frame(request, byte_size(request))),
          {:ok, frame} <- recv_frame(socket, "no answer to auth") do
       case Connection.decode(frame) do
-        {:ok, %{"ok" => true}} ->
+        {:ok, %{"ok" => true, "proof" => ^expected}} ->
           :ok
+
+        {:ok, %{"ok" => true}} ->
+          {:error,
+           "the peer accepted the proof of the shared secret without proving it in turn: " <>
+             "another program may be listening there"}
 
         _ ->
           {:error, "the daemon refused the proof of the shared secret (is it the same secret?)"}
@@ -163,10 +181,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp prove(_socket, %{"auth" => _}, _secret),
+  defp prove(_socket, _auth, _secret, _address),
     do: {:error, "the daemon asks for a proof this client does not know"}
 
-  defp prove(_socket, _hello, _secret), do: :ok
+  defp hmac(secret, message),
+    do: :crypto.mac(:hmac, :sha256, secret, message) |> Base.encode16(case: :lower)
 
   defp send_all(socket, iodata),
     do: tagged(:socket.send(socket, iodata, @handshake_timeout), "cannot send")
