@@ -24,18 +24,7 @@ defmodule Bourse.FakeDaemon do
   defp accept(listener, serve) do
     {:ok, socket} = :gen_tcp.accept(listener)
     {:ok, _line} = :gen_tcp.recv(socket, 0)
-
-    hello =
-      :erlang.term_to_binary(%{
-        "id" => 0,
-        "ok" => true,
-        "protocol" => 1,
-        "max_frame_bytes" => 65_536,
-        "auth" => nil,
-        "clock_us" => System.monotonic_time(:microsecond)
-      })
-
-    :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
+    :ok = :gen_tcp.send(socket, hello(nil))
     Task.start_link(fn -> serve.(socket) end)
     accept(listener, serve)
   end
@@ -49,5 +38,21 @@ defmodule Bourse.FakeDaemon do
     else
       {:error, _closed} -> :closed
     end
+  end
+
+  @doc "The frame of a daemon's answer to a hello, in the external term format, with `auth`."
+  @spec hello(map() | nil) :: iodata()
+  def hello(auth) do
+    hello =
+      :erlang.term_to_binary(%{
+        "id" => 0,
+        "ok" => true,
+        "protocol" => 1,
+        "max_frame_bytes" => 65_536,
+        "auth" => auth,
+        "clock_us" => System.monotonic_time(:microsecond)
+      })
+
+    [<<byte_size(hello)::32>>, hello]
   end
 end

@@ -8,6 +8,9 @@ use bourse_core::{
 };
 use proptest::prelude::*;
 
+#[path = "support/conformance.rs"]
+mod conformance;
+
 const EXCHANGE: &[u8] = b"binance";
 const KEYS: [KeyRef<'static>; 3] = [
     KeyRef {
@@ -178,21 +181,8 @@ proptest! {
         let out = run(limits, &ops);
         for (bucket, mut sent) in out.into_iter().enumerate() {
             let (capacity, refill) = limits[bucket];
-            sent.sort_by_key(|&(at, _)| at);
-            for i in 0..sent.len() {
-                let (mut total, mut largest) = (0.0, 0.0f64);
-                for &(at, cost) in &sent[i..] {
-                    total += cost;
-                    largest = largest.max(cost);
-                    let span = (at - sent[i].0) as f64 / 1e9;
-                    // A waiter comes back up to a millisecond late (delays round up).
-                    let bound = capacity.max(largest) + refill * (span + 0.001) + 1e-6;
-                    prop_assert!(
-                        total <= bound,
-                        "bucket {bucket}: {total} > {bound} over {span} s from #{i}"
-                    );
-                }
-            }
+            let excess = conformance::first_excess(capacity, refill, &mut sent);
+            prop_assert!(excess.is_none(), "bucket {bucket}: {}", excess.unwrap_or_default());
         }
     }
 }

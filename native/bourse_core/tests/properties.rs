@@ -6,6 +6,9 @@ use bourse_core::{
 };
 use proptest::prelude::*;
 
+#[path = "support/conformance.rs"]
+mod conformance;
+
 const SLACK_MS: u64 = 250;
 
 #[derive(Debug, Clone)]
@@ -248,17 +251,7 @@ proptest! {
     #[test]
     fn p1_admitted_cost_in_any_interval_is_bounded((capacity, refill, ops) in schedule()) {
         let mut admitted = run(capacity, refill, &ops)?;
-        admitted.sort_by_key(|&(at, _)| at);
-        for i in 0..admitted.len() {
-            let (mut total, mut largest) = (0.0, 0.0f64);
-            for &(at, cost) in &admitted[i..] {
-                total += cost;
-                largest = largest.max(cost);
-                let span = (at - admitted[i].0) as f64 / 1e9;
-                // A booking is counted up to a millisecond late (its delay is rounded up).
-                let bound = capacity.max(largest) + refill * (span + 0.001) + 1e-6;
-                prop_assert!(total <= bound, "{total} > {bound} over {span} s from #{i}");
-            }
-        }
+        let excess = conformance::first_excess(capacity, refill, &mut admitted);
+        prop_assert!(excess.is_none(), "{}", excess.unwrap_or_default());
     }
 }

@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
   import ExUnit.CaptureLog
 
-  alias Bourse.DaemonServer
+  alias Bourse.{DaemonServer, FakeDaemon}
   alias Bourse.Error
   alias Bourse.RateLimiter
   alias Bourse.RateLimiter.Backend.Daemon
@@ -265,25 +265,13 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   defp impersonate(listener, auth, after_hello) do
     {:ok, socket} = :gen_tcp.accept(listener)
     {:ok, _hello_line} = :gen_tcp.recv(socket, 0)
-
-    hello =
-      :erlang.term_to_binary(%{
-        "id" => 0,
-        "ok" => true,
-        "protocol" => 1,
-        "max_frame_bytes" => 65_536,
-        "auth" => auth,
-        "clock_us" => System.monotonic_time(:microsecond)
-      })
-
-    :ok = :gen_tcp.send(socket, [<<byte_size(hello)::32>>, hello])
+    :ok = :gen_tcp.send(socket, FakeDaemon.hello(auth))
     after_hello.(socket)
     impersonate(listener, auth, after_hello)
   end
 
   defp accept_any_proof(socket) do
-    with {:ok, <<size::32>>} <- :gen_tcp.recv(socket, 4),
-         {:ok, _auth} <- :gen_tcp.recv(socket, size) do
+    with %{} <- FakeDaemon.request(socket) do
       ok = :erlang.term_to_binary(%{"id" => 0, "ok" => true})
       :gen_tcp.send(socket, [<<byte_size(ok)::32>>, ok])
     end
