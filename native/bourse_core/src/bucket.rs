@@ -17,6 +17,9 @@ pub(crate) struct Booking {
     pub cost: f64,
     pub ready_at: u64,
     pub lapse_at: u64,
+    /// When it was booked: bookings are paid again in the order they were made (with the
+    /// owner and signature for bookings made at one instant), the same on every bucket.
+    pub booked_at: u64,
 }
 
 /// Tokens are `base + refill * (t - base_at)`, read capped at the capacity (or at the
@@ -193,31 +196,38 @@ impl Bucket {
             .map_or(until, |b| b.ready_at)
     }
 
-    /// Pays every booking again in order of `earliest` (when each may go out now, never
-    /// before its ready time), each as of the latest of that, when the bucket covers it and
-    /// the booking before it; each keeps its slack. Paying again only the bookings that
-    /// moved, after those behind them, would take tokens those counted on, beyond the
-    /// capacity at that instant.
+    /// Pays every booking again in the order they were made, each as of the latest of its
+    /// `earliest` (when it may go out now, never before its ready time), when the bucket
+    /// covers it and the booking before it; each keeps its slack. Paying
+    /// again only the bookings that moved, after those behind them, would take tokens those
+    /// counted on, beyond the capacity at that instant.
+    ///
+    /// The order is the one the bookings were first paid in, on every bucket alike: a
+    /// booking held on some of its buckets keeps its turn on the others, ahead of the
+    /// bookings made after it. Ordered by when each may go out instead, it went behind
+    /// every booking made after it and due before its new ready time, then on its other
+    /// buckets behind theirs, round after round; ordered by ready times, which differ from
+    /// bucket to bucket, two waiters whose checks share buckets pushed each other's
+    /// bookings later at each claim, forever.
     fn replan(&mut self, earliest: impl Fn(&Booking) -> u64, now: u64) {
         let Some(limit) = self.limit else { return };
-        // First come, first served among bookings that may go out at one instant.
-        let mut order: SmallVec<[(u64, u64, usize); 8]> = self
+        let mut order: SmallVec<[(u64, u64, u64, usize); 8]> = self
             .bookings
             .iter()
             .enumerate()
-            .map(|(i, b)| (earliest(b), b.ready_at, i))
+            .map(|(i, b)| (b.booked_at, b.owner, b.signature, i))
             .collect();
         order.sort_unstable();
         for booking in &self.bookings {
             self.base += booking.cost;
         }
         let mut last = 0;
-        for &(earliest, _, i) in &order {
+        for &(.., i) in &order {
             let cost = self.bookings[i].cost;
             let start = self.accrued(&limit, now);
             let ready = Self::ready_at(&limit, cost, start, now)
-                .max(last)
-                .max(earliest);
+                .max(earliest(&self.bookings[i]))
+                .max(last);
             last = ready;
             self.pay(limit, cost, start, now, ready);
             let booking = &mut self.bookings[i];

@@ -186,6 +186,7 @@ pub(crate) fn decide(
                 cost: 0.0,
                 ready_at: ready,
                 lapse_at: ready.saturating_add(slack_ns),
+                booked_at: now,
             };
             pay_all(buckets, items, &starts, now, ready, Some(booking));
             Outcome::Booked(ms)
@@ -272,6 +273,13 @@ fn claim(
         return Outcome::Claimed;
     }
     for bucket in buckets.iter_mut() {
+        // Told to come back at `ready`, the caller finds its booking then on every bucket,
+        // also one where the rounds left it due earlier: it does not lapse before its
+        // slack past `ready` (else the caller, back as told, would book and pay again).
+        let position = booking_position(bucket, owner, signature);
+        let booking = &mut bucket.bookings[position];
+        let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);
+        booking.lapse_at = booking.lapse_at.max(ready.saturating_add(slack_ns));
         bucket.told(now, ready.saturating_sub(now));
     }
     stats.delayed += 1;

@@ -823,3 +823,46 @@ fn a_booking_held_again_does_not_go_out_with_one_booked_behind_it_beyond_the_cap
         "4 tokens within {apart} ms on a 3-token bucket refilling 4/s"
     );
 }
+
+#[test]
+fn a_held_claim_keeps_its_turn_on_its_other_buckets() {
+    // An over-capacity waiter (cost 2, capacity 1) on its credential and the IP; cheaper
+    // waiters queue behind it on each bucket alone. A pause of the credential holds it
+    // there until 3.5 s. Paid again on the IP behind the bookings made after it but due
+    // before 3.5 s, it went out at 5 s there, then behind the credential's at 6.5 s, ...:
+    // four rounds, unsettled, told 9.5 s, with its IP booking left due at 8 s, lapsed when
+    // it came back as told (booked and paid again). In its turn, it goes out at the
+    // pause's end on both, and the queues behind it wait for it.
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    let ip = KeyRef::new(b"binance", None, b"ip");
+    let both = [check(key("request"), l, 2.0), check(ip, l, 2.0)];
+    let waiter = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: None,
+    };
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Booked(1_000)));
+    for i in 0..10 {
+        for k in [key("request"), ip] {
+            assert_eq!(
+                t.check_rate(100 + i, check(k, l, 1.0), waiter),
+                Outcome::Booked(2_000 + 1_000 * i)
+            );
+        }
+    }
+    clock.advance_ms(100);
+    t.pause(
+        PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
+        3_400,
+    )
+    .unwrap();
+    clock.advance_ms(900);
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Delay(2_500)));
+    clock.advance_ms(2_500);
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Claimed));
+    // The first queued on the IP now goes out after it.
+    assert_eq!(
+        t.check_rate(100, check(ip, l, 1.0), waiter),
+        Outcome::Delay(1_000)
+    );
+}

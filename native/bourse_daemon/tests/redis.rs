@@ -442,6 +442,46 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_claimed_and_paid_at_its_en
     assert_eq!(beside["result"], "delay", "{beside}");
 }
 
+/// A claim held by a pause of its credential is paid again on the IP in its turn, before
+/// the bookings made after it: ordered by when each may go out instead, it went behind
+/// the IP's queue, then behind the credential's, round after round, and was told to come
+/// back long after the pause with its IP booking left to lapse before then (booked and
+/// paid again when it came back as told).
+#[test]
+fn a_held_claim_keeps_its_turn_on_the_other_buckets() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    // 4 tokens a second; the held waiter costs 2, over the capacity of 1.
+    let limit = json!({"capacity": 1, "refill_per_sec": 4});
+    let cred = json!({"exchange": "okx", "credential": "turn", "axis": "request"});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let both = json!({"op": "check_many", "owner": 1, "max_wait_ms": 60_000, "checks": [
+        {"key": cred, "limit": limit, "cost": 2}, {"key": ip, "limit": limit, "cost": 2},
+    ]});
+    let booked = t.call(both.clone());
+    assert_eq!(booked["result"], "booked", "{booked}");
+    let started = Instant::now();
+    for owner in 0..10 {
+        for k in [&cred, &ip] {
+            let queued = t.call(json!({"op": "check", "key": k, "limit": limit, "cost": 1,
+                                        "owner": 100 + owner, "max_wait_ms": 60_000}));
+            assert_eq!(queued["result"], "booked", "{queued}");
+        }
+    }
+    let pause =
+        json!({"op": "pause", "target": {"exchange": "okx", "credential": "turn"}, "ms": 850});
+    assert_eq!(t.call(pause)["ok"], true);
+    sleep_ms(ms(&booked).saturating_sub(started.elapsed().as_millis() as u64));
+    let held = t.call(both.clone());
+    assert_eq!(held["result"], "delay", "{held}");
+    // Out at the pause's end, about 600 ms from now.
+    assert!(ms(&held) <= 900, "{held}");
+    sleep_ms(ms(&held));
+    let claim = t.call(both);
+    assert_eq!(claim["result"], "claimed", "{claim}");
+}
+
 /// Books ten waiters (`waiter(owner)`), pauses `target` for 1.5 s, has each come back
 /// during the pause (told `delay`), and each claim its booking at the pause's end; returns
 /// the answers they were told during the pause.

@@ -357,12 +357,15 @@ local function bookings_of(item)
   local fields = redis.call('HGETALL', item.key)
   for j = 1, #fields, 2 do
     local booked = fields[j]:match('^w:(.*)$')
-    local ready, cost = fields[j + 1]:match('^(%S+) (%S+)$')
+    local ready, cost, at = fields[j + 1]:match('^(%S+) (%S+) ?(%S*)$')
     ready = tonumber(ready)
     if booked and lapse_of[booked] and ready then
       list[#list + 1] = {
         id = booked,
         ready = ready,
+        -- When it was booked (a booking stored before this field: its ready time).
+        booked_at = tonumber(at) or ready,
+        booked_at_text = at ~= '' and at or fmt(ready),
         cost = tonumber(cost),
         cost_text = cost,
         slack = lapse_of[booked] - ready,
@@ -372,21 +375,19 @@ local function bookings_of(item)
   return list
 end
 
--- Pays every booking of `list` again in order of `earliest` (when each may go out now,
--- never before its ready time), each as of the latest of that, when the bucket covers it
--- and the booking before it; each keeps its slack (bourse_core's Bucket::replan). Returns
--- the booking of `id` on this bucket as it now is.
+-- Pays every booking of `list` again in the order they were made, each as of the latest of
+-- its `earliest` (when it may go out now, never before its ready time), when the bucket
+-- covers it and the booking before it; each keeps its slack (bourse_core's
+-- Bucket::replan: the same order on every bucket, so a held booking keeps its turn).
+-- Returns the booking of `id` on this bucket as it now is.
 local function replan(item, list, now, id, booking)
   local bucket = item.bucket
   for _, b in ipairs(list) do
     bucket.b = bucket.b + b.cost
   end
-  -- First come, first served among bookings that may go out at one instant.
   table.sort(list, function(x, y)
-    if x.earliest ~= y.earliest then
-      return x.earliest < y.earliest
-    elseif x.ready ~= y.ready then
-      return x.ready < y.ready
+    if x.booked_at ~= y.booked_at then
+      return x.booked_at < y.booked_at
     end
     return x.id < y.id
   end)
@@ -394,13 +395,13 @@ local function replan(item, list, now, id, booking)
   for _, b in ipairs(list) do
     local start = accrued(bucket, now)
     local cap = math.max(bucket.c, b.cost)
-    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), last, b.earliest)
+    local ready = math.max(ready_at({ start = start, c = bucket.c, r = bucket.r, cost = b.cost }, now), b.earliest, last)
     last = ready
     local lead = bucket.r * ((ready - now) / 1e6)
     bucket.b = math.min(math.min(start, cap) + lead, cap) - b.cost - lead
     bucket.t = now
     bucket.dirty = true
-    local text = fmt(ready) .. ' ' .. b.cost_text
+    local text = fmt(ready) .. ' ' .. b.cost_text .. ' ' .. b.booked_at_text
     redis.call('HSET', item.key, 'w:' .. b.id, text)
     redis.call('ZADD', item.wkey, fmt(ready + b.slack), b.id)
     if b.id == id then
@@ -494,6 +495,15 @@ local function claim(items, id, now, booked_ready, pause_until, lapsed)
       redis.call('ZREM', item.wkey, id)
     else
       item.unbooked = nil
+      -- Told to come back at `ready`, the caller finds its booking then on every bucket,
+      -- also one where the rounds left it due earlier (bourse_core's engine::claim).
+      local lapse = tonumber(redis.call('ZSCORE', item.wkey, id))
+      if lapse then
+        local slack = lapse - ready_of(item.booking)
+        if ready + slack > lapse then
+          redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+        end
+      end
     end
     if item.bucket.dirty then
       save(item.key, item.bucket)
@@ -695,7 +705,7 @@ decide = function(now, k, at)
   if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
       pay(item, now, ready)
-      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost))
+      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
       item.unbooked = nil
       item.kept = keep(item, now, ready - now)
@@ -785,7 +795,7 @@ local function info_row(i, now)
     for _, id in ipairs(ids) do
       local booking = redis.call('HGET', key, 'w:' .. id)
       if booking then
-        local ready, cost = booking:match('^(%S+) (%S+)$')
+        local ready, cost = booking:match('^(%S+) (%S+)')
         booked = booked + tonumber(cost)
         next_ready = math.min(next_ready or math.huge, tonumber(ready))
       end
