@@ -10,6 +10,9 @@ use bourse_core::{
     Check, Clock, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
 };
 
+#[path = "support/conformance.rs"]
+mod conformance;
+
 const EX: &[u8] = b"binance";
 const KEYS: [KeyRef<'static>; 5] = [
     KeyRef {
@@ -348,22 +351,11 @@ fn run_ops(
     }
     for (b, sent) in out.iter_mut().enumerate() {
         let (c, r) = limits[b];
-        sent.sort_by_key(|s| s.0);
-        for i in 0..sent.len() {
-            let (mut total, mut largest) = (0.0, 0.0f64);
-            for &(at, cost) in &sent[i..] {
-                total += cost;
-                largest = largest.max(cost);
-                let span = (at - sent[i].0) as f64 / 1e9;
-                let bound = c.max(largest) + r * (span + 0.001) + 1e-6;
-                if total > bound {
-                    return Err(format!(
-                        "P1 bucket {b} ({c},{r}): {total} > {bound} over {span}s from {}\n{}",
-                        sent[i].0,
-                        log[log.len().saturating_sub(60)..].join("\n")
-                    ));
-                }
-            }
+        if let Some(excess) = conformance::first_excess(c, r, sent) {
+            return Err(format!(
+                "P1 bucket {b} ({c},{r}): {excess}\n{}",
+                log[log.len().saturating_sub(60)..].join("\n")
+            ));
         }
     }
     Ok(())
