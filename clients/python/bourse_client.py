@@ -29,8 +29,9 @@ then, from any number of processes:
 Over TCP the client and the daemon prove the shared secret to each other (the HMAC-SHA256
 of the nonce in the daemon's hello, then of a challenge of the client's; the secret itself
 is never sent), so a program without it that listens on the daemon's port is refused: pass
-secret=b"...", else it is read from the environment variable BOURSE_DAEMON_SECRET. A Unix socket needs none (its file is
-owner-only). Answers never hold an API key: busiest() shows fingerprints.
+secret=b"...", else it is read from the environment variable BOURSE_DAEMON_SECRET. A Unix
+socket needs none (its file is owner-only). Answers never hold an API key: busiest() shows
+fingerprints.
 
 Keys are (exchange, credential, axis): credential None is the exchange's public pool, axis
 defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},

@@ -176,8 +176,8 @@ impl Bucket {
 
     /// Holds one booking (`owner`'s, of `signature`) until at least `until` (> its ready
     /// time: a pause of the check's other buckets holds it), paid again here as of its new
-    /// ready time, which it returns; the bucket's other bookings keep theirs when it can
-    /// still cover them.
+    /// ready time, which it returns. It keeps its turn: the bookings made after it go out
+    /// no earlier ([`Bucket::replan`]).
     pub fn hold_booking(&mut self, owner: u64, signature: u64, until: u64, now: u64) -> u64 {
         let held = |b: &Booking| b.owner == owner && b.signature == signature;
         self.replan(

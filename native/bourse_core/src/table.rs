@@ -608,9 +608,10 @@ impl<C: Clock> Table<C> {
         // A reply that comes back while the last backoff's pause holds was sent before it:
         // paused again as long, it does not count (one burst of replies is one backoff).
         let counts = backoff.held_until <= now;
-        let level = match counts {
-            true => backoff.count,
-            false => backoff.count.saturating_sub(1),
+        let level = if counts {
+            backoff.count
+        } else {
+            backoff.count.saturating_sub(1)
         };
         let ms = rules::backoff_ms(level);
         let until = now.saturating_add(ms * NANOS_PER_MS);

@@ -23,10 +23,10 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   secret it was started with: the HMAC-SHA256 of a nonce from the daemon's hello; the
   daemon then proves it in turn, over a challenge of the client's, so that a program
   without it listening on that port is refused (`:unavailable`, "another program may be
-  listening there"), never believed. The secret never travels. The limiter reads the secret from `secret_file:` (a trailing
-  newline is ignored) or else from the environment variable `BOURSE_DAEMON_SECRET`, when
-  it connects. Answers never hold an API key: `busiest` shows fingerprints
-  (`Bourse.Fingerprint`).
+  listening there"), never believed. The secret never travels. The limiter reads the
+  secret from `secret_file:` (a trailing newline is ignored) or else from the environment
+  variable `BOURSE_DAEMON_SECRET`, when it connects. Answers never hold an API key:
+  `busiest` shows fingerprints (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined
   (length-prefixed external terms after a JSON `hello`, see
