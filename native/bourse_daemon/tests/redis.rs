@@ -660,7 +660,8 @@ fn idle_buckets_expire_once_they_behave_as_new() {
     let server = daemon(&redis, &["--booking-slack-ms", "100"]);
     let mut t = server.connect();
     let k = key("e", Some("ttl"));
-    // Capacity 10 at 10/s: full again 1 s after paying, plus a 1 s margin.
+    // Capacity 10 at 10/s: full again 1 s after paying, plus a 1 s margin, and 1 s ahead
+    // (paid without bookings, so the next second's checks need not renew it).
     t.call(check(
         &k,
         json!({"capacity": 10, "refill_per_sec": 10}),
@@ -672,7 +673,7 @@ fn idle_buckets_expire_once_they_behave_as_new() {
     };
     let pttl = |redis: &Redis| -> i64 { redis.query(::redis::cmd("PTTL").arg(bucket)) };
     let ttl = pttl(&redis);
-    assert!((1000..=2000).contains(&ttl), "{ttl}");
+    assert!((2000..=3000).contains(&ttl), "{ttl}");
     // A refused over-capacity probe keeps the bucket past the delay it answered.
     let answer = t.call(check(
         &k,
@@ -1858,8 +1859,8 @@ fn an_admitted_check_of_known_buckets_makes_few_redis_calls() {
     let (commands, stats) = script_commands(&redis);
     // Per call: the run marker's GET (whether it ran before) and SET (its answers); per
     // exchange one PTTL of its marker (far enough: not renewed) and one HLEN of its pauses;
-    // per bucket HMGET, ZRANGE, HSET and PEXPIRE.
-    assert!(commands <= 2 + 2 + 3 * 4, "{commands} commands:\n{stats}");
+    // per bucket HMGET and HSET (paid a moment ago without bookings: kept long enough).
+    assert!(commands <= 2 + 2 + 3 * 2, "{commands} commands:\n{stats}");
     // The exchange's marker still outlives its last check by a day (less the moments since).
     let markers: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:e{*"));
     assert_eq!(markers.len(), 1, "{markers:?}");
@@ -2133,9 +2134,10 @@ fn checks_sharing_a_call_read_their_pauses_once() {
     eprintln!("{n} checks in {calls} calls: {commands} commands");
     assert!(calls < n / 4, "{calls} calls for {n} checks");
     // Per call 2 (its run marker's GET and SET), 1 reading the exchange marker's expiry
-    // (PTTL) and 1 the pauses (HLEN, none held); per bucket HMGET, ZRANGE, HSET and PEXPIRE.
+    // (PTTL) and 1 the pauses (HLEN, none held); per bucket HMGET, HSET and, unless paid
+    // within the last second, PEXPIRE.
     assert!(
-        commands <= calls * 4 + n * 4,
+        commands <= calls * 4 + n * 3,
         "{commands} commands:\n{stats}"
     );
     // Paused: every check of the exchange is told to wait, whatever the call.
@@ -2147,6 +2149,41 @@ fn checks_sharing_a_call_read_their_pauses_once() {
         answers.iter().all(|a| a["result"] == "delay"),
         "{answers:?}"
     );
+}
+
+/// A bucket checked again within a second, without bookings, costs Redis its read and its
+/// write: its `k` field shows it has no bookings and is kept long enough. Once something
+/// else writes its tokens (an older daemon's script, say), the next check reads its
+/// bookings and renews its expiry again.
+#[test]
+fn a_bucket_paid_again_without_bookings_is_read_and_written_only() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let k = key("kept", Some("k"));
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    let n = 20;
+    for _ in 0..n {
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    }
+    assert_eq!(calls_of(&redis, "zrange"), 0);
+    assert_eq!(
+        (calls_of(&redis, "hmget"), calls_of(&redis, "hset")),
+        (n, n)
+    );
+    // At most one renewal, should the machine stall the loop for most of a second.
+    assert!(calls_of(&redis, "pexpire") <= 1);
+    let names: Vec<String> = redis.query(::redis::cmd("KEYS").arg("bourse:{4:kept}:b:*"));
+    let [bucket] = names.as_slice() else {
+        panic!("{names:?}")
+    };
+    let _: () = redis.query(::redis::cmd("HSET").arg(bucket).arg("t").arg(1));
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    assert_eq!(calls_of(&redis, "zrange"), 1);
+    assert_eq!(calls_of(&redis, "pexpire"), 1);
 }
 
 /// A bucket known to have no bookings, then booked by a later check of the same script

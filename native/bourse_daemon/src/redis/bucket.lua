@@ -19,7 +19,11 @@
 --                        b, t: b + r * (now - t) tokens have accrued since the last payment;
 --                        f: the credential's shown fingerprint ("key:" and 8 hex digits);
 --                        w:<booking id>: "<ready_at> <cost>" of each booking;
---                        h: the pause end its bookings were last moved behind
+--                        h: the pause end its bookings were last moved behind;
+--                        k: "<t> <expiry>", written with t by a check that paid here
+--                        and found no bookings: the key had none then and expires no
+--                        earlier than <expiry> (ms, Redis clock); any later write of t
+--                        (by every version of this script) outdates it
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff: "<count> <end of its last pause>", the
@@ -32,8 +36,10 @@
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
 --
--- Everything expires: buckets by themselves (PEXPIRE on every write) once they would behave
--- as new (full, no bookings left, idle for longer than the delay they last answered);
+-- Everything expires: buckets by themselves (PEXPIRE on every write, except a payment on a
+-- bucket without bookings that `k` shows kept long enough) once they would behave as new
+-- (full, no bookings left, idle for longer than the delay they last answered; a bucket paid
+-- without bookings up to KEEP_AHEAD later);
 -- bookings with their bucket; pauses after their last end; a backoff count its lapse after
 -- the last reply that counted into it; an exchange's marker a day
 -- after its last check, or after its longest-lived bucket if later.
@@ -152,15 +158,27 @@ local function answer(result, ms, paused, lapsed)
   return string.format('%d %d %d %s', ms, paused, lapsed, result)
 end
 
+-- What a bucket's `k` field (written with its `t`, read as `t_text`) still tells: the
+-- key's expiry (ms, and its text), and so that it holds no bookings; nil once `t` was
+-- written again.
+local function kept_until(k, t_text)
+  local space = k and string.find(k, ' ', 1, true)
+  if space and string.sub(k, 1, space - 1) == t_text then
+    local text = string.sub(k, space + 1)
+    return tonumber(text), text
+  end
+end
+
 -- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
 -- the last payment": the bucket refills nothing until the clock passes it again. With a
 -- booking id, also that booking's field (or nil), read in the same HMGET. A definition
 -- stored as the `request`'s arguments spell it is the request's (not parsed again).
+-- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings.
 local function load(key, now, id, request)
-  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'w:' .. id)
-    or redis.call('HMGET', key, 'c', 'r', 'b', 't')
+  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'w:' .. id)
+    or redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k')
   if not v[3] then
-    return nil, v[5] or nil
+    return nil, v[6] or nil
   end
   local c, r
   if request and v[1] == request.c_text and v[2] == request.r_text then
@@ -169,31 +187,35 @@ local function load(key, now, id, request)
     c, r = tonumber(v[1]), tonumber(v[2])
   end
   local bucket = { c = c, r = r, b = tonumber(v[3]), t = tonumber(v[4]) }
+  bucket.expiry, bucket.expiry_read = kept_until(v[5], v[4])
   if bucket.t > now then
     bucket.t = now
     bucket.dirty = true
   end
-  return bucket, v[5] or nil
+  return bucket, v[6] or nil
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
--- changed), a new key's shown fingerprint.
+-- changed), a new key's shown fingerprint, and `k`: the expiry `keep_unbooked` set or
+-- kept, else nothing (a later check reads the bookings and the expiry again).
 local function save(key, bucket)
   local b, t = fmt(bucket.b), fmt_time(bucket.t)
+  local k = bucket.expiry_text and t .. ' ' .. bucket.expiry_text or ''
+  bucket.expiry, bucket.expiry_read, bucket.expiry_text = nil, nil, nil
   local shown = bucket.shown ~= '' and bucket.shown or nil
   bucket.shown = nil
   if bucket.defined then
     bucket.defined = nil
     local c, r = fmt(bucket.c), fmt(bucket.r)
     if shown then
-      redis.call('HSET', key, 'b', b, 't', t, 'c', c, 'r', r, 'f', shown)
+      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'c', c, 'r', r, 'f', shown)
     else
-      redis.call('HSET', key, 'b', b, 't', t, 'c', c, 'r', r)
+      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'c', c, 'r', r)
     end
   elseif shown then
-    redis.call('HSET', key, 'b', b, 't', t, 'f', shown)
+    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'f', shown)
   else
-    redis.call('HSET', key, 'b', b, 't', t)
+    redis.call('HSET', key, 'b', b, 't', t, 'k', k)
   end
 end
 
@@ -257,9 +279,10 @@ end
 
 -- Drops bookings whose slack ran out (their cost stays paid); returns how many, and
 -- whether `id`'s booking was among them. A key without bookings is marked `unbooked`
--- (read with one ZRANGE), so `keep` need not read its last booking again.
+-- (known for a new key or from its `k`, else read with one ZRANGE), so `keep` need not
+-- read its last booking again.
 local function drop_lapsed(item, now, id)
-  if not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
+  if item.unbooked or item.bucket.expiry or not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
     item.unbooked = true
     return 0, false
   end
@@ -275,10 +298,9 @@ local function drop_lapsed(item, now, id)
   return #gone, dropped
 end
 
--- Keeps the bucket (and its bookings) until it would behave as new: refilled to capacity
--- (through any debt), past the delay it answered and its last booking's lapse. A refusal
--- or a claim pays nothing, so it never shortens what an earlier answer told its caller.
-local function keep(item, now, delay, unpaid)
+-- ms from `now` until the bucket would behave as new: refilled to capacity (through any
+-- debt), past the delay it answered and its last booking's lapse (also returned, if any).
+local function keep_ms(item, now, delay)
   local bucket = item.bucket
   local ttl = DEBT_TTL
   if bucket.c then
@@ -289,7 +311,13 @@ local function keep(item, now, delay, unpaid)
   if last then
     ttl = math.max(ttl, tonumber(last) - now)
   end
-  local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
+  return math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000), last
+end
+
+-- Keeps the bucket (and its bookings) until it would behave as new (`keep_ms`). A refusal
+-- or a claim pays nothing, so it never shortens what an earlier answer told its caller.
+local function keep(item, now, delay, unpaid)
+  local ms, last = keep_ms(item, now, delay)
   if unpaid then
     ms = math.max(ms, redis.call('PTTL', item.key))
   end
@@ -297,6 +325,33 @@ local function keep(item, now, delay, unpaid)
   if last then
     redis.call('PEXPIRE', item.wkey, int_text(ms))
   end
+  return ms
+end
+
+-- ms a bucket paid without bookings is kept beyond what `keep` asks, so that the checks
+-- of the next second find it kept long enough and need no PEXPIRE.
+local KEEP_AHEAD = 1000
+-- ms the expiry recorded in `k` is taken short of the one set: PEXPIRE counts from the
+-- script's start, a little before its TIME.
+local EXPIRY_SLACK = 100
+
+-- `save` and `keep` for a bucket just paid, without bookings: when its `k` shows it kept
+-- long enough, it is only saved; else it is kept KEEP_AHEAD ms longer than needed, and its
+-- `k` records until when. Returns the ms it is kept.
+local function save_unbooked(item, now)
+  local bucket = item.bucket
+  local now_ms = math.floor(now / 1000)
+  local ms = keep_ms(item, now, 0)
+  local expiry = bucket.expiry
+  if expiry and expiry >= now_ms + ms then
+    bucket.expiry_text = bucket.expiry_read
+    save(item.key, bucket)
+    return expiry - now_ms
+  end
+  ms = ms + KEEP_AHEAD
+  bucket.expiry_text = int(now_ms + ms - EXPIRY_SLACK)
+  save(item.key, bucket)
+  redis.call('PEXPIRE', item.key, int_text(ms))
   return ms
 end
 
@@ -343,7 +398,6 @@ local function pay(item, now, at)
   if bucket.c ~= item.c or bucket.r ~= item.r then
     bucket.c, bucket.r, bucket.defined = item.c, item.r, true
   end
-  save(item.key, bucket)
 end
 
 -- The bucket's bookings: id, ready time, cost (and its text) and slack of each.
@@ -650,7 +704,9 @@ decide = function(now, k, at)
       empty_since(bucket, began[group])
     end
     if not bucket or not bucket.c then
-      -- A new key, or one with only recorded debt, takes this definition now.
+      -- A new key (no bookings: they are fields of its hash), or one with only recorded
+      -- debt, takes this definition now.
+      item.unbooked = not bucket or nil
       began = began or {}
       began[group] = began[group] or state_began(marker, now, false)
       local start = initial_tokens(item.c, item.r, now, began[group], busy)
@@ -696,7 +752,12 @@ decide = function(now, k, at)
   if ready <= now then
     for _, item in ipairs(items) do
       pay(item, now, now)
-      item.kept = keep(item, now, 0)
+      if item.unbooked then
+        item.kept = save_unbooked(item, now)
+      else
+        save(item.key, item.bucket)
+        item.kept = keep(item, now, 0)
+      end
     end
     return items, answer('admitted', 0, 0, lapsed)
   end
@@ -705,6 +766,7 @@ decide = function(now, k, at)
   if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
       pay(item, now, ready)
+      save(item.key, item.bucket)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
       item.unbooked = nil
