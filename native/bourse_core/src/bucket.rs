@@ -20,6 +20,9 @@ pub(crate) struct Booking {
     /// When it was booked: bookings are paid again in the order they were made (with the
     /// owner and signature for bookings made at one instant), the same on every bucket.
     pub booked_at: u64,
+    /// What paying it again gives back: its cost, less what the cap (or a lowering) has
+    /// taken since from the bucket without it (see [`Bucket::limit_refunds`]).
+    pub refund: f64,
 }
 
 /// Tokens are `base + refill * (t - base_at)`, read capped at the capacity (or at the
@@ -148,7 +151,9 @@ impl Bucket {
 
     /// Pays `cost` as of instant `at >= now`: the bucket then holds what it would hold had
     /// the cost been paid at `at`, and tokens that would overflow the cap until then are
-    /// forfeited, so nobody can spend what the payment needs at `at`.
+    /// forfeited, so nobody can spend what the payment needs at `at`. A new definition
+    /// clamps the bucket without the bookings as well: their refunds keep only the room
+    /// below its capacity.
     pub fn pay(&mut self, limit: Limit, cost: f64, start: f64, now: u64, at: u64) {
         let cap = limit.capacity().max(cost);
         let lead = if at > now {
@@ -156,10 +161,23 @@ impl Bucket {
         } else {
             0.0
         };
+        if let Some(current) = self.limit.filter(|current| *current != limit) {
+            self.limit_refunds(current.capacity().min(limit.capacity()) - start, now);
+        }
         let after = (start.min(cap) + lead).min(cap) - cost;
         self.base = after - lead;
         self.base_at = now;
         self.limit = Some(limit);
+    }
+
+    /// Pays `cost` at `now` for good (an admitted check), from `start` (see
+    /// [`Bucket::pay`]): the cap takes as much from the bucket without the bookings, whose
+    /// refunds keep only the room it had below the cap.
+    pub fn spend(&mut self, limit: Limit, cost: f64, start: f64, now: u64) {
+        if self.limit == Some(limit) {
+            self.limit_refunds(limit.capacity().max(cost) - start, now);
+        }
+        self.pay(limit, cost, start, now, now);
     }
 
     /// Bookings due before `pause_until` (> now: a pause began after they were made) go
@@ -196,11 +214,57 @@ impl Bucket {
             .map_or(until, |b| b.ready_at)
     }
 
-    /// Pays every booking again in the order they were made, each as of the latest of its
-    /// `earliest` (when it may go out now, never before its ready time), when the bucket
-    /// covers it and the booking before it; each keeps its slack. Paying
-    /// again only the bookings that moved, after those behind them, would take tokens those
-    /// counted on, beyond the capacity at that instant.
+    /// What the bookings not lapsed at `now` give back when paid again, together.
+    fn refunds(&self, now: u64) -> f64 {
+        self.bookings
+            .iter()
+            .filter(|b| b.lapse_at >= now)
+            .fold(0.0, |sum, b| sum + b.refund)
+    }
+
+    /// Limits what the bookings not lapsed at `now` give back when paid again to `room`
+    /// together: a payment for good left the bucket without them no more room than that
+    /// below its cap (or a lowering), so the rest would be tokens the cap already took.
+    /// The bookings not yet due keep theirs first, then those due, first made first.
+    fn limit_refunds(&mut self, room: f64, now: u64) {
+        if self.refunds(now) <= room {
+            return;
+        }
+        let mut order: SmallVec<[usize; 8]> = (0..self.bookings.len())
+            .filter(|&i| self.bookings[i].lapse_at >= now)
+            .collect();
+        order.sort_unstable_by_key(|&i| {
+            let b = &self.bookings[i];
+            (b.ready_at <= now, b.booked_at, b.owner, b.signature)
+        });
+        let mut left = room.max(0.0);
+        for &i in &order {
+            let booking = &mut self.bookings[i];
+            booking.refund = booking.refund.min(left);
+            left -= booking.refund;
+        }
+    }
+
+    /// Removes the booking at `position` (claimed, lapsed or replaced): its cost stays paid,
+    /// as of its ready time. The bucket without the other bookings then holds its cost less
+    /// as well, and no more than the cap: their refunds shrink by what its own fell short
+    /// of its cost, and by what they, with it, would hold beyond the cap now.
+    pub fn remove_booking(&mut self, position: usize, now: u64) {
+        let booking = self.bookings.swap_remove(position);
+        if let Some(limit) = self.limit {
+            let accrued = self.accrued(&limit, now);
+            let others = self.refunds(now);
+            let beyond = (accrued + booking.refund + others - limit.capacity()).max(0.0);
+            self.limit_refunds(others - beyond - (booking.cost - booking.refund), now);
+        }
+    }
+
+    /// Gives back every booking's refund, then pays each again, in the order they were
+    /// made, as of the latest of its `earliest` (when it may go out now, never before its
+    /// ready time), when the bucket covers it and the booking before it; each keeps its
+    /// slack and may give back its whole cost again. Paying again only the bookings that
+    /// moved, after those behind them, would take tokens those counted on, beyond the
+    /// capacity at that instant.
     ///
     /// The order is the one the bookings were first paid in, on every bucket alike: a
     /// booking held on some of its buckets keeps its turn on the others, ahead of the
@@ -219,7 +283,7 @@ impl Bucket {
             .collect();
         order.sort_unstable();
         for booking in &self.bookings {
-            self.base += booking.cost;
+            self.base += booking.refund;
         }
         let mut last = 0;
         for &(.., i) in &order {
@@ -231,6 +295,7 @@ impl Bucket {
             last = ready;
             self.pay(limit, cost, start, now, ready);
             let booking = &mut self.bookings[i];
+            booking.refund = cost;
             let slack_ns = booking.lapse_at.saturating_sub(booking.ready_at);
             booking.ready_at = ready;
             booking.lapse_at = ready.saturating_add(slack_ns);
@@ -240,7 +305,8 @@ impl Bucket {
     /// Debits `cost` without checking; the bucket may go into debt.
     pub fn debit(&mut self, cost: f64, now: u64) {
         match self.limit {
-            Some(_) => {
+            Some(limit) => {
+                self.limit_refunds(limit.capacity() - self.accrued(&limit, now), now);
                 self.base = self.tokens(now) - cost;
                 self.base_at = now;
             }
@@ -249,9 +315,12 @@ impl Bucket {
     }
 
     /// Lowers the tokens to at most `max_tokens` (possibly below zero); never raises them.
+    /// The bucket without the bookings holds at most `max_tokens` as well.
     pub fn lower_to(&mut self, max_tokens: f64, now: u64) {
-        let tokens = self.tokens(now);
-        if max_tokens < tokens && self.limit.is_some() {
+        let Some(limit) = self.limit else { return };
+        let ceiling = limit.capacity().min(max_tokens);
+        self.limit_refunds(ceiling - self.accrued(&limit, now), now);
+        if max_tokens < self.tokens(now) {
             self.base = max_tokens;
             self.base_at = now;
         }
@@ -278,14 +347,25 @@ impl Bucket {
         }
     }
 
-    /// Drops bookings whose slack has run out; their cost stays paid. Returns how many.
+    /// Drops bookings whose slack has run out, in the order they were made; their cost
+    /// stays paid ([`Bucket::remove_booking`]). Returns how many.
     pub fn drop_lapsed(&mut self, now: u64) -> usize {
-        if self.bookings.is_empty() {
-            return 0;
+        let mut dropped = 0;
+        while let Some(position) = self.first_lapsed(now) {
+            self.remove_booking(position, now);
+            dropped += 1;
         }
-        let before = self.bookings.len();
-        self.bookings.retain(|booking| booking.lapse_at >= now);
-        before - self.bookings.len()
+        dropped
+    }
+
+    /// The position of the first booking made of those lapsed at `now`.
+    fn first_lapsed(&self, now: u64) -> Option<usize> {
+        self.bookings
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.lapse_at < now)
+            .min_by_key(|(_, b)| (b.booked_at, b.owner, b.signature))
+            .map(|(i, _)| i)
     }
 
     /// A full bucket without bookings or debt, idle past its fill time, behaves exactly as

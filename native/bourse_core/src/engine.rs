@@ -187,6 +187,7 @@ pub(crate) fn decide(
                 ready_at: ready,
                 lapse_at: ready.saturating_add(slack_ns),
                 booked_at: now,
+                refund: 0.0,
             };
             pay_all(buckets, items, &starts, now, ready, Some(booking));
             Outcome::Booked(ms)
@@ -217,19 +218,27 @@ fn pay_all(
     booking: Option<Booking>,
 ) {
     for ((bucket, item), &start) in buckets.iter_mut().zip(items).zip(starts) {
+        let Some(booking) = &booking else {
+            bucket.spend(item.check.limit, item.check.cost, start, now);
+            bucket.touch(now, 0);
+            continue;
+        };
+        // The caller's earlier booking of this check, left on some buckets only (the
+        // others were reset), is replaced; its cost stays paid, as a lapsed one's.
+        if let Some(position) = bucket
+            .bookings
+            .iter()
+            .position(|b| b.owner == booking.owner && b.signature == booking.signature)
+        {
+            bucket.remove_booking(position, now);
+        }
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
-        if let Some(booking) = &booking {
-            // The caller's earlier booking of this check, left on some buckets only (the
-            // others were reset), is replaced; its cost stays paid, as a lapsed one's.
-            bucket
-                .bookings
-                .retain(|b| b.owner != booking.owner || b.signature != booking.signature);
-            bucket.bookings.push(Booking {
-                cost: item.check.cost,
-                ..booking.clone()
-            });
-        }
+        bucket.bookings.push(Booking {
+            cost: item.check.cost,
+            refund: item.check.cost,
+            ..booking.clone()
+        });
     }
 }
 
@@ -266,7 +275,7 @@ fn claim(
     if settled && ready <= now {
         for bucket in buckets.iter_mut() {
             let position = booking_position(bucket, owner, signature);
-            bucket.bookings.swap_remove(position);
+            bucket.remove_booking(position, now);
             bucket.told(now, 0);
         }
         stats.claimed += 1;

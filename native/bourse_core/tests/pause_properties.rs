@@ -84,7 +84,7 @@ fn target(index: usize) -> PauseTarget {
 }
 
 /// Runs a schedule; returns per bucket what went out, as `(instant, cost)`.
-fn run(limits: [(f64, f64); 3], ops: &[Op]) -> Vec<Vec<(u64, f64)>> {
+fn run(limits: [(f64, f64); 3], ops: &[Op]) -> Vec<Vec<(u64, u64, f64)>> {
     let clock = ManualClock::new();
     let table = Table::with_clock(Config::default(), clock.clone());
     let limits = limits.map(|(c, r)| Limit::new(c, r).unwrap());
@@ -109,10 +109,10 @@ fn run(limits: [(f64, f64); 3], ops: &[Op]) -> Vec<Vec<(u64, f64)>> {
     };
     let mut out = vec![Vec::new(); 3];
     let mut waiters: Vec<Waiter> = Vec::new();
-    let went_out = |out: &mut Vec<Vec<(u64, f64)>>, who: usize, cost: f64, at: u64| {
-        out[IP].push((at, cost));
+    let went_out = |out: &mut Vec<Vec<(u64, u64, f64)>>, who: usize, cost: f64, at: u64| {
+        out[IP].push((at, at, cost));
         if who < IP {
-            out[who].push((at, cost));
+            out[who].push((at, at, cost));
         }
     };
     for op in ops {

@@ -866,3 +866,47 @@ fn a_held_claim_keeps_its_turn_on_its_other_buckets() {
         Outcome::Delay(1_000)
     );
 }
+
+#[test]
+fn a_late_claim_held_by_a_pause_gets_back_nothing_the_cap_took_after_its_ready_time() {
+    // A waiter on its credential (empty) and the IP (full) is booked for 100 ms: on the IP
+    // its cost is paid as of then, the overflow until then forfeited. Its credential is
+    // paused from 50 ms to 1050 ms. At 200 ms the IP has refilled to its cap and another
+    // credential takes all 10. The waiter comes back at 300 ms, late but within its slack:
+    // its claim is held by the pause and its IP booking paid again as of 1050 ms. Given
+    // back its whole cost, the IP let it out at 1050 ms beside 8.5 more: 19.5 over
+    // [200 ms, 1050 ms], above 10 + 10 × 0.85 = 18.5 (P1). The cap took its cost at
+    // 200 ms: paid again, it leaves the IP 7.5 at 1050 ms.
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    let ip = KeyRef::new(b"binance", None, b"ip");
+    let both = [check(key("request"), l, 1.0), check(ip, l, 1.0)];
+    let waiter = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: None,
+    };
+    assert_eq!(probe(&t, "request", l, 10.0), Outcome::Admitted);
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Booked(100)));
+    clock.advance_ms(50);
+    t.pause(
+        PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
+        1_000,
+    )
+    .unwrap();
+    clock.advance_ms(150);
+    let other = KeyRef::new(b"binance", Some(b"other"), b"request");
+    let beside = [check(other, l, 10.0), check(ip, l, 10.0)];
+    assert_eq!(
+        t.check_rates(OTHER, &beside, Mode::Probe),
+        Ok(Outcome::Admitted)
+    );
+    clock.advance_ms(100);
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Delay(750)));
+    clock.advance_ms(750);
+    assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Claimed));
+    assert_eq!(t.get_cost(ip), 2.5);
+    assert_eq!(
+        t.check_rate(OTHER, check(ip, l, 7.5), Mode::Probe),
+        Outcome::Admitted
+    );
+}
