@@ -482,6 +482,55 @@ fn a_held_claim_keeps_its_turn_on_the_other_buckets() {
     assert_eq!(claim["result"], "claimed", "{claim}");
 }
 
+/// A waiter back late, within its slack, whose claim a pause of its credential holds, is
+/// paid again on the IP from what the IP's cap left it: another credential took the IP's
+/// refill after the booking's ready time, and given back its whole cost the waiter went
+/// out at the pause's end beside a token more than P1 allows since that take.
+#[test]
+fn a_late_claim_held_by_a_pause_gets_back_nothing_the_cap_took_after_its_ready_time() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 10, "refill_per_sec": 10});
+    let cred = json!({"exchange": "okx", "credential": "late", "axis": "request"});
+    let other = json!({"exchange": "okx", "credential": "other", "axis": "request"});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let both = json!({"op": "check_many", "owner": 1, "max_wait_ms": 60_000, "checks": [
+        {"key": cred, "limit": limit, "cost": 1}, {"key": ip, "limit": limit, "cost": 1},
+    ]});
+    let drain = t.call(json!({"op": "check", "key": cred, "limit": limit, "cost": 10}));
+    assert_eq!(drain["result"], "admitted", "{drain}");
+    let booked_at = Instant::now();
+    let booked = t.call(both.clone());
+    assert_eq!(booked["result"], "booked", "{booked}");
+    let pause =
+        json!({"op": "pause", "target": {"exchange": "okx", "credential": "late"}, "ms": 1000});
+    assert_eq!(t.call(pause)["ok"], true);
+    // Past the booking's ready time (about 100 ms) the IP refills to its cap; another
+    // credential takes all of it.
+    sleep_ms(220u64.saturating_sub(booked_at.elapsed().as_millis() as u64));
+    let take_sent = Instant::now();
+    let take = t.call(json!({"op": "check_many", "checks": [
+        {"key": other, "limit": limit, "cost": 10}, {"key": ip, "limit": limit, "cost": 10},
+    ]}));
+    assert_eq!(take["result"], "admitted", "{take}");
+    // Back late, within the 250 ms slack: held by the pause.
+    sleep_ms(270u64.saturating_sub(booked_at.elapsed().as_millis() as u64));
+    let held = t.call(both.clone());
+    assert_eq!(held["result"], "delay", "{held}");
+    sleep_ms(ms(&held));
+    let claim = t.call(both);
+    assert_eq!(claim["result"], "claimed", "{claim}");
+    let left = 10.0 - borrowed(&mut t, &ip);
+    let window = take_sent.elapsed().as_secs_f64();
+    // Out since the take: its 10, the waiter's 1, and what the IP still lets out now.
+    let out = 10.0 + 1.0 + left;
+    assert!(
+        out <= 10.0 + 10.0 * window + 1e-6,
+        "{out} out of the IP within {window} s"
+    );
+}
+
 /// Books ten waiters (`waiter(owner)`), pauses `target` for 1.5 s, has each come back
 /// during the pause (told `delay`), and each claim its booking at the pause's end; returns
 /// the answers they were told during the pause.

@@ -18,7 +18,8 @@
 --   P:{E}:b:C:A  hash    c, r: the definition (absent while the key only has debt);
 --                        b, t: b + r * (now - t) tokens have accrued since the last payment;
 --                        f: the credential's shown fingerprint ("key:" and 8 hex digits);
---                        w:<booking id>: "<ready_at> <cost>" of each booking;
+--                        w:<booking id>: "<ready_at> <cost> <booked_at> [<refund>]"
+--                        of each booking (the refund only when below the cost);
 --                        h: the pause end its bookings were last moved behind;
 --                        k: "<t> <expiry>", written with t by a check that paid here
 --                        and found no bookings: the key had none then and expires no
@@ -277,27 +278,6 @@ local function empty_since(bucket, began)
   bucket.dirty = true
 end
 
--- Drops bookings whose slack ran out (their cost stays paid); returns how many, and
--- whether `id`'s booking was among them. A key without bookings is marked `unbooked`
--- (known for a new key or from its `k`, else read with one ZRANGE), so `keep` need not
--- read its last booking again.
-local function drop_lapsed(item, now, id)
-  if item.unbooked or item.bucket.expiry or not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
-    item.unbooked = true
-    return 0, false
-  end
-  local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
-  local dropped = false
-  for _, lapsed_id in ipairs(gone) do
-    redis.call('HDEL', item.key, 'w:' .. lapsed_id)
-    dropped = dropped or lapsed_id == id
-  end
-  if #gone > 0 then
-    redis.call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
-  end
-  return #gone, dropped
-end
-
 -- ms from `now` until the bucket would behave as new: refilled to capacity (through any
 -- debt), past the delay it answered and its last booking's lapse (also returned, if any).
 local function keep_ms(item, now, delay)
@@ -386,24 +366,16 @@ local function ready_at(item, now)
   return now + accrual(item.cost - available, item.r)
 end
 
--- Pays as of `at` >= now: the bucket holds what it would hold had the cost been paid at
--- `at`; what would overflow the cap until then is forfeited. Takes the request's definition.
-local function pay(item, now, at)
-  local bucket = item.bucket
-  local cap = math.max(item.c, item.cost)
-  local lead = item.r * ((at - now) / 1e6)
-  local after = math.min(math.min(item.start, cap) + lead, cap) - item.cost
-  bucket.b = after - lead
-  bucket.t = now
-  if bucket.c ~= item.c or bucket.r ~= item.r then
-    bucket.c, bucket.r, bucket.defined = item.c, item.r, true
-  end
-end
-
--- The bucket's bookings: id, ready time, cost (and its text) and slack of each.
+-- The bucket's bookings: id, ready time, lapse, cost (and its text), slack and refund of
+-- each. A booking is stored as "<ready_at> <cost> <booked_at> <refund>"; a booking stored
+-- without its refund gives back its whole cost, as before the field existed, and so does
+-- one stored without booked_at (then taken as its ready time).
 local function bookings_of(item)
-  local lapse_of = {}
   local lapses = redis.call('ZRANGE', item.wkey, '0', '-1', 'WITHSCORES')
+  if #lapses == 0 then
+    return {}
+  end
+  local lapse_of = {}
   for j = 1, #lapses, 2 do
     lapse_of[lapses[j]] = tonumber(lapses[j + 1])
   end
@@ -411,22 +383,202 @@ local function bookings_of(item)
   local fields = redis.call('HGETALL', item.key)
   for j = 1, #fields, 2 do
     local booked = fields[j]:match('^w:(.*)$')
-    local ready, cost, at = fields[j + 1]:match('^(%S+) (%S+) ?(%S*)$')
+    local ready, cost, at, refund = fields[j + 1]:match('^(%S+) (%S+) ?(%S*) ?(%S*)$')
     ready = tonumber(ready)
     if booked and lapse_of[booked] and ready then
       list[#list + 1] = {
         id = booked,
         ready = ready,
-        -- When it was booked (a booking stored before this field: its ready time).
+        lapse = lapse_of[booked],
         booked_at = tonumber(at) or ready,
         booked_at_text = at ~= '' and at or fmt(ready),
         cost = tonumber(cost),
         cost_text = cost,
         slack = lapse_of[booked] - ready,
+        refund = tonumber(refund) or tonumber(cost),
       }
     end
   end
   return list
+end
+
+-- A booking's stored text; its refund only when below its cost.
+local function booking_text(b)
+  local text = fmt(b.ready) .. ' ' .. b.cost_text .. ' ' .. b.booked_at_text
+  if b.refund < b.cost then
+    return text .. ' ' .. fmt(b.refund)
+  end
+  return text
+end
+
+-- Bookings in the order they were made.
+local function in_booking_order(x, y)
+  if x.booked_at ~= y.booked_at then
+    return x.booked_at < y.booked_at
+  end
+  return x.id < y.id
+end
+
+-- What the bookings of `list` still held and not lapsed at `now` give back when paid
+-- again, together.
+local function refunds(list, now)
+  local total = 0
+  for _, b in ipairs(list) do
+    if not b.removed and b.lapse >= now then
+      total = total + b.refund
+    end
+  end
+  return total
+end
+
+-- Limits what the bookings of `list` give back to `room` together, those not yet due
+-- first, then those due, first made first (bourse_core's Bucket::limit_refunds).
+-- Returns the bookings it limited.
+local function limit_refunds(list, now, room)
+  local limited = {}
+  if refunds(list, now) <= room then
+    return limited
+  end
+  local held = {}
+  for _, b in ipairs(list) do
+    if not b.removed and b.lapse >= now then
+      held[#held + 1] = b
+    end
+  end
+  table.sort(held, function(x, y)
+    if (x.ready <= now) ~= (y.ready <= now) then
+      return x.ready > now
+    end
+    return in_booking_order(x, y)
+  end)
+  local left = math.max(room, 0)
+  for _, b in ipairs(held) do
+    local refund = math.min(b.refund, left)
+    if refund ~= b.refund then
+      b.refund = refund
+      limited[#limited + 1] = b
+    end
+    left = left - refund
+  end
+  return limited
+end
+
+-- Stores the refunds of `limited` bookings still held, in one HSET.
+local function store_refunds(item, limited)
+  local fields = {}
+  for _, b in ipairs(limited) do
+    if not b.removed then
+      fields[#fields + 1] = 'w:' .. b.id
+      fields[#fields + 1] = booking_text(b)
+    end
+  end
+  if #fields > 0 then
+    redis.call('HSET', item.key, unpack(fields))
+  end
+end
+
+-- Limits the refunds of the bucket's bookings to `room` (see `limit_refunds`) and stores
+-- those it limited.
+local function limit_stored_refunds(item, now, room)
+  store_refunds(item, limit_refunds(bookings_of(item), now, room))
+end
+
+-- Marks `gone`, of `list`, removed (claimed, lapsed or replaced): its cost stays paid, and
+-- the refunds of the others shrink by what its own fell short of its cost, and by what
+-- they, with it, would hold beyond the cap now (bourse_core's Bucket::remove_booking).
+-- Returns the bookings it limited; the caller deletes `gone`.
+local function remove_booking(item, list, gone, now)
+  gone.removed = true
+  local others = refunds(list, now)
+  local beyond = math.max(accrued(item.bucket, now) + gone.refund + others - item.bucket.c, 0)
+  return limit_refunds(list, now, others - beyond - (gone.cost - gone.refund))
+end
+
+-- `id`'s booking in `list`, or nil.
+local function booking_in(list, id)
+  for _, b in ipairs(list) do
+    if b.id == id then
+      return b
+    end
+  end
+  return nil
+end
+
+-- Removes `id`'s booking from the bucket (see `remove_booking`), if it holds it.
+local function remove_stored_booking(item, id, now)
+  local list = bookings_of(item)
+  local gone = booking_in(list, id)
+  if gone then
+    store_refunds(item, remove_booking(item, list, gone, now))
+    redis.call('HDEL', item.key, 'w:' .. id)
+    redis.call('ZREM', item.wkey, id)
+  end
+end
+
+-- Drops bookings whose slack ran out, in the order they were made (their cost stays paid:
+-- see `remove_booking`); returns how many, and whether `id`'s booking was among them. A
+-- key without bookings is marked `unbooked` (known for a new key or from its `k`, else
+-- read with one ZRANGE), so `keep` need not read its last booking again.
+local function drop_lapsed(item, now, id)
+  if item.unbooked or item.bucket.expiry or not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
+    item.unbooked = true
+    return 0, false
+  end
+  local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  if #gone == 0 then
+    return 0, false
+  end
+  local list, lapsed, limited = bookings_of(item), {}, {}
+  for _, b in ipairs(list) do
+    if b.lapse < now then
+      lapsed[#lapsed + 1] = b
+    end
+  end
+  table.sort(lapsed, in_booking_order)
+  for _, b in ipairs(lapsed) do
+    for _, shrunk in ipairs(remove_booking(item, list, b, now)) do
+      limited[#limited + 1] = shrunk
+    end
+  end
+  store_refunds(item, limited)
+  local dropped = false
+  for _, lapsed_id in ipairs(gone) do
+    redis.call('HDEL', item.key, 'w:' .. lapsed_id)
+    dropped = dropped or lapsed_id == id
+  end
+  redis.call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  return #gone, dropped
+end
+
+-- Pays as of `at` >= now: the bucket holds what it would hold had the cost been paid at
+-- `at`; what would overflow the cap until then is forfeited. Takes the request's
+-- definition; a new one clamps the bucket without the bookings as well, whose refunds
+-- keep only the room below its capacity.
+local function pay(item, now, at)
+  local bucket = item.bucket
+  local cap = math.max(item.c, item.cost)
+  local lead = item.r * ((at - now) / 1e6)
+  local changed = bucket.c ~= item.c or bucket.r ~= item.r
+  if changed and not item.unbooked then
+    limit_stored_refunds(item, now, math.min(bucket.c, item.c) - item.start)
+  end
+  local after = math.min(math.min(item.start, cap) + lead, cap) - item.cost
+  bucket.b = after - lead
+  bucket.t = now
+  if changed then
+    bucket.c, bucket.r, bucket.defined = item.c, item.r, true
+  end
+end
+
+-- Pays at `now` for good (an admitted check): the cap takes as much from the bucket
+-- without the bookings, whose refunds keep only the room it had below the cap
+-- (bourse_core's Bucket::spend).
+local function spend(item, now)
+  local bucket = item.bucket
+  if not item.unbooked and bucket.c == item.c and bucket.r == item.r then
+    limit_stored_refunds(item, now, math.max(item.c, item.cost) - item.start)
+  end
+  pay(item, now, now)
 end
 
 -- Pays every booking of `list` again in the order they were made, each as of the latest of
@@ -437,14 +589,9 @@ end
 local function replan(item, list, now, id, booking)
   local bucket = item.bucket
   for _, b in ipairs(list) do
-    bucket.b = bucket.b + b.cost
+    bucket.b = bucket.b + b.refund
   end
-  table.sort(list, function(x, y)
-    if x.booked_at ~= y.booked_at then
-      return x.booked_at < y.booked_at
-    end
-    return x.id < y.id
-  end)
+  table.sort(list, in_booking_order)
   local last = 0
   for _, b in ipairs(list) do
     local start = accrued(bucket, now)
@@ -455,7 +602,9 @@ local function replan(item, list, now, id, booking)
     bucket.b = math.min(math.min(start, cap) + lead, cap) - b.cost - lead
     bucket.t = now
     bucket.dirty = true
-    local text = fmt(ready) .. ' ' .. b.cost_text .. ' ' .. b.booked_at_text
+    b.refund = b.cost
+    b.ready = ready
+    local text = booking_text(b)
     redis.call('HSET', item.key, 'w:' .. b.id, text)
     redis.call('ZADD', item.wkey, fmt(ready + b.slack), b.id)
     if b.id == id then
@@ -545,8 +694,7 @@ local function claim(items, id, now, booked_ready, pause_until, lapsed)
   local claimed = settled and ready <= now
   for _, item in ipairs(items) do
     if claimed then
-      redis.call('HDEL', item.key, 'w:' .. id)
-      redis.call('ZREM', item.wkey, id)
+      remove_stored_booking(item, id, now)
     else
       item.unbooked = nil
       -- Told to come back at `ready`, the caller finds its booking then on every bucket,
@@ -731,9 +879,9 @@ decide = function(now, k, at)
     if held_until > now then
       booking = hold_bookings(item, held_until, now, id, booking)
     end
+    item.booking = booking
     if claim_ready then
-      item.booking = booking
-      if item.booking then
+      if booking then
         claim_ready = math.max(claim_ready, ready_of(item.booking))
       else
         claim_ready = nil
@@ -751,7 +899,7 @@ decide = function(now, k, at)
   ready = math.max(ready, pause_until)
   if ready <= now then
     for _, item in ipairs(items) do
-      pay(item, now, now)
+      spend(item, now)
       if item.unbooked then
         item.kept = save_unbooked(item, now)
       else
@@ -765,6 +913,11 @@ decide = function(now, k, at)
   local max_wait, slack = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
   if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
+      -- The caller's earlier booking of this check, left on some buckets only (the others
+      -- were reset), is replaced; its cost stays paid, as a lapsed one's.
+      if item.booking then
+        remove_stored_booking(item, id, now)
+      end
       pay(item, now, ready)
       save(item.key, item.bucket)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
@@ -793,6 +946,7 @@ local function record(now)
   if not bucket then
     bucket = { b = -cost, t = now, shown = ARGV[3] }
   elseif bucket.c then
+    limit_stored_refunds(item, now, bucket.c - accrued(bucket, now))
     bucket.b = tokens(bucket, now) - cost
     bucket.t = now
   else
@@ -816,6 +970,8 @@ local function sync(now)
   item.bucket = bucket
   local before = tokens(bucket, now)
   local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * tonumber(ARGV[3]) / 1000
+  -- The bucket without the bookings holds at most `max_tokens` as well.
+  limit_stored_refunds(item, now, math.min(bucket.c, max_tokens) - accrued(bucket, now))
   if max_tokens < before then
     bucket.b = max_tokens
     bucket.t = now
