@@ -7,6 +7,8 @@
 //!    other thread working on a table of its own: what the machine alone costs.
 //! 2. Checks of a key that no pause covers, with 0 and with 20,000 pauses in force.
 //! 3. Resident memory before, after the 1,000,000 keys and after the sweep.
+//! 4. One check of a key whose queue is full (`MAX_BOOKINGS` bookings), on a manual clock:
+//!    when they have all lapsed, and a waiter's late claim once most have.
 //!
 //! Where allowed (root, or `CAP_SYS_NICE`), the two threads of part 1 run under
 //! `SCHED_FIFO` so that other processes cannot preempt them: the slowest checks then show
@@ -16,7 +18,8 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
-use bourse_core::{Check, Config, KeyRef, Limit, Mode, PauseTarget, Table};
+use bourse_core::rules::MAX_BOOKINGS;
+use bourse_core::{Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table};
 
 const KEYS: usize = 1_000_000;
 const PAUSES: usize = 20_000;
@@ -246,8 +249,60 @@ fn checks_with_pauses() {
     );
 }
 
+/// The slowest of 20 runs of `check` on a fresh table whose key has a full queue of
+/// bookings (1 ms apart, 100 ms of slack) and whose clock then moved `later_ms` on.
+fn full_queue_check(later_ms: u64, check: impl Fn(&Table<ManualClock>) -> bool) -> f64 {
+    let limit = Limit::new(1.0, 1000.0).unwrap();
+    let key = KeyRef::new(b"okx", Some(b"queued"), b"request");
+    let wait = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: Some(100),
+    };
+    let mut slowest: f64 = 0.0;
+    for _ in 0..20 {
+        let clock = ManualClock::new();
+        let table = Table::with_clock(Config::default(), clock.clone());
+        let request = Check {
+            key,
+            limit,
+            cost: 1.0,
+        };
+        table.check_rate(0, request, Mode::Probe);
+        for owner in 1..=MAX_BOOKINGS as u64 {
+            table.check_rate(owner, request, wait);
+        }
+        clock.advance_ms(later_ms);
+        let started = Instant::now();
+        assert!(check(&table));
+        slowest = slowest.max(started.elapsed().as_secs_f64() * 1e6);
+    }
+    slowest
+}
+
+fn checks_of_full_queues() {
+    let request = Check {
+        key: KeyRef::new(b"okx", Some(b"queued"), b"request"),
+        limit: Limit::new(1.0, 1000.0).unwrap(),
+        cost: 1.0,
+    };
+    let all_lapsed = full_queue_check(1_000, |table| {
+        table.check_rate(0, request, Mode::Probe) == Outcome::Admitted
+    });
+    let late_claim = full_queue_check(300, |table| {
+        let wait = Mode::Wait {
+            max_wait_ms: 60_000,
+            booking_slack_ms: Some(100),
+        };
+        table.check_rate(MAX_BOOKINGS as u64, request, wait) == Outcome::Claimed
+    });
+    println!("## One check of a key with {MAX_BOOKINGS} bookings (slowest of 20)");
+    println!("all lapsed: {all_lapsed:.1} µs");
+    println!("a late claim, most lapsed: {late_claim:.1} µs");
+}
+
 fn main() {
     hot_key_during_growth_and_sweep(Background::SameTable);
     hot_key_during_growth_and_sweep(Background::OtherTable);
     checks_with_pauses();
+    checks_of_full_queues();
 }

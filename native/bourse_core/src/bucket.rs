@@ -63,6 +63,15 @@ fn covers(tokens: f64, cost: f64) -> bool {
     tokens >= cost - 1e-9 * cost.max(1.0)
 }
 
+/// What the refunds of a bucket's other bookings (`others` together) may still give back
+/// once `gone` leaves it for good, the bucket having `accrued` uncapped: less what `gone`'s
+/// own refund fell short of its cost, and less what they, with it, would hold beyond the
+/// cap now.
+fn room_without(limit: &Limit, accrued: f64, others: f64, gone: &Booking) -> f64 {
+    let beyond = (accrued + gone.refund + others - limit.capacity()).max(0.0);
+    others - beyond - (gone.cost - gone.refund)
+}
+
 impl Bucket {
     pub fn defined(key: Key, hash: u64, limit: Limit, tokens: f64, now: u64) -> Self {
         Self {
@@ -254,8 +263,7 @@ impl Bucket {
         if let Some(limit) = self.limit {
             let accrued = self.accrued(&limit, now);
             let others = self.refunds(now);
-            let beyond = (accrued + booking.refund + others - limit.capacity()).max(0.0);
-            self.limit_refunds(others - beyond - (booking.cost - booking.refund), now);
+            self.limit_refunds(room_without(&limit, accrued, others, &booking), now);
         }
     }
 
@@ -347,25 +355,28 @@ impl Bucket {
         }
     }
 
-    /// Drops bookings whose slack has run out, in the order they were made; their cost
-    /// stays paid ([`Bucket::remove_booking`]). Returns how many.
+    /// Drops bookings whose slack has run out; their cost stays paid. The others' refunds
+    /// shrink as [`Bucket::remove_booking`] shrinks them for each lapsed one, in the order
+    /// those were made, limited once to the least room of those steps. Returns how many.
     pub fn drop_lapsed(&mut self, now: u64) -> usize {
-        let mut dropped = 0;
-        while let Some(position) = self.first_lapsed(now) {
-            self.remove_booking(position, now);
-            dropped += 1;
+        let mut lapsed: SmallVec<[Booking; 4]> = SmallVec::new();
+        self.bookings.retain(|b| {
+            let kept = b.lapse_at >= now;
+            if !kept {
+                lapsed.push(b.clone());
+            }
+            kept
+        });
+        if let (Some(limit), false) = (self.limit, lapsed.is_empty()) {
+            lapsed.sort_unstable_by_key(|b| (b.booked_at, b.owner, b.signature));
+            let accrued = self.accrued(&limit, now);
+            let mut room = self.refunds(now);
+            for gone in &lapsed {
+                room = room.min(room_without(&limit, accrued, room, gone).max(0.0));
+            }
+            self.limit_refunds(room, now);
         }
-        dropped
-    }
-
-    /// The position of the first booking made of those lapsed at `now`.
-    fn first_lapsed(&self, now: u64) -> Option<usize> {
-        self.bookings
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.lapse_at < now)
-            .min_by_key(|(_, b)| (b.booked_at, b.owner, b.signature))
-            .map(|(i, _)| i)
+        lapsed.len()
     }
 
     /// A full bucket without bookings or debt, idle past its fill time, behaves exactly as

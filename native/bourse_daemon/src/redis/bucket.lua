@@ -483,6 +483,14 @@ local function limit_stored_refunds(item, now, room)
   store_refunds(item, limit_refunds(bookings_of(item), now, room))
 end
 
+-- What the refunds of a bucket's other bookings (`others` together) may still give back
+-- once `gone` leaves it for good: less what `gone`'s own refund fell short of its cost,
+-- and less what they, with it, would hold beyond the cap now (bourse_core's room_without).
+local function room_without(bucket, now, others, gone)
+  local beyond = math.max(accrued(bucket, now) + gone.refund + others - bucket.c, 0)
+  return others - beyond - (gone.cost - gone.refund)
+end
+
 -- Marks `gone`, of `list`, removed (claimed, lapsed or replaced): its cost stays paid, and
 -- the refunds of the others shrink by what its own fell short of its cost, and by what
 -- they, with it, would hold beyond the cap now (bourse_core's Bucket::remove_booking).
@@ -490,8 +498,7 @@ end
 local function remove_booking(item, list, gone, now)
   gone.removed = true
   local others = refunds(list, now)
-  local beyond = math.max(accrued(item.bucket, now) + gone.refund + others - item.bucket.c, 0)
-  return limit_refunds(list, now, others - beyond - (gone.cost - gone.refund))
+  return limit_refunds(list, now, room_without(item.bucket, now, others, gone))
 end
 
 -- `id`'s booking in `list`, or nil.
@@ -515,8 +522,10 @@ local function remove_stored_booking(item, id, now)
   end
 end
 
--- Drops bookings whose slack ran out, in the order they were made (their cost stays paid:
--- see `remove_booking`); returns how many, and whether `id`'s booking was among them. A
+-- Drops bookings whose slack ran out (their cost stays paid); the others' refunds shrink as
+-- `remove_booking` shrinks them for each, in the order those were made, limited once to
+-- the least room of those steps (bourse_core's Bucket::drop_lapsed). Returns how many, and
+-- whether `id`'s booking was among them. A
 -- key without bookings is marked `unbooked` (known for a new key or from its `k`, else
 -- read with one ZRANGE), so `keep` need not read its last booking again.
 local function drop_lapsed(item, now, id)
@@ -528,19 +537,21 @@ local function drop_lapsed(item, now, id)
   if #gone == 0 then
     return 0, false
   end
-  local list, lapsed, limited = bookings_of(item), {}, {}
+  local list, lapsed = bookings_of(item), {}
   for _, b in ipairs(list) do
     if b.lapse < now then
+      b.removed = true
       lapsed[#lapsed + 1] = b
     end
   end
-  table.sort(lapsed, in_booking_order)
-  for _, b in ipairs(lapsed) do
-    for _, shrunk in ipairs(remove_booking(item, list, b, now)) do
-      limited[#limited + 1] = shrunk
+  if item.bucket.c then
+    table.sort(lapsed, in_booking_order)
+    local room = refunds(list, now)
+    for _, gone in ipairs(lapsed) do
+      room = math.min(room, math.max(room_without(item.bucket, now, room, gone), 0))
     end
+    store_refunds(item, limit_refunds(list, now, room))
   end
-  store_refunds(item, limited)
   local dropped = false
   for _, lapsed_id in ipairs(gone) do
     redis.call('HDEL', item.key, 'w:' .. lapsed_id)
