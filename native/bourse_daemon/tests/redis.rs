@@ -531,6 +531,42 @@ fn a_late_claim_held_by_a_pause_gets_back_nothing_the_cap_took_after_its_ready_t
     );
 }
 
+/// Another credential's check admitted on a shared IP bucket that holds waiters' bookings
+/// does not read those bookings when the bucket's `q` shows that what they give back fits
+/// below its cap.
+#[test]
+fn a_check_admitted_beside_bookings_that_fit_does_not_read_them() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 1, "refill_per_sec": 1});
+    let ip_limit = json!({"capacity": 100, "refill_per_sec": 1});
+    let cred = json!({"exchange": "okx", "credential": "waits", "axis": "request"});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let both = |owner: u64| {
+        json!({"op": "check_many", "owner": owner, "max_wait_ms": 60_000, "checks": [
+            {"key": cred, "limit": slow, "cost": 1}, {"key": ip, "limit": ip_limit, "cost": 1},
+        ]})
+    };
+    assert_eq!(t.call(both(0))["result"], "admitted");
+    for owner in 1..=5 {
+        assert_eq!(t.call(both(owner))["result"], "booked");
+    }
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    let other = json!({"exchange": "okx", "credential": "other", "axis": "request"});
+    let n = 10;
+    for _ in 0..n {
+        let answer = t.call(json!({"op": "check_many", "checks": [
+            {"key": other, "limit": ip_limit, "cost": 1}, {"key": ip, "limit": ip_limit, "cost": 1},
+        ]}));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    assert_eq!(calls_of(&redis, "hgetall"), 0);
+    // The bookings are still there, each claimed when due.
+    sleep_ms(1_100);
+    assert_eq!(t.call(both(1))["result"], "claimed");
+}
+
 /// Books ten waiters (`waiter(owner)`), pauses `target` for 1.5 s, has each come back
 /// during the pause (told `delay`), and each claim its booking at the pause's end; returns
 /// the answers they were told during the pause.

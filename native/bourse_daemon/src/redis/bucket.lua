@@ -21,6 +21,9 @@
 --                        w:<booking id>: "<ready_at> <cost> <booked_at> [<refund>]"
 --                        of each booking (the refund only when below the cost);
 --                        h: the pause end its bookings were last moved behind;
+--                        q: "<t> <refunds>", written with t: what the bookings give
+--                        back together when paid again is at most <refunds> (absent or
+--                        outdated: unknown; any later write of t outdates it);
 --                        k: "<t> <expiry>", written with t by a check that paid here
 --                        and found no bookings: the key had none then and expires no
 --                        earlier than <expiry> (ms, Redis clock); any later write of t
@@ -159,9 +162,8 @@ local function answer(result, ms, paused, lapsed)
   return string.format('%d %d %d %s', ms, paused, lapsed, result)
 end
 
--- What a bucket's `k` field (written with its `t`, read as `t_text`) still tells: the
--- key's expiry (ms, and its text), and so that it holds no bookings; nil once `t` was
--- written again.
+-- The number a bucket's `k` or `q` field (written with its `t`, read as `t_text`) holds
+-- (and its text), or nil once `t` was written again.
 local function kept_until(k, t_text)
   local space = k and string.find(k, ' ', 1, true)
   if space and string.sub(k, 1, space - 1) == t_text then
@@ -174,12 +176,13 @@ end
 -- the last payment": the bucket refills nothing until the clock passes it again. With a
 -- booking id, also that booking's field (or nil), read in the same HMGET. A definition
 -- stored as the `request`'s arguments spell it is the request's (not parsed again).
--- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings.
+-- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings;
+-- `refunds_at_most` while `q` holds.
 local function load(key, now, id, request)
-  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'w:' .. id)
-    or redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k')
+  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 'w:' .. id)
+    or redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q')
   if not v[3] then
-    return nil, v[6] or nil
+    return nil, v[7] or nil
   end
   local c, r
   if request and v[1] == request.c_text and v[2] == request.r_text then
@@ -189,19 +192,22 @@ local function load(key, now, id, request)
   end
   local bucket = { c = c, r = r, b = tonumber(v[3]), t = tonumber(v[4]) }
   bucket.expiry, bucket.expiry_read = kept_until(v[5], v[4])
+  bucket.refunds_at_most = kept_until(v[6], v[4])
   if bucket.t > now then
     bucket.t = now
     bucket.dirty = true
   end
-  return bucket, v[6] or nil
+  return bucket, v[7] or nil
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
--- changed), a new key's shown fingerprint, and `k`: the expiry `keep_unbooked` set or
--- kept, else nothing (a later check reads the bookings and the expiry again).
+-- changed), a new key's shown fingerprint, `k`: the expiry `keep_unbooked` set or kept,
+-- else nothing (a later check reads the bookings and the expiry again), and `q`: what its
+-- bookings give back at most, if known.
 local function save(key, bucket)
   local b, t = fmt(bucket.b), fmt_time(bucket.t)
   local k = bucket.expiry_text and t .. ' ' .. bucket.expiry_text or ''
+  local q = bucket.refunds_at_most and t .. ' ' .. fmt(bucket.refunds_at_most) or ''
   bucket.expiry, bucket.expiry_read, bucket.expiry_text = nil, nil, nil
   local shown = bucket.shown ~= '' and bucket.shown or nil
   bucket.shown = nil
@@ -209,14 +215,14 @@ local function save(key, bucket)
     bucket.defined = nil
     local c, r = fmt(bucket.c), fmt(bucket.r)
     if shown then
-      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'c', c, 'r', r, 'f', shown)
+      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'f', shown)
     else
-      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'c', c, 'r', r)
+      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r)
     end
   elseif shown then
-    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'f', shown)
+    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'f', shown)
   else
-    redis.call('HSET', key, 'b', b, 't', t, 'k', k)
+    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q)
   end
 end
 
@@ -477,10 +483,21 @@ local function store_refunds(item, limited)
   end
 end
 
+-- Records what the bookings of `list` give back together now, for `q`.
+local function know_refunds(item, list, now)
+  item.bucket.refunds_at_most = refunds(list, now)
+end
+
 -- Limits the refunds of the bucket's bookings to `room` (see `limit_refunds`) and stores
--- those it limited.
+-- those it limited; reads them only when its `q` cannot tell that they fit.
 local function limit_stored_refunds(item, now, room)
-  store_refunds(item, limit_refunds(bookings_of(item), now, room))
+  local at_most = item.bucket.refunds_at_most
+  if at_most and at_most <= room then
+    return
+  end
+  local list = bookings_of(item)
+  store_refunds(item, limit_refunds(list, now, room))
+  know_refunds(item, list, now)
 end
 
 -- What the refunds of a bucket's other bookings (`others` together) may still give back
@@ -517,6 +534,7 @@ local function remove_stored_booking(item, id, now)
   local gone = booking_in(list, id)
   if gone then
     store_refunds(item, remove_booking(item, list, gone, now))
+    know_refunds(item, list, now)
     redis.call('HDEL', item.key, 'w:' .. id)
     redis.call('ZREM', item.wkey, id)
   end
@@ -531,6 +549,7 @@ end
 local function drop_lapsed(item, now, id)
   if item.unbooked or item.bucket.expiry or not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
     item.unbooked = true
+    item.bucket.refunds_at_most = 0
     return 0, false
   end
   local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
@@ -551,6 +570,7 @@ local function drop_lapsed(item, now, id)
       room = math.min(room, math.max(room_without(item.bucket, now, room, gone), 0))
     end
     store_refunds(item, limit_refunds(list, now, room))
+    know_refunds(item, list, now)
   end
   local dropped = false
   for _, lapsed_id in ipairs(gone) do
@@ -622,6 +642,7 @@ local function replan(item, list, now, id, booking)
       booking = text
     end
   end
+  know_refunds(item, list, now)
   return booking
 end
 
@@ -930,7 +951,9 @@ decide = function(now, k, at)
         remove_stored_booking(item, id, now)
       end
       pay(item, now, ready)
-      save(item.key, item.bucket)
+      local bucket = item.bucket
+      bucket.refunds_at_most = bucket.refunds_at_most and bucket.refunds_at_most + item.cost
+      save(item.key, bucket)
       redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
       redis.call('ZADD', item.wkey, fmt(ready + slack), id)
       item.unbooked = nil
@@ -957,6 +980,7 @@ local function record(now)
   if not bucket then
     bucket = { b = -cost, t = now, shown = ARGV[3] }
   elseif bucket.c then
+    item.bucket = bucket
     limit_stored_refunds(item, now, bucket.c - accrued(bucket, now))
     bucket.b = tokens(bucket, now) - cost
     bucket.t = now
