@@ -2586,3 +2586,93 @@ fn a_booking_held_again_does_not_go_out_with_one_booked_behind_it() {
         "4 tokens within {apart} ms on a 3-token bucket refilling 4/s"
     );
 }
+/// A check that fails in Redis (a key of another type among its buckets, read after a
+/// pause's hold would have paid another bucket's bookings again) writes nothing: its
+/// bookings are held by the next check as if it never ran. Before, the moved bookings
+/// stayed and the bucket's tokens did not: 4 tokens went out at one instant on a bucket
+/// of 2 (P1).
+#[test]
+fn a_check_failing_in_redis_leaves_no_held_booking_behind() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--booking-slack-ms", "60000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 2, "refill_per_sec": 10});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let bad = json!({"exchange": "okx", "credential": null, "axis": "zzz"});
+    let _: () = redis.query(::redis::cmd("SET").arg("bourse:{3:okx}:b:-:3:zzz").arg("x"));
+    let waiter = json!({"op": "check", "key": ip, "limit": limit, "cost": 2, "owner": 1, "max_wait_ms": 60_000});
+    assert_eq!(t.call(check(&ip, limit.clone(), 2.0))["result"], "admitted");
+    assert_eq!(t.call(waiter.clone())["result"], "booked");
+    // The owner is late: the bucket refills to its cap beside the due booking, a payment
+    // for good takes the booking's refund to 0.
+    sleep_ms(600);
+    assert_eq!(t.call(check(&ip, limit.clone(), 0.0))["result"], "admitted");
+    let paused = t.call(json!({"op": "pause", "target": {"exchange": "okx"}, "ms": 1000}));
+    assert_eq!(paused["ok"], true, "{paused}");
+    for (x, y) in [(&ip, &bad), (&bad, &ip)] {
+        let failed = t.call(json!({"op": "check_many", "checks": [
+            {"key": x, "limit": limit, "cost": 1}, {"key": y, "limit": limit, "cost": 1},
+        ]}));
+        assert_eq!(load::classify(&failed), "unavailable", "{failed}");
+    }
+    sleep_ms(1100);
+    assert_eq!(t.call(waiter)["result"], "claimed");
+    let probe = t.call(check(&ip, limit.clone(), 2.0));
+    assert_eq!(
+        probe["result"], "delay",
+        "P1: 4 tokens out at once on a bucket of 2: {probe}"
+    );
+}
+
+/// A check that fails in Redis on a new exchange (a new bucket, then a key of another type)
+/// leaves no key without an expiry: its exchange's marker is written only once every key
+/// was read, and with its lifetime.
+#[test]
+fn a_check_failing_in_redis_leaves_no_key_without_an_expiry() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 2, "refill_per_sec": 10});
+    let ip = json!({"exchange": "new", "credential": null, "axis": "ip"});
+    let bad = json!({"exchange": "new", "credential": null, "axis": "zzz"});
+    let _: () = redis.query(
+        ::redis::cmd("SET")
+            .arg("bourse:{3:new}:b:-:3:zzz")
+            .arg("x")
+            .arg("PX")
+            .arg(600_000),
+    );
+    for (x, y) in [(&ip, &bad), (&bad, &ip)] {
+        let failed = t.call(json!({"op": "check_many", "checks": [
+            {"key": x, "limit": limit, "cost": 1}, {"key": y, "limit": limit, "cost": 1},
+        ]}));
+        assert_eq!(load::classify(&failed), "unavailable", "{failed}");
+    }
+    let names: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*"));
+    for name in names {
+        let ttl: i64 = redis.query(::redis::cmd("PTTL").arg(&name));
+        assert!(ttl > 0, "{name} kept forever ({ttl})");
+    }
+}
+
+/// A waiter's check whose new bucket has a key of another type under its bookings' name
+/// fails before it books anywhere: its other bucket pays nothing.
+#[test]
+fn a_waiter_failing_on_a_bookings_key_books_nothing() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 1, "refill_per_sec": 1});
+    let ip = json!({"exchange": "okx", "credential": null, "axis": "ip"});
+    let bad = json!({"exchange": "okx", "credential": null, "axis": "zzz"});
+    let _: () = redis.query(::redis::cmd("SET").arg("bourse:{3:okx}:w:-:3:zzz").arg("x"));
+    assert_eq!(t.call(check(&ip, limit.clone(), 1.0))["result"], "admitted");
+    let before = borrowed(&mut t, &ip);
+    let failed = t.call(
+        json!({"op": "check_many", "owner": 1, "max_wait_ms": 60_000, "checks": [
+            {"key": ip, "limit": limit, "cost": 1}, {"key": bad, "limit": limit, "cost": 1},
+        ]}),
+    );
+    assert_eq!(load::classify(&failed), "unavailable", "{failed}");
+    assert!(borrowed(&mut t, &ip) <= before, "{failed}");
+}

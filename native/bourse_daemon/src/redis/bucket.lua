@@ -252,6 +252,8 @@ end
 -- replica that took over after a failover lacks what was not yet replicated; a restarted
 -- node lacks what was not yet saved; a slot moved to another master is the safe side): for
 -- such a limiter the state began again now. Other limiters only create a missing marker.
+-- Reads only: returns the time, and the marker's new value when it is to be written
+-- (`write_marker`).
 local function state_began(marker, now, busy)
   local node = busy and string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or nil
   local value = redis.call('GET', marker)
@@ -261,10 +263,15 @@ local function state_began(marker, now, busy)
     began = tonumber(began)
   end
   if not began or (node and by ~= node) then
-    began = now
-    redis.call('SET', marker, fmt(now) .. (node and ' ' .. node or ''))
+    return now, fmt(now) .. (node and ' ' .. node or '')
   end
-  return began
+  return began, nil
+end
+
+-- Writes an exchange's marker (`state_began`), living as `keep_markers` keeps it, so that
+-- one written by a check that then fails expires too.
+local function write_marker(marker, value)
+  redis.call('SET', marker, value, 'PX', int((MARKER_TTL + MARKER_SLACK) / 1000))
 end
 
 -- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
@@ -540,15 +547,27 @@ local function remove_stored_booking(item, id, now)
   end
 end
 
+-- Marks a key without bookings `unbooked` (known for a new key or from its `k`, else read
+-- with one ZRANGE), so that neither `drop_lapsed` nor `keep` reads its bookings. A waiter's
+-- check reads the bookings key of an unbooked one too (ZCARD), which it may book on: a key
+-- of another type there fails the check before it writes anything.
+local function find_bookings(item, bucket, waits)
+  if item.unbooked or (bucket and bucket.expiry) then
+    item.unbooked = true
+    if waits then
+      redis.call('ZCARD', item.wkey)
+    end
+  elseif not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
+    item.unbooked = true
+  end
+end
+
 -- Drops bookings whose slack ran out (their cost stays paid); the others' refunds shrink as
 -- `remove_booking` shrinks them for each, in the order those were made, limited once to
 -- the least room of those steps (bourse_core's Bucket::drop_lapsed). Returns how many, and
--- whether `id`'s booking was among them. A
--- key without bookings is marked `unbooked` (known for a new key or from its `k`, else
--- read with one ZRANGE), so `keep` need not read its last booking again.
+-- whether `id`'s booking was among them.
 local function drop_lapsed(item, now, id)
-  if item.unbooked or item.bucket.expiry or not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
-    item.unbooked = true
+  if item.unbooked then
     item.bucket.refunds_at_most = 0
     return 0, false
   end
@@ -857,10 +876,13 @@ end
 -- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
 decide = function(now, k, at)
   local id = ARGV[at + 1]
+  local waits = parse(ARGV[at + 2]) > 0
   local busy, n = ARGV[at + 4] == '1', parse(ARGV[at + 5])
-  local items, began = {}, nil
+  local items, began, markers = {}, {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
+  -- First every read that can fail (a key of another type), so that a check that fails
+  -- has written nothing.
   for i = 1, n do
     local a = at + 5 + (i - 1) * 7
     local item = {
@@ -871,25 +893,32 @@ decide = function(now, k, at)
       c = parse(ARGV[a + 1]),
       r = parse(ARGV[a + 2]),
       cost = parse(ARGV[a + 3]),
+      shown = ARGV[a + 7],
     }
     local group = parse(ARGV[a + 4])
-    local pauses, marker = KEYS[k + 2 * n + 2 * group - 1], KEYS[k + 2 * n + 2 * group]
-    item.marker = marker
-    if busy then
-      began = began or {}
-      began[group] = began[group] or state_began(marker, now, true)
+    local marker = KEYS[k + 2 * n + 2 * group]
+    item.group, item.marker = group, marker
+    item.loaded, item.found = load(item.key, now, id, item)
+    if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
+      began[group], markers[marker] = state_began(marker, now, busy)
     end
-    local bucket, booking = load(item.key, now, id, item)
-    if busy and bucket and bucket.c and bucket.t < began[group] then
-      empty_since(bucket, began[group])
+    item.unbooked = not item.loaded or nil
+    find_bookings(item, item.loaded, waits)
+    item.held_until = pause_end(KEYS[k + 2 * n + 2 * group - 1], ARGV[a + 5], ARGV[a + 6])
+    items[i] = item
+  end
+  for marker, value in pairs(markers) do
+    write_marker(marker, value)
+  end
+  for _, item in ipairs(items) do
+    local bucket, booking, since = item.loaded, item.found, began[item.group]
+    if busy and bucket and bucket.c and bucket.t < since then
+      empty_since(bucket, since)
     end
     if not bucket or not bucket.c then
       -- A new key (no bookings: they are fields of its hash), or one with only recorded
       -- debt, takes this definition now.
-      item.unbooked = not bucket or nil
-      began = began or {}
-      began[group] = began[group] or state_began(marker, now, false)
-      local start = initial_tokens(item.c, item.r, now, began[group], busy)
+      local start = initial_tokens(item.c, item.r, now, since, busy)
       bucket = {
         c = item.c,
         r = item.r,
@@ -897,8 +926,8 @@ decide = function(now, k, at)
         t = now,
         dirty = true,
         defined = true,
+        shown = item.shown,
       }
-      bucket.shown = ARGV[a + 7]
     end
     item.bucket = bucket
     local dropped, booking_lapsed = drop_lapsed(item, now, id)
@@ -907,7 +936,7 @@ decide = function(now, k, at)
     if booking_lapsed or item.unbooked then
       booking = nil
     end
-    local held_until = pause_end(pauses, ARGV[a + 5], ARGV[a + 6])
+    local held_until = item.held_until
     if held_until > now then
       booking = hold_bookings(item, held_until, now, id, booking)
     end
@@ -922,7 +951,6 @@ decide = function(now, k, at)
     pause_until = math.max(pause_until, held_until)
     item.start = start_under(bucket, item.c, item.r, now)
     ready = math.max(ready, ready_at(item, now))
-    items[i] = item
   end
   if claim_ready then
     return items, claim(items, id, now, claim_ready, pause_until, lapsed)
