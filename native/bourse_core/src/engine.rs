@@ -225,11 +225,7 @@ fn pay_all(
         };
         // The caller's earlier booking of this check, left on some buckets only (the
         // others were reset), is replaced; its cost stays paid, as a lapsed one's.
-        if let Some(position) = bucket
-            .bookings
-            .iter()
-            .position(|b| b.owner == booking.owner && b.signature == booking.signature)
-        {
+        if let Some(position) = find_booking(bucket, booking.owner, booking.signature) {
             bucket.remove_booking(position, now);
         }
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
@@ -319,9 +315,13 @@ fn hold_everywhere(
 }
 
 fn booking_position(bucket: &Bucket, owner: u64, signature: u64) -> usize {
+    find_booking(bucket, owner, signature).expect("booking found in the planning pass")
+}
+
+/// Where `owner`'s booking of `signature` stands in `bucket`, if it holds one.
+fn find_booking(bucket: &Bucket, owner: u64, signature: u64) -> Option<usize> {
     bucket
         .bookings
         .iter()
         .position(|b| b.owner == owner && b.signature == signature)
-        .expect("booking found in the planning pass")
 }

@@ -164,10 +164,10 @@ end
 
 -- The number a bucket's `k` or `q` field (written with its `t`, read as `t_text`) holds
 -- (and its text), or nil once `t` was written again.
-local function kept_until(k, t_text)
-  local space = k and string.find(k, ' ', 1, true)
-  if space and string.sub(k, 1, space - 1) == t_text then
-    local text = string.sub(k, space + 1)
+local function written_with(field, t_text)
+  local space = field and string.find(field, ' ', 1, true)
+  if space and string.sub(field, 1, space - 1) == t_text then
+    local text = string.sub(field, space + 1)
     return tonumber(text), text
   end
 end
@@ -191,8 +191,8 @@ local function load(key, now, id, request)
     c, r = tonumber(v[1]), tonumber(v[2])
   end
   local bucket = { c = c, r = r, b = tonumber(v[3]), t = tonumber(v[4]) }
-  bucket.expiry, bucket.expiry_read = kept_until(v[5], v[4])
-  bucket.refunds_at_most = kept_until(v[6], v[4])
+  bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
+  bucket.refunds_at_most = written_with(v[6], v[4])
   if bucket.t > now then
     bucket.t = now
     bucket.dirty = true
@@ -201,7 +201,7 @@ local function load(key, now, id, request)
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
--- changed), a new key's shown fingerprint, `k`: the expiry `keep_unbooked` set or kept,
+-- changed), a new key's shown fingerprint, `k`: the expiry `save_unbooked` set or kept,
 -- else nothing (a later check reads the bookings and the expiry again), and `q`: what its
 -- bookings give back at most, if known.
 local function save(key, bucket)
@@ -551,8 +551,9 @@ end
 -- with one ZRANGE), so that neither `drop_lapsed` nor `keep` reads its bookings. A waiter's
 -- check reads the bookings key of an unbooked one too (ZCARD), which it may book on: a key
 -- of another type there fails the check before it writes anything.
-local function find_bookings(item, bucket, waits)
-  if item.unbooked or (bucket and bucket.expiry) then
+local function find_bookings(item, waits)
+  local bucket = item.loaded
+  if not bucket or bucket.expiry then
     item.unbooked = true
     if waits then
       redis.call('ZCARD', item.wkey)
@@ -875,8 +876,8 @@ end
 
 -- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
 decide = function(now, k, at)
-  local id = ARGV[at + 1]
-  local waits = parse(ARGV[at + 2]) > 0
+  local id, max_wait = ARGV[at + 1], parse(ARGV[at + 2])
+  local waits = max_wait > 0
   local busy, n = ARGV[at + 4] == '1', parse(ARGV[at + 5])
   local items, began, markers = {}, {}, {}
   local ready, pause_until, lapsed = now, 0, 0
@@ -902,8 +903,7 @@ decide = function(now, k, at)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
       began[group], markers[marker] = state_began(marker, now, busy)
     end
-    item.unbooked = not item.loaded or nil
-    find_bookings(item, item.loaded, waits)
+    find_bookings(item, waits)
     item.held_until = pause_end(KEYS[k + 2 * n + 2 * group - 1], ARGV[a + 5], ARGV[a + 6])
     items[i] = item
   end
@@ -970,7 +970,7 @@ decide = function(now, k, at)
     return items, answer('admitted', 0, 0, lapsed)
   end
   local ms = delay_ms(now, ready)
-  local max_wait, slack = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
+  local slack = tonumber(ARGV[at + 3])
   if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
       -- The caller's earlier booking of this check, left on some buckets only (the others
