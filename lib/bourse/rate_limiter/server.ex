@@ -138,8 +138,14 @@ defmodule Bourse.RateLimiter.Server do
       when is_map_key(@callbacks, fun) and is_list(args) and
              length(args) == :erlang.map_get(fun, @callbacks) do
     {:reply, apply(state.backend, fun, [state.handle | args]), state}
+  rescue
+    # Callers send arguments already checked: these were made by hand. Shown by shape only,
+    # since they may hold an API key.
+    exception ->
+      unexpected("call", {:run, fun, args}, state, " (#{inspect(exception.__struct__)})")
+      {:reply, {:error, Error.invalid("not a limiter request")}, state}
   catch
-    # Should a caller's request crash this process, its crash report must not show the
+    # Should a caller's request stop this process, its crash report must not show the
     # caller's key (an API key) in the stacktrace's arguments.
     kind, reason -> :erlang.raise(kind, reason, without_arguments(__STACKTRACE__))
   end
@@ -214,10 +220,10 @@ defmodule Bourse.RateLimiter.Server do
   end
 
   # Shown by shape only: a message may hold an API key.
-  defp unexpected(kind, message, state) do
+  defp unexpected(kind, message, state, why \\ "") do
     Logger.warning(
       "Bourse.RateLimiter #{inspect(state.name)} ignored an unexpected #{kind}: " <>
-        describe_message(message)
+        describe_message(message) <> why
     )
   end
 

@@ -30,6 +30,21 @@ defmodule Bourse.ContractTests.LimiterProcess do
                          GenServer.call(pid, run)
               end
 
+              # Calls of the right arity whose arguments no caller would send: answered,
+              # the limiter lives on.
+              for {fun, arity} <- Bourse.RateLimiter.Backend.behaviour_info(:callbacks),
+                  fun not in [:options, :attach, :stats, :sweep, :reset_all],
+                  bad <- [:garbage, "SECRET-KEY-IN-A-MESSAGE", {}] do
+                run = {:run, fun, List.duplicate(bad, arity - 1)}
+                answer = GenServer.call(pid, run)
+                assert Process.alive?(pid), "#{fun}(#{inspect(bad)}) stopped the limiter"
+
+                refute match?(
+                         {:error, %Bourse.Error{type: type}} when type != :invalid_parameters,
+                         answer
+                       )
+              end
+
               # Everything before it has been handled once a call is answered.
               assert is_map(Bourse.RateLimiter.stats(name))
             end)
