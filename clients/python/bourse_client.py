@@ -40,7 +40,8 @@ defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},
 One client holds one connection and sends one request at a time (a lock makes it safe to
 share between threads; give each busy thread its own client for throughput). A client is
 not shared across fork(): in a child process it raises ConnectionError (open a new one
-there). A call ends within ``timeout`` (TimeoutError); a call that failed while its answer
+there). Opening a client where no daemon listens raises the socket's own OSError
+(ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within ``timeout`` (TimeoutError); a call that failed while its answer
 was on its way (timeout, interrupt, lost connection) closes the client, and a request the
 daemon reads after its caller stopped waiting is not run. Bookings
 belong to an owner: by default wait() uses a fresh owner per call; check() with

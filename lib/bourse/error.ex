@@ -15,8 +15,8 @@ defmodule Bourse.Error do
     * `:exchange` – the exchange id (`"binance"`), when known.
     * `:retry_after` – milliseconds to wait before trying again, when known.
     * `:http_status` – the exchange's HTTP status, when the error came from a reply.
-    * `:stop` – `true` when retrying is pointless (a ban longer than any sensible wait,
-      an authentication error): stop and alert instead.
+    * `:stop` – `true` when retrying is pointless (a ban, an HTTP 418 or a WAF 403): stop
+      and alert instead.
 
   Examples:
 
@@ -62,14 +62,15 @@ defmodule Bourse.Error do
   """
   @spec rate_limited(non_neg_integer(), keyword()) :: t()
   def rate_limited(retry_after_ms, opts \\ []) do
-    %__MODULE__{
+    error = %__MODULE__{
       type: :rate_limit_exceeded,
       retry_after: retry_after_ms,
       exchange: opts[:exchange],
       http_status: opts[:http_status],
-      stop: Keyword.get(opts, :stop, false),
-      message: opts[:message]
+      stop: Keyword.get(opts, :stop, false)
     }
+
+    %{error | message: opts[:message] || message(error)}
   end
 
   @doc """

@@ -77,8 +77,9 @@ defmodule Bourse.RateLimiter do
   Malformed input (keys, limits, costs, options, names) is answered with
   `{:error, %Bourse.Error{type: :invalid_parameters, message: ...}}` naming what is wrong;
   nothing is paid and nothing crashes. A name that is not a limiter's (another process,
-  `{:via, NotAModule, _}`) is malformed too, and that process is never called; a limiter
-  that is not running exits the caller with `:noproc`, as `GenServer.call/2` would.
+  `{:via, NotAModule, _}`) is malformed too, and that process is never called. A call
+  of well-formed input to a limiter that is not running exits the caller with `:noproc`,
+  as `GenServer.call/2` would; malformed input is answered as malformed all the same.
 
   Every error carries the `:exchange` of the call's key when it can be read (for
   `check_rates/3`, when its checks name one exchange). Messages describe a bad value by
@@ -267,7 +268,10 @@ defmodule Bourse.RateLimiter do
     do: validate(route, key, limit)
 
   defp prepare({:remote, _pid} = route, _name, key, limit), do: validate(route, key, limit)
-  defp prepare(elsewhere, name, _key, _limit), do: routed(elsewhere, name, :prepare, [])
+
+  defp prepare(elsewhere, name, key, limit) do
+    with {:ok, nil} <- validate(elsewhere, key, limit), do: routed(elsewhere, name, :prepare, [])
+  end
 
   defp validate(route, key, limit) do
     with :ok <- verdict(Bourse.Native.check_key(key)),
@@ -859,9 +863,22 @@ defmodule Bourse.RateLimiter do
     do: apply(backend, fun, [handle | args])
 
   defp routed({:remote, pid}, _name, fun, args), do: Router.run(pid, fun, args)
-  defp routed(:noproc, name, _fun, _args), do: Router.exit_as_call(:noproc, name)
-  defp routed({:exit, reason}, name, _fun, _args), do: Router.exit_as_call(reason, name)
+  defp routed(:noproc, name, fun, args), do: absent(:noproc, name, fun, args)
+  defp routed({:exit, reason}, name, fun, args), do: absent(reason, name, fun, args)
   defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
+
+  # No limiter answers: malformed input is still answered as such (judged by the NIF on a
+  # scratch table thrown away after), anything else exits as `GenServer.call/2` would.
+  defp absent(reason, name, fun, args) do
+    judged =
+      if function_exported?(Backend.NIF, fun, length(args) + 1),
+        do: apply(Backend.NIF, fun, [Bourse.Native.new_table(false, 0) | args])
+
+    case judged do
+      {:error, %Error{type: :invalid_parameters}} = invalid -> invalid
+      _ -> Router.exit_as_call(reason, name)
+    end
+  end
 
   @doc false
   # A call of `fun` for the limiter `pid` of this node, run for a caller on another node

@@ -19,8 +19,8 @@ defmodule Bourse.ErrorTest do
     assert error.http_status == 429
     assert error.stop == false
 
-    assert Exception.message(error) ==
-             "binance: rate limit exceeded (HTTP 429) retry after 1500 ms"
+    assert error.message == "binance: rate limit exceeded (HTTP 429) retry after 1500 ms"
+    assert Exception.message(error) == error.message
 
     assert Exception.message(Error.rate_limited(120_000, stop: true)) ==
              "rate limit exceeded retry after 120000 ms (stop: do not retry)"

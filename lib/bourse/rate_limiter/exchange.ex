@@ -50,8 +50,8 @@ defmodule Bourse.RateLimiter.Exchange do
     * `:source` – `%{url: ..., read: "YYYY-MM-DD"}`, and `:note` where the number comes
       from a copy of the page rather than the page itself.
 
-  Override anything before sizing: `Exchange.profile(:binance_spot)` returns the map;
-  change a counter and pass the map to `buckets/2`.
+  Override anything before sizing: `Exchange.profile(:binance_spot)` returns
+  `{:ok, map}`; change a counter of the map and pass the map to `buckets/2`.
 
   ## Sizing
 

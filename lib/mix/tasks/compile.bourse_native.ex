@@ -40,6 +40,9 @@ defmodule Mix.Tasks.Compile.BourseNative do
 
       config :bourse, native_prebuilt_dir: "/opt/bourse-native"
 
+  Every `mix` command compiles: set the variable for each (export it), or use the
+  configuration; a command without either builds from source.
+
   Before anything in it is used, the directory's `bourse_native.manifest` is checked: the
   artifacts must have been built for this machine's target triple, for a NIF version this
   Erlang/OTP loads (same major version, minor version not above this VM's: 2.16 on OTP 25),

@@ -140,6 +140,24 @@ defmodule Bourse.ContractTests.LimiterProcess do
           )
         end
 
+        test "malformed input is answered as such also when the limiter is not running",
+             %{name: name, backend: backend} do
+          stopped = :"stopped_#{System.unique_integer([:positive])}"
+          never = :"never_started_#{System.unique_integer([:positive])}"
+          children = [{Bourse.RateLimiter, name: stopped, backend: backend}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          Supervisor.stop(supervisor)
+
+          for {label, call} <- every_bad_call(name) do
+            assert {:error, %Bourse.Error{type: :invalid_parameters} = running} = call.(name),
+                   label
+
+            for absent <- [stopped, never] do
+              assert {:error, ^running} = call.(absent), "#{label} on #{inspect(absent)}"
+            end
+          end
+        end
+
         test "a waiter whose limiter stops while it sleeps is admitted against its paid booking",
              %{backend: backend} do
           name = :"stopped_while_waiting_#{System.unique_integer([:positive])}"
@@ -234,6 +252,29 @@ defmodule Bourse.ContractTests.LimiterProcess do
 
           assert byte_size(message) < 200
         end
+      end
+
+      # Public calls of `Bourse.RateLimiter` with a malformed argument, for a limiter name.
+      defp every_bad_call(name) do
+        key = {"ex", "k"}
+
+        [
+          {"check_rate with a name for the cost",
+           fn name -> Bourse.RateLimiter.check_rate(key, @still, name) end},
+          {"check_rate", fn name -> check_rate(key, @still, -1, name) end},
+          {"check_rates", fn name -> check_rates([{key, %{capacity: 0}, 1}], name) end},
+          {"check_rates with a budget",
+           fn name -> check_rates([{key, @still, 1}], name, max_wait_ms: 0) end},
+          {"wait_for_capacity", fn name -> wait_for_capacity({"ex"}, @still, 1, name, []) end},
+          {"bucket", fn name -> Bourse.RateLimiter.bucket(key, %{requests: -1}, name) end},
+          {"get_cost", fn name -> get_cost({:ex, "k"}, 1, name) end},
+          {"record_request", fn name -> record_request(key, :nan, name) end},
+          {"reset", fn name -> reset({"ex", 1}, name) end},
+          {"reset_exchange", fn name -> reset_exchange(7, name) end},
+          {"pause", fn name -> pause("ex", -10, name) end},
+          {"inspect_key", fn name -> Bourse.RateLimiter.inspect_key({"ex", 1, 2}, name) end},
+          {"sync", fn name -> Bourse.RateLimiter.sync(key, :five, 1_000, name) end}
+        ]
       end
 
       # Every public call of `Bourse.RateLimiter` on the limiter `name`.

@@ -83,6 +83,22 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
     end
   end
 
+  test "a socket path that is a file or a directory is named as such" do
+    file = Path.join(System.tmp_dir!(), "bourse-file-#{System.unique_integer([:positive])}")
+    File.write!(file, "")
+    on_exit(fn -> File.rm(file) end)
+
+    for {path, what} <- [{file, "a regular file"}, {System.tmp_dir!(), "a directory"}] do
+      {:ok, opts} = Daemon.options({:unix, path}, timeout: 200)
+      {:ok, handle} = Daemon.attach(nil, backend_opts: opts)
+
+      assert {:error, %Error{type: :unavailable, message: message}} =
+               Daemon.check_rate(handle, self(), @key, @limit, 1, nil)
+
+      assert message =~ "#{path} is #{what}, not a socket"
+    end
+  end
+
   test "a stopped daemon: bad input is :invalid_parameters, with the NIF's message, once the call times out" do
     {daemon, name} = start_connected_daemon(timeout: 300)
     nif = start_limiter(:nif)

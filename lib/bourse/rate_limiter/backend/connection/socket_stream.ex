@@ -104,9 +104,23 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp connect({:unix, path}, _timeout) do
     with {:ok, socket} <- tagged(:socket.open(:local, :stream, :default), "cannot connect") do
-      connected(socket, %{family: :local, path: path})
+      socket |> connected(%{family: :local, path: path}) |> not_a_socket(path)
     end
   end
+
+  # Connecting to a file or folder is refused: say what it is.
+  defp not_a_socket({:error, "cannot connect: connection refused"} = error, path) do
+    case File.stat(path) do
+      {:ok, %File.Stat{type: type}} when type in [:regular, :directory] ->
+        what = if type == :regular, do: "a regular file", else: "a directory"
+        {:error, "cannot connect: #{path} is #{what}, not a socket"}
+
+      _ ->
+        error
+    end
+  end
+
+  defp not_a_socket(answer, _path), do: answer
 
   defp resolve(host) when is_tuple(host), do: {:ok, host}
 
