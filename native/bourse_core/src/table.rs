@@ -177,13 +177,28 @@ impl<C: Clock> Table<C> {
         checks: &[Check],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
+        self.check_rates_within(owner, checks, mode, usize::MAX)
+            .map(|outcome| outcome.unwrap_or_else(|| unreachable!("no bound on bookings")))
+    }
+
+    /// [`Table::check_rates`], left undone (`Ok(None)`, nothing changed but new buckets
+    /// created and definitions applied, as the check would) when its buckets hold more than
+    /// `max_bookings` bookings together: each costs the check up to about 100 ns, which a
+    /// caller on a scheduler that must not be held long runs elsewhere.
+    pub fn check_rates_within(
+        &self,
+        owner: u64,
+        checks: &[Check],
+        mode: Mode,
+        max_bookings: usize,
+    ) -> Result<Option<Outcome>, InvalidInput> {
         match checks {
-            [] => Ok(Outcome::Admitted),
-            [single] => Ok(self.check_rate(owner, *single, mode)),
+            [] => Ok(Some(Outcome::Admitted)),
+            [single] => Ok(Some(self.check_rate(owner, *single, mode))),
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.item(c)));
-                self.check_items(owner, &mut items, mode)
+                self.check_items(owner, &mut items, mode, max_bookings)
             }
         }
     }
@@ -196,13 +211,30 @@ impl<C: Clock> Table<C> {
         checks: &[PreparedCheck],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
+        self.check_prepared_all_within(owner, checks, mode, usize::MAX)
+            .map(|outcome| outcome.unwrap_or_else(|| unreachable!("no bound on bookings")))
+    }
+
+    /// [`Table::check_prepared_all`], left undone as [`Table::check_rates_within`] leaves
+    /// a check.
+    pub fn check_prepared_all_within(
+        &self,
+        owner: u64,
+        checks: &[PreparedCheck],
+        mode: Mode,
+        max_bookings: usize,
+    ) -> Result<Option<Outcome>, InvalidInput> {
         match checks {
-            [] => Ok(Outcome::Admitted),
-            [single] => Ok(self.check_item(owner, self.prepared_item(*single), mode)),
+            [] => Ok(Some(Outcome::Admitted)),
+            [single] => Ok(Some(self.check_item(
+                owner,
+                self.prepared_item(*single),
+                mode,
+            ))),
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.prepared_item(c)));
-                self.check_items(owner, &mut items, mode)
+                self.check_items(owner, &mut items, mode, max_bookings)
             }
         }
     }
@@ -247,13 +279,14 @@ impl<C: Clock> Table<C> {
         outcome
     }
 
-    /// The multi-bucket check.
+    /// The multi-bucket check; left undone when its buckets hold more than `max_bookings`.
     fn check_items(
         &self,
         owner: u64,
         items: &mut [Item],
         mode: Mode,
-    ) -> Result<Outcome, InvalidInput> {
+        max_bookings: usize,
+    ) -> Result<Option<Outcome>, InvalidInput> {
         // Shards in ascending order: every multi-bucket check locks them in this order. A
         // key's checks end up adjacent, first given first (the sort is stable).
         items.sort_by(|a, b| {
@@ -294,7 +327,9 @@ impl<C: Clock> Table<C> {
             // allocations, apart from the shards' other fields (the stats borrowed below).
             buckets.push(unsafe { &mut *bucket });
         }
-        let outcome = engine::decide(&mut buckets, items, &mut guards[0].stats, request, &pauses);
+        let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
+        let outcome = (bookings <= max_bookings)
+            .then(|| engine::decide(&mut buckets, items, &mut guards[0].stats, request, &pauses));
         // Every lock released before any table is allocated.
         let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()

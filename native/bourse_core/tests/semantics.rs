@@ -168,6 +168,35 @@ fn multi_bucket_check_pays_on_all_or_none() {
 }
 
 #[test]
+fn a_check_over_more_bookings_than_its_bound_is_left_undone() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    for (owner, axis) in [(10, "ip"), (11, "ip"), (12, "order")] {
+        let cost = if owner == 10 { 1.0 } else { 2.0 };
+        assert!(matches!(
+            wait(&t, owner, axis, l, cost),
+            Outcome::Admitted | Outcome::Booked(_)
+        ));
+    }
+    clock.advance_ms(10);
+    let checks = [check(key("ip"), l, 1.0), check(key("order"), l, 1.0)];
+    let before = (t.inspect(key("ip")), t.inspect(key("order")), t.stats());
+    // Two bookings held on the two buckets: over a bound of 1, nothing is done.
+    assert_eq!(t.check_rates_within(ME, &checks, Mode::Probe, 1), Ok(None));
+    assert_eq!(
+        (t.inspect(key("ip")), t.inspect(key("order")), t.stats()),
+        before
+    );
+    // Within the bound, the answer of the unbounded call.
+    let within = t.check_rates_within(ME, &checks, Mode::Probe, 2);
+    assert_eq!(within, Ok(Some(Outcome::Delay(2990))));
+    assert_eq!(
+        t.check_rates(ME, &checks, Mode::Probe),
+        Ok(Outcome::Delay(2990))
+    );
+}
+
+#[test]
 fn a_booking_is_claimed_without_a_second_charge() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);

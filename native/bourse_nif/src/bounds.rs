@@ -1,7 +1,7 @@
 //! The core's rules for Elixir code that checks its input before any table is reached
 //! (`Bourse.RateLimiter.observe_response/6`): the decoders of the table's calls, and the
 //! bounds of `bourse_core::rules`, so that Elixir repeats none of them; and the NIF's own
-//! `MAX_INLINE_CHECKS`.
+//! `MAX_INLINE_CHECKS` and `MAX_INLINE_BOOKINGS`.
 
 use bourse_core::rules::{
     DEFAULT_BOOKING_SLACK_MS, MAX_AMOUNT, MAX_BUSIEST, MAX_CHECKS, MAX_KEY_PART_BYTES, MAX_MS,
@@ -10,12 +10,13 @@ use bourse_core::rules::{
 use bourse_core::InvalidInput;
 use rustler::{Encoder, Env, Term};
 
-use crate::{atoms, error_term, key, limit, limit_term_of, MAX_INLINE_CHECKS};
+use crate::{atoms, error_term, key, limit, limit_term_of, MAX_INLINE_BOOKINGS, MAX_INLINE_CHECKS};
 
 mod names {
     rustler::atoms! {
         max_key_part_bytes, max_checks, max_busiest, max_pauses, default_booking_slack_ms,
         max_ms, max_setting_ms, max_store_timeout_ms, max_amount, max_inline_checks,
+        max_inline_bookings,
     }
 }
 
@@ -44,7 +45,8 @@ fn limit_definition<'a>(env: Env<'a>, limit_term: Term<'a>) -> Term<'a> {
 }
 
 /// `bounds()`: the bounds and defaults of `bourse_core::rules`, and the longest check list
-/// answered on a normal scheduler (`max_inline_checks`), as a map.
+/// and most bookings answered on a normal scheduler (`max_inline_checks`,
+/// `max_inline_bookings`), as a map.
 #[rustler::nif]
 fn bounds(env: Env) -> Term {
     let integers = [
@@ -57,6 +59,7 @@ fn bounds(env: Env) -> Term {
         (names::max_setting_ms(), MAX_SETTING_MS),
         (names::max_store_timeout_ms(), MAX_STORE_TIMEOUT_MS),
         (names::max_inline_checks(), MAX_INLINE_CHECKS as u64),
+        (names::max_inline_bookings(), MAX_INLINE_BOOKINGS as u64),
     ];
     let mut pairs: Vec<(Term, Term)> = integers
         .iter()

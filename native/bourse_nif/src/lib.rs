@@ -317,6 +317,11 @@ fn check_parts<'a>(
 /// `MAX_CHECKS`, ~150 ns per check) continue on a dirty CPU scheduler, so that no call
 /// holds a normal scheduler for more than a few tens of microseconds.
 pub(crate) const MAX_INLINE_CHECKS: usize = 64;
+/// The most bookings the buckets of a check list answered on a normal scheduler hold
+/// together: dropping lapsed ones, re-planning them behind a pause and limiting their
+/// refunds cost up to about 100 ns each (a list over 64 buckets of 256 bookings took
+/// over a millisecond). A list over more continues on a dirty CPU scheduler.
+pub(crate) const MAX_INLINE_BOOKINGS: usize = 512;
 /// The most key bytes a check list answered on a normal scheduler holds: checking and
 /// hashing multi-byte UTF-8 takes up to ~1.3 ns a byte (64 checks of three 1 KiB parts of
 /// `"é"`: 250 µs).
@@ -365,17 +370,23 @@ fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
         Ok(len) if runs_dirty(len, || key_bytes(args[2])) => {
             entry::on_dirty_scheduler(env, c"check_rates", check_rates_dirty, args)
         }
-        len => checks_answer(env, args, len),
+        len => checks_answer(env, args, len, MAX_INLINE_BOOKINGS),
     }
 }
 
 /// `check_rates` continued on a dirty scheduler.
 fn check_rates_on_dirty<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
-    checks_answer(env, args, bounded_len(args[2]))
+    checks_answer(env, args, bounded_len(args[2]), usize::MAX)
 }
 
-/// The answer to `check_rates` whose list `bounded_len` measured as `len`.
-fn checks_answer<'a>(env: Env<'a>, args: [Term<'a>; 4], len: Result<usize, Shape>) -> Term<'a> {
+/// The answer to `check_rates` whose list `bounded_len` measured as `len`; continued on a
+/// dirty scheduler when its buckets hold more than `max_bookings` bookings.
+fn checks_answer<'a>(
+    env: Env<'a>,
+    args: [Term<'a>; 4],
+    len: Result<usize, Shape>,
+    max_bookings: usize,
+) -> Term<'a> {
     let [table, owner_term, checks_term, max_wait_term] = args;
     let Ok(Handle(table)) = table.decode() else {
         return entry::badarg(env);
@@ -383,9 +394,12 @@ fn checks_answer<'a>(env: Env<'a>, args: [Term<'a>; 4], len: Result<usize, Shape
     answer(env, table, || {
         let mode = max_wait(max_wait_term)?;
         len.map_err(rules::not_a_check_list)?;
-        let answered = prepared::check_list(table, owner(owner_term), elements(checks_term), mode)?;
+        let owner = owner(owner_term);
+        let answered =
+            prepared::check_list(table, owner, elements(checks_term), mode, max_bookings)?;
         Ok(match answered {
-            Ok(answered) => outcome(env, answered),
+            Ok(Some(answered)) => outcome(env, answered),
+            Ok(None) => entry::on_dirty_scheduler(env, c"check_rates", check_rates_dirty, args),
             // Counted by the table.
             Err(refused) => error_term(env, refused),
         })

@@ -132,12 +132,14 @@ impl<'a> Entry<'a> {
 /// every one has one, otherwise by their keys and limits (in the order given either way).
 /// An element that does not decode is the outer error; the inner one is the table's
 /// refusal of the checks (conflicting definitions), which the table counted itself.
+/// `None`: left undone, its buckets holding more than `max_bookings` bookings.
 pub fn check_list<'a>(
     table: &Table,
     owner: u64,
     list: impl Iterator<Item = Term<'a>>,
     mode: Mode,
-) -> Decoded<Decoded<Outcome>> {
+    max_bookings: usize,
+) -> Decoded<Decoded<Option<Outcome>>> {
     // On the stack up to a few buckets: no allocation for the common multi-bucket check.
     let mut prepared: SmallVec<[PreparedCheck; 8]> = SmallVec::new();
     let mut checks: SmallVec<[Check; 8]> = SmallVec::new();
@@ -156,8 +158,8 @@ pub fn check_list<'a>(
         }
     }
     Ok(if checks.is_empty() {
-        table.check_prepared_all(owner, &prepared, mode)
+        table.check_prepared_all_within(owner, &prepared, mode, max_bookings)
     } else {
-        table.check_rates(owner, &checks, mode)
+        table.check_rates_within(owner, &checks, mode, max_bookings)
     })
 }

@@ -228,6 +228,32 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
                scheduled(fn -> NIF.check_rates(t, owner, booked, 4_294_967_295) end)
     end
 
+    test "checks of buckets holding more bookings than the inline bound go dirty",
+         %{table: t} do
+      bound = Bourse.Native.bound(:max_inline_bookings)
+      per_bucket = div(bound, 2)
+      slow = %{capacity: 1, refill_per_sec: 1}
+      buckets = for i <- 1..3, do: {{"binance", "booked-#{i}"}, slow, 1}
+
+      # One caller admitted, then `per_bucket - 1` waiters booked on all three buckets.
+      [first | booked] =
+        for _ <- 1..per_bucket,
+            do: NIF.check_rates(t, spawn(fn -> :ok end), buckets, 4_294_967_295)
+
+      assert first == :ok
+      assert Enum.all?(booked, &match?({:booked, _}, &1))
+
+      two = Enum.take(buckets, 2)
+      assert {:normal, {:delay, _}} = scheduled(fn -> NIF.check_rates(t, self(), two, nil) end)
+
+      assert {:dirty, {:delay, ms}} =
+               scheduled(fn -> NIF.check_rates(t, self(), buckets, nil) end)
+
+      # Answered as inline: the delay after every booking, nothing paid.
+      assert_in_delta ms, per_bucket * 1_000, 1_000
+      assert {:delay, ^ms} = NIF.check_rates(t, self(), buckets, nil)
+    end
+
     test "lists too long or improper are refused on the normal scheduler, as short ones are",
          %{table: t} do
       valid = {{"binance", "hostile"}, @still, 1}
