@@ -45,13 +45,15 @@ defmodule Bourse.RateLimiter.Events do
   | `:paused` | `Bourse.RateLimiter.pause/3` was called, or `Bourse.RateLimiter.observe_response/6` paused buckets after a limited reply (it also emits `:rate_limited`) | `ms` | `exchange`; `credential` (`nil` for a whole exchange); `axis` (`nil` unless a full key): the target asked for, also when a full pause table held its whole exchange instead |
   | `:rate_limited` | `Bourse.RateLimiter.observe_response/6` saw a 429, a 418 or a rate-limit signal in the body, and paused the credential (the exchange, for a 418 or an IP-wide signal) | `retry_after_ms`: the pause | `http_status`; `stop` (`true`: a ban, do not retry); `signal`: what the body or status said (`"Bybit retCode 10006 (too many visits)"`), `nil` for a plain 429 or 418; `axis` is `nil` |
 
-  Lapses are counted inside the bucket table when a lapsed booking is next looked at;
-  the limiter's process reads the counter every `:sweep_interval_ms` (default 1 s) and
-  emits the difference, so a `:lapsed` event comes at most that long after the lapse was
-  counted: on the NIF and a port, by the sweep of the same interval; on a shared daemon,
-  by its own sweep (`--sweep-interval-ms`).
-  With the buckets in Redis (`backend: {:redis, url}`) the sweep does not look at every
-  key: a lapse is counted, and reported, after its key is next checked.
+  Lapses are counted inside the bucket table when a lapsed booking is dropped: by the
+  next check of its key, or with its bucket by the sweep (once the bucket is full and
+  idle; a sweep never drops the lapsed bookings of a bucket it keeps, since when they
+  leave shapes what the others give back). The limiter's process reads the counter every
+  `:sweep_interval_ms` (default 1 s) and emits the difference, so a `:lapsed` event comes
+  at most that long after the lapse was counted (on a shared daemon, which sweeps on its
+  own `--sweep-interval-ms`, as well). With the buckets in Redis (`backend: {:redis,
+  url}`) the sweep does not look at every key: a lapse is counted, and reported, after
+  its key is next checked.
   A waiter coming back early to `check_rates` (a `{:delay, ms}` on its own booking) and
   the extra sleeps of `wait_for_capacity` behind a pause emit nothing: the wait shows in
   `:admitted_after_wait`.

@@ -379,8 +379,8 @@ impl Bucket {
         lapsed.len()
     }
 
-    /// A full bucket without bookings or debt, idle past its fill time, behaves exactly as
-    /// a new one. One whose refusals told callers to come back is kept [`KEEP_MARGIN_MS`]
+    /// A full bucket without bookings (but lapsed ones) or debt, idle past its fill time,
+    /// behaves exactly as a new one. One whose refusals told callers to come back is kept [`KEEP_MARGIN_MS`]
     /// past the latest such moment: a caller back a little late still finds what accrued
     /// beyond the capacity, whatever other callers were told meanwhile.
     pub fn sweepable(&self, now: u64) -> bool {
@@ -394,7 +394,7 @@ impl Bucket {
                             .told_until
                             .saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS))
                     && idle > accrual_ns(limit.capacity(), limit)
-                    && self.bookings.is_empty()
+                    && self.bookings.iter().all(|b| b.lapse_at < now)
                     && covers(self.tokens(now), limit.capacity())
             }
             None => false,

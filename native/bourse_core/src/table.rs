@@ -479,14 +479,13 @@ impl<C: Clock> Table<C> {
         let Some(bucket) = shard.buckets.find_mut(hash, Sought::Parts(key)) else {
             return pause_ms.map(KeyInfo::paused);
         };
-        let lapsed = bucket.drop_lapsed(now);
-        let info = Self::info(bucket, now, pause_ms);
-        shard.stats.lapsed += lapsed as u64;
-        Some(info)
+        Some(Self::info(bucket, now, pause_ms))
     }
 
+    /// What `bucket` holds at `now`; lapsed bookings left for its next check are not shown.
     fn info(bucket: &Bucket, now: u64, pause_ms: Option<u64>) -> KeyInfo {
         let tokens = bucket.tokens(now);
+        let held = || bucket.bookings.iter().filter(|b| b.lapse_at >= now);
         KeyInfo {
             limit: bucket.limit,
             tokens,
@@ -496,12 +495,10 @@ impl<C: Clock> Table<C> {
             } else {
                 bucket.pending_debt()
             },
-            bookings: bucket.bookings.len(),
+            bookings: held().count(),
             // A fold from +0.0: an empty `sum()` of floats is -0.0.
-            booked_cost: bucket.bookings.iter().fold(0.0, |total, b| total + b.cost),
-            next_ready_ms: bucket
-                .bookings
-                .iter()
+            booked_cost: held().fold(0.0, |total, b| total + b.cost),
+            next_ready_ms: held()
                 .map(|b| b.ready_at)
                 .min()
                 .map(|at| at.saturating_sub(now).div_ceil(NANOS_PER_MS)),
@@ -514,8 +511,9 @@ impl<C: Clock> Table<C> {
         let mut rows: Vec<(Key, KeyInfo)> = Vec::new();
         // A few hundred buckets per lock, as the sweep does.
         self.retain(|bucket, now, _| {
-            if bucket.borrowed(now) > 0.0 || !bucket.bookings.is_empty() {
-                rows.push((bucket.key.clone(), Self::info(bucket, now, None)));
+            let info = Self::info(bucket, now, None);
+            if info.borrowed > 0.0 || info.bookings > 0 {
+                rows.push((bucket.key.clone(), info));
             }
             true
         });
@@ -587,13 +585,18 @@ impl<C: Clock> Table<C> {
         self.backoffs.lock().clear();
     }
 
-    /// Drops buckets that behave exactly as new ones (full, idle, no bookings, no debt),
-    /// lapsed bookings, ended pauses and lapsed backoff counts, and shrinks shards whose occupancy fell. Returns
-    /// how many buckets were dropped.
+    /// Drops buckets that behave exactly as new ones (full, idle, no bookings but lapsed
+    /// ones, no debt), ended pauses and lapsed backoff counts, and shrinks shards whose
+    /// occupancy fell. Returns how many buckets were dropped. The lapsed bookings of a
+    /// bucket kept are left to its next check: when they are dropped shapes what the
+    /// others give back (see [`Bucket::drop_lapsed`]), and a sweep changes no answer.
     pub fn sweep(&self) -> usize {
         let dropped = self.retain(|bucket, now, stats| {
-            stats.lapsed += bucket.drop_lapsed(now) as u64;
-            !bucket.sweepable(now)
+            let sweepable = bucket.sweepable(now);
+            if sweepable {
+                stats.lapsed += bucket.bookings.len() as u64;
+            }
+            !sweepable
         });
         let now = self.clock.now();
         self.pauses.write().drop_ended(now);

@@ -196,6 +196,62 @@ fn a_check_over_more_bookings_than_its_bound_is_left_undone() {
     );
 }
 
+/// A waiter's booking on two buckets lapses; another, made since under another definition,
+/// is held behind a pause; a probe follows. Returns the probe's answer, `look` run at 1900
+/// ms, between the lapse (1825 ms) and the probe.
+fn probe_after_a_lapse(look: impl Fn(&Table<ManualClock>)) -> Outcome {
+    let (t, clock) = table();
+    let (s, big) = (limit(3.0, 2.0), limit(5.0, 4.0));
+    let w = Mode::Wait {
+        max_wait_ms: 3000,
+        booking_slack_ms: None,
+    };
+    let (b, ip) = (key("b"), key("ip"));
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 400)
+        .unwrap();
+    assert!(matches!(
+        t.check_rates(ME, &[check(b, s, 1.0)], w),
+        Ok(Outcome::Booked(_))
+    ));
+    clock.advance_ms(250);
+    let lapsing = [check(b, big, 7.0), check(ip, big, 2.0)];
+    assert!(matches!(
+        t.check_rates(ME, &lapsing, w),
+        Ok(Outcome::Booked(_))
+    ));
+    clock.advance_ms(800);
+    assert!(matches!(
+        t.check_rates(ME, &[check(b, s, 0.5)], w),
+        Ok(Outcome::Booked(_))
+    ));
+    clock.advance_ms(700);
+    assert!(matches!(
+        t.check_rates(ME, &[check(b, big, 4.0)], w),
+        Ok(Outcome::Booked(_))
+    ));
+    clock.advance_ms(150);
+    look(&t);
+    clock.advance_ms(450);
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 100)
+        .unwrap();
+    t.check_rate(ME, check(b, s, 3.0), Mode::Probe)
+}
+
+#[test]
+fn a_sweep_or_a_look_at_the_table_changes_no_answer() {
+    let alone = probe_after_a_lapse(|_| {});
+    assert_eq!(alone, Outcome::Delay(4750));
+    assert_eq!(probe_after_a_lapse(|t| assert_eq!(t.sweep(), 0)), alone);
+    let shown = |t: &Table<ManualClock>| {
+        // The lapsed booking is not shown, nor counted, though left for the next check.
+        let lapsed = t.stats().lapsed;
+        assert_eq!(t.inspect(key("b")).unwrap().bookings, 2);
+        assert_eq!(t.busiest(10)[0].1.bookings, 2);
+        assert_eq!(t.stats().lapsed, lapsed);
+    };
+    assert_eq!(probe_after_a_lapse(shown), alone);
+}
+
 #[test]
 fn a_booking_is_claimed_without_a_second_charge() {
     let (t, clock) = table();
