@@ -26,6 +26,11 @@ const SHARDS: usize = 64;
 pub(crate) const INLINE_CHECKS: usize = 8;
 type Items<'a> = SmallVec<[Item<'a>; INLINE_CHECKS]>;
 
+/// The answer of a check run with no bound on its bookings, which is never left undone.
+fn unbounded(answer: Result<Option<Outcome>, InvalidInput>) -> Result<Outcome, InvalidInput> {
+    answer.map(|outcome| outcome.unwrap_or_else(|| unreachable!("no bound on bookings")))
+}
+
 /// Tells tables apart, for the hashes of prepared buckets.
 static NEXT_TABLE_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -177,8 +182,7 @@ impl<C: Clock> Table<C> {
         checks: &[Check],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
-        self.check_rates_within(owner, checks, mode, usize::MAX)
-            .map(|outcome| outcome.unwrap_or_else(|| unreachable!("no bound on bookings")))
+        unbounded(self.check_rates_within(owner, checks, mode, usize::MAX))
     }
 
     /// [`Table::check_rates`], left undone (`Ok(None)`, nothing changed but new buckets
@@ -211,8 +215,7 @@ impl<C: Clock> Table<C> {
         checks: &[PreparedCheck],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
-        self.check_prepared_all_within(owner, checks, mode, usize::MAX)
-            .map(|outcome| outcome.unwrap_or_else(|| unreachable!("no bound on bookings")))
+        unbounded(self.check_prepared_all_within(owner, checks, mode, usize::MAX))
     }
 
     /// [`Table::check_prepared_all`], left undone as [`Table::check_rates_within`] leaves
