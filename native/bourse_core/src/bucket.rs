@@ -17,9 +17,13 @@ pub(crate) struct Booking {
     pub cost: f64,
     pub ready_at: u64,
     pub lapse_at: u64,
-    /// When it was booked: bookings are paid again in the order they were made (with the
-    /// owner and signature for bookings made at one instant), the same on every bucket.
+    /// When it was booked: bookings are paid again in the order they were made, the same
+    /// on every bucket.
     pub booked_at: u64,
+    /// Its place among the bookings of its bucket, in the order they were made (bookings
+    /// made at one instant included): a check that books on several buckets holds all their
+    /// locks, so two bookings sharing buckets are in the same order on each.
+    pub made: u64,
     /// What paying it again gives back: its cost, less what the cap (or a lowering) has
     /// taken since from the bucket without it (see [`Bucket::limit_refunds`]).
     pub refund: f64,
@@ -244,7 +248,7 @@ impl Bucket {
             .collect();
         order.sort_unstable_by_key(|&i| {
             let b = &self.bookings[i];
-            (b.ready_at <= now, b.booked_at, b.owner, b.signature)
+            (b.ready_at <= now, b.booked_at, b.made)
         });
         let mut left = room.max(0.0);
         for &i in &order {
@@ -283,11 +287,11 @@ impl Bucket {
     /// bookings later at each claim, forever.
     fn replan(&mut self, earliest: impl Fn(&Booking) -> u64, now: u64) {
         let Some(limit) = self.limit else { return };
-        let mut order: SmallVec<[(u64, u64, u64, usize); 8]> = self
+        let mut order: SmallVec<[(u64, u64, usize); 8]> = self
             .bookings
             .iter()
             .enumerate()
-            .map(|(i, b)| (b.booked_at, b.owner, b.signature, i))
+            .map(|(i, b)| (b.booked_at, b.made, i))
             .collect();
         order.sort_unstable();
         for booking in &self.bookings {
@@ -368,7 +372,7 @@ impl Bucket {
             kept
         });
         if let (Some(limit), false) = (self.limit, lapsed.is_empty()) {
-            lapsed.sort_unstable_by_key(|b| (b.booked_at, b.owner, b.signature));
+            lapsed.sort_unstable_by_key(|b| (b.booked_at, b.made));
             let accrued = self.accrued(&limit, now);
             let mut room = self.refunds(now);
             for gone in &lapsed {

@@ -187,6 +187,7 @@ pub(crate) fn decide(
                 ready_at: ready,
                 lapse_at: ready.saturating_add(slack_ns),
                 booked_at: now,
+                made: 0,
                 refund: 0.0,
             };
             pay_all(buckets, items, &starts, now, ready, Some(booking));
@@ -230,9 +231,16 @@ fn pay_all(
         }
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
+        let made = bucket
+            .bookings
+            .iter()
+            .map(|b| b.made + 1)
+            .max()
+            .unwrap_or(0);
         bucket.bookings.push(Booking {
             cost: item.check.cost,
             refund: item.check.cost,
+            made,
             ..booking.clone()
         });
     }

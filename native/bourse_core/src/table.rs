@@ -592,7 +592,8 @@ impl<C: Clock> Table<C> {
     /// ones, no debt), ended pauses and lapsed backoff counts, and shrinks shards whose
     /// occupancy fell. Returns how many buckets were dropped. The lapsed bookings of a
     /// bucket kept are left to its next check: when they are dropped shapes what the
-    /// others give back (see [`Bucket::drop_lapsed`]), and a sweep changes no answer.
+    /// others give back (see [`Bucket::drop_lapsed`]), and a bucket kept answers as if no
+    /// sweep had run.
     pub fn sweep(&self) -> usize {
         let dropped = self.retain(|bucket, now, stats| {
             let sweepable = bucket.sweepable(now);
@@ -715,9 +716,10 @@ impl<C: Clock> Table<C> {
             total.debited += s.debited;
             total.buckets += shard.buckets.len() as u64;
         }
-        // Bookings are counted a few hundred buckets per lock, as the sweep does.
-        self.retain(|bucket, _, _| {
-            total.bookings += bucket.bookings.len() as u64;
+        // Bookings are counted a few hundred buckets per lock, as the sweep does; those
+        // lapsed, left for their bucket's next check, are not.
+        self.retain(|bucket, now, _| {
+            total.bookings += bucket.bookings.iter().filter(|b| b.lapse_at >= now).count() as u64;
             true
         });
         total

@@ -249,9 +249,11 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert {:dirty, {:delay, ms}} =
                scheduled(fn -> NIF.check_rates(t, self(), buckets, nil) end)
 
-      # Answered as inline: the delay after every booking, nothing paid.
+      # Answered as inline: the delay after every booking, nothing paid (a loaded machine
+      # may take some ms between the two calls).
       assert_in_delta ms, per_bucket * 1_000, 1_000
-      assert {:delay, ^ms} = NIF.check_rates(t, self(), buckets, nil)
+      assert {:delay, again} = NIF.check_rates(t, self(), buckets, nil)
+      assert_in_delta again, ms, 100
     end
 
     test "lists too long or improper are refused on the normal scheduler, as short ones are",
