@@ -384,9 +384,9 @@ impl Bucket {
     }
 
     /// A full bucket without bookings (but lapsed ones) or debt, idle past its fill time,
-    /// behaves exactly as a new one. One whose refusals told callers to come back is kept [`KEEP_MARGIN_MS`]
-    /// past the latest such moment: a caller back a little late still finds what accrued
-    /// beyond the capacity, whatever other callers were told meanwhile.
+    /// behaves exactly as a new one. One whose refusals told callers to come back is kept
+    /// [`KEEP_MARGIN_MS`] past the latest such moment: a caller back a little late still
+    /// finds what accrued beyond the capacity, whatever other callers were told meanwhile.
     pub fn sweepable(&self, now: u64) -> bool {
         match &self.limit {
             Some(limit) => {
