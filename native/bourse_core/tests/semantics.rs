@@ -33,15 +33,24 @@ fn probe(t: &Table<ManualClock>, axis: &str, l: Limit, cost: f64) -> Outcome {
     t.check_rate(ME, check(key(axis), l, cost), Mode::Probe)
 }
 
+/// A waiter with a budget of a minute and the table's booking slack.
+const WAITER: Mode = Mode::Wait {
+    max_wait_ms: 60_000,
+    booking_slack_ms: None,
+};
+
 fn wait(t: &Table<ManualClock>, owner: u64, axis: &str, l: Limit, cost: f64) -> Outcome {
-    t.check_rate(
-        owner,
-        check(key(axis), l, cost),
-        Mode::Wait {
-            max_wait_ms: 60_000,
-            booking_slack_ms: None,
-        },
-    )
+    t.check_rate(owner, check(key(axis), l, cost), WAITER)
+}
+
+/// The public pool's IP bucket.
+fn ip() -> KeyRef<'static> {
+    KeyRef::new(b"binance", None, b"ip")
+}
+
+/// A check of the credential's bucket and the IP's, each at `cost` under `l`.
+fn credential_and_ip(l: Limit, cost: f64) -> [Check<'static>; 2] {
+    [check(key("request"), l, cost), check(ip(), l, cost)]
 }
 
 #[test]
@@ -324,10 +333,7 @@ fn booking_again_after_one_of_its_buckets_was_reset_replaces_the_old_booking() {
     let (t, _) = table();
     let l = limit(1.0, 1.0);
     let checks = [check(key("request"), l, 1.0), check(key("ip"), l, 1.0)];
-    let waiter = Mode::Wait {
-        max_wait_ms: 60_000,
-        booking_slack_ms: None,
-    };
+    let waiter = WAITER;
     t.record_request(key("request"), 1.0);
     t.record_request(key("ip"), 1.0);
     assert_eq!(
@@ -564,12 +570,9 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_paid_again_on_the_others()
     // which found that bucket refilled: 20 at one instant from 10 tokens.
     let (t, clock) = table();
     let l = limit(10.0, 10.0);
-    let ip = KeyRef::new(b"binance", None, b"ip");
-    let both = [check(key("request"), l, 1.0), check(ip, l, 1.0)];
-    let waiter = Mode::Wait {
-        max_wait_ms: 60_000,
-        booking_slack_ms: None,
-    };
+    let ip = ip();
+    let both = credential_and_ip(l, 1.0);
+    let waiter = WAITER;
     for _ in 0..10 {
         assert_eq!(t.check_rates(ME, &both, Mode::Probe), Ok(Outcome::Admitted));
     }
@@ -920,12 +923,9 @@ fn a_held_claim_keeps_its_turn_on_its_other_buckets() {
     // pause's end on both, and the queues behind it wait for it.
     let (t, clock) = table();
     let l = limit(1.0, 1.0);
-    let ip = KeyRef::new(b"binance", None, b"ip");
-    let both = [check(key("request"), l, 2.0), check(ip, l, 2.0)];
-    let waiter = Mode::Wait {
-        max_wait_ms: 60_000,
-        booking_slack_ms: None,
-    };
+    let ip = ip();
+    let both = credential_and_ip(l, 2.0);
+    let waiter = WAITER;
     assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Booked(1_000)));
     for i in 0..10 {
         for k in [key("request"), ip] {
@@ -964,12 +964,9 @@ fn a_late_claim_held_by_a_pause_gets_back_nothing_the_cap_took_after_its_ready_t
     // 200 ms: paid again, it leaves the IP 7.5 at 1050 ms.
     let (t, clock) = table();
     let l = limit(10.0, 10.0);
-    let ip = KeyRef::new(b"binance", None, b"ip");
-    let both = [check(key("request"), l, 1.0), check(ip, l, 1.0)];
-    let waiter = Mode::Wait {
-        max_wait_ms: 60_000,
-        booking_slack_ms: None,
-    };
+    let ip = ip();
+    let both = credential_and_ip(l, 1.0);
+    let waiter = WAITER;
     assert_eq!(probe(&t, "request", l, 10.0), Outcome::Admitted);
     assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Booked(100)));
     clock.advance_ms(50);
