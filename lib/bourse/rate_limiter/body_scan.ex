@@ -130,6 +130,8 @@ defmodule Bourse.RateLimiter.BodyScan do
     end
   end
 
+  @hex Enum.concat([?0..?9, ?a..?f, ?A..?F])
+
   @escapes %{
     ?" => "\"",
     ?\\ => "\\",
@@ -141,13 +143,16 @@ defmodule Bourse.RateLimiter.BodyScan do
     ?t => "\t"
   }
 
-  defp escape(<<"u", hex::binary-4, rest::binary>>, acc) do
-    case Integer.parse(hex, 16) do
-      {code, ""} when code in 0xD800..0xDFFF -> string(rest, ["\uFFFD" | acc])
-      {code, ""} -> string(rest, [<<code::utf8>> | acc])
-      _ -> :error
+  defp escape(<<"u", a, b, c, d, rest::binary>>, acc)
+       when a in @hex and b in @hex and c in @hex and d in @hex do
+    case String.to_integer(<<a, b, c, d>>, 16) do
+      code when code in 0xD800..0xDFFF -> string(rest, ["\uFFFD" | acc])
+      code -> string(rest, [<<code::utf8>> | acc])
     end
   end
+
+  # Four hex digits, no sign (`Integer.parse/2` would take "-041").
+  defp escape(<<"u", _::binary>>, _acc), do: :error
 
   defp escape(<<c, rest::binary>>, acc) do
     case @escapes do

@@ -206,7 +206,8 @@ defmodule Bourse.RateLimiter.Feedback do
   @spec put_header_limits(String.t(), %{String.t() => number() | nil}) ::
           :ok | {:error, Error.t()}
   def put_header_limits(exchange_id, limits) when is_binary(exchange_id) and is_map(limits) do
-    with {:ok, limits} <- Enum.reduce_while(limits, {:ok, %{}}, &header_limit/2) do
+    with :ok <- check_credential(exchange_id, :public),
+         {:ok, limits} <- Enum.reduce_while(limits, {:ok, %{}}, &header_limit/2) do
       merged =
         exchange_id
         |> header_limits()

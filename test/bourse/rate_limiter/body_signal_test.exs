@@ -171,6 +171,15 @@ defmodule Bourse.RateLimiter.BodySignalTest do
         assert is_map(BodyScan.fields(body, ["code", "msg"]))
       end
 
+      # A \u escape is four hex digits: a sign or a short one ends the scan there.
+      for bad <- ["-041", "+041", " 41", "04", "0x4", "00g1"] do
+        assert BodyScan.fields(~s({"retCode":10006,"a":"\\u#{bad}"})) == %{"retCode" => 10006}
+        assert BodyScan.fields(~s({"retCode":10006,"\\u#{bad}":1})) == %{"retCode" => 10006}
+        assert BodyScan.fields(~s({"\\u#{bad}":1,"retCode":10006}), ["retCode"]) == %{}
+      end
+
+      assert BodyScan.fields(~s({"\\u00E9\\u00e9":1})) == %{"éé" => 1}
+
       long_number = ~s({"code":#{String.duplicate("1", 40)}})
       assert %{"code" => text} = BodyScan.fields(long_number)
       assert is_binary(text)
@@ -178,6 +187,12 @@ defmodule Bourse.RateLimiter.BodySignalTest do
   end
 
   describe "observe_response/6 with body:" do
+    test "a body with a malformed escape before the signal is no signal", %{name: name} do
+      body = ~s({"\\u-041":1,"retCode":10006})
+      assert :ok = RateLimiter.observe_response("bybit", "k", 200, [], name, body: body)
+      assert :ok = RateLimiter.check_rate({"bybit", "k", "request"}, @slow, 1, name)
+    end
+
     test "a 200 with Bybit retCode 10006 is answered and paused like a 429", %{name: name} do
       body = ~s({"retCode":10006,"retMsg":"Too many visits!","result":{},"time":1})
 

@@ -84,6 +84,18 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_in_delta tokens(key, name), min(2399, 100 - 40 * left / 1000), 40 * 0.2
     end
 
+    test "put_header_limits/2 takes an exchange id by the rule of every call" do
+      limits = %{"x-mbx-used-weight-1m" => 2400}
+
+      for exchange <- [<<255, 0>>, String.duplicate("e", 1025)] do
+        assert {:error, %Error{type: :invalid_parameters, message: message}} =
+                 Bourse.RateLimiter.Feedback.put_header_limits(exchange, limits)
+
+        assert message =~ "exchange_id"
+        refute :persistent_term.get({Bourse.RateLimiter.Feedback, :header_limits, exchange}, nil)
+      end
+    end
+
     test "limits: the adapter's definitions, read from no table: the same allowance",
          %{name: name} do
       {:ok, buckets} = Bourse.RateLimiter.Exchange.buckets(:binance_spot)

@@ -312,10 +312,20 @@ impl<S: Store> Service<S> {
     }
 
     /// The answer to bytes left without their end when the stream closed.
-    pub fn truncated_frame(&self, session: &Session, out: &mut Vec<u8>, number: u64) {
+    /// The answer to the frame the stream ended in (`number`; `line`, its bytes when it is
+    /// a JSON line, give its id when one leads it).
+    pub fn truncated_frame(
+        &self,
+        session: &Session,
+        out: &mut Vec<u8>,
+        number: u64,
+        line: Option<&[u8]>,
+    ) {
         let message = "the stream ended in the middle of a frame; it was not executed";
         let invalid = InvalidInput::new(message);
-        self.invalid(session, out, To::Frame(number), &invalid);
+        let id = line.and_then(leading_id);
+        let to = id.as_ref().map_or(To::Frame(number), |id| To::Id(Some(id)));
+        self.invalid(session, out, to, &invalid);
     }
 
     /// An `unavailable` error answering no request (the connection is then closed).
@@ -588,7 +598,9 @@ fn leading_id(frame: &[u8]) -> Option<Value> {
             .position(|&b| !(b.is_ascii_digit() || b == b'-'))?,
     };
     let token = rest.get(..end)?;
-    if token.contains(&b'\\') {
+    // The value ends the member: `56.5`, `12abc` or `5 6` is no integer.
+    let after = rest[end..].trim_ascii_start().first()?;
+    if token.contains(&b'\\') || !matches!(after, b',' | b'}') {
         return None;
     }
     serde_json::from_slice(token).ok()

@@ -854,10 +854,29 @@ fn frame_errors() {
     let answer: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(answer["error"]["type"], "frame_too_large");
     out.clear();
-    f.service.truncated_frame(&f.session, &mut out, 4);
+    f.service.truncated_frame(&f.session, &mut out, 4, None);
     let answer: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(answer["error"]["type"], "invalid_parameters");
+    assert_eq!(answer["frame"], 4);
     assert_eq!(f.stat("invalid"), 2);
+    // A line the stream ended in is answered with the id that leads it.
+    for (line, to) in [
+        (r#"{"id":1,"op":"stats"}"#, json!({"id": 1})),
+        (r#"{"id":2,"op":"sta"#, json!({"id": 2})),
+        (r#"{"id":3"#, json!({"frame": 5})),
+        (r#"{"op":"stats","id":4"#, json!({"frame": 5})),
+    ] {
+        out.clear();
+        f.service
+            .truncated_frame(&f.session, &mut out, 5, Some(line.as_bytes()));
+        let answer: Value = serde_json::from_slice(&out).unwrap();
+        let key = if to.get("id").is_some() {
+            "id"
+        } else {
+            "frame"
+        };
+        assert_eq!(answer[key], to[key], "{line}: {answer}");
+    }
 }
 
 #[test]
@@ -908,6 +927,14 @@ fn every_answer_names_its_request() {
             json!({"frame": 0}),
         ),
         ("[1,2]".into(), json!({"frame": 0})),
+        // A value that only begins like an integer is no id.
+        (r#"{"id":56.5, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":56e3, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":12abc, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":0x10, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":5 6, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":"a" b, bad"#.into(), json!({"frame": 0})),
+        (r#"{"id":56 , bad"#.into(), json!({"id": 56})),
     ] {
         let session = f.service.session(false, None);
         for _ in 0..4 {

@@ -147,6 +147,14 @@ impl Frames {
         self.buf.reserve(16 * 1024);
     }
 
+    /// The bytes of the partial frame when frames are lines.
+    pub fn partial_line(&self) -> Option<&[u8]> {
+        match self.framing {
+            Framing::Lines => Some(&self.buf[self.start..]),
+            Framing::LengthPrefixed => None,
+        }
+    }
+
     /// Whether a frame was begun but not ended.
     pub fn has_partial(&self) -> bool {
         match self.framing {

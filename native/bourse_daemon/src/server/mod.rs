@@ -721,7 +721,7 @@ where
                 if input.has_partial() {
                     let number = session.next_frame();
                     let start = out.len();
-                    service.truncated_frame(&session, &mut out, number);
+                    service.truncated_frame(&session, &mut out, number, input.partial_line());
                     framed(&mut out, start, session.codec());
                 }
                 closing = true;

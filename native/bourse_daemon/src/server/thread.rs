@@ -194,7 +194,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                 if input.has_partial() {
                     let number = session.next_frame();
                     let start = out.len();
-                    service.truncated_frame(&session, &mut out, number);
+                    service.truncated_frame(&session, &mut out, number, input.partial_line());
                     framed(&mut out, start, session.codec());
                 }
                 closing = true;
