@@ -44,9 +44,10 @@ defmodule Bourse.RateLimiter.Exchange do
       weight"`), and `:costs` for endpoints that cost more (`%{"Ledgers" => 2}`);
     * `:header` – the reply header that reports it, if any (header sync,
       `Bourse.RateLimiter.Feedback`);
-    * `:burst` (optional) – the part of the counter's ceiling available at once, where
-      the default would leave fewer than two whole requests: each such counter gets a
-      capacity of 2;
+    * `:burst` (optional) – the least part of the counter's ceiling available at once,
+      where the default would leave fewer than two whole requests: such a counter gets a
+      capacity of 2 at the default share (0.8), scaled by `:share`; a larger `:burst`
+      option applies;
     * `:source` – `%{url: ..., read: "YYYY-MM-DD"}`, and `:note` where the number comes
       from a copy of the page rather than the page itself.
 
@@ -124,7 +125,8 @@ defmodule Bourse.RateLimiter.Exchange do
   @doc """
   Bucket definitions for every counter of a profile (a name or a profile map), keyed by
   axis. Options: `:share` of each limit to use, in `(0, 1]` (default 0.8), `:burst`
-  for fixed and rolling counters (default 0.1, see `Bourse.RateLimiter.Limits.size/3`),
+  for fixed and rolling counters (default 0.1, see `Bourse.RateLimiter.Limits.size/3`;
+  a counter's own `:burst` is the least it gets),
   and the profile's own options.
 
       Exchange.buckets(:kraken_spot, tier: :pro)
@@ -166,7 +168,8 @@ defmodule Bourse.RateLimiter.Exchange do
 
   defp bucket(%{axis: axis, kind: kind, limit: limit, window_ms: window_ms} = counter, opts)
        when is_binary(axis) and kind in [:fixed, :rolling] do
-    burst = Map.get(counter, :burst) || Keyword.get(opts, :burst, 0.1)
+    # The counter's own burst is a floor: a larger `:burst` option applies.
+    burst = max(Map.get(counter, :burst, 0), Keyword.get(opts, :burst, 0.1))
 
     with {:ok, bucket} <- Limits.size(limit, window_ms, share: share(opts), burst: burst),
          do: {:ok, axis, bucket}

@@ -239,7 +239,8 @@ defmodule Bourse.RateLimiter.Feedback do
   defp bad_header_limit(header, limit),
     do:
       invalid(
-        "a header limit must be a header name => a positive number or nil, " <>
+        "a header limit must be a header name => a positive number of at most " <>
+          "#{Native.bound(:max_amount)} or nil, " <>
           "got #{Error.describe(header)} => #{Error.describe(limit)}"
       )
 

@@ -21,8 +21,8 @@ defmodule Bourse.RateLimiter.RetryAfter do
 
   It never raises on a binary, number or any other term.
 
-  Options: `:floor_ms` (default 1000) and `:cap_ms` (default 300_000), non-negative
-  integers, and `:now`, the current time used for dates, a `DateTime` or unix ms
+  Options: `:floor_ms` (default 1000, or `:cap_ms` when lower) and `:cap_ms` (default
+  300_000), non-negative integers, the floor no greater than the cap, and `:now`, the current time used for dates, a `DateTime` or unix ms
   (default: the system clock). Other options are
   `{:error, %Bourse.Error{type: :invalid_parameters}}`, naming the option.
 
@@ -91,8 +91,9 @@ defmodule Bourse.RateLimiter.RetryAfter do
 
   defp options(opts) do
     with :ok <- Options.known_options(opts, "option", @options, "one of #{inspect(@options)}"),
-         {:ok, floor} <- ms_option(opts, :floor_ms, 1000),
          {:ok, cap} <- ms_option(opts, :cap_ms, 300_000),
+         {:ok, floor} <- ms_option(opts, :floor_ms, min(1000, cap)),
+         :ok <- floor_within_cap(floor, cap),
          {:ok, _now} <- now_option(opts[:now]) do
       {:ok, floor, cap}
     else
@@ -106,6 +107,11 @@ defmodule Bourse.RateLimiter.RetryAfter do
       other -> {:error, "#{key} must be a non-negative integer, got #{Error.describe(other)}"}
     end
   end
+
+  defp floor_within_cap(floor, cap) when floor <= cap, do: :ok
+
+  defp floor_within_cap(floor, cap),
+    do: {:error, "floor_ms (#{floor}) must not exceed cap_ms (#{cap})"}
 
   # Unix ms from 1970 to the end of 9999, as DateTime reads them.
   defp now_option(now) when is_nil(now) or (is_integer(now) and now in 0..@max_unix_ms),

@@ -40,6 +40,23 @@ defmodule Bourse.RateLimiter.ExchangeTest do
       end
     end
 
+    test "a counter's own burst is a floor: capacity 2 at the default share; a larger option applies" do
+      assert {:ok, %{"order_create" => %{capacity: 2.0}, "ip" => ip}} =
+               Exchange.buckets(:bybit_v5)
+
+      assert {:ok, %{"public" => %{capacity: 2.0}}} = Exchange.buckets(:coinbase_advanced)
+      assert {:ok, %{"market" => %{capacity: 2.0}}} = Exchange.buckets(:okx)
+
+      assert {:ok, %{"order_create" => order, "ip" => wider_ip}} =
+               Exchange.buckets(:bybit_v5, burst: 0.5)
+
+      assert_in_delta order.capacity, 4.0, 1.0e-9
+      assert_in_delta wider_ip.capacity, 5 * ip.capacity, 1.0e-9
+
+      assert {:ok, %{"order_create" => %{capacity: 2.0}}} =
+               Exchange.buckets(:bybit_v5, burst: 0.05)
+    end
+
     test "Fincode's field report's Binance figures; Kraken's tiers; the usual axes" do
       assert {:ok, %{"ip" => %{capacity: 480.0, refill_per_sec: 72.0}} = spot} =
                Exchange.buckets(:binance_spot, share: 0.8)

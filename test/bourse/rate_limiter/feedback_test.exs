@@ -94,6 +94,12 @@ defmodule Bourse.RateLimiter.FeedbackTest do
         assert message =~ "exchange_id"
         refute :persistent_term.get({Bourse.RateLimiter.Feedback, :header_limits, exchange}, nil)
       end
+
+      # A limit past the core's bound is refused by that bound.
+      assert {:error, %Error{type: :invalid_parameters, message: message}} =
+               Bourse.RateLimiter.Feedback.put_header_limits("ex", %{"x" => 2.0e12})
+
+      assert message =~ "at most #{Bourse.Native.bound(:max_amount)}"
     end
 
     test "limits: the adapter's definitions, read from no table: the same allowance",

@@ -131,6 +131,14 @@ defmodule Bourse.RateLimiter.RetryAfterTest do
       assert parse("300") == {:ok, 300_000}
       assert parse("86400", cap_ms: 86_400_000) == {:ok, 86_400_000}
       assert parse("10", cap_ms: 5_000) == {:stop, 10_000}
+      # The floor never passes the cap: by default it is the cap when lower.
+      assert parse("0.1", cap_ms: 500) == {:ok, 500}
+      assert parse("1", cap_ms: 500) == {:stop, 1000}
+
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               parse("0.5", floor_ms: 5000, cap_ms: 1000)
+
+      assert message =~ "floor_ms"
     end
   end
 
