@@ -2,7 +2,7 @@
 -- inside Redis on the Redis server's clock, so every daemon sharing the server sees one
 -- table and one time.
 --
--- Times are microseconds from redis.call('TIME'): exact in Lua's doubles. Whole numbers
+-- Times are microseconds from call('TIME'): exact in Lua's doubles. Whole numbers
 -- are stored as integers, others with %.17g, which round-trips every double. Redis >= 5
 -- replicates a script's effects, not the script, so reading TIME is allowed.
 --
@@ -56,6 +56,13 @@
 
 -- The keys and arguments of the call being run (set by `run`).
 local KEYS, ARGV
+
+-- Lua's libraries as locals, bound by `run` when it is first called (a function library sees
+-- them only then): a global is looked up through the sandbox on every use, a local is not.
+local function libraries()
+  return math, string, table, tonumber, tostring, ipairs, pairs, pcall, type, redis.call
+end
+local math, string, table, tonumber, tostring, ipairs, pairs, pcall, type, call
 
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
 local MAX_BOOKINGS = 256 -- most bookings one bucket holds (bourse_core's MAX_BOOKINGS)
@@ -128,7 +135,7 @@ local function int_text(x)
 end
 
 local function clock()
-  local time = redis.call('TIME')
+  local time = call('TIME')
   return tonumber(time[1]) * 1000000 + tonumber(time[2])
 end
 
@@ -179,8 +186,8 @@ end
 -- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings;
 -- `refunds_at_most` while `q` holds.
 local function load(key, now, id, request)
-  local v = id and redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 'w:' .. id)
-    or redis.call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q')
+  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 'w:' .. id)
+    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q')
   if not v[3] then
     return nil, v[7] or nil
   end
@@ -190,7 +197,20 @@ local function load(key, now, id, request)
   else
     c, r = tonumber(v[1]), tonumber(v[2])
   end
-  local bucket = { c = c, r = r, b = tonumber(v[3]), t = tonumber(v[4]) }
+  -- Every field a bucket gets is named here, so that its table is sized once.
+  local bucket = {
+    c = c,
+    r = r,
+    b = tonumber(v[3]),
+    t = tonumber(v[4]),
+    expiry = nil,
+    expiry_read = nil,
+    expiry_text = nil,
+    refunds_at_most = nil,
+    dirty = nil,
+    defined = nil,
+    shown = nil,
+  }
   bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
   bucket.refunds_at_most = written_with(v[6], v[4])
   if bucket.t > now then
@@ -215,14 +235,14 @@ local function save(key, bucket)
     bucket.defined = nil
     local c, r = fmt(bucket.c), fmt(bucket.r)
     if shown then
-      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'f', shown)
+      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'f', shown)
     else
-      redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r)
+      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r)
     end
   elseif shown then
-    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'f', shown)
+    call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'f', shown)
   else
-    redis.call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q)
+    call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q)
   end
 end
 
@@ -255,8 +275,8 @@ end
 -- Reads only: returns the time, and the marker's new value when it is to be written
 -- (`write_marker`).
 local function state_began(marker, now, busy)
-  local node = busy and string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or nil
-  local value = redis.call('GET', marker)
+  local node = busy and string.match(call('INFO', 'server'), 'run_id:(%x+)') or nil
+  local value = call('GET', marker)
   local began, by
   if value then
     began, by = string.match(value, '^(%S+) ?(%S*)$')
@@ -271,7 +291,7 @@ end
 -- Writes an exchange's marker (`state_began`), living as `keep_markers` keeps it, so that
 -- one written by a check that then fails expires too.
 local function write_marker(marker, value)
-  redis.call('SET', marker, value, 'PX', int((MARKER_TTL + MARKER_SLACK) / 1000))
+  call('SET', marker, value, 'PX', int((MARKER_TTL + MARKER_SLACK) / 1000))
 end
 
 -- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
@@ -300,7 +320,7 @@ local function keep_ms(item, now, delay)
     local fill = bucket.c / bucket.r * 1e6
     ttl = math.max(fill, (bucket.c - accrued(bucket, now)) / bucket.r * 1e6, delay)
   end
-  local last = not item.unbooked and redis.call('ZRANGE', item.wkey, '-1', '-1', 'WITHSCORES')[2]
+  local last = not item.unbooked and call('ZRANGE', item.wkey, '-1', '-1', 'WITHSCORES')[2]
   if last then
     ttl = math.max(ttl, tonumber(last) - now)
   end
@@ -312,11 +332,11 @@ end
 local function keep(item, now, delay, unpaid)
   local ms, last = keep_ms(item, now, delay)
   if unpaid then
-    ms = math.max(ms, redis.call('PTTL', item.key))
+    ms = math.max(ms, call('PTTL', item.key))
   end
-  redis.call('PEXPIRE', item.key, int_text(ms))
+  call('PEXPIRE', item.key, int_text(ms))
   if last then
-    redis.call('PEXPIRE', item.wkey, int_text(ms))
+    call('PEXPIRE', item.wkey, int_text(ms))
   end
   return ms
 end
@@ -344,7 +364,7 @@ local function save_unbooked(item, now)
   ms = ms + KEEP_AHEAD
   bucket.expiry_text = int(now_ms + ms - EXPIRY_SLACK)
   save(item.key, bucket)
-  redis.call('PEXPIRE', item.key, int_text(ms))
+  call('PEXPIRE', item.key, int_text(ms))
   return ms
 end
 
@@ -353,9 +373,9 @@ end
 local function keep_markers(markers)
   for marker, ms in pairs(markers) do
     local want = math.max(ms, MARKER_TTL / 1000)
-    local left = redis.call('PTTL', marker)
+    local left = call('PTTL', marker)
     if left ~= -2 and left < want then
-      redis.call('PEXPIRE', marker, int(want + MARKER_SLACK / 1000))
+      call('PEXPIRE', marker, int(want + MARKER_SLACK / 1000))
     end
   end
 end
@@ -384,7 +404,7 @@ end
 -- without its refund gives back its whole cost, as before the field existed, and so does
 -- one stored without booked_at (then taken as its ready time).
 local function bookings_of(item)
-  local lapses = redis.call('ZRANGE', item.wkey, '0', '-1', 'WITHSCORES')
+  local lapses = call('ZRANGE', item.wkey, '0', '-1', 'WITHSCORES')
   if #lapses == 0 then
     return {}
   end
@@ -393,7 +413,7 @@ local function bookings_of(item)
     lapse_of[lapses[j]] = tonumber(lapses[j + 1])
   end
   local list = {}
-  local fields = redis.call('HGETALL', item.key)
+  local fields = call('HGETALL', item.key)
   for j = 1, #fields, 2 do
     local booked = fields[j]:match('^w:(.*)$')
     local ready, cost, at, refund = fields[j + 1]:match('^(%S+) (%S+) ?(%S*) ?(%S*)$')
@@ -486,7 +506,7 @@ local function store_refunds(item, limited)
     end
   end
   if #fields > 0 then
-    redis.call('HSET', item.key, unpack(fields))
+    call('HSET', item.key, unpack(fields))
   end
 end
 
@@ -542,8 +562,8 @@ local function remove_stored_booking(item, id, now)
   if gone then
     store_refunds(item, remove_booking(item, list, gone, now))
     know_refunds(item, list, now)
-    redis.call('HDEL', item.key, 'w:' .. id)
-    redis.call('ZREM', item.wkey, id)
+    call('HDEL', item.key, 'w:' .. id)
+    call('ZREM', item.wkey, id)
   end
 end
 
@@ -556,9 +576,9 @@ local function find_bookings(item, waits)
   if not bucket or bucket.expiry then
     item.unbooked = true
     if waits then
-      redis.call('ZCARD', item.wkey)
+      call('ZCARD', item.wkey)
     end
-  elseif not redis.call('ZRANGE', item.wkey, '-1', '-1')[1] then
+  elseif not call('ZRANGE', item.wkey, '-1', '-1')[1] then
     item.unbooked = true
   end
 end
@@ -572,7 +592,7 @@ local function drop_lapsed(item, now, id)
     item.bucket.refunds_at_most = 0
     return 0, false
   end
-  local gone = redis.call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  local gone = call('ZRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
   if #gone == 0 then
     return 0, false
   end
@@ -594,10 +614,10 @@ local function drop_lapsed(item, now, id)
   end
   local dropped = false
   for _, lapsed_id in ipairs(gone) do
-    redis.call('HDEL', item.key, 'w:' .. lapsed_id)
+    call('HDEL', item.key, 'w:' .. lapsed_id)
     dropped = dropped or lapsed_id == id
   end
-  redis.call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
+  call('ZREMRANGEBYSCORE', item.wkey, '-inf', '(' .. fmt(now))
   return #gone, dropped
 end
 
@@ -656,8 +676,8 @@ local function replan(item, list, now, id, booking)
     b.refund = b.cost
     b.ready = ready
     local text = booking_text(b)
-    redis.call('HSET', item.key, 'w:' .. b.id, text)
-    redis.call('ZADD', item.wkey, fmt(ready + b.slack), b.id)
+    call('HSET', item.key, 'w:' .. b.id, text)
+    call('ZADD', item.wkey, fmt(ready + b.slack), b.id)
     if b.id == id then
       booking = text
     end
@@ -676,10 +696,10 @@ end
 -- Returns the booking of `id` on this bucket as it now is.
 local function hold_bookings(item, held_until, now, id, booking)
   local until_text = fmt(held_until)
-  if item.unbooked or not item.bucket.c or redis.call('HGET', item.key, 'h') == until_text then
+  if item.unbooked or not item.bucket.c or call('HGET', item.key, 'h') == until_text then
     return booking
   end
-  redis.call('HSET', item.key, 'h', until_text)
+  call('HSET', item.key, 'h', until_text)
   local list, any_held = bookings_of(item), false
   for _, b in ipairs(list) do
     b.earliest = math.max(b.ready, held_until)
@@ -695,7 +715,7 @@ end
 -- MAX_BOOKINGS): a waiter beyond them is refused as over its budget.
 local function room_to_book(items)
   for _, item in ipairs(items) do
-    if not item.unbooked and redis.call('ZCARD', item.wkey) >= MAX_BOOKINGS then
+    if not item.unbooked and call('ZCARD', item.wkey) >= MAX_BOOKINGS then
       return false
     end
   end
@@ -751,11 +771,11 @@ local function claim(items, id, now, booked_ready, pause_until, lapsed)
       item.unbooked = nil
       -- Told to come back at `ready`, the caller finds its booking then on every bucket,
       -- also one where the rounds left it due earlier (bourse_core's engine::claim).
-      local lapse = tonumber(redis.call('ZSCORE', item.wkey, id))
+      local lapse = tonumber(call('ZSCORE', item.wkey, id))
       if lapse then
         local slack = lapse - ready_of(item.booking)
         if ready + slack > lapse then
-          redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+          call('ZADD', item.wkey, fmt(ready + slack), id)
         end
       end
     end
@@ -805,11 +825,11 @@ local function pauses_of(pauses)
     return known
   end
   known = { ends = {} }
-  local size = redis.call('HLEN', pauses)
+  local size = call('HLEN', pauses)
   if size <= MAX_READ_WHOLE then
     known.whole = true
     if size > 0 then
-      local all = redis.call('HGETALL', pauses)
+      local all = call('HGETALL', pauses)
       for j = 1, #all, 2 do
         known.ends[all[j]] = tonumber(all[j + 1]) or false
       end
@@ -825,7 +845,7 @@ local function pause_end(pauses, credential_field, key_field)
   local known = pauses_of(pauses)
   local ends = known.ends
   if not known.whole and (ends.x == nil or ends[credential_field] == nil or ends[key_field] == nil) then
-    local read = redis.call('HMGET', pauses, 'x', credential_field, key_field)
+    local read = call('HMGET', pauses, 'x', credential_field, key_field)
     ends.x = tonumber(read[1]) or false
     ends[credential_field] = tonumber(read[2]) or false
     ends[key_field] = tonumber(read[3]) or false
@@ -840,7 +860,7 @@ local function error_text(e)
 end
 
 local function checks(now, late)
-  local ran = redis.call('GET', KEYS[1])
+  local ran = call('GET', KEYS[1])
   if ran then
     return { now, ran }
   end
@@ -870,7 +890,7 @@ local function checks(now, late)
   end
   keep_markers(markers)
   local text = table.concat(answers, '\n')
-  redis.call('SET', KEYS[1], text, 'PX', ARGV[2])
+  call('SET', KEYS[1], text, 'PX', ARGV[2])
   return { now, text }
 end
 
@@ -886,6 +906,9 @@ decide = function(now, k, at)
   -- has written nothing.
   for i = 1, n do
     local a = at + 5 + (i - 1) * 7
+    local group = parse(ARGV[a + 4])
+    local marker = KEYS[k + 2 * n + 2 * group]
+    -- Every field an item gets is named here, so that its table is sized once.
     local item = {
       key = KEYS[k + 2 * i - 1],
       wkey = KEYS[k + 2 * i],
@@ -895,10 +918,17 @@ decide = function(now, k, at)
       r = parse(ARGV[a + 2]),
       cost = parse(ARGV[a + 3]),
       shown = ARGV[a + 7],
+      group = group,
+      marker = marker,
+      loaded = nil,
+      found = nil,
+      held_until = nil,
+      bucket = nil,
+      unbooked = nil,
+      booking = nil,
+      start = nil,
+      kept = nil,
     }
-    local group = parse(ARGV[a + 4])
-    local marker = KEYS[k + 2 * n + 2 * group]
-    item.group, item.marker = group, marker
     item.loaded, item.found = load(item.key, now, id, item)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
       began[group], markers[marker] = state_began(marker, now, busy)
@@ -982,8 +1012,8 @@ decide = function(now, k, at)
       local bucket = item.bucket
       bucket.refunds_at_most = bucket.refunds_at_most and bucket.refunds_at_most + item.cost
       save(item.key, bucket)
-      redis.call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
-      redis.call('ZADD', item.wkey, fmt(ready + slack), id)
+      call('HSET', item.key, 'w:' .. id, fmt(ready) .. ' ' .. fmt(item.cost) .. ' ' .. fmt(now))
+      call('ZADD', item.wkey, fmt(ready + slack), id)
       item.unbooked = nil
       item.kept = keep(item, now, ready - now)
     end
@@ -1063,7 +1093,7 @@ local function info_row(i, now)
   local key, wkey, pauses = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local bucket = load(key, now)
   local pause_until = 0
-  local ends = redis.call('HMGET', pauses, 'x', ARGV[2 * i], ARGV[2 * i + 1])
+  local ends = call('HMGET', pauses, 'x', ARGV[2 * i], ARGV[2 * i + 1])
   for j = 1, 3 do
     if ends[j] then
       pause_until = math.max(pause_until, tonumber(ends[j]))
@@ -1071,10 +1101,10 @@ local function info_row(i, now)
   end
   local pause_ms = pause_until > now and fmt(pause_until - now) or ''
   if bucket then
-    local ids = redis.call('ZRANGEBYSCORE', wkey, fmt(now), '+inf')
+    local ids = call('ZRANGEBYSCORE', wkey, fmt(now), '+inf')
     local booked, next_ready = 0, nil
     for _, id in ipairs(ids) do
-      local booking = redis.call('HGET', key, 'w:' .. id)
+      local booking = call('HGET', key, 'w:' .. id)
       if booking then
         local ready, cost = booking:match('^(%S+) (%S+)')
         booked = booked + tonumber(cost)
@@ -1092,7 +1122,7 @@ local function info_row(i, now)
       fmt(booked),
       next_ready and fmt(math.max(next_ready - now, 0)) or '',
       pause_ms,
-      redis.call('HGET', key, 'f') or '',
+      call('HGET', key, 'f') or '',
     }
   elseif pause_ms ~= '' then
     return { '', '', '0', '0', '0', '0', '0', '', pause_ms, '' }
@@ -1114,21 +1144,21 @@ end
 -- ones are dropped and the hash expires after its last end.
 local function hold(pauses, field, ms, now)
   local ends = now + math.min(ms * 1000, MAX_WAIT)
-  local current = tonumber(redis.call('HGET', pauses, field))
+  local current = tonumber(call('HGET', pauses, field))
   if not current or current < ends then
-    redis.call('HSET', pauses, field, fmt(ends))
+    call('HSET', pauses, field, fmt(ends))
   end
   local last = now
-  local all = redis.call('HGETALL', pauses)
+  local all = call('HGETALL', pauses)
   for i = 1, #all, 2 do
     local value = tonumber(all[i + 1])
     if value < now then
-      redis.call('HDEL', pauses, all[i])
+      call('HDEL', pauses, all[i])
     else
       last = math.max(last, value)
     end
   end
-  redis.call('PEXPIRE', pauses, math.ceil((last - now + MARGIN) / 1000))
+  call('PEXPIRE', pauses, math.ceil((last - now + MARGIN) / 1000))
 end
 
 -- pause: KEYS = pauses; ARGV = 'pause', field, ms.
@@ -1144,7 +1174,7 @@ end
 -- counted. The backoff ("<count> <end of its last pause, µs>") lapses after the lapse.
 -- Returns the pause in ms.
 local function back_off(now)
-  local count, held = string.match(redis.call('GET', KEYS[2]) or '', '^(%d+) ?(%d*)$')
+  local count, held = string.match(call('GET', KEYS[2]) or '', '^(%d+) ?(%d*)$')
   count, held = tonumber(count) or 0, tonumber(held) or 0
   local counts = held <= now
   local level = counts and count or math.max(count - 1, 0)
@@ -1152,20 +1182,20 @@ local function back_off(now)
   hold(KEYS[1], ARGV[2], ms, now)
   count = counts and count + 1 or count
   held = math.max(held, now + ms * 1000)
-  redis.call('SET', KEYS[2], string.format('%d %s', count, fmt(held)), 'PX', ARGV[5])
+  call('SET', KEYS[2], string.format('%d %s', count, fmt(held)), 'PX', ARGV[5])
   return ms
 end
 
 -- reset_backoff: KEYS = the credential's backoff count; ARGV = 'reset_backoff'.
 local function reset_backoff()
-  redis.call('DEL', KEYS[1])
+  call('DEL', KEYS[1])
   return 'OK'
 end
 
 -- reset: KEYS = bucket, bookings, pauses; ARGV = 'reset', key pause field.
 local function reset()
-  redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('HDEL', KEYS[3], ARGV[2])
+  call('DEL', KEYS[1], KEYS[2])
+  call('HDEL', KEYS[3], ARGV[2])
   return 'OK'
 end
 
@@ -1189,7 +1219,7 @@ local once = { record = true, back_off = true }
 local function run_once(op, now, late)
   local marker, lifetime = KEYS[#KEYS], ARGV[#ARGV]
   KEYS[#KEYS], ARGV[#ARGV] = nil, nil
-  local ran = redis.call('GET', marker)
+  local ran = call('GET', marker)
   if ran then
     return ran
   end
@@ -1197,13 +1227,16 @@ local function run_once(op, now, late)
     return late_error(now)
   end
   local answer = op(now)
-  redis.call('SET', marker, type(answer) == 'number' and int_text(answer) or answer, 'PX', lifetime)
+  call('SET', marker, type(answer) == 'number' and int_text(answer) or answer, 'PX', lifetime)
   return answer
 end
 
 -- Runs one call: the entry point, called with the call's keys and arguments (script.rs
 -- ends the source with it, as a script or as a function of a library).
 local function run(keys, args)
+  if not call then
+    math, string, table, tonumber, tostring, ipairs, pairs, pcall, type, call = libraries()
+  end
   KEYS, ARGV = keys, args
   local op = ops[ARGV[1]]
   if not op then
