@@ -143,6 +143,7 @@ defmodule Bourse.RateLimiter.BodyScan do
     ?t => "\t"
   }
 
+  # A \u escape is four hex digits, no sign (`Integer.parse/2` would take "-041").
   defp escape(<<"u", a, b, c, d, rest::binary>>, acc)
        when a in @hex and b in @hex and c in @hex and d in @hex do
     case String.to_integer(<<a, b, c, d>>, 16) do
@@ -151,7 +152,6 @@ defmodule Bourse.RateLimiter.BodyScan do
     end
   end
 
-  # Four hex digits, no sign (`Integer.parse/2` would take "-041").
   defp escape(<<"u", _::binary>>, _acc), do: :error
 
   defp escape(<<c, rest::binary>>, acc) do

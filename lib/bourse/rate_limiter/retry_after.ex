@@ -22,9 +22,9 @@ defmodule Bourse.RateLimiter.RetryAfter do
   It never raises on a binary, number or any other term.
 
   Options: `:floor_ms` (default 1000, or `:cap_ms` when lower) and `:cap_ms` (default
-  300_000), non-negative integers, the floor no greater than the cap, and `:now`, the current time used for dates, a `DateTime` or unix ms
-  (default: the system clock). Other options are
-  `{:error, %Bourse.Error{type: :invalid_parameters}}`, naming the option.
+  300_000), non-negative integers, the floor no greater than the cap, and `:now`, the
+  current time used for dates, a `DateTime` or unix ms (default: the system clock). Other
+  options are `{:error, %Bourse.Error{type: :invalid_parameters}}`, naming the option.
 
       RetryAfter.parse("2")                                  #=> {:ok, 2000}
       RetryAfter.parse("1e-400")                             #=> {:ok, 1000}

@@ -311,9 +311,8 @@ impl<S: Store> Service<S> {
         );
     }
 
-    /// The answer to bytes left without their end when the stream closed.
-    /// The answer to the frame the stream ended in (`number`; `line`, its bytes when it is
-    /// a JSON line, give its id when one leads it).
+    /// The answer to the frame the stream closed in the middle of (`number`): with the id
+    /// that leads `line`, its bytes when frames are JSON lines, if one does.
     pub fn truncated_frame(
         &self,
         session: &Session,
