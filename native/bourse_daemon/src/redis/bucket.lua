@@ -2,7 +2,7 @@
 -- inside Redis on the Redis server's clock, so every daemon sharing the server sees one
 -- table and one time.
 --
--- Times are microseconds from call('TIME'): exact in Lua's doubles. Whole numbers
+-- Times are microseconds from Redis's TIME: exact in Lua's doubles. Whole numbers
 -- are stored as integers, others with %.17g, which round-trips every double. Redis >= 5
 -- replicates a script's effects, not the script, so reading TIME is allowed.
 --
