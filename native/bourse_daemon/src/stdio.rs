@@ -9,15 +9,15 @@
 //!   and stdin is read by it as the store's connection is: a request goes to Redis from the
 //!   thread that read it, with no other thread to wake on the way. Each request runs as a
 //!   task and its answer is written as soon as it is ready, so one slow answer holds back
-//!   no other.
+//!   no other; the answers one reply of the store makes ready share a write.
 
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Stdout, Write};
+use std::io::{self, BufRead, BufReader, ErrorKind, Stdout, Write};
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
@@ -28,6 +28,10 @@ use crate::protocol::{self, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
 use crate::sweeper;
+
+mod output;
+
+use output::Output;
 
 /// How long a stop waits for the answers of requests still running on a remote store.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,7 +50,7 @@ enum Frame {
 struct Shared<S: Store> {
     service: Arc<Service<S>>,
     session: Session,
-    writer: Mutex<BufWriter<Stdout>>,
+    output: Arc<Output<Stdout>>,
     /// Requests running on the remote store.
     running: AtomicUsize,
     /// Set by SIGTERM: requests read from now on are not run.
@@ -54,29 +58,13 @@ struct Shared<S: Store> {
 }
 
 impl<S: Store> Shared<S> {
-    /// Writes one answer (`out` starts with 4 bytes for its length) and flushes.
-    fn send(&self, out: &mut [u8], flush: bool) -> io::Result<()> {
-        let length = (out.len() - 4) as u32;
-        out[..4].copy_from_slice(&length.to_be_bytes());
-        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        writer.write_all(out)?;
-        if flush {
-            writer.flush()?;
-        }
-        Ok(())
-    }
-
     /// [`Self::drain`] on the thread that runs the requests (a remote store's).
     async fn drained(&self) {
         let deadline = Instant::now() + DRAIN_TIMEOUT;
         while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        let _ = self
-            .writer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .flush();
+        let _ = self.output.flush();
     }
 
     /// Waits (at most [`DRAIN_TIMEOUT`]) for the requests still running, then flushes.
@@ -85,11 +73,7 @@ impl<S: Store> Shared<S> {
         while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
         }
-        let _ = self
-            .writer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .flush();
+        let _ = self.output.flush();
     }
 }
 
@@ -105,7 +89,7 @@ pub fn run<S: Store>(
     let shared = Arc::new(Shared {
         session: service.session(false, None),
         service,
-        writer: Mutex::new(BufWriter::with_capacity(64 * 1024, io::stdout())),
+        output: Output::new(io::stdout()),
         running: AtomicUsize::new(0),
         stopping: AtomicBool::new(false),
     });
@@ -160,7 +144,7 @@ fn serve_local<S: Store>(
                 let session = &shared.session;
                 runtime.block_on(shared.service.handle(session, number, &frame, &mut out));
                 // Pipelined requests share a write: flush when no further one is waiting.
-                let sent = shared.send(&mut out, reader.buffer().is_empty());
+                let sent = shared.output.send(&mut out, reader.buffer().is_empty());
                 shared.running.fetch_sub(1, Ordering::SeqCst);
                 sent
             }
@@ -173,7 +157,7 @@ fn serve_local<S: Store>(
                 shared
                     .service
                     .frame_too_large(session, &mut out, number, max_frame_bytes);
-                let _ = shared.send(&mut out, true);
+                let _ = shared.output.send(&mut out, true);
                 eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
                 shared.drain();
                 return ExitCode::FAILURE;
@@ -226,7 +210,7 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
                     shared
                         .service
                         .frame_too_large(session, &mut out, number, max_frame_bytes);
-                    let _ = shared.send(&mut out, true);
+                    let _ = shared.output.send(&mut out, true);
                     eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
                     shared.drained().await;
                     return ExitCode::FAILURE;
@@ -271,7 +255,7 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
             .service
             .handle(&shared.session, number, frame, &mut out)
             .await;
-        let sent = shared.send(&mut out, true);
+        let sent = shared.output.send(&mut out, true);
         shared.running.fetch_sub(1, Ordering::SeqCst);
         if let Err(error) = sent {
             return write_failed(error);
@@ -353,8 +337,7 @@ fn spawn<S: Store>(shared: &Arc<Shared<S>>, number: u64, frame: Vec<u8>) {
             .service
             .handle(&shared.session, number, &frame, &mut out)
             .await;
-        // A closed stdout is found by the reader (stdin closes with it).
-        let _ = shared.send(&mut out, true);
+        shared.output.answer(&mut out);
         shared.running.fetch_sub(1, Ordering::SeqCst);
     });
 }
