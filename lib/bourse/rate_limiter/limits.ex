@@ -21,7 +21,7 @@ defmodule Bourse.RateLimiter.Limits do
   The maps returned are limits for `Bourse.RateLimiter` calls.
   """
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.Options
 
   @size_options [:share, :burst]
@@ -30,8 +30,8 @@ defmodule Bourse.RateLimiter.Limits do
   @type binance_key :: {type :: String.t(), interval_num :: pos_integer(), interval :: String.t()}
 
   @interval_ms %{"SECOND" => 1_000, "MINUTE" => 60_000, "HOUR" => 3_600_000, "DAY" => 86_400_000}
-  # Inputs above this are not limits anyone publishes; they would overflow doubles.
-  @max_input 1.0e15
+  # Windows above this are not limits anyone publishes; they would overflow doubles.
+  @max_window_ms 1.0e15
 
   @doc """
   Sizes a bucket for an exchange limit of `limit` cost per `window_ms`.
@@ -40,7 +40,9 @@ defmodule Bourse.RateLimiter.Limits do
   part of that share available at once, in `(0, 1)` (default 0.1). The capacity is
   rounded to 12 significant digits to shed float noise (480.0, not
   480.00000000000006), and the refill is then chosen so that the bound above holds
-  exactly in floating point.
+  exactly in floating point. The limit is at most the largest amount a bucket holds
+  (1.0e12), and so are the capacity and the refill per second: a bucket returned is one
+  every call takes.
 
       Limits.size(100, 10_000)               #=> {:ok, %{capacity: 8.0, refill_per_sec: 7.2}}
       Limits.size(10, 1_000, share: 1.0, burst: 0.2)
@@ -61,10 +63,13 @@ defmodule Bourse.RateLimiter.Limits do
 
   defp size_checked(limit, window_ms, share, burst) do
     cond do
-      not positive?(limit) ->
-        invalid("limit must be a positive number, got #{Error.describe(limit)}")
+      not positive_amount?(limit) ->
+        invalid(
+          "limit must be a positive number of at most #{Native.bound(:max_amount)}, " <>
+            "got #{Error.describe(limit)}"
+        )
 
-      not (positive?(window_ms) and window_ms >= 1) ->
+      not (is_number(window_ms) and window_ms >= 1 and window_ms <= @max_window_ms) ->
         invalid("window_ms must be a number >= 1, got #{Error.describe(window_ms)}")
 
       not (is_number(share) and share > 0 and share <= 1) ->
@@ -85,9 +90,20 @@ defmodule Bourse.RateLimiter.Limits do
     refill = fit_refill(capacity, (ceiling - capacity) / window_s, window_s, ceiling)
 
     if capacity > 0 and refill > 0 do
-      {:ok, %{capacity: capacity, refill_per_sec: refill}}
+      within_bounds(%{capacity: capacity, refill_per_sec: refill})
     else
       invalid("limit too small to size a bucket: capacity #{capacity}, refill #{refill}/s")
+    end
+  end
+
+  # The core's rule for a bucket, as every call applies it.
+  defp within_bounds(bucket) do
+    case Native.limit_definition(bucket) do
+      {:ok, _definition} ->
+        {:ok, bucket}
+
+      {:error, message, _exchange} ->
+        invalid("limit too large for its window to size a bucket: " <> message)
     end
   end
 
@@ -215,7 +231,7 @@ defmodule Bourse.RateLimiter.Limits do
       not (is_binary(type) and type != "") -> malformed(index, entry, "rateLimitType")
       not Map.has_key?(@interval_ms, interval) -> malformed(index, entry, "interval")
       not (is_integer(num) and num > 0) -> malformed(index, entry, "intervalNum")
-      not positive?(limit) -> malformed(index, entry, "limit")
+      not positive_amount?(limit) -> malformed(index, entry, "limit")
       true -> {:ok, {type, num, interval}, limit, num * @interval_ms[interval]}
     end
   end
@@ -242,7 +258,7 @@ defmodule Bourse.RateLimiter.Limits do
     Map.get_lazy(map, name, fn -> Map.get(map, String.to_atom(name)) end)
   end
 
-  defp positive?(x), do: is_number(x) and x > 0 and x <= @max_input
+  defp positive_amount?(x), do: is_number(x) and x > 0 and x <= Native.bound(:max_amount)
 
   defp invalid(message), do: {:error, Error.invalid(message)}
 end

@@ -17,7 +17,8 @@ defmodule Bourse.RateLimiter.RetryAfter do
       than `:floor_ms` (tiny, zero, negative, a past date) is raised to it;
     * `{:stop, ms}` – the server asks for more than `:cap_ms` (a ban): stop, don't wait;
     * `:error` – unusable (not a number or a date, infinite such as `"1e400"`, `"inf"`,
-      `"nan"`, or a non-text term): fall back to your own backoff.
+      `"nan"` or an integer past the largest double, or a non-text term): fall back to
+      your own backoff.
 
   It never raises on a binary, number or any other term.
 
@@ -45,8 +46,10 @@ defmodule Bourse.RateLimiter.RetryAfter do
 
   # Longer values are nonsense for this header; refusing them bounds the work.
   @max_length 256
-  # The largest finite double, in ms: larger texts are infinity as a float.
-  @max_finite_ms trunc(1.7976931348623157e308) * 1000
+  # The largest finite double, in s and in ms: larger texts are infinity as a float, and
+  # larger integers are taken as such texts are.
+  @max_finite_s trunc(1.7976931348623157e308)
+  @max_finite_ms @max_finite_s * 1000
 
   @seconds ~r/\A\s*(-?)(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?\s*\z/
   @fixdate ~r/\A\s*(?:[a-z]{3,9},\s*)?(?<day>\d{1,2})[ -](?<mon>[a-z]{3})[ -](?<year>\d{4}|\d{2})\s+(?<hour>\d{1,2}):(?<min>\d{2})(?::(?<sec>\d{2}))?(?:\s*(?<zone>gmt|utc|ut|z|[+-]\d{4}))?\s*\z/i
@@ -124,7 +127,10 @@ defmodule Bourse.RateLimiter.RetryAfter do
       {:error,
        "now must be a DateTime or unix ms from 0 to #{@max_unix_ms}, got #{Error.describe(other)}"}
 
-  defp to_ms(seconds, _opts) when is_integer(seconds), do: {:ok, seconds * 1000}
+  defp to_ms(seconds, _opts) when is_integer(seconds) and abs(seconds) <= @max_finite_s,
+    do: {:ok, seconds * 1000}
+
+  defp to_ms(seconds, _opts) when is_integer(seconds), do: :error
   # Times 1000, a huge double would overflow; far above any cap, whole seconds will do.
   defp to_ms(seconds, _opts) when is_float(seconds) and abs(seconds) < 1.0e15,
     do: {:ok, ceil(seconds * 1000)}

@@ -83,6 +83,29 @@ defmodule Bourse.RateLimiter.LimitsTest do
       end
     end
 
+    test "every bucket it sizes is one a check takes; past the core's bounds, an error" do
+      {:ok, _} = start_supervised({Bourse.RateLimiter, name: :limits_test})
+      key = {"binance", :public, "weight"}
+
+      for {limit, window_ms} <- [{1.0e12, 60_000}, {1.0e12, 1}, {1.0e15, 1000}, {2.0e12, 60_000}] do
+        case Limits.size(limit, window_ms) do
+          {:ok, bucket} ->
+            assert Bourse.RateLimiter.check_rate(key, bucket, 1, :limits_test) == :ok
+
+          {:error, %Error{type: :invalid_parameters, message: message}} ->
+            assert message =~ "1.0e12"
+        end
+      end
+
+      assert {:ok, _} = Limits.size(1.0e12, 60_000)
+      assert {:error, %Error{message: "limit must be" <> _}} = Limits.size(2.0e12, 60_000)
+
+      assert {:error, %Error{message: "limit too large for its window" <> message}} =
+               Limits.size(1.0e12, 1)
+
+      assert message =~ "refill_per_sec"
+    end
+
     test "a limit too small to size is refused, not rounded to zero" do
       assert {:error, %Error{type: :invalid_parameters}} =
                Limits.size(5.0e-324, 1000, burst: 1.0e-10)
@@ -111,6 +134,27 @@ defmodule Bourse.RateLimiter.LimitsTest do
       assert %{capacity: 16_000.0, refill_per_sec: daily} = buckets[{"ORDERS", 1, "DAY"}]
       assert_in_delta daily, 5 / 3, 1.0e-12
       assert 16_000.0 + daily * 86_400 <= 160_000
+    end
+
+    test "a limit past the core's bound is refused alike with and without exchange:" do
+      info = %{
+        "rateLimits" => [
+          %{
+            "rateLimitType" => "REQUEST_WEIGHT",
+            "interval" => "MINUTE",
+            "intervalNum" => 1,
+            "limit" => 2.0e12
+          }
+        ]
+      }
+
+      assert {:error, %Error{type: :invalid_parameters, message: message}} =
+               Limits.from_binance_exchange_info(info)
+
+      assert message =~ "bad limit"
+
+      assert {:error, %Error{message: ^message}} =
+               Limits.from_binance_exchange_info(info, exchange: "limits-bound-test")
     end
 
     test "options reach the sizing" do

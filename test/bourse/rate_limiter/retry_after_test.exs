@@ -54,6 +54,18 @@ defmodule Bourse.RateLimiter.RetryAfterTest do
     test "the largest finite double is finite, so it is a ban" do
       assert {:stop, _} = parse("1.7976931348623157e308")
     end
+
+    test "an integer answers as its text does" do
+      for n <- [2, 86_400, Integer.pow(10, 200), -Integer.pow(10, 200)] do
+        assert parse(n) == parse(Integer.to_string(n)), inspect(n)
+      end
+
+      largest = trunc(1.7976931348623157e308)
+      assert {:stop, _} = parse(largest)
+      assert parse(largest + 1) == :error
+      assert parse(Integer.pow(10, 400)) == parse("1e400")
+      assert parse(-Integer.pow(10, 400)) == parse("-1e400")
+    end
   end
 
   describe "HTTP dates" do
