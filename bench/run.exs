@@ -10,8 +10,7 @@
 #      then check_rates/2 over 3 buckets against one, by key and limit and prepared;
 #   3. checks/s, p50, p99 and CPU time per check (VM and daemon) through the port backend
 #      and a shared bourse_daemon on a Unix socket and on loopback TCP, at 1 and 64 callers,
-#      in this VM and again in one started with +IOs false and in one started with
-#      +sbwt none +sbwtdcpu none +sbwtdio none,
+#      in this VM and again in one started with +IOs false,
 #      beside one caller's floor in this VM (a port to a peer that does no work, answering
 #      at once or a few µs later) and the daemon's own ceiling with Rust clients (pipelined,
 #      and one request in flight);
@@ -280,7 +279,6 @@ defmodule Bench do
 
   @daemon_run_ms 500
   @daemon_callers [1, 64]
-  @no_busy_wait "+sbwt none +sbwtdcpu none +sbwtdio none"
 
   @doc false
   def daemon do
@@ -307,15 +305,6 @@ defmodule Bench do
     """)
 
     mix_run(["bench/run.exs", "daemon_table"], [{"ELIXIR_ERL_OPTIONS", "+IOs false"}])
-
-    IO.puts("""
-
-    The same in a VM started with #{@no_busy_wait} (a scheduler out of work sleeps at \
-    once instead of spinning first: where the VM shares few CPUs with the daemon and \
-    Redis, the spinning takes CPU time they need):
-    """)
-
-    mix_run(["bench/run.exs", "daemon_table"], [{"ELIXIR_ERL_OPTIONS", @no_busy_wait}])
     port_floor()
 
     IO.puts("""
