@@ -1696,6 +1696,47 @@ fn pipelined_checks_from_several_daemons_share_one_bucket() {
     assert!(scripts < calls, "{scripts} script calls for {calls} checks");
 }
 
+/// Checks that arrive while a call is on its way are divided among the turns free, so that
+/// their calls overlap in Redis with the answering of the others, rather than every caller
+/// moving as one convoy; a check that finds no call on its way goes alone. With Redis
+/// stopped: one check alone, then 20 read at once in two calls of 10 (before, one call of
+/// 20).
+#[test]
+fn checks_arriving_while_a_call_is_on_its_way_share_the_turns_free() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let mut t = StdioDaemon::start(&["--redis", url.as_str(), "--redis-timeout-ms", "10000"]);
+    let limit = json!({"capacity": 100, "refill_per_sec": 1});
+    let k = key("s", Some("k"));
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
+    kill("STOP", redis.child.id());
+    t.send_request(&json!({"id": 0, "op": "check", "key": k, "limit": limit, "cost": 1}));
+    sleep_ms(100);
+    // One write of under PIPE_BUF bytes: the daemon reads the 20 frames at once.
+    let mut frames = Vec::new();
+    for id in 1..=20 {
+        let request = json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1});
+        let payload = serde_json::to_vec(&request).unwrap();
+        frames.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        frames.extend_from_slice(&payload);
+    }
+    assert!(frames.len() <= 4096, "{} bytes", frames.len());
+    t.send_raw(&frames);
+    sleep_ms(200);
+    kill("CONT", redis.child.id());
+    let mut ids: Vec<u64> = (0..21)
+        .map(|_| {
+            let answer = t.recv_answer();
+            assert_eq!(answer["result"], "admitted", "{answer}");
+            answer["id"].as_u64().unwrap()
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..21).collect::<Vec<u64>>());
+    assert_eq!(calls_of(&redis, "fcall"), 3);
+}
+
 /// The connection to Redis lost after Redis ran a call but before its answer came back
 /// (Redis stopped, the call and a `CLIENT KILL` of the daemon's connection queued behind
 /// it, Redis resumed): the daemon sends the call again on a fresh connection, and the

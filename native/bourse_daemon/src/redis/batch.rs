@@ -2,10 +2,12 @@
 //! dispatcher takes checks waiting (up to [`MAX_BATCH`], or [`MAX_BATCH_KEYS`]) into one
 //! `checks` call of the script, one per slot on a cluster, while at most
 //! [`BATCHES_IN_FLIGHT`] calls are on their way, so the checks that arrive meanwhile form
-//! the next call. It takes one check of each waiting connection in turn: a connection
-//! that pipelines thousands of checks does not make another's wait behind all of them.
-//! A check that finds a call free (nothing waits) is sent alone at once, from its own
-//! task.
+//! the next calls. A call takes its share of the checks waiting, divided among the turns
+//! free: calls on their way together run in Redis while the answers of the others are
+//! handled, instead of every caller moving as one convoy. It takes one check of each
+//! waiting connection in turn: a connection that pipelines thousands of checks does not
+//! make another's wait behind all of them. A check that finds no call on its way is sent
+//! alone at once, from its own task.
 //!
 //! Every check is answered exactly once, with its own outcome or
 //! [`StoreError::Unavailable`]: a check that fails inside Redis fails alone, having paid
@@ -34,7 +36,7 @@ const MAX_BATCH: usize = 128;
 /// A call takes no further check once it holds this many keys (large `check_many`s).
 const MAX_BATCH_KEYS: usize = 1024;
 /// Calls on their way at once.
-const BATCHES_IN_FLIGHT: usize = 2;
+const BATCHES_IN_FLIGHT: usize = 3;
 
 /// One check waiting for its call.
 struct Waiting {
@@ -106,9 +108,15 @@ impl Batcher {
             last_run,
             reply,
         };
-        // A call free means no check waits for one (the dispatcher is served first): this
-        // one goes alone, at once, from this task.
-        if let Ok(turn) = self.turns.clone().try_acquire_owned() {
+        // No call on its way: this one goes alone, at once, from this task. Otherwise it
+        // waits for the next call: alone behind a full call, it would hold a turn for the
+        // whole of that call, and the checks arriving meanwhile would wait for it.
+        let idle = self.turns.available_permits() == BATCHES_IN_FLIGHT;
+        let turn = match idle {
+            true => self.turns.clone().try_acquire_owned().ok(),
+            false => None,
+        };
+        if let Some(turn) = turn {
             let marker = self.runs.marker(hash_tag(waiting.part.first_key()));
             let client = self.client.clone();
             run(client, marker, vec![waiting], Arc::new(turn)).await;
@@ -144,6 +152,8 @@ impl Runs {
 /// Checks waiting for a call, by connection, taken one per connection in turn.
 #[derive(Default)]
 struct Queues {
+    /// Checks in every connection's queue.
+    waiting: usize,
     by_connection: HashMap<u64, VecDeque<Waiting>>,
     /// The connections with checks waiting, the next to serve first.
     order: VecDeque<u64>,
@@ -151,6 +161,7 @@ struct Queues {
 
 impl Queues {
     fn push(&mut self, waiting: Waiting) {
+        self.waiting += 1;
         let queue = self.by_connection.entry(waiting.connection).or_default();
         if queue.is_empty() {
             self.order.push_back(waiting.connection);
@@ -167,6 +178,7 @@ impl Queues {
         let connection = self.order.pop_front()?;
         let queue = self.by_connection.get_mut(&connection)?;
         let waiting = queue.pop_front();
+        self.waiting -= usize::from(waiting.is_some());
         if queue.is_empty() {
             self.by_connection.remove(&connection);
         } else {
@@ -184,22 +196,26 @@ async fn dispatch(
 ) {
     let mut queues = Queues::default();
     loop {
-        // Never closed: acquiring only waits.
-        let Ok(turn) = turns.clone().acquire_owned().await else {
-            return;
-        };
         if queues.is_empty() {
             let Some(first) = queue.recv().await else {
                 return;
             };
             queues.push(first);
         }
+        // Never closed: acquiring only waits. A turn is held only by a call on its way.
+        let Ok(turn) = turns.clone().acquire_owned().await else {
+            return;
+        };
+        // Once the tasks already woken ran, and the runtime polled: the checks read with
+        // the first join it.
+        tokio::task::yield_now().await;
         while let Ok(next) = queue.try_recv() {
             queues.push(next);
         }
         let mut keys = 0;
         let mut batch = Vec::new();
-        while batch.len() < MAX_BATCH && keys < MAX_BATCH_KEYS {
+        let share = queues.waiting.div_ceil(1 + turns.available_permits());
+        while batch.len() < MAX_BATCH.min(share) && keys < MAX_BATCH_KEYS {
             let Some(next) = queues.pop() else {
                 break;
             };
