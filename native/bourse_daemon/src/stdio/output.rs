@@ -79,17 +79,23 @@ mod tests {
         }
     }
 
+    /// The daemon's runtime (a current-thread one) and an output recording its writes.
+    fn set_up() -> (tokio::runtime::Runtime, Writes, Arc<Output<Writes>>) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let writes = Writes::default();
+        let output = Output::new(writes.clone());
+        (runtime, writes, output)
+    }
+
     fn answer_of(task: u8) -> Vec<u8> {
         vec![0, 0, 0, 0, task]
     }
 
     #[test]
     fn tasks_woken_together_share_one_write_and_lose_nothing() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let writes = Writes::default();
-        let output = Output::new(writes.clone());
+        let (runtime, writes, output) = set_up();
         // One reply of the store wakes every task waiting for it.
         let (reply, replied) = watch::channel(false);
         runtime.block_on(async {
@@ -116,11 +122,7 @@ mod tests {
 
     #[test]
     fn a_lone_answer_is_written_at_once_and_so_is_the_next() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let writes = Writes::default();
-        let output = Output::new(writes.clone());
+        let (runtime, writes, output) = set_up();
         runtime.block_on(async {
             for task in 0..2u8 {
                 let output = Arc::clone(&output);
