@@ -158,8 +158,8 @@ defmodule Bourse.RateLimiter.Limits do
       {:ok, buckets} = Limits.from_binance_exchange_info(info, exchange: "binance")
 
   Keys may be strings (decoded JSON) or atoms. A missing or empty `"rateLimits"`, a
-  duplicate entry or a malformed one (a missing field, a non-positive number, an interval
-  other than `SECOND`, `MINUTE`, `HOUR` or `DAY`) is
+  duplicate entry or a malformed one (a missing field, a non-positive number, a limit
+  above 1.0e12, an interval other than `SECOND`, `MINUTE`, `HOUR` or `DAY`) is
   `{:error, %Bourse.Error{type: :invalid_parameters}}`.
   """
   @spec from_binance_exchange_info(map(), keyword()) ::
