@@ -110,7 +110,20 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
     let service = Arc::new(Service::new(store, options.max_frame_bytes, access.secret));
     let sweep_interval = Duration::from_millis(options.sweep_interval_ms);
     match options.transport {
-        Transport::Stdio => stdio::run(service, &runtime, options.max_frame_bytes, sweep_interval),
+        Transport::Stdio => {
+            let store_timeout = options
+                .redis
+                .as_ref()
+                .map(|redis| Duration::from_millis(redis.timeout_ms));
+            let max_frame_bytes = options.max_frame_bytes;
+            stdio::run(
+                service,
+                &runtime,
+                max_frame_bytes,
+                sweep_interval,
+                store_timeout,
+            )
+        }
         Transport::Server { tcp, unix } => {
             let limits = server::Limits {
                 max_frame_bytes: options.max_frame_bytes,

@@ -33,8 +33,11 @@ mod output;
 
 use output::Output;
 
-/// How long a stop waits for the answers of requests still running on a remote store.
+/// How long a stop waits at least for the answers of requests still running on a remote
+/// store; longer when the store's timeout is (see [`drain_timeout`]).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// What a stop waits beyond the store's timeout, for the answers it lets through.
+const DRAIN_SLACK: Duration = Duration::from_secs(1);
 
 /// What reading one frame found.
 enum Frame {
@@ -55,21 +58,23 @@ struct Shared<S: Store> {
     running: AtomicUsize,
     /// Set by SIGTERM: requests read from now on are not run.
     stopping: AtomicBool,
+    /// How long a stop waits for the requests running.
+    drain_timeout: Duration,
 }
 
 impl<S: Store> Shared<S> {
     /// [`Self::drain`] on the thread that runs the requests (a remote store's).
     async fn drained(&self) {
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let deadline = Instant::now() + self.drain_timeout;
         while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let _ = self.output.flush();
     }
 
-    /// Waits (at most [`DRAIN_TIMEOUT`]) for the requests still running, then flushes.
+    /// Waits (at most the drain timeout) for the requests still running, then flushes.
     fn drain(&self) {
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let deadline = Instant::now() + self.drain_timeout;
         while self.running.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -79,12 +84,14 @@ impl<S: Store> Shared<S> {
 
 /// Serves until stdin closes (exit 0), a frame is too large (exit 1) or SIGTERM (exit 0,
 /// after the answers of the requests already running are written). A remote store needs
-/// `runtime` to be a current-thread one: this thread runs it.
+/// `runtime` to be a current-thread one: this thread runs it; `store_timeout` is its
+/// timeout, which a stop waits for.
 pub fn run<S: Store>(
     service: Arc<Service<S>>,
     runtime: &Runtime,
     max_frame_bytes: usize,
     sweep_interval: Duration,
+    store_timeout: Option<Duration>,
 ) -> ExitCode {
     let shared = Arc::new(Shared {
         session: service.session(false, None),
@@ -92,6 +99,7 @@ pub fn run<S: Store>(
         output: Output::new(io::stdout()),
         running: AtomicUsize::new(0),
         stopping: AtomicBool::new(false),
+        drain_timeout: drain_timeout(store_timeout),
     });
     if let Err(error) = watch_signals(Arc::clone(&shared)) {
         eprintln!("bourse_daemon: cannot install signal handlers: {error}");
@@ -108,6 +116,14 @@ pub fn run<S: Store>(
         return runtime.block_on(serve_remote(shared, max_frame_bytes));
     }
     serve_local(&shared, runtime, max_frame_bytes)
+}
+
+/// How long a stop waits for the requests running: [`DRAIN_TIMEOUT`], or the remote store's
+/// timeout and [`DRAIN_SLACK`] when longer, so that every request running is answered.
+fn drain_timeout(store_timeout: Option<Duration>) -> Duration {
+    store_timeout.map_or(DRAIN_TIMEOUT, |timeout| {
+        DRAIN_TIMEOUT.max(timeout + DRAIN_SLACK)
+    })
 }
 
 /// Serves the in-memory table: blocking reads, each request answered before the next.
