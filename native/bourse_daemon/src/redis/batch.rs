@@ -206,8 +206,8 @@ async fn dispatch(
         let Ok(turn) = turns.clone().acquire_owned().await else {
             return;
         };
-        // Once the tasks already woken ran, and the runtime polled: the checks read with
-        // the first join it.
+        // Yields once, so that the tasks already woken run and the runtime reads its input:
+        // the checks read with the first join this call.
         tokio::task::yield_now().await;
         while let Ok(next) = queue.try_recv() {
             queues.push(next);
