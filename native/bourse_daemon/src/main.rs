@@ -104,25 +104,25 @@ fn refused(message: &str) -> ExitCode {
     }
 }
 
+/// How long a stop waits for the requests running: 10 s, or the Redis timeout and 1 s when
+/// longer, so that each of them is answered.
+fn drain_timeout(options: &Options) -> Duration {
+    let least = Duration::from_secs(10);
+    options.redis.as_ref().map_or(least, |redis| {
+        least.max(Duration::from_millis(redis.timeout_ms) + Duration::from_secs(1))
+    })
+}
+
 /// Serves `store` in the transport the options name, until told to stop.
 fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
+    let drain_timeout = drain_timeout(&options);
     let access = options.access;
     let service = Arc::new(Service::new(store, options.max_frame_bytes, access.secret));
     let sweep_interval = Duration::from_millis(options.sweep_interval_ms);
     match options.transport {
         Transport::Stdio => {
-            let store_timeout = options
-                .redis
-                .as_ref()
-                .map(|redis| Duration::from_millis(redis.timeout_ms));
-            let max_frame_bytes = options.max_frame_bytes;
-            stdio::run(
-                service,
-                &runtime,
-                max_frame_bytes,
-                sweep_interval,
-                store_timeout,
-            )
+            let max_frame = options.max_frame_bytes;
+            stdio::run(service, &runtime, max_frame, sweep_interval, drain_timeout)
         }
         Transport::Server { tcp, unix } => {
             let limits = server::Limits {
@@ -131,6 +131,7 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
                 idle_timeout: (access.idle_timeout_ms > 0)
                     .then(|| Duration::from_millis(access.idle_timeout_ms)),
                 socket_mode: access.socket_mode,
+                drain_timeout,
             };
             let served =
                 runtime.block_on(server::run(service, &tcp, &unix, limits, sweep_interval));

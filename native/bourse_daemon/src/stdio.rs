@@ -33,12 +33,6 @@ mod output;
 
 use output::Output;
 
-/// How long a stop waits at least for the answers of requests still running on a remote
-/// store; longer when the store's timeout is (see [`drain_timeout`]).
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
-/// What a stop waits beyond the store's timeout, for the answers it lets through.
-const DRAIN_SLACK: Duration = Duration::from_secs(1);
-
 /// What reading one frame found.
 enum Frame {
     /// A frame is in the buffer.
@@ -58,7 +52,7 @@ struct Shared<S: Store> {
     running: AtomicUsize,
     /// Set by SIGTERM: requests read from now on are not run.
     stopping: AtomicBool,
-    /// How long a stop waits for the requests running.
+    /// How long a stop waits for the requests running on the remote store.
     drain_timeout: Duration,
 }
 
@@ -84,14 +78,14 @@ impl<S: Store> Shared<S> {
 
 /// Serves until stdin closes (exit 0), a frame is too large (exit 1) or SIGTERM (exit 0,
 /// after the answers of the requests already running are written). A remote store needs
-/// `runtime` to be a current-thread one: this thread runs it; `store_timeout` is its
-/// timeout, which a stop waits for.
+/// `runtime` to be a current-thread one: this thread runs it; a stop waits for its requests
+/// up to `drain_timeout`.
 pub fn run<S: Store>(
     service: Arc<Service<S>>,
     runtime: &Runtime,
     max_frame_bytes: usize,
     sweep_interval: Duration,
-    store_timeout: Option<Duration>,
+    drain_timeout: Duration,
 ) -> ExitCode {
     let shared = Arc::new(Shared {
         session: service.session(false, None),
@@ -99,7 +93,7 @@ pub fn run<S: Store>(
         output: Output::new(io::stdout()),
         running: AtomicUsize::new(0),
         stopping: AtomicBool::new(false),
-        drain_timeout: drain_timeout(store_timeout),
+        drain_timeout,
     });
     if let Err(error) = watch_signals(Arc::clone(&shared)) {
         eprintln!("bourse_daemon: cannot install signal handlers: {error}");
@@ -116,14 +110,6 @@ pub fn run<S: Store>(
         return runtime.block_on(serve_remote(shared, max_frame_bytes));
     }
     serve_local(&shared, runtime, max_frame_bytes)
-}
-
-/// How long a stop waits for the requests running: [`DRAIN_TIMEOUT`], or the remote store's
-/// timeout and [`DRAIN_SLACK`] when longer, so that every request running is answered.
-fn drain_timeout(store_timeout: Option<Duration>) -> Duration {
-    store_timeout.map_or(DRAIN_TIMEOUT, |timeout| {
-        DRAIN_TIMEOUT.max(timeout + DRAIN_SLACK)
-    })
 }
 
 /// Serves the in-memory table: blocking reads, each request answered before the next.

@@ -1696,40 +1696,49 @@ fn pipelined_checks_from_several_daemons_share_one_bucket() {
     assert!(scripts < calls, "{scripts} script calls for {calls} checks");
 }
 
-/// A stop (stdin closed, or SIGTERM) waits for the requests running on Redis as long as
-/// their timeout, even past the 10 s it waits at least: each is answered before the daemon
-/// exits. Before, with a timeout of 12 s, it exited after 10 s with none answered.
+/// A stop (stdin closed, or SIGTERM, of a `--stdio` daemon or a server) waits for the
+/// requests running on Redis as long as their timeout, even past the 10 s it waits at
+/// least: each is answered before the daemon exits. Before, with a timeout of 12 s, it
+/// exited after 10 s with none answered.
 #[test]
 fn a_stop_waits_for_the_answers_of_a_redis_timeout_longer_than_ten_seconds() {
     let Some(redis) = Redis::start() else { return };
     let url = redis.url();
     let limit = json!({"capacity": 100, "refill_per_sec": 1});
     let k = key("d", Some("k"));
+    let request = |id: u64| json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1});
     let args = ["--redis", url.as_str(), "--redis-timeout-ms", "12000"];
     let (mut eof, mut term) = (StdioDaemon::start(&args), StdioDaemon::start(&args));
-    for t in [&mut eof, &mut term] {
-        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let mut server = Server::tcp(&args);
+    let mut tcp = server.connect();
+    let clients: [&mut dyn Pipelined; 3] = [&mut eof, &mut term, &mut tcp];
+    for t in clients {
+        t.send_request(&request(9));
+        assert_eq!(t.recv_answer()["result"], "admitted");
     }
     kill("STOP", redis.child.id());
-    for t in [&mut eof, &mut term] {
-        for id in 0..3 {
-            t.send_request(&json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1}));
-        }
+    let clients: [&mut dyn Pipelined; 3] = [&mut eof, &mut term, &mut tcp];
+    for t in clients {
+        (0..3).for_each(|id| t.send_request(&request(id)));
     }
     sleep_ms(200);
     eof.close_stdin();
     kill("TERM", term.child.id());
-    for t in [&mut eof, &mut term] {
+    kill("TERM", server.child.id());
+    let clients: [&mut dyn Pipelined; 3] = [&mut eof, &mut term, &mut tcp];
+    for t in clients {
         let mut ids: Vec<u64> = (0..3)
             .map(|_| {
-                let answer = t.recv_frame().expect("answered before the daemon exits");
+                let answer = t.recv_answer();
                 assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
                 answer["id"].as_u64().unwrap()
             })
             .collect();
         ids.sort_unstable();
         assert_eq!(ids, [0, 1, 2]);
-        assert!(t.child.wait().unwrap().success());
+    }
+    for child in [&mut eof.child, &mut term.child, &mut server.child] {
+        assert!(child.wait().unwrap().success());
     }
     kill("CONT", redis.child.id());
 }

@@ -32,8 +32,6 @@ use crate::spin::{Spin, Waited};
 use crate::store::Store;
 use crate::sweeper;
 
-/// How long shutdown waits for connections to finish the lines they had received.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Answers are written out once this many bytes are pending, even mid-batch.
 const WRITE_CHUNK: usize = 64 * 1024;
 /// The most one write hands the socket: a Unix socket frees what it holds for the client
@@ -69,6 +67,8 @@ pub struct Limits {
     pub idle_timeout: Option<Duration>,
     /// The permission bits of the Unix socket files (0o600 or 0o660).
     pub socket_mode: u32,
+    /// How long shutdown waits for connections to finish the lines they had received.
+    pub drain_timeout: Duration,
 }
 
 /// Binds every listener, prints `listening ...` lines, serves until SIGTERM or SIGINT, then
@@ -147,11 +147,12 @@ pub async fn run<S: Store>(
     // Accept loops stop and drop their listeners; connections answer what they hold.
     let _ = shutdown_tx.send(true);
     let _ = stop.write_all(&[1]);
-    if tokio::time::timeout(DRAIN_TIMEOUT, all_ended.recv())
+    let drain_timeout = limits.drain_timeout;
+    if tokio::time::timeout(drain_timeout, all_ended.recv())
         .await
         .is_err()
     {
-        eprintln!("bourse_daemon: some connections did not finish within {DRAIN_TIMEOUT:?}");
+        eprintln!("bourse_daemon: some connections did not finish within {drain_timeout:?}");
     }
     drop(sockets);
     Ok(())
