@@ -568,3 +568,53 @@ fn the_function_library_is_loaded_again_on_every_master() {
         assert!((borrowed(&mut t, k) - 2.0).abs() < 0.01);
     }
 }
+
+/// A master that stalls holds the checks of its own slots only: while calls to it wait for
+/// their timeout, checks of an exchange on another master are admitted.
+#[test]
+fn a_stalled_master_holds_only_the_checks_of_its_own_slots() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "1500"]);
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let mut healthy = server.connect();
+    let exchanges: Vec<String> = (0..16).map(|e| format!("stall-{e}")).collect();
+    for exchange in &exchanges {
+        let answer = healthy.call(check(&key(exchange, None), limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
+    let stalled_master = master(&exchanges[0]);
+    let other = exchanges[1..]
+        .iter()
+        .find(|exchange| master(exchange) != stalled_master)
+        .expect("an exchange on another master");
+    let mut stalled = server.connect();
+    let stalled_calls = 6;
+    cluster.signal(stalled_master, "STOP");
+    // One at a time, so that each goes in a call of its own and holds its turn.
+    for id in 0..stalled_calls {
+        let mut request = check(&key(&exchanges[0], None), limit.clone(), 1.0);
+        request["id"] = json!(id);
+        stalled.send(&request);
+        thread::sleep(Duration::from_millis(30));
+    }
+    let answers: Vec<_> = (0..10)
+        .map(|_| healthy.call(check(&key(other, None), limit.clone(), 1.0)))
+        .collect();
+    cluster.signal(stalled_master, "CONT");
+    let mut ids: Vec<u64> = (0..stalled_calls)
+        .map(|_| {
+            stalled.recv()["id"]
+                .as_u64()
+                .expect("an answer with its id")
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..stalled_calls).collect::<Vec<u64>>());
+    assert!(
+        answers.iter().all(|answer| answer["result"] == "admitted"),
+        "{answers:?}"
+    );
+}

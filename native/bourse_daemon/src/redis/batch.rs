@@ -1,13 +1,18 @@
-//! Concurrent checks share round trips. Each check waits in its connection's queue; a
-//! dispatcher takes checks waiting (up to [`MAX_BATCH`], or [`MAX_BATCH_KEYS`]) into one
-//! `checks` call of the script, one per slot on a cluster, while at most
-//! [`BATCHES_IN_FLIGHT`] calls are on their way, so the checks that arrive meanwhile form
-//! the next calls. A call takes its share of the checks waiting, divided among the turns
-//! free: calls on their way together run in Redis while the answers of the others are
-//! handled, instead of every caller moving as one convoy. It takes one check of each
-//! waiting connection in turn: a connection that pipelines thousands of checks does not
-//! make another's wait behind all of them. A check that finds no call on its way is sent
-//! alone at once, from its own task.
+//! Concurrent checks share round trips. Each check waits in its connection's queue of its
+//! lane; the lane's dispatcher takes checks waiting (up to [`MAX_BATCH`], or
+//! [`MAX_BATCH_KEYS`]) into one `checks` call of the script, while at most
+//! [`BATCHES_IN_FLIGHT`] calls of the lane are on their way, so the checks that arrive
+//! meanwhile form the next calls. A call takes its share of the checks waiting, divided
+//! among the turns free: calls on their way together run in Redis while the answers of the
+//! others are handled, instead of every caller moving as one convoy. (While calls of other
+//! lanes are on their way, Redis is busy with those: it takes every check waiting.) It
+//! takes one check of each waiting connection in turn: a connection that pipelines
+//! thousands of checks does not make another's wait behind all of them. A check that finds
+//! no call of its lane on its way is sent alone at once, from its own task.
+//!
+//! One server has one lane. A cluster has a lane per hash slot, so that each call runs on
+//! one node, and a node that stalls holds the turns of its own slots only: the checks of
+//! the other nodes go on.
 //!
 //! Every check is answered exactly once, with its own outcome or
 //! [`StoreError::Unavailable`]: a check that fails inside Redis fails alone, having paid
@@ -16,12 +21,13 @@
 //! check, if still waiting, is dropped, or refused by the script past its deadline.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use ::redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::answer::CheckAnswer;
@@ -47,37 +53,66 @@ struct Waiting {
     reply: oneshot::Sender<StoreResult<CheckAnswer>>,
 }
 
-/// The queue of checks and its dispatcher.
+/// The lanes of checks and their dispatchers.
 pub struct Batcher {
     client: Arc<Client>,
     runs: Arc<Runs>,
-    turns: Arc<Semaphore>,
-    queue: mpsc::UnboundedSender<Waiting>,
+    calls: Arc<AtomicUsize>,
+    lanes: Lanes,
     timeout: Duration,
 }
 
-impl Batcher {
-    /// Starts the dispatcher; must run inside a Tokio runtime. Calls' run markers are named
-    /// under `prefix`.
-    pub fn start(client: Arc<Client>, prefix: Vec<u8>, timeout: Duration) -> Self {
+/// Where checks wait: in one lane, or in a lane per hash slot on a cluster (started with
+/// its slot's first check; there are 16,384 slots).
+enum Lanes {
+    One(Arc<Lane>),
+    BySlot(Mutex<HashMap<Slot, Arc<Lane>>>),
+}
+
+/// Checks waiting for calls to one server or one slot, and the turns of those calls.
+struct Lane {
+    turns: Arc<Semaphore>,
+    queue: mpsc::UnboundedSender<Waiting>,
+}
+
+impl Lane {
+    /// Starts the lane's dispatcher, which ends with the lane; must run inside a Tokio
+    /// runtime.
+    fn start(client: &Arc<Client>, runs: &Arc<Runs>, calls: &Arc<AtomicUsize>) -> Arc<Self> {
         let (queue, waiting) = mpsc::unbounded_channel();
-        let runs = Arc::new(Runs {
-            prefix,
-            process: RandomState::new().hash_one(std::process::id()),
-            next: AtomicU64::new(0),
-        });
         let turns = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
         tokio::spawn(dispatch(
             client.clone(),
             waiting,
             runs.clone(),
-            turns.clone(),
+            Turns {
+                lane: turns.clone(),
+                calls: calls.clone(),
+            },
         ));
+        Arc::new(Self { turns, queue })
+    }
+}
+
+impl Batcher {
+    /// Starts the lane of one server (a cluster's start with their checks); must run inside
+    /// a Tokio runtime. Calls' run markers are named under `prefix`.
+    pub fn start(client: Arc<Client>, prefix: Vec<u8>, timeout: Duration) -> Self {
+        let runs = Arc::new(Runs {
+            prefix,
+            process: RandomState::new().hash_one(std::process::id()),
+            next: AtomicU64::new(0),
+        });
+        let calls = Arc::default();
+        let lanes = match client.is_cluster() {
+            true => Lanes::BySlot(Mutex::default()),
+            false => Lanes::One(Lane::start(&client, &runs, &calls)),
+        };
         Self {
             client,
             runs,
-            turns,
-            queue,
+            calls,
+            lanes,
             timeout,
         }
     }
@@ -101,6 +136,7 @@ impl Batcher {
     ) -> StoreResult<CheckAnswer> {
         let sent = Instant::now();
         let (reply, answer) = oneshot::channel();
+        let lane = self.lane(part.first_key());
         let waiting = Waiting {
             part,
             connection,
@@ -108,19 +144,20 @@ impl Batcher {
             last_run,
             reply,
         };
-        // No call on its way: this one goes alone, at once, from this task. Otherwise it
-        // waits for the next call: alone behind a full call, it would hold a turn for the
-        // whole of that call, and the checks arriving meanwhile would wait for it.
-        let idle = self.turns.available_permits() == BATCHES_IN_FLIGHT;
+        // No call of its lane on its way: this one goes alone, at once, from this task.
+        // Otherwise it waits for the next call: alone behind a full call, it would hold a
+        // turn for the whole of that call, and the checks arriving meanwhile would wait for
+        // it.
+        let idle = lane.turns.available_permits() == BATCHES_IN_FLIGHT;
         let turn = match idle {
-            true => self.turns.clone().try_acquire_owned().ok(),
+            true => lane.turns.clone().try_acquire_owned().ok(),
             false => None,
         };
         if let Some(turn) = turn {
+            let turn = Turn::new(turn, &self.calls);
             let marker = self.runs.marker(hash_tag(waiting.part.first_key()));
-            let client = self.client.clone();
-            run(client, marker, vec![waiting], Arc::new(turn)).await;
-        } else if self.queue.send(waiting).is_err() {
+            run(self.client.clone(), marker, vec![waiting], turn).await;
+        } else if lane.queue.send(waiting).is_err() {
             return Err(StoreError::Unavailable(
                 "the redis dispatcher stopped".into(),
             ));
@@ -129,6 +166,19 @@ impl Batcher {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(self.client.unavailable("the check was dropped unanswered")),
             Err(_) => Err(self.client.no_answer()),
+        }
+    }
+
+    /// The lane of a check whose first key is `key`.
+    fn lane(&self, key: &[u8]) -> Arc<Lane> {
+        match &self.lanes {
+            Lanes::One(lane) => lane.clone(),
+            Lanes::BySlot(lanes) => lanes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(Slot::for_key(key))
+                .or_insert_with(|| Lane::start(&self.client, &self.runs, &self.calls))
+                .clone(),
         }
     }
 }
@@ -188,11 +238,39 @@ impl Queues {
     }
 }
 
+/// A lane's turns, and the calls on their way in every lane.
+struct Turns {
+    lane: Arc<Semaphore>,
+    calls: Arc<AtomicUsize>,
+}
+
+/// A call's turn, counted among the calls on their way while it lives.
+struct Turn {
+    _permit: OwnedSemaphorePermit,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Turn {
+    fn new(permit: OwnedSemaphorePermit, calls: &Arc<AtomicUsize>) -> Self {
+        calls.fetch_add(1, Ordering::Relaxed);
+        Self {
+            _permit: permit,
+            calls: calls.clone(),
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.calls.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 async fn dispatch(
     client: Arc<Client>,
     mut queue: mpsc::UnboundedReceiver<Waiting>,
     runs: Arc<Runs>,
-    turns: Arc<Semaphore>,
+    turns: Turns,
 ) {
     let mut queues = Queues::default();
     loop {
@@ -203,9 +281,10 @@ async fn dispatch(
             queues.push(first);
         }
         // Never closed: acquiring only waits. A turn is held only by a call on its way.
-        let Ok(turn) = turns.clone().acquire_owned().await else {
+        let Ok(turn) = turns.lane.clone().acquire_owned().await else {
             return;
         };
+        let turn = Turn::new(turn, &turns.calls);
         // Yields once, so that the tasks already woken run and the runtime reads its input:
         // the checks read with the first join this call.
         tokio::task::yield_now().await;
@@ -214,7 +293,16 @@ async fn dispatch(
         }
         let mut keys = 0;
         let mut batch = Vec::new();
-        let share = queues.waiting.div_ceil(1 + turns.available_permits());
+        let free = turns.lane.available_permits();
+        // Read apart, the two counts may briefly disagree: never below none.
+        let others = turns
+            .calls
+            .load(Ordering::Relaxed)
+            .saturating_sub(BATCHES_IN_FLIGHT - free);
+        let share = match others {
+            0 => queues.waiting.div_ceil(1 + free),
+            _ => queues.waiting,
+        };
         while batch.len() < MAX_BATCH.min(share) && keys < MAX_BATCH_KEYS {
             let Some(next) = queues.pop() else {
                 break;
@@ -225,37 +313,16 @@ async fn dispatch(
                 batch.push(next);
             }
         }
-        let turn = Arc::new(turn);
-        for (tag, checks) in by_slot(&client, batch) {
-            let marker = runs.marker(&tag);
-            tokio::spawn(run(client.clone(), marker, checks, turn.clone()));
+        // Every check of a lane goes to one node: one call, named under the first's tag.
+        if let Some(first) = batch.first() {
+            let marker = runs.marker(hash_tag(first.part.first_key()));
+            tokio::spawn(run(client.clone(), marker, batch, turn));
         }
     }
 }
 
-/// The checks by the hash tag of their keys on a cluster (a call runs on one node); all
-/// together on one server, under the first one's tag.
-fn by_slot(client: &Client, batch: Vec<Waiting>) -> BTreeMap<Vec<u8>, Vec<Waiting>> {
-    let mut slots: BTreeMap<Vec<u8>, Vec<Waiting>> = BTreeMap::new();
-    let mut first = None;
-    for waiting in batch {
-        let tag = hash_tag(waiting.part.first_key()).to_vec();
-        let tag = match client.is_cluster() {
-            true => tag,
-            false => first.get_or_insert(tag).clone(),
-        };
-        slots.entry(tag).or_default().push(waiting);
-    }
-    slots
-}
-
 /// Sends one call and answers each of its checks.
-async fn run(
-    client: Arc<Client>,
-    marker: Vec<u8>,
-    checks: Vec<Waiting>,
-    _turn: Arc<OwnedSemaphorePermit>,
-) {
+async fn run(client: Arc<Client>, marker: Vec<u8>, checks: Vec<Waiting>, _turn: Turn) {
     let parts: Vec<(Instant, LastRun, &Call)> = checks
         .iter()
         .map(|w| (w.sent, w.last_run, &w.part))
