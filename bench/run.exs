@@ -273,7 +273,8 @@ defmodule Bench do
   defp ratio(a, b), do: :erlang.float_to_binary(a / b, decimals: 2) <> "×"
 
   defp per_second(x) when x >= 1.0e6, do: :erlang.float_to_binary(x / 1.0e6, decimals: 2) <> " M"
-  defp per_second(x), do: :erlang.float_to_binary(x / 1.0e3, decimals: 0) <> " k"
+  defp per_second(x) when x >= 1.0e5, do: :erlang.float_to_binary(x / 1.0e3, decimals: 0) <> " k"
+  defp per_second(x), do: :erlang.float_to_binary(x / 1.0e3, decimals: 1) <> " k"
 
   ## 3. Port and daemon
 
