@@ -618,3 +618,88 @@ fn a_stalled_master_holds_only_the_checks_of_its_own_slots() {
         "{answers:?}"
     );
 }
+
+/// The masters serving slots.
+fn masters(cluster: &Cluster) -> Vec<u16> {
+    cluster
+        .topology()
+        .expect("a live node")
+        .into_iter()
+        .filter(|n| n.master && !n.failed && !n.slots.is_empty())
+        .map(|n| n.port)
+        .collect()
+}
+
+/// The daemon's connections cut on every master (`CLIENT KILL`), again and again, while a
+/// client streams checks through a Unix socket are opened again: checks are admitted again
+/// within a few timeouts. (The cluster client could stop sending anything after such cuts,
+/// for good; not after every one: each round starts a daemon of its own.)
+#[test]
+fn connections_cut_under_load_are_opened_again() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let seed = &cluster.urls()[0];
+    let limit = json!({"capacity": 1e9, "refill_per_sec": 1e9});
+    let burst: Vec<u8> = (0..200)
+        .flat_map(|i| {
+            let request = check(&key(&format!("cut-{}", i % 30), None), limit.clone(), 1.0);
+            let mut line = serde_json::to_vec(&request).unwrap();
+            line.push(b'\n');
+            line
+        })
+        .collect();
+    for round in 0..6 {
+        let socket = common::temp_path(&format!("cut-{round}.sock"));
+        let _server = Server::start(&[
+            "--socket",
+            socket.to_str().unwrap(),
+            "--redis-cluster",
+            seed,
+            "--redis-timeout-ms",
+            "300",
+        ]);
+        let connect = || {
+            let stream = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+            common::LineClient::new(stream)
+        };
+        let mut probe = connect();
+        let mut client = connect();
+        let mut writer = client.stream.try_clone().expect("clone");
+        let bursts = 120;
+        let reader = thread::spawn(move || {
+            (0..bursts * 200)
+                .map(|_| client.recv())
+                .filter(|answer| answer["result"] != "admitted")
+                .inspect(|answer| assert_eq!(answer["error"]["type"], "unavailable", "{answer}"))
+                .count()
+        });
+        for sent in 0..bursts {
+            if sent % 20 == 10 {
+                for port in masters(&cluster) {
+                    let mut kill = ::redis::cmd("CLIENT");
+                    kill.arg("KILL").arg("TYPE").arg("normal");
+                    let killed: Option<i64> = cluster.query(port, &mut kill);
+                    assert!(killed.is_some(), "CLIENT KILL on {port}");
+                }
+            }
+            std::io::Write::write_all(&mut writer, &burst).expect("send");
+            thread::sleep(Duration::from_millis(10));
+        }
+        let unavailable = reader.join().expect("every answer");
+        let started = Instant::now();
+        let served = (0..40).any(|_| {
+            let answer = probe.call(check(&key("cut-0", None), limit.clone(), 1.0));
+            answer["result"] == "admitted" || {
+                thread::sleep(Duration::from_millis(100));
+                false
+            }
+        });
+        eprintln!(
+            "round {round}: {unavailable} unavailable of {}, served again {:?} after the load",
+            bursts * 200,
+            started.elapsed()
+        );
+        assert!(served, "round {round}: not served again");
+    }
+}

@@ -21,6 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
 use super::connection::{Connection, ScanNode};
+use super::link::Link;
 use super::script::{self, Call, Script, Sources};
 use crate::store::{LastRun, StoreError, StoreResult};
 
@@ -36,7 +37,7 @@ const MAX_WALKS: usize = 4;
 
 /// The connection, the code's forms and what is known of the Redis clock.
 pub struct Client {
-    connection: Connection,
+    link: Link,
     sources: Sources,
     /// Whether calls go as `FCALL`: until Redis turns out to have no functions (before 7.0,
     /// or denied to this user), then as `EVALSHA`.
@@ -52,9 +53,9 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(connection: Connection, peer: String, timeout: Duration) -> Self {
+    pub fn new(link: Link, peer: String, timeout: Duration) -> Self {
         Self {
-            connection,
+            link,
             peer,
             sources: Sources::new(),
             functions: AtomicBool::new(true),
@@ -67,7 +68,7 @@ impl Client {
     }
 
     pub fn is_cluster(&self) -> bool {
-        self.connection.is_cluster()
+        self.link.connection().is_cluster()
     }
 
     /// Redis could not serve a request, for `reason`: the error names where Redis is.
@@ -102,7 +103,7 @@ impl Client {
         last_run: LastRun,
     ) -> StoreResult<T> {
         let started = Instant::now();
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         let answer = self
             .bounded(async {
                 // Never closed: acquiring only waits.
@@ -129,7 +130,7 @@ impl Client {
     ) -> StoreResult<(u64, Vec<CheckAnswer>)> {
         let started = parts.iter().map(|(sent, _, _)| *sent).min();
         let started = started.unwrap_or_else(Instant::now);
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         let answer = self
             .bounded(async {
                 let mut deadlines = Vec::with_capacity(parts.len());
@@ -253,7 +254,7 @@ impl Client {
 
     /// Sends one command, bounded by the timeout, once more if the connection was lost.
     pub async fn command<T: FromRedisValue>(&self, command: &Cmd) -> StoreResult<T> {
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         self.bounded(async {
             match command.query_async(&mut connection).await {
                 Err(error) if lost_connection(&error) => command.query_async(&mut connection).await,
@@ -272,7 +273,7 @@ impl Client {
         match node {
             ScanNode::Server => self.command(command).await,
             node => {
-                let mut connection = self.connection.clone();
+                let mut connection = self.link.connection();
                 self.bounded(connection.query_on(node, command)).await
             }
         }
@@ -312,7 +313,7 @@ impl Client {
 
     /// The nodes that together hold every key.
     pub async fn scan_nodes(&self) -> StoreResult<Vec<ScanNode>> {
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         self.bounded(connection.scan_nodes()).await
     }
 
@@ -320,7 +321,14 @@ impl Client {
         &self,
         call: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
-        match tokio::time::timeout(self.timeout, call).await {
+        let answer = tokio::time::timeout(self.timeout, call).await;
+        match &answer {
+            Ok(Ok(_)) => self.link.answered(),
+            Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(),
+            Ok(Err(_)) => {}
+            Err(_) => self.link.unanswered(),
+        }
+        match answer {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) if error.code() == Some("LATE") => Err(StoreError::Unavailable(
                 format!("{LATE}{}", error.detail().unwrap_or_default()),

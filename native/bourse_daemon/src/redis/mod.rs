@@ -21,6 +21,7 @@
 //! - `client`: sends calls and commands within the timeout and the script's deadline;
 //! - `clock`: the Redis clock as seen from here, to place deadlines on it;
 //! - `connection`: one server or a cluster;
+//! - `link`: the connection, a cluster's opened again when it stops answering;
 //! - `names`: the Redis names of a key's data;
 //! - `fingerprints`: the fingerprints of recently seen credentials;
 //! - `answer`: the script's answers read back;
@@ -35,6 +36,7 @@ mod clock;
 mod connection;
 mod counters;
 mod fingerprints;
+mod link;
 mod names;
 mod scan;
 mod script;

@@ -17,6 +17,7 @@ use super::client::Client;
 use super::connection::{hash_tag, Connection, Servers};
 use super::counters::Counters;
 use super::fingerprints::Fingerprints;
+use super::link::Link;
 use super::names::{self, CredentialNames, KeyNames, KeyParts};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
@@ -51,13 +52,17 @@ impl RedisStore {
     /// answers `unavailable` until Redis is back. Must run inside a Tokio runtime.
     pub fn new(options: Options) -> Result<Self, String> {
         names::check_prefix(&options.prefix)?;
-        let connection = Connection::open(
-            &options.servers,
-            options.password.as_deref(),
+        let (servers, password, timeout) = (
+            options.servers.clone(),
+            options.password.clone(),
             options.timeout,
+        );
+        let link = Link::open(
+            move || Connection::open(&servers, password.as_deref(), timeout),
+            timeout,
         )?;
         let peer = options.servers.describe();
-        let client = Arc::new(Client::new(connection, peer, options.timeout));
+        let client = Arc::new(Client::new(link, peer, options.timeout));
         let prefix = options.prefix.into_bytes();
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),

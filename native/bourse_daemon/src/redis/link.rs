@@ -1,0 +1,83 @@
+//! The connection to Redis, opened again when a cluster's stops answering.
+//!
+//! The cluster client of the `redis` crate can stop sending anything after its connections
+//! were cut under load (`CLIENT KILL`, a master killed): every later call then waits for
+//! its timeout, for good, though the cluster is healthy. So when a call gets no answer
+//! within the timeout and nothing else was answered for a whole timeout either, a
+//! cluster's connection is opened again (at most once per timeout); calls already sent on
+//! the old one end with their timeouts. One server's connection reconnects by itself and
+//! is kept.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::connection::Connection;
+
+/// Opens a connection (without waiting for it); must run inside a Tokio runtime.
+type Open = Box<dyn Fn() -> Result<Connection, String> + Send + Sync>;
+
+pub struct Link {
+    connection: Mutex<Connection>,
+    open: Open,
+    timeout: Duration,
+    started: Instant,
+    /// When Redis last answered, or the connection was last opened (ms after `started`).
+    answered: AtomicU64,
+}
+
+impl Link {
+    /// Opens the connection with `open`, which opens it again when it stops answering.
+    pub fn open(
+        open: impl Fn() -> Result<Connection, String> + Send + Sync + 'static,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            connection: Mutex::new(open()?),
+            open: Box::new(open),
+            timeout,
+            started: Instant::now(),
+            answered: AtomicU64::new(0),
+        })
+    }
+
+    /// The connection, to send on (clones share it).
+    pub fn connection(&self) -> Connection {
+        self.connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Redis answered a call.
+    pub fn answered(&self) {
+        self.answered.fetch_max(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// A call got no answer within the timeout: opens a cluster's connection again when
+    /// nothing was answered for a whole timeout.
+    pub fn unanswered(&self) {
+        let last = self.answered.load(Ordering::Relaxed);
+        let now = self.now_ms();
+        let silent = now.saturating_sub(last) >= self.timeout.as_millis() as u64;
+        if !silent || !self.connection().is_cluster() {
+            return;
+        }
+        // One caller opens it; the others see the new time.
+        let mine = self
+            .answered
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed);
+        if mine.is_ok() {
+            if let Ok(connection) = (self.open)() {
+                *self
+                    .connection
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = connection;
+            }
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+}
