@@ -70,9 +70,11 @@ enum Lanes {
 }
 
 /// Checks waiting for calls to one server or one slot, and the turns of those calls.
+/// (Boxed in the queue: its blocks then hold pointers, not checks, so a lane that waits
+/// for its next check holds a few hundred bytes.)
 struct Lane {
     turns: Arc<Semaphore>,
-    queue: mpsc::UnboundedSender<Waiting>,
+    queue: mpsc::UnboundedSender<Box<Waiting>>,
 }
 
 impl Lane {
@@ -157,7 +159,7 @@ impl Batcher {
             let turn = Turn::new(turn, &self.calls);
             let marker = self.runs.marker(hash_tag(waiting.part.first_key()));
             run(self.client.clone(), marker, vec![waiting], turn).await;
-        } else if lane.queue.send(waiting).is_err() {
+        } else if lane.queue.send(Box::new(waiting)).is_err() {
             return Err(StoreError::Unavailable(
                 "the redis dispatcher stopped".into(),
             ));
@@ -268,7 +270,7 @@ impl Drop for Turn {
 
 async fn dispatch(
     client: Arc<Client>,
-    mut queue: mpsc::UnboundedReceiver<Waiting>,
+    mut queue: mpsc::UnboundedReceiver<Box<Waiting>>,
     runs: Arc<Runs>,
     turns: Turns,
 ) {
@@ -278,7 +280,7 @@ async fn dispatch(
             let Some(first) = queue.recv().await else {
                 return;
             };
-            queues.push(first);
+            queues.push(*first);
         }
         // Never closed: acquiring only waits. A turn is held only by a call on its way.
         let Ok(turn) = turns.lane.clone().acquire_owned().await else {
@@ -289,7 +291,7 @@ async fn dispatch(
         // the checks read with the first join this call.
         tokio::task::yield_now().await;
         while let Ok(next) = queue.try_recv() {
-            queues.push(next);
+            queues.push(*next);
         }
         let mut keys = 0;
         let mut batch = Vec::new();
