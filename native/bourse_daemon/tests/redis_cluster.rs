@@ -28,14 +28,7 @@ fn daemon(cluster: &Cluster, extra: &[&str]) -> Server {
 
 /// The port of the live master holding a key whose name contains `part`.
 fn master_holding(cluster: &Cluster, part: &str) -> u16 {
-    let masters: Vec<u16> = cluster
-        .topology()
-        .expect("a live node")
-        .into_iter()
-        .filter(|n| n.master && !n.failed && !n.slots.is_empty())
-        .map(|n| n.port)
-        .collect();
-    masters
+    masters(cluster)
         .into_iter()
         .find(|&port| {
             cluster
@@ -649,6 +642,7 @@ fn connections_cut_under_load_are_opened_again() {
             line
         })
         .collect();
+    let masters = masters(&cluster);
     for round in 0..6 {
         let socket = common::temp_path(&format!("cut-{round}.sock"));
         let _server = Server::start(&[
@@ -676,7 +670,7 @@ fn connections_cut_under_load_are_opened_again() {
         });
         for sent in 0..bursts {
             if sent % 20 == 10 {
-                for port in masters(&cluster) {
+                for &port in &masters {
                     let mut kill = ::redis::cmd("CLIENT");
                     kill.arg("KILL").arg("TYPE").arg("normal");
                     let killed: Option<i64> = cluster.query(port, &mut kill);
