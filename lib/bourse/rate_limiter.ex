@@ -868,11 +868,13 @@ defmodule Bourse.RateLimiter do
   defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
 
   # No limiter answers: malformed input is still answered as such (judged by the NIF on a
-  # scratch table thrown away after), anything else exits as `GenServer.call/2` would.
+  # scratch table thrown away after), anything else exits as `GenServer.call/2` would. The
+  # NIF backend may not be loaded yet (interactive code loading, no NIF limiter started).
   defp absent(reason, name, fun, args) do
     judged =
-      if function_exported?(Backend.NIF, fun, length(args) + 1),
-        do: apply(Backend.NIF, fun, [Bourse.Native.new_table(false, 0) | args])
+      if Code.ensure_loaded?(Backend.NIF) and
+           function_exported?(Backend.NIF, fun, length(args) + 1),
+         do: apply(Backend.NIF, fun, [Bourse.Native.new_table(false, 0) | args])
 
     case judged do
       {:error, %Error{type: :invalid_parameters}} = invalid -> invalid
