@@ -9,6 +9,9 @@ use smallvec::SmallVec;
 /// The longest wait the table will compute (about 31 years); longer ones saturate here.
 pub(crate) const MAX_WAIT_NS: u64 = 1_000_000_000_000_000_000;
 
+/// `base_at` of a key that only has `record_request` debt, which no check has seen yet.
+const UNSEEN: u64 = u64::MAX;
+
 /// A waiter's cost, paid at booking time and claimable from `ready_at`.
 #[derive(Debug, Clone)]
 pub(crate) struct Booking {
@@ -29,6 +32,13 @@ pub(crate) struct Booking {
     pub refund: f64,
 }
 
+/// A key's state before [`Bucket::define`] gave it a definition.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Undefined {
+    base: f64,
+    base_at: u64,
+}
+
 /// Tokens are `base + refill * (t - base_at)`, read capped at the capacity (or at the
 /// cost of an over-capacity request). `base` only moves when something is paid, so the
 /// uncapped reading is what accrued since the last payment.
@@ -36,10 +46,13 @@ pub(crate) struct Booking {
 pub(crate) struct Bucket {
     pub key: Key,
     pub hash: u64,
-    /// `None` while the key has only `record_request` debt.
+    /// `None` until a check pays under a definition: the key has only `record_request`
+    /// debt, or its checks were refused.
     pub limit: Option<Limit>,
     /// Without a limit: minus the pending debt.
     base: f64,
+    /// Without a limit: when a check first saw the key (its accrual starts there), or
+    /// [`UNSEEN`].
     base_at: u64,
     /// The last access: the bucket is kept for longer than its fill time after it.
     seen_at: u64,
@@ -77,12 +90,13 @@ fn room_without(limit: &Limit, accrued: f64, others: f64, gone: &Booking) -> f64
 }
 
 impl Bucket {
-    pub fn defined(key: Key, hash: u64, limit: Limit, tokens: f64, now: u64) -> Self {
+    /// A key first seen by a check at `now`, without a definition until one is paid.
+    pub fn seen(key: Key, hash: u64, now: u64) -> Self {
         Self {
             key,
             hash,
-            limit: Some(limit),
-            base: tokens,
+            limit: None,
+            base: 0.0,
             base_at: now,
             seen_at: now,
             told_until: 0,
@@ -92,24 +106,41 @@ impl Bucket {
 
     pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64) -> Self {
         Self {
-            key,
-            hash,
-            limit: None,
             base: -debt,
-            base_at: now,
-            seen_at: now,
-            told_until: 0,
-            bookings: Vec::new(),
+            base_at: UNSEEN,
+            ..Self::seen(key, hash, now)
         }
     }
 
-    /// Gives a debt-only key its first definition, starting from `tokens` minus the debt.
-    pub fn define(&mut self, limit: Limit, tokens: f64, now: u64) {
-        if self.limit.is_none() {
-            self.base += tokens;
-            self.base_at = now;
-            self.limit = Some(limit);
-        }
+    /// When a check first saw this key without a definition (`None`: none has, or it has
+    /// one).
+    pub fn accrual_start(&self) -> Option<u64> {
+        (self.limit.is_none() && self.base_at != UNSEEN).then_some(self.base_at)
+    }
+
+    /// Gives a key without a definition one for a check, starting from `tokens` at `from`
+    /// less the debt; returns what [`Bucket::undefine`] takes it back with.
+    pub fn define(&mut self, limit: Limit, tokens: f64, from: u64) -> Undefined {
+        let undefined = Undefined {
+            base: self.base,
+            base_at: self.base_at,
+        };
+        self.base += tokens;
+        self.base_at = from;
+        self.limit = Some(limit);
+        undefined
+    }
+
+    /// Takes back the definition a check gave the key and then paid nothing under: a
+    /// refused call does not change a key's definition. What it saw stays: the accrual
+    /// starts when a check first saw the key.
+    pub fn undefine(&mut self, undefined: Undefined, now: u64) {
+        self.limit = None;
+        self.base = undefined.base;
+        self.base_at = match undefined.base_at {
+            UNSEEN => now,
+            seen => seen,
+        };
     }
 
     /// Tokens accrued since the last payment, not capped.
@@ -384,24 +415,24 @@ impl Bucket {
     }
 
     /// A full bucket without bookings (but lapsed ones) or debt, idle past its fill time,
-    /// behaves exactly as a new one. One whose refusals told callers to come back is kept
-    /// [`KEEP_MARGIN_MS`] past the latest such moment: a caller back a little late still
-    /// finds what accrued beyond the capacity, whatever other callers were told meanwhile.
+    /// behaves exactly as a new one; so does a key without a definition nor debt. One whose
+    /// refusals told callers to come back is kept [`KEEP_MARGIN_MS`] past the latest such
+    /// moment: a caller back a little late still finds what accrued beyond the capacity,
+    /// whatever other callers were told meanwhile.
     pub fn sweepable(&self, now: u64) -> bool {
-        match &self.limit {
-            Some(limit) => {
-                let idle = now.saturating_sub(self.seen_at);
-                let told = self.told_until > 0;
-                (!told
-                    || now
-                        > self
-                            .told_until
-                            .saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS))
-                    && idle > accrual_ns(limit.capacity(), limit)
-                    && self.bookings.iter().all(|b| b.lapse_at < now)
-                    && covers(self.tokens(now), limit.capacity())
+        let awaited = self.told_until > 0
+            && now
+                <= self
+                    .told_until
+                    .saturating_add(KEEP_MARGIN_MS * NANOS_PER_MS);
+        !awaited
+            && match &self.limit {
+                Some(limit) => {
+                    now.saturating_sub(self.seen_at) > accrual_ns(limit.capacity(), limit)
+                        && self.bookings.iter().all(|b| b.lapse_at < now)
+                        && covers(self.tokens(now), limit.capacity())
+                }
+                None => self.base >= 0.0,
             }
-            None => false,
-        }
     }
 }

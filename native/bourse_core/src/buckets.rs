@@ -322,14 +322,12 @@ mod tests {
     use super::counting::allocations;
     use super::*;
     use crate::key::KeyRef;
-    use crate::limit::Limit;
     use std::hash::BuildHasher;
 
     fn bucket(hasher: &foldhash::fast::RandomState, i: usize) -> Bucket {
         let credential = format!("key-{i}");
         let key = KeyRef::new(b"ex", Some(credential.as_bytes()), b"request");
-        let limit = Limit::new(1.0, 1.0).unwrap();
-        Bucket::defined(key.to_owned_key(), hasher.hash_one(key), limit, 1.0, 0)
+        Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0)
     }
 
     fn sought(credential: &str) -> (KeyRef<'_>, Sought<'_>) {

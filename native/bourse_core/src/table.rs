@@ -9,7 +9,7 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use smallvec::SmallVec;
 
 use crate::backoffs::{Backoff, Backoffs};
-use crate::bucket::{Bucket, MAX_WAIT_NS};
+use crate::bucket::{Bucket, Undefined, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Step};
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, ItemPauses, Request};
@@ -185,8 +185,8 @@ impl<C: Clock> Table<C> {
         unbounded(self.check_rates_within(owner, checks, mode, usize::MAX))
     }
 
-    /// [`Table::check_rates`], left undone (`Ok(None)`, nothing changed but new buckets
-    /// created and definitions applied, as the check would) when its buckets hold more than
+    /// [`Table::check_rates`], left undone (`Ok(None)`, nothing changed but the keys seen,
+    /// as a refused check sees them) when its buckets hold more than
     /// `max_bookings` bookings together: each costs the check up to about 100 ns, which a
     /// caller on a scheduler that must not be held long runs elsewhere.
     pub fn check_rates_within(
@@ -277,7 +277,17 @@ impl<C: Clock> Table<C> {
         let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        let outcome = engine::decide(&mut [bucket], &[item], &mut shard.stats, request, &pauses);
+        let undefined = self.define(bucket, &item, request.now);
+        let outcome = engine::decide(
+            &mut [&mut *bucket],
+            &[item],
+            &mut shard.stats,
+            request,
+            &pauses,
+        );
+        if let (Some(undefined), false) = (undefined, outcome.paid()) {
+            bucket.undefine(undefined, request.now);
+        }
         Self::unlock(guard);
         outcome
     }
@@ -314,25 +324,35 @@ impl<C: Clock> Table<C> {
             item.slot = guards.len() - 1;
         }
         let (request, pauses) = self.request(items, owner, mode);
-        let mut found = self.find_buckets(&mut guards, items, request.now);
+        let mut found = Self::find_buckets(&mut guards, items);
         if found.len() < items.len() {
             // First seen: created first, then looked up again (creating may move others).
             for item in items.iter() {
                 self.bucket(&mut guards[item.slot].buckets, item, request.now);
             }
-            found = self.find_buckets(&mut guards, items, request.now);
+            found = Self::find_buckets(&mut guards, items);
         }
         let mut buckets: SmallVec<[&mut Bucket; INLINE_CHECKS]> = SmallVec::new();
-        for bucket in found {
+        let mut undefined: SmallVec<[Option<Undefined>; INLINE_CHECKS]> = SmallVec::new();
+        for (bucket, item) in found.into_iter().zip(items.iter()) {
             // SAFETY: the items are coalesced, so each pointer is to a different bucket. No
             // bucket moves until the check ends: the shards stay locked, and nothing is
             // inserted or removed after the look-ups. The buckets live in their tables'
             // allocations, apart from the shards' other fields (the stats borrowed below).
-            buckets.push(unsafe { &mut *bucket });
+            let bucket = unsafe { &mut *bucket };
+            undefined.push(self.define(bucket, item, request.now));
+            buckets.push(bucket);
         }
         let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
         let outcome = (bookings <= max_bookings)
             .then(|| engine::decide(&mut buckets, items, &mut guards[0].stats, request, &pauses));
+        if !outcome.is_some_and(|outcome| outcome.paid()) {
+            for (bucket, undefined) in buckets.iter_mut().zip(undefined) {
+                if let Some(undefined) = undefined {
+                    bucket.undefine(undefined, request.now);
+                }
+            }
+        }
         // Every lock released before any table is allocated.
         let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()
@@ -346,13 +366,10 @@ impl<C: Clock> Table<C> {
         Ok(outcome)
     }
 
-    /// The buckets of `items` that their shards hold, first defined if need be; stops at
-    /// the first missing one.
+    /// The buckets of `items` that their shards hold; stops at the first missing one.
     fn find_buckets(
-        &self,
         shards: &mut [MutexGuard<Shard>],
         items: &[Item],
-        now: u64,
     ) -> SmallVec<[*mut Bucket; INLINE_CHECKS]> {
         let mut found = SmallVec::new();
         for item in items {
@@ -360,7 +377,6 @@ impl<C: Clock> Table<C> {
             let Some(bucket) = buckets.find_mut(item.hash, item.sought()) else {
                 break;
             };
-            self.define(bucket, item, now);
             found.push(bucket as *mut Bucket);
         }
         found
@@ -390,32 +406,23 @@ impl<C: Clock> Table<C> {
         (request, pauses)
     }
 
-    /// The bucket of `item`, created (or first defined) under the item's limit if needed.
+    /// The bucket of `item`, created (seen now, without a definition) if needed.
     fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
-        let bucket = buckets.get_or_insert_with(item.hash, item.sought(), || {
-            Self::new_bucket(item, self.initial_tokens(&item.check.limit, now), now)
-        });
-        self.define(bucket, item, now);
-        bucket
+        buckets.get_or_insert_with(item.hash, item.sought(), || {
+            Bucket::seen(item.check.key.to_owned_key(), item.hash, now)
+        })
     }
 
-    /// Gives a bucket that only has `record` debt the item's limit.
-    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) {
-        if bucket.limit.is_none() {
-            let tokens = self.initial_tokens(&item.check.limit, now);
-            bucket.define(item.check.limit, tokens, now);
+    /// Gives a bucket without a definition the item's, for the check (taken back if it
+    /// pays nothing): the tokens a new bucket starts with when a check first saw the key
+    /// (now if none has), less the debt.
+    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) -> Option<Undefined> {
+        if bucket.limit.is_some() {
+            return None;
         }
-    }
-
-    /// A bucket for `item`'s key, first seen now, holding `tokens`.
-    fn new_bucket(item: &Item, tokens: f64, now: u64) -> Bucket {
-        Bucket::defined(
-            item.check.key.to_owned_key(),
-            item.hash,
-            item.check.limit,
-            tokens,
-            now,
-        )
+        let from = bucket.accrual_start().unwrap_or(now);
+        let tokens = self.initial_tokens(&item.check.limit, from);
+        Some(bucket.define(item.check.limit, tokens, from))
     }
 
     /// Debits `cost` from `key` without checking (usage spent elsewhere). On a key without

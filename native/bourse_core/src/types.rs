@@ -64,6 +64,13 @@ pub enum Outcome {
     OverBudget(u64),
 }
 
+impl Outcome {
+    /// Whether the check paid: admitted now or booked.
+    pub fn paid(self) -> bool {
+        matches!(self, Outcome::Admitted | Outcome::Booked(_))
+    }
+}
+
 /// What a pause applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PauseTarget {

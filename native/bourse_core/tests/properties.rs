@@ -77,11 +77,16 @@ fn snapshot(table: &Table<ManualClock>) -> (Option<KeyInfo>, Option<KeyInfo>) {
     (table.inspect(MAIN), table.inspect(OTHER))
 }
 
-fn tokens(info: &Option<KeyInfo>, limit: &Limit) -> f64 {
+/// The tokens a check under `limit` finds; `seen_secs` ago a check first saw the key.
+fn tokens(info: &Option<KeyInfo>, limit: &Limit, seen_secs: f64) -> f64 {
     match info {
         Some(info) if info.limit.is_some() => info.tokens,
-        // A new bucket, or one with only debt: full, less the debt.
-        _ => limit.capacity() - info.as_ref().map_or(0.0, |info| info.debt),
+        // A new bucket, or one without a definition: full, less the debt, plus what
+        // accrued since a check first saw it.
+        _ => {
+            let debt = info.as_ref().map_or(0.0, |info| info.debt);
+            (limit.capacity() - debt + limit.refill_per_sec() * seen_secs).min(limit.capacity())
+        }
     }
 }
 
@@ -98,6 +103,8 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
     let other = Limit::new(5.0, 5.0).unwrap();
     let mut admitted = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
+    // When a check first saw MAIN and OTHER.
+    let mut first_checked: [Option<u64>; 2] = [None, None];
 
     for op in ops {
         // P2: every booking is claimed exactly at its ready time, whatever ran before.
@@ -185,6 +192,10 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
         }
         let before = snapshot(&table);
         let now = clock.now();
+        for check in &checks {
+            let index = usize::from(check.key == OTHER);
+            first_checked[index].get_or_insert(now);
+        }
         let outcome = table.check_rates(owner, &checks, mode).unwrap();
         let after = snapshot(&table);
         match outcome {
@@ -208,7 +219,11 @@ fn run(capacity: f64, refill: f64, ops: &[Op]) -> Result<Vec<(u64, f64)>, TestCa
                     .iter()
                     .zip([(&before.0, &after.0), (&before.1, &after.1)])
                 {
-                    let paid = tokens(was, &check.limit) - tokens(is, &check.limit);
+                    let index = usize::from(check.key == OTHER);
+                    let seen = first_checked[index].map_or(0, |at| now - at);
+                    let seen_secs = seen as f64 / 1e9;
+                    let paid =
+                        tokens(was, &check.limit, seen_secs) - tokens(is, &check.limit, seen_secs);
                     prop_assert!(
                         paid >= check.cost.min(check.limit.capacity()) - 1e-6,
                         "{check:?} paid {paid}"

@@ -465,6 +465,88 @@ fn a_new_definition_applies_when_admitted_and_clamps_tokens() {
 }
 
 #[test]
+fn a_refusal_gives_a_new_key_no_definition() {
+    let (t, clock) = table();
+    let roomy = limit(100.0, 100.0);
+    // Refused probe, waiter over its budget, multi-bucket check refused by its other bucket.
+    assert_eq!(
+        probe(&t, "a", limit(1.0, 0.001), 2.0),
+        Outcome::Delay(1_000_000)
+    );
+    let over_budget = Mode::Wait {
+        max_wait_ms: 10,
+        booking_slack_ms: None,
+    };
+    assert_eq!(
+        t.check_rate(ME, check(key("b"), limit(1.0, 0.001), 2.0), over_budget),
+        Outcome::OverBudget(1_000_000)
+    );
+    let ip_limit = limit(1.0, 1.0);
+    assert_eq!(
+        t.check_rate(ME, check(ip(), ip_limit, 1.0), Mode::Probe),
+        Outcome::Admitted
+    );
+    let both = [
+        check(key("c"), limit(1.0, 0.001), 1.0),
+        check(ip(), ip_limit, 1.0),
+    ];
+    assert_eq!(
+        t.check_rates(ME, &both, Mode::Probe),
+        Ok(Outcome::Delay(1_000))
+    );
+    for axis in ["a", "b", "c"] {
+        let info = t.inspect(key(axis)).expect("seen");
+        assert_eq!((info.limit, info.debt), (None, 0.0), "{axis}");
+        // A later caller finds the key as new under its own definition.
+        assert_eq!(probe(&t, axis, roomy, 50.0), Outcome::Admitted, "{axis}");
+        assert_eq!(t.inspect(key(axis)).unwrap().tokens, 50.0, "{axis}");
+    }
+    // Seen but undefined and owing nothing: dropped once no refusal's caller comes back.
+    assert_eq!(probe(&t, "d", limit(1.0, 1.0), 3.0), Outcome::Delay(2_000));
+    clock.advance_ms(2_000 + KEEP_MARGIN_MS);
+    t.sweep();
+    assert!(t.inspect(key("d")).is_some(), "kept for the refused caller");
+    clock.advance_ms(1);
+    t.sweep();
+    assert!(t.inspect(key("d")).is_none());
+}
+
+#[test]
+fn a_refused_check_starts_the_accrual_of_a_key_it_does_not_define() {
+    let (t, clock) = table();
+    let l = limit(1.0, 1.0);
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Delay(3_000));
+    clock.advance_ms(3_000);
+    assert_eq!(probe(&t, "request", l, 4.0), Outcome::Admitted);
+    // Debt recorded first: a refused check starts the accrual, the debt stays.
+    t.record_request(key("ip"), 2.0);
+    clock.advance_ms(5_000);
+    assert_eq!(probe(&t, "ip", l, 4.0), Outcome::Delay(5_000));
+    assert_eq!(
+        t.get_cost(key("ip")),
+        2.0,
+        "no definition, the debt pending"
+    );
+    clock.advance_ms(5_000);
+    assert_eq!(probe(&t, "ip", l, 4.0), Outcome::Admitted);
+}
+
+#[test]
+fn keys_with_neither_a_definition_nor_debt_are_swept() {
+    let (t, _) = table();
+    for i in 0..100 {
+        t.record_request(
+            KeyRef::new(b"okx", Some(format!("k{i}").as_bytes()), b"request"),
+            0.0,
+        );
+    }
+    t.record_request(key("request"), 1.0);
+    assert_eq!(t.stats().buckets, 101);
+    assert_eq!(t.sweep(), 100);
+    assert_eq!(t.get_cost(key("request")), 1.0, "debt stays");
+}
+
+#[test]
 fn assume_busy_at_start_starts_buckets_as_if_empty_at_start() {
     let (t, clock) = table_with(Config {
         assume_busy_at_start: true,

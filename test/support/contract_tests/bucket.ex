@@ -150,6 +150,41 @@ defmodule Bourse.ContractTests.Bucket do
           assert :ok = check_rate({"ex", "b"}, big, 2, name)
           assert_about(get_cost({"ex", "b"}, 1, name), 10, 0.01)
         end
+
+        test "a refused call gives a new key no definition: a later one finds it as new",
+             %{name: name} do
+          tight = %{capacity: 1, refill_per_sec: 0.001}
+          roomy = %{capacity: 100, refill_per_sec: 100}
+
+          # A probe, a waiter over its budget, a check refused by its other bucket.
+          assert {:delay, _} = check_rate({"ex", "probe"}, tight, 2, name)
+
+          assert {:error, %Bourse.Error{type: :rate_limit_exceeded}} =
+                   wait_for_capacity({"ex", "waiter"}, tight, 2, name, max_wait_ms: 10)
+
+          assert :ok = check_rate({"ex", "ip"}, tight, 1, name)
+
+          assert {:delay, _} =
+                   check_rates([{{"ex", "multi"}, tight, 1}, {{"ex", "ip"}, tight, 1}], name)
+
+          for credential <- ["probe", "waiter", "multi"] do
+            assert get_cost({"ex", credential}, 1, name) == 0, credential
+            assert :ok = check_rate({"ex", credential}, roomy, 50, name), credential
+            assert_about(get_cost({"ex", credential}, 1, name), 50, 0.5)
+          end
+        end
+
+        @tag limiter_opts: [sweep_interval_ms: 10]
+        test "keys without a definition or debt are dropped (P7)", %{name: name} do
+          before = stats(name).buckets
+          for i <- 1..50, do: :ok = record_request({"ex", "k#{i}"}, 0, name)
+          # Told 100 ms: kept for that caller that long, and 1 s more.
+          assert {:delay, 100} =
+                   check_rate({"ex", "refused"}, %{capacity: 1, refill_per_sec: 10}, 2, name)
+
+          eventually(fn -> stats(name).buckets == before end, 10_000)
+          assert get_cost({"ex", "refused"}, 1, name) == 0
+        end
       end
     end
   end

@@ -15,8 +15,12 @@
 -- <length>:<bytes>). No name holds a credential. Every key of an exchange carries the hash
 -- tag {E}, so on Redis Cluster it lives in one slot:
 --
---   P:{E}:b:C:A  hash    c, r: the definition (absent while the key only has debt);
+--   P:{E}:b:C:A  hash    c, r: the definition (absent until a check pays under one: the
+--                        key has only debt, or its checks were refused);
 --                        b, t: b + r * (now - t) tokens have accrued since the last payment;
+--                        without a definition, b is minus the debt;
+--                        s: present once a check saw the key without a definition: its
+--                        accrual starts at t (read only without a definition);
 --                        f: the credential's shown fingerprint ("key:" and 8 hex digits);
 --                        w:<booking id>: "<ready_at> <cost> <booked_at> [<refund>]"
 --                        of each booking (the refund only when below the cost);
@@ -186,10 +190,10 @@ end
 -- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings;
 -- `refunds_at_most` while `q` holds.
 local function load(key, now, id, request)
-  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 'w:' .. id)
-    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q')
+  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'w:' .. id)
+    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's')
   if not v[3] then
-    return nil, v[7] or nil
+    return nil, v[8] or nil
   end
   local c, r
   if request and v[1] == request.c_text and v[2] == request.r_text then
@@ -210,6 +214,7 @@ local function load(key, now, id, request)
     dirty = nil,
     defined = nil,
     shown = nil,
+    seen = nil,
   }
   bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
   bucket.refunds_at_most = written_with(v[6], v[4])
@@ -217,7 +222,8 @@ local function load(key, now, id, request)
     bucket.t = now
     bucket.dirty = true
   end
-  return bucket, v[7] or nil
+  bucket.seen = v[7] and true
+  return bucket, v[8] or nil
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
@@ -315,10 +321,12 @@ end
 -- debt), past the delay it answered and its last booking's lapse (also returned, if any).
 local function keep_ms(item, now, delay)
   local bucket = item.bucket
-  local ttl = DEBT_TTL
+  local ttl = delay
   if bucket.c then
     local fill = bucket.c / bucket.r * 1e6
     ttl = math.max(fill, (bucket.c - accrued(bucket, now)) / bucket.r * 1e6, delay)
+  elseif bucket.b < 0 then
+    ttl = math.max(DEBT_TTL, delay)
   end
   local last = not item.unbooked and call('ZRANGE', item.wkey, '-1', '-1', 'WITHSCORES')[2]
   if last then
@@ -928,6 +936,7 @@ decide = function(now, k, at)
       booking = nil,
       start = nil,
       kept = nil,
+      undefined = nil,
     }
     item.loaded, item.found = load(item.key, now, id, item)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
@@ -946,14 +955,17 @@ decide = function(now, k, at)
       empty_since(bucket, since)
     end
     if not bucket or not bucket.c then
-      -- A new key (no bookings: they are fields of its hash), or one with only recorded
-      -- debt, takes this definition now.
-      local start = initial_tokens(item.c, item.r, now, since, busy)
+      -- A new key (no bookings: they are fields of its hash), or one without a definition,
+      -- takes this one for the check (taken back if it pays nothing): the tokens a new
+      -- bucket starts with when a check first saw the key (now if none has), less the debt.
+      local from = bucket and bucket.seen and bucket.t or now
+      local debt_b = bucket and bucket.b or 0
+      item.undefined = { b = debt_b, t = from }
       bucket = {
         c = item.c,
         r = item.r,
-        b = (bucket and bucket.b or 0) + start,
-        t = now,
+        b = debt_b + initial_tokens(item.c, item.r, from, since, busy),
+        t = from,
         dirty = true,
         defined = true,
         shown = item.shown,
@@ -1019,9 +1031,19 @@ decide = function(now, k, at)
     end
     return items, answer('booked', ms, paused, lapsed)
   end
-  -- Refused: nothing paid; a new bucket is recorded (its accrual starts now).
+  -- Refused: nothing paid, no definition given; a key without one records that a check
+  -- saw it (its accrual starts then).
   for _, item in ipairs(items) do
-    if item.bucket.dirty then
+    local undefined = item.undefined
+    if undefined then
+      item.bucket = undefined
+      local b, t = fmt(undefined.b), fmt_time(undefined.t)
+      if item.shown ~= '' then
+        call('HSET', item.key, 'b', b, 't', t, 's', '1', 'f', item.shown)
+      else
+        call('HSET', item.key, 'b', b, 't', t, 's', '1')
+      end
+    elseif item.bucket.dirty then
       save(item.key, item.bucket)
     end
     item.kept = keep(item, now, ready - now, true)
