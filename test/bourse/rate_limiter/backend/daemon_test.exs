@@ -277,6 +277,24 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  test "a daemon that accepts and never answers holds the limiter's start at most its timeout" do
+    # A stopped daemon: the kernel accepts its connections, nothing reads them.
+    path =
+      Path.join(System.tmp_dir!(), "bourse-silent-#{System.unique_integer([:positive])}.sock")
+
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
+    on_exit(fn -> File.rm(path) end)
+
+    started = now_ms()
+    name = start_limiter({:daemon, {:unix, path}, timeout: 300})
+    assert now_ms() - started < 2_000, "started after #{now_ms() - started} ms"
+
+    assert {:error, %Error{type: :unavailable}} =
+             RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    :gen_tcp.close(listener)
+  end
+
   test "a daemon that stops answering: calls end as :unavailable after the timeout, never hang" do
     {daemon, name} = start_connected_daemon(timeout: 300)
 

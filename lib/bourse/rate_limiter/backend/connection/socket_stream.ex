@@ -40,7 +40,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Backend.Connection.PortStream
 
-  @handshake_timeout 5_000
   @in_flight 1
   @reader 2
   @writer 3
@@ -79,10 +78,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     {socket, counters, make_ref(), port}
   end
 
+  # Connecting and the handshake end within the backend's timeout in all: a daemon that
+  # accepts and never answers (stopped, say) holds a limiter's start no longer than a call.
   @impl true
   def open({:socket, address}, settings) do
-    with {:ok, socket} <- connect(address, settings.timeout) do
-      case handshake(socket, address, settings.secret) do
+    deadline = System.monotonic_time(:millisecond) + settings.timeout
+
+    with {:ok, socket} <- connect(address, deadline) do
+      case handshake(socket, address, settings.secret, deadline) do
         {:ok, hello} ->
           {:ok, stream(socket, nil), hello}
 
@@ -93,18 +96,18 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp connect({:tcp, host, port}, _timeout) do
+  defp connect({:tcp, host, port}, deadline) do
     with {:ok, ip} <- resolve(host),
          family = if(tuple_size(ip) == 4, do: :inet, else: :inet6),
          {:ok, socket} <- tagged(:socket.open(family, :stream, :tcp), "cannot connect") do
       :socket.setopt(socket, {:tcp, :nodelay}, true)
-      connected(socket, %{family: family, addr: ip, port: port})
+      connected(socket, %{family: family, addr: ip, port: port}, deadline)
     end
   end
 
-  defp connect({:unix, path}, _timeout) do
+  defp connect({:unix, path}, deadline) do
     with {:ok, socket} <- tagged(:socket.open(:local, :stream, :default), "cannot connect") do
-      socket |> connected(%{family: :local, path: path}) |> not_a_socket(path)
+      socket |> connected(%{family: :local, path: path}, deadline) |> not_a_socket(path)
     end
   end
 
@@ -131,8 +134,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   end
 
   # Answers are read 64 KiB at a time.
-  defp connected(socket, address) do
-    case tagged(:socket.connect(socket, address, @handshake_timeout), "cannot connect") do
+  defp connected(socket, address, deadline) do
+    case tagged(:socket.connect(socket, address, left(deadline)), "cannot connect") do
       :ok ->
         :socket.setopt(socket, {:otp, :rcvbuf}, 64 * 1024)
         {:ok, socket}
@@ -143,33 +146,35 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp handshake(socket, address, secret) do
-    with :ok <- send_all(socket, [Connection.hello_request(), ?\n]),
-         {:ok, frame} <- recv_frame(socket, "no hello"),
+  defp handshake(socket, address, secret, deadline) do
+    with :ok <- send_all(socket, [Connection.hello_request(), ?\n], deadline),
+         {:ok, frame} <- recv_frame(socket, "no hello", deadline),
          {:ok, hello} <- Connection.hello(frame),
-         :ok <- prove(socket, Map.get(hello, "auth"), secret, address),
+         :ok <- prove(socket, Map.get(hello, "auth"), secret, address, deadline),
          do: {:ok, hello}
   end
+
+  defp left(deadline), do: max(deadline - System.monotonic_time(:millisecond), 0)
 
   # A daemon reached over TCP asks for proof of the shared secret: the HMAC-SHA256 of the
   # nonce in its hello; and proves it in turn, over a challenge of ours. The secret itself
   # never travels. Every daemon serving TCP asks: one that does not is not a bourse_daemon
   # (a Unix socket's permissions stand for the proof).
-  defp prove(_socket, nil, _secret, {:tcp, _host, _port}) do
+  defp prove(_socket, nil, _secret, {:tcp, _host, _port}, _deadline) do
     {:error,
      "the peer did not ask for the shared secret, as every bourse_daemon serving TCP " <>
        "does: another program may be listening there"}
   end
 
-  defp prove(_socket, nil, _secret, _unix), do: :ok
+  defp prove(_socket, nil, _secret, _unix, _deadline), do: :ok
 
-  defp prove(_socket, %{}, nil, _address) do
+  defp prove(_socket, %{}, nil, _address, _deadline) do
     {:error,
      "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
        "secret_file: option"}
   end
 
-  defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address)
+  defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address, deadline)
        when is_binary(nonce) do
     challenge = :crypto.strong_rand_bytes(32) |> Base.encode16(case: :lower)
 
@@ -178,8 +183,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
     expected = hmac(secret, "daemon #{challenge} #{nonce}")
 
-    with :ok <- send_all(socket, PortStream.frame(request, byte_size(request))),
-         {:ok, frame} <- recv_frame(socket, "no answer to auth") do
+    with :ok <- send_all(socket, PortStream.frame(request, byte_size(request)), deadline),
+         {:ok, frame} <- recv_frame(socket, "no answer to auth", deadline) do
       case Connection.decode(frame) do
         {:ok, %{"ok" => true, "proof" => ^expected}} ->
           :ok
@@ -195,14 +200,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp prove(_socket, _auth, _secret, _address),
+  defp prove(_socket, _auth, _secret, _address, _deadline),
     do: {:error, "the daemon asks for a proof this client does not know"}
 
   defp hmac(secret, message),
     do: :crypto.mac(:hmac, :sha256, secret, message) |> Base.encode16(case: :lower)
 
-  defp send_all(socket, iodata),
-    do: tagged(:socket.send(socket, iodata, @handshake_timeout), "cannot send")
+  defp send_all(socket, iodata, deadline),
+    do: tagged(:socket.send(socket, iodata, left(deadline)), "cannot send")
 
   defp tagged({:error, reason}, what), do: {:error, "#{what}: #{format_error(reason)}"}
   defp tagged(ok, _what), do: ok
@@ -221,13 +226,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   # One length-prefixed frame of the handshake, read exactly (what follows it stays in the
   # socket for the connection); a daemon that refuses the connection (at
   # its --max-connections) or does not know the codec answers a JSON line instead.
-  defp recv_frame(socket, what) do
-    with {:ok, header} <- recv(socket, 4, what) do
+  defp recv_frame(socket, what, deadline) do
+    with {:ok, header} <- recv(socket, 4, what, deadline) do
       case header do
-        <<?{, _::binary>> -> json_line(socket, what, header)
+        <<?{, _::binary>> -> json_line(socket, what, header, deadline)
         <<size::32>> when size > 1024 * 1024 -> {:error, "#{what}: #{not_a_daemon(header)}"}
         <<0::32>> -> {:ok, ""}
-        <<size::32>> -> recv(socket, size, what)
+        <<size::32>> -> recv(socket, size, what, deadline)
       end
     end
   end
@@ -239,18 +244,19 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
       "the peer's answer began with #{inspect(header)}, not a bourse_daemon frame; " <>
         "is a bourse_daemon listening there?"
 
-  defp json_line(socket, what, line) do
+  defp json_line(socket, what, line, deadline) do
     cond do
       String.contains?(line, "\n") or byte_size(line) > 1024 ->
         {:error, "the daemon answered in JSON: #{String.slice(line, 0, 300)}"}
 
       true ->
-        with {:ok, more} <- recv(socket, 0, what), do: json_line(socket, what, line <> more)
+        with {:ok, more} <- recv(socket, 0, what, deadline),
+             do: json_line(socket, what, line <> more, deadline)
     end
   end
 
-  defp recv(socket, size, what),
-    do: tagged(:socket.recv(socket, size, [], @handshake_timeout), what)
+  defp recv(socket, size, what, deadline),
+    do: tagged(:socket.recv(socket, size, [], left(deadline)), what)
 
   ## A caller's request
 
