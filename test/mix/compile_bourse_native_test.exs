@@ -188,6 +188,16 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
       %{prebuilt: prebuilt}
     end
 
+    test "mix bourse.native.package refuses flags it does not know, building nothing", ctx do
+      for args <- [["--ouput", "x"], ["--output"], ["--bogus"], ["extra"]] do
+        assert_raise Mix.Error, "usage: mix bourse.native.package [--output DIR]", fn ->
+          in_project(ctx, fn -> Package.run(args) end)
+        end
+      end
+
+      assert cargo_runs(ctx) == 0
+    end
+
     test "mix bourse.native.package writes the artifacts and their manifest", ctx do
       assert File.read!(Path.join(ctx.prebuilt, "libbourse_nif.so")) == "nif v1"
 

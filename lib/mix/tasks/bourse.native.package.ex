@@ -24,7 +24,12 @@ defmodule Mix.Tasks.Bourse.Native.Package do
 
   @impl Mix.Task
   def run(args) do
-    {opts, _, _} = OptionParser.parse(args, strict: [output: :string])
+    opts =
+      case OptionParser.parse(args, strict: [output: :string]) do
+        {opts, [], []} -> opts
+        _ -> Mix.raise("usage: mix bourse.native.package [--output DIR]")
+      end
+
     {root, version} = bourse_root()
     built = BourseNative.cargo_build!(root)
 
