@@ -22,8 +22,9 @@ Modes:
 
 Access (server mode):
   Unix sockets are created owner-only (0600) whatever the umask.
-  --socket-mode 660         Let the socket file's group connect too (give the directory
-                            that group; only 600 and 660 are accepted).
+  --socket-mode 660         Let the socket file's group connect too (only 600 and 660
+                            are accepted). The file gets the daemon's group, or its
+                            directory's when that has the setgid bit (chmod g+s DIR).
   TCP clients must prove a shared secret before anything but `hello` is served: the
   secret (at least 16 bytes, a trailing newline ignored) comes from the file named by
   --secret-file PATH, or else from the environment variable BOURSE_DAEMON_SECRET; never
