@@ -158,7 +158,7 @@ fn serve_local<S: Store>(
                 let session = &shared.session;
                 shared
                     .service
-                    .frame_too_large(session, &mut out, number, max_frame_bytes);
+                    .frame_too_large(session, &mut out, number, max_frame_bytes, None);
                 let _ = shared.output.send(&mut out, true);
                 eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
                 shared.drain();
@@ -209,9 +209,13 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
                     let mut out = vec![0; 4];
                     let number = shared.session.next_frame();
                     let session = &shared.session;
-                    shared
-                        .service
-                        .frame_too_large(session, &mut out, number, max_frame_bytes);
+                    shared.service.frame_too_large(
+                        session,
+                        &mut out,
+                        number,
+                        max_frame_bytes,
+                        None,
+                    );
                     let _ = shared.output.send(&mut out, true);
                     eprintln!("bourse_daemon: frame longer than {max_frame_bytes} bytes; exiting");
                     shared.drained().await;

@@ -101,6 +101,16 @@ fn oversized_frames_get_an_error_then_the_connection_closes() {
     let answer = client.recv();
     assert_eq!(answer["error"]["type"], "frame_too_large");
     assert!(client.recv_line().is_none());
+    // ...answered with the id that leads it, whole or not ended...
+    for end in ["\n", ""] {
+        let mut client = server.connect();
+        let frame = format!("{{\"id\":7,\"op\":\"hello\",\"pad\":\"{padding}\"}}{end}");
+        client.send_raw(frame.as_bytes());
+        let answer = client.recv();
+        assert_eq!(answer["error"]["type"], "frame_too_large", "{answer}");
+        assert_eq!(answer["id"], 7, "{answer}");
+        assert!(client.recv_line().is_none());
+    }
     // ...and one that never ends.
     let mut client = server.connect();
     assert_eq!(client.call(json!({"op": "hello"}))["ok"], true);

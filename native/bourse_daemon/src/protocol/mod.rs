@@ -295,17 +295,28 @@ impl<S: Store> Service<S> {
         }
     }
 
-    /// The answer to a frame longer than `max` bytes; the transport then closes.
-    pub fn frame_too_large(&self, session: &Session, out: &mut Vec<u8>, number: u64, max: usize) {
+    /// The answer to a frame longer than `max` bytes (`line`: its bytes read so far, when
+    /// frames are JSON lines), with the id that leads it if one does; the transport then
+    /// closes.
+    pub fn frame_too_large(
+        &self,
+        session: &Session,
+        out: &mut Vec<u8>,
+        number: u64,
+        max: usize,
+        line: Option<&[u8]>,
+    ) {
         self.count_invalid(session);
         let message = match session.authenticated() {
             true => format!("frame longer than {max} bytes (--max-frame-bytes); closing"),
             false => format!("frame longer than {max} bytes before the secret is proved; closing"),
         };
+        let id = line.and_then(leading_id);
+        let to = id.as_ref().map_or(To::Frame(number), |id| To::Id(Some(id)));
         error(
             out,
             session.codec(),
-            To::Frame(number),
+            to,
             "frame_too_large",
             &InvalidInput::new(message),
         );

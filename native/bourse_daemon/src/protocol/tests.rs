@@ -850,7 +850,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
 fn frame_errors() {
     let f = Fixture::new();
     let mut out = Vec::new();
-    f.service.frame_too_large(&f.session, &mut out, 3, 64);
+    f.service.frame_too_large(&f.session, &mut out, 3, 64, None);
     let answer: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(answer["error"]["type"], "frame_too_large");
     out.clear();

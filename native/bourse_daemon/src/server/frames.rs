@@ -88,13 +88,13 @@ impl Frames {
                     end -= 1;
                 }
                 let line = self.start..end;
+                // Too large, the line stays unread: its start may name its id.
+                if line.len() > self.max {
+                    return Next::TooLarge;
+                }
                 self.start = newline + 1;
                 self.scanned = self.start;
-                if line.len() > self.max {
-                    Next::TooLarge
-                } else {
-                    Next::Frame(line)
-                }
+                Next::Frame(line)
             }
             None => {
                 self.scanned = self.buf.len();

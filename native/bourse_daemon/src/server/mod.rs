@@ -590,7 +590,8 @@ where
                 Next::TooLarge => {
                     let number = session.next_frame();
                     let start = out.len();
-                    service.frame_too_large(&session, &mut out, number, input.max());
+                    let line = input.partial_line();
+                    service.frame_too_large(&session, &mut out, number, input.max(), line);
                     framed(&mut out, start, session.codec());
                     while running > 0 {
                         let Some(answer) = answers.recv().await else {

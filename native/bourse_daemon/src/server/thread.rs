@@ -138,7 +138,8 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                 Next::TooLarge => {
                     let number = session.next_frame();
                     let start = out.len();
-                    service.frame_too_large(&session, &mut out, number, input.max());
+                    let line = input.partial_line();
+                    service.frame_too_large(&session, &mut out, number, input.max(), line);
                     framed(&mut out, start, session.codec());
                     let _ = send(&stream, &mut out, idle);
                     let _ = stream.shutdown(Shutdown::Write);
