@@ -40,8 +40,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   shared table, and nothing hangs (a call waits at most its timeout). The connection is
   retried with backoff (50 ms doubling to 2 s) and calls work again as soon as it is back.
   If the daemon is not up when the limiter starts, the limiter starts anyway and connects
-  when it can; connecting and the daemon's hello take at most the `timeout:` option (a
-  daemon that accepts and never answers, a stopped one, holds the start that long).
+  when it can; connecting and the daemon's hello take at most the `timeout:` option, or
+  1 s when that is shorter (a daemon that accepts and never answers, a stopped one, holds
+  the start that long).
 
   A restarted daemon starts with an empty table while the exchange still counts what was
   spent before. Run it with `--assume-busy-at-start` (under a supervisor such as systemd):

@@ -78,11 +78,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     {socket, counters, make_ref(), port}
   end
 
-  # Connecting and the handshake end within the backend's timeout in all: a daemon that
-  # accepts and never answers (stopped, say) holds a limiter's start no longer than a call.
+  # Connecting and the handshake end within the backend's timeout in all, or
+  # @min_handshake_ms when that is shorter (a timeout of a few ms is for requests, not for
+  # a connection): a daemon that accepts and never answers (stopped, say) holds a limiter's
+  # start about as long as a call.
+  @min_handshake_ms 1_000
   @impl true
   def open({:socket, address}, settings) do
-    deadline = System.monotonic_time(:millisecond) + settings.timeout
+    deadline = System.monotonic_time(:millisecond) + max(settings.timeout, @min_handshake_ms)
 
     with {:ok, socket} <- connect(address, deadline) do
       case handshake(socket, address, settings.secret, deadline) do
