@@ -26,6 +26,22 @@ defmodule Bourse.PeerNode do
   end
 
   @doc """
+  `start/0` from a test module's `setup_all`: the peer is stopped, and this VM is a node no
+  more, once the module's tests ended. Returns the peer's node.
+  """
+  @spec start_for_module() :: node()
+  def start_for_module do
+    {peer, node} = start()
+
+    ExUnit.Callbacks.on_exit(fn ->
+      :peer.stop(peer)
+      :net_kernel.stop()
+    end)
+
+    node
+  end
+
+  @doc """
   Makes this VM the node `name@127.0.0.1`, starting epmd if need be. `epmd -daemon`
   returns before the new epmd listens, so it is asked until it answers: registering with it
   sooner fails (`econnrefused`).

@@ -7,14 +7,7 @@ defmodule Bourse.RateLimiter.NotLoadedTest do
   @moduletag :distributed
 
   setup_all do
-    {peer, node} = Bourse.PeerNode.start()
-
-    on_exit(fn ->
-      :peer.stop(peer)
-      :net_kernel.stop()
-    end)
-
-    %{node: node}
+    %{node: Bourse.PeerNode.start_for_module()}
   end
 
   test "malformed input to a limiter not running is :invalid_parameters, not :noproc",

@@ -10,12 +10,7 @@ defmodule Bourse.RateLimiter.RemoteNamesTest do
   @limit %{capacity: 2, refill_per_sec: 0.001}
 
   setup_all do
-    {peer, node} = Bourse.PeerNode.start()
-
-    on_exit(fn ->
-      :peer.stop(peer)
-      :net_kernel.stop()
-    end)
+    node = Bourse.PeerNode.start_for_module()
 
     # A limiter and an Agent (also a :global name) on the peer. (No anonymous functions:
     # the peer does not have this module's code.)
