@@ -106,7 +106,8 @@ impl Bucket {
 
     pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64) -> Self {
         Self {
-            base: -debt,
+            // From +0.0: no debt reads 0.0, not -0.0.
+            base: 0.0 - debt,
             base_at: UNSEEN,
             ..Self::seen(key, hash, now)
         }
@@ -160,7 +161,7 @@ impl Bucket {
     pub fn pending_debt(&self) -> f64 {
         match self.limit {
             Some(_) => 0.0,
-            None => -self.base,
+            None => 0.0 - self.base,
         }
     }
 
@@ -345,15 +346,21 @@ impl Bucket {
         }
     }
 
-    /// Debits `cost` without checking; the bucket may go into debt.
+    /// Debits `cost` without checking; the bucket may go into debt. Under a definition
+    /// what accrued is spent ([`Bucket::touch`]); without one the accrual still counts from
+    /// when a check first saw the key, so what a refusal told its caller holds.
     pub fn debit(&mut self, cost: f64, now: u64) {
         match self.limit {
             Some(limit) => {
                 self.limit_refunds(limit.capacity() - self.accrued(&limit, now), now);
                 self.base = self.tokens(now) - cost;
                 self.base_at = now;
+                self.touch(now, 0);
             }
-            None => self.base -= cost,
+            None => {
+                self.base -= cost;
+                self.told(now, 0);
+            }
         }
     }
 

@@ -433,10 +433,7 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         shard.stats.debited += 1;
         match shard.buckets.find_mut(hash, Sought::Parts(key)) {
-            Some(bucket) => {
-                bucket.debit(cost, now);
-                bucket.touch(now, 0);
-            }
+            Some(bucket) => bucket.debit(cost, now),
             None => {
                 shard
                     .buckets

@@ -526,6 +526,31 @@ fn a_refused_check_starts_the_accrual_of_a_key_it_does_not_define() {
     );
     clock.advance_ms(5_000);
     assert_eq!(probe(&t, "ip", l, 4.0), Outcome::Admitted);
+    // A debit without a definition spends nothing that accrued: the refused caller is
+    // admitted when it comes back, though sweeps ran meanwhile.
+    assert_eq!(probe(&t, "order", l, 3.0), Outcome::Delay(2_000));
+    t.record_request(key("order"), 0.0);
+    clock.advance_ms(1_000);
+    t.sweep();
+    clock.advance_ms(1_000);
+    t.sweep();
+    assert_eq!(probe(&t, "order", l, 3.0), Outcome::Admitted);
+}
+
+#[test]
+fn no_debt_reads_as_positive_zero() {
+    let (t, _) = table();
+    assert_eq!(
+        probe(&t, "request", limit(1.0, 1.0), 3.0),
+        Outcome::Delay(2_000)
+    );
+    t.record_request(key("ip"), 0.0);
+    for axis in ["request", "ip"] {
+        let info = t.inspect(key(axis)).unwrap();
+        for value in [t.get_cost(key(axis)), info.borrowed, info.debt, info.tokens] {
+            assert!(value == 0.0 && value.is_sign_positive(), "{axis}: {value}");
+        }
+    }
 }
 
 #[test]

@@ -982,6 +982,31 @@ fn a_redis_restart_admits_nothing_while_down_and_recovers() {
     assert!(admitted <= 5, "admitted {admitted}");
 }
 
+/// With --assume-busy-at-start, a key that only refused checks saw before its exchange's
+/// state began again (Redis restarted from a snapshot, a failover) accrued nothing before
+/// then, as a key with a definition.
+#[test]
+fn a_key_seen_only_by_refusals_accrues_nothing_before_its_state_began_again() {
+    let Some(redis) = Redis::start() else { return };
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let mut b = busy.connect();
+    let k = key("busyseen", Some("refused"));
+    let limit = json!({"capacity": 5, "refill_per_sec": 10});
+    // The exchange's state begins now: empty, a cost of 3 waits 300 ms.
+    let first = b.call(check(&k, limit.clone(), 3.0));
+    assert_eq!(first["result"], "delay", "{first}");
+    thread::sleep(Duration::from_millis(600));
+    // Another node's marker: for this daemon the state begins again at its next check.
+    let _: () = redis.query(
+        ::redis::cmd("SET")
+            .arg("bourse:e{8:busyseen}")
+            .arg("1 0ther"),
+    );
+    let again = b.call(check(&k, limit.clone(), 3.0));
+    assert_eq!(again["result"], "delay", "{again}");
+    about(ms(&again), 300, "as if empty when the state began again");
+}
+
 /// With `--redis` a connection is served by the runtime, not a thread of its own: a client
 /// that reads its answers slowly but steadily is not taken for one that stopped reading.
 #[test]

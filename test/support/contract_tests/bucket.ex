@@ -175,6 +175,21 @@ defmodule Bourse.ContractTests.Bucket do
         end
 
         @tag limiter_opts: [sweep_interval_ms: 10]
+        test "a debit on a key without a definition keeps a refused caller's accrual",
+             %{name: name} do
+          # Told 2 s: longer than a key without debt is kept unless a refusal asks.
+          limit = %{capacity: 1, refill_per_sec: 1}
+          key = {"ex", "debited"}
+          assert {:delay, 2_000} = check_rate(key, limit, 3, name)
+          # No debt reads 0, not -0.0.
+          assert inspect(get_cost(key, 1, name)) in ["0", "0.0"]
+          assert :ok = record_request(key, 0, name)
+          # Back 20 ms late while sweeps run every 10 ms.
+          Process.sleep(2_020)
+          assert :ok = check_rate(key, limit, 3, name)
+        end
+
+        @tag limiter_opts: [sweep_interval_ms: 10]
         test "keys without a definition or debt are dropped (P7)", %{name: name} do
           before = stats(name).buckets
           for i <- 1..50, do: :ok = record_request({"ex", "k#{i}"}, 0, name)

@@ -959,6 +959,10 @@ decide = function(now, k, at)
       -- takes this one for the check (taken back if it pays nothing): the tokens a new
       -- bucket starts with when a check first saw the key (now if none has), less the debt.
       local from = bucket and bucket.seen and bucket.t or now
+      -- With assume_busy_at_start, nothing accrued before this exchange's state began.
+      if busy and from < since then
+        from = since
+      end
       local debt_b = bucket and bucket.b or 0
       item.undefined = { b = debt_b, t = from }
       bucket = {
@@ -1052,13 +1056,14 @@ decide = function(now, k, at)
 end
 
 -- record: KEYS = bucket, bookings; ARGV = 'record', cost, shown fingerprint. Debits without
--- checking; a key without a definition keeps the debt for its first check.
+-- checking; a key without a definition keeps the debt for its first check, and what
+-- accrued since a check saw it (so its life is never shortened).
 local function record(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local cost = tonumber(ARGV[2])
   local bucket = load(item.key, now)
   if not bucket then
-    bucket = { b = -cost, t = now, shown = ARGV[3] }
+    bucket = { b = 0 - cost, t = now, shown = ARGV[3] }
   elseif bucket.c then
     item.bucket = bucket
     limit_stored_refunds(item, now, bucket.c - accrued(bucket, now))
@@ -1069,7 +1074,7 @@ local function record(now)
   end
   item.bucket = bucket
   save(item.key, bucket)
-  keep(item, now, 0)
+  keep(item, now, 0, not bucket.c)
   return 'OK'
 end
 
