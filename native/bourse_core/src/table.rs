@@ -277,18 +277,43 @@ impl<C: Clock> Table<C> {
         let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
-        let undefined = self.define(bucket, &item, request.now);
-        let outcome = engine::decide(
-            &mut [&mut *bucket],
-            &[item],
-            &mut shard.stats,
-            request,
-            &pauses,
-        );
-        if let (Some(undefined), false) = (undefined, outcome.paid()) {
-            bucket.undefine(undefined, request.now);
-        }
+        let items = std::slice::from_ref(&item);
+        let outcome = self.defining(&mut [bucket], items, request.now, |buckets| {
+            Some(engine::decide(
+                buckets,
+                items,
+                &mut shard.stats,
+                request,
+                &pauses,
+            ))
+        });
         Self::unlock(guard);
+        outcome.expect("a single check is always decided")
+    }
+
+    /// Runs `decide` over `buckets` (aligned with `items`), those without a definition
+    /// given their item's for it, and left without one if the check pays nothing (or is
+    /// not decided): a refused call gives no key a definition.
+    fn defining(
+        &self,
+        buckets: &mut [&mut Bucket],
+        items: &[Item],
+        now: u64,
+        decide: impl FnOnce(&mut [&mut Bucket]) -> Option<Outcome>,
+    ) -> Option<Outcome> {
+        // Where each bucket given a definition was (usually none).
+        let undefined: SmallVec<[(usize, Undefined); 2]> = buckets
+            .iter_mut()
+            .zip(items)
+            .enumerate()
+            .filter_map(|(at, (bucket, item))| Some((at, self.define(bucket, item, now)?)))
+            .collect();
+        let outcome = decide(buckets);
+        if !outcome.is_some_and(Outcome::paid) {
+            for (at, undefined) in undefined {
+                buckets[at].undefine(undefined, now);
+            }
+        }
         outcome
     }
 
@@ -333,26 +358,19 @@ impl<C: Clock> Table<C> {
             found = Self::find_buckets(&mut guards, items);
         }
         let mut buckets: SmallVec<[&mut Bucket; INLINE_CHECKS]> = SmallVec::new();
-        let mut undefined: SmallVec<[Option<Undefined>; INLINE_CHECKS]> = SmallVec::new();
-        for (bucket, item) in found.into_iter().zip(items.iter()) {
+        for bucket in found {
             // SAFETY: the items are coalesced, so each pointer is to a different bucket. No
             // bucket moves until the check ends: the shards stay locked, and nothing is
             // inserted or removed after the look-ups. The buckets live in their tables'
             // allocations, apart from the shards' other fields (the stats borrowed below).
-            let bucket = unsafe { &mut *bucket };
-            undefined.push(self.define(bucket, item, request.now));
-            buckets.push(bucket);
+            buckets.push(unsafe { &mut *bucket });
         }
-        let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
-        let outcome = (bookings <= max_bookings)
-            .then(|| engine::decide(&mut buckets, items, &mut guards[0].stats, request, &pauses));
-        if !outcome.is_some_and(|outcome| outcome.paid()) {
-            for (bucket, undefined) in buckets.iter_mut().zip(undefined) {
-                if let Some(undefined) = undefined {
-                    bucket.undefine(undefined, request.now);
-                }
-            }
-        }
+        let stats = &mut guards[0].stats;
+        let outcome = self.defining(&mut buckets, items, request.now, |buckets| {
+            let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
+            (bookings <= max_bookings)
+                .then(|| engine::decide(buckets, items, stats, request, &pauses))
+        });
         // Every lock released before any table is allocated.
         let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()

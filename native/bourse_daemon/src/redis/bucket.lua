@@ -1063,7 +1063,7 @@ local function record(now)
   local cost = tonumber(ARGV[2])
   local bucket = load(item.key, now)
   if not bucket then
-    bucket = { b = 0 - cost, t = now, shown = ARGV[3] }
+    bucket = { b = -cost, t = now, shown = ARGV[3] }
   elseif bucket.c then
     item.bucket = bucket
     limit_stored_refunds(item, now, bucket.c - accrued(bucket, now))
