@@ -18,7 +18,10 @@
 //! [`StoreError::Unavailable`]: a check that fails inside Redis fails alone, having paid
 //! nothing (the script runs each under `pcall`); a call that fails fails each check it
 //! carried; a caller whose timeout passes is answered `Unavailable` at once, and its
-//! check, if still waiting, is dropped, or refused by the script past its deadline.
+//! check, if still waiting, is dropped, or refused by the script past its deadline. A
+//! call whose answer comes after its callers stopped waiting (Redis ran it, then stopped
+//! before answering) is still read, in the background, and what it paid for a caller who
+//! got no answer is given back by a `refunds` call.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
@@ -34,7 +37,7 @@ use super::answer::CheckAnswer;
 use super::client::{self, Client};
 use super::connection::hash_tag;
 use super::names;
-use super::script::Call;
+use super::script::{self, Call};
 use crate::store::{LastRun, StoreError, StoreResult};
 
 /// The most checks in one call: a call holds Redis for all of them.
@@ -123,9 +126,7 @@ impl Batcher {
     /// and the marker's lifetime, as a `checks` call has: sent again after a lost
     /// connection, it does not run twice.
     pub fn once(&self, call: &mut Call) {
-        let marker = self.runs.marker(hash_tag(call.first_key()));
-        call.key(marker)
-            .arg(self.client.marker_lifetime().as_millis() as u64);
+        self.runs.once(&self.client, call);
     }
 
     /// Runs one check (its keys and arguments, see bucket.lua) that came on `connection`,
@@ -155,19 +156,33 @@ impl Batcher {
             true => lane.turns.clone().try_acquire_owned().ok(),
             false => None,
         };
+        let until = (sent + self.timeout).into();
         if let Some(turn) = turn {
             let turn = Turn::new(turn, &self.calls);
-            let marker = self.runs.marker(hash_tag(waiting.part.first_key()));
-            run(self.client.clone(), marker, vec![waiting], turn).await;
+            let client = self.client.clone();
+            let mut call = Box::pin(run(client, self.runs.clone(), vec![waiting], turn));
+            // Past the timeout, its answer is read in the background.
+            if tokio::time::timeout_at(until, &mut call).await.is_err() {
+                tokio::spawn(call);
+            }
         } else if lane.queue.send(Box::new(waiting)).is_err() {
             return Err(StoreError::Unavailable(
                 "the redis dispatcher stopped".into(),
             ));
         }
-        match tokio::time::timeout_at((sent + self.timeout).into(), answer).await {
+        let mut answer = answer;
+        match tokio::time::timeout_at(until, &mut answer).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(self.client.unavailable("the check was dropped unanswered")),
-            Err(_) => Err(self.client.no_answer()),
+            // Closed, then read: an answer sent meanwhile is this caller's; none can come
+            // after, so every answer that was not read is known to its sender.
+            Err(_) => {
+                answer.close();
+                match answer.try_recv() {
+                    Ok(answer) => answer,
+                    Err(_) => Err(self.client.no_answer()),
+                }
+            }
         }
     }
 
@@ -193,6 +208,13 @@ struct Runs {
 }
 
 impl Runs {
+    /// Ends `call` with a run marker of its first key's slot and the marker's lifetime.
+    fn once(&self, client: &Client, call: &mut Call) {
+        let marker = self.marker(hash_tag(call.first_key()));
+        call.key(marker)
+            .arg(client.marker_lifetime().as_millis() as u64);
+    }
+
     fn marker(&self, tag: &[u8]) -> Vec<u8> {
         let run = self.next.fetch_add(1, Ordering::Relaxed);
         let mut marker = Vec::with_capacity(self.prefix.len() + tag.len() + 40);
@@ -315,25 +337,39 @@ async fn dispatch(
                 batch.push(next);
             }
         }
-        // Every check of a lane goes to one node: one call, named under the first's tag.
-        if let Some(first) = batch.first() {
-            let marker = runs.marker(hash_tag(first.part.first_key()));
-            tokio::spawn(run(client.clone(), marker, batch, turn));
+        if !batch.is_empty() {
+            tokio::spawn(run(client.clone(), runs.clone(), batch, turn));
         }
     }
 }
 
-/// Sends one call and answers each of its checks.
-async fn run(client: Arc<Client>, marker: Vec<u8>, checks: Vec<Waiting>, _turn: Turn) {
-    let parts: Vec<(Instant, LastRun, &Call)> = checks
-        .iter()
-        .map(|w| (w.sent, w.last_run, &w.part))
-        .collect();
-    let answer = client.invoke_checks(&marker, &parts).await;
-    drop(parts);
+/// Sends one call of `checks` (not empty) and answers each of them. The call's turn ends
+/// with its timeout; past it, its answer is read only in a place for late calls.
+async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: Turn) {
+    // Every check of a lane goes to one node: one call, named under the first's tag.
+    let marker = runs.marker(hash_tag(checks[0].part.first_key()));
+    let answer = {
+        let parts: Vec<(Instant, LastRun, &Call)> = checks
+            .iter()
+            .map(|w| (w.sent, w.last_run, &w.part))
+            .collect();
+        let call = client.invoke_checks(&marker, &parts);
+        tokio::pin!(call);
+        match tokio::time::timeout(client.timeout(), &mut call).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                drop(turn);
+                match client.late_place() {
+                    Some(_place) => call.await,
+                    None => Err(client.no_answer()),
+                }
+            }
+        }
+    };
     match answer {
         Ok((now, answers)) if answers.len() == checks.len() => {
             client.observe(now);
+            let mut unanswered = Vec::new();
             for (waiting, answer) in checks.into_iter().zip(answers) {
                 let answer = match answer.0.as_str() {
                     "late" => Err(client::late_refusal(waiting.sent)),
@@ -342,7 +378,14 @@ async fn run(client: Arc<Client>, marker: Vec<u8>, checks: Vec<Waiting>, _turn: 
                         None => Ok(answer),
                     },
                 };
-                let _ = waiting.reply.send(answer);
+                if let Err(Ok((result, ..))) = waiting.reply.send(answer) {
+                    if matches!(result.as_str(), "admitted" | "booked") {
+                        unanswered.push((result, waiting.part));
+                    }
+                }
+            }
+            if !unanswered.is_empty() {
+                give_back(&client, &runs, now, &unanswered).await;
             }
         }
         Ok((_, answers)) => {
@@ -356,6 +399,15 @@ async fn run(client: Arc<Client>, marker: Vec<u8>, checks: Vec<Waiting>, _turn: 
         Err(StoreError::Unavailable(message)) => fail(checks, &message),
         Err(StoreError::Invalid(error)) => fail(checks, &client.located(error.message())),
     }
+}
+
+/// Gives back what the checks `paid` paid in a call that ran at `paid_at` (Redis clock),
+/// their callers having had no answer. Once: a lost answer leaves them paid.
+async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
+    let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
+    let mut call = script::refunds(paid_at, &paid);
+    runs.once(client, &mut call);
+    let _ = client.invoke::<u64>(&call, None).await;
 }
 
 fn fail(checks: Vec<Waiting>, message: &str) {

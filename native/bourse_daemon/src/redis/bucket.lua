@@ -31,13 +31,15 @@
 --                        k: "<t> <expiry>", written with t by a check that paid here
 --                        and found no bookings: the key had none then and expires no
 --                        earlier than <expiry> (ms, Redis clock); any later write of t
---                        (by every version of this script) outdates it
+--                        (by every version of this script) outdates it;
+--                        z: when the bucket was last lowered by other than payments and
+--                        its cap: its definition changed, or a `sync` (see `refunds`)
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff: "<count> <end of its last pause>", the
 --                        limited replies without a usable wait counted since its last
 --                        success
---   P:{E}:r:<n>  string  the answers of the `checks`, `record` or `back_off` call
+--   P:{E}:r:<n>  string  the answers of the `checks`, `record`, `back_off` or `refunds` call
 --                        numbered n (by its daemon), as it returned them, written when it
 --                        ran; lives twice the daemon's Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
@@ -215,6 +217,7 @@ local function load(key, now, id, request)
     defined = nil,
     shown = nil,
     seen = nil,
+    lowered = nil,
   }
   bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
   bucket.refunds_at_most = written_with(v[6], v[4])
@@ -249,6 +252,10 @@ local function save(key, bucket)
     call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'f', shown)
   else
     call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q)
+  end
+  if bucket.lowered then
+    call('HSET', key, 'z', fmt_time(bucket.lowered))
+    bucket.lowered = nil
   end
 end
 
@@ -645,7 +652,7 @@ local function pay(item, now, at)
   bucket.b = after - lead
   bucket.t = now
   if changed then
-    bucket.c, bucket.r, bucket.defined = item.c, item.r, true
+    bucket.c, bucket.r, bucket.defined, bucket.lowered = item.c, item.r, true, now
   end
 end
 
@@ -1080,13 +1087,16 @@ end
 
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
 -- tokens so that they plus the refill until the window ends fit the allowance (a negative
--- one as 0: no debt past the window); never raises them. Returns the tokens taken.
+-- one as 0: no debt past the window); never raises them. Returns the tokens taken. Noted
+-- in `z` even when it takes nothing: the bucket with a payment given back would have been
+-- lowered.
 local function sync(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local bucket = load(item.key, now)
   if not bucket or not bucket.c then
     return '0'
   end
+  call('HSET', item.key, 'z', fmt_time(now))
   item.bucket = bucket
   local before = tokens(bucket, now)
   local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * tonumber(ARGV[3]) / 1000
@@ -1102,6 +1112,88 @@ local function sync(now)
     keep(item, now, 0)
   end
   return fmt(before - tokens(bucket, now))
+end
+
+-- refunds: gives back what checks of one `checks` call paid, whose callers were told
+-- Redis was unavailable before its answer came (SPEC §8: such a call never pays). KEYS =
+-- each check's keys, as `checks` had them; ARGV = 'refunds', the Redis time (µs) the
+-- `checks` call ran, the count of checks, then per check its answer ('admitted' or
+-- 'booked'), its count of keys and of arguments, and those arguments. Runs once (see
+-- `once`). Returns how many buckets got something back.
+--
+-- Never more than each bucket would hold had the check not paid. A booking is taken back
+-- as `replan` takes bookings back, with what its refund gives, while it is held. An
+-- admitted payment is given back in full while no later write moved the bucket's time
+-- (its tokens are those the call left it, plus the cost; a later payment at that same
+-- time was computed from tokens the cap did not touch); after later payments, less what
+-- accrued since it was paid (the most the cap may have taken from the bucket without it,
+-- bookings included: none is held, and those gone were due by now). Not at all where the
+-- bucket was lowered by other means since (`z`), or holds bookings, or was redefined.
+local function give_back_payment(key, wkey, c_text, r_text, cost, paid_at, now)
+  local v = call('HMGET', key, 'c', 'r', 'b', 't', 'z')
+  local c, r, b, t = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
+  if not (c and r and b and t) or c ~= tonumber(c_text) or r ~= tonumber(r_text) then
+    return false
+  end
+  if t < paid_at or (tonumber(v[5]) or 0) >= paid_at or call('EXISTS', wkey) == 1 then
+    return false
+  end
+  local back = cost
+  if t ~= paid_at then
+    back = cost - r * ((now - paid_at) / 1e6)
+  end
+  if back <= 0 then
+    return false
+  end
+  call('HSET', key, 'b', fmt(math.max(b, math.min(b + back, c))))
+  return true
+end
+
+-- Takes back the booking `id` of the bucket `key` while it is held: the bucket gets what
+-- its refund gives, and the other bookings' refunds keep only the room left below the cap.
+local function give_back_booking(key, wkey, id, now)
+  local bucket = load(key, now)
+  if not bucket or not bucket.c then
+    return false
+  end
+  local item = { key = key, wkey = wkey, bucket = bucket }
+  local list = bookings_of(item)
+  local gone = booking_in(list, id)
+  if not gone or gone.lapse < now then
+    return false
+  end
+  gone.removed = true
+  bucket.b = bucket.b + gone.refund
+  store_refunds(item, limit_refunds(list, now, bucket.c - accrued(bucket, now)))
+  know_refunds(item, list, now)
+  call('HDEL', key, 'w:' .. id)
+  call('ZREM', wkey, id)
+  save(key, bucket)
+  return true
+end
+
+local function refunds(now)
+  local paid_at, given = tonumber(ARGV[2]), 0
+  local k, a = 0, 4
+  for _ = 1, tonumber(ARGV[3]) do
+    local result, at = ARGV[a], a + 2
+    local id, n = ARGV[at + 1], tonumber(ARGV[at + 5])
+    for i = 1, n do
+      local key, wkey = KEYS[k + 2 * i - 1], KEYS[k + 2 * i]
+      local item_at = at + 5 + (i - 1) * 7
+      local done
+      if result == 'booked' then
+        done = give_back_booking(key, wkey, id, now)
+      else
+        local cost = tonumber(ARGV[item_at + 3])
+        done = give_back_payment(key, wkey, ARGV[item_at + 1], ARGV[item_at + 2], cost, paid_at, now)
+      end
+      given = given + (done and 1 or 0)
+    end
+    k = k + tonumber(ARGV[a + 1])
+    a = a + 3 + tonumber(ARGV[a + 2])
+  end
+  return given
 end
 
 -- borrowed: KEYS = bucket. capacity - tokens (>= 0), the pending debt, or 0 if unknown.
@@ -1236,12 +1328,13 @@ local ops = {
   back_off = back_off,
   reset_backoff = reset_backoff,
   reset = reset,
+  refunds = refunds,
 }
 
 -- Ops that must not run twice: their calls end their keys with a run marker and their
 -- arguments with its lifetime (ms). Sent again after a lost connection, such a call answers
 -- what its first run answered, even past its deadline (what it did is done).
-local once = { record = true, back_off = true }
+local once = { record = true, back_off = true, refunds = true }
 
 local function run_once(op, now, late)
   local marker, lifetime = KEYS[#KEYS], ARGV[#ARGV]

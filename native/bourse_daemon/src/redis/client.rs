@@ -7,7 +7,9 @@
 //! Redis server's own clock ([`ServerClock`]), the earlier of the timeout's and the
 //! request's own ([`LastRun`]), and refuses to run past it, so a Redis that was stopped and
 //! resumes does not run the work of callers already told it was unavailable, by this
-//! daemon or by their own timeout.
+//! daemon or by their own timeout. A `checks` call that ran in time but whose answer came
+//! late (Redis stopped before it wrote the answer) is still read, for [`late_wait`] past
+//! the timeout, so that what it paid for callers who stopped waiting is given back.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,6 +36,15 @@ const MAX_IN_FLIGHT: usize = 64;
 /// waits for one to end (within the timeout), so that a burst of them fails fast instead
 /// of crawling on together.
 const MAX_WALKS: usize = 4;
+/// `checks` calls read past their timeout at once; a further one is dropped unread.
+const MAX_LATE: usize = 64;
+
+/// How long past the timeout a `checks` call's answer is still read, on one server: eight
+/// timeouts, at most 30 s. (A cluster's calls end with their timeout: its client sends
+/// nothing more on a connection that stalled.) The connection waits for answers as long.
+pub fn late_wait(timeout: Duration) -> Duration {
+    (timeout * 8).min(Duration::from_secs(30))
+}
 
 /// The connection, the code's forms and what is known of the Redis clock.
 pub struct Client {
@@ -47,6 +58,7 @@ pub struct Client {
     walks: Arc<Semaphore>,
     /// One page of a walk at a time: walks take turns page by page.
     pages: Arc<Semaphore>,
+    late: Arc<Semaphore>,
     timeout: Duration,
     /// Where Redis is, as errors name it (`Servers::describe`).
     peer: String,
@@ -63,8 +75,19 @@ impl Client {
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             walks: Arc::new(Semaphore::new(MAX_WALKS)),
             pages: Arc::new(Semaphore::new(1)),
+            late: Arc::new(Semaphore::new(MAX_LATE)),
             timeout,
         }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// A place among the `checks` calls read past their timeout, held until dropped; none
+    /// when all are taken.
+    pub fn late_place(&self) -> Option<OwnedSemaphorePermit> {
+        self.late.clone().try_acquire_owned().ok()
     }
 
     pub fn is_cluster(&self) -> bool {
@@ -122,7 +145,9 @@ impl Client {
 
     /// Runs the checks `parts` (each sent at its instant, with its request's last moment to
     /// run, so with its own deadline) as one `checks` call that `marker` lets run once; the
-    /// Redis time and each check's answer.
+    /// Redis time and each check's answer. Bounded by the timeout, and on one server
+    /// [`late_wait`] more: past the timeout, the caller waits only in a
+    /// [`Client::late_place`].
     pub async fn invoke_checks(
         &self,
         marker: &[u8],
@@ -131,8 +156,12 @@ impl Client {
         let started = parts.iter().map(|(sent, _, _)| *sent).min();
         let started = started.unwrap_or_else(Instant::now);
         let mut connection = self.link.connection();
+        let within = match self.is_cluster() {
+            true => self.timeout,
+            false => self.timeout + late_wait(self.timeout),
+        };
         let answer = self
-            .bounded(async {
+            .bounded_within(within, async {
                 let mut deadlines = Vec::with_capacity(parts.len());
                 for (sent, last_run, _) in parts {
                     deadlines.push(self.deadline(*sent, *last_run, &mut connection).await?);
@@ -321,7 +350,15 @@ impl Client {
         &self,
         call: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
-        let answer = tokio::time::timeout(self.timeout, call).await;
+        self.bounded_within(self.timeout, call).await
+    }
+
+    async fn bounded_within<T>(
+        &self,
+        within: Duration,
+        call: impl Future<Output = Result<T, RedisError>>,
+    ) -> StoreResult<T> {
+        let answer = tokio::time::timeout(within, call).await;
         match &answer {
             Ok(Ok(_)) => self.link.answered(),
             Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(),

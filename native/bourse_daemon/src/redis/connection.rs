@@ -85,7 +85,8 @@ pub enum ScanNode {
 
 impl Connection {
     /// Prepares the connection without waiting for it: the first command connects. Every
-    /// command is bounded by `timeout`, connecting, redirections and retries included.
+    /// command is bounded by `timeout`, connecting, redirections and retries included (on
+    /// one server, its answer is awaited [`super::client::late_wait`] longer).
     /// Must run inside a Tokio runtime.
     pub fn open(
         servers: &Servers,
@@ -104,9 +105,11 @@ impl Connection {
                 }
                 let client = Client::open(info)
                     .map_err(|error| format!("--redis {:?}: {error}", without_password(url)))?;
+                // Answers come late after Redis was stopped: `checks` calls read them
+                // (`client::late_wait`); every other call stops waiting at the timeout.
                 let manager = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout + super::client::late_wait(timeout)))
                     .set_number_of_retries(0);
                 ConnectionManager::new_lazy_with_config(client, manager)
                     .map(Self::One)

@@ -263,6 +263,25 @@ pub fn checks(
     command
 }
 
+/// One `refunds` call: gives back what the checks `paid` (each its answer, `admitted` or
+/// `booked`, and its call) paid in a `checks` call that ran at `paid_at` (µs, Redis clock),
+/// whose callers stopped waiting before its answer came (see bucket.lua). It must run once:
+/// end it with a run marker.
+pub fn refunds(paid_at: u64, paid: &[(&str, &Call)]) -> Call {
+    let mut call = Call::default();
+    call.arg("refunds").arg(paid_at).arg(paid.len());
+    for (result, part) in paid {
+        for key in &part.keys {
+            call.key_with(|out| out.extend_from_slice(&part.data[key.clone()]));
+        }
+        call.arg(*result).arg(part.keys.len()).arg(part.args.len());
+        for arg in &part.args {
+            call.arg_with(|out| out.extend_from_slice(&part.data[arg.clone()]));
+        }
+    }
+    call
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,6 +325,25 @@ mod tests {
             &[(5, &call)],
         );
         assert_eq!(checks.get_packed_command(), expected.get_packed_command());
+    }
+
+    /// A `refunds` call carries each check's keys and arguments as its `checks` call did,
+    /// after its answer and counts.
+    #[test]
+    fn refunds_carry_the_checks_as_sent() {
+        let mut first = Call::default();
+        first.key("b1").key("w1").arg("id").arg(0);
+        let mut second = Call::default();
+        second.key("b2").key("w2").key("p").arg("id2");
+        let refunds = refunds(77, &[("admitted", &first), ("booked", &second)]);
+        let mut expected = ::redis::cmd("FCALL");
+        expected.arg("f").arg(5).arg("b1").arg("w1");
+        expected.arg("b2").arg("w2").arg("p");
+        expected.arg("refunds").arg(77).arg(2);
+        expected.arg("admitted").arg(2).arg(2).arg("id").arg(0);
+        expected.arg("booked").arg(3).arg(1).arg("id2").arg(0);
+        let command = refunds.command(Script::Function("f"), 0);
+        assert_eq!(command.get_packed_command(), expected.get_packed_command());
     }
 
     /// The script holds as many bookings per bucket as the core.
