@@ -1140,6 +1140,10 @@ local function give_back_payment(key, wkey, c_text, r_text, cost, paid_at, now)
   end
   local back = cost
   if t ~= paid_at then
+    -- A clock set back since: how much accrued is unknown.
+    if now < t then
+      return false
+    end
     back = cost - r * ((now - paid_at) / 1e6)
   end
   if back <= 0 then
