@@ -1526,8 +1526,8 @@ impl AnswerHold {
 /// Redis runs checks, but their answers come after the callers' timeout (here a relay holds
 /// them; in production Redis was stopped before writing them): the callers are told
 /// `unavailable`, and once the answers come, what the checks paid is given back: an
-/// admitted check's cost on each of its buckets, and a booking (SPEC §8: a call answered
-/// `unavailable` never pays). Before, each stayed paid.
+/// admitted check's cost on each of its buckets, and a booking (docs/CONTRACT.md,
+/// "Stores": a call answered `unavailable` never pays). Before, each stayed paid.
 #[test]
 fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothing() {
     let Some(redis) = Redis::start() else { return };

@@ -1115,11 +1115,11 @@ local function sync(now)
 end
 
 -- refunds: gives back what checks of one `checks` call paid, whose callers were told
--- Redis was unavailable before its answer came (SPEC §8: such a call never pays). KEYS =
--- each check's keys, as `checks` had them; ARGV = 'refunds', the Redis time (µs) the
--- `checks` call ran, the count of checks, then per check its answer ('admitted' or
--- 'booked'), its count of keys and of arguments, and those arguments. Runs once (see
--- `once`). Returns how many buckets got something back.
+-- Redis was unavailable before its answer came (docs/CONTRACT.md, "Stores": such a call
+-- never pays). KEYS = each check's keys, as `checks` had them; ARGV = 'refunds', the Redis
+-- time (µs) the `checks` call ran, the count of checks, then per check its answer
+-- ('admitted' or 'booked'), its count of keys and of arguments, and those arguments. Runs
+-- once (see `once`). Returns how many buckets got something back.
 --
 -- Never more than each bucket would hold had the check not paid. A booking is taken back
 -- as `replan` takes bookings back, with what its refund gives, while it is held. An
