@@ -1586,9 +1586,10 @@ fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothi
 /// What a late check paid is given back only as far as the bucket would hold it had the
 /// check not paid: not after the exchange's own count lowered it (a `sync` that took
 /// nothing from it, but would have taken what is given back), nor after it was redefined
-/// and defined back; in full after a later payment at once, less what accrued since after
-/// one later. Another daemon, straight on Redis, acts on the buckets while the answers of
-/// the first are held.
+/// and defined back, nor to a bucket reset and made anew since (it never held that
+/// payment); in full after a later payment at once, less what accrued since after one
+/// later. Another daemon, straight on Redis, acts on the buckets while the answers of the
+/// first are held.
 #[test]
 fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
     let Some(redis) = Redis::start() else { return };
@@ -1599,16 +1600,18 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
     let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
-    let (synced, redefined, paid_again) = (
+    let (synced, redefined, paid_again, reset) = (
         key("gate", Some("synced")),
         key("gate", Some("redefined")),
         key("gate", Some("paid-again")),
+        key("gate", Some("reset")),
     );
-    for k in [&synced, &redefined, &paid_again] {
+    let keys = [&synced, &redefined, &paid_again, &reset];
+    for k in keys {
         assert_eq!(t.call(check(k, slow(10), 1.0))["result"], "admitted");
     }
     relay.hold(true);
-    for (id, k) in [&synced, &redefined, &paid_again].into_iter().enumerate() {
+    for (id, k) in keys.into_iter().enumerate() {
         let mut request = check(k, slow(10), 2.0);
         request["id"] = json!(id);
         t.send_request(&request);
@@ -1629,7 +1632,15 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
         direct.call(check(&paid_again, slow(10), 1.0))["result"],
         "admitted"
     );
-    for _ in 0..3 {
+    assert_eq!(
+        direct.call(json!({"op": "reset", "key": reset}))["ok"],
+        true
+    );
+    assert_eq!(
+        direct.call(check(&reset, slow(10), 4.0))["result"],
+        "admitted"
+    );
+    for _ in 0..4 {
         let answer = t.recv_answer();
         assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
     }
@@ -1640,6 +1651,7 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
     // Both given their answer to the refund first (one call, in order).
     assert!((borrowed(&mut t, &synced) - 3.0).abs() < 0.01);
     assert!((borrowed(&mut t, &redefined) - 5.0).abs() < 0.01);
+    assert!((borrowed(&mut t, &reset) - 4.0).abs() < 0.01);
 }
 
 /// Redis stopped (SIGSTOP) under a pipelined flood of checks of one bucket, for twice the

@@ -32,8 +32,11 @@
 --                        and found no bookings: the key had none then and expires no
 --                        earlier than <expiry> (ms, Redis clock); any later write of t
 --                        (by every version of this script) outdates it;
+--                        n: when its definition was last written (new or changed);
 --                        z: when the bucket was last lowered by other than payments and
---                        its cap: its definition changed, or a `sync` (see `refunds`)
+--                        its cap: its definition changed, a `sync`, or its time taken
+--                        back to a Redis clock set back (then the time it had); see
+--                        `refunds`
 --   P:{E}:w:C:A  zset    booking id -> lapse_at
 --   P:{E}:p      hash    pause ends: "x" the exchange, "c:C" a credential, "k:C:A" a key
 --   P:{E}:o:C    string  the credential's backoff: "<count> <end of its last pause>", the
@@ -222,6 +225,7 @@ local function load(key, now, id, request)
   bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
   bucket.refunds_at_most = written_with(v[6], v[4])
   if bucket.t > now then
+    bucket.lowered = bucket.t
     bucket.t = now
     bucket.dirty = true
   end
@@ -242,11 +246,11 @@ local function save(key, bucket)
   bucket.shown = nil
   if bucket.defined then
     bucket.defined = nil
-    local c, r = fmt(bucket.c), fmt(bucket.r)
+    local c, r, n = fmt(bucket.c), fmt(bucket.r), fmt_time(call_now)
     if shown then
-      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'f', shown)
+      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'n', n, 'f', shown)
     else
-      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r)
+      call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'n', n)
     end
   elseif shown then
     call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'f', shown)
@@ -652,7 +656,8 @@ local function pay(item, now, at)
   bucket.b = after - lead
   bucket.t = now
   if changed then
-    bucket.c, bucket.r, bucket.defined, bucket.lowered = item.c, item.r, true, now
+    bucket.c, bucket.r, bucket.defined = item.c, item.r, true
+    bucket.lowered = math.max(bucket.lowered or 0, now)
   end
 end
 
@@ -1128,14 +1133,16 @@ end
 -- time was computed from tokens the cap did not touch); after later payments, less what
 -- accrued since it was paid (the most the cap may have taken from the bucket without it,
 -- bookings included: none is held, and those gone were due by now). Not at all where the
--- bucket was lowered by other means since (`z`), or holds bookings, or was redefined.
+-- bucket was lowered by other means since (`z`), or holds bookings, or was defined again
+-- since (`n`: redefined, or dropped by a reset and made anew).
 local function give_back_payment(key, wkey, c_text, r_text, cost, paid_at, now)
-  local v = call('HMGET', key, 'c', 'r', 'b', 't', 'z')
+  local v = call('HMGET', key, 'c', 'r', 'b', 't', 'z', 'n')
   local c, r, b, t = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
   if not (c and r and b and t) or c ~= tonumber(c_text) or r ~= tonumber(r_text) then
     return false
   end
-  if t < paid_at or (tonumber(v[5]) or 0) >= paid_at or call('EXISTS', wkey) == 1 then
+  local lowered, defined = tonumber(v[5]) or 0, tonumber(v[6]) or math.huge
+  if t < paid_at or lowered >= paid_at or defined > paid_at or call('EXISTS', wkey) == 1 then
     return false
   end
   local back = cost
