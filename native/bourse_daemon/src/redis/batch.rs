@@ -46,6 +46,9 @@ const MAX_BATCH: usize = 128;
 const MAX_BATCH_KEYS: usize = 1024;
 /// Calls on their way at once.
 const BATCHES_IN_FLIGHT: usize = 3;
+/// Checks waiting in a lane's queues at which those whose callers gave up are first dropped
+/// (then again each time the count doubles).
+const FIRST_SWEEP: usize = 1024;
 
 /// One check waiting for its call.
 struct Waiting {
@@ -231,9 +234,13 @@ struct Queues {
     by_connection: HashMap<u64, VecDeque<Waiting>>,
     /// The connections with checks waiting, the next to serve first.
     order: VecDeque<u64>,
+    /// The count of checks waiting at which those whose callers gave up are next dropped.
+    sweep_at: usize,
 }
 
 impl Queues {
+    /// Queues a check; past [`Self::sweep_at`], drops those whose callers gave up (while
+    /// Redis is stopped every turn is held, and the callers' timeouts pass in the queue).
     fn push(&mut self, waiting: Waiting) {
         self.waiting += 1;
         let queue = self.by_connection.entry(waiting.connection).or_default();
@@ -241,6 +248,21 @@ impl Queues {
             self.order.push_back(waiting.connection);
         }
         queue.push_back(waiting);
+        if self.waiting >= self.sweep_at.max(FIRST_SWEEP) {
+            self.drop_given_up();
+            self.sweep_at = 2 * self.waiting;
+        }
+    }
+
+    fn drop_given_up(&mut self) {
+        self.by_connection.retain(|_, queue| {
+            queue.retain(|waiting| !waiting.reply.is_closed());
+            !queue.is_empty()
+        });
+        let by_connection = &self.by_connection;
+        self.order
+            .retain(|connection| by_connection.contains_key(connection));
+        self.waiting = by_connection.values().map(VecDeque::len).sum();
     }
 
     fn is_empty(&self) -> bool {
@@ -304,8 +326,20 @@ async fn dispatch(
             };
             queues.push(*first);
         }
-        // Never closed: acquiring only waits. A turn is held only by a call on its way.
-        let Ok(turn) = turns.lane.clone().acquire_owned().await else {
+        // A turn is held only by a call on its way. Meanwhile the checks arriving are
+        // queued, so that those whose callers give up can be dropped.
+        let turn = loop {
+            tokio::select! {
+                biased;
+                turn = turns.lane.clone().acquire_owned() => break turn,
+                next = queue.recv(), if !queue.is_closed() => match next {
+                    Some(next) => queues.push(*next),
+                    None => continue,
+                },
+            }
+        };
+        // Never closed: acquiring only waits.
+        let Ok(turn) = turn else {
             return;
         };
         let turn = Turn::new(turn, &turns.calls);
@@ -415,5 +449,53 @@ fn fail(checks: Vec<Waiting>, message: &str) {
         let _ = waiting
             .reply
             .send(Err(StoreError::Unavailable(message.to_string())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Answer = oneshot::Receiver<StoreResult<CheckAnswer>>;
+
+    fn waiting(connection: u64) -> (Waiting, Answer) {
+        let (reply, answer) = oneshot::channel();
+        let waiting = Waiting {
+            part: Call::default(),
+            connection,
+            sent: Instant::now(),
+            last_run: None,
+            reply,
+        };
+        (waiting, answer)
+    }
+
+    /// While every turn is held (Redis stopped), checks keep arriving and their callers give
+    /// up: those are dropped once they pile up, and every check whose caller still waits
+    /// stays, in its connection's order.
+    #[test]
+    fn checks_whose_callers_gave_up_do_not_pile_up() {
+        let mut queues = Queues::default();
+        let mut still_waiting = Vec::new();
+        for i in 0..10_000u64 {
+            let (waiting, answer) = waiting(i % 4);
+            if i % 1000 == 0 {
+                still_waiting.push(answer);
+            }
+            queues.push(waiting);
+        }
+        assert!(
+            queues.waiting < FIRST_SWEEP + 10,
+            "{} waiting",
+            queues.waiting
+        );
+        let mut popped = Vec::new();
+        while let Some(waiting) = queues.pop() {
+            if !waiting.reply.is_closed() {
+                popped.push(waiting.sent);
+            }
+        }
+        assert_eq!(popped.len(), still_waiting.len());
+        assert!(popped.is_sorted(), "out of order");
     }
 }

@@ -39,11 +39,13 @@ const MAX_WALKS: usize = 4;
 /// `checks` calls read past their timeout at once; a further one is dropped unread.
 const MAX_LATE: usize = 64;
 
-/// How long past the timeout a `checks` call's answer is still read, on one server: eight
+/// How long past the timeout a `checks` call's answer is still read, on one server: 100
 /// timeouts, at most 30 s. (A cluster's calls end with their timeout: its client sends
-/// nothing more on a connection that stalled.) The connection waits for answers as long.
+/// nothing more on a connection that stalled.) The connection waits for answers as long,
+/// so a stopped Redis leaves at most about 100 calls a timeout given up on it, each a few
+/// hundred bytes, waiting for their answers.
 pub fn late_wait(timeout: Duration) -> Duration {
-    (timeout * 8).min(Duration::from_secs(30))
+    (timeout * 100).min(Duration::from_secs(30))
 }
 
 /// The connection, the code's forms and what is known of the Redis clock.
