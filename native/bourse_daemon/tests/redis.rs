@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use common::load::{self, assert_conforms};
-use common::{borrowed, check, eventually, key, LineClient, Server, StdioDaemon, Transport};
+use common::{
+    borrowed, check, check_frame, eventually, key, LineClient, Server, StdioDaemon, Transport,
+};
 
 /// A `redis-server` child on a loopback port; stopped (without saving) when dropped.
 struct Redis {
@@ -1668,14 +1670,7 @@ fn a_redis_stopped_under_a_flood_keeps_only_the_admitted_checks_paid() {
     let k = key("flood", Some("k"));
     assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
     let n = 10_000;
-    let mut frames = Vec::new();
-    for id in 0..n {
-        let request = json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1});
-        let payload = serde_json::to_vec(&request).unwrap();
-        let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
-        frame.extend_from_slice(&payload);
-        frames.push(frame);
-    }
+    let frames: Vec<Vec<u8>> = (0..n).map(|id| check_frame(id, &k, &limit)).collect();
     // 100 checks every 2 ms, for about 200 ms: Redis is busy when it is stopped.
     let mut stdin = t.stdin.take().unwrap();
     let sender = thread::spawn(move || {
@@ -1715,7 +1710,7 @@ fn a_redis_stopped_under_a_flood_keeps_only_the_admitted_checks_paid() {
     );
     assert_eq!(admitted + unavailable, n);
     assert!(
-        (paid() - f64::from(admitted)).abs() < 0.5,
+        (paid() - admitted as f64).abs() < 0.5,
         "{admitted} admitted, {first} paid"
     );
 }
@@ -2028,13 +2023,9 @@ fn checks_arriving_while_a_call_is_on_its_way_share_the_turns_free() {
     t.send_request(&json!({"id": 0, "op": "check", "key": k, "limit": limit, "cost": 1}));
     sleep_ms(100);
     // One write of under PIPE_BUF bytes: the daemon reads the 20 frames at once.
-    let mut frames = Vec::new();
-    for id in 1..=20 {
-        let request = json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1});
-        let payload = serde_json::to_vec(&request).unwrap();
-        frames.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-        frames.extend_from_slice(&payload);
-    }
+    let frames: Vec<u8> = (1..=20)
+        .flat_map(|id| check_frame(id, &k, &limit))
+        .collect();
     assert!(frames.len() <= 4096, "{} bytes", frames.len());
     t.send_raw(&frames);
     sleep_ms(200);

@@ -422,9 +422,7 @@ impl StdioDaemon {
     }
 
     pub fn send_frame(&mut self, payload: &[u8]) {
-        let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
-        frame.extend_from_slice(payload);
-        self.send_raw(&frame);
+        self.send_raw(&frame(payload));
     }
 
     /// The next answer frame, or `None` once stdout closed.
@@ -465,6 +463,19 @@ impl Drop for StdioDaemon {
 
 pub fn key(exchange: &str, credential: Option<&str>) -> Value {
     json!({"exchange": exchange, "credential": credential})
+}
+
+/// `payload` as one `--stdio` frame: its length (4 bytes, big-endian), then itself.
+pub fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// The `--stdio` frame of a check of cost 1 with `id`.
+pub fn check_frame(id: u64, k: &Value, limit: &Value) -> Vec<u8> {
+    let request = json!({"id": id, "op": "check", "key": k, "limit": limit, "cost": 1});
+    frame(&serde_json::to_vec(&request).unwrap())
 }
 
 pub fn check(k: &Value, limit: Value, cost: f64) -> Value {
