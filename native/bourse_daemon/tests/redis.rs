@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -1484,10 +1484,12 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
 
 /// A relay to a Redis port that passes requests on at once and holds Redis's answers while
 /// told to: Redis runs a call, and its answer comes late, as when Redis is stopped between
-/// running a call and writing its answer.
+/// running a call and writing its answer. A connection opened while answers are held is
+/// not held.
 struct AnswerHold {
     port: u16,
     held: Arc<AtomicBool>,
+    clients: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl AnswerHold {
@@ -1496,18 +1498,25 @@ impl AnswerHold {
         let port = listener.local_addr().unwrap().port();
         let held = Arc::new(AtomicBool::new(false));
         let held_by_relay = held.clone();
+        let clients = Arc::new(Mutex::new(Vec::new()));
+        let clients_of_relay = clients.clone();
         thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(mut client) = client else { return };
+                clients_of_relay
+                    .lock()
+                    .unwrap()
+                    .push(client.try_clone().unwrap());
                 let mut redis = TcpStream::connect(("127.0.0.1", redis_port)).unwrap();
                 let (mut requests, mut to_redis) =
                     (client.try_clone().unwrap(), redis.try_clone().unwrap());
                 thread::spawn(move || std::io::copy(&mut requests, &mut to_redis));
                 let held = held_by_relay.clone();
+                let fresh = held.load(Ordering::SeqCst);
                 thread::spawn(move || {
                     let mut buffer = vec![0; 65536];
                     while let Ok(n @ 1..) = redis.read(&mut buffer) {
-                        while held.load(Ordering::SeqCst) {
+                        while !fresh && held.load(Ordering::SeqCst) {
                             sleep_ms(5);
                         }
                         if client.write_all(&buffer[..n]).is_err() {
@@ -1517,11 +1526,22 @@ impl AnswerHold {
                 });
             }
         });
-        Self { port, held }
+        Self {
+            port,
+            held,
+            clients,
+        }
     }
 
     fn hold(&self, held: bool) {
         self.held.store(held, Ordering::SeqCst);
+    }
+
+    /// Cuts the connections open now: their held answers are lost.
+    fn cut(&self) {
+        for client in self.clients.lock().unwrap().drain(..) {
+            let _ = client.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -1589,7 +1609,8 @@ fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothi
 /// check not paid: not after the exchange's own count lowered it (a `sync` that took
 /// nothing from it, but would have taken what is given back), nor after it was redefined
 /// and defined back, nor to a bucket reset and made anew since (it never held that
-/// payment); in full after a later payment at once, less what accrued since after one
+/// payment), nor to one emptied since by a daemon that found its exchange's state begun
+/// again (`--assume-busy-at-start`); in full after a later payment at once, less what accrued since after one
 /// later. Another daemon, straight on Redis, acts on the buckets while the answers of the
 /// first are held.
 #[test]
@@ -1601,14 +1622,17 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
     let mut t = server.connect();
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
+    // Its exchange's marker has no run_id: for this daemon the state began again.
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
     let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
-    let (synced, redefined, paid_again, reset) = (
+    let (synced, redefined, paid_again, reset, emptied) = (
         key("gate", Some("synced")),
         key("gate", Some("redefined")),
         key("gate", Some("paid-again")),
         key("gate", Some("reset")),
+        key("gate", Some("emptied")),
     );
-    let keys = [&synced, &redefined, &paid_again, &reset];
+    let keys = [&synced, &redefined, &paid_again, &reset, &emptied];
     for k in keys {
         assert_eq!(t.call(check(k, slow(10), 1.0))["result"], "admitted");
     }
@@ -1642,7 +1666,13 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
         direct.call(check(&reset, slow(10), 4.0))["result"],
         "admitted"
     );
-    for _ in 0..4 {
+    let mut busy = busy.connect();
+    assert_eq!(
+        busy.call(check(&emptied, slow(10), 0.0))["result"],
+        "admitted"
+    );
+    assert!(borrowed(&mut busy, &emptied) > 9.99);
+    for _ in 0..5 {
         let answer = t.recv_answer();
         assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
     }
@@ -1654,6 +1684,53 @@ fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
     assert!((borrowed(&mut t, &synced) - 3.0).abs() < 0.01);
     assert!((borrowed(&mut t, &redefined) - 5.0).abs() < 0.01);
     assert!((borrowed(&mut t, &reset) - 4.0).abs() < 0.01);
+    assert!(borrowed(&mut t, &emptied) > 9.99);
+}
+
+/// A late check's answer lost with its connection: the call, sent again on a fresh one,
+/// finds what it ran in its run marker and answers it with the time it ran, not the time
+/// it was sent again, so what it paid is judged from then: a bucket reset and made anew
+/// since is given nothing back, though it was written after the call was sent again
+/// (before, it was given the cost).
+#[test]
+fn a_late_check_sent_again_is_given_back_as_of_when_it_ran() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "1000"]);
+    let mut t = server.connect();
+    let other = daemon(&redis, &[]);
+    let mut direct = other.connect();
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let k = key("again", Some("k"));
+    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    let mut request = check(&k, slow.clone(), 2.0);
+    request["id"] = json!(1);
+    t.send_request(&request);
+    sleep_ms(100);
+    assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
+    assert_eq!(
+        direct.call(check(&k, slow.clone(), 4.0))["result"],
+        "admitted"
+    );
+    assert_eq!(t.recv_answer()["error"]["type"], "unavailable");
+    // Checks of nothing keep writing the bucket, later than the call is sent again.
+    let writing = Arc::new(AtomicBool::new(true));
+    let traffic = {
+        let (writing, mut c, k, slow) = (writing.clone(), other.connect(), k.clone(), slow.clone());
+        thread::spawn(move || {
+            while writing.load(Ordering::SeqCst) {
+                assert_eq!(c.call(check(&k, slow.clone(), 0.0))["result"], "admitted");
+            }
+        })
+    };
+    relay.cut();
+    sleep_ms(1500);
+    writing.store(false, Ordering::SeqCst);
+    traffic.join().unwrap();
+    let borrowed = borrowed(&mut direct, &k);
+    assert!((borrowed - 4.0).abs() < 0.01, "borrowed {borrowed}");
 }
 
 /// Redis stopped (SIGSTOP) under a pipelined flood of checks of one bucket, for 15 times the

@@ -44,7 +44,8 @@
 --                        success
 --   P:{E}:r:<n>  string  the answers of the `checks`, `record`, `back_off` or `refunds` call
 --                        numbered n (by its daemon), as it returned them, written when it
---                        ran; lives twice the daemon's Redis timeout
+--                        ran (a `checks` call's after the time it ran, µs, and a space);
+--                        lives twice the daemon's Redis timeout
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
@@ -326,6 +327,7 @@ local function empty_since(bucket, began)
   bucket.b = math.min(bucket.b + bucket.r * ((began - bucket.t) / 1e6), 0)
   bucket.t = began
   bucket.dirty = true
+  bucket.lowered = math.max(bucket.lowered or 0, call_now)
 end
 
 -- ms from `now` until the bucket would behave as new: refilled to capacity (through any
@@ -823,8 +825,9 @@ end
 -- that failed in Redis (a key of another type): each check runs under pcall, and fails
 -- before it pays (its keys are all read first).
 --
--- The run marker makes a call run once, and holds its answers: a call sent again after
--- the connection was lost finds them and answers them unchanged, even past its deadline
+-- The run marker makes a call run once, and holds its answers and the time it ran: a
+-- call sent again after the connection was lost finds them and answers them unchanged,
+-- with that time (what `refunds` gives back is judged from it), even past its deadline
 -- (what they admitted is paid). It is written once, at the end: a call that wrote
 -- anything runs to its end (Redis neither stops a script that wrote nor refuses its later
 -- writes, and each check runs under pcall), so a run always leaves its answers.
@@ -882,7 +885,8 @@ end
 local function checks(now, late)
   local ran = call('GET', KEYS[1])
   if ran then
-    return { now, ran }
+    local at, text = string.match(ran, '^(%d+) (.*)$')
+    return { tonumber(at), text }
   end
   if late then
     return late_error(now)
@@ -910,7 +914,7 @@ local function checks(now, late)
   end
   keep_markers(markers)
   local text = table.concat(answers, '\n')
-  call('SET', KEYS[1], text, 'PX', ARGV[2])
+  call('SET', KEYS[1], int(now) .. ' ' .. text, 'PX', ARGV[2])
   return { now, text }
 end
 
