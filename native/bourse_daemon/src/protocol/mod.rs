@@ -357,7 +357,10 @@ impl<S: Store> Service<S> {
         }
     }
 
-    /// Runs one valid request, which must not start past `last_run`.
+    /// Runs one valid request, which must not start past `last_run`. On a remote store
+    /// each request waits as a task holding this future, the size of its largest arm:
+    /// every request but a check awaits its store's future boxed, so that the thousands of
+    /// checks waiting while Redis is slow hold about 1.7 KB each, not 5.8.
     async fn execute(
         &self,
         session: &Session,
@@ -398,29 +401,33 @@ impl<S: Store> Service<S> {
                 })
             }
             Request::Record { key, cost } => {
-                store.record_request(key, cost, last_run).await?;
+                Box::pin(store.record_request(key, cost, last_run)).await?;
                 Answer::Done
             }
-            Request::GetCost { key } => Answer::Borrowed(store.get_cost(key, last_run).await?),
+            Request::GetCost { key } => {
+                Answer::Borrowed(Box::pin(store.get_cost(key, last_run)).await?)
+            }
             Request::Sync {
                 key,
                 allowance,
                 window_left_ms,
-            } => Answer::Taken(store.sync(key, allowance, window_left_ms, last_run).await?),
+            } => {
+                Answer::Taken(Box::pin(store.sync(key, allowance, window_left_ms, last_run)).await?)
+            }
             Request::Reset { key } => {
-                store.reset(key, last_run).await?;
+                Box::pin(store.reset(key, last_run)).await?;
                 Answer::Done
             }
             Request::ResetExchange { exchange } => {
-                store.reset_exchange(exchange).await?;
+                Box::pin(store.reset_exchange(exchange)).await?;
                 Answer::Done
             }
             Request::ResetAll => {
-                store.reset_all().await?;
+                Box::pin(store.reset_all()).await?;
                 Answer::Done
             }
             Request::Pause { target, ms } => {
-                store.pause(target, ms, last_run).await?;
+                Box::pin(store.pause(target, ms, last_run)).await?;
                 Answer::Done
             }
             Request::BackOff {
@@ -428,20 +435,20 @@ impl<S: Store> Service<S> {
                 credential,
                 scope,
             } => Answer::Paused(
-                store
-                    .back_off(exchange, credential, scope, last_run)
-                    .await?,
+                Box::pin(store.back_off(exchange, credential, scope, last_run)).await?,
             ),
             Request::ResetBackoff {
                 exchange,
                 credential,
             } => {
-                store.reset_backoff(exchange, credential, last_run).await?;
+                Box::pin(store.reset_backoff(exchange, credential, last_run)).await?;
                 Answer::Done
             }
-            Request::Inspect { key } => Answer::Info(store.inspect(key, last_run).await?),
-            Request::Busiest { count } => Answer::Busiest(store.busiest(count, last_run).await?),
-            Request::Stats => Answer::Stats(store.stats(last_run).await?),
+            Request::Inspect { key } => Answer::Info(Box::pin(store.inspect(key, last_run)).await?),
+            Request::Busiest { count } => {
+                Answer::Busiest(Box::pin(store.busiest(count, last_run)).await?)
+            }
+            Request::Stats => Answer::Stats(Box::pin(store.stats(last_run)).await?),
             Request::Sweep => Answer::Swept(store.sweep()),
         })
     }

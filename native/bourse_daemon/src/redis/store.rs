@@ -476,4 +476,30 @@ mod tests {
         let error = coalesce(&[check(a, 3.0, 1.0), check(a, 4.0, 1.0)]).unwrap_err();
         assert!(error.message().contains("conflicting bucket definitions"));
     }
+    /// Each request runs as a task holding the future of `Service::handle` (`--stdio` and
+    /// server mode alike); while Redis is slow or stopped thousands wait at once, each for
+    /// up to the timeout. 5.8 KB each before the rare requests' futures were boxed.
+    #[test]
+    fn a_request_waiting_on_redis_holds_a_small_task() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _context = runtime.enter();
+        let store = RedisStore::new(Options {
+            servers: Servers::One("redis://127.0.0.1:1".into()),
+            password: None,
+            key_secret: None,
+            prefix: "bourse".into(),
+            timeout: Duration::from_secs(1),
+            config: Config::default(),
+        })
+        .unwrap();
+        let service = crate::protocol::Service::new(store, 65_536, None);
+        let session = service.session(false, None);
+        let mut out = Vec::new();
+        let task = service.handle(&session, 1, b"{}", &mut out);
+        let bytes = std::mem::size_of_val(&task);
+        assert!(bytes <= 2048, "a request's task holds {bytes} bytes");
+    }
 }
