@@ -833,6 +833,22 @@ end
 -- writes, and each check runs under pcall), so a run always leaves its answers.
 local decide
 
+-- The layout of a `checks` call's arguments, which `refunds` repeats: a check's arguments
+-- start at ARGV[at + 1] (its booking id; its item count at at + 5), item i's at
+-- ARGV[item_at(at, i) + 1] (c, r, cost, group, credential and key pause fields, shown
+-- fingerprint).
+local ARGS_PER_ITEM = 7
+local function item_at(at, i)
+  return at + 5 + (i - 1) * ARGS_PER_ITEM
+end
+
+-- Where the next check starts: its first key after KEYS[k], its first argument at ARGV[a]
+-- (a check's first three arguments are its deadline or answer, its key count and its
+-- argument count).
+local function next_check(k, a)
+  return k + parse(ARGV[a + 1]), a + 3 + parse(ARGV[a + 2])
+end
+
 -- Pauses read by this call, by pauses key: `ends`, the end (µs) by field (false: none),
 -- holding the whole hash when it has at most MAX_READ_WHOLE fields (`whole`; nearly
 -- always: ended pauses are dropped), else the fields read so far. Checks never write
@@ -909,8 +925,7 @@ local function checks(now, late)
         answers[j] = 'error ' .. error_text(items)
       end
     end
-    k = k + parse(ARGV[a + 1])
-    a = a + 3 + parse(ARGV[a + 2])
+    k, a = next_check(k, a)
   end
   keep_markers(markers)
   local text = table.concat(answers, '\n')
@@ -929,7 +944,7 @@ decide = function(now, k, at)
   -- First every read that can fail (a key of another type), so that a check that fails
   -- has written nothing.
   for i = 1, n do
-    local a = at + 5 + (i - 1) * 7
+    local a = item_at(at, i)
     local group = parse(ARGV[a + 4])
     local marker = KEYS[k + 2 * n + 2 * group]
     -- Every field an item gets is named here, so that its table is sized once.
@@ -1192,21 +1207,20 @@ local function refunds(now)
   local k, a = 0, 4
   for _ = 1, tonumber(ARGV[3]) do
     local result, at = ARGV[a], a + 2
-    local id, n = ARGV[at + 1], tonumber(ARGV[at + 5])
+    local id, n = ARGV[at + 1], parse(ARGV[at + 5])
     for i = 1, n do
       local key, wkey = KEYS[k + 2 * i - 1], KEYS[k + 2 * i]
-      local item_at = at + 5 + (i - 1) * 7
+      local item = item_at(at, i)
       local done
       if result == 'booked' then
         done = give_back_booking(key, wkey, id, now)
       else
-        local cost = tonumber(ARGV[item_at + 3])
-        done = give_back_payment(key, wkey, ARGV[item_at + 1], ARGV[item_at + 2], cost, paid_at, now)
+        local cost = tonumber(ARGV[item + 3])
+        done = give_back_payment(key, wkey, ARGV[item + 1], ARGV[item + 2], cost, paid_at, now)
       end
       given = given + (done and 1 or 0)
     end
-    k = k + tonumber(ARGV[a + 1])
-    a = a + 3 + tonumber(ARGV[a + 2])
+    k, a = next_check(k, a)
   end
   return given
 end
