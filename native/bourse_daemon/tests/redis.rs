@@ -1482,13 +1482,15 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
     }
 }
 
-/// A relay to a Redis port that passes requests on at once and holds Redis's answers while
-/// told to: Redis runs a call, and its answer comes late, as when Redis is stopped between
-/// running a call and writing its answer. A connection opened while answers are held is
-/// not held.
+/// A relay to a Redis port that holds Redis's answers while told to: Redis runs a call,
+/// and its answer comes late, as when Redis is stopped between running a call and writing
+/// its answer. It may hold the requests too: Redis runs them late, as when it is stopped
+/// or still busy with what piled up meanwhile. A connection opened while answers are held
+/// is not held.
 struct AnswerHold {
     port: u16,
     held: Arc<AtomicBool>,
+    requests_held: Arc<AtomicBool>,
     clients: Arc<Mutex<Vec<TcpStream>>>,
 }
 
@@ -1496,39 +1498,29 @@ impl AnswerHold {
     fn start(redis_port: u16) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
         let port = listener.local_addr().unwrap().port();
-        let held = Arc::new(AtomicBool::new(false));
-        let held_by_relay = held.clone();
+        let (held, requests_held): (Arc<AtomicBool>, Arc<AtomicBool>) = Default::default();
+        let (answers_of_relay, requests_of_relay) = (Arc::clone(&held), Arc::clone(&requests_held));
         let clients = Arc::new(Mutex::new(Vec::new()));
         let clients_of_relay = clients.clone();
         thread::spawn(move || {
             for client in listener.incoming() {
-                let Ok(mut client) = client else { return };
+                let Ok(client) = client else { return };
                 clients_of_relay
                     .lock()
                     .unwrap()
                     .push(client.try_clone().unwrap());
-                let mut redis = TcpStream::connect(("127.0.0.1", redis_port)).unwrap();
-                let (mut requests, mut to_redis) =
+                let redis = TcpStream::connect(("127.0.0.1", redis_port)).unwrap();
+                let fresh = answers_of_relay.load(Ordering::SeqCst);
+                let (requests, to_redis) =
                     (client.try_clone().unwrap(), redis.try_clone().unwrap());
-                thread::spawn(move || std::io::copy(&mut requests, &mut to_redis));
-                let held = held_by_relay.clone();
-                let fresh = held.load(Ordering::SeqCst);
-                thread::spawn(move || {
-                    let mut buffer = vec![0; 65536];
-                    while let Ok(n @ 1..) = redis.read(&mut buffer) {
-                        while !fresh && held.load(Ordering::SeqCst) {
-                            sleep_ms(5);
-                        }
-                        if client.write_all(&buffer[..n]).is_err() {
-                            return;
-                        }
-                    }
-                });
+                pass_on(requests, to_redis, Arc::clone(&requests_of_relay), fresh);
+                pass_on(redis, client, Arc::clone(&answers_of_relay), fresh);
             }
         });
         Self {
             port,
             held,
+            requests_held,
             clients,
         }
     }
@@ -1537,12 +1529,31 @@ impl AnswerHold {
         self.held.store(held, Ordering::SeqCst);
     }
 
+    fn hold_requests(&self, held: bool) {
+        self.requests_held.store(held, Ordering::SeqCst);
+    }
+
     /// Cuts the connections open now: their held answers are lost.
     fn cut(&self) {
         for client in self.clients.lock().unwrap().drain(..) {
             let _ = client.shutdown(std::net::Shutdown::Both);
         }
     }
+}
+
+/// Copies `from` to `to` on a thread of its own, waiting while `held` (unless `fresh`).
+fn pass_on(mut from: TcpStream, mut to: TcpStream, held: Arc<AtomicBool>, fresh: bool) {
+    thread::spawn(move || {
+        let mut buffer = vec![0; 65536];
+        while let Ok(n @ 1..) = from.read(&mut buffer) {
+            while !fresh && held.load(Ordering::SeqCst) {
+                sleep_ms(5);
+            }
+            if to.write_all(&buffer[..n]).is_err() {
+                return;
+            }
+        }
+    });
 }
 
 /// Redis runs checks, but their answers come after the callers' timeout (here a relay holds
@@ -1603,6 +1614,35 @@ fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothi
     let booked = t.call(waiter(3, 1.0));
     assert_eq!(booked["result"], "booked", "{booked}");
     assert!(ms(&booked) <= 1000, "{booked}");
+}
+
+/// The `refunds` call of late checks may itself run late: Redis still working through what
+/// piled up while it was stopped, or stopped again (here the relay holds it). It gives back
+/// whenever it runs; before, it carried a deadline as a caller's call does, was refused
+/// past it, and the checks stayed paid.
+#[test]
+fn a_refund_that_reaches_redis_late_still_gives_back() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let k = key("late-refund", Some("k"));
+    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    assert_eq!(
+        t.call(check(&k, slow.clone(), 2.0))["error"]["type"],
+        "unavailable"
+    );
+    // The late answer comes; the refund it sends reaches Redis past any deadline it had.
+    relay.hold_requests(true);
+    relay.hold(false);
+    sleep_ms(1000);
+    relay.hold_requests(false);
+    eventually("the late check's cost is given back", || {
+        (borrowed(&mut t, &k) - 1.0).abs() < 0.01
+    });
 }
 
 /// What a late check paid is given back only as far as the bucket would hold it had the

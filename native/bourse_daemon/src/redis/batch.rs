@@ -436,12 +436,13 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
 }
 
 /// Gives back what the checks `paid` paid in a call that ran at `paid_at` (Redis clock),
-/// their callers having had no answer. Once: a lost answer leaves them paid.
+/// their callers having had no answer. Sent once, with no deadline: Redis may run it late
+/// (still working through what piled up while it was stopped), and it is right then too.
 async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
     let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
     let mut call = script::refunds(paid_at, &paid);
     runs.once(client, &mut call);
-    let _ = client.invoke::<u64>(&call, None).await;
+    let _ = client.invoke_any_time::<u64>(&call).await;
 }
 
 fn fail(checks: Vec<Waiting>, message: &str) {

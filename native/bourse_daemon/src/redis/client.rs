@@ -127,13 +127,38 @@ impl Client {
         call: &Call,
         last_run: LastRun,
     ) -> StoreResult<T> {
+        self.send(call, Some(last_run)).await
+    }
+
+    /// Runs the script however late Redis runs it (no deadline), waiting for its answer as
+    /// long as for a `checks` call's ([`Self::answer_window`]): a `refunds` call, which no
+    /// caller waits for, and which gives back only what each bucket would hold without the
+    /// checks it names, whenever it runs. (A call given up on before the connection wrote
+    /// it is never sent.)
+    pub async fn invoke_any_time<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
+        self.send(call, None).await
+    }
+
+    /// [`Self::invoke`], or with no deadline when `last_run` is `None`.
+    async fn send<T: FromRedisValue>(
+        &self,
+        call: &Call,
+        last_run: Option<LastRun>,
+    ) -> StoreResult<T> {
         let started = Instant::now();
         let mut connection = self.link.connection();
+        let within = match last_run {
+            Some(_) => self.timeout,
+            None => self.answer_window(),
+        };
         let answer = self
-            .bounded(async {
+            .bounded_within(within, async {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
-                let deadline = self.deadline(started, last_run, &mut connection).await?;
+                let deadline = match last_run {
+                    Some(last_run) => self.deadline(started, last_run, &mut connection).await?,
+                    None => 0,
+                };
                 self.run(
                     |script: Script<'_>| call.command(script, deadline),
                     call.is_read_only(),
@@ -158,12 +183,8 @@ impl Client {
         let started = parts.iter().map(|(sent, _, _)| *sent).min();
         let started = started.unwrap_or_else(Instant::now);
         let mut connection = self.link.connection();
-        let within = match self.is_cluster() {
-            true => self.timeout,
-            false => self.timeout + late_wait(self.timeout),
-        };
         let answer = self
-            .bounded_within(within, async {
+            .bounded_within(self.answer_window(), async {
                 let mut deadlines = Vec::with_capacity(parts.len());
                 for (sent, last_run, _) in parts {
                     deadlines.push(self.deadline(*sent, *last_run, &mut connection).await?);
@@ -185,6 +206,15 @@ impl Client {
             .await;
         let (now, text) = self.late(answer, started)?;
         Ok((now, answer::checks_from(&text)?))
+    }
+
+    /// How long a `checks` call's answer is awaited: the timeout, and on one server
+    /// [`late_wait`] more.
+    fn answer_window(&self) -> Duration {
+        match self.is_cluster() {
+            true => self.timeout,
+            false => self.timeout + late_wait(self.timeout),
+        }
     }
 
     /// How long a call's run marker lives: past any resend of the call, which happens
