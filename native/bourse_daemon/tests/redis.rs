@@ -1485,8 +1485,8 @@ fn a_stopped_redis_answers_unavailable_in_time_and_refused_calls_never_pay() {
 /// A relay to a Redis port that holds Redis's answers while told to: Redis runs a call,
 /// and its answer comes late, as when Redis is stopped between running a call and writing
 /// its answer. It may hold the requests too: Redis runs them late, as when it is stopped
-/// or still busy with what piled up meanwhile. A connection opened while answers are held
-/// is not held.
+/// or still busy with what piled up meanwhile. A connection opened while either way is
+/// held is not held that way. What it holds of a connection it cut still goes on.
 struct AnswerHold {
     port: u16,
     held: Arc<AtomicBool>,
@@ -1510,11 +1510,10 @@ impl AnswerHold {
                     .unwrap()
                     .push(client.try_clone().unwrap());
                 let redis = TcpStream::connect(("127.0.0.1", redis_port)).unwrap();
-                let fresh = answers_of_relay.load(Ordering::SeqCst);
                 let (requests, to_redis) =
                     (client.try_clone().unwrap(), redis.try_clone().unwrap());
-                pass_on(requests, to_redis, Arc::clone(&requests_of_relay), fresh);
-                pass_on(redis, client, Arc::clone(&answers_of_relay), fresh);
+                pass_on(requests, to_redis, Arc::clone(&requests_of_relay));
+                pass_on(redis, client, Arc::clone(&answers_of_relay));
             }
         });
         Self {
@@ -1541,8 +1540,10 @@ impl AnswerHold {
     }
 }
 
-/// Copies `from` to `to` on a thread of its own, waiting while `held` (unless `fresh`).
-fn pass_on(mut from: TcpStream, mut to: TcpStream, held: Arc<AtomicBool>, fresh: bool) {
+/// Copies `from` to `to` on a thread of its own, waiting while `held` (unless it was held
+/// already when this began).
+fn pass_on(mut from: TcpStream, mut to: TcpStream, held: Arc<AtomicBool>) {
+    let fresh = held.load(Ordering::SeqCst);
     thread::spawn(move || {
         let mut buffer = vec![0; 65536];
         while let Ok(n @ 1..) = from.read(&mut buffer) {
@@ -1643,6 +1644,43 @@ fn a_refund_that_reaches_redis_late_still_gives_back() {
     eventually("the late check's cost is given back", || {
         (borrowed(&mut t, &k) - 1.0).abs() < 0.01
     });
+}
+
+/// A `refunds` call sent again on a new connection, its first copy still on its way:
+/// whichever runs second finds the first's run marker, however late it runs (the marker
+/// lives as long as the call may run), and gives back nothing more. Here the relay holds
+/// the first copy, then cuts its connection; the daemon sends the call again at once.
+#[test]
+fn a_refund_sent_twice_gives_back_once() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let k = key("twice", Some("k"));
+    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    assert_eq!(
+        t.call(check(&k, slow.clone(), 2.0))["error"]["type"],
+        "unavailable"
+    );
+    relay.hold_requests(true);
+    relay.hold(false);
+    sleep_ms(300);
+    relay.cut();
+    eventually("the copy sent again gives the cost back", || {
+        (borrowed(&mut t, &k) - 1.0).abs() < 0.01
+    });
+    // Past twice the timeout, the first copy reaches Redis.
+    sleep_ms(1000);
+    relay.hold_requests(false);
+    sleep_ms(500);
+    let left = borrowed(&mut t, &k);
+    assert!(
+        (left - 1.0).abs() < 0.01,
+        "given back twice: {left} borrowed"
+    );
 }
 
 /// What a late check paid is given back only as far as the bucket would hold it had the

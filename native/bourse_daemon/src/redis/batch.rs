@@ -129,7 +129,7 @@ impl Batcher {
     /// and the marker's lifetime, as a `checks` call has: sent again after a lost
     /// connection, it does not run twice.
     pub fn once(&self, call: &mut Call) {
-        self.runs.once(&self.client, call);
+        self.runs.once(call, self.client.marker_lifetime());
     }
 
     /// Runs one check (its keys and arguments, see bucket.lua) that came on `connection`,
@@ -211,11 +211,10 @@ struct Runs {
 }
 
 impl Runs {
-    /// Ends `call` with a run marker of its first key's slot and the marker's lifetime.
-    fn once(&self, client: &Client, call: &mut Call) {
+    /// Ends `call` with a run marker of its first key's slot and the marker's `lifetime`.
+    fn once(&self, call: &mut Call, lifetime: Duration) {
         let marker = self.marker(hash_tag(call.first_key()));
-        call.key(marker)
-            .arg(client.marker_lifetime().as_millis() as u64);
+        call.key(marker).arg(lifetime.as_millis() as u64);
     }
 
     fn marker(&self, tag: &[u8]) -> Vec<u8> {
@@ -436,13 +435,14 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
 }
 
 /// Gives back what the checks `paid` paid in a call that ran at `paid_at` (Redis clock),
-/// their callers having had no answer. Sent once, with no deadline: Redis may run it late
-/// (still working through what piled up while it was stopped), and it is right then too.
+/// their callers having had no answer. Run once, until the end of the answer window: Redis
+/// may run it late (still working through what piled up while it was stopped), and it is
+/// right then too.
 async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
     let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
     let mut call = script::refunds(paid_at, &paid);
-    runs.once(client, &mut call);
-    let _ = client.invoke_any_time::<u64>(&call).await;
+    runs.once(&mut call, client.answer_window());
+    let _ = client.invoke_in_window::<u64>(&call).await;
 }
 
 fn fail(checks: Vec<Waiting>, message: &str) {

@@ -130,16 +130,17 @@ impl Client {
         self.send(call, Some(last_run)).await
     }
 
-    /// Runs the script however late Redis runs it (no deadline), waiting for its answer as
-    /// long as for a `checks` call's ([`Self::answer_window`]): a `refunds` call, which no
-    /// caller waits for, and which gives back only what each bucket would hold without the
-    /// checks it names, whenever it runs. (A call given up on before the connection wrote
-    /// it is never sent.)
-    pub async fn invoke_any_time<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
+    /// Runs the script until the end of the answer window ([`Self::answer_window`]), not
+    /// only the timeout, and awaits its answer as long: a `refunds` call, which no caller
+    /// waits for, and which gives back only what each bucket would hold without the checks
+    /// it names, however late it runs. (A call given up on before the connection wrote it
+    /// is never sent.) Its run marker must live as long (a copy sent again on a new
+    /// connection may run that much later than the first).
+    pub async fn invoke_in_window<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
         self.send(call, None).await
     }
 
-    /// [`Self::invoke`], or with no deadline when `last_run` is `None`.
+    /// [`Self::invoke`], or [`Self::invoke_in_window`] when `last_run` is `None`.
     async fn send<T: FromRedisValue>(
         &self,
         call: &Call,
@@ -157,7 +158,7 @@ impl Client {
                 let _turn = self.in_flight.acquire().await;
                 let deadline = match last_run {
                     Some(last_run) => self.deadline(started, last_run, &mut connection).await?,
-                    None => 0,
+                    None => self.window_end(started, &mut connection).await?,
                 };
                 self.run(
                     |script: Script<'_>| call.command(script, deadline),
@@ -210,7 +211,7 @@ impl Client {
 
     /// How long a `checks` call's answer is awaited: the timeout, and on one server
     /// [`late_wait`] more.
-    fn answer_window(&self) -> Duration {
+    pub fn answer_window(&self) -> Duration {
         match self.is_cluster() {
             true => self.timeout,
             false => self.timeout + late_wait(self.timeout),
@@ -299,6 +300,21 @@ impl Client {
             }
         }
         answer
+    }
+
+    /// The Redis time (µs) of the end of the answer window of a call sent at `started`; the
+    /// Redis clock is read first while nothing is known of it.
+    async fn window_end(
+        &self,
+        started: Instant,
+        connection: &mut Connection,
+    ) -> Result<u64, RedisError> {
+        let end = started + self.answer_window();
+        if let Some(end) = self.clock.at(end) {
+            return Ok(end);
+        }
+        self.sample_time(connection).await?;
+        Ok(self.clock.at(end).unwrap_or(0))
     }
 
     /// Reads the Redis clock (`TIME`), to place deadlines on it.

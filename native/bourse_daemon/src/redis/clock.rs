@@ -70,6 +70,21 @@ impl ServerClock {
     /// or `None` while nothing is known of the Redis clock: by the timeout, and no later
     /// than the request's own `last_run` (a local instant, converted the same way).
     pub fn deadline(&self, started: Instant, last_run: Option<Instant>) -> Option<u64> {
+        let on_redis = self.on_redis()?;
+        let timeout_ms = self.timeout.as_millis() as u64;
+        let ours = rules::last_run_us(on_redis(started + self.timeout), timeout_ms);
+        let theirs = last_run.map_or(u64::MAX, on_redis);
+        Some(ours.min(theirs).max(1))
+    }
+
+    /// A Redis time (µs) no later than the moment `at`, or `None` while nothing is known of
+    /// the Redis clock.
+    pub fn at(&self, at: Instant) -> Option<u64> {
+        Some(self.on_redis()?(at).max(1))
+    }
+
+    /// Converts local instants to Redis times no later than them.
+    fn on_redis(&self) -> Option<impl Fn(Instant) -> u64 + '_> {
         let offset = self
             .current
             .load(Ordering::Relaxed)
@@ -77,11 +92,7 @@ impl ServerClock {
         if offset == UNKNOWN {
             return None;
         }
-        let on_redis = |at: Instant| self.local_us(at).saturating_add(offset).max(0) as u64;
-        let timeout_ms = self.timeout.as_millis() as u64;
-        let ours = rules::last_run_us(on_redis(started + self.timeout), timeout_ms);
-        let theirs = last_run.map_or(u64::MAX, on_redis);
-        Some(ours.min(theirs).max(1))
+        Some(move |at: Instant| self.local_us(at).saturating_add(offset).max(0) as u64)
     }
 }
 
