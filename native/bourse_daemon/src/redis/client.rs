@@ -9,7 +9,8 @@
 //! resumes does not run the work of callers already told it was unavailable, by this
 //! daemon or by their own timeout. A `checks` call that ran in time but whose answer came
 //! late (Redis stopped before it wrote the answer) is still read, for [`late_wait`] past
-//! the timeout, so that what it paid for callers who stopped waiting is given back.
+//! the timeout, so that what it paid for callers who stopped waiting is given back, by a
+//! call that may run until the end of that window ([`Client::invoke_in_window`]).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
