@@ -8,6 +8,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -67,16 +68,33 @@ impl Redis {
     }
 
     fn on_port_with(port: u16, options: &[&str]) -> Self {
+        Self::on_port_with_env(port, options, &[])
+    }
+
+    fn on_port_with_env(port: u16, options: &[&str], env: &[(&str, &Path)]) -> Self {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .args(options)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         let redis = Self { child, port };
         eventually("redis-server answers PING", || redis.ping());
         redis
+    }
+
+    /// [`Self::start`] with a wall clock that `clock` moves.
+    fn with_clock(clock: &ClockShift) -> Option<Self> {
+        let redis = Self::start()?;
+        let port = redis.port;
+        drop(redis);
+        let env = [
+            ("LD_PRELOAD", clock.library.as_path()),
+            ("BOURSE_CLOCK_SHIM", clock.offset.as_path()),
+        ];
+        Some(Self::on_port_with_env(port, &[], &env))
     }
 
     fn url(&self) -> String {
@@ -1540,6 +1558,43 @@ impl AnswerHold {
     }
 }
 
+/// A wall clock for `redis-server` that a test sets back: tests/support/clock_shim.c,
+/// built with the system's C compiler (the one that links Rust programs) and preloaded.
+struct ClockShift {
+    library: PathBuf,
+    offset: PathBuf,
+}
+
+impl ClockShift {
+    fn build() -> Self {
+        let library = common::temp_path("clock_shim.so");
+        let offset = common::temp_path("clock_offset");
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/clock_shim.c");
+        let built = Command::new("cc")
+            .args(["-O2", "-shared", "-fPIC", "-o"])
+            .arg(&library)
+            .arg(source)
+            .arg("-ldl")
+            .status()
+            .expect("run cc");
+        assert!(built.success(), "cc failed on {source}");
+        std::fs::write(&offset, 0i64.to_ne_bytes()).unwrap();
+        Self { library, offset }
+    }
+
+    /// Moves Redis's wall clock to `us` µs from the real one.
+    fn set(&self, us: i64) {
+        std::fs::write(&self.offset, us.to_ne_bytes()).unwrap();
+    }
+}
+
+impl Drop for ClockShift {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.library);
+        let _ = std::fs::remove_file(&self.offset);
+    }
+}
+
 /// Copies `from` to `to` on a thread of its own, waiting while `held` (unless it was held
 /// already when this began).
 fn pass_on(mut from: TcpStream, mut to: TcpStream, held: Arc<AtomicBool>) {
@@ -1644,6 +1699,49 @@ fn a_refund_that_reaches_redis_late_still_gives_back() {
     eventually("the late check's cost is given back", || {
         (borrowed(&mut t, &k) - 1.0).abs() < 0.01
     });
+}
+
+/// A late check's bucket reset and made anew while the Redis clock was set back holds a
+/// definition time `n` before the check's payment, and looks like the bucket it paid: the
+/// refund must give it nothing. The daemon tells the refund a time the Redis clock had
+/// passed by its sending, as far as its earlier answers show; a clock behind it was set
+/// back, and nothing is given back. Before, the new bucket got the check's 50 tokens.
+#[test]
+fn a_refund_after_the_redis_clock_was_set_back_gives_nothing_to_a_bucket_made_anew() {
+    let clock = ClockShift::build();
+    let Some(redis) = Redis::with_clock(&clock) else {
+        return;
+    };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    let other = daemon(&redis, &[]);
+    let mut direct = other.connect();
+    let slow = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let k = key("clock", Some("k"));
+    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    assert_eq!(
+        t.call(check(&k, slow.clone(), 50.0))["error"]["type"],
+        "unavailable"
+    );
+    clock.set(-3_000_000);
+    assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
+    assert_eq!(
+        direct.call(check(&k, slow.clone(), 45.0))["result"],
+        "admitted"
+    );
+    // Past the late check's payment again, the new bucket pays once more.
+    sleep_ms(3500);
+    assert_eq!(
+        direct.call(check(&k, slow.clone(), 45.0))["result"],
+        "admitted"
+    );
+    relay.hold(false);
+    sleep_ms(1000);
+    let left = borrowed(&mut direct, &k);
+    assert!((left - 90.0).abs() < 0.1, "{left} borrowed, not 90");
 }
 
 /// A `refunds` call sent again on a new connection, its first copy still on its way:

@@ -440,7 +440,7 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
 /// right then too.
 async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
     let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
-    let mut call = script::refunds(paid_at, &paid);
+    let mut call = script::refunds(paid_at, client.passed(), &paid);
     runs.once(&mut call, client.answer_window());
     let _ = client.invoke_in_window::<u64>(&call).await;
 }

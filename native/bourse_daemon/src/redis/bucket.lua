@@ -1141,9 +1141,12 @@ end
 -- refunds: gives back what checks of one `checks` call paid, whose callers were told
 -- Redis was unavailable before its answer came (docs/CONTRACT.md, "Stores": such a call
 -- never pays). KEYS = each check's keys, as `checks` had them; ARGV = 'refunds', the Redis
--- time (µs) the `checks` call ran, the count of checks, then per check its answer
--- ('admitted' or 'booked'), its count of keys and of arguments, and those arguments. Runs
--- once (see `once`). Returns how many buckets got something back.
+-- time (µs) the `checks` call ran, a Redis time the clock had passed when this call was
+-- sent unless it was set back since (0: unknown), the count of checks, then per check its
+-- answer ('admitted' or 'booked'), its count of keys and of arguments, and those
+-- arguments. Runs once (see `once`). Returns how many buckets got something back: none
+-- when the clock is behind that time (a bucket dropped and made anew since may then hold
+-- a definition time `n` before the payment).
 --
 -- Never more than each bucket would hold had the check not paid. A booking is taken back
 -- as `replan` takes bookings back, with what its refund gives, while it is held. An
@@ -1203,9 +1206,12 @@ local function give_back_booking(key, wkey, id, now)
 end
 
 local function refunds(now)
-  local paid_at, given = tonumber(ARGV[2]), 0
-  local k, a = 0, 4
-  for _ = 1, tonumber(ARGV[3]) do
+  local paid_at, passed, given = tonumber(ARGV[2]), tonumber(ARGV[3]), 0
+  if now < passed then
+    return 0
+  end
+  local k, a = 0, 5
+  for _ = 1, tonumber(ARGV[4]) do
     local result, at = ARGV[a], a + 2
     local id, n = ARGV[at + 1], parse(ARGV[at + 5])
     for i = 1, n do

@@ -116,6 +116,13 @@ impl Client {
         ))
     }
 
+    /// A Redis time (µs) that the Redis clock has passed now, unless it was set back since
+    /// the answers this daemon saw last (within two windows of `ServerClock`); 0 if
+    /// nothing is known of the clock.
+    pub fn passed(&self) -> u64 {
+        self.clock.at(Instant::now()).unwrap_or(0)
+    }
+
     /// Records the Redis time (µs) a script answered with, just received.
     pub fn observe(&self, redis_us: u64) {
         self.clock.observe(redis_us, Instant::now());

@@ -265,11 +265,12 @@ pub fn checks(
 
 /// One `refunds` call: gives back what the checks `paid` (each its answer, `admitted` or
 /// `booked`, and its call) paid in a `checks` call that ran at `paid_at` (µs, Redis clock),
-/// whose callers stopped waiting before its answer came (see bucket.lua). It must run once:
-/// end it with a run marker.
-pub fn refunds(paid_at: u64, paid: &[(&str, &Call)]) -> Call {
+/// whose callers stopped waiting before its answer came (see bucket.lua); nothing if the
+/// Redis clock is behind `passed` when it runs (a time it had passed when the call was
+/// sent, 0 if unknown: it was set back since). It must run once: end it with a run marker.
+pub fn refunds(paid_at: u64, passed: u64, paid: &[(&str, &Call)]) -> Call {
     let mut call = Call::default();
-    call.arg("refunds").arg(paid_at).arg(paid.len());
+    call.arg("refunds").arg(paid_at).arg(passed).arg(paid.len());
     for (result, part) in paid {
         for key in &part.keys {
             call.key_with(|out| out.extend_from_slice(&part.data[key.clone()]));
@@ -328,18 +329,18 @@ mod tests {
     }
 
     /// A `refunds` call carries each check's keys and arguments as its `checks` call did,
-    /// after its answer and counts.
+    /// after its answer and counts, and after the two times it is judged by.
     #[test]
     fn refunds_carry_the_checks_as_sent() {
         let mut first = Call::default();
         first.key("b1").key("w1").arg("id").arg(0);
         let mut second = Call::default();
         second.key("b2").key("w2").key("p").arg("id2");
-        let refunds = refunds(77, &[("admitted", &first), ("booked", &second)]);
+        let refunds = refunds(77, 70, &[("admitted", &first), ("booked", &second)]);
         let mut expected = ::redis::cmd("FCALL");
         expected.arg("f").arg(5).arg("b1").arg("w1");
         expected.arg("b2").arg("w2").arg("p");
-        expected.arg("refunds").arg(77).arg(2);
+        expected.arg("refunds").arg(77).arg(70).arg(2);
         expected.arg("admitted").arg(2).arg(2).arg("id").arg(0);
         expected.arg("booked").arg(3).arg(1).arg("id2").arg(0);
         let command = refunds.command(Script::Function("f"), 0);
