@@ -1672,6 +1672,26 @@ fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothi
     assert!(ms(&booked) <= 1000, "{booked}");
 }
 
+/// A daemon (timeout 300 ms) on `redis` through a relay, whose check of `cost` on `k` (of
+/// `capacity` tokens refilling 0.001/s, 1 paid before) Redis ran while the relay held its
+/// answer: its caller was told `unavailable`, and the relay still holds the answer.
+fn late_check(
+    redis: &Redis,
+    k: &Value,
+    capacity: f64,
+    cost: f64,
+) -> (AnswerHold, Server, LineClient<TcpStream>) {
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": capacity, "refill_per_sec": 0.001});
+    assert_eq!(t.call(check(k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    assert_eq!(t.call(check(k, slow, cost))["error"]["type"], "unavailable");
+    (relay, server, t)
+}
+
 /// The `refunds` call of late checks may itself run late: Redis still working through what
 /// piled up while it was stopped, or stopped again (here the relay holds it). It gives back
 /// whenever it runs; before, it carried a deadline as a caller's call does, was refused
@@ -1679,18 +1699,8 @@ fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothi
 #[test]
 fn a_refund_that_reaches_redis_late_still_gives_back() {
     let Some(redis) = Redis::start() else { return };
-    let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
-    let mut t = server.connect();
-    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
     let k = key("late-refund", Some("k"));
-    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
-    relay.hold(true);
-    assert_eq!(
-        t.call(check(&k, slow.clone(), 2.0))["error"]["type"],
-        "unavailable"
-    );
+    let (relay, _server, mut t) = late_check(&redis, &k, 10.0, 2.0);
     // The late answer comes; the refund it sends reaches Redis past any deadline it had.
     relay.hold_requests(true);
     relay.hold(false);
@@ -1712,20 +1722,11 @@ fn a_refund_after_the_redis_clock_was_set_back_gives_nothing_to_a_bucket_made_an
     let Some(redis) = Redis::with_clock(&clock) else {
         return;
     };
-    let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
-    let mut t = server.connect();
+    let k = key("clock", Some("k"));
+    let (relay, _server, _t) = late_check(&redis, &k, 100.0, 50.0);
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
     let slow = json!({"capacity": 100, "refill_per_sec": 0.001});
-    let k = key("clock", Some("k"));
-    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
-    relay.hold(true);
-    assert_eq!(
-        t.call(check(&k, slow.clone(), 50.0))["error"]["type"],
-        "unavailable"
-    );
     clock.set(-3_000_000);
     assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
     assert_eq!(
@@ -1751,18 +1752,8 @@ fn a_refund_after_the_redis_clock_was_set_back_gives_nothing_to_a_bucket_made_an
 #[test]
 fn a_refund_sent_twice_gives_back_once() {
     let Some(redis) = Redis::start() else { return };
-    let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "300"]);
-    let mut t = server.connect();
-    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
     let k = key("twice", Some("k"));
-    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
-    relay.hold(true);
-    assert_eq!(
-        t.call(check(&k, slow.clone(), 2.0))["error"]["type"],
-        "unavailable"
-    );
+    let (relay, _server, mut t) = late_check(&redis, &k, 10.0, 2.0);
     relay.hold_requests(true);
     relay.hold(false);
     sleep_ms(300);
