@@ -1712,37 +1712,41 @@ fn a_refund_that_reaches_redis_late_still_gives_back() {
 }
 
 /// A late check's bucket reset and made anew while the Redis clock was set back holds a
-/// definition time `n` before the check's payment, and looks like the bucket it paid: the
-/// refund must give it nothing. The daemon tells the refund a time the Redis clock had
-/// passed by its sending, as far as its earlier answers show; a clock behind it was set
-/// back, and nothing is given back. Before, the new bucket got the check's 50 tokens.
+/// definition time `n` before the check's payment: by its times it looks like the bucket
+/// the check paid, and the refund must give it nothing. A refund names each bucket it gives
+/// back to by the `n` the check paid under, and gives back only to that one. Two cases:
+/// the clock still set back when the refund runs, and set forward again before it. Before,
+/// the new bucket got the check's 50 tokens in both; with only a guard against a clock
+/// behind the daemon's last view of it, in the second.
 #[test]
 fn a_refund_after_the_redis_clock_was_set_back_gives_nothing_to_a_bucket_made_anew() {
     let clock = ClockShift::build();
     let Some(redis) = Redis::with_clock(&clock) else {
         return;
     };
-    let k = key("clock", Some("k"));
-    let (relay, _server, _t) = late_check(&redis, &k, 100.0, 50.0);
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
     let slow = json!({"capacity": 100, "refill_per_sec": 0.001});
-    clock.set(-3_000_000);
-    assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
-    assert_eq!(
-        direct.call(check(&k, slow.clone(), 45.0))["result"],
-        "admitted"
-    );
-    // Past the late check's payment again, the new bucket pays once more.
-    sleep_ms(3500);
-    assert_eq!(
-        direct.call(check(&k, slow.clone(), 45.0))["result"],
-        "admitted"
-    );
-    relay.hold(false);
-    sleep_ms(1000);
-    let left = borrowed(&mut direct, &k);
-    assert!((left - 90.0).abs() < 0.1, "{left} borrowed, not 90");
+    for (case, set_forward) in [("behind", false), ("forward-again", true)] {
+        clock.set(0);
+        let k = key("clock", Some(case));
+        let (relay, _server, _t) = late_check(&redis, &k, 100.0, 50.0);
+        clock.set(-3_000_000);
+        assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
+        let made_anew = direct.call(check(&k, slow.clone(), 45.0));
+        assert_eq!(made_anew["result"], "admitted");
+        // Past the late check's payment again, the new bucket pays once more.
+        match set_forward {
+            true => clock.set(0),
+            false => sleep_ms(3500),
+        }
+        let paid_again = direct.call(check(&k, slow.clone(), 45.0));
+        assert_eq!(paid_again["result"], "admitted");
+        relay.hold(false);
+        sleep_ms(1000);
+        let left = borrowed(&mut direct, &k);
+        assert!((left - 90.0).abs() < 0.1, "{case}: {left} borrowed, not 90");
+    }
 }
 
 /// A `refunds` call sent again on a new connection, its first copy still on its way:

@@ -36,9 +36,15 @@ pub fn checks_from(text: &str) -> StoreResult<Vec<CheckAnswer>> {
 /// not hold.
 pub type Info = Option<(KeyInfo, Option<String>)>;
 
+/// A check's result word: an `admitted` result goes on with the definition time of each
+/// bucket it paid (for a refund, see bucket.lua's `refunds`).
+pub fn word(result: &str) -> &str {
+    result.split_once(' ').map_or(result, |(word, _)| word)
+}
+
 /// The outcome a `check` answered: its result word and delay.
 pub fn outcome(result: &str, ms: u64) -> StoreResult<Outcome> {
-    match result {
+    match word(result) {
         "admitted" => Ok(Outcome::Admitted),
         "claimed" => Ok(Outcome::Claimed),
         "delay" => Ok(Outcome::Delay(ms)),
@@ -97,10 +103,10 @@ mod tests {
 
     #[test]
     fn checks_answers_are_read_line_by_line() {
-        let text = "admitted\n12 1 0 delay\nlate\n0 0 2 claimed\nerror WRONGTYPE 1 2 3";
+        let text = "admitted 17 -\n12 1 0 delay\nlate\n0 0 2 claimed\nerror WRONGTYPE 1 2 3";
         let answers = checks_from(text).unwrap();
         let expected = [
-            ("admitted", 0, 0, 0),
+            ("admitted 17 -", 0, 0, 0),
             ("delay", 12, 1, 0),
             ("late", 0, 0, 0),
             ("claimed", 0, 0, 2),
@@ -114,5 +120,6 @@ mod tests {
         for malformed in ["12 1 delay", "12 x 0 delay", "1 2 3"] {
             assert!(checks_from(malformed).is_err(), "{malformed}");
         }
+        assert_eq!(outcome("admitted 17 -", 0).unwrap(), Outcome::Admitted);
     }
 }

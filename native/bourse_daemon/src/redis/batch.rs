@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use ::redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::answer::CheckAnswer;
+use super::answer::{self, CheckAnswer};
 use super::client::{self, Client};
 use super::connection::hash_tag;
 use super::names;
@@ -412,7 +412,7 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
                     },
                 };
                 if let Err(Ok((result, ..))) = waiting.reply.send(answer) {
-                    if matches!(result.as_str(), "admitted" | "booked") {
+                    if matches!(answer::word(&result), "admitted" | "booked") {
                         unanswered.push((result, waiting.part));
                     }
                 }

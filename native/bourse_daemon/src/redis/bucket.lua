@@ -32,7 +32,8 @@
 --                        and found no bookings: the key had none then and expires no
 --                        earlier than <expiry> (ms, Redis clock); any later write of t
 --                        (by every version of this script) outdates it;
---                        n: when its definition was last written (new or changed);
+--                        n: when its definition was last written (new or changed): a
+--                        refund gives back only to the bucket of the `n` it paid under;
 --                        z: when the bucket was last lowered by other than payments and
 --                        its cap: its definition changed, a `sync`, or its time taken
 --                        back to a Redis clock set back (then the time it had); see
@@ -194,12 +195,12 @@ end
 -- booking id, also that booking's field (or nil), read in the same HMGET. A definition
 -- stored as the `request`'s arguments spell it is the request's (not parsed again).
 -- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings;
--- `refunds_at_most` while `q` holds.
+-- `refunds_at_most` while `q` holds. `n_text`: its definition time `n` as stored.
 local function load(key, now, id, request)
-  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'w:' .. id)
-    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's')
+  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n', 'w:' .. id)
+    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n')
   if not v[3] then
-    return nil, v[8] or nil
+    return nil, v[9] or nil
   end
   local c, r
   if request and v[1] == request.c_text and v[2] == request.r_text then
@@ -222,6 +223,7 @@ local function load(key, now, id, request)
     shown = nil,
     seen = nil,
     lowered = nil,
+    n_text = v[8] or nil,
   }
   bucket.expiry, bucket.expiry_read = written_with(v[5], v[4])
   bucket.refunds_at_most = written_with(v[6], v[4])
@@ -231,7 +233,7 @@ local function load(key, now, id, request)
     bucket.dirty = true
   end
   bucket.seen = v[7] and true
-  return bucket, v[8] or nil
+  return bucket, v[9] or nil
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
@@ -820,10 +822,11 @@ end
 -- pauses and marker keys; its arguments the booking id, max_wait_ms (0: a probe), slack
 -- (µs), assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential
 -- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
--- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`),
--- 'late' for a check past its deadline (it did nothing), 'error <message>' for a check
--- that failed in Redis (a key of another type): each check runs under pcall, and fails
--- before it pays (its keys are all read first).
+-- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`;
+-- 'admitted' goes on with the definition time `n` of each bucket it paid, which names the
+-- bucket for a refund), 'late' for a check past its deadline (it did nothing),
+-- 'error <message>' for a check that failed in Redis (a key of another type): each check
+-- runs under pcall, and fails before it pays (its keys are all read first).
 --
 -- The run marker makes a call run once, and holds its answers and the time it ran: a
 -- call sent again after the connection was lost finds them and answers them unchanged,
@@ -1035,8 +1038,10 @@ decide = function(now, k, at)
   local paused = pause_until > ready and 1 or 0
   ready = math.max(ready, pause_until)
   if ready <= now then
-    for _, item in ipairs(items) do
+    local defined = {}
+    for i, item in ipairs(items) do
       spend(item, now)
+      defined[i] = item.bucket.defined and fmt_time(call_now) or item.bucket.n_text or '-'
       if item.unbooked then
         item.kept = save_unbooked(item, now)
       else
@@ -1044,7 +1049,8 @@ decide = function(now, k, at)
         item.kept = keep(item, now, 0)
       end
     end
-    return items, answer('admitted', 0, 0, lapsed)
+    -- Each bucket's definition time names the bucket it paid, for a refund (`refunds`).
+    return items, answer('admitted ' .. table.concat(defined, ' '), 0, 0, lapsed)
   end
   local ms = delay_ms(now, ready)
   local slack = tonumber(ARGV[at + 3])
@@ -1143,10 +1149,10 @@ end
 -- never pays). KEYS = each check's keys, as `checks` had them; ARGV = 'refunds', the Redis
 -- time (µs) the `checks` call ran, a Redis time the clock had passed when this call was
 -- sent unless it was set back since (0: unknown), the count of checks, then per check its
--- answer ('admitted' or 'booked'), its count of keys and of arguments, and those
--- arguments. Runs once (see `once`). Returns how many buckets got something back: none
--- when the clock is behind that time (a bucket dropped and made anew since may then hold
--- a definition time `n` before the payment).
+-- answer ('booked', or 'admitted' and the definition time `n` of each bucket it paid, as
+-- `checks` answered), its count of keys and of arguments, and those arguments. Runs once
+-- (see `once`). Returns how many buckets got something back: none when the clock is
+-- behind that time (it was set back).
 --
 -- Never more than each bucket would hold had the check not paid. A booking is taken back
 -- as `replan` takes bookings back, with what its refund gives, while it is held. An
@@ -1155,16 +1161,20 @@ end
 -- time was computed from tokens the cap did not touch); after later payments, less what
 -- accrued since it was paid (the most the cap may have taken from the bucket without it,
 -- bookings included: none is held, and those gone were due by now). Not at all where the
--- bucket was lowered by other means since (`z`), or holds bookings, or was defined again
--- since (`n`: redefined, or dropped by a reset and made anew).
-local function give_back_payment(key, wkey, c_text, r_text, cost, paid_at, now)
+-- bucket was lowered by other means since (`z`), or holds bookings, or is not the bucket
+-- it paid: its definition time `n` is not `defined`, the one the check paid under
+-- (redefined, or dropped and made anew, also under a clock set back).
+local function give_back_payment(key, wkey, c_text, r_text, cost, defined, paid_at, now)
   local v = call('HMGET', key, 'c', 'r', 'b', 't', 'z', 'n')
   local c, r, b, t = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
   if not (c and r and b and t) or c ~= tonumber(c_text) or r ~= tonumber(r_text) then
     return false
   end
-  local lowered, defined = tonumber(v[5]) or 0, tonumber(v[6]) or math.huge
-  if t < paid_at or lowered >= paid_at or defined > paid_at or call('EXISTS', wkey) == 1 then
+  local lowered = tonumber(v[5]) or 0
+  if not defined or v[6] ~= defined or t < paid_at or lowered >= paid_at then
+    return false
+  end
+  if call('EXISTS', wkey) == 1 then
     return false
   end
   local back = cost
@@ -1214,6 +1224,7 @@ local function refunds(now)
   for _ = 1, tonumber(ARGV[4]) do
     local result, at = ARGV[a], a + 2
     local id, n = ARGV[at + 1], parse(ARGV[at + 5])
+    local defined = string.gmatch(result, ' (%S+)')
     for i = 1, n do
       local key, wkey = KEYS[k + 2 * i - 1], KEYS[k + 2 * i]
       local item = item_at(at, i)
@@ -1221,8 +1232,8 @@ local function refunds(now)
       if result == 'booked' then
         done = give_back_booking(key, wkey, id, now)
       else
-        local cost = tonumber(ARGV[item + 3])
-        done = give_back_payment(key, wkey, ARGV[item + 1], ARGV[item + 2], cost, paid_at, now)
+        local cost, c, r = tonumber(ARGV[item + 3]), ARGV[item + 1], ARGV[item + 2]
+        done = give_back_payment(key, wkey, c, r, cost, defined(), paid_at, now)
       end
       given = given + (done and 1 or 0)
     end
