@@ -237,7 +237,7 @@ local function load(key, now, id, request)
 end
 
 -- Writes the bucket in one HSET: its tokens, its definition when `defined` (new or
--- changed), a new key's shown fingerprint, `k`: the expiry `save_unbooked` set or kept,
+-- changed; its time `n` then kept in `n_text` too), a new key's shown fingerprint, `k`: the expiry `save_unbooked` set or kept,
 -- else nothing (a later check reads the bookings and the expiry again), and `q`: what its
 -- bookings give back at most, if known.
 local function save(key, bucket)
@@ -250,6 +250,7 @@ local function save(key, bucket)
   if bucket.defined then
     bucket.defined = nil
     local c, r, n = fmt(bucket.c), fmt(bucket.r), fmt_time(call_now)
+    bucket.n_text = n
     if shown then
       call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'n', n, 'f', shown)
     else
@@ -1041,13 +1042,13 @@ decide = function(now, k, at)
     local defined = {}
     for i, item in ipairs(items) do
       spend(item, now)
-      defined[i] = item.bucket.defined and fmt_time(call_now) or item.bucket.n_text or '-'
       if item.unbooked then
         item.kept = save_unbooked(item, now)
       else
         save(item.key, item.bucket)
         item.kept = keep(item, now, 0)
       end
+      defined[i] = item.bucket.n_text or '-'
     end
     -- Each bucket's definition time names the bucket it paid, for a refund (`refunds`).
     return items, answer('admitted ' .. table.concat(defined, ' '), 0, 0, lapsed)

@@ -160,14 +160,17 @@ impl Client {
             Some(_) => self.timeout,
             None => self.answer_window(),
         };
+        // The latest Redis time the script may run at: by the timeout and the request's
+        // last moment, or the end of the answer window.
+        let deadline = |clock: &ServerClock| match last_run {
+            Some(last_run) => clock.deadline(started, last_run),
+            None => clock.at(started + within),
+        };
         let answer = self
             .bounded_within(within, async {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
-                let deadline = match last_run {
-                    Some(last_run) => self.deadline(started, last_run, &mut connection).await?,
-                    None => self.window_end(started, &mut connection).await?,
-                };
+                let deadline = self.on_redis_clock(deadline, &mut connection).await?;
                 self.run(
                     |script: Script<'_>| call.command(script, deadline),
                     call.is_read_only(),
@@ -196,7 +199,8 @@ impl Client {
             .bounded_within(self.answer_window(), async {
                 let mut deadlines = Vec::with_capacity(parts.len());
                 for (sent, last_run, _) in parts {
-                    deadlines.push(self.deadline(*sent, *last_run, &mut connection).await?);
+                    let deadline = |clock: &ServerClock| clock.deadline(*sent, *last_run);
+                    deadlines.push(self.on_redis_clock(deadline, &mut connection).await?);
                 }
                 let latest = match deadlines.contains(&0) {
                     true => 0,
@@ -232,20 +236,19 @@ impl Client {
         self.timeout * 2
     }
 
-    /// The latest Redis time (µs, 0 for none known) at which a call sent at `started` for a
-    /// request that may run until `last_run` may run; the Redis clock is read first while
-    /// nothing is known of it.
-    async fn deadline(
+    /// The Redis time (µs, 0 for none known) that `time` reads from what is known of the
+    /// Redis clock (a deadline: `ServerClock::deadline` or `ServerClock::at`); the clock is
+    /// read first while nothing is known of it.
+    async fn on_redis_clock(
         &self,
-        started: Instant,
-        last_run: LastRun,
+        time: impl Fn(&ServerClock) -> Option<u64>,
         connection: &mut Connection,
     ) -> Result<u64, RedisError> {
-        if let Some(deadline) = self.clock.deadline(started, last_run) {
-            return Ok(deadline);
+        if let Some(time) = time(&self.clock) {
+            return Ok(time);
         }
         self.sample_time(connection).await?;
-        Ok(self.clock.deadline(started, last_run).unwrap_or(0))
+        Ok(time(&self.clock).unwrap_or(0))
     }
 
     /// Sends a call (`command` writes it for a form of the code) as `fcall` (of the function
@@ -308,21 +311,6 @@ impl Client {
             }
         }
         answer
-    }
-
-    /// The Redis time (µs) of the end of the answer window of a call sent at `started`; the
-    /// Redis clock is read first while nothing is known of it.
-    async fn window_end(
-        &self,
-        started: Instant,
-        connection: &mut Connection,
-    ) -> Result<u64, RedisError> {
-        let end = started + self.answer_window();
-        if let Some(end) = self.clock.at(end) {
-            return Ok(end);
-        }
-        self.sample_time(connection).await?;
-        Ok(self.clock.at(end).unwrap_or(0))
     }
 
     /// Reads the Redis clock (`TIME`), to place deadlines on it.
