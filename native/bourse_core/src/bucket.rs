@@ -75,9 +75,11 @@ fn accrual_ns(tokens: f64, limit: &Limit) -> u64 {
         .min(MAX_WAIT_NS as f64) as u64
 }
 
-/// Whether `tokens` cover `cost`, forgiving float noise far below a millionth of a token.
+/// Whether `tokens` cover `cost`, forgiving float noise of a billionth of the cost: relative,
+/// so that P1 holds for tiny limits and costs too (a fixed tolerance admits a thousand costs
+/// of 1e-12 where one fits).
 fn covers(tokens: f64, cost: f64) -> bool {
-    tokens >= cost - 1e-9 * cost.max(1.0)
+    tokens >= cost - 1e-9 * cost
 }
 
 /// What the refunds of a bucket's other bookings (`others` together) may still give back

@@ -114,6 +114,39 @@ fn over_capacity_cost_accrues_then_leaves_the_bucket_empty() {
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(111));
 }
 
+/// The float tolerance of a check is relative to its cost: tiny limits and costs (any
+/// positive number is valid) admit what P1 allows, not what a fixed tolerance would.
+#[test]
+fn tiny_limits_and_costs_admit_no_more_than_the_bound() {
+    for tiny in [1e-9, 1e-10, 1e-12, 1e-300] {
+        let (t, clock) = table();
+        let l = limit(tiny, tiny);
+        assert_eq!(probe(&t, "request", l, tiny), Outcome::Admitted);
+        for _ in 0..100 {
+            clock.advance(1_000);
+            assert!(
+                matches!(probe(&t, "request", l, tiny), Outcome::Delay(_)),
+                "capacity, refill and cost {tiny}: a second cost admitted within 100 µs"
+            );
+        }
+    }
+    // A drained bucket of 10 refilling 1e-9 per second, then costs of 1e-12 for 1 ms: the
+    // bound allows none of them (1e-12 tokens accrue in that millisecond).
+    let (t, clock) = table();
+    let l = limit(10.0, 1e-9);
+    assert_eq!(probe(&t, "request", l, 10.0), Outcome::Admitted);
+    let admitted = (0..1_000)
+        .filter(|_| {
+            clock.advance(1_000);
+            probe(&t, "request", l, 1e-12) == Outcome::Admitted
+        })
+        .count();
+    assert!(
+        admitted <= 1,
+        "{admitted} costs of 1e-12 admitted, P1 allows 1"
+    );
+}
+
 #[test]
 fn over_capacity_accrual_restarts_after_any_payment() {
     let (t, clock) = table();

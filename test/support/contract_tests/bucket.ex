@@ -36,6 +36,28 @@ defmodule Bourse.ContractTests.Bucket do
                    check_rate({"r", "5"}, %{capacity: 1, refill_per_sec: 0.001}, 2.000001, name)
         end
 
+        test "tiny limits and costs admit no more than the bound (P1)", %{name: name} do
+          # Any positive number is a valid capacity, refill and cost; float noise is
+          # forgiven relative to the cost, not as a fixed amount.
+          for tiny <- [1.0e-9, 1.0e-12] do
+            limit = %{capacity: tiny, refill_per_sec: tiny}
+            assert :ok = check_rate({"tiny", "#{tiny}"}, limit, tiny, name)
+            answers = for _ <- 1..20, do: check_rate({"tiny", "#{tiny}"}, limit, tiny, name)
+            assert Enum.all?(answers, &match?({:delay, _}, &1)), inspect(answers)
+          end
+
+          # A drained bucket refilling 1e-9 per second accrues one cost of 1e-12 a ms.
+          limit = %{capacity: 10, refill_per_sec: 1.0e-9}
+
+          {elapsed_us, answers} =
+            :timer.tc(fn ->
+              assert :ok = check_rate({"tiny", "drained"}, limit, 10, name)
+              for _ <- 1..50, do: check_rate({"tiny", "drained"}, limit, 1.0e-12, name)
+            end)
+
+          assert Enum.count(answers, &(&1 == :ok)) <= div(elapsed_us, 1_000) + 1, inspect(answers)
+        end
+
         test "an over-capacity cost is limited, not exempt (okx: capacity 1, 9.09/s, cost 50)",
              %{name: name} do
           okx = %{capacity: 1, refill_per_sec: 9.09}

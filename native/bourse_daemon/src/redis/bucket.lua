@@ -161,9 +161,10 @@ local function accrual(tokens, r)
   return math.min(math.ceil(tokens / r * 1e6 - 1e-6), MAX_WAIT)
 end
 
--- Whether `tokens` cover `cost`, forgiving float noise far below a millionth of a token.
+-- Whether `tokens` cover `cost`, forgiving float noise of a billionth of the cost (relative,
+-- as bourse_core's `covers`: P1 holds for tiny limits and costs too).
 local function covers(tokens, cost)
-  return tokens >= cost - 1e-9 * math.max(cost, 1)
+  return tokens >= cost - 1e-9 * cost
 end
 
 local function delay_ms(from, to)
