@@ -26,9 +26,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
   first seed's that holds one). A URL that could carry it there otherwise is refused with
   `:invalid_parameters`, without showing it: a password elsewhere (`?password=` or
-  `?p%61ssword=`, a `unix://` userinfo), spaces or control characters, a fragment, an
-  `@` after the host (percent-encode `/`, `?` and `#` in a password), no `//` after the
-  scheme. TLS (`rediss://`) is not supported: reach a Redis that requires it through a
+  `?p%61ssword=`, a `unix://` userinfo), a user name without a password
+  (`redis://NAME@host`, which authenticates nothing: most often a password that lacks its
+  colon), spaces or control characters, a fragment, an `@` after the host (percent-encode
+  `/`, `?` and `#` in a password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis that requires it through a
   local TLS tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
   (docs/PROTOCOL.md, "Redis"); set `BOURSE_REDIS_KEY_SECRET` in the VM's environment to
   key them with a secret shared by every limiter on that Redis.
@@ -202,6 +203,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          {:ok, prefix} <- prefix(Keyword.get(opts, :prefix, @default_prefix)),
          {:ok, timeout} <-
            redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)),
+         :ok <- no_bare_user(url),
          {url, password} = without_password(url),
          :ok <- no_password_left(url),
          :ok <- utf8_password(password) do
@@ -231,6 +233,33 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       else: :ok
   rescue
     ArgumentError -> :ok
+  end
+
+  # A redis:// URL's userinfo without a colon is a user name alone, which authenticates
+  # nothing (a client sends AUTH only with a password) and would go on the command line:
+  # most often a password written without its colon, so it is refused, and not shown.
+  defp no_bare_user(seeds) when is_list(seeds),
+    do: seeds |> Enum.map(&no_bare_user/1) |> Enum.find(:ok, &(&1 != :ok))
+
+  defp no_bare_user(url) do
+    [scheme, rest] = String.split(url, "://", parts: 2)
+    {authority, _tail} = split_at_first(rest, ["/", "?", "#"])
+
+    case {String.downcase(scheme), :binary.matches(authority, "@")} do
+      {scheme, [_ | _] = ats} when scheme != "unix" ->
+        {at, 1} = List.last(ats)
+
+        if String.contains?(binary_part(authority, 0, at), ":"),
+          do: :ok,
+          else:
+            {:error,
+             "the Redis URL names a user without a password (not shown): a password is " <>
+               "written after a colon, redis://:PASSWORD@host:port or " <>
+               "redis://USER:PASSWORD@host:port"}
+
+      _ ->
+        :ok
+    end
   end
 
   # Redis clients take passwords of text, and an environment variable (where the daemon

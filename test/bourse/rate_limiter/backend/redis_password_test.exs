@@ -150,7 +150,12 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           "unix:/tmp/x://:secret-part@y.sock",
           "redis:secret-part",
           "unix:///run/redis.sock ?pass=secret-part",
-          "unix:///run/redis.sock#?pass=secret-part"
+          "unix:///run/redis.sock#?pass=secret-part",
+          # A user name alone authenticates nothing: most often a password without its
+          # colon.
+          "redis://secret-part@127.0.0.1:6379",
+          "REDIS://secret-part@127.0.0.1:6379/0",
+          ["redis://127.0.0.1:1", "redis://secret-part@127.0.0.1:2"]
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
@@ -161,7 +166,8 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
                message =~ "cannot contain spaces or control characters" or
                message =~ "redis URL must be a string" or
                message =~ "has no fragment" or
-               message =~ "takes its password in its query"
+               message =~ "takes its password in its query" or
+               message =~ "names a user without a password"
 
       refute message =~ "secret"
       refute message =~ "bourse_daemon refused"
@@ -174,7 +180,6 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     for {url, without, password} <- [
           {"redis://:p%2Bw+x@h:1/2", "redis://h:1/2", "p+w+x"},
           {"redis://user:pw@h:1", "redis://user@h:1", "pw"},
-          {"redis://user@h:1", "redis://user@h:1", nil},
           {"unix:///tmp/r.sock?db=2&pass=a+b%21", "unix:///tmp/r.sock?db=2", "a b!"},
           {"unix:///tmp/r.sock?pass=x", "unix:///tmp/r.sock", "x"},
           {"unix:///tmp/r.sock?db=2&pass=x&b", "unix:///tmp/r.sock?db=2&b", "x"},
