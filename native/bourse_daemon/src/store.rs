@@ -122,9 +122,16 @@ pub trait Store: Send + Sync + 'static {
         last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 
-    fn reset_exchange(&self, exchange: &[u8]) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Walks the store (Redis) until done or `last_run`: past it, the keys of the pages
+    /// done are reset and the answer is unavailable.
+    fn reset_exchange(
+        &self,
+        exchange: &[u8],
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
-    fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send;
+    /// As [`Store::reset_exchange`], for every key.
+    fn reset_all(&self, last_run: LastRun) -> impl Future<Output = StoreResult<()>> + Send;
 
     fn pause(
         &self,
@@ -262,12 +269,16 @@ impl<C: Clock> Store for Memory<C> {
         ready(Ok(()))
     }
 
-    fn reset_exchange(&self, exchange: &[u8]) -> impl Future<Output = StoreResult<()>> + Send {
+    fn reset_exchange(
+        &self,
+        exchange: &[u8],
+        _last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.reset_exchange(exchange);
         ready(Ok(()))
     }
 
-    fn reset_all(&self) -> impl Future<Output = StoreResult<()>> + Send {
+    fn reset_all(&self, _last_run: LastRun) -> impl Future<Output = StoreResult<()>> + Send {
         self.table.reset_all();
         ready(Ok(()))
     }

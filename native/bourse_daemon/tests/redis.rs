@@ -934,6 +934,97 @@ fn a_long_walk_does_not_keep_another_from_its_turn() {
     }
 }
 
+/// With Redis stopped, every table-wide walk is answered `unavailable` within one Redis
+/// timeout, however many wait for a place or a turn. Before, its place, its turn and its
+/// first page were each given a timeout: 2 to 3 timeouts with 4 walks of each kind.
+#[test]
+fn walks_on_a_stopped_redis_answer_within_one_timeout() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
+    fill(
+        &server,
+        1_000,
+        &json!({"capacity": 10, "refill_per_sec": 0.001}),
+    );
+    let requests = [
+        json!({"op": "stats"}),
+        json!({"op": "busiest", "count": 5}),
+        json!({"op": "reset_exchange", "exchange": "elsewhere"}),
+        json!({"op": "reset_all"}),
+    ];
+    let mut clients: Vec<_> = (0..16).map(|_| server.connect()).collect();
+    kill("STOP", redis.child.id());
+    let started = Instant::now();
+    for (i, client) in clients.iter_mut().enumerate() {
+        client.send(&requests[i % 4]);
+    }
+    let answers: Vec<(Value, Duration)> = clients
+        .iter_mut()
+        .map(|client| (client.recv(), started.elapsed()))
+        .collect();
+    kill("CONT", redis.child.id());
+    // One timeout, and slack for a loaded 2-core machine well below a second timeout.
+    unavailable_within("walks", &answers, Duration::from_millis(1_600));
+}
+
+/// A reset walking a slow Redis (each answer 150 ms late, within the timeout) stops at its
+/// caller's deadline: it is answered `unavailable` by then, and resets nothing after.
+/// Before, it walked on to the end, long after its caller was told `unavailable`.
+#[test]
+fn a_reset_on_a_slow_redis_stops_at_its_callers_deadline() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "2000"]);
+    fill(
+        &server,
+        5_000,
+        &json!({"capacity": 10, "refill_per_sec": 0.001}),
+    );
+    let mut t = server.connect();
+    let clock_us = t.call(json!({"op": "hello"}))["clock_us"].as_u64().unwrap();
+    let slow = Arc::new(AtomicBool::new(true));
+    let slowing = {
+        let (slow, relay_held) = (Arc::clone(&slow), Arc::clone(&relay.held));
+        thread::spawn(move || {
+            while slow.load(Ordering::SeqCst) {
+                relay_held.store(true, Ordering::SeqCst);
+                sleep_ms(150);
+                relay_held.store(false, Ordering::SeqCst);
+                sleep_ms(2);
+            }
+        })
+    };
+    // Its caller waits 1 s: the walk may go on until 0.75 s from now.
+    let started = Instant::now();
+    let reset = t.call(json!({"op": "reset_exchange", "exchange": "walked",
+        "deadline_us": clock_us + 1_000_000, "timeout_ms": 1000}));
+    let took = started.elapsed();
+    slow.store(false, Ordering::SeqCst);
+    slowing.join().unwrap();
+    relay.hold(false);
+    assert_eq!(reset["error"]["type"], "unavailable", "{reset}");
+    assert!(
+        took < Duration::from_millis(2_500),
+        "answered after {took:?}"
+    );
+    let left = || -> u64 {
+        let mut connection = redis.connection().unwrap();
+        let keys: Vec<String> = ::redis::cmd("KEYS")
+            .arg("bourse:{*walked}:b:*")
+            .query(&mut connection)
+            .unwrap();
+        keys.len() as u64
+    };
+    let at_answer = left();
+    sleep_ms(1_500);
+    assert!(
+        at_answer > 0,
+        "the reset walked to the end before its deadline"
+    );
+    assert_eq!(left(), at_answer, "the reset went on after its answer");
+}
+
 /// Fills `server`'s Redis with `count` buckets of `limit`, 1,000 checks pipelined at a time.
 fn fill(server: &Server, count: usize, limit: &Value) {
     let mut filler = server.connect();

@@ -419,11 +419,11 @@ impl<S: Store> Service<S> {
                 Answer::Done
             }
             Request::ResetExchange { exchange } => {
-                Box::pin(store.reset_exchange(exchange)).await?;
+                Box::pin(store.reset_exchange(exchange, last_run)).await?;
                 Answer::Done
             }
             Request::ResetAll => {
-                Box::pin(store.reset_all()).await?;
+                Box::pin(store.reset_all(last_run)).await?;
                 Answer::Done
             }
             Request::Pause { target, ms } => {

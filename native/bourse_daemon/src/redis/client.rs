@@ -327,8 +327,16 @@ impl Client {
 
     /// Sends one command, bounded by the timeout, once more if the connection was lost.
     pub async fn command<T: FromRedisValue>(&self, command: &Cmd) -> StoreResult<T> {
+        self.command_within(command, self.timeout).await
+    }
+
+    async fn command_within<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+        within: Duration,
+    ) -> StoreResult<T> {
         let mut connection = self.link.connection();
-        self.bounded(async {
+        self.bounded_within(within, async {
             match command.query_async(&mut connection).await {
                 Err(error) if lost_connection(&error) => command.query_async(&mut connection).await,
                 answer => answer,
@@ -337,33 +345,51 @@ impl Client {
         .await
     }
 
-    /// Sends one command to `node`, bounded by the timeout.
+    /// Sends one command to `node`, answered by `until`.
     pub async fn command_on<T: FromRedisValue>(
         &self,
         node: &ScanNode,
         command: &Cmd,
+        until: Instant,
     ) -> StoreResult<T> {
+        let within = until.saturating_duration_since(Instant::now());
         match node {
-            ScanNode::Server => self.command(command).await,
+            ScanNode::Server => self.command_within(command, within).await,
             node => {
                 let mut connection = self.link.connection();
-                self.bounded(connection.query_on(node, command)).await
+                self.bounded_within(within, connection.query_on(node, command))
+                    .await
             }
         }
     }
 
-    /// A place among the reading walks running, held until dropped; waited for within the
-    /// timeout.
-    pub async fn walk_place(&self) -> StoreResult<OwnedSemaphorePermit> {
-        self.walk_permit(&self.walks, "(stats, busiest) left no place")
+    /// When a walk's next step (a place and its first page, or a further page) must be done:
+    /// a timeout from now, or the request's last moment to run if earlier; unavailable
+    /// once that has passed.
+    pub fn walk_step_until(&self, last_run: LastRun) -> StoreResult<Instant> {
+        let now = Instant::now();
+        let until = last_run.map_or(now + self.timeout, |last| last.min(now + self.timeout));
+        if until <= now {
+            return Err(self.unavailable(
+                "the request's deadline passed before its table-wide walk was done \
+                 (a reset may have reset part of its keys)",
+            ));
+        }
+        Ok(until)
+    }
+
+    /// A place among the reading walks running, held until dropped; waited for until
+    /// `until`.
+    pub async fn walk_place(&self, until: Instant) -> StoreResult<OwnedSemaphorePermit> {
+        self.walk_permit(&self.walks, until, "(stats, busiest) left no place")
             .await
     }
 
-    /// A walk's turn to work on one page, held until dropped; waited for within the
-    /// timeout.
-    pub async fn page_turn(&self) -> StoreResult<OwnedSemaphorePermit> {
+    /// A walk's turn to work on one page, held until dropped; waited for until `until`.
+    pub async fn page_turn(&self, until: Instant) -> StoreResult<OwnedSemaphorePermit> {
         self.walk_permit(
             &self.pages,
+            until,
             "(stats, busiest, reset_exchange, reset_all) held the turn",
         )
         .await
@@ -372,29 +398,26 @@ impl Client {
     async fn walk_permit(
         &self,
         of: &Arc<Semaphore>,
+        until: Instant,
         what: &str,
     ) -> StoreResult<OwnedSemaphorePermit> {
-        match tokio::time::timeout(self.timeout, of.clone().acquire_owned()).await {
+        let started = Instant::now();
+        let within = until.saturating_duration_since(started);
+        match tokio::time::timeout(within, of.clone().acquire_owned()).await {
             // Never closed.
             Ok(Ok(permit)) => Ok(permit),
             Ok(Err(_)) | Err(_) => Err(self.unavailable(format_args!(
                 "other table-wide walks {what} for {} ms",
-                self.timeout.as_millis()
+                started.elapsed().as_millis()
             ))),
         }
     }
 
-    /// The nodes that together hold every key.
-    pub async fn scan_nodes(&self) -> StoreResult<Vec<ScanNode>> {
+    /// The nodes that together hold every key, answered by `until`.
+    pub async fn scan_nodes(&self, until: Instant) -> StoreResult<Vec<ScanNode>> {
+        let within = until.saturating_duration_since(Instant::now());
         let mut connection = self.link.connection();
-        self.bounded(connection.scan_nodes()).await
-    }
-
-    async fn bounded<T>(
-        &self,
-        call: impl Future<Output = Result<T, RedisError>>,
-    ) -> StoreResult<T> {
-        self.bounded_within(self.timeout, call).await
+        self.bounded_within(within, connection.scan_nodes()).await
     }
 
     async fn bounded_within<T>(

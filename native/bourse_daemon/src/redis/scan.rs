@@ -3,12 +3,17 @@
 //! holds Redis from checks, and no walk, however long, keeps another from its turn. A few
 //! reading walks (`stats`, `busiest`) run at once, so that a burst of them fails fast
 //! instead of crawling on together; deleting walks (the resets) always get their turns.
+//! Each step of a walk (its place and first page, then each further page) is bounded by
+//! the timeout, and none starts past the request's last moment to run: a stopped Redis
+//! ends a walk within one timeout, a slow one at its caller's deadline.
+
+use std::time::Instant;
 
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::client::Client;
 use super::connection::ScanNode;
-use crate::store::StoreResult;
+use crate::store::{LastRun, StoreResult};
 
 /// Keys asked of each `SCAN` step: a page's work holds Redis from checks meanwhile.
 const SCAN_COUNT: usize = 250;
@@ -18,6 +23,9 @@ const SCAN_COUNT: usize = 250;
 pub struct Scan {
     nodes: Vec<ScanNode>,
     cursor: u64,
+    /// When the first page must be in: the walk's first step began before it.
+    first_until: Option<Instant>,
+    last_run: LastRun,
     _place: Option<OwnedSemaphorePermit>,
 }
 
@@ -31,22 +39,31 @@ pub struct Page {
 impl Scan {
     /// Starts a reading scan of every node holding keys, once it has a place among the
     /// reading walks.
-    pub async fn reading(client: &Client) -> StoreResult<Self> {
-        let place = client.walk_place().await?;
-        Self::start(client, Some(place)).await
+    pub async fn reading(client: &Client, last_run: LastRun) -> StoreResult<Self> {
+        let until = client.walk_step_until(last_run)?;
+        let place = client.walk_place(until).await?;
+        Self::start(client, Some(place), until, last_run).await
     }
 
     /// Starts a scan of every node holding keys, to delete what it finds.
-    pub async fn deleting(client: &Client) -> StoreResult<Self> {
-        Self::start(client, None).await
+    pub async fn deleting(client: &Client, last_run: LastRun) -> StoreResult<Self> {
+        let until = client.walk_step_until(last_run)?;
+        Self::start(client, None, until, last_run).await
     }
 
-    async fn start(client: &Client, place: Option<OwnedSemaphorePermit>) -> StoreResult<Self> {
-        let mut nodes = client.scan_nodes().await?;
+    async fn start(
+        client: &Client,
+        place: Option<OwnedSemaphorePermit>,
+        until: Instant,
+        last_run: LastRun,
+    ) -> StoreResult<Self> {
+        let mut nodes = client.scan_nodes(until).await?;
         nodes.reverse();
         Ok(Self {
             nodes,
             cursor: 0,
+            first_until: Some(until),
+            last_run,
             _place: place,
         })
     }
@@ -61,7 +78,11 @@ impl Scan {
         let Some(node) = self.nodes.last() else {
             return Ok(None);
         };
-        let turn = client.page_turn().await?;
+        let until = match self.first_until.take() {
+            Some(until) => until,
+            None => client.walk_step_until(self.last_run)?,
+        };
+        let turn = client.page_turn(until).await?;
         let mut command = ::redis::cmd("SCAN");
         command
             .arg(self.cursor)
@@ -69,7 +90,7 @@ impl Scan {
             .arg(pattern)
             .arg("COUNT")
             .arg(SCAN_COUNT);
-        let (next, names): (u64, Vec<Vec<u8>>) = client.command_on(node, &command).await?;
+        let (next, names): (u64, Vec<Vec<u8>>) = client.command_on(node, &command, until).await?;
         self.cursor = next;
         if next == 0 {
             self.nodes.pop();
@@ -78,9 +99,13 @@ impl Scan {
     }
 }
 
-/// Deletes every key matching `pattern`, one `SCAN` page at a time.
-pub async fn unlink_matching(client: &Client, pattern: &[u8]) -> StoreResult<()> {
-    let mut scan = Scan::deleting(client).await?;
+/// Deletes every key matching `pattern`, one `SCAN` page at a time, until `last_run`.
+pub async fn unlink_matching(
+    client: &Client,
+    pattern: &[u8],
+    last_run: LastRun,
+) -> StoreResult<()> {
+    let mut scan = Scan::deleting(client, last_run).await?;
     while let Some(page) = scan.next_page(client, pattern).await? {
         if !page.names.is_empty() {
             let mut unlink = ::redis::cmd("UNLINK");

@@ -105,7 +105,7 @@ impl RedisStore {
         mut visit: impl FnMut(ShownKey, KeyInfo),
     ) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
-        let mut scan = Scan::reading(&self.client).await?;
+        let mut scan = Scan::reading(&self.client, last_run).await?;
         while let Some(page) = scan.next_page(&self.client, &pattern).await? {
             let keys: Vec<names::NamedKey> = page
                 .names
@@ -367,14 +367,14 @@ impl Store for RedisStore {
         Ok(())
     }
 
-    async fn reset_exchange(&self, exchange: &[u8]) -> StoreResult<()> {
+    async fn reset_exchange(&self, exchange: &[u8], last_run: LastRun) -> StoreResult<()> {
         let pattern = names::exchange_pattern(&self.prefix, exchange);
-        unlink_matching(&self.client, &pattern).await
+        unlink_matching(&self.client, &pattern, last_run).await
     }
 
-    async fn reset_all(&self) -> StoreResult<()> {
+    async fn reset_all(&self, last_run: LastRun) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
-        unlink_matching(&self.client, &pattern).await
+        unlink_matching(&self.client, &pattern, last_run).await
     }
 
     async fn pause(&self, target: PauseTarget, ms: u64, last_run: LastRun) -> StoreResult<()> {
