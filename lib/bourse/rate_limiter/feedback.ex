@@ -58,6 +58,9 @@ defmodule Bourse.RateLimiter.Feedback do
   (`limits: %{axis => limit}`, each limit in any form a check takes, such as
   `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical 2xx reply
   with one used-weight header and `limits:` costs two round trips to a daemon or Redis.
+  With a daemon or Redis, the round trips of one call share one timeout (the backend's):
+  a slow store gets `{:error, %Bourse.Error{type: :unavailable}}` within it, what was
+  done before staying done.
 
   ## Used-weight headers
 
@@ -155,6 +158,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   alias Bourse.{Error, Native, RateLimiter}
   alias Bourse.RateLimiter.{BodySignal, Events, Options, RetryAfter, Router}
+  alias Bourse.RateLimiter.Backend.Connection
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
@@ -293,12 +297,27 @@ defmodule Bourse.RateLimiter.Feedback do
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
          :ok <- running(running, name),
-         :ok <- sync_all(exchange_id, credential_key, found, {axes, limits, definitions}, name) do
-      now = System.os_time(:millisecond)
-      signal = BodySignal.find(exchange_id, status, body, found, now)
-      react(exchange_id, credential_key, status, found, signal, name)
+         reply = {status, body, found},
+         counters = {axes, limits, definitions},
+         :ok <- sharing_one_timeout(exchange_id, credential_key, reply, counters, name) do
+      :ok
     else
       {:error, %Error{} = error} -> {:error, Error.with_exchange(error, exchange_id)}
+    end
+  end
+
+  defp sharing_one_timeout(exchange_id, credential, reply, counters, name),
+    do:
+      Connection.sharing_one_timeout(fn ->
+        record(exchange_id, credential, reply, counters, name)
+      end)
+
+  # The reply's effects on the table; with a daemon or Redis, within one timeout.
+  defp record(exchange_id, credential, {status, body, found}, counters, name) do
+    with :ok <- sync_all(exchange_id, credential, found, counters, name) do
+      now = System.os_time(:millisecond)
+      signal = BodySignal.find(exchange_id, status, body, found, now)
+      react(exchange_id, credential, status, found, signal, name)
     end
   end
 

@@ -144,13 +144,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def request(%__MODULE__{} = handle, request) do
     id = System.unique_integer([:positive])
     now_us = System.monotonic_time(:microsecond)
+    now_ms = div(now_us, 1000)
+    deadline = shared_deadline(now_ms + handle.timeout)
 
     case :ets.lookup(handle.table, :stream) do
       [{:stream, nil, _transport, _max, down, _offset}] ->
         {:error, Error.unavailable(down)}
 
+      [{:stream, _stream, _transport, _max, _down, _offset}] when deadline <= now_ms ->
+        {:error, Error.unavailable(did_not_answer(handle))}
+
       [{:stream, stream, transport, max, _down, offset}] ->
-        payload = encode(id, with_deadline(request, handle.timeout, now_us, offset))
+        payload = encode(id, with_deadline(request, deadline - now_ms, now_us, offset))
 
         case byte_size(payload) do
           size when size > max ->
@@ -159,7 +164,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
                "(#{max}, its --max-frame-bytes)"}
 
           size ->
-            deadline = div(now_us, 1000) + handle.timeout
             frame = PortStream.frame(payload, size)
             handle |> call(id, {stream, transport, frame}, deadline) |> answer(id)
         end
@@ -167,6 +171,45 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   rescue
     # The table went with its process.
     ArgumentError -> {:error, gone()}
+  end
+
+  @shared_deadline {__MODULE__, :shared_deadline}
+
+  @doc """
+  Runs `fun`, whose requests (to any daemon) share one timeout: the first one's deadline
+  bounds every later one, which the daemon is told as its own. A call made of several
+  requests (`Bourse.RateLimiter.observe_response/6`: a pause, and per used-weight header
+  a read and a sync) so answers within one timeout however slow the daemon or Redis is.
+  Within another such call, `fun` shares its timeout.
+  """
+  @spec sharing_one_timeout((() -> result)) :: result when result: term()
+  def sharing_one_timeout(fun) do
+    if Process.get(@shared_deadline) do
+      fun.()
+    else
+      Process.put(@shared_deadline, :unset)
+
+      try do
+        fun.()
+      after
+        Process.delete(@shared_deadline)
+      end
+    end
+  end
+
+  # A request's deadline: its own, or the earlier one the call it is part of set.
+  defp shared_deadline(own) do
+    case Process.get(@shared_deadline) do
+      nil ->
+        own
+
+      :unset ->
+        Process.put(@shared_deadline, own)
+        own
+
+      shared ->
+        min(shared, own)
+    end
   end
 
   # The moment this caller stops waiting, on the daemon's clock (docs/PROTOCOL.md,
