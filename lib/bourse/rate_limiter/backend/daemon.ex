@@ -19,6 +19,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   ## Access
 
   A Unix socket is owner-only (the daemon's `--socket-mode 660` lets its group in too).
+  The client takes whatever listens at the socket's path for the daemon: keep the socket
+  in a directory that only the daemon's user may write (`/run/bourse/`, say), never in a
+  shared one such as `/tmp`, where another user could listen at that path first.
   Over TCP the daemon serves nothing but `hello` until the client proves the shared
   secret it was started with: the HMAC-SHA256 of a nonce from the daemon's hello; the
   daemon then proves it in turn, over a challenge of the client's, so that a program
