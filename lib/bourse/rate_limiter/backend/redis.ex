@@ -26,11 +26,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
   first seed's that holds one). A URL that could carry it there otherwise is refused with
   `:invalid_parameters`, without showing it: a password elsewhere (`?password=` or
-  `?p%61ssword=`, a `unix://` userinfo), a user name without a password
-  (`redis://NAME@host`, which authenticates nothing: most often a password that lacks its
-  colon), spaces or control characters, a fragment, an `@` after the host (percent-encode
-  `/`, `?` and `#` in a password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis that requires it through a
-  local TLS tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
+  `?p%61ssword=`, any `unix://` userinfo), a user name without a password
+  (`redis://NAME@host` or `redis://NAME:@host`, which authenticate nothing: most often a
+  password missing its colon, or with the colon on the wrong side), spaces or control
+  characters, a fragment, an `@` after the host (percent-encode `/`, `?` and `#` in a
+  password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis
+  that requires it through a local TLS tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
   (docs/PROTOCOL.md, "Redis"); set `BOURSE_REDIS_KEY_SECRET` in the VM's environment to
   key them with a secret shared by every limiter on that Redis.
 
@@ -235,9 +236,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     ArgumentError -> :ok
   end
 
-  # A redis:// URL's userinfo without a colon is a user name alone, which authenticates
-  # nothing (a client sends AUTH only with a password) and would go on the command line:
-  # most often a password written without its colon, so it is refused, and not shown.
+  # A redis:// URL's userinfo that names a user without a password (no colon, or nothing
+  # after it) authenticates nothing (a client sends AUTH only with a password) and would
+  # go on the command line: most often a password without its colon, or with the colon on
+  # the wrong side, so it is refused, and not shown.
   defp no_bare_user(seeds) when is_list(seeds),
     do: seeds |> Enum.map(&no_bare_user/1) |> Enum.find(:ok, &(&1 != :ok))
 
@@ -245,20 +247,17 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     [scheme, rest] = String.split(url, "://", parts: 2)
     {authority, _tail} = split_at_first(rest, ["/", "?", "#"])
 
-    case {String.downcase(scheme), :binary.matches(authority, "@")} do
-      {scheme, [_ | _] = ats} when scheme != "unix" ->
-        {at, 1} = List.last(ats)
-
-        if String.contains?(binary_part(authority, 0, at), ":"),
-          do: :ok,
-          else:
-            {:error,
-             "the Redis URL names a user without a password (not shown): a password is " <>
-               "written after a colon, redis://:PASSWORD@host:port or " <>
-               "redis://USER:PASSWORD@host:port"}
-
-      _ ->
-        :ok
+    with "redis" <- String.downcase(scheme),
+         [_ | _] = ats <- :binary.matches(authority, "@"),
+         {at, 1} = List.last(ats),
+         [user | password] when user != "" and password in [[], [""]] <-
+           String.split(binary_part(authority, 0, at), ":", parts: 2) do
+      {:error,
+       "the Redis URL names a user without a password (not shown): a password is " <>
+         "written after a colon, redis://:PASSWORD@host:port or " <>
+         "redis://USER:PASSWORD@host:port"}
+    else
+      _ -> :ok
     end
   end
 
@@ -350,9 +349,10 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       "a Redis URL cannot contain spaces or control characters (NUL, tab, newline, ...): " <>
         "percent-encode them"
 
-  # The daemon's client reads a unix:// URL's password from its query only.
+  # The daemon's client reads a unix:// URL's password from its query only, and nothing of
+  # its userinfo (which would go on the command line).
   defp unix_userinfo_password?(%URI{scheme: "unix", userinfo: userinfo}) when is_binary(userinfo),
-    do: String.contains?(userinfo, ":")
+    do: userinfo != ""
 
   defp unix_userinfo_password?(_uri), do: false
 

@@ -155,7 +155,13 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           # colon.
           "redis://secret-part@127.0.0.1:6379",
           "REDIS://secret-part@127.0.0.1:6379/0",
-          ["redis://127.0.0.1:1", "redis://secret-part@127.0.0.1:2"]
+          ["redis://127.0.0.1:1", "redis://secret-part@127.0.0.1:2"],
+          # ... or with its colon on the wrong side; a unix:// URL's userinfo is not read.
+          "redis://secret-part:@127.0.0.1:6379",
+          ["redis://secret-part:@127.0.0.1:1"],
+          "unix://secret-part@localhost/tmp/r.sock",
+          "unix://secret-part@/tmp/r.sock",
+          "UNIX://secret-part@/tmp/r.sock"
         ] do
       assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
                RateLimiter.start_link(name: :redis_password_in_query, backend: {:redis, url})
@@ -197,6 +203,8 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {"redis://:pw@[fe80::1%25lo]:6392", "redis://[fe80::1%25lo]:6392", "pw"},
           {"redis://:pw@127.0.0.1:6391x", "redis://127.0.0.1:6391x", "pw"},
           {"redis://a@b:pw@h:1", "redis://a@b@h:1", "pw"},
+          # An empty userinfo names nobody.
+          {"redis://@h:1", "redis://@h:1", nil},
           {["redis://a:1", "redis://:first@b:2", "redis://:second@c:3"],
            ["redis://a:1", "redis://b:2", "redis://c:3"], "first"}
         ] do
