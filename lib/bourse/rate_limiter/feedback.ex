@@ -418,14 +418,19 @@ defmodule Bourse.RateLimiter.Feedback do
            wait(found["retry-after"], named_ms, {exchange_id, credential}, scope, name) do
       stop = stop or why == :ban
 
-      Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
+      metadata = %{
         exchange: exchange_id,
         credential: credential,
         axis: nil,
         http_status: status,
         stop: stop,
         signal: reason
-      })
+      }
+
+      # The callbacks' own calls wait as long as any call does.
+      Connection.outside_shared_timeout(fn ->
+        Events.emit(name, :rate_limited, %{retry_after_ms: wait}, metadata)
+      end)
 
       {:error,
        Error.rate_limited(wait,

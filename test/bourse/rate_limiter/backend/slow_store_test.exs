@@ -1,6 +1,7 @@
 defmodule Bourse.RateLimiter.Backend.SlowStoreTest do
   # A daemon whose answers come late, but each within the timeout (a slow network, a busy
-  # Redis): a call made of several requests answers within one timeout, not one per request.
+  # Redis): a call made of several requests answers within one timeout, not one per request;
+  # the user's code it calls (an event callback) keeps its own calls' timeouts.
   use ExUnit.Case, async: true
 
   import Bourse.BackendCase, only: [start_daemon: 1, start_limiter: 1]
@@ -36,6 +37,34 @@ defmodule Bourse.RateLimiter.Backend.SlowStoreTest do
 
     assert answer == :ok or match?({:error, %Bourse.Error{type: :unavailable}}, answer)
     assert div(took_us, 1000) < @timeout_ms + 250, "answered after #{div(took_us, 1000)} ms"
+  end
+
+  test "an event callback's calls during observe_response wait their own timeouts" do
+    test = self()
+
+    # Called on the 429 below, after the limiter's shared timeout has passed.
+    on_event = fn event, _measurements, _metadata ->
+      if List.last(event) == :rate_limited do
+        Process.sleep(@timeout_ms + 100)
+        own = RateLimiter.check_rate({"elsewhere", "k"}, @limits, 1, :slow_store_a)
+        other = RateLimiter.check_rate({"other", "k"}, @limits, 1, :slow_store_b)
+        send(test, {:callback, own, other})
+      end
+    end
+
+    for {name, opts} <- [slow_store_a: [on_event: on_event], slow_store_b: []] do
+      daemon = start_daemon(["--listen", "127.0.0.1:0"])
+      backend = {:daemon, daemon.tcp, timeout: @timeout_ms}
+      start_supervised!({RateLimiter, [name: name, backend: backend] ++ opts}, id: name)
+    end
+
+    assert :ok = RateLimiter.check_rate({"binance", "k"}, @limits, 1, :slow_store_a)
+    headers = [{"retry-after", "1"}]
+
+    assert {:error, %Bourse.Error{type: :rate_limit_exceeded}} =
+             RateLimiter.observe_response("binance", "k", 429, headers, :slow_store_a)
+
+    assert_receive {:callback, :ok, :ok}, 5_000
   end
 
   # A TCP relay to `port` that passes requests on at once and each chunk of answers as
