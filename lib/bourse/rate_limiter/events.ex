@@ -62,7 +62,7 @@ defmodule Bourse.RateLimiter.Events do
   require Logger
 
   alias Bourse.Fingerprint
-  alias Bourse.RateLimiter.Router
+  alias Bourse.RateLimiter.{CallDeadline, Router}
 
   @typedoc "An event's last name segment, e.g. `:refused`."
   @type event :: atom()
@@ -162,8 +162,11 @@ defmodule Bourse.RateLimiter.Events do
     if listening?(events) do
       name = [:bourse, :rate_limiter, event]
       metadata = metadata |> prepare() |> Map.put(:limiter, events.limiter)
-      if events.telemetry, do: apply(events.telemetry, :execute, [name, measurements, metadata])
-      call(events, name, measurements, metadata)
+      # The handlers' own calls keep their timeouts, within a call that shares one.
+      CallDeadline.outside(fn ->
+        if events.telemetry, do: apply(events.telemetry, :execute, [name, measurements, metadata])
+        call(events, name, measurements, metadata)
+      end)
     end
 
     :ok

@@ -157,8 +157,7 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, Native, RateLimiter}
-  alias Bourse.RateLimiter.{BodySignal, Events, Options, RetryAfter, Router}
-  alias Bourse.RateLimiter.Backend.Connection
+  alias Bourse.RateLimiter.{BodySignal, CallDeadline, Events, Options, RetryAfter, Router}
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
@@ -299,18 +298,15 @@ defmodule Bourse.RateLimiter.Feedback do
          :ok <- running(running, name),
          reply = {status, body, found},
          counters = {axes, limits, definitions},
-         :ok <- sharing_one_timeout(exchange_id, credential_key, reply, counters, name) do
+         :ok <-
+           CallDeadline.shared(fn ->
+             record(exchange_id, credential_key, reply, counters, name)
+           end) do
       :ok
     else
       {:error, %Error{} = error} -> {:error, Error.with_exchange(error, exchange_id)}
     end
   end
-
-  defp sharing_one_timeout(exchange_id, credential, reply, counters, name),
-    do:
-      Connection.sharing_one_timeout(fn ->
-        record(exchange_id, credential, reply, counters, name)
-      end)
 
   # The reply's effects on the table; with a daemon or Redis, within one timeout.
   defp record(exchange_id, credential, {status, body, found}, counters, name) do
@@ -418,19 +414,14 @@ defmodule Bourse.RateLimiter.Feedback do
            wait(found["retry-after"], named_ms, {exchange_id, credential}, scope, name) do
       stop = stop or why == :ban
 
-      metadata = %{
+      Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
         exchange: exchange_id,
         credential: credential,
         axis: nil,
         http_status: status,
         stop: stop,
         signal: reason
-      }
-
-      # The callbacks' own calls wait as long as any call does.
-      Connection.outside_shared_timeout(fn ->
-        Events.emit(name, :rate_limited, %{retry_after_ms: wait}, metadata)
-      end)
+      })
 
       {:error,
        Error.rate_limited(wait,

@@ -54,6 +54,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   require Logger
 
   alias Bourse.Error
+  alias Bourse.RateLimiter.CallDeadline
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
   @enforce_keys [:pid, :table, :owner_prefix, :timeout]
@@ -145,7 +146,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     id = System.unique_integer([:positive])
     now_us = System.monotonic_time(:microsecond)
     now_ms = div(now_us, 1000)
-    deadline = shared_deadline(handle, now_ms + handle.timeout)
+    deadline = CallDeadline.deadline(handle.table, now_ms + handle.timeout)
 
     case :ets.lookup(handle.table, :stream) do
       [{:stream, nil, _transport, _max, down, _offset}] ->
@@ -171,68 +172,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   rescue
     # The table went with its process.
     ArgumentError -> {:error, gone()}
-  end
-
-  @shared_deadlines {__MODULE__, :shared_deadlines}
-
-  @doc """
-  Runs `fun`, whose requests to each limiter's daemon share one timeout: a limiter's first
-  request's deadline bounds its later ones, which the daemon is told as their own. A call
-  made of several requests (`Bourse.RateLimiter.observe_response/6`: a pause, and per
-  used-weight header a read and a sync) so answers within one timeout however slow the
-  daemon or Redis is. Within another such call, `fun` shares its timeouts.
-  """
-  @spec sharing_one_timeout((() -> result)) :: result when result: term()
-  def sharing_one_timeout(fun) do
-    if Process.get(@shared_deadlines) do
-      fun.()
-    else
-      Process.put(@shared_deadlines, %{})
-
-      try do
-        fun.()
-      after
-        Process.delete(@shared_deadlines)
-      end
-    end
-  end
-
-  @doc """
-  Runs `fun` (code of the user's, such as an event callback, called within
-  `sharing_one_timeout/1`) with the timeouts of its own requests, not the shared ones.
-  """
-  @spec outside_shared_timeout((() -> result)) :: result when result: term()
-  def outside_shared_timeout(fun) do
-    case Process.delete(@shared_deadlines) do
-      nil ->
-        fun.()
-
-      shared ->
-        try do
-          fun.()
-        after
-          Process.put(@shared_deadlines, shared)
-        end
-    end
-  end
-
-  # A request's deadline: its own, or the earlier one the call it is part of set for this
-  # limiter.
-  defp shared_deadline(handle, own) do
-    case Process.get(@shared_deadlines) do
-      nil ->
-        own
-
-      %{} = shared ->
-        case Map.fetch(shared, handle.table) do
-          {:ok, deadline} ->
-            min(deadline, own)
-
-          :error ->
-            Process.put(@shared_deadlines, Map.put(shared, handle.table, own))
-            own
-        end
-    end
   end
 
   # The moment this caller stops waiting, on the daemon's clock (docs/PROTOCOL.md,
