@@ -12,7 +12,7 @@ use std::net::TcpListener;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use cluster_support::Cluster;
 use common::load::{assert_conforms, assert_multi_bucket_checks_atomic, count, load, Answer};
@@ -610,6 +610,81 @@ fn a_stalled_master_holds_only_the_checks_of_its_own_slots() {
         answers.iter().all(|answer| answer["result"] == "admitted"),
         "{answers:?}"
     );
+}
+
+/// A stopped master whose call timed out while nothing else was answered (little traffic)
+/// leaves the other masters' exchanges served. Before, the daemon then opened its cluster
+/// connection again, which could not be set up while that master was silent: every later
+/// call, on every master, waited for its timeout, one reopening after another, until the
+/// master resumed.
+#[test]
+fn a_stopped_master_at_little_traffic_leaves_the_others_served() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "500"]);
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let mut t = server.connect();
+    let exchanges: Vec<String> = (0..16).map(|e| format!("quiet-{e}")).collect();
+    for exchange in &exchanges {
+        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
+    let stopped_master = master(&exchanges[0]);
+    let other = exchanges[1..]
+        .iter()
+        .find(|exchange| master(exchange) != stopped_master)
+        .expect("an exchange on another master");
+    cluster.signal(stopped_master, "STOP");
+    let stopped = t.call(check(&key(&exchanges[0], None), limit.clone(), 1.0));
+    let started = Instant::now();
+    let mut answers: Vec<Value> = Vec::new();
+    while started.elapsed() < Duration::from_secs(3) {
+        answers.push(t.call(check(&key(other, None), limit.clone(), 1.0)));
+    }
+    cluster.signal(stopped_master, "CONT");
+    assert_eq!(stopped["error"]["type"], "unavailable", "{stopped}");
+    let refused = answers.iter().filter(|a| a["result"] != "admitted").count();
+    assert_eq!(refused, 0, "{answers:?}");
+}
+
+/// `reset_exchange` walks only the masters of its exchange's slot: another master stopped
+/// does not keep it from its answer. Before, it walked every master, and was answered
+/// `unavailable` (after resetting the exchange all the same).
+#[test]
+fn a_reset_of_an_exchange_needs_only_its_own_master() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "500"]);
+    let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let mut t = server.connect();
+    let exchanges: Vec<String> = (0..16).map(|e| format!("own-{e}")).collect();
+    for exchange in &exchanges[1..] {
+        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
+    let reset = &exchanges[0];
+    let keys: Vec<Value> = (0..20)
+        .map(|i| key(reset, Some(&format!("c{i}"))))
+        .collect();
+    for k in &keys {
+        assert_eq!(t.call(check(k, limit.clone(), 3.0))["result"], "admitted");
+    }
+    let stopped_master = exchanges[1..]
+        .iter()
+        .map(|exchange| master(exchange))
+        .find(|&port| port != master(reset))
+        .expect("an exchange on another master");
+    cluster.signal(stopped_master, "STOP");
+    let answer = t.call(json!({"op": "reset_exchange", "exchange": reset}));
+    cluster.signal(stopped_master, "CONT");
+    assert_eq!(answer["ok"], true, "{answer}");
+    for k in &keys {
+        assert_eq!(borrowed(&mut t, k), 0.0);
+    }
 }
 
 /// The masters serving slots.

@@ -413,11 +413,17 @@ impl Client {
         }
     }
 
-    /// The nodes that together hold every key, answered by `until`.
-    pub async fn scan_nodes(&self, until: Instant) -> StoreResult<Vec<ScanNode>> {
+    /// The nodes that together hold every key (of `slot`, on a cluster), answered by
+    /// `until`.
+    pub async fn scan_nodes(
+        &self,
+        until: Instant,
+        slot: Option<u16>,
+    ) -> StoreResult<Vec<ScanNode>> {
         let within = until.saturating_duration_since(Instant::now());
         let mut connection = self.link.connection();
-        self.bounded_within(within, connection.scan_nodes()).await
+        self.bounded_within(within, connection.scan_nodes(slot))
+            .await
     }
 
     async fn bounded_within<T>(

@@ -14,7 +14,7 @@ use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::cluster_routing::{
-    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
 use ::redis::{
     Client, Cmd, ConnectionAddr, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture,
@@ -154,21 +154,38 @@ impl Connection {
         matches!(self, Self::Cluster(..))
     }
 
-    /// The nodes that together hold every key: the server, or each master serving slots.
-    pub async fn scan_nodes(&mut self) -> RedisResult<Vec<ScanNode>> {
+    /// The nodes that together hold every key: the server, or each master serving slots
+    /// (with `slot`, those serving it or moving it).
+    pub async fn scan_nodes(&mut self, slot: Option<u16>) -> RedisResult<Vec<ScanNode>> {
         match self {
             Self::One(_) => Ok(vec![ScanNode::Server]),
             Self::Cluster(cluster, seeds) => {
                 let mut command = ::redis::cmd("CLUSTER");
                 command.arg("NODES");
+                // Asked of the slot's master, which must answer anyway, or of any node.
+                let node = match slot {
+                    Some(slot) => {
+                        SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master))
+                    }
+                    None => SingleNodeRoutingInfo::Random,
+                };
                 let text: String = cluster
-                    .route_command(
-                        command,
-                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-                    )
+                    .route_command(command, RoutingInfo::SingleNode(node))
                     .await
                     .and_then(|value| Ok(String::from_redis_value(value)?))?;
-                Ok(masters(&text, seeds))
+                Ok(masters(&text, seeds, slot))
+            }
+        }
+    }
+
+    /// Whether a node answers a `PING` (any node of a cluster).
+    pub async fn ping(&mut self) -> RedisResult<()> {
+        let ping = ::redis::cmd("PING");
+        match self {
+            Self::One(connection) => ping.query_async(connection).await,
+            Self::Cluster(cluster, _) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                cluster.route_command(ping, routing).await.map(drop)
             }
         }
     }
@@ -249,7 +266,7 @@ fn is_load(command: &Cmd) -> bool {
 /// The masters serving slots in a `CLUSTER NODES` answer. A node that does not know its own
 /// address (a cluster of one node, which never met another) shows an empty host: it is the
 /// seed of its port.
-fn masters(text: &str, seeds: &[(String, u16)]) -> Vec<ScanNode> {
+fn masters(text: &str, seeds: &[(String, u16)], slot: Option<u16>) -> Vec<ScanNode> {
     text.lines()
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -257,6 +274,12 @@ fn masters(text: &str, seeds: &[(String, u16)]) -> Vec<ScanNode> {
             let serves_slots = fields.len() > 8;
             if !flags.contains(&"master") || flags.contains(&"fail") || !serves_slots {
                 return None;
+            }
+            if let Some(slot) = slot {
+                fields[8..]
+                    .iter()
+                    .any(|range| holds(range, slot))
+                    .then_some(())?;
             }
             // ip:port@cport[,hostname]
             let address = fields[1].split(['@', ',']).next()?;
@@ -269,6 +292,37 @@ fn masters(text: &str, seeds: &[(String, u16)]) -> Vec<ScanNode> {
             Some(ScanNode::Master { host, port })
         })
         .collect()
+}
+
+/// Whether a slot field of `CLUSTER NODES` (`a-b`, `n`, or a slot on its way in or out,
+/// `[n->-id]`, `[n-<-id]`) holds `slot`.
+fn holds(field: &str, slot: u16) -> bool {
+    let moving = field
+        .strip_prefix('[')
+        .and_then(|rest| rest.split_once('-'));
+    if let Some((moving, _)) = moving {
+        return moving.parse() == Ok(slot);
+    }
+    match field.split_once('-') {
+        Some((first, last)) => {
+            matches!((first.parse::<u16>(), last.parse::<u16>()), (Ok(first), Ok(last)) if first <= slot && slot <= last)
+        }
+        None => field.parse() == Ok(slot),
+    }
+}
+
+/// The slot of `name` in a Redis Cluster: CRC16 (XMODEM) of its hash tag, modulo 16384.
+pub fn slot(name: &[u8]) -> u16 {
+    let crc = hash_tag(name).iter().fold(0u16, |crc, &byte| {
+        (0..8).fold(crc ^ (u16::from(byte) << 8), |crc, _| {
+            if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            }
+        })
+    });
+    crc % 16384
 }
 
 /// The part of `name` Redis Cluster hashes to choose its slot: the bytes between the first
@@ -299,7 +353,7 @@ mod tests {
     fn a_node_without_its_own_address_is_the_seed_of_its_port() {
         let seeds = [("127.0.0.1".to_string(), 7000)];
         let one_node = "07c3 :7000@17000 myself,master - 0 0 0 connected 0-16383\n";
-        let found = masters(one_node, &seeds);
+        let found = masters(one_node, &seeds, None);
         assert!(
             matches!(&found[..], [ScanNode::Master { host, port: 7000 }] if host == "127.0.0.1")
         );
@@ -364,21 +418,37 @@ d4 127.0.0.1:7004@17004 slave a1 0 0 1 connected
 e5 ::1:7005@17005 master - 0 0 4 connected 10923-16383
 f6 127.0.0.1:7006@17006 master - 0 0 5 connected
 ";
-        let found: Vec<(String, u16)> = masters(nodes, &[])
+        let found = |slot| -> Vec<u16> {
+            masters(nodes, &[], slot)
+                .into_iter()
+                .map(|node| match node {
+                    ScanNode::Master { port, .. } => port,
+                    ScanNode::Server => unreachable!(),
+                })
+                .collect()
+        };
+        assert_eq!(found(None), [7001, 7002, 7005]);
+        // A slot: its master, and one moving it.
+        assert_eq!(found(Some(6000)), [7002]);
+        assert_eq!(found(Some(5000)), [7001, 7002]);
+        assert_eq!(found(Some(16383)), [7005]);
+        let ports: Vec<u16> = masters(nodes, &[], None)
             .into_iter()
-            .map(|node| match node {
-                ScanNode::Master { host, port } => (host, port),
-                ScanNode::Server => unreachable!(),
+            .filter_map(|node| match node {
+                ScanNode::Master { host, port } if host == "::1" => Some(port),
+                _ => None,
             })
             .collect();
-        assert_eq!(
-            found,
-            [
-                ("127.0.0.1".to_string(), 7001),
-                ("127.0.0.1".to_string(), 7002),
-                ("::1".to_string(), 7005)
-            ]
-        );
+        assert_eq!(ports, [7005]);
+    }
+
+    #[test]
+    fn slots_follow_redis() {
+        // CLUSTER KEYSLOT, as Redis's documentation gives them.
+        assert_eq!(slot(b"somekey"), 11058);
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"{user1000}.following"), slot(b"{user1000}.followers"));
+        assert_eq!(slot(b"123456789"), 0x31C3);
     }
 
     #[test]

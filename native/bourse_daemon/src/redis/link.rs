@@ -4,21 +4,23 @@
 //! were cut under load (`CLIENT KILL`, a master killed): every later call then waits for
 //! its timeout, for good, though the cluster is healthy. So when a call gets no answer
 //! within the timeout and nothing else was answered for a whole timeout either, a
-//! cluster's connection is opened again (at most once per timeout); calls already sent on
-//! the old one end with their timeouts. One server's connection reconnects by itself and
-//! is kept.
+//! cluster's connection is opened again (at most once per timeout), in the background: it
+//! replaces the old one once it has answered a `PING` within the timeout, and is dropped
+//! otherwise. A new connection cannot be set up while a master is silent (stopped, say),
+//! so the old one, which still serves the other masters, is kept meanwhile. One server's
+//! connection reconnects by itself and is kept.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::connection::Connection;
 
 /// Opens a connection (without waiting for it); must run inside a Tokio runtime.
-type Open = Box<dyn Fn() -> Result<Connection, String> + Send + Sync>;
+type Open = Arc<dyn Fn() -> Result<Connection, String> + Send + Sync>;
 
 pub struct Link {
-    connection: Mutex<Connection>,
+    connection: Arc<Mutex<Connection>>,
     open: Open,
     timeout: Duration,
     started: Instant,
@@ -33,8 +35,8 @@ impl Link {
         timeout: Duration,
     ) -> Result<Self, String> {
         Ok(Self {
-            connection: Mutex::new(open()?),
-            open: Box::new(open),
+            connection: Arc::new(Mutex::new(open()?)),
+            open: Arc::new(open),
             timeout,
             started: Instant::now(),
             answered: AtomicU64::new(0),
@@ -68,12 +70,17 @@ impl Link {
             .answered
             .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed);
         if mine.is_ok() {
-            if let Ok(connection) = (self.open)() {
-                *self
-                    .connection
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = connection;
-            }
+            let (open, current, timeout) = (
+                Arc::clone(&self.open),
+                Arc::clone(&self.connection),
+                self.timeout,
+            );
+            tokio::spawn(async move {
+                let Ok(mut connection) = open() else { return };
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping()).await {
+                    *current.lock().unwrap_or_else(PoisonError::into_inner) = connection;
+                }
+            });
         }
     }
 

@@ -42,13 +42,18 @@ impl Scan {
     pub async fn reading(client: &Client, last_run: LastRun) -> StoreResult<Self> {
         let until = client.walk_step_until(last_run)?;
         let place = client.walk_place(until).await?;
-        Self::start(client, Some(place), until, last_run).await
+        Self::start(client, Some(place), until, last_run, None).await
     }
 
-    /// Starts a scan of every node holding keys, to delete what it finds.
-    pub async fn deleting(client: &Client, last_run: LastRun) -> StoreResult<Self> {
+    /// Starts a scan of every node holding keys (of `slot` alone, on a cluster: the
+    /// masters serving or moving it), to delete what it finds.
+    pub async fn deleting(
+        client: &Client,
+        last_run: LastRun,
+        slot: Option<u16>,
+    ) -> StoreResult<Self> {
         let until = client.walk_step_until(last_run)?;
-        Self::start(client, None, until, last_run).await
+        Self::start(client, None, until, last_run, slot).await
     }
 
     async fn start(
@@ -56,8 +61,9 @@ impl Scan {
         place: Option<OwnedSemaphorePermit>,
         until: Instant,
         last_run: LastRun,
+        slot: Option<u16>,
     ) -> StoreResult<Self> {
-        let mut nodes = client.scan_nodes(until).await?;
+        let mut nodes = client.scan_nodes(until, slot).await?;
         nodes.reverse();
         Ok(Self {
             nodes,
@@ -99,13 +105,15 @@ impl Scan {
     }
 }
 
-/// Deletes every key matching `pattern`, one `SCAN` page at a time, until `last_run`.
+/// Deletes every key matching `pattern` (on a cluster, of `slot` if given), one `SCAN`
+/// page at a time, until `last_run`.
 pub async fn unlink_matching(
     client: &Client,
     pattern: &[u8],
     last_run: LastRun,
+    slot: Option<u16>,
 ) -> StoreResult<()> {
-    let mut scan = Scan::deleting(client, last_run).await?;
+    let mut scan = Scan::deleting(client, last_run, slot).await?;
     while let Some(page) = scan.next_page(client, pattern).await? {
         if !page.names.is_empty() {
             let mut unlink = ::redis::cmd("UNLINK");

@@ -14,7 +14,7 @@ use bourse_core::{
 use super::answer::{self, Info};
 use super::batch::Batcher;
 use super::client::Client;
-use super::connection::{hash_tag, Connection, Servers};
+use super::connection::{self, hash_tag, Connection, Servers};
 use super::counters::Counters;
 use super::fingerprints::Fingerprints;
 use super::link::Link;
@@ -369,12 +369,14 @@ impl Store for RedisStore {
 
     async fn reset_exchange(&self, exchange: &[u8], last_run: LastRun) -> StoreResult<()> {
         let pattern = names::exchange_pattern(&self.prefix, exchange);
-        unlink_matching(&self.client, &pattern, last_run).await
+        // Every key of an exchange has its hash tag: on a cluster, one slot's masters.
+        let slot = connection::slot(&names::pauses_name(&self.prefix, exchange));
+        unlink_matching(&self.client, &pattern, last_run, Some(slot)).await
     }
 
     async fn reset_all(&self, last_run: LastRun) -> StoreResult<()> {
         let pattern = names::every_key_pattern(&self.prefix);
-        unlink_matching(&self.client, &pattern, last_run).await
+        unlink_matching(&self.client, &pattern, last_run, None).await
     }
 
     async fn pause(&self, target: PauseTarget, ms: u64, last_run: LastRun) -> StoreResult<()> {
