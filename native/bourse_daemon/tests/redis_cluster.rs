@@ -572,23 +572,14 @@ fn a_stalled_master_holds_only_the_checks_of_its_own_slots() {
     let server = daemon(&cluster, &["--redis-timeout-ms", "1500"]);
     let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
     let mut healthy = server.connect();
-    let exchanges: Vec<String> = (0..16).map(|e| format!("stall-{e}")).collect();
-    for exchange in &exchanges {
-        let answer = healthy.call(check(&key(exchange, None), limit.clone(), 1.0));
-        assert_eq!(answer["result"], "admitted", "{answer}");
-    }
-    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
-    let stalled_master = master(&exchanges[0]);
-    let other = exchanges[1..]
-        .iter()
-        .find(|exchange| master(exchange) != stalled_master)
-        .expect("an exchange on another master");
+    let two = two_masters(&cluster, &mut healthy, "stall");
+    let (stalled_master, other) = (two.first_master, &two.other);
     let mut stalled = server.connect();
     let stalled_calls = 6;
     cluster.signal(stalled_master, "STOP");
     // One at a time, so that each goes in a call of its own and holds its turn.
     for id in 0..stalled_calls {
-        let mut request = check(&key(&exchanges[0], None), limit.clone(), 1.0);
+        let mut request = check(&key(&two.first, None), limit.clone(), 1.0);
         request["id"] = json!(id);
         stalled.send(&request);
         thread::sleep(Duration::from_millis(30));
@@ -625,19 +616,10 @@ fn a_stopped_master_at_little_traffic_leaves_the_others_served() {
     let server = daemon(&cluster, &["--redis-timeout-ms", "500"]);
     let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
     let mut t = server.connect();
-    let exchanges: Vec<String> = (0..16).map(|e| format!("quiet-{e}")).collect();
-    for exchange in &exchanges {
-        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
-        assert_eq!(answer["result"], "admitted", "{answer}");
-    }
-    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
-    let stopped_master = master(&exchanges[0]);
-    let other = exchanges[1..]
-        .iter()
-        .find(|exchange| master(exchange) != stopped_master)
-        .expect("an exchange on another master");
+    let two = two_masters(&cluster, &mut t, "quiet");
+    let (stopped_master, other) = (two.first_master, &two.other);
     cluster.signal(stopped_master, "STOP");
-    let stopped = t.call(check(&key(&exchanges[0], None), limit.clone(), 1.0));
+    let stopped = t.call(check(&key(&two.first, None), limit.clone(), 1.0));
     let started = Instant::now();
     let mut answers: Vec<Value> = Vec::new();
     while started.elapsed() < Duration::from_secs(3) {
@@ -660,30 +642,53 @@ fn a_reset_of_an_exchange_needs_only_its_own_master() {
     let server = daemon(&cluster, &["--redis-timeout-ms", "500"]);
     let limit = json!({"capacity": 10, "refill_per_sec": 0.001});
     let mut t = server.connect();
-    let exchanges: Vec<String> = (0..16).map(|e| format!("own-{e}")).collect();
-    for exchange in &exchanges[1..] {
-        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
-        assert_eq!(answer["result"], "admitted", "{answer}");
-    }
-    let master = |exchange: &str| master_holding(&cluster, &format!("{exchange}}}"));
-    let reset = &exchanges[0];
+    let two = two_masters(&cluster, &mut t, "own");
+    let reset = &two.first;
     let keys: Vec<Value> = (0..20)
         .map(|i| key(reset, Some(&format!("c{i}"))))
         .collect();
     for k in &keys {
         assert_eq!(t.call(check(k, limit.clone(), 3.0))["result"], "admitted");
     }
-    let stopped_master = exchanges[1..]
-        .iter()
-        .map(|exchange| master(exchange))
-        .find(|&port| port != master(reset))
-        .expect("an exchange on another master");
+    let stopped_master = two.other_master;
     cluster.signal(stopped_master, "STOP");
     let answer = t.call(json!({"op": "reset_exchange", "exchange": reset}));
     cluster.signal(stopped_master, "CONT");
     assert_eq!(answer["ok"], true, "{answer}");
     for k in &keys {
         assert_eq!(borrowed(&mut t, k), 0.0);
+    }
+}
+
+/// The first of 16 exchanges and another on a different master, with their masters.
+struct TwoMasters {
+    first: String,
+    first_master: u16,
+    other: String,
+    other_master: u16,
+}
+
+/// Checks a bucket of each of the exchanges `prefix-0` to `prefix-15` (so that their
+/// masters hold keys), and finds the first one's master and an exchange on another.
+fn two_masters(cluster: &Cluster, t: &mut impl Transport, prefix: &str) -> TwoMasters {
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let exchanges: Vec<String> = (0..16).map(|e| format!("{prefix}-{e}")).collect();
+    for exchange in &exchanges {
+        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    let master = |exchange: &str| master_holding(cluster, &format!("{exchange}}}"));
+    let first_master = master(&exchanges[0]);
+    let (other, other_master) = exchanges[1..]
+        .iter()
+        .map(|exchange| (exchange.clone(), master(exchange)))
+        .find(|(_, port)| *port != first_master)
+        .expect("an exchange on another master");
+    TwoMasters {
+        first: exchanges[0].clone(),
+        first_master,
+        other,
+        other_master,
     }
 }
 
