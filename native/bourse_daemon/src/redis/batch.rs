@@ -30,12 +30,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use ::redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::answer::{self, CheckAnswer};
 use super::client::{self, Client};
-use super::connection::hash_tag;
+use super::connection::{self, hash_tag};
 use super::names;
 use super::script::{self, Call};
 use crate::store::{LastRun, StoreError, StoreResult};
@@ -72,7 +71,7 @@ pub struct Batcher {
 /// its slot's first check; there are 16,384 slots).
 enum Lanes {
     One(Arc<Lane>),
-    BySlot(Mutex<HashMap<Slot, Arc<Lane>>>),
+    BySlot(Mutex<HashMap<u16, Arc<Lane>>>),
 }
 
 /// Checks waiting for calls to one server or one slot, and the turns of those calls.
@@ -196,7 +195,7 @@ impl Batcher {
             Lanes::BySlot(lanes) => lanes
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .entry(Slot::for_key(key))
+                .entry(connection::slot(key))
                 .or_insert_with(|| Lane::start(&self.client, &self.runs, &self.calls))
                 .clone(),
         }
