@@ -55,6 +55,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -201,6 +202,13 @@ class BourseClient:
             raise BourseError("unauthorized", "the daemon asks for its shared secret: pass "
                                               "secret= or set BOURSE_DAEMON_SECRET")
         nonce = auth["nonce"]
+        # 64 hex digits: what the daemon proves, "daemon <challenge> <nonce>", never is, so a
+        # peer cannot have this client prove that for another client's challenge.
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", nonce):
+            self.close()
+            raise BourseError("unauthorized", "the peer's nonce is not 64 hex digits, as every "
+                                              "bourse_daemon's is: another program may be "
+                                              "listening there")
         challenge = os.urandom(32).hex()
         proof = hmac.new(secret, nonce.encode(), hashlib.sha256).hexdigest()
         expected = hmac.new(secret, f"daemon {challenge} {nonce}".encode(),

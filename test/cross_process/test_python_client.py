@@ -372,11 +372,11 @@ class ImpostorTest(unittest.TestCase):
             BourseClient(address, timeout=1)
         self.assertLess(time.monotonic() - started, 2)
 
-    def impostor_hello(self, connection, auth):
+    def impostor_hello(self, connection, auth, nonce="ab" * 32):
         hello = {"ok": True, "protocol": 1, "server": "bourse_daemon 0", "id": 1,
                  "max_frame_bytes": 65536, "clock_us": 1}
         if auth:
-            hello["auth"] = {"scheme": "hmac-sha256", "nonce": "ab" * 32}
+            hello["auth"] = {"scheme": "hmac-sha256", "nonce": nonce}
         connection.sendall(json.dumps(hello).encode() + b"\n")
 
     def test_a_tcp_peer_that_asks_no_secret_is_refused(self):
@@ -396,6 +396,62 @@ class ImpostorTest(unittest.TestCase):
             BourseClient(address, timeout=2, secret=SECRET)
         self.assertEqual(raised.exception.type, "unauthorized")
         self.assertIn("without proving it in turn", raised.exception.message)
+
+    def test_a_peer_reflecting_one_clients_challenge_to_another_is_refused(self):
+        # A peer without the secret hands client B, as its nonce, what the daemon would prove
+        # to client A: were B to prove it, A would take B's proof for the daemon's.
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        self.addCleanup(listener.close)
+
+        def line(connection):
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = connection.recv(4096)
+                if not chunk:
+                    return None
+                data += chunk
+            return json.loads(data)
+
+        def reflect():
+            a, _ = listener.accept()
+            b = None
+            try:
+                line(a)
+                nonce = os.urandom(32).hex()
+                self.impostor_hello(a, auth=True, nonce=nonce)
+                auth_a = line(a)
+                b, _ = listener.accept()
+                line(b)
+                self.impostor_hello(b, auth=True, nonce=f"daemon {auth_a['challenge']} {nonce}")
+                auth_b = line(b)
+                forged = auth_b["proof"] if auth_b else ""
+                a.sendall(json.dumps({"ok": True, "id": auth_a["id"], "proof": forged}).encode()
+                          + b"\n")
+                time.sleep(1)
+            except (OSError, ValueError, TypeError, KeyError):
+                pass
+            finally:
+                a.close()
+                if b:
+                    b.close()
+        threading.Thread(target=reflect, daemon=True).start()
+        address = listener.getsockname()
+        errors = {}
+
+        def connect(client):
+            try:
+                BourseClient(address, timeout=3, secret=SECRET)
+            except (BourseError, OSError) as error:
+                errors[client] = error
+        first = threading.Thread(target=connect, args=("a",))
+        first.start()
+        time.sleep(0.3)
+        connect("b")
+        first.join()
+        self.assertEqual(set(errors), {"a", "b"})
+        self.assertIn("nonce is not 64 hex digits", errors["b"].message)
 
     def test_an_answer_that_is_not_json_is_a_bourse_error(self):
         address = self.serve(lambda connection: connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"))

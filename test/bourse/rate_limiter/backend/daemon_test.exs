@@ -261,6 +261,75 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  # Without the secret, a peer hands client B, as its nonce, what the daemon would prove to
+  # client A: were B to prove it, A would take B's proof for the daemon's and send its
+  # requests, credentials and all, to the peer.
+  test "a peer reflecting one client's challenge to another as its nonce is found out" do
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])
+    {:ok, port} = :inet.port(listener)
+    server = spawn_link(fn -> reflect(listener) end)
+    address = "127.0.0.1:#{port}"
+    first = :"reflected_#{System.unique_integer([:positive])}"
+
+    starting =
+      Task.async(fn ->
+        {:ok, pid} = RateLimiter.start_link(name: first, backend: {:daemon, address})
+        Process.unlink(pid)
+        pid
+      end)
+
+    log =
+      capture_log(fn ->
+        Process.sleep(300)
+        second = start_limiter({:daemon, address, timeout: 2_000})
+        on_exit_stop(Task.await(starting))
+
+        assert {:error, %Error{type: :unavailable}} =
+                 RateLimiter.check_rate({"ex", "secret-api-key"}, @limit, 1, first)
+
+        assert {:error, %Error{type: :unavailable}} =
+                 RateLimiter.check_rate({"ex", "k"}, @limit, 1, second)
+      end)
+
+    assert log =~ "the peer's nonce is not 64 hex digits"
+    unlink_and_kill(server)
+    :gen_tcp.close(listener)
+  end
+
+  defp on_exit_stop(pid), do: on_exit(fn -> if Process.alive?(pid), do: GenServer.stop(pid) end)
+
+  defp reflect(listener) do
+    {:ok, a} = :gen_tcp.accept(listener)
+    {:ok, _hello_line} = :gen_tcp.recv(a, 0)
+    nonce = :crypto.strong_rand_bytes(32) |> Base.encode16(case: :lower)
+    :ok = :gen_tcp.send(a, FakeDaemon.hello(%{"scheme" => "hmac-sha256", "nonce" => nonce}))
+    %{challenge: challenge} = FakeDaemon.request(a)
+    {:ok, b} = :gen_tcp.accept(listener)
+    {:ok, _hello_line} = :gen_tcp.recv(b, 0)
+    reflected = "daemon #{challenge} #{nonce}"
+    :ok = :gen_tcp.send(b, FakeDaemon.hello(%{"scheme" => "hmac-sha256", "nonce" => reflected}))
+
+    with %{proof: forged} <- FakeDaemon.request(b) do
+      send_term(a, %{"id" => 0, "ok" => true, "proof" => forged})
+      # Every check the first client sends is "admitted".
+      answer_admitted(a)
+    end
+
+    Process.sleep(:infinity)
+  end
+
+  defp answer_admitted(socket) do
+    with %{id: id} <- FakeDaemon.request(socket) do
+      send_term(socket, %{"id" => id, "ok" => true, "result" => "admitted"})
+      answer_admitted(socket)
+    end
+  end
+
+  defp send_term(socket, term) do
+    frame = :erlang.term_to_binary(term)
+    :gen_tcp.send(socket, [<<byte_size(frame)::32>>, frame])
+  end
+
   # Answers every connection's hello as a daemon does (with `auth`), then `after_hello`.
   defp impersonate(listener, auth, after_hello) do
     {:ok, socket} = :gen_tcp.accept(listener)

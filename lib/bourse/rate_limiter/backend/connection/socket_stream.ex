@@ -177,8 +177,26 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
        "secret_file: option"}
   end
 
-  defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address, deadline)
-       when is_binary(nonce) do
+  defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address, deadline) do
+    if nonce?(nonce) do
+      prove_secret(socket, nonce, secret, deadline)
+    else
+      {:error,
+       "the peer's nonce is not 64 hex digits, as every bourse_daemon's is: another " <>
+         "program may be listening there"}
+    end
+  end
+
+  defp prove(_socket, _auth, _secret, _address, _deadline),
+    do: {:error, "the daemon asks for a proof this client does not know"}
+
+  # A nonce is 64 hex digits: what the daemon proves, `daemon <challenge> <nonce>`, never is,
+  # so a peer cannot have this client prove that for another client's challenge.
+  defp nonce?(nonce),
+    do:
+      is_binary(nonce) and byte_size(nonce) == 64 and Base.decode16(nonce, case: :mixed) != :error
+
+  defp prove_secret(socket, nonce, secret, deadline) do
     challenge = :crypto.strong_rand_bytes(32) |> Base.encode16(case: :lower)
 
     request =
@@ -202,9 +220,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
       end
     end
   end
-
-  defp prove(_socket, _auth, _secret, _address, _deadline),
-    do: {:error, "the daemon asks for a proof this client does not know"}
 
   defp hmac(secret, message),
     do: :crypto.mac(:hmac, :sha256, secret, message) |> Base.encode16(case: :lower)
