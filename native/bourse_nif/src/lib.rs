@@ -336,8 +336,9 @@ fn runs_dirty(len: usize, key_bytes: impl FnOnce() -> usize) -> bool {
         || (most_key_bytes > MAX_INLINE_KEY_BYTES && key_bytes() > MAX_INLINE_KEY_BYTES)
 }
 
-/// The bytes of the binary key parts of the `{key, limit, cost}` checks of a proper list
-/// (a prepared bucket's key was read when it was prepared).
+/// The bytes of the binary key parts of the checks of a proper list: `{key, limit, cost}`
+/// and `{bucket, cost}` of a bucket not prepared (a prepared bucket's key was read when it
+/// was prepared).
 fn key_bytes(checks: Term) -> usize {
     let of = |parts: &[Term]| -> usize {
         parts
@@ -348,7 +349,11 @@ fn key_bytes(checks: Term) -> usize {
     let mut bytes = 0;
     let mut rest = checks;
     while let Some((check, tail)) = list_cell(rest) {
-        if let Some([key, _limit, _cost]) = tuple::<3>(check) {
+        let key = match tuple::<3>(check) {
+            Some([key, _limit, _cost]) => Some(key),
+            None => tuple::<2>(check).and_then(|[bucket, _cost]| prepared::unprepared_key(bucket)),
+        };
+        if let Some(key) = key {
             bytes += match tuple::<3>(key) {
                 Some(parts) => of(&parts),
                 None => tuple::<2>(key).map_or(0, |parts| of(&parts)),

@@ -99,6 +99,14 @@ enum BucketFields<'a> {
     Unprepared(Term<'a>, Term<'a>),
 }
 
+/// The key of a bucket struct that holds no prepared bucket: read with each check.
+pub(crate) fn unprepared_key(term: Term) -> Option<Term> {
+    match bucket_fields(term)? {
+        BucketFields::Unprepared(key, _limit) => Some(key),
+        BucketFields::Prepared(_) => None,
+    }
+}
+
 fn bucket_fields(term: Term) -> Option<BucketFields> {
     let field = |name| term.map_get(name).ok();
     if !is_atom(field(names::__struct__())?, names::bucket_struct()) {

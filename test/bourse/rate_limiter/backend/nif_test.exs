@@ -228,6 +228,29 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
                scheduled(fn -> NIF.check_rates(t, owner, booked, 4_294_967_295) end)
     end
 
+    test "lists of long multi-byte keys go dirty, as checks or as buckets not prepared",
+         %{table: t} do
+      # 64 checks of three 1 KiB parts of "€": checking and hashing them takes over 100 µs.
+      part = fn i -> String.duplicate("€", 340) <> String.pad_leading("#{i}", 4, "0") end
+      keys = for i <- 1..@inline, do: {part.(i), part.(i), part.(i)}
+      checks = for key <- keys, do: {key, @still, 1}
+
+      buckets =
+        for key <- keys,
+            do:
+              {%Bourse.RateLimiter.Bucket{
+                 name: :t,
+                 key: key,
+                 limit: @still,
+                 route: nil,
+                 prepared: nil
+               }, 1}
+
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_rates(t, self(), checks, nil) end)
+      assert {:dirty, :ok} = scheduled(fn -> NIF.check_rates(t, self(), buckets, nil) end)
+      for key <- keys, do: assert_in_delta(NIF.get_cost(t, key), 2, 0.01)
+    end
+
     test "checks of buckets holding more bookings than the inline bound go dirty",
          %{table: t} do
       bound = Bourse.Native.bound(:max_inline_bookings)
