@@ -3,7 +3,7 @@
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC};
 use crate::key::Key;
 use crate::limit::Limit;
-use crate::rules::KEEP_MARGIN_MS;
+use crate::rules::{DEBT_KEEP_MS, KEEP_MARGIN_MS};
 use smallvec::SmallVec;
 
 /// The longest wait the table will compute (about 31 years); longer ones saturate here.
@@ -424,7 +424,9 @@ impl Bucket {
     }
 
     /// A full bucket without bookings (but lapsed ones) or debt, idle past its fill time,
-    /// behaves exactly as a new one; so does a key without a definition nor debt. One whose
+    /// behaves exactly as a new one; so does a key without a definition nor debt. A key
+    /// without a definition whose debt was last used [`DEBT_KEEP_MS`] ago (and
+    /// [`KEEP_MARGIN_MS`]) is dropped too, as the Redis script's keys expire. One whose
     /// refusals told callers to come back is kept [`KEEP_MARGIN_MS`] past the latest such
     /// moment: a caller back a little late still finds what accrued beyond the capacity,
     /// whatever other callers were told meanwhile.
@@ -441,7 +443,11 @@ impl Bucket {
                         && self.bookings.iter().all(|b| b.lapse_at < now)
                         && covers(self.tokens(now), limit.capacity())
                 }
-                None => self.base >= 0.0,
+                None => {
+                    self.base >= 0.0
+                        || now.saturating_sub(self.seen_at)
+                            > (DEBT_KEEP_MS + KEEP_MARGIN_MS) * NANOS_PER_MS
+                }
             }
     }
 }

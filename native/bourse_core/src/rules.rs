@@ -42,6 +42,10 @@ pub const DEFAULT_BOOKING_SLACK_MS: u64 = 250;
 /// accrued beyond the capacity. The Redis script keeps every key this much longer
 /// (`MARGIN`).
 pub const KEEP_MARGIN_MS: u64 = 1000;
+/// How long a key holding only `record_request` debt (no definition yet) is kept past its
+/// last use: any exchange window it was recorded against has ended by then. The Redis
+/// script keeps such keys as long (`DEBT_TTL`).
+pub const DEBT_KEEP_MS: u64 = 86_400_000;
 /// Longest budget, pause, booking slack or exchange window, in milliseconds: what
 /// `Process.sleep/1` accepts.
 pub const MAX_MS: u64 = 4_294_967_295;

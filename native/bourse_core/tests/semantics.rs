@@ -1,6 +1,8 @@
 //! Exact scenarios on a manual clock: delays in whole milliseconds, token counts to the unit.
 
-use bourse_core::rules::{BACKOFF_LAPSE_MS, KEEP_MARGIN_MS, MAX_BOOKINGS, MAX_PAUSES};
+use bourse_core::rules::{
+    BACKOFF_LAPSE_MS, DEBT_KEEP_MS, KEEP_MARGIN_MS, MAX_BOOKINGS, MAX_PAUSES,
+};
 use bourse_core::{
     BackoffScope, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
 };
@@ -568,6 +570,22 @@ fn a_refused_check_starts_the_accrual_of_a_key_it_does_not_define() {
     clock.advance_ms(1_000);
     t.sweep();
     assert_eq!(probe(&t, "order", l, 3.0), Outcome::Admitted);
+}
+
+#[test]
+fn debt_without_a_definition_is_kept_a_day_past_its_last_use() {
+    let (t, clock) = table();
+    t.record_request(key("ip"), 2.0);
+    clock.advance_ms(DEBT_KEEP_MS / 2);
+    // A refused check uses the key: it is kept a day from then.
+    assert_eq!(probe(&t, "ip", limit(1.0, 1.0), 4.0), Outcome::Delay(5_000));
+    clock.advance_ms(DEBT_KEEP_MS + KEEP_MARGIN_MS);
+    t.sweep();
+    assert_eq!(t.get_cost(key("ip")), 2.0, "kept");
+    clock.advance_ms(1);
+    t.sweep();
+    assert!(t.inspect(key("ip")).is_none(), "dropped");
+    assert_eq!(t.stats().buckets, 0);
 }
 
 #[test]

@@ -78,7 +78,7 @@ local math, string, table, tonumber, tostring, ipairs, pairs, pcall, type, call
 local MAX_WAIT = 1e15 -- µs, about 31 years: longer waits saturate here (bourse_core's MAX_WAIT_NS)
 local MAX_BOOKINGS = 256 -- most bookings one bucket holds (bourse_core's MAX_BOOKINGS)
 local MARGIN = 1000000 -- µs a key outlives the moment it would behave as new (bourse_core's KEEP_MARGIN_MS)
-local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last debit
+local DEBT_TTL = 86400e6 -- µs a key holding only recorded debt is kept after its last use (bourse_core's DEBT_KEEP_MS)
 local MARKER_TTL = 86400e6 -- µs an exchange's marker outlives its last check, at least
 local MARKER_SLACK = 3600e6 -- µs a marker's lifetime is set beyond MARKER_TTL when renewed
 
