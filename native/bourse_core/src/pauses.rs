@@ -15,11 +15,19 @@ use crate::types::PauseTarget;
 /// table's lock, which checks wait for on their callers' schedulers.
 const RESERVE_AT: usize = 64;
 
+/// The most pauses one call of [`Pauses::take_ended`] or [`Pauses::take_of_exchange`] takes
+/// out: a call walks the indexes once, comparing numbers (a few tens of µs over every pause
+/// there may be), and leaves freeing what it took to its caller, once it let the table's
+/// lock go.
+pub(crate) const TAKE_STEP: usize = 256;
+
 /// A pause's target packed as a key (an exchange is `{exchange, :public, ""}` and a
-/// credential `{exchange, credential, ""}`, each in its own index), and when it ends.
-struct Pause {
+/// credential `{exchange, credential, ""}`, each in its own index), its exchange's hash,
+/// and when it ends.
+pub(crate) struct Pause {
     key: Key,
     hash: u64,
+    exchange_hash: u64,
     until: u64,
 }
 
@@ -50,7 +58,7 @@ impl Pauses {
 
     /// Holds `target` until `until`; an existing pause of it keeps the later end. Key and
     /// credential pauses are at most [`MAX_PAUSES`] (ended ones count until
-    /// [`Self::drop_ended`]), and so are exchange pauses. With no room, a new key or
+    /// [`Self::take_ended`]), and so are exchange pauses. With no room, a new key or
     /// credential pause holds its whole exchange instead: a limited reply is never
     /// ignored. Only a new exchange pause past [`MAX_PAUSES`] exchanges is refused.
     pub fn add(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
@@ -92,6 +100,7 @@ impl Pauses {
             index.reserve(MAX_PAUSES - index.len(), |pause| pause.hash);
         }
         let hash = self.hasher.hash_one(key);
+        let exchange_hash = self.hasher.hash_one(key.exchange);
         let entry = index.entry(
             hash,
             |pause| pause.hash == hash && pause.key.as_ref() == key,
@@ -109,6 +118,7 @@ impl Pauses {
                 vacant.insert(Pause {
                     key: key.to_owned_key(),
                     hash,
+                    exchange_hash,
                     until,
                 });
             }
@@ -150,11 +160,10 @@ impl Pauses {
         }
     }
 
-    /// Ends every pause of `exchange`.
-    pub fn remove_exchange(&mut self, exchange: &[u8]) {
-        for index in [&mut self.exchanges, &mut self.credentials, &mut self.keys] {
-            index.retain(|pause| pause.key.exchange() != exchange);
-        }
+    /// Takes out up to [`TAKE_STEP`] pauses of `exchange`.
+    pub fn take_of_exchange(&mut self, exchange: &[u8]) -> Vec<Pause> {
+        let hash = self.hasher.hash_one(exchange);
+        self.take_where(|pause| pause.exchange_hash == hash && pause.key.exchange() == exchange)
     }
 
     /// Ends every pause; returns them, for the caller to free once it let the lock go.
@@ -162,15 +171,23 @@ impl Pauses {
         std::mem::replace(self, Self::new(self.hasher))
     }
 
-    /// Drops the pauses that ended by `now`; an index back to a few pauses gives its
-    /// reserved room back.
-    pub fn drop_ended(&mut self, now: u64) {
+    /// Takes out up to [`TAKE_STEP`] pauses that ended by `now`.
+    pub fn take_ended(&mut self, now: u64) -> Vec<Pause> {
+        self.take_where(|pause| pause.until <= now)
+    }
+
+    /// Takes out up to [`TAKE_STEP`] pauses `taken` picks; an index back to a few pauses
+    /// gives its reserved room back.
+    fn take_where(&mut self, taken: impl Fn(&Pause) -> bool) -> Vec<Pause> {
+        let mut out = Vec::new();
         for index in [&mut self.exchanges, &mut self.credentials, &mut self.keys] {
-            index.retain(|pause| pause.until > now);
+            let room = TAKE_STEP - out.len();
+            out.extend(index.extract_if(|pause| taken(pause)).take(room));
             if index.len() < RESERVE_AT / 4 && index.capacity() > RESERVE_AT {
                 index.shrink_to(0, |pause| pause.hash);
             }
         }
+        out
     }
 }
 
@@ -206,9 +223,52 @@ mod tests {
         // The public pool is not a credential's pause.
         let public = KeyRef::new(b"ex", None, b"ip");
         assert_eq!(pauses.until(&public, hasher.hash_one(public)), 10);
-        pauses.drop_ended(25);
+        take_all(|| pauses.take_ended(25));
         assert_eq!(pauses.until(&key, hasher.hash_one(key)), 30);
         assert_eq!(pauses.until(&public, hasher.hash_one(public)), 0);
+    }
+
+    /// Takes steps until one takes less than a full step; returns how many were taken.
+    fn take_all(mut step: impl FnMut() -> Vec<Pause>) -> usize {
+        let mut taken = 0;
+        loop {
+            let pauses = step();
+            assert!(pauses.len() <= TAKE_STEP);
+            taken += pauses.len();
+            if pauses.len() < TAKE_STEP {
+                return taken;
+            }
+        }
+    }
+
+    #[test]
+    fn pauses_are_taken_out_a_step_at_a_time_and_only_those_picked() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut pauses = Pauses::new(hasher);
+        for exchange in [b"ex".as_slice(), b"other"] {
+            for i in 0..1_000 {
+                let credential = format!("key-{i}").into_bytes();
+                let key = KeyRef::new(exchange, Some(&credential), b"ip").to_owned_key();
+                pauses.add(&PauseTarget::Key(key), 100 + i).unwrap();
+                let credential = PauseTarget::Credential(exchange.to_vec(), Some(credential));
+                pauses.add(&credential, 100 + i).unwrap();
+            }
+            pauses
+                .add(&PauseTarget::Exchange(exchange.to_vec()), 5_000)
+                .unwrap();
+        }
+        assert_eq!(pauses.take_of_exchange(b"ex").len(), TAKE_STEP);
+        assert_eq!(
+            take_all(|| pauses.take_of_exchange(b"ex")),
+            2_001 - TAKE_STEP
+        );
+        let other = KeyRef::new(b"other", Some(b"key-999"), b"ip");
+        assert_eq!(pauses.until(&other, hasher.hash_one(other)), 5_000);
+        let ex = KeyRef::new(b"ex", Some(b"key-999"), b"ip");
+        assert_eq!(pauses.until(&ex, hasher.hash_one(ex)), 0);
+        // Those of "other" ended by 599: 500 keys and 500 credentials.
+        assert_eq!(take_all(|| pauses.take_ended(599)), 1_000);
+        assert_eq!(len(&pauses), 1_001);
     }
 
     fn len(pauses: &Pauses) -> usize {
@@ -232,7 +292,7 @@ mod tests {
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 400);
         assert_eq!(len(&pauses), MAX_PAUSES + 1);
         // Ended pauses make room again.
-        pauses.drop_ended(350);
+        take_all(|| pauses.take_ended(350));
         pauses.add(&target(MAX_PAUSES + 1), 500).unwrap();
         assert_eq!(len(&pauses), 2);
     }

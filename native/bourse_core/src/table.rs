@@ -5,7 +5,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
 use crate::backoffs::{Backoff, Backoffs};
@@ -15,7 +15,7 @@ use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, ItemPauses, Request};
 use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
-use crate::pauses::Pauses;
+use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
@@ -593,7 +593,7 @@ impl<C: Clock> Table<C> {
     /// Forgets every key and pause of `exchange`, a few hundred buckets at a time.
     pub fn reset_exchange(&self, exchange: &[u8]) {
         self.retain(|bucket, _, _| bucket.key.exchange() != exchange);
-        self.pauses.write().remove_exchange(exchange);
+        self.end_pauses(|pauses| pauses.take_of_exchange(exchange));
         self.backoffs.lock().remove_exchange(exchange);
     }
 
@@ -625,9 +625,24 @@ impl<C: Clock> Table<C> {
             !sweepable
         });
         let now = self.clock.now();
-        self.pauses.write().drop_ended(now);
+        self.end_pauses(|pauses| pauses.take_ended(now));
         self.backoffs.lock().drop_lapsed(now);
         dropped
+    }
+
+    /// Ends the pauses `step` takes out, a step at a time: checks waiting on the pauses'
+    /// lock get it between steps, and what a step took is freed once the lock is let go.
+    fn end_pauses(&self, step: impl Fn(&mut Pauses) -> Vec<Pause>) {
+        loop {
+            let mut pauses = self.pauses.write();
+            let ended = step(&mut pauses);
+            RwLockWriteGuard::unlock_fair(pauses);
+            let more = ended.len() == TAKE_STEP;
+            drop(ended);
+            if !more {
+                break;
+            }
+        }
     }
 
     /// Holds every bucket of `target` for `ms` milliseconds: nothing is admitted until
