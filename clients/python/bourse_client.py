@@ -390,9 +390,11 @@ class BourseClient:
             if decision.result == "over_budget":
                 # Within the budget: a bucket of the check already holds as many bookings
                 # as it queues.
+                budget = _budget(left, max_wait_ms, slept_since is None)
                 raise RateLimitExceeded(decision.ms, exchange,
                                         f"{exchange}: waiters fill the queue of a bucket of "
-                                        f"this check; retry after {decision.ms} ms")
+                                        f"this check; retry after {decision.ms} ms, within "
+                                        f"{budget}")
             # booked: sleep until ready, then claim; delay: a pause began since, sleep again.
             if slept_since is None:
                 slept_since = _ms(time.monotonic())

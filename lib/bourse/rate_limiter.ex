@@ -536,7 +536,9 @@ defmodule Bourse.RateLimiter do
   defp refusal(ms, budget) do
     if ms > left(budget),
       do: "waiting #{ms} ms exceeds " <> budget(budget),
-      else: "waiters fill the queue of a bucket of this check; retry after #{ms} ms"
+      else:
+        "waiters fill the queue of a bucket of this check; retry after #{ms} ms, within " <>
+          budget(budget)
   end
 
   defp left({left, _max_wait}), do: left

@@ -166,6 +166,7 @@ defmodule Bourse.ContractTests.Bookings do
 
           assert ms in 20_000..25_700
           assert error.message =~ "ex: waiters fill the queue of a bucket of this check"
+          assert error.message =~ ~r/retry after \d+ ms, within max_wait_ms 60000$/
           assert_delay(check_rates([{key, limit, 1}], name, max_wait_ms: 60_000), 20_000..25_700)
           assert_about(get_cost(key, 1, name), borrowed, 0.1)
         end
