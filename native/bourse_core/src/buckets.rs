@@ -24,6 +24,9 @@ const MOVE_BUCKETS: usize = 4;
 const MOVE_SLOTS: usize = 64;
 /// Slots one sweep step visits.
 const SCAN_STEP: usize = 512;
+/// Key bytes one sweep step passes over at most (and the key of one more bucket): a step
+/// over long keys (up to 3 KiB each) compares and frees far more memory per bucket.
+const SCAN_KEY_BYTES: usize = 32 * 1024;
 /// The smallest table allocated.
 const MIN_CAPACITY: usize = 16;
 
@@ -256,8 +259,9 @@ impl Buckets {
         None
     }
 
-    /// One step of a pass over every bucket from slot `cursor` (0 to start): drops those
-    /// `keep` refuses, and says where the next step starts. A step may ask for a table
+    /// One step of a pass over every bucket from slot `cursor` (0 to start), over at most
+    /// [`SCAN_STEP`] slots and about [`SCAN_KEY_BYTES`] of keys: drops those `keep`
+    /// refuses, and says where the next step starts. A step may ask for a table
     /// (see [`Buckets::take_wanted`]). Buckets inserted or moved between steps may be
     /// visited twice or not at all. Allocates nothing.
     pub fn retain_step(
@@ -266,12 +270,17 @@ impl Buckets {
         mut keep: impl FnMut(&mut Bucket) -> bool,
     ) -> Step {
         let slots = self.table.num_buckets();
+        let mut key_bytes = 0;
         if cursor < slots {
             let end = (cursor + SCAN_STEP).min(slots);
             for index in cursor..end {
                 if let Ok(mut entry) = self.table.get_bucket_entry(index) {
+                    key_bytes += entry.get().key.byte_len();
                     if !keep(entry.get_mut()) {
                         entry.remove();
+                    }
+                    if key_bytes > SCAN_KEY_BYTES {
+                        return Step::Next(index + 1);
                     }
                 }
             }
@@ -280,9 +289,10 @@ impl Buckets {
         // The old table is passed over as its buckets move.
         if !self.old.is_empty() {
             let end = (self.old_cursor + SCAN_STEP).min(self.old.num_buckets());
-            while self.old_cursor < end {
+            while self.old_cursor < end && key_bytes <= SCAN_KEY_BYTES {
                 if let Ok(entry) = self.old.get_bucket_entry(self.old_cursor) {
                     let mut bucket = entry.remove().0;
+                    key_bytes += bucket.key.byte_len();
                     if keep(&mut bucket) {
                         self.table.insert_unique(bucket.hash, bucket, |b| b.hash);
                     }
@@ -511,6 +521,39 @@ mod tests {
                 Step::Done => return pass,
             }
         }
+    }
+
+    #[test]
+    fn a_step_over_long_keys_visits_few_buckets() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut buckets = Buckets::default();
+        let long = |i: usize| format!("{i:03000}");
+        for i in 0..2_000 {
+            let credential = long(i);
+            let key = KeyRef::new(b"ex", Some(credential.as_bytes()), b"request");
+            buckets.insert(Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0));
+            give_wanted(&mut buckets);
+        }
+        let (mut cursor, mut visited, mut most) = (0, 0, 0);
+        loop {
+            let mut step_visits = 0;
+            let step = buckets.retain_step(cursor, |_| {
+                step_visits += 1;
+                true
+            });
+            give_wanted(&mut buckets);
+            visited += step_visits;
+            most = most.max(step_visits);
+            match step {
+                Step::Next(next) => cursor = next,
+                Step::Done => break,
+            }
+        }
+        assert_eq!(visited, 2_000);
+        assert_eq!(buckets.len(), 2_000);
+        // Each key is 3,009 bytes: a step stops once past SCAN_KEY_BYTES (32 KiB), not
+        // after the ~250 buckets of its 512 slots.
+        assert!(most <= 11, "{most} buckets in one step");
     }
 
     #[test]

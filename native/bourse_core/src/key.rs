@@ -81,6 +81,11 @@ impl Key {
     pub fn exchange(&self) -> &[u8] {
         &self.bytes[..self.exchange_end as usize]
     }
+
+    /// The bytes of its three parts together.
+    pub(crate) fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
 }
 
 /// A key looked up in a table: as the caller holds its parts, or packed as stored (a
