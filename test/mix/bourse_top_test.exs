@@ -87,6 +87,18 @@ defmodule Mix.Tasks.Bourse.TopTest do
     assert_received {:mix_shell, :info, [table]}
     assert table =~ ~r/\nkraken\s+:public\s+request\s+5\s+0\.01/
 
+    # The cookie read from a file, as a release keeps it: off the command line.
+    file = Path.join(System.tmp_dir!(), "bourse-top-cookie-#{System.unique_integer([:positive])}")
+    File.write!(file, cookie <> "\n")
+    on_exit(fn -> File.rm(file) end)
+    Top.run(["--node", "bourse_top_test@127.0.0.1", "--cookie-file", file, "--name", ":#{name}"])
+    assert_received {:mix_shell, :info, [table]}
+    assert table =~ ~r/\nkraken\s+:public\s+request\s+5\s+0\.01/
+
+    assert_raise Mix.Error, ~r/cannot read --cookie-file .*: no such file or directory/, fn ->
+      Top.run(["--node", "bourse_top_test@127.0.0.1", "--cookie-file", file <> ".none"])
+    end
+
     assert_raise Mix.Error,
                  ~r/no limiter named :elsewhere runs on bourse_top_test@127.0.0.1/,
                  fn ->
@@ -119,7 +131,7 @@ defmodule Mix.Tasks.Bourse.TopTest do
   test "--help prints how to use it" do
     Top.run(["--help"])
     assert_received {:mix_shell, :info, [help]}
-    assert help =~ "mix bourse.top --node app@host --cookie COOKIE"
+    assert help =~ "mix bourse.top --node app@host --cookie-file PATH"
     assert help =~ "`--count`"
   end
 end

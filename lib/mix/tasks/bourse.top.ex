@@ -5,7 +5,7 @@ defmodule Mix.Tasks.Bourse.Top do
   Prints the busiest buckets of a running limiter (`Bourse.RateLimiter.busiest/2`): the
   keys with the most tokens borrowed, or holding bookings, busiest first.
 
-      mix bourse.top --node app@host --cookie COOKIE [--name MyApp.Limiter] [--count 20]
+      mix bourse.top --node app@host --cookie-file PATH [--name MyApp.Limiter] [--count 20]
 
   Options:
 
@@ -14,7 +14,11 @@ defmodule Mix.Tasks.Bourse.Top do
     * `--count` – how many rows (default 20, at most 10000);
     * `--node` – the node the limiter runs on, queried through `:rpc`; this VM is started
       as a hidden distributed node if it is not one yet;
-    * `--cookie` – that node's cookie (default: this VM's).
+    * `--cookie-file` – a file holding that node's cookie (a release's `releases/COOKIE`,
+      say; default: this VM's cookie, from `~/.erlang.cookie`);
+    * `--cookie` – the cookie itself, for a try on one's own machine: a command line is
+      shown to every local user (`ps`), and the cookie lets its holder run any code on
+      the node.
 
   Without `--node` the local VM is queried, which is what a running application wants:
 
@@ -31,7 +35,7 @@ defmodule Mix.Tasks.Bourse.Top do
 
   use Mix.Task
 
-  @switches [name: :string, count: :integer, node: :string, cookie: :string]
+  @switches [name: :string, count: :integer, node: :string, cookie: :string, cookie_file: :string]
   @columns [
     {"EXCHANGE", :left},
     {"CREDENTIAL", :left},
@@ -58,10 +62,29 @@ defmodule Mix.Tasks.Bourse.Top do
     name = limiter_name(Keyword.get(opts, :name, "Bourse.RateLimiter"))
     count = Keyword.get(opts, :count, 20)
 
-    case busiest(opts[:node], opts[:cookie], count, name) do
+    case busiest(opts[:node], cookie(opts), count, name) do
       {:ok, []} -> Mix.shell().info("no busy buckets in #{inspect(name)}")
       {:ok, rows} -> Mix.shell().info(table(rows))
       {:error, message} -> Mix.raise(message)
+    end
+  end
+
+  defp cookie(opts) do
+    case {opts[:cookie], opts[:cookie_file]} do
+      {cookie, nil} ->
+        cookie
+
+      {nil, path} ->
+        case File.read(path) do
+          {:ok, text} ->
+            String.trim(text)
+
+          {:error, reason} ->
+            Mix.raise("cannot read --cookie-file #{path}: #{:file.format_error(reason)}")
+        end
+
+      _both ->
+        Mix.raise("give --cookie or --cookie-file, not both")
     end
   end
 
@@ -200,5 +223,6 @@ defmodule Mix.Tasks.Bourse.Top do
   end
 
   defp usage,
-    do: "mix bourse.top [--name NAME] [--count N] [--node NODE [--cookie COOKIE]]"
+    do:
+      "mix bourse.top [--name NAME] [--count N] [--node NODE [--cookie-file PATH | --cookie COOKIE]]"
 end
