@@ -18,6 +18,7 @@
 mod backoffs;
 mod bucket;
 mod buckets;
+mod busiest;
 mod clock;
 mod engine;
 mod key;
@@ -28,6 +29,7 @@ pub mod rules;
 mod table;
 mod types;
 
+pub use busiest::Busiest;
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use engine::{coalesce, signature};
 pub use key::{Key, KeyRef};

@@ -11,6 +11,7 @@ use smallvec::SmallVec;
 use crate::backoffs::{Backoff, Backoffs};
 use crate::bucket::{Bucket, Undefined, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Step};
+use crate::busiest::Busiest;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, ItemPauses, Request};
 use crate::key::{Key, KeyRef, Sought};
@@ -531,20 +532,17 @@ impl<C: Clock> Table<C> {
         }
     }
 
-    /// The `count` keys with the most tokens borrowed, busiest first.
+    /// The `count` busy keys (borrowing, or holding bookings) with the most tokens borrowed,
+    /// busiest first. Copies of at most `count` keys are held at once, whatever the table's size.
     pub fn busiest(&self, count: usize) -> Vec<(Key, KeyInfo)> {
-        let mut rows: Vec<(Key, KeyInfo)> = Vec::new();
+        let mut busiest = Busiest::new(count);
         // A few hundred buckets per lock, as the sweep does.
         self.retain(|bucket, now, _| {
-            let info = Self::info(bucket, now, None);
-            if info.borrowed > 0.0 || info.bookings > 0 {
-                rows.push((bucket.key.clone(), info));
-            }
+            busiest.offer(Self::info(bucket, now, None), || bucket.key.clone());
             true
         });
         let now = self.clock.now();
-        rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
-        rows.truncate(count);
+        let mut rows = busiest.into_rows();
         for (key, info) in &mut rows {
             let key = key.as_ref();
             info.pause_ms = self.pause_ms(&key, self.hash(&key), now);
@@ -760,5 +758,89 @@ impl<C: Clock> Table<C> {
             true
         });
         total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use proptest::prelude::*;
+
+    /// What `busiest` answered when it sorted every busy row: a stable sort, cut to `count`.
+    fn sorted(table: &Table<ManualClock>, count: usize) -> Vec<(Key, KeyInfo)> {
+        let mut rows = Vec::new();
+        table.retain(|bucket, now, _| {
+            let info = Table::<ManualClock>::info(bucket, now, None);
+            if info.borrowed > 0.0 || info.bookings > 0 {
+                rows.push((bucket.key.clone(), info));
+            }
+            true
+        });
+        rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
+        rows.truncate(count);
+        let now = table.clock.now();
+        for (key, info) in &mut rows {
+            let key = key.as_ref();
+            info.pause_ms = table.pause_ms(&key, table.hash(&key), now);
+        }
+        rows
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Check { key: usize, cost: u8, wait: bool },
+        Debit { key: usize, cost: u8 },
+        Pause { key: usize, ms: u64 },
+        Advance { ms: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..48, 1u8..4, any::<bool>()).prop_map(|(key, cost, wait)| Op::Check {
+                key,
+                cost,
+                wait
+            }),
+            (0usize..48, 1u8..4).prop_map(|(key, cost)| Op::Debit { key, cost }),
+            (0usize..48, 1u64..3000).prop_map(|(key, ms)| Op::Pause { key, ms }),
+            (0u64..1500).prop_map(|ms| Op::Advance { ms }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn busiest_answers_as_sorting_every_busy_row(ops in prop::collection::vec(op(), 1..300)) {
+            let clock = ManualClock::new();
+            let table = Table::with_clock(Config::default(), clock.clone());
+            let credentials: Vec<String> = (0..48).map(|i| format!("key-{}", i / 3)).collect();
+            let axes: [&[u8]; 3] = [b"request", b"order", b"ip"];
+            let key = |i: usize| KeyRef::new(b"ex", Some(credentials[i].as_bytes()), axes[i % 3]);
+            // Small capacities, so that many buckets borrow as much.
+            let limits = [Limit::new(2.0, 1.0).unwrap(), Limit::new(4.0, 0.5).unwrap()];
+            for op in ops {
+                match op {
+                    Op::Check { key: i, cost, wait } => {
+                        let mode = if wait {
+                            Mode::Wait { max_wait_ms: 5000, booking_slack_ms: None }
+                        } else {
+                            Mode::Probe
+                        };
+                        let check = Check { key: key(i), limit: limits[i % 2], cost: f64::from(cost) };
+                        table.check_rate(1, check, mode);
+                    }
+                    Op::Debit { key: i, cost } => table.record_request(key(i), f64::from(cost)),
+                    Op::Pause { key: i, ms } => {
+                        table.pause(PauseTarget::Key(key(i).to_owned_key()), ms).unwrap()
+                    }
+                    Op::Advance { ms } => clock.advance_ms(ms),
+                }
+            }
+            for count in [1, 2, 3, 7, 20, 48, 100, rules::MAX_BUSIEST] {
+                prop_assert_eq!(table.busiest(count), sorted(&table, count));
+            }
+        }
     }
 }
