@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bourse_core::rules::{BACKOFF_LAPSE_MS, FIRST_BACKOFF_MS, MAX_BACKOFF_MS};
 use bourse_core::{
-    coalesce, signature, BackoffScope, Check, Config, InvalidInput, KeyInfo, KeyRef, Mode, Outcome,
-    PauseTarget, Stats,
+    coalesce, signature, BackoffScope, Busiest, Check, Config, InvalidInput, KeyInfo, KeyRef, Mode,
+    Outcome, PauseTarget, Stats,
 };
 
 use super::answer::{self, Info};
@@ -343,16 +343,10 @@ impl Store for RedisStore {
         count: usize,
         last_run: LastRun,
     ) -> StoreResult<Vec<(ShownKey, KeyInfo)>> {
-        let mut rows = Vec::new();
-        self.scan_buckets(last_run, |key, info| {
-            if info.borrowed > 0.0 || info.bookings > 0 {
-                rows.push((key, info));
-            }
-        })
-        .await?;
-        rows.sort_by(|a, b| b.1.borrowed.total_cmp(&a.1.borrowed));
-        rows.truncate(count);
-        Ok(rows)
+        let mut busiest = Busiest::new(count);
+        self.scan_buckets(last_run, |key, info| busiest.offer(info, || key))
+            .await?;
+        Ok(busiest.into_rows())
     }
 
     async fn reset(&self, key: KeyRef<'_>, last_run: LastRun) -> StoreResult<()> {
