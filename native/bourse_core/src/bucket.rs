@@ -32,9 +32,10 @@ pub(crate) struct Booking {
     pub refund: f64,
 }
 
-/// A key's state before [`Bucket::define`] gave it a definition.
+/// A key's state before [`Bucket::define`] gave it a definition for a check.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Undefined {
+pub(crate) struct Previous {
+    limit: Option<Limit>,
     base: f64,
     base_at: u64,
 }
@@ -115,34 +116,46 @@ impl Bucket {
         }
     }
 
-    /// When a check first saw this key without a definition (`None`: none has, or it has
-    /// one).
-    pub fn accrual_start(&self) -> Option<u64> {
-        (self.limit.is_none() && self.base_at != UNSEEN).then_some(self.base_at)
+    /// When a check under `limit` finds the key as new, the instant from which it holds
+    /// the tokens a new bucket starts with: a key without a definition from when a check
+    /// first saw it (now if none has); a bucket as new under another definition
+    /// ([`Bucket::as_new`]) from when it last paid, as its own accrual counts. `None`: the
+    /// check starts from the bucket's tokens ([`Bucket::start_under`]).
+    pub fn starts_new(&self, limit: &Limit, now: u64) -> Option<u64> {
+        match &self.limit {
+            None if self.base_at == UNSEEN => Some(now),
+            None => Some(self.base_at),
+            Some(current) if current != limit && self.as_new(current, now) => Some(self.base_at),
+            Some(_) => None,
+        }
     }
 
-    /// Gives a key without a definition one for a check, starting from `tokens` at `from`
-    /// less the debt; returns what [`Bucket::undefine`] takes it back with.
-    pub fn define(&mut self, limit: Limit, tokens: f64, from: u64) -> Undefined {
-        let undefined = Undefined {
+    /// Gives the key `limit` for a check, starting from `tokens` at `from` (less the debt of
+    /// a key without a definition); returns what [`Bucket::restore`] takes it back with.
+    pub fn define(&mut self, limit: Limit, tokens: f64, from: u64) -> Previous {
+        let previous = Previous {
+            limit: self.limit,
             base: self.base,
             base_at: self.base_at,
         };
-        self.base += tokens;
+        self.base = match self.limit {
+            Some(_) => tokens,
+            None => self.base + tokens,
+        };
         self.base_at = from;
         self.limit = Some(limit);
-        undefined
+        previous
     }
 
     /// Takes back the definition a check gave the key and then paid nothing under: a
-    /// refused call does not change a key's definition. What it saw stays: the accrual
-    /// starts when a check first saw the key.
-    pub fn undefine(&mut self, undefined: Undefined, now: u64) {
-        self.limit = None;
-        self.base = undefined.base;
-        self.base_at = match undefined.base_at {
+    /// refused call does not change a key's definition. What it saw stays: the accrual of a
+    /// key without a definition starts when a check first saw it.
+    pub fn restore(&mut self, previous: Previous, now: u64) {
+        self.limit = previous.limit;
+        self.base = previous.base;
+        self.base_at = match previous.base_at {
             UNSEEN => now,
-            seen => seen,
+            at => at,
         };
     }
 
@@ -176,7 +189,8 @@ impl Bucket {
     }
 
     /// The uncapped tokens at `now` for a request made under `limit`. A changed definition
-    /// starts from the current tokens clamped to the new capacity (accrual beyond it is lost).
+    /// starts from the current tokens clamped to the new capacity (accrual beyond it is
+    /// lost), unless the bucket is as new ([`Bucket::starts_new`]).
     pub fn start_under(&self, limit: &Limit, now: u64) -> f64 {
         match &self.limit {
             Some(current) if current == limit => self.accrued(limit, now),
@@ -423,8 +437,18 @@ impl Bucket {
         lapsed.len()
     }
 
-    /// A full bucket without bookings (but lapsed ones) or debt, idle past its fill time,
-    /// behaves exactly as a new one; so does a key without a definition nor debt. A key
+    /// Whether the bucket behaves under `limit`, its definition, as a new one does but for
+    /// what accrued beyond the capacity: full, without bookings (but lapsed ones) or debt,
+    /// last paid longer ago than its fill time. What refusals told their callers (which
+    /// keeps it, [`Bucket::sweepable`]) plays no part: they pay nothing (P3).
+    fn as_new(&self, limit: &Limit, now: u64) -> bool {
+        now.saturating_sub(self.base_at) > accrual_ns(limit.capacity(), limit)
+            && self.bookings.iter().all(|b| b.lapse_at < now)
+            && covers(self.tokens(now), limit.capacity())
+    }
+
+    /// A bucket as new ([`Bucket::as_new`]), idle past its fill time, behaves exactly as a
+    /// new one; so does a key without a definition nor debt. A key
     /// without a definition whose debt was last used [`DEBT_KEEP_MS`] ago (and
     /// [`KEEP_MARGIN_MS`]) is dropped too, as the Redis script's keys expire. One whose
     /// refusals told callers to come back is kept [`KEEP_MARGIN_MS`] past the latest such
@@ -440,8 +464,7 @@ impl Bucket {
             && match &self.limit {
                 Some(limit) => {
                     now.saturating_sub(self.seen_at) > accrual_ns(limit.capacity(), limit)
-                        && self.bookings.iter().all(|b| b.lapse_at < now)
-                        && covers(self.tokens(now), limit.capacity())
+                        && self.as_new(limit, now)
                 }
                 None => {
                     self.base >= 0.0

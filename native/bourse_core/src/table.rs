@@ -9,7 +9,7 @@ use parking_lot::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
 use crate::backoffs::{Backoff, Backoffs};
-use crate::bucket::{Bucket, Undefined, MAX_WAIT_NS};
+use crate::bucket::{Bucket, Previous, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Step};
 use crate::busiest::Busiest;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
@@ -292,9 +292,10 @@ impl<C: Clock> Table<C> {
         outcome.expect("a single check is always decided")
     }
 
-    /// Runs `decide` over `buckets` (aligned with `items`), those without a definition
-    /// given their item's for it, and left without one if the check pays nothing (or is
-    /// not decided): a refused call gives no key a definition.
+    /// Runs `decide` over `buckets` (aligned with `items`), those that start as new under
+    /// their item's definition (without one, or as new under another) given it for the
+    /// check, and their own back if it pays nothing (or is not decided): a refused call
+    /// changes no key's definition.
     fn defining(
         &self,
         buckets: &mut [&mut Bucket],
@@ -302,8 +303,8 @@ impl<C: Clock> Table<C> {
         now: u64,
         decide: impl FnOnce(&mut [&mut Bucket]) -> Option<Outcome>,
     ) -> Option<Outcome> {
-        // Where each bucket given a definition was (usually none).
-        let undefined: SmallVec<[(usize, Undefined); 2]> = buckets
+        // What each bucket given a definition had (usually none is).
+        let previous: SmallVec<[(usize, Previous); 2]> = buckets
             .iter_mut()
             .zip(items)
             .enumerate()
@@ -311,8 +312,8 @@ impl<C: Clock> Table<C> {
             .collect();
         let outcome = decide(buckets);
         if !outcome.is_some_and(Outcome::paid) {
-            for (at, undefined) in undefined {
-                buckets[at].undefine(undefined, now);
+            for (at, previous) in previous {
+                buckets[at].restore(previous, now);
             }
         }
         outcome
@@ -432,14 +433,11 @@ impl<C: Clock> Table<C> {
         })
     }
 
-    /// Gives a bucket without a definition the item's, for the check (taken back if it
-    /// pays nothing): the tokens a new bucket starts with when a check first saw the key
-    /// (now if none has), less the debt.
-    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) -> Option<Undefined> {
-        if bucket.limit.is_some() {
-            return None;
-        }
-        let from = bucket.accrual_start().unwrap_or(now);
+    /// Gives a bucket that starts as new under the item's definition that definition, for
+    /// the check (taken back if it pays nothing): the tokens a new bucket starts with, from
+    /// [`Bucket::starts_new`], less the debt.
+    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) -> Option<Previous> {
+        let from = bucket.starts_new(&item.check.limit, now)?;
         let tokens = self.initial_tokens(&item.check.limit, from);
         Some(bucket.define(item.check.limit, tokens, from))
     }

@@ -1,7 +1,7 @@
 //! The same calls at the same instants get the same answers, whatever the table's hash seed
 //! and whether sweeps ran between them: random schedules of probes, waiters on one and two
-//! buckets, pauses and clock steps on a manual clock, many calls at one instant, each run
-//! on tables of their own.
+//! buckets, definition changes, pauses and clock steps on a manual clock, many calls at one
+//! instant, each run on tables of their own.
 use bourse_core::{Check, Config, KeyRef, Limit, ManualClock, Mode, PauseTarget, Table};
 
 const AXES: [&str; 3] = ["a", "b", "c"];
@@ -42,9 +42,11 @@ fn answers(seed: u64, sweep_before: impl Fn(u64) -> bool) -> Vec<String> {
         let (op, i) = (rng.below(10), rng.below(3) as usize);
         let cost = (1 + rng.below(4)) as f64 * 0.5;
         let owner = rng.below(4);
+        // Now and then a key is checked under another key's definition.
+        let redefined = rng.below(8) == 0;
         let check = |i: usize, cost| Check {
             key: key(AXES[i]),
-            limit: limits[i],
+            limit: limits[if redefined { (i + 2) % 3 } else { i }],
             cost,
         };
         let wait = Mode::Wait {

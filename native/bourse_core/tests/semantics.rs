@@ -499,6 +499,44 @@ fn a_new_definition_applies_when_admitted_and_clamps_tokens() {
     );
 }
 
+/// A bucket kept only for a refused caller's delay (P7) is as new: a check under another
+/// definition starts it as a new key (P3: the refusal makes no later answer worse).
+#[test]
+fn a_refusal_keeps_no_old_definition_for_another() {
+    let (t, clock) = table();
+    let (small, big) = (limit(4.0, 10.0), limit(100.0, 10.0));
+    assert_eq!(probe(&t, "a", small, 4.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "b", small, 4.0), Outcome::Admitted);
+    clock.advance_ms(50);
+    assert_eq!(probe(&t, "a", small, 40.0), Outcome::Delay(3_950));
+    clock.advance_ms(3_000);
+    assert_eq!(t.sweep(), 1, "b is dropped, a kept for its refused caller");
+    assert_eq!(probe(&t, "a", big, 100.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "b", big, 100.0), Outcome::Admitted);
+    assert_eq!(t.inspect(key("a")).unwrap().limit, Some(big));
+}
+
+/// A bucket as new under another definition starts as a new key would, with
+/// assume_busy_at_start too; a refused check leaves its definition.
+#[test]
+fn a_bucket_as_new_takes_another_definition_as_a_new_key() {
+    let (t, clock) = table_with(Config {
+        assume_busy_at_start: true,
+        ..Config::default()
+    });
+    let (small, big) = (limit(4.0, 10.0), limit(100.0, 10.0));
+    clock.advance_ms(1_000);
+    assert_eq!(probe(&t, "a", small, 4.0), Outcome::Admitted);
+    clock.advance_ms(4_000);
+    // A new key now holds 50 (5 s of refill since the start).
+    assert_eq!(probe(&t, "a", big, 51.0), Outcome::Delay(100));
+    assert_eq!(t.inspect(key("a")).unwrap().limit, Some(small));
+    assert_eq!(probe(&t, "fresh", big, 51.0), Outcome::Delay(100));
+    assert_eq!(probe(&t, "a", big, 50.0), Outcome::Admitted);
+    assert_eq!(probe(&t, "fresh", big, 50.0), Outcome::Admitted);
+    assert_eq!(t.inspect(key("a")).unwrap().tokens, 0.0);
+}
+
 #[test]
 fn a_refusal_gives_a_new_key_no_definition() {
     let (t, clock) = table();

@@ -1120,6 +1120,37 @@ fn a_key_seen_only_by_refusals_accrues_nothing_before_its_state_began_again() {
     about(ms(&again), 300, "as if empty when the state began again");
 }
 
+/// With --assume-busy-at-start, a bucket as new under another definition starts as a new
+/// key would under it: as if empty when the exchange's state began, not from its own tokens.
+#[test]
+fn a_bucket_as_new_takes_another_definition_as_a_new_key() {
+    let Some(redis) = Redis::start() else { return };
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let mut b = busy.connect();
+    let (k, fresh) = (key("busyredef", Some("k")), key("busyredef", Some("fresh")));
+    let small = json!({"capacity": 4, "refill_per_sec": 10});
+    let big = json!({"capacity": 100, "refill_per_sec": 10});
+    // The exchange's state begins now; the bucket is full under `small` after 400 ms.
+    assert_eq!(b.call(check(&k, small, 0.0))["result"], "admitted");
+    sleep_ms(1_000);
+    // A new key holds 10 of the 30 (1 s of refill since the state began), not 4.
+    let redefined = b.call(check(&k, big.clone(), 30.0));
+    about(ms(&redefined), 2_000, "the bucket under the new definition");
+    about(
+        ms(&b.call(check(&fresh, big.clone(), 30.0))),
+        2_000,
+        "a new key",
+    );
+    let info = b.call(json!({"op": "inspect", "key": k}))["info"].clone();
+    assert_eq!(
+        info["limit"]["capacity"], 4.0,
+        "a refused call keeps the definition"
+    );
+    assert_eq!(b.call(check(&k, big, 5.0))["result"], "admitted");
+    let info = b.call(json!({"op": "inspect", "key": k}))["info"].clone();
+    assert_eq!(info["limit"]["capacity"], 100.0);
+}
+
 /// With `--redis` a connection is served by the runtime, not a thread of its own: a client
 /// that reads its answers slowly but steadily is not taken for one that stopped reading.
 #[test]

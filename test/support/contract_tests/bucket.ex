@@ -173,6 +173,20 @@ defmodule Bourse.ContractTests.Bucket do
           assert_about(get_cost({"ex", "b"}, 1, name), 10, 0.01)
         end
 
+        test "a refused probe keeps no old definition for another: it finds the key as new (P3)",
+             %{name: name} do
+          small = %{capacity: 4, refill_per_sec: 10}
+          big = %{capacity: 100, refill_per_sec: 10}
+          assert :ok = check_rate({"ex", "refused"}, small, 4, name)
+          assert :ok = check_rate({"ex", "quiet"}, small, 4, name)
+          # Told about 4 s on one key only, which keeps it (P7); both are full after 400 ms.
+          assert {:delay, _} = check_rate({"ex", "refused"}, small, 40, name)
+          Process.sleep(600)
+          # Under a new definition each starts as a new key: full.
+          assert :ok = check_rate({"ex", "refused"}, big, 100, name)
+          assert :ok = check_rate({"ex", "quiet"}, big, 100, name)
+        end
+
         test "a refused call gives a new key no definition: a later one finds it as new",
              %{name: name} do
           tight = %{capacity: 1, refill_per_sec: 0.001}

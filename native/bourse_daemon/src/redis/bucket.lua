@@ -405,8 +405,19 @@ local function keep_markers(markers)
   end
 end
 
+-- Whether the item's bucket behaves under its definition as a new one does but for what
+-- accrued beyond the capacity: full, holding no booking (but lapsed ones), last paid longer
+-- ago than its fill time; what refusals told their callers plays no part
+-- (bourse_core's Bucket::as_new).
+local function as_new(item, bucket, now)
+  return now - bucket.t > accrual(bucket.c, bucket.r)
+    and covers(tokens(bucket, now), bucket.c)
+    and (item.unbooked or call('ZCOUNT', item.wkey, fmt(now), '+inf') == 0)
+end
+
 -- The uncapped tokens for a request under definition (c, r): a changed definition starts
--- from the current tokens clamped to the new capacity.
+-- from the current tokens clamped to the new capacity, unless the bucket was as new
+-- (`decide` gave it the new one first).
 local function start_under(bucket, c, r, now)
   if bucket.c == c and bucket.r == r then
     return accrued(bucket, now)
@@ -973,6 +984,7 @@ decide = function(now, k, at)
       start = nil,
       kept = nil,
       undefined = nil,
+      redefined = nil,
     }
     item.loaded, item.found = load(item.key, now, id, item)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
@@ -1010,6 +1022,21 @@ decide = function(now, k, at)
         defined = true,
         shown = item.shown,
       }
+    elseif (bucket.c ~= item.c or bucket.r ~= item.r) and as_new(item, bucket, now) then
+      -- A bucket as new under another definition takes this one for the check (taken back
+      -- if it pays nothing) as a new key would: the tokens a new bucket starts with, from
+      -- when it last paid (bourse_core's Bucket::starts_new).
+      item.redefined = {
+        c = bucket.c,
+        r = bucket.r,
+        b = bucket.b,
+        dirty = bucket.dirty,
+        lowered = bucket.lowered,
+      }
+      bucket.c, bucket.r = item.c, item.r
+      bucket.b = initial_tokens(item.c, item.r, bucket.t, since, busy)
+      bucket.dirty, bucket.defined = true, true
+      bucket.lowered = math.max(bucket.lowered or 0, now)
     end
     item.bucket = bucket
     local dropped, booking_lapsed = drop_lapsed(item, now, id)
@@ -1074,10 +1101,15 @@ decide = function(now, k, at)
     end
     return items, answer('booked', ms, paused, lapsed)
   end
-  -- Refused: nothing paid, no definition given; a key without one records that a check
-  -- saw it (its accrual starts then).
+  -- Refused: nothing paid, no definition given or changed; a key without one records that
+  -- a check saw it (its accrual starts then).
   for _, item in ipairs(items) do
-    local undefined = item.undefined
+    local undefined, redefined = item.undefined, item.redefined
+    if redefined then
+      local bucket = item.bucket
+      bucket.c, bucket.r, bucket.b = redefined.c, redefined.r, redefined.b
+      bucket.dirty, bucket.lowered, bucket.defined = redefined.dirty, redefined.lowered, nil
+    end
     if undefined then
       item.bucket = undefined
       local b, t = fmt(undefined.b), fmt_time(undefined.t)
