@@ -53,9 +53,22 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     assert PortStream.open({:port, missing, []}, settings) ==
              {:error, "cannot run #{missing}: no such file or directory"}
 
+    # Executable, but no program: the kernel refuses to run it.
+    garbage = Path.join(System.tmp_dir!(), "bourse-garbage-#{System.unique_integer([:positive])}")
+    on_exit(fn -> File.rm(garbage) end)
+    File.write!(garbage, "garbage\n")
+    File.chmod!(garbage, 0o700)
+
+    assert PortStream.open({:port, garbage, []}, settings) ==
+             {:error,
+              "cannot run #{garbage}: it is not an executable this system can run " <>
+                "(exec format error)"}
+
     # `cat` knows no --stdio-socket.
-    assert PortStream.open({:port, System.find_executable("cat"), []}, settings) ==
-             {:error, "it exited with status 1"}
+    cat = System.find_executable("cat")
+
+    assert PortStream.open({:port, cat, []}, settings) ==
+             {:error, "#{cat} exited with status 1 before it connected"}
 
     # A program that connects and sends the JSON hello back: not a term.
     echo = Path.join(System.tmp_dir!(), "bourse-echo-#{System.unique_integer([:positive])}")

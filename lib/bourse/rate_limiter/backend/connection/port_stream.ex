@@ -42,7 +42,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   defp start(executable, flags, env, path) do
     with {:ok, listener} <- listen(path) do
       accepted =
-        with {:ok, port} <- spawn_daemon(executable, flags, env), do: accept(listener, port)
+        with {:ok, port} <- spawn_daemon(executable, flags, env),
+             do: accept(listener, port, executable)
 
       :socket.close(listener)
 
@@ -109,15 +110,15 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   end
 
   # The daemon connects at once, or exits.
-  defp accept(listener, port) do
+  defp accept(listener, port, executable) do
     case :socket.accept(listener, :nowait) do
       {:ok, socket} ->
         {:ok, socket, port}
 
       {:select, _info} ->
         receive do
-          {:"$socket", ^listener, :select, _handle} -> accept(listener, port)
-          {^port, {:exit_status, status}} -> {:error, "it exited with status #{status}"}
+          {:"$socket", ^listener, :select, _handle} -> accept(listener, port, executable)
+          {^port, {:exit_status, status}} -> {:error, exited_early(executable, status)}
         after
           @handshake_timeout ->
             close_port(port)
@@ -129,6 +130,16 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
         {:error, "cannot accept its connection: #{inspect(reason)}"}
     end
   end
+
+  # A program the kernel refuses to run passes the spawn: the VM's child exits with the
+  # errno of its exec, ENOEXEC (8), a status the daemon itself never exits with.
+  defp exited_early(executable, 8),
+    do:
+      "cannot run #{executable}: it is not an executable this system can run " <>
+        "(#{:file.format_error(:enoexec)})"
+
+  defp exited_early(executable, status),
+    do: "#{executable} exited with status #{status} before it connected"
 
   # The daemon writes nothing before its hello's answer and nothing after it unasked.
   defp hello(socket, port) do
