@@ -1,10 +1,13 @@
 defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
   # The port's daemon connects to a Unix socket in a private directory under the system's
   # temporary directory, whose path may be too long for a socket's (107 bytes): then the
-  # directory goes under /tmp. Not async: it sets TMPDIR, which every test reads.
+  # directory goes under /tmp. The directory is kept only once it is private and empty
+  # (another OS user may put entries in it before its mode is set). Not async: it sets
+  # TMPDIR, which every test reads.
   use ExUnit.Case, async: false
 
   alias Bourse.RateLimiter
+  alias Bourse.RateLimiter.Backend.Connection.PrivateDir
 
   @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
 
@@ -34,5 +37,52 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
       GenServer.stop(pid)
       assert File.ls!(tmpdir) == []
     end
+  end
+
+  test "a directory is private only as an empty, real directory of mode 0700", %{root: root} do
+    File.mkdir_p!(root)
+    assert {:ok, dir} = PrivateDir.create(root)
+    assert %File.Stat{type: :directory, mode: mode} = File.lstat!(dir)
+    assert Bitwise.band(mode, 0o777) == 0o700
+    assert PrivateDir.verify(dir) == :ok
+
+    # What another user could have put there before the mode was set.
+    File.write!(Path.join(dir, "d.sock"), "")
+    File.mkdir!(Path.join(dir, "sub"))
+    assert {:error, message} = PrivateDir.verify(dir)
+
+    assert message ==
+             "#{dir} holds d.sock, sub that another OS user put there before it was made private"
+
+    PrivateDir.discard(dir)
+    refute File.exists?(dir)
+
+    open = Path.join(root, "open")
+    File.mkdir!(open)
+    File.chmod!(open, 0o777)
+    assert PrivateDir.verify(open) == {:error, "#{open} has mode 0o777, not 0o700"}
+
+    target = Path.join(root, "target")
+    File.mkdir!(target)
+    File.chmod!(target, 0o700)
+    File.write!(Path.join(target, "kept"), "")
+    link = Path.join(root, "link")
+    File.ln_s!(target, link)
+    assert PrivateDir.verify(link) == {:error, "#{link} is no longer a directory (symlink)"}
+    # A link is never followed: what it points to stays.
+    PrivateDir.discard(link)
+    assert File.ls!(target) == ["kept"]
+  end
+
+  @tag :capture_log
+  test "a failed start leaves nothing behind", %{root: root} do
+    File.mkdir_p!(root)
+    System.put_env("TMPDIR", root)
+    backend = {:redis, "redis://127.0.0.1:6379/notanumber"}
+
+    assert {:error, %Bourse.Error{}} =
+             RateLimiter.start_link(name: :port_socket_dir_failed, backend: backend)
+
+    assert File.ls!(root) == []
   end
 end

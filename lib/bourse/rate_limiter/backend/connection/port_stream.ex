@@ -13,7 +13,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
   alias Bourse.RateLimiter.Backend.Connection
-  alias Bourse.RateLimiter.Backend.Connection.SocketStream
+  alias Bourse.RateLimiter.Backend.Connection.{PrivateDir, SocketStream}
 
   @handshake_timeout 5_000
   # The largest answer read: the largest request any daemon accepts (--max-frame-bytes).
@@ -27,14 +27,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def open({:port, executable, args}, settings) do
     flags = if settings.assume_busy, do: ["--assume-busy-at-start" | args], else: args
 
-    with {:ok, dir} <- private_dir() do
+    with {:ok, dir} <- PrivateDir.create(socket_base()) do
       path = Path.join(dir, "d.sock")
 
       try do
         start(executable, flags ++ ["--stdio-socket", path], settings.env, path)
       after
-        File.rm(path)
-        File.rmdir(dir)
+        PrivateDir.discard(dir)
       end
     end
   end
@@ -62,23 +61,10 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
-  # A directory of a random name that only this OS user may enter, in the system's
-  # temporary directory (or /tmp, if its path is too long for a socket's).
-  defp private_dir do
+  # The system's temporary directory, or /tmp if its path is too long for a socket's.
+  defp socket_base do
     base = System.tmp_dir() || "/tmp"
-    base = if byte_size(base) + @added_bytes > @max_socket_path_bytes, do: "/tmp", else: base
-    dir = Path.join(base, "bourse-" <> Base.url_encode64(:crypto.strong_rand_bytes(12)))
-
-    with :ok <- File.mkdir(dir), :ok <- File.chmod(dir, 0o700) do
-      {:ok, dir}
-    else
-      {:error, reason} ->
-        File.rmdir(dir)
-
-        {:error,
-         "cannot create a private directory in #{base} for the daemon's socket: " <>
-           List.to_string(:file.format_error(reason))}
-    end
+    if byte_size(base) + @added_bytes > @max_socket_path_bytes, do: "/tmp", else: base
   end
 
   defp listen(path) do
