@@ -72,6 +72,15 @@ fn main() -> ExitCode {
     match options.redis.clone() {
         None => serve(Memory::new(Table::new(config)), options, runtime),
         Some(redis) => {
+            let timeout = Duration::from_millis(redis.timeout_ms);
+            if let redis::Servers::Cluster(seeds) = &redis.servers {
+                let password = redis.password.as_deref();
+                let checked = runtime.block_on(redis::refuse_standalone(seeds, password, timeout));
+                if let Err(message) = checked {
+                    eprintln!("bourse_daemon: {message}");
+                    return refused(&message);
+                }
+            }
             let store = {
                 let _context = runtime.enter();
                 RedisStore::new(redis::Options {
@@ -79,7 +88,7 @@ fn main() -> ExitCode {
                     password: redis.password,
                     key_secret: redis.key_secret,
                     prefix: redis.prefix,
-                    timeout: Duration::from_millis(redis.timeout_ms),
+                    timeout,
                     config,
                 })
             };

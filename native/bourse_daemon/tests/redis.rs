@@ -1391,6 +1391,48 @@ fn bad_redis_options_are_refused_at_start() {
     }
 }
 
+#[test]
+fn a_single_redis_given_as_cluster_seeds_is_refused_at_start() {
+    let Some(redis) = Redis::start() else { return };
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let unreachable = format!("redis://{closed}");
+    // Whether or not another seed answers first.
+    for seeds in [vec![redis.url()], vec![unreachable, redis.url()]] {
+        let mut args = vec!["--listen", "127.0.0.1:0"];
+        for seed in &seeds {
+            args.extend(["--redis-cluster", seed]);
+        }
+        let mut daemon = Command::new(common::DAEMON)
+            .args(&args)
+            .env("BOURSE_DAEMON_SECRET", common::SECRET)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = common::wait_exit(&mut daemon);
+        let mut stderr = String::new();
+        daemon
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(status.code(), Some(2), "{seeds:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "redis at 127.0.0.1:{} is not a Redis Cluster (cluster support disabled)",
+                redis.port
+            )),
+            "{stderr}"
+        );
+        assert!(stderr.contains("give one URL"), "{stderr}");
+    }
+}
+
 /// A small deterministic generator (xorshift64*) for the differential test.
 struct Rng(u64);
 

@@ -2,7 +2,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @moduledoc """
   `backend: {:redis, url}`: the buckets live in Redis, shared by every limiter, on any
   machine, that uses the same Redis server and key prefix. `backend: {:redis, [url, ...]}`,
-  a list of seed nodes, means a Redis Cluster (even with one seed).
+  a list of seed nodes, means a Redis Cluster (even with one seed); a seed that is a Redis
+  server without cluster support fails the start with `:invalid_parameters`.
 
       {Bourse.RateLimiter, name: MyApp.Limiter, backend: {:redis, "redis://10.0.0.5:6379"}}
       {Bourse.RateLimiter,

@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.PortStartTest do
 
   @moduletag :capture_log
 
-  alias Bourse.RateLimiter
+  alias Bourse.{RateLimiter, RedisServer}
 
   test "a Redis URL the daemon refuses: :invalid_parameters, naming what is wrong with it" do
     for {url, cause} <- [
@@ -30,5 +30,21 @@ defmodule Bourse.RateLimiter.Backend.PortStartTest do
 
     assert message =~ "Invalid database number"
     refute message =~ "s3cret"
+  end
+
+  unless RedisServer.installed?(), do: @tag(skip: "no redis-server (make deps installs it)")
+
+  test "a single Redis given as a list of cluster seeds: :invalid_parameters, saying so" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    seeds = ["redis://127.0.0.1:#{redis.port}"]
+
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: :port_start_single_redis, backend: {:redis, seeds})
+
+    assert message =~
+             "redis at 127.0.0.1:#{redis.port} is not a Redis Cluster (cluster support disabled)"
+
+    assert message =~ "backend: {:redis, url}, not a list"
   end
 end
