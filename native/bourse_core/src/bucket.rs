@@ -119,13 +119,17 @@ impl Bucket {
     /// When a check under `limit` finds the key as new, the instant from which it holds
     /// the tokens a new bucket starts with: a key without a definition from when a check
     /// first saw it (now if none has); a bucket as new under another definition
-    /// ([`Bucket::as_new`]) from when it last paid, as its own accrual counts. `None`: the
-    /// check starts from the bucket's tokens ([`Bucket::start_under`]).
+    /// ([`Bucket::as_new`]) from when it was full again after its last payment, so that
+    /// nothing it accrued before is counted twice. `None`: the check starts from the
+    /// bucket's tokens ([`Bucket::start_under`]).
     pub fn starts_new(&self, limit: &Limit, now: u64) -> Option<u64> {
         match &self.limit {
             None if self.base_at == UNSEEN => Some(now),
             None => Some(self.base_at),
-            Some(current) if current != limit && self.as_new(current, now) => Some(self.base_at),
+            Some(current) if current != limit && self.as_new(current, now) => {
+                let refill = accrual_ns((current.capacity() - self.base).max(0.0), current);
+                Some(self.base_at.saturating_add(refill).min(now))
+            }
             Some(_) => None,
         }
     }

@@ -537,6 +537,48 @@ fn a_bucket_as_new_takes_another_definition_as_a_new_key() {
     assert_eq!(t.inspect(key("a")).unwrap().tokens, 0.0);
 }
 
+/// A bucket as new to another definition starts as a new key from when it was full again
+/// after its last payment: what it accrued before that paid its last costs, and is not
+/// counted twice (P1 holds for costs over the capacity when definitions alternate).
+#[test]
+fn another_definition_counts_nothing_the_last_payment_used() {
+    let (t, clock) = table();
+    let (a, b) = (limit(10.0, 10.0), limit(10.0, 10.000001));
+    let wait = Mode::Wait {
+        max_wait_ms: 60_000,
+        booking_slack_ms: None,
+    };
+    // A waiter under A books 100: ready at 9 s, claimed then.
+    assert!(matches!(
+        t.check_rate(ME, check(key("k"), a, 100.0), wait),
+        Outcome::Booked(_)
+    ));
+    clock.advance_ms(9_000);
+    assert_eq!(
+        t.check_rate(ME, check(key("k"), a, 100.0), wait),
+        Outcome::Claimed
+    );
+    // Full again at 10 s: a cost of 110 under either definition waits about 10 s more.
+    clock.advance_ms(1_001);
+    assert_eq!(probe(&t, "k", a, 110.0), Outcome::Delay(9_999));
+    assert_eq!(probe(&t, "k", b, 110.0), Outcome::Delay(9_999));
+
+    // Costs of twice the capacity every 1,001 ms, the definition alternating or not: as
+    // many admitted.
+    let admitted = |alternate: bool| {
+        let (t, clock) = table();
+        assert_eq!(probe(&t, "k", a, 10.0), Outcome::Admitted);
+        (0..40)
+            .filter(|i| {
+                clock.advance_ms(1_001);
+                let l = if alternate && i % 2 == 0 { b } else { a };
+                probe(&t, "k", l, 20.0) == Outcome::Admitted
+            })
+            .count()
+    };
+    assert_eq!(admitted(true), admitted(false));
+}
+
 #[test]
 fn a_refusal_gives_a_new_key_no_definition() {
     let (t, clock) = table();

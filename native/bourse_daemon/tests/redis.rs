@@ -1151,6 +1151,31 @@ fn a_bucket_as_new_takes_another_definition_as_a_new_key() {
     assert_eq!(info["limit"]["capacity"], 100.0);
 }
 
+/// A bucket as new to another definition starts as a new key from when it was full again
+/// after its last payment: the refill that paid its last cost is not counted twice.
+#[test]
+fn another_definition_counts_nothing_the_last_payment_used() {
+    let Some(redis) = Redis::start() else { return };
+    let d = daemon(&redis, &[]);
+    let mut c = d.connect();
+    let k = key("redefined", Some("k"));
+    let a = json!({"capacity": 10, "refill_per_sec": 10});
+    let b = json!({"capacity": 10, "refill_per_sec": 10.000001});
+    assert_eq!(c.call(check(&k, a.clone(), 10.0))["result"], "admitted");
+    sleep_ms(2_050);
+    // 20.5 accrued over the capacity pays a cost of 20: empty (what accrued beyond the cost
+    // is not kept), full again 1 s later (the key lives a few seconds past that).
+    assert_eq!(c.call(check(&k, a.clone(), 20.0))["result"], "admitted");
+    sleep_ms(1_500);
+    // 15 now: a cost of 20 waits 0.5 s under either definition.
+    about(
+        ms(&c.call(check(&k, b, 20.0))),
+        500,
+        "under the other definition",
+    );
+    about(ms(&c.call(check(&k, a, 20.0))), 500, "under its own");
+}
+
 /// With `--redis` a connection is served by the runtime, not a thread of its own: a client
 /// that reads its answers slowly but steadily is not taken for one that stopped reading.
 #[test]

@@ -1025,14 +1025,16 @@ decide = function(now, k, at)
     elseif (bucket.c ~= item.c or bucket.r ~= item.r) and as_new(item, bucket, now) then
       -- A bucket as new under another definition takes this one for the check (taken back
       -- if it pays nothing) as a new key would: the tokens a new bucket starts with, from
-      -- when it last paid (bourse_core's Bucket::starts_new).
+      -- when it was full again after its last payment (bourse_core's Bucket::starts_new).
       item.redefined = {
         c = bucket.c,
         r = bucket.r,
         b = bucket.b,
+        t = bucket.t,
         dirty = bucket.dirty,
         lowered = bucket.lowered,
       }
+      bucket.t = math.min(bucket.t + accrual(math.max(bucket.c - bucket.b, 0), bucket.r), now)
       bucket.c, bucket.r = item.c, item.r
       bucket.b = initial_tokens(item.c, item.r, bucket.t, since, busy)
       bucket.dirty, bucket.defined = true, true
@@ -1107,7 +1109,7 @@ decide = function(now, k, at)
     local undefined, redefined = item.undefined, item.redefined
     if redefined then
       local bucket = item.bucket
-      bucket.c, bucket.r, bucket.b = redefined.c, redefined.r, redefined.b
+      bucket.c, bucket.r, bucket.b, bucket.t = redefined.c, redefined.r, redefined.b, redefined.t
       bucket.dirty, bucket.lowered, bucket.defined = redefined.dirty, redefined.lowered, nil
     end
     if undefined then
