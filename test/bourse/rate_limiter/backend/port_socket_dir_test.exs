@@ -57,6 +57,14 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
     PrivateDir.discard(dir)
     refute File.exists?(dir)
 
+    # A name that is not UTF-8 (which File.ls/1 leaves out) is seen, and removed.
+    assert {:ok, dir} = PrivateDir.create(root)
+    :ok = :file.write_file(Path.join(dir, <<255>>), "")
+    assert {:error, message} = PrivateDir.verify(dir)
+    assert message =~ "#{dir} holds <<255>> that another OS user"
+    PrivateDir.discard(dir)
+    refute File.exists?(dir)
+
     open = Path.join(root, "open")
     File.mkdir!(open)
     File.chmod!(open, 0o777)

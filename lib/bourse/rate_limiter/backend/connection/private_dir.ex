@@ -57,7 +57,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PrivateDir do
   """
   @spec verify(Path.t()) :: :ok | {:error, String.t()}
   def verify(dir) do
-    case {File.lstat(dir), File.ls(dir)} do
+    case {File.lstat(dir), entries(dir)} do
       {{:ok, %File.Stat{type: :directory, mode: mode}}, {:ok, entries}} ->
         cond do
           Bitwise.band(mode, 0o777) != 0o700 ->
@@ -66,8 +66,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PrivateDir do
 
           entries != [] ->
             {:error,
-             "#{dir} holds #{Enum.join(Enum.sort(entries), ", ")} that another OS user " <>
-               "put there before it was made private"}
+             "#{dir} holds #{entries |> Enum.map(&shown/1) |> Enum.sort() |> Enum.join(", ")} " <>
+               "that another OS user put there before it was made private"}
 
           true ->
             :ok
@@ -91,13 +91,21 @@ defmodule Bourse.RateLimiter.Backend.Connection.PrivateDir do
   @spec discard(Path.t()) :: :ok
   def discard(dir) do
     with {:ok, %File.Stat{type: :directory}} <- File.lstat(dir),
-         {:ok, entries} <- File.ls(dir) do
+         {:ok, entries} <- entries(dir) do
       Enum.each(entries, &remove_entry(Path.join(dir, &1)))
     end
 
     File.rmdir(dir)
     :ok
   end
+
+  # Every entry, its name raw: `File.ls/1` leaves out names that are not UTF-8.
+  defp entries(dir), do: :file.list_dir_all(dir)
+
+  defp shown(name) when is_binary(name),
+    do: if(String.valid?(name), do: name, else: inspect(name, binaries: :as_binaries))
+
+  defp shown(name), do: to_string(name)
 
   # A file, socket or link is unlinked; a directory removed only if empty.
   defp remove_entry(path) do
