@@ -44,6 +44,8 @@ pub(crate) struct Buckets {
     /// Whether [`Buckets::take_wanted`] may have a table to ask for: set by inserts and
     /// by the sweep's asking.
     may_want: bool,
+    /// Moves started: a pass whose buckets move to another table starts again.
+    moves: u64,
 }
 
 /// Tables emptied under the lock, to be freed after it (one per growth since the last
@@ -62,11 +64,27 @@ enum Next {
     Allocating,
 }
 
+/// Where a pass over every bucket is (see [`Buckets::retain_step`]).
+#[derive(Debug, Default)]
+pub(crate) struct Pass {
+    /// The next slot of the table to visit.
+    cursor: usize,
+    /// The shard's moves when the pass last stepped.
+    moves: u64,
+    /// Whether every slot of the table was visited.
+    visited: bool,
+    /// Whether the pass asked for a smaller table.
+    asked: bool,
+}
+
 /// What a step of a pass leaves to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// The next step starts at this slot.
-    Next(usize),
+    /// More steps.
+    Next,
+    /// The pass visits every bucket again from the start: what it gathered is to be
+    /// forgotten.
+    Restart,
     /// The pass is over.
     Done,
 }
@@ -132,6 +150,10 @@ impl Buckets {
                 }
             };
         }
+        // Left in its slot, not taken and put back: a pass's cursor stays on its side of it.
+        if let Some(index) = self.table.find_bucket_index(hash, matches(hash, key)) {
+            return self.table.get_bucket_mut(index).expect("a slot just found");
+        }
         let bucket = match self.take(hash, key) {
             Some(bucket) => bucket,
             None => make(),
@@ -180,6 +202,7 @@ impl Buckets {
     fn start_move(&mut self, fresh: HashTable<Bucket>) {
         self.old = std::mem::replace(&mut self.table, fresh);
         self.old_cursor = 0;
+        self.moves += 1;
     }
 
     /// Moves up to [`MOVE_BUCKETS`] buckets from the next [`MOVE_SLOTS`] slots of the old
@@ -259,61 +282,71 @@ impl Buckets {
         None
     }
 
-    /// One step of a pass over every bucket from slot `cursor` (0 to start), over at most
-    /// [`SCAN_STEP`] slots and about [`SCAN_KEY_BYTES`] of keys: drops those `keep`
-    /// refuses, and says where the next step starts. A step may ask for a table
-    /// (see [`Buckets::take_wanted`]). Buckets inserted or moved between steps may be
-    /// visited twice or not at all. Allocates nothing.
+    /// One step of `pass` over every bucket: over at most [`SCAN_STEP`] slots and about
+    /// [`SCAN_KEY_BYTES`] of keys, it drops the buckets `keep` refuses. A move running is
+    /// finished first. Every bucket held from the pass's start to its end is visited once
+    /// after the pass's last [`Step::Restart`]; buckets inserted meanwhile may be visited
+    /// or not. A step may ask for a table (see [`Buckets::take_wanted`]). Allocates nothing.
     pub fn retain_step(
         &mut self,
-        cursor: usize,
+        pass: &mut Pass,
         mut keep: impl FnMut(&mut Bucket) -> bool,
     ) -> Step {
-        let slots = self.table.num_buckets();
-        let mut key_bytes = 0;
-        if cursor < slots {
-            let end = (cursor + SCAN_STEP).min(slots);
-            for index in cursor..end {
-                if let Ok(mut entry) = self.table.get_bucket_entry(index) {
+        if pass.moves != self.moves {
+            pass.moves = self.moves;
+            // The buckets visited went to another table, maybe after the cursor, and
+            // others maybe before it.
+            if pass.cursor > 0 && !pass.visited {
+                pass.cursor = 0;
+                return Step::Restart;
+            }
+        }
+        if !self.old.is_empty() {
+            self.move_step();
+            return Step::Next;
+        }
+        if !pass.visited {
+            let slots = self.table.num_buckets();
+            let end = (pass.cursor + SCAN_STEP).min(slots);
+            let mut key_bytes = 0;
+            while pass.cursor < end && key_bytes <= SCAN_KEY_BYTES {
+                if let Ok(mut entry) = self.table.get_bucket_entry(pass.cursor) {
                     key_bytes += entry.get().key.byte_len();
                     if !keep(entry.get_mut()) {
                         entry.remove();
                     }
-                    if key_bytes > SCAN_KEY_BYTES {
-                        return Step::Next(index + 1);
-                    }
                 }
+                pass.cursor += 1;
             }
-            return Step::Next(end);
-        }
-        // The old table is passed over as its buckets move.
-        if !self.old.is_empty() {
-            let end = (self.old_cursor + SCAN_STEP).min(self.old.num_buckets());
-            while self.old_cursor < end && key_bytes <= SCAN_KEY_BYTES {
-                if let Ok(entry) = self.old.get_bucket_entry(self.old_cursor) {
-                    let mut bucket = entry.remove().0;
-                    key_bytes += bucket.key.byte_len();
-                    if keep(&mut bucket) {
-                        self.table.insert_unique(bucket.hash, bucket, |b| b.hash);
-                    }
-                }
-                self.old_cursor += 1;
-            }
-            if self.old.is_empty() {
-                self.empty_old();
-            }
-            return Step::Next(cursor);
+            pass.visited = pass.cursor == slots;
+            return Step::Next;
         }
         if self.table.is_empty() && self.table.allocation_size() > 0 {
             let table = std::mem::take(&mut self.table);
             self.emptied.push(table);
-        } else if self.next == Next::Unneeded && self.sparse() {
+        } else if !pass.asked && self.next == Next::Unneeded && self.sparse() {
             // Moved into a table about half full, or of the least capacity if larger: it
             // shrinks at most 32-fold per pass.
             self.ask();
-            return Step::Next(cursor);
+            pass.asked = true;
+            return Step::Next;
         }
         Step::Done
+    }
+
+    /// Moves the buckets of the old table's next [`SCAN_STEP`] slots.
+    fn move_step(&mut self) {
+        let end = (self.old_cursor + SCAN_STEP).min(self.old.num_buckets());
+        while self.old_cursor < end {
+            if let Ok(entry) = self.old.get_bucket_entry(self.old_cursor) {
+                let bucket = entry.remove().0;
+                self.table.insert_unique(bucket.hash, bucket, |b| b.hash);
+            }
+            self.old_cursor += 1;
+        }
+        if self.old.is_empty() {
+            self.empty_old();
+        }
     }
 
     /// Whether the buckets fill under a quarter of the slots' capacity (and more than
@@ -435,7 +468,7 @@ mod tests {
         // The hash of each bucket held, and its key's number.
         let mut model = std::collections::HashMap::new();
         let mut dropped = Vec::with_capacity(2 * SCAN_STEP);
-        let (mut state, mut cursor) = (0x9e37_79b9_7f4a_7c15_u64, 0);
+        let (mut state, mut sweep) = (0x9e37_79b9_7f4a_7c15_u64, Pass::default());
         let mut tables_grown = 0;
         for round in 0..300_000 {
             let roll = xorshift(&mut state);
@@ -465,7 +498,7 @@ mod tests {
                 }
                 _ => {
                     let (step, allocated) = allocations(|| {
-                        buckets.retain_step(cursor, |b| {
+                        buckets.retain_step(&mut sweep, |b| {
                             let keep = b.hash % 3 != 0;
                             if !keep {
                                 dropped.push(b.hash);
@@ -476,10 +509,9 @@ mod tests {
                     for hash in dropped.drain(..) {
                         assert!(model.remove(&hash).is_some());
                     }
-                    cursor = match step {
-                        Step::Next(next) => next,
-                        Step::Done => 0,
-                    };
+                    if step == Step::Done {
+                        sweep = Pass::default();
+                    }
                     allocated
                 }
             };
@@ -492,9 +524,64 @@ mod tests {
         assert!(model.values().all(|&i| find(&buckets, &hasher, i)));
     }
 
+    #[test]
+    fn a_pass_visits_every_bucket_held_throughout_while_the_shard_grows_and_is_checked() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for round in 0..200 {
+            let mut buckets = Buckets::default();
+            let held = 200 + round * 37;
+            for i in 0..held {
+                buckets.insert(bucket(&hasher, i));
+                give_wanted(&mut buckets);
+            }
+            let mut visited = std::collections::HashSet::new();
+            let (mut pass, mut next_key, mut restarts) = (Pass::default(), held, 0);
+            loop {
+                let step = buckets.retain_step(&mut pass, |b| {
+                    assert!(
+                        visited.insert(b.hash),
+                        "round {round}: a bucket visited twice"
+                    );
+                    true
+                });
+                if step == Step::Restart {
+                    visited.clear();
+                    restarts += 1;
+                }
+                // Between steps: new keys (the shard grows) and checks of held keys.
+                for _ in 0..xorshift(&mut state) % 64 {
+                    let roll = xorshift(&mut state);
+                    let i = if roll.is_multiple_of(2) {
+                        next_key += 1;
+                        next_key
+                    } else {
+                        (roll >> 8) as usize % held
+                    };
+                    let credential = format!("key-{i}");
+                    let (key, sought) = sought(&credential);
+                    buckets.get_or_insert_with(hasher.hash_one(key), sought, || bucket(&hasher, i));
+                    give_wanted(&mut buckets);
+                }
+                if step == Step::Done {
+                    break;
+                }
+            }
+            // Each growth mid-pass restarts it: the table doubles each time.
+            assert!(restarts <= 8, "round {round}: {restarts} restarts");
+            let missed = (0..held)
+                .filter(|&i| !visited.contains(&bucket(&hasher, i).hash))
+                .count();
+            assert_eq!(
+                missed, 0,
+                "round {round}: {missed} of {held} buckets not visited"
+            );
+        }
+    }
+
     /// What a pass did: its steps, and the most buckets dropped and allocations made by
     /// one step.
-    struct Pass {
+    struct Walked {
         steps: usize,
         most_dropped: usize,
         most_allocations: usize,
@@ -502,23 +589,22 @@ mod tests {
 
     /// A whole pass as the table's sweep runs it, tables asked for given between steps (where the
     /// sweep holds no lock).
-    fn pass(buckets: &mut Buckets, mut keep: impl FnMut(&mut Bucket) -> bool) -> Pass {
-        let mut cursor = 0;
-        let mut pass = Pass {
+    fn pass(buckets: &mut Buckets, mut keep: impl FnMut(&mut Bucket) -> bool) -> Walked {
+        let mut at = Pass::default();
+        let mut pass = Walked {
             steps: 0,
             most_dropped: 0,
             most_allocations: 0,
         };
         loop {
             let before = buckets.len();
-            let (step, allocated) = allocations(|| buckets.retain_step(cursor, &mut keep));
+            let (step, allocated) = allocations(|| buckets.retain_step(&mut at, &mut keep));
             pass.most_allocations = pass.most_allocations.max(allocated);
             pass.most_dropped = pass.most_dropped.max(before - buckets.len());
             pass.steps += 1;
             give_wanted(buckets);
-            match step {
-                Step::Next(next) => cursor = next,
-                Step::Done => return pass,
+            if step == Step::Done {
+                return pass;
             }
         }
     }
@@ -534,19 +620,18 @@ mod tests {
             buckets.insert(Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0));
             give_wanted(&mut buckets);
         }
-        let (mut cursor, mut visited, mut most) = (0, 0, 0);
+        let (mut at, mut visited, mut most) = (Pass::default(), 0, 0);
         loop {
             let mut step_visits = 0;
-            let step = buckets.retain_step(cursor, |_| {
+            let step = buckets.retain_step(&mut at, |_| {
                 step_visits += 1;
                 true
             });
             give_wanted(&mut buckets);
             visited += step_visits;
             most = most.max(step_visits);
-            match step {
-                Step::Next(next) => cursor = next,
-                Step::Done => break,
+            if step == Step::Done {
+                break;
             }
         }
         assert_eq!(visited, 2_000);

@@ -57,6 +57,16 @@ impl<K> Busiest<K> {
         }
     }
 
+    /// Offers the rows `other` kept, in the order they were offered to it: of rows as
+    /// busy, those of `self` rank first.
+    pub fn absorb(&mut self, other: Busiest<K>) {
+        let mut rows = other.rows.into_vec();
+        rows.sort_unstable_by_key(|row| row.offered);
+        for row in rows {
+            self.offer(row.info, || row.key);
+        }
+    }
+
     /// The rows kept, busiest first.
     pub fn into_rows(self) -> Vec<(K, KeyInfo)> {
         let rows = self.rows.into_sorted_vec();

@@ -28,6 +28,7 @@ mod prepared;
 pub mod rules;
 mod table;
 mod types;
+mod walk;
 
 pub use busiest::Busiest;
 pub use clock::{Clock, ManualClock, MonotonicClock};

@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 
 use crate::backoffs::{Backoff, Backoffs};
 use crate::bucket::{Bucket, Previous, MAX_WAIT_NS};
-use crate::buckets::{Buckets, Step};
+use crate::buckets::{Buckets, Pass, Step};
 use crate::busiest::Busiest;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
 use crate::engine::{self, delay_ms, Item, ItemPauses, Request};
@@ -20,6 +20,7 @@ use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
+use crate::walk::Walk;
 
 const SHARDS: usize = 64;
 /// Buckets of one multi-bucket check held on the stack; larger checks (up to
@@ -503,44 +504,18 @@ impl<C: Clock> Table<C> {
         let Some(bucket) = shard.buckets.find_mut(hash, Sought::Parts(key)) else {
             return pause_ms.map(KeyInfo::paused);
         };
-        Some(Self::info(bucket, now, pause_ms))
-    }
-
-    /// What `bucket` holds at `now`; lapsed bookings left for its next check are not shown.
-    fn info(bucket: &Bucket, now: u64, pause_ms: Option<u64>) -> KeyInfo {
-        let tokens = bucket.tokens(now);
-        let held = || bucket.bookings.iter().filter(|b| b.lapse_at >= now);
-        KeyInfo {
-            limit: bucket.limit,
-            tokens,
-            borrowed: bucket.borrowed(now),
-            debt: if bucket.limit.is_some() {
-                (-tokens).max(0.0)
-            } else {
-                bucket.pending_debt()
-            },
-            bookings: held().count(),
-            // A fold from +0.0: an empty `sum()` of floats is -0.0.
-            booked_cost: held().fold(0.0, |total, b| total + b.cost),
-            next_ready_ms: held()
-                .map(|b| b.ready_at)
-                .min()
-                .map(|at| at.saturating_sub(now).div_ceil(NANOS_PER_MS)),
-            pause_ms,
-        }
+        Some(info(bucket, now, pause_ms))
     }
 
     /// The `count` busy keys (borrowing, or holding bookings) with the most tokens borrowed,
-    /// busiest first. Copies of at most `count` keys are held at once, whatever the table's size.
+    /// busiest first. Copies of at most `2 * count` keys are held at once (the rows of the
+    /// shard being walked apart), whatever the table's size.
     pub fn busiest(&self, count: usize) -> Vec<(Key, KeyInfo)> {
-        let mut busiest = Busiest::new(count);
+        let mut busiest = BusiestRows::new(count);
         // A few hundred buckets per lock, as the sweep does.
-        self.retain(|bucket, now, _| {
-            busiest.offer(Self::info(bucket, now, None), || bucket.key.clone());
-            true
-        });
+        self.retain(&mut busiest);
         let now = self.clock.now();
-        let mut rows = busiest.into_rows();
+        let mut rows = busiest.walked.into_rows();
         for (key, info) in &mut rows {
             let key = key.as_ref();
             info.pause_ms = self.pause_ms(&key, self.hash(&key), now);
@@ -558,18 +533,19 @@ impl<C: Clock> Table<C> {
         self.pauses.write().remove_key(&key, hash);
     }
 
-    /// Runs `keep` over every bucket a few hundred at a time, dropping those it refuses, and
-    /// shrinks shards whose occupancy fell. Returns how many buckets were dropped.
-    fn retain(&self, mut keep: impl FnMut(&mut Bucket, u64, &mut Stats) -> bool) -> usize {
+    /// Walks every bucket a few hundred at a time, dropping those `walk` refuses, and
+    /// shrinks shards whose occupancy fell. Every bucket held throughout is visited.
+    /// Returns how many buckets were dropped.
+    fn retain(&self, walk: &mut impl Walk) -> usize {
         let mut dropped = 0;
         for shard in self.shards.iter() {
-            let mut cursor = 0;
+            let mut pass = Pass::default();
             loop {
                 let mut guard = shard.0.lock();
                 let now = self.clock.now();
                 let Shard { buckets, stats } = &mut *guard;
                 let before = buckets.len();
-                let step = buckets.retain_step(cursor, |bucket| keep(bucket, now, stats));
+                let step = buckets.retain_step(&mut pass, |bucket| walk.visit(bucket, now, stats));
                 dropped += before - buckets.len();
                 let (emptied, wanted) = (buckets.take_emptied(), buckets.take_wanted());
                 // Straight to a waiting check, if any: otherwise this loop would take the
@@ -578,17 +554,19 @@ impl<C: Clock> Table<C> {
                 drop(emptied);
                 Self::give_table(&shard.0, wanted);
                 match step {
-                    Step::Next(next) => cursor = next,
+                    Step::Next => {}
+                    Step::Restart => walk.restart_shard(),
                     Step::Done => break,
                 }
             }
+            walk.end_shard();
         }
         dropped
     }
 
     /// Forgets every key and pause of `exchange`, a few hundred buckets at a time.
     pub fn reset_exchange(&self, exchange: &[u8]) {
-        self.retain(|bucket, _, _| bucket.key.exchange() != exchange);
+        self.retain(&mut |bucket: &mut Bucket, _, _: &mut Stats| bucket.key.exchange() != exchange);
         self.end_pauses(|pauses| pauses.take_of_exchange(exchange));
         self.backoffs.lock().remove_exchange(exchange);
     }
@@ -613,7 +591,7 @@ impl<C: Clock> Table<C> {
     /// others give back (see [`Bucket::drop_lapsed`]), and a bucket kept answers as if no
     /// sweep had run.
     pub fn sweep(&self) -> usize {
-        let dropped = self.retain(|bucket, now, stats| {
+        let dropped = self.retain(&mut |bucket: &mut Bucket, now, stats: &mut Stats| {
             let sweepable = bucket.sweepable(now);
             if sweepable {
                 stats.lapsed += bucket.bookings.len() as u64;
@@ -751,11 +729,92 @@ impl<C: Clock> Table<C> {
         }
         // Bookings are counted a few hundred buckets per lock, as the sweep does; those
         // lapsed, left for their bucket's next check, are not.
-        self.retain(|bucket, now, _| {
-            total.bookings += bucket.bookings.iter().filter(|b| b.lapse_at >= now).count() as u64;
-            true
-        });
+        let mut bookings = HeldBookings::default();
+        self.retain(&mut bookings);
+        total.bookings = bookings.walked;
         total
+    }
+}
+
+/// What `bucket` holds at `now`; lapsed bookings left for its next check are not shown.
+fn info(bucket: &Bucket, now: u64, pause_ms: Option<u64>) -> KeyInfo {
+    let tokens = bucket.tokens(now);
+    let held = || bucket.bookings.iter().filter(|b| b.lapse_at >= now);
+    KeyInfo {
+        limit: bucket.limit,
+        tokens,
+        borrowed: bucket.borrowed(now),
+        debt: if bucket.limit.is_some() {
+            (-tokens).max(0.0)
+        } else {
+            bucket.pending_debt()
+        },
+        bookings: held().count(),
+        // A fold from +0.0: an empty `sum()` of floats is -0.0.
+        booked_cost: held().fold(0.0, |total, b| total + b.cost),
+        next_ready_ms: held()
+            .map(|b| b.ready_at)
+            .min()
+            .map(|at| at.saturating_sub(now).div_ceil(NANOS_PER_MS)),
+        pause_ms,
+    }
+}
+
+/// `busiest`'s walk: the busiest rows of the shards walked, and apart those of the shard
+/// being walked, so that a shard walked again counts once.
+struct BusiestRows {
+    count: usize,
+    walked: Busiest<Key>,
+    shard: Busiest<Key>,
+}
+
+impl BusiestRows {
+    fn new(count: usize) -> Self {
+        Self {
+            count,
+            walked: Busiest::new(count),
+            shard: Busiest::new(count),
+        }
+    }
+}
+
+impl Walk for BusiestRows {
+    fn visit(&mut self, bucket: &mut Bucket, now: u64, _: &mut Stats) -> bool {
+        self.shard
+            .offer(info(bucket, now, None), || bucket.key.clone());
+        true
+    }
+
+    fn restart_shard(&mut self) {
+        self.shard = Busiest::new(self.count);
+    }
+
+    fn end_shard(&mut self) {
+        let shard = std::mem::replace(&mut self.shard, Busiest::new(self.count));
+        self.walked.absorb(shard);
+    }
+}
+
+/// `stats`' walk: the bookings held (those lapsed, left for their bucket's next check, are
+/// not), counted apart for the shard being walked.
+#[derive(Default)]
+struct HeldBookings {
+    walked: u64,
+    shard: u64,
+}
+
+impl Walk for HeldBookings {
+    fn visit(&mut self, bucket: &mut Bucket, now: u64, _: &mut Stats) -> bool {
+        self.shard += bucket.bookings.iter().filter(|b| b.lapse_at >= now).count() as u64;
+        true
+    }
+
+    fn restart_shard(&mut self) {
+        self.shard = 0;
+    }
+
+    fn end_shard(&mut self) {
+        self.walked += std::mem::take(&mut self.shard);
     }
 }
 
@@ -768,8 +827,8 @@ mod tests {
     /// What `busiest` answered when it sorted every busy row: a stable sort, cut to `count`.
     fn sorted(table: &Table<ManualClock>, count: usize) -> Vec<(Key, KeyInfo)> {
         let mut rows = Vec::new();
-        table.retain(|bucket, now, _| {
-            let info = Table::<ManualClock>::info(bucket, now, None);
+        table.retain(&mut |bucket: &mut Bucket, now, _: &mut Stats| {
+            let info = info(bucket, now, None);
             if info.borrowed > 0.0 || info.bookings > 0 {
                 rows.push((bucket.key.clone(), info));
             }

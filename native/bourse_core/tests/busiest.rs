@@ -1,4 +1,4 @@
-//! `busiest` holds memory for the rows asked, not for every busy key of the table.
+//! `busiest` holds memory for the rows asked (twice), not for every busy key of the table.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -76,14 +76,15 @@ fn busiest_holds_the_rows_asked_not_every_busy_key() {
     let (hundred, hundred_peak) = peak_bytes(|| table.busiest(100));
     assert_eq!(one[0].1.borrowed, 50.0);
     assert_eq!(hundred.len(), 100);
-    // Sorting every busy row held more than BUSY keys: 60 MiB.
+    // Sorting every busy row held more than BUSY keys: 60 MiB. The rows of the shard
+    // walked are kept apart, to be forgotten if it is walked again: twice the rows asked.
     let per_row = 4 * PART + 1024;
     assert!(
-        one_peak < 16 * 1024 + per_row,
+        one_peak < 16 * 1024 + 2 * per_row,
         "busiest(1) held {one_peak} bytes"
     );
     assert!(
-        hundred_peak < 16 * 1024 + 100 * per_row,
+        hundred_peak < 16 * 1024 + 2 * 100 * per_row,
         "busiest(100) held {hundred_peak} bytes"
     );
 }

@@ -69,3 +69,69 @@ fn resets_while_shards_grow_leave_a_working_table() {
     }
     assert_eq!(table.stats().buckets, 5_000);
 }
+
+#[test]
+fn walks_while_shards_grow_visit_every_bucket_held_once() {
+    let table = Table::with_clock(Config::default(), ManualClock::new());
+    let done = AtomicBool::new(false);
+    let mut rounds = 0;
+    std::thread::scope(|scope| {
+        let (table, done) = (&table, &done);
+        scope.spawn(move || {
+            // Shards small enough to grow again and again while they are walked.
+            for i in 0.. {
+                if done.load(Ordering::SeqCst) {
+                    break;
+                }
+                check(table, b"binance", &format!("grow-{i}"));
+                if i % 50_000 == 49_999 {
+                    table.reset_exchange(b"binance");
+                }
+            }
+        });
+        // Stops the growing thread however this one ends.
+        let _stop = Stop(done);
+        for round in 0..60 {
+            rounds = round + 1;
+            let held: Vec<String> = (0..3_000).map(|i| format!("held-{round}-{i}")).collect();
+            for credential in &held {
+                assert_eq!(check(table, b"kraken", credential), Outcome::Admitted);
+            }
+            let rows = table.busiest(usize::MAX);
+            let kraken: Vec<_> = rows
+                .iter()
+                .filter(|(key, _)| key.exchange() == b"kraken")
+                .map(|(key, _)| key.as_ref().credential.unwrap().to_vec())
+                .collect();
+            let listed: std::collections::HashSet<_> = kraken.iter().collect();
+            assert_eq!(
+                listed.len(),
+                kraken.len(),
+                "round {round}: a key listed twice"
+            );
+            assert_eq!(
+                kraken.len(),
+                held.len(),
+                "round {round}: busy keys not listed"
+            );
+            table.reset_exchange(b"kraken");
+            let left = held
+                .iter()
+                .filter(|credential| {
+                    let key = KeyRef::new(b"kraken", Some(credential.as_bytes()), b"request");
+                    table.inspect(key).is_some()
+                })
+                .count();
+            assert_eq!(left, 0, "round {round}: buckets left after reset_exchange");
+        }
+    });
+    assert_eq!(rounds, 60);
+}
+
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
