@@ -474,12 +474,11 @@ pub fn key(value: &Value) -> Result<KeyRef<'_>> {
         Value::Object(fields) if !fields.contains_key("$term") => fields,
         other => return Err(rules::not_a_key(shape(other))),
     };
-    only(fields, &["exchange", "credential", "axis"], "a key")?;
-    let exchange = required(fields, "exchange")?;
-    let credential = required(fields, "credential")?;
-    let exchange = part(exchange, KeyPart::Exchange)?;
+    // Every error past a readable exchange names it.
+    let exchange = part(required(fields, "exchange")?, KeyPart::Exchange)?;
     let rest = || {
-        let credential = match credential {
+        only(fields, &["exchange", "credential", "axis"], "a key")?;
+        let credential = match required(fields, "credential")? {
             Value::Null => None,
             other => Some(part(other, KeyPart::Credential)?),
         };
@@ -541,8 +540,9 @@ fn pause_target(value: &Value) -> Result<PauseTarget> {
     if fields.contains_key("axis") {
         return Ok(PauseTarget::Key(key(value)?.to_owned_key()));
     }
-    only(fields, &["exchange", "credential"], "a pause target")?;
     let exchange = part(required(fields, "exchange")?, KeyPart::Exchange)?;
+    only(fields, &["exchange", "credential"], "a pause target")
+        .map_err(|error| error.for_exchange(exchange))?;
     Ok(match fields.get("credential") {
         None => PauseTarget::Exchange(exchange.to_vec()),
         Some(Value::Null) => PauseTarget::Credential(exchange.to_vec(), None),
@@ -561,14 +561,15 @@ fn backoff_credential(value: &Value) -> Result<(&[u8], Option<&[u8]>)> {
         Value::Object(fields) if !fields.contains_key("$term") => fields,
         other => return Err(rules::not_a_credential(shape(other))),
     };
-    only(fields, &["exchange", "credential"], "a credential")?;
     let exchange = part(required(fields, "exchange")?, KeyPart::Exchange)?;
-    let credential = match required(fields, "credential")? {
-        Value::Null => None,
-        other => {
-            Some(part(other, KeyPart::Credential).map_err(|error| error.for_exchange(exchange))?)
+    let credential = || {
+        only(fields, &["exchange", "credential"], "a credential")?;
+        match required(fields, "credential")? {
+            Value::Null => Ok(None),
+            other => Ok(Some(part(other, KeyPart::Credential)?)),
         }
     };
+    let credential = credential().map_err(|error: InvalidInput| error.for_exchange(exchange))?;
     Ok((exchange, credential))
 }
 

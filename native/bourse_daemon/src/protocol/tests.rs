@@ -540,6 +540,29 @@ fn malformed_requests_name_the_problem_and_touch_nothing() {
     assert_eq!(answer["id"], json!({"n": [1]}));
 }
 
+#[test]
+fn an_error_names_the_exchange_whenever_it_could_be_read() {
+    let f = Fixture::new();
+    let limit = r#""limit":{"requests":3}"#;
+    for request in [
+        format!(r#"{{"op":"check","key":{{"exchange":"binance"}},{limit}}}"#),
+        format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":null,"foo":1}},{limit}}}"#),
+        format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":5}},{limit}}}"#),
+        format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":null,"axis":7}},{limit}}}"#),
+        r#"{"op":"record","key":{"exchange":"binance"},"cost":1}"#.to_string(),
+        r#"{"op":"pause","target":{"exchange":"binance","foo":1},"ms":5}"#.to_string(),
+        r#"{"op":"back_off","credential":{"exchange":"binance"},"scope":"credential"}"#.to_string(),
+        r#"{"op":"back_off","credential":{"exchange":"binance","credential":null,"x":1},"scope":"credential"}"#.to_string(),
+    ] {
+        let answer = f.call(&request);
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
+        assert_eq!(answer["error"]["exchange"], "binance", "{request}: {answer}");
+    }
+    // An exchange that cannot be read is not named.
+    let answer = f.call(r#"{"op":"check","key":{"exchange":5,"credential":null},"limit":null}"#);
+    assert!(answer["error"].get("exchange").is_none(), "{answer}");
+}
+
 /// Malformed requests, each with what its error message says.
 fn malformed_cases() -> Vec<(String, &'static str)> {
     let big = "x".repeat(MAX_KEY_PART_BYTES + 1);
