@@ -30,8 +30,11 @@ Over TCP the client and the daemon prove the shared secret to each other (the HM
 of the nonce in the daemon's hello, then of a challenge of the client's; the secret itself
 is never sent), so a program without it that listens on the daemon's port is refused: pass
 secret=b"...", else it is read from the environment variable BOURSE_DAEMON_SECRET. A Unix
-socket needs none (its file is owner-only). Answers never hold an API key: busiest() shows
-fingerprints.
+socket needs none (its file is owner-only); on Linux the client asks the kernel which user
+serves it (SO_PEERCRED) and talks only to a daemon run as daemon_uid= (by default this
+process's user), so that another user listening at that path first is refused
+(BourseError "unauthorized", naming its uid), never sent a key. Answers never hold an API
+key: busiest() shows fingerprints.
 
 Keys are (exchange, credential, axis): credential None is the exchange's public pool, axis
 defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},
@@ -57,6 +60,7 @@ import json
 import os
 import re
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -145,7 +149,7 @@ class BourseClient:
     """One connection to a bourse_daemon server (TCP (host, port) or a Unix socket path)."""
 
     def __init__(self, address: Address, timeout: Optional[float] = 30.0,
-                 secret: Optional[bytes] = None):
+                 secret: Optional[bytes] = None, daemon_uid: Optional[int] = None):
         if isinstance(address, str):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -155,7 +159,9 @@ class BourseClient:
             self._sock.connect(address)
             if not isinstance(address, str):
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
+            elif hasattr(socket, "SO_PEERCRED"):
+                self._served_by(address, os.geteuid() if daemon_uid is None else daemon_uid)
+        except (OSError, BourseError):
             self._sock.close()
             raise
         self._timeout = timeout
@@ -190,6 +196,17 @@ class BourseClient:
             raise BourseError("unauthorized", "the peer did not ask for the shared secret, as "
                                               "every bourse_daemon serving TCP does: another "
                                               "program may be listening there")
+
+    def _served_by(self, path: str, uid: int) -> None:
+        """The user listening at the socket (pid, uid, gid: SO_PEERCRED) must be the daemon's."""
+        credentials = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("iII"))
+        _pid, peer, _gid = struct.unpack("iII", credentials)
+        if peer != uid:
+            raise BourseError("unauthorized", f"{path} is served by user {peer}, not the "
+                                              f"daemon's user {uid}: another user may be "
+                                              f"listening there (pass daemon_uid={peer} if it "
+                                              f"is the daemon)")
 
     def _prove(self, auth: dict, secret: Optional[bytes]) -> None:
         """Proves the secret (the HMAC-SHA256 of the hello's nonce), and has the daemon prove

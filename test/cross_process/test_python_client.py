@@ -380,6 +380,36 @@ class ImpostorTest(unittest.TestCase):
             hello["auth"] = {"scheme": "hmac-sha256", "nonce": nonce}
         connection.sendall(json.dumps(hello).encode() + b"\n")
 
+    def test_a_unix_socket_served_by_another_user_is_refused_and_sent_nothing(self):
+        path = os.path.join(tempfile.mkdtemp(), "impostor.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        self.addCleanup(listener.close)
+        received = []
+
+        def accept():
+            connection, _ = listener.accept()
+            connection.settimeout(2)
+            received.append(connection.recv(1000))
+            connection.close()
+        thread = threading.Thread(target=accept)
+        thread.start()
+        # This process listens: a client told the daemon runs as another user refuses it.
+        other = os.geteuid() + 1
+        with self.assertRaises(BourseError) as raised:
+            BourseClient(path, timeout=2, daemon_uid=other)
+        thread.join()
+        self.assertEqual(raised.exception.type, "unauthorized")
+        self.assertIn(f"served by user {os.geteuid()}, not the daemon's user {other}",
+                      raised.exception.message)
+        self.assertEqual(received, [b""])
+        # Told its own user, the same client is served by a real daemon.
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        with BourseClient(daemon.socket, daemon_uid=os.geteuid()) as unix:
+            self.assertEqual(unix.hello()["protocol"], 1)
+
     def test_a_tcp_peer_that_asks_no_secret_is_refused(self):
         address = self.serve(lambda connection: self.impostor_hello(connection, auth=False))
         with self.assertRaises(BourseError) as raised:

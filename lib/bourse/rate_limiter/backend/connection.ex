@@ -78,7 +78,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @type target ::
           {:port, Path.t(), [String.t()]}
           | {:socket, {:tcp, :inet.ip_address() | charlist(), :inet.port_number()}}
-          | {:socket, {:unix, Path.t()}}
+          | {:socket, {:unix, Path.t(), non_neg_integer() | nil}}
 
   @protocol_version 1
   @first_backoff_ms 50

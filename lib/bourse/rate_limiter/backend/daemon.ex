@@ -14,14 +14,19 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   addresses and Unix sockets are accepted unless the backend is given as
   `{:daemon, address, allow_remote: true}` (then host names are accepted too). Other
   options of that form: `timeout: ms`, how long a call waits for its answer (default
-  #{5_000}, at most a day), and `secret_file: path`.
+  #{5_000}, at most a day), `secret_file: path`, and `daemon_uid: uid`, the user a
+  daemon at a Unix socket runs as (default: this program's user).
 
   ## Access
 
   A Unix socket is owner-only (the daemon's `--socket-mode 660` lets its group in too).
-  The client takes whatever listens at the socket's path for the daemon: keep the socket
-  in a directory that only the daemon's user may write (`/run/bourse/`, say), never in a
-  shared one such as `/tmp`, where another user could listen at that path first.
+  On Linux the client asks the kernel which user listens at the socket (`SO_PEERCRED`)
+  and talks only to a daemon run as `daemon_uid:` (by default its own user): another
+  user listening at that path first is refused (`:unavailable`, naming that user's uid),
+  never sent a key. Give `daemon_uid:` when the daemon runs as a user of its own (a
+  service user whose group the socket lets in), and keep the socket in a directory that
+  only the daemon's user may write (`/run/bourse/`, say). Elsewhere the client takes
+  whatever listens at the path for the daemon.
   Over TCP the daemon serves nothing but `hello` until the client proves the shared
   secret it was started with: the HMAC-SHA256 of a nonce from the daemon's hello; the
   daemon then proves it in turn, over a challenge of the client's, so that a program
@@ -67,9 +72,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   alias Bourse.RateLimiter.Options
 
   @default_timeout 5_000
-  @options [:allow_remote, :timeout, :secret_file]
+  @options [:allow_remote, :timeout, :secret_file, :daemon_uid]
   # A socket address holds 108 bytes of path, the last one its NUL (sockaddr_un).
   @max_unix_path_bytes 107
+  # uid_t is 32 bits; its largest value means "no user".
+  @max_uid 4_294_967_294
 
   @typedoc "Where the daemon listens."
   @type address ::
@@ -128,7 +135,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
          {:ok, allow_remote} <- allow_remote(opts),
          {:ok, timeout} <- timeout(opts),
          {:ok, secret_file} <- secret_file(opts),
-         {:ok, address} <- address(address, allow_remote) do
+         {:ok, uid} <- daemon_uid(opts),
+         {:ok, address} <- address(address, allow_remote, uid) do
       {:ok, [address: address, timeout: timeout] ++ secret_file}
     end
   end
@@ -162,6 +170,32 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       :error -> {:ok, []}
       {:ok, path} when is_binary(path) and path != "" -> {:ok, secret_file: path}
       {:ok, other} -> {:error, "secret_file must be a path, got #{Error.describe(other)}"}
+    end
+  end
+
+  # Linux alone names the user at the other end of a Unix socket (SO_PEERCRED).
+  defp daemon_uid(opts) do
+    case Keyword.fetch(opts, :daemon_uid) do
+      :error -> {:ok, own_uid()}
+      {:ok, uid} when uid in 0..@max_uid -> {:ok, uid}
+      {:ok, other} -> {:error, "daemon_uid must be a user id, got #{Error.describe(other)}"}
+    end
+  end
+
+  # This program's effective user id, on Linux; `nil` elsewhere (nothing is checked).
+  defp own_uid do
+    with {:ok, status} <- File.read("/proc/self/status"),
+         [_real, effective] <- Regex.run(~r/^Uid:\s+\d+\s+(\d+)/m, status) do
+      String.to_integer(effective)
+    else
+      _ -> nil
+    end
+  end
+
+  defp address(address, allow_remote, uid) do
+    case address(address, allow_remote) do
+      {:ok, {:unix, path}} -> {:ok, {:unix, path, uid}}
+      other -> other
     end
   end
 

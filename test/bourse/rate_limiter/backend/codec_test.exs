@@ -94,7 +94,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     daemon = DaemonServer.start(args)
     on_exit(fn -> DaemonServer.stop(daemon) end)
     settings = %{assume_busy: false, env: [], secret: DaemonServer.secret(), timeout: 1_000}
-    unix = {:socket, {:unix, daemon.unix}}
+    unix = {:socket, {:unix, daemon.unix, nil}}
     assert {:ok, first, _hello} = SocketStream.open(unix, settings)
 
     # A Unix socket is refused before it says anything: a JSON line.

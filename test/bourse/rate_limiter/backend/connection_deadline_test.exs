@@ -34,7 +34,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
       timeout = unquote(timeout)
 
       {:ok, handle} =
-        Connection.attach(nil, {:socket, {:unix, silent_daemon()}}, timeout: timeout)
+        Connection.attach(nil, {:socket, {:unix, silent_daemon(), nil}}, timeout: timeout)
 
       early =
         for _ <- 1..40 do

@@ -32,7 +32,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
 
   test "an answer announced as 4 GiB breaks the stream at once instead of being buffered" do
     path = fake_daemon(0xFFFFFFFF, 256)
-    {:ok, handle} = Connection.attach(nil, {:socket, {:unix, path}}, timeout: 10_000)
+    {:ok, handle} = Connection.attach(nil, {:socket, {:unix, path, nil}}, timeout: 10_000)
 
     assert {:error, %Error{type: :unavailable, message: message}} =
              Connection.request(handle, @check)

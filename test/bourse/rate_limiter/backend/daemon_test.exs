@@ -18,13 +18,15 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   describe "addresses" do
     test "loopback addresses and Unix sockets; others only when allowed" do
+      uid = own_uid()
+
       for {address, parsed} <- [
             {"127.0.0.1:7878", {:tcp, {127, 0, 0, 1}, 7878}},
             {"127.1.2.3:1", {:tcp, {127, 1, 2, 3}, 1}},
             {"[::1]:7878", {:tcp, {0, 0, 0, 0, 0, 0, 0, 1}, 7878}},
             {"localhost:65535", {:tcp, {127, 0, 0, 1}, 65_535}},
             {{{127, 0, 0, 1}, 7878}, {:tcp, {127, 0, 0, 1}, 7878}},
-            {{:unix, "/run/bourse.sock"}, {:unix, "/run/bourse.sock"}}
+            {{:unix, "/run/bourse.sock"}, {:unix, "/run/bourse.sock", uid}}
           ] do
         assert {:ok, address: ^parsed, timeout: 5_000} = Daemon.options(address, [])
       end
@@ -56,7 +58,12 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
       end
 
       longest = "/" <> String.duplicate("a", 106)
-      assert {:ok, address: {:unix, ^longest}, timeout: _} = Daemon.options({:unix, longest}, [])
+
+      assert {:ok, address: {:unix, ^longest, ^uid}, timeout: _} =
+               Daemon.options({:unix, longest}, [])
+
+      assert {:ok, address: {:unix, "/s", 0}, timeout: _} =
+               Daemon.options({:unix, "/s"}, daemon_uid: 0)
     end
 
     test "start_link refuses a bad daemon backend with :invalid_parameters" do
@@ -71,6 +78,9 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
             {:daemon, "127.0.0.1:7878", timeout: 4_294_967_295},
             {:daemon, "127.0.0.1:7878", timeout: 10 ** 20},
             {:daemon, "127.0.0.1:7878", allow_remote: :yes},
+            {:daemon, {:unix, "/s"}, daemon_uid: -1},
+            {:daemon, {:unix, "/s"}, daemon_uid: 4_294_967_295},
+            {:daemon, {:unix, "/s"}, daemon_uid: "0"},
             {:daemon, "127.0.0.1:7878", [:timeout]},
             {:daemon, "127.0.0.1:7878", [], :extra}
           ] do
@@ -273,7 +283,10 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
     starting =
       Task.async(fn ->
-        {:ok, pid} = RateLimiter.start_link(name: first, backend: {:daemon, address})
+        # Its handshake waits for a proof that never comes: 2 s at most.
+        {:ok, pid} =
+          RateLimiter.start_link(name: first, backend: {:daemon, address, timeout: 2_000})
+
         Process.unlink(pid)
         pid
       end)
@@ -282,7 +295,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
       capture_log(fn ->
         Process.sleep(300)
         second = start_limiter({:daemon, address, timeout: 2_000})
-        on_exit_stop(Task.await(starting))
+        on_exit_stop(Task.await(starting, 30_000))
 
         assert {:error, %Error{type: :unavailable}} =
                  RateLimiter.check_rate({"ex", "secret-api-key"}, @limit, 1, first)
@@ -457,6 +470,50 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
       assert message =~ "the daemon serves at most 1 connections (--max-connections)",
              "#{inspect(address)}: #{message}"
     end
+  end
+
+  describe "the user serving a Unix socket" do
+    test "is the daemon's: a socket served by another user is refused and sent nothing" do
+      path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+      {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
+      on_exit(fn -> File.rm(path) end)
+      test = self()
+
+      spawn_link(fn ->
+        for _ <- 1..2 do
+          {:ok, socket} = :gen_tcp.accept(listener)
+          send(test, {:received, :gen_tcp.recv(socket, 0, 1_000)})
+        end
+      end)
+
+      # This test's VM listens: a limiter told the daemon runs as another user refuses it.
+      other = own_uid() + 1
+      name = start_limiter({:daemon, {:unix, path}, daemon_uid: other, timeout: 300})
+
+      assert {:error, %Error{type: :unavailable, message: message}} =
+               RateLimiter.check_rate({"ex", "secret-api-key"}, @limit, 1, name)
+
+      assert message =~
+               "#{path} is served by user #{own_uid()}, not the daemon's user #{other}: " <>
+                 "another user may be listening there"
+
+      assert_receive {:received, {:error, :closed}}, 2_000
+      refute message =~ "secret-api-key"
+    end
+
+    test "by default, this program's user: its own daemon is served" do
+      path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+      daemon = start_daemon(["--socket", path])
+      name = start_limiter({:daemon, {:unix, daemon.unix}})
+      assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+      named = start_limiter({:daemon, {:unix, daemon.unix}, daemon_uid: own_uid()})
+      assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, named)
+    end
+  end
+
+  defp own_uid do
+    {uid, 0} = System.cmd("id", ["-u"])
+    uid |> String.trim() |> String.to_integer()
   end
 
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do

@@ -108,9 +108,34 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp connect({:unix, path}, deadline) do
-    with {:ok, socket} <- tagged(:socket.open(:local, :stream, :default), "cannot connect") do
-      socket |> connected(%{family: :local, path: path}, deadline) |> not_a_socket(path)
+  defp connect({:unix, path, uid}, deadline) do
+    with {:ok, socket} <- tagged(:socket.open(:local, :stream, :default), "cannot connect"),
+         {:ok, socket} <-
+           socket |> connected(%{family: :local, path: path}, deadline) |> not_a_socket(path) do
+      run_by(socket, path, uid)
+    end
+  end
+
+  # The user of the process listening at `path`, as Linux tells it (SO_PEERCRED: a pid,
+  # a uid and a gid), must be the daemon's: another user could listen at the path first.
+  @so_peercred 17
+  defp run_by(socket, _path, nil), do: {:ok, socket}
+
+  defp run_by(socket, path, uid) do
+    case :socket.getopt_native(socket, {:socket, @so_peercred}, 12) do
+      {:ok, <<_pid::native-32, ^uid::native-32, _gid::native-32>>} ->
+        {:ok, socket}
+
+      {:ok, <<_pid::native-32, other::native-32, _gid::native-32>>} ->
+        :socket.close(socket)
+
+        {:error,
+         "cannot connect: #{path} is served by user #{other}, not the daemon's user #{uid}: " <>
+           "another user may be listening there (give daemon_uid: #{other} if it is the daemon)"}
+
+      error ->
+        :socket.close(socket)
+        tagged(error, "cannot tell which user serves #{path}")
     end
   end
 
@@ -658,7 +683,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   def start_without_it?, do: true
 
   @impl true
-  def describe({:socket, {:unix, path}}), do: "bourse_daemon at unix:#{path}"
+  def describe({:socket, {:unix, path, _uid}}), do: "bourse_daemon at unix:#{path}"
 
   def describe({:socket, {:tcp, host, port}}) when is_tuple(host),
     do: "bourse_daemon at #{:inet.ntoa(host)}:#{port}"
