@@ -607,7 +607,7 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   Tokens currently borrowed from the bucket: `capacity - tokens` after refill, larger
-  than the capacity while in debt, `0` for an unknown key. `period` is ignored.
+  than the capacity while in debt, `0.0` for an unknown key. `period` is ignored.
   """
   @spec get_cost(key(), term(), GenServer.name()) :: number() | error()
   def get_cost(key, _period, name \\ @default),

@@ -85,6 +85,9 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`check_rate/4` and `wait_for_capacity/5` on one bucket."
   @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
+  def check_rate(_handle, owner, key, nil, cost, max_wait),
+    do: NIF.check_rate(limitless_table(), owner, key, nil, cost, max_wait)
+
   def check_rate(handle, owner, key, limit, cost, max_wait) do
     request =
       %{
@@ -103,6 +106,12 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
+    if limitless?(checks),
+      do: NIF.check_rates(limitless_table(), owner, checks, max_wait),
+      else: send_checks(handle, owner, checks, max_wait)
+  end
+
+  defp send_checks(handle, owner, checks, max_wait) do
     request =
       %{op: "check_many", checks: checks(checks), owner: Connection.owner(handle, owner)}
       |> waiting(max_wait, handle)
@@ -347,6 +356,21 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp row(_key, _info), do: :error
 
   ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
+
+  # Checks without a limit (or none) need no bucket: the core judges them in the caller, on
+  # a table of its own that they leave as it is, so that they answer whatever the state of
+  # the daemon or its store.
+  defp limitless?([]), do: true
+  defp limitless?([{_key, nil, _cost} | checks]), do: limitless?(checks)
+  defp limitless?(_checks), do: false
+
+  defp limitless_table do
+    with nil <- :persistent_term.get({__MODULE__, :limitless_table}, nil) do
+      table = Native.new_table(false, 0)
+      :persistent_term.put({__MODULE__, :limitless_table}, table)
+      table
+    end
+  end
 
   # A key tuple as the daemon's key object; anything else as its value (the daemon names
   # its shape).

@@ -1,7 +1,8 @@
 defmodule Bourse.RateLimiter.Backend.UnreachableTest do
   # Bad input while the store cannot answer (no daemon at the socket, a stopped daemon or
   # port, Redis down) is judged by the core: the NIF's :invalid_parameters error, not
-  # :unavailable. Valid input stays :unavailable (docs/CONTRACT.md §8, "Stores").
+  # :unavailable. Checks without a limit answer as the NIF does: they need no store. Other
+  # valid input stays :unavailable (docs/CONTRACT.md §8, "Stores").
   use ExUnit.Case, async: true
 
   import Bourse.BackendCase
@@ -136,8 +137,8 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
   end
 
   # Public calls on the limiter `name`, whose store does not answer, in parallel (each
-  # waits for its timeout): bad input gets what the NIF limiter `nif` answers, valid input
-  # :unavailable.
+  # waits for its timeout): bad input gets what the NIF limiter `nif` answers, checks
+  # without a limit :ok (they need no bucket), other valid input :unavailable.
   defp assert_public_calls(name, nif) do
     other = %{capacity: 5, refill_per_sec: 1}
 
@@ -150,17 +151,34 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
       fn n -> RateLimiter.pause("binance", -1, n) end
     ]
 
+    limitless = [
+      fn n -> RateLimiter.check_rate(@key, nil, 1, n) end,
+      fn n -> RateLimiter.wait_for_capacity(@key, nil, 1, n) end,
+      fn n -> RateLimiter.check_rates([{@key, nil, 1}, {{"b", :public}, nil, 2}], n) end,
+      fn n -> RateLimiter.check_rates([], n) end,
+      fn n -> RateLimiter.check_rate(@key, nil, -1, n) end,
+      fn n -> RateLimiter.check_rates([{@key, nil, 1}, {{"b", 1}, nil, 2}], n) end
+    ]
+
     good = [
       fn n -> RateLimiter.check_rate(@key, @limit, 1, n) end,
-      fn n -> RateLimiter.check_rates([{@key, @limit, 1}, {{"b", "k"}, other, 1}], n) end
+      fn n -> RateLimiter.check_rates([{@key, @limit, 1}, {{"b", "k"}, other, 1}], n) end,
+      fn n -> RateLimiter.check_rates([{@key, nil, 1}, {{"b", "k"}, other, 1}], n) end
     ]
 
     answers =
-      (bad ++ good)
+      (bad ++ limitless ++ good)
       |> Enum.map(fn call -> Task.async(fn -> call.(name) end) end)
       |> Task.await_many(30_000)
 
-    {bad_answers, good_answers} = Enum.split(answers, length(bad))
+    {bad_answers, answers} = Enum.split(answers, length(bad))
+    {limitless_answers, good_answers} = Enum.split(answers, length(limitless))
+
+    for {call, answer} <- Enum.zip(limitless, limitless_answers) do
+      assert answer == call.(nif)
+    end
+
+    assert Enum.count(limitless_answers, &(&1 == :ok)) == 4
 
     for {call, answer} <- Enum.zip(bad, bad_answers) do
       assert {:error, %Error{type: :invalid_parameters}} = want = call.(nif)
