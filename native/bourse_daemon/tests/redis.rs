@@ -1363,6 +1363,78 @@ fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     drop(silent);
 }
 
+/// A proxy to `port` on loopback whose open connections can be made to swallow everything
+/// (read and dropped, never closed), as a middlebox that lost a flow does; connections
+/// made after that are relayed.
+struct SwallowingProxy {
+    address: std::net::SocketAddr,
+    /// Bumped to make every connection open now swallow.
+    era: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SwallowingProxy {
+    fn to(port: u16) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let era = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let eras = Arc::clone(&era);
+        thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else {
+                    continue;
+                };
+                let born = eras.load(Ordering::SeqCst);
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    let eras = Arc::clone(&eras);
+                    thread::spawn(move || {
+                        let mut buffer = [0u8; 16 * 1024];
+                        while let Ok(read) = from.read(&mut buffer) {
+                            if read == 0 {
+                                break;
+                            }
+                            if eras.load(Ordering::SeqCst) == born
+                                && to.write_all(&buffer[..read]).is_err()
+                            {
+                                break;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self { address, era }
+    }
+
+    fn swallow_open_connections(&self) {
+        self.era.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A connection to one Redis server that goes silent while Redis stays healthy (new
+/// connections are answered) is replaced: calls work again within a few timeouts.
+#[test]
+fn a_silent_connection_to_a_healthy_redis_is_opened_again() {
+    let Some(redis) = Redis::start() else { return };
+    let proxy = SwallowingProxy::to(redis.port);
+    let url = format!("redis://{}", proxy.address);
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "300"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let k = key("silent", None);
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    proxy.swallow_open_connections();
+    let answer = t.call(check(&k, limit.clone(), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    let started = Instant::now();
+    eventually("a check admitted again", || {
+        t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted"
+    });
+    eprintln!("answered again after {:?}", started.elapsed());
+}
+
 /// Another server at the Redis address (HTTP here): the error says so, and where.
 #[test]
 fn another_server_at_the_redis_address_is_named_as_such() {
@@ -1823,9 +1895,15 @@ impl ClockShift {
         Self { library, offset }
     }
 
-    /// Moves Redis's wall clock to `us` µs from the real one.
+    /// Moves Redis's wall clock to `us` µs from the real one. Written in place: Redis maps
+    /// the file, and reading it while truncated would kill Redis (`SIGBUS`).
     fn set(&self, us: i64) {
-        std::fs::write(&self.offset, us.to_ne_bytes()).unwrap();
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.offset)
+            .unwrap();
+        file.write_all_at(&us.to_ne_bytes(), 0).unwrap();
     }
 }
 
@@ -1981,7 +2059,8 @@ fn a_refund_after_the_redis_clock_was_set_back_gives_nothing_to_a_bucket_made_an
         let k = key("clock", Some(case));
         let (relay, _server, _t) = late_check(&redis, &k, 100.0, 50.0);
         clock.set(-3_000_000);
-        assert_eq!(direct.call(json!({"op": "reset", "key": k}))["ok"], true);
+        let reset = direct.call(json!({"op": "reset", "key": k}));
+        assert_eq!(reset["ok"], true, "{reset}");
         let made_anew = direct.call(check(&k, slow.clone(), 45.0));
         assert_eq!(made_anew["result"], "admitted");
         // Past the late check's payment again, the new bucket pays once more.

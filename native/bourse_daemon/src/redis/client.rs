@@ -431,7 +431,17 @@ impl Client {
         within: Duration,
         call: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
-        let answer = tokio::time::timeout(within, call).await;
+        let call = tokio::time::timeout(within, call);
+        tokio::pin!(call);
+        // No answer by the timeout, though the call may wait longer (a late answer's window):
+        // the connection may have gone silent.
+        let answer = match tokio::time::timeout(self.timeout, &mut call).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                self.link.unanswered();
+                call.await
+            }
+        };
         match &answer {
             Ok(Ok(_)) => self.link.answered(),
             Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(),

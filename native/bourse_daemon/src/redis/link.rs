@@ -1,14 +1,16 @@
-//! The connection to Redis, opened again when a cluster's stops answering.
+//! The connection to Redis, opened again when it stops answering.
 //!
-//! The cluster client of the `redis` crate can stop sending anything after its connections
-//! were cut under load (`CLIENT KILL`, a master killed): every later call then waits for
-//! its timeout, for good, though the cluster is healthy. So when a call gets no answer
-//! within the timeout and nothing else was answered for a whole timeout either, a
-//! cluster's connection is opened again (at most once per timeout), in the background: it
-//! replaces the old one once it has answered a `PING` within the timeout, and is dropped
-//! otherwise. A new connection cannot be set up while a master is silent (stopped, say),
-//! so the old one, which still serves the other masters, is kept meanwhile. One server's
-//! connection reconnects by itself and is kept.
+//! A connection can go silent for good while Redis is healthy: the cluster client of the
+//! `redis` crate can stop sending anything after its connections were cut under load
+//! (`CLIENT KILL`, a master killed), and one server's connection reconnects only on an
+//! error, not when a middlebox that lost the flow swallows everything and never closes it.
+//! Every later call would then wait for its timeout. So when a call gets no answer within
+//! the timeout and nothing else was answered for a whole timeout either, the connection is
+//! opened again (at most once per timeout), in the background: it replaces the old one
+//! once it has answered a `PING` within the timeout, and is dropped otherwise. A new
+//! connection cannot be set up while Redis (or a cluster's master) is silent, stopped say,
+//! so the old one, which may still serve the other masters, is kept meanwhile; calls sent
+//! on it still get their late answers.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -56,13 +58,13 @@ impl Link {
         self.answered.fetch_max(self.now_ms(), Ordering::Relaxed);
     }
 
-    /// A call got no answer within the timeout: opens a cluster's connection again when
-    /// nothing was answered for a whole timeout.
+    /// A call got no answer within the timeout: opens the connection again when nothing
+    /// was answered for a whole timeout.
     pub fn unanswered(&self) {
         let last = self.answered.load(Ordering::Relaxed);
         let now = self.now_ms();
         let silent = now.saturating_sub(last) >= self.timeout.as_millis() as u64;
-        if !silent || !self.connection().is_cluster() {
+        if !silent {
             return;
         }
         // One caller opens it; the others see the new time.
