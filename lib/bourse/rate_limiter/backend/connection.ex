@@ -231,6 +231,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       {^reply_to, answer} -> answer
     after
       max(deadline - System.monotonic_time(:millisecond), 0) ->
+        send(handle.pid, :unanswered)
         give_up(handle, id, reply_to, did_not_answer(handle))
     end
   end
@@ -323,6 +324,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       connected_before: false,
       limiter: limiter,
       orphan_timer: nil,
+      silence_probe: nil,
       clock_offset_us: nil,
       env: Keyword.get(secrets, :env, []),
       secret: Keyword.get(secrets, :secret)
@@ -423,10 +425,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # The daemon closes connections idle for longer than its idle timeout. The hello is written
   # with the callers' frames, and dropped as theirs are when the stream is busy (a stream too
   # busy to take it is not idle).
-  def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state) do
-    hello = encode(0, %{op: "hello"})
-    frame = {0, PortStream.frame(hello, byte_size(hello))}
-    {:noreply, keepalive(write_pending(%{state | pending: [frame | state.pending]}), idle_ms)}
+  def handle_info({:keepalive, stream, idle_ms}, %{stream: stream} = state),
+    do: {:noreply, state |> write_hello() |> keepalive(idle_ms)}
+
+  # A caller got no answer within its timeout. A connection to a daemon's socket may have
+  # gone silent for good (a proxy or firewall that lost the flow and never closes it): a
+  # hello goes out, and if the connection reads no answer within a timeout (at least 1 s)
+  # either, it is made again. (A port's daemon is watched by its port.)
+  def handle_info(
+        :unanswered,
+        %{stream: stream, target: {:socket, _}, silence_probe: nil} = state
+      )
+      when stream != nil do
+    Process.send_after(self(), {:silence_probe, stream}, silence_wait_ms(state))
+    {:noreply, write_hello(%{state | silence_probe: stream})}
+  end
+
+  def handle_info({:silence_probe, stream}, %{stream: stream, silence_probe: stream} = state) do
+    reason = "the daemon answered nothing, not even a hello, for #{silence_wait_ms(state)} ms"
+    {:noreply, reconnect(broken(%{state | silence_probe: nil}, reason))}
   end
 
   # A caller's frame that the socket took in part: the rest goes first.
@@ -627,8 +644,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp incoming([], state), do: {:noreply, state}
 
+  # Any answer shows the connection is not silent.
   defp incoming([answer | answers], state) do
-    case answered(state, answer) do
+    case answered(%{state | silence_probe: nil}, answer) do
       {:ok, state} -> incoming(answers, state)
       {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
     end
@@ -750,7 +768,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         do: send(reply_to, {reply_to, error})
 
     if is_reference(state.retry_timer), do: Process.cancel_timer(state.retry_timer)
-    %{state | stream: nil, partial: [], pending: [], unsent: nil, retry_timer: nil}
+
+    %{
+      state
+      | stream: nil,
+        partial: [],
+        pending: [],
+        unsent: nil,
+        retry_timer: nil,
+        silence_probe: nil
+    }
   end
 
   # What callers read before they write: the stream and the daemon's frame limit, or `nil`
@@ -834,6 +861,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       {:ok, state |> connected(stream, hello) |> keepalive(hello["idle_timeout_ms"])}
     end
   end
+
+  # A hello with the callers' frames, its id 0 (callers' ids are positive); dropped as theirs
+  # are when the stream is busy.
+  defp write_hello(state) do
+    hello = encode(0, %{op: "hello"})
+    frame = {0, PortStream.frame(hello, byte_size(hello))}
+    write_pending(%{state | pending: [frame | state.pending]})
+  end
+
+  defp silence_wait_ms(state), do: max(state.timeout, 1_000)
 
   # A hello every third of the daemon's idle timeout keeps a quiet connection open.
   defp keepalive(state, idle_ms) when is_integer(idle_ms) and idle_ms > 0 do

@@ -17,15 +17,22 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
   }
 
   # Answers the hello as a daemon on this VM's monotonic clock would, then tells the test
-  # the deadline of every request it reads, and answers none.
+  # the deadline of every request it reads, and answers none (but the connection's hellos,
+  # which show it is not silent).
   defp silent_daemon do
     test = self()
     FakeDaemon.start("bourse-silent", &read_requests(&1, test))
   end
 
   defp read_requests(socket, test) do
-    %{deadline_us: deadline_us, timeout_ms: timeout_ms} = FakeDaemon.request(socket)
-    send(test, {:deadline, deadline_us, timeout_ms})
+    case FakeDaemon.request(socket) do
+      %{op: "hello"} ->
+        :ok = :gen_tcp.send(socket, FakeDaemon.hello(nil))
+
+      %{deadline_us: deadline_us, timeout_ms: timeout_ms} ->
+        send(test, {:deadline, deadline_us, timeout_ms})
+    end
+
     read_requests(socket, test)
   end
 

@@ -516,6 +516,53 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     uid |> String.trim() |> String.to_integer()
   end
 
+  test "a connection that goes silent (a proxy that lost the flow) is made again" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    [_, daemon_port] = String.split(daemon.tcp, ":")
+    {proxy_port, swallow} = swallowing_proxy(String.to_integer(daemon_port))
+    name = start_limiter({:daemon, "127.0.0.1:#{proxy_port}", timeout: 300})
+    assert :ok = RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name)
+
+    swallow.()
+
+    assert {:error, %Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name)
+
+    assert message =~ "did not answer within 300 ms"
+    # No answer to a hello either, for a second: the connection is made again.
+    eventually(fn -> RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name) == :ok end, 10_000)
+  end
+
+  # A TCP proxy to `port`: `{its port, swallow}`; after `swallow.()`, the connections open
+  # then swallow everything both ways and are never closed, and new ones are relayed.
+  defp swallowing_proxy(port) do
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])
+    {:ok, proxy_port} = :inet.port(listener)
+    era = :atomics.new(1, [])
+    spawn_link(fn -> relay_each(listener, port, era) end)
+    {proxy_port, fn -> :atomics.add(era, 1, 1) end}
+  end
+
+  defp relay_each(listener, port, era) do
+    {:ok, client} = :gen_tcp.accept(listener)
+    {:ok, server} = :gen_tcp.connect({127, 0, 0, 1}, port, [:binary, active: false])
+    born = :atomics.get(era, 1)
+
+    for {from, to} <- [{client, server}, {server, client}] do
+      relay = spawn_link(fn -> relay(from, to, era, born) end)
+      :ok = :gen_tcp.controlling_process(from, relay)
+    end
+
+    relay_each(listener, port, era)
+  end
+
+  defp relay(from, to, era, born) do
+    with {:ok, data} <- :gen_tcp.recv(from, 0) do
+      if :atomics.get(era, 1) == born, do: :gen_tcp.send(to, data)
+      relay(from, to, era, born)
+    end
+  end
+
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
     {daemon, name} = start_connected_daemon(timeout: 200)
 
