@@ -53,6 +53,12 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     assert PortStream.open({:port, missing, []}, settings) ==
              {:error, "cannot run #{missing}: no such file or directory"}
 
+    # Trying again and again (a port restarted while its binary is gone) leaks no file.
+    fds = fn -> length(File.ls!("/proc/self/fd")) end
+    before = fds.()
+    for _ <- 1..20, do: {:error, _} = PortStream.open({:port, missing, []}, settings)
+    assert fds.() - before < 5
+
     # Executable, but no program: the kernel refuses to run it.
     garbage = Path.join(System.tmp_dir!(), "bourse-garbage-#{System.unique_integer([:positive])}")
     on_exit(fn -> File.rm(garbage) end)

@@ -79,7 +79,15 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
 
   # Only the spawn's own failure (no such file, not executable) is the binary's. Its stdin
   # and stdout become the socket: their end is no end of the port.
+  # An executable that is not there is not spawned: the VM leaks a file per such spawn.
   defp spawn_daemon(executable, flags, env) do
+    case :file.read_file_info(executable) do
+      {:ok, _info} -> open_port(executable, flags, env)
+      {:error, reason} -> {:error, cannot_run(executable, reason)}
+    end
+  end
+
+  defp open_port(executable, flags, env) do
     {:ok,
      Port.open({:spawn_executable, executable}, [
        :stream,
@@ -91,9 +99,11 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
        env: env
      ])}
   rescue
-    error in ErlangError ->
-      {:error, "cannot run #{executable}: #{:file.format_error(error.original)}"}
+    error in ErlangError -> {:error, cannot_run(executable, error.original)}
   end
+
+  defp cannot_run(executable, reason),
+    do: "cannot run #{executable}: #{:file.format_error(reason)}"
 
   # The daemon connects at once, or exits.
   defp accept(listener, port, executable) do
