@@ -1435,6 +1435,52 @@ fn a_silent_connection_to_a_healthy_redis_is_opened_again() {
     eprintln!("answered again after {:?}", started.elapsed());
 }
 
+/// A Redis that starts asking for a password: the error says so, not only what Redis
+/// answers an unauthenticated script call ("Protocol error: unauthenticated multibulk
+/// length"), and names no password.
+#[test]
+fn a_redis_that_asks_for_a_password_is_named_as_such() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
+    let mut t = server.connect();
+    let limit = json!({"requests": 5});
+    let k = key("auth", None);
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let mut admin = redis.connection().unwrap();
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("sesame")
+        .query(&mut admin)
+        .unwrap();
+    let _: () = ::redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(&mut admin)
+        .unwrap();
+    let mut message = String::new();
+    eventually("an error that names the password", || {
+        let answer = t.call(check(&k, limit.clone(), 1.0));
+        message = answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        message.contains("asks for a password")
+    });
+    assert!(
+        message.ends_with("--redis-password-file or BOURSE_REDIS_PASSWORD"),
+        "{message}"
+    );
+    assert!(!message.contains("sesame"), "{message}");
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("")
+        .query(&mut admin)
+        .unwrap();
+}
+
 /// Another server at the Redis address (HTTP here): the error says so, and where.
 #[test]
 fn another_server_at_the_redis_address_is_named_as_such() {

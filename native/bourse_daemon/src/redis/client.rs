@@ -466,10 +466,23 @@ impl Client {
                      is a Redis server listening there?"
                 )))
             }
+            Ok(Err(error)) if unauthenticated(&error) => Err(self.unavailable(format_args!(
+                "it asks for a password ({}): give it in the Redis URL \
+                 (redis://:PASSWORD@host:port), --redis-password-file or BOURSE_REDIS_PASSWORD",
+                error.to_string().lines().next().unwrap_or_default()
+            ))),
             Ok(Err(error)) => Err(self.unavailable(error)),
             Err(_) => Err(self.no_answer()),
         }
     }
+}
+
+/// Whether Redis refused a call for want of a password: `NOAUTH`, or its protocol error
+/// for a long command from a client that has not authenticated (Redis 7).
+fn unauthenticated(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::AuthenticationFailed
+        || error.code() == Some("NOAUTH")
+        || error.to_string().contains("unauthenticated")
 }
 
 /// What a call that Redis ran past its deadline is told.
