@@ -226,6 +226,15 @@ impl Buckets {
         }
     }
 
+    /// Takes every bucket and table, to be freed after the lock; a pass running starts
+    /// again (on nothing, or on buckets inserted since).
+    pub fn take_all(&mut self) -> Buckets {
+        let moves = self.moves + 1;
+        let all = std::mem::take(self);
+        self.moves = moves;
+        all
+    }
+
     /// Hands the emptied old table over to be freed.
     fn empty_old(&mut self) {
         let old = std::mem::take(&mut self.old);
@@ -318,12 +327,14 @@ impl Buckets {
                 }
                 pass.cursor += 1;
             }
-            pass.visited = pass.cursor == slots;
+            pass.visited = pass.cursor >= slots;
             return Step::Next;
         }
         if self.table.is_empty() && self.table.allocation_size() > 0 {
             let table = std::mem::take(&mut self.table);
             self.emptied.push(table);
+            // Another pass's cursor is past the slots this one has.
+            self.moves += 1;
         } else if !pass.asked && self.next == Next::Unneeded && self.sparse() {
             // Moved into a table about half full, or of the least capacity if larger: it
             // shrinks at most 32-fold per pass.
@@ -577,6 +588,64 @@ mod tests {
                 "round {round}: {missed} of {held} buckets not visited"
             );
         }
+    }
+
+    /// Steps `pass` to its end, giving tables asked for between steps; the hashes it
+    /// visited after its last restart. Panics past `most` steps.
+    fn finish(buckets: &mut Buckets, pass: &mut Pass, most: usize) -> Vec<u64> {
+        let mut visited = Vec::new();
+        for _ in 0..most {
+            let step = buckets.retain_step(pass, |b| {
+                visited.push(b.hash);
+                true
+            });
+            give_wanted(buckets);
+            match step {
+                Step::Restart => visited.clear(),
+                Step::Done => return visited,
+                Step::Next => {}
+            }
+        }
+        panic!("a pass still running after {most} steps");
+    }
+
+    #[test]
+    fn a_pass_ends_when_another_empties_its_shard_and_frees_the_table() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut buckets = Buckets::default();
+        for i in 0..2_000 {
+            buckets.insert(bucket(&hasher, i));
+            give_wanted(&mut buckets);
+        }
+        let mut paused = Pass::default();
+        buckets.retain_step(&mut paused, |_| true);
+        // Another pass drops every bucket, and hands the empty table over to be freed.
+        let mut emptying = Pass::default();
+        while buckets.retain_step(&mut emptying, |_| false) != Step::Done {}
+        assert_eq!(buckets.table.allocation_size(), 0);
+        assert!(finish(&mut buckets, &mut paused, 10).is_empty());
+    }
+
+    #[test]
+    fn a_pass_across_taking_every_bucket_visits_none_twice() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut buckets = Buckets::default();
+        let fill = |buckets: &mut Buckets| {
+            for i in 0..2_000 {
+                buckets.insert(bucket(&hasher, i));
+                give_wanted(buckets);
+            }
+        };
+        fill(&mut buckets);
+        let mut paused = Pass::default();
+        buckets.retain_step(&mut paused, |_| true);
+        drop(buckets.take_all());
+        // The same buckets again, grown through as many tables as before.
+        fill(&mut buckets);
+        let visited = finish(&mut buckets, &mut paused, 1_000);
+        let distinct: std::collections::HashSet<_> = visited.iter().collect();
+        assert_eq!(distinct.len(), visited.len(), "a bucket visited twice");
+        assert_eq!(visited.len(), 2_000);
     }
 
     /// What a pass did: its steps, and the most buckets dropped and allocations made by

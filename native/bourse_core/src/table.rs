@@ -575,7 +575,7 @@ impl<C: Clock> Table<C> {
     /// is released.
     pub fn reset_all(&self) {
         for shard in self.shards.iter() {
-            let buckets = std::mem::take(&mut shard.0.lock().buckets);
+            let buckets = shard.0.lock().buckets.take_all();
             drop(buckets);
         }
         // Freed after the lock is let go.

@@ -135,3 +135,35 @@ impl Drop for Stop<'_> {
         self.0.store(true, Ordering::SeqCst);
     }
 }
+
+/// A walk whose shard another walk empties (and frees its table) ends: `busiest` and
+/// `stats` beside `reset_exchange` on a table that nothing else writes.
+#[test]
+fn walks_beside_a_reset_that_empties_their_shards_end() {
+    let table = std::sync::Arc::new(Table::with_clock(Config::default(), ManualClock::new()));
+    for round in 0..10 {
+        for i in 0..100_000 {
+            check(&table, b"kraken", &format!("k-{round}-{i}"));
+        }
+        let start = std::sync::Arc::new(Barrier::new(3));
+        let (done, walks) = std::sync::mpsc::channel();
+        for walk in 0..3 {
+            let (table, start, done) = (table.clone(), start.clone(), done.clone());
+            // Detached: a walk that never ends fails the test instead of holding it.
+            std::thread::spawn(move || {
+                start.wait();
+                match walk {
+                    0 => table.reset_exchange(b"kraken"),
+                    1 => drop(table.busiest(10)),
+                    _ => drop(table.stats()),
+                }
+                let _ = done.send(walk);
+            });
+        }
+        for _ in 0..3 {
+            walks
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("round {round}: a walk still running after 60 s"));
+        }
+    }
+}
