@@ -179,26 +179,38 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   # Linux alone names the user at the other end of a Unix socket (SO_PEERCRED).
   defp daemon_uid(opts) do
     case Keyword.fetch(opts, :daemon_uid) do
-      :error -> {:ok, own_uid()}
+      :error -> {:ok, :own}
       {:ok, uid} when uid in 0..@max_uid -> {:ok, uid}
       {:ok, other} -> {:error, "daemon_uid must be a user id, got #{Error.describe(other)}"}
     end
   end
 
-  # This program's effective user id, on Linux; `nil` elsewhere (nothing is checked).
-  defp own_uid do
-    with {:ok, status} <- File.read("/proc/self/status"),
-         [_real, effective] <- Regex.run(~r/^Uid:\s+\d+\s+(\d+)/m, status) do
-      String.to_integer(effective)
+  # This program's effective user id on Linux, where the check is made; `nil` elsewhere.
+  defp own_uid({:unix, :linux}), do: uid_in_status(File.read("/proc/self/status"))
+  defp own_uid(_os), do: {:ok, nil}
+
+  @doc false
+  # The effective user id in a read of /proc/self/status, or why there is none: then no
+  # daemon is believed, rather than any.
+  @spec uid_in_status({:ok, binary()} | {:error, term()}) ::
+          {:ok, non_neg_integer()} | {:error, String.t()}
+  def uid_in_status(read) do
+    with {:ok, status} <- read,
+         [_line, effective] <- Regex.run(~r/^Uid:\s+\d+\s+(\d+)/m, status) do
+      {:ok, String.to_integer(effective)}
     else
-      _ -> nil
+      _ ->
+        {:error,
+         "cannot read this program's user id from /proc/self/status, to check the " <>
+           "daemon's: give daemon_uid:"}
     end
   end
 
+  # A Unix socket's address with the daemon's user (`:own`: this program's).
   defp address(address, allow_remote, uid) do
-    case address(address, allow_remote) do
-      {:ok, {:unix, path}} -> {:ok, {:unix, path, uid}}
-      other -> other
+    with {:ok, {:unix, path}} <- address(address, allow_remote),
+         {:ok, uid} <- if(uid == :own, do: own_uid(:os.type()), else: {:ok, uid}) do
+      {:ok, {:unix, path, uid}}
     end
   end
 

@@ -511,6 +511,16 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  test "without /proc/self/status, no daemon at a Unix socket is believed unless daemon_uid: is given" do
+    assert {:ok, 1001} =
+             Daemon.uid_in_status({:ok, "Name:\tbeam\nUid:\t1000\t1001\t1001\t1001\n"})
+
+    for unreadable <- [{:error, :enoent}, {:ok, ""}, {:ok, "Uid:\tx\n"}] do
+      assert {:error, message} = Daemon.uid_in_status(unreadable)
+      assert message =~ "give daemon_uid:"
+    end
+  end
+
   defp own_uid do
     {uid, 0} = System.cmd("id", ["-u"])
     uid |> String.trim() |> String.to_integer()

@@ -118,11 +118,10 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   # The user of the process listening at `path`, as Linux tells it (SO_PEERCRED: a pid,
   # a uid and a gid), must be the daemon's: another user could listen at the path first.
-  @so_peercred 17
   defp run_by(socket, _path, nil), do: {:ok, socket}
 
   defp run_by(socket, path, uid) do
-    case :socket.getopt_native(socket, {:socket, @so_peercred}, 12) do
+    case :socket.getopt_native(socket, {:socket, so_peercred()}, 12) do
       {:ok, <<_pid::native-32, ^uid::native-32, _gid::native-32>>} ->
         {:ok, socket}
 
@@ -152,6 +151,16 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   end
 
   defp not_a_socket(answer, _path), do: answer
+
+  # SO_PEERCRED's number on Linux: 17 on most architectures, not all.
+  defp so_peercred do
+    case :erlang.system_info(:system_architecture) do
+      ~c"powerpc" ++ _ -> 21
+      ~c"mips" ++ _ -> 18
+      ~c"sparc" ++ _ -> 0x40
+      _other -> 17
+    end
+  end
 
   defp resolve(host) when is_tuple(host), do: {:ok, host}
 
