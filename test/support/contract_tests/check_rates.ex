@@ -101,6 +101,13 @@ defmodule Bourse.ContractTests.CheckRates do
           assert_invalid(check_rate({"ex", "k"}, a, -1, name))
           assert %{invalid: counted} = stats(name)
           assert counted == before + 3
+
+          # Checks without a limit too.
+          assert_invalid(check_rate({"ex", 1}, nil, 1, name))
+          assert_invalid(check_rates([{{"ex", "k"}, nil, 1}, {{"ex", "o"}, nil, -1}], name))
+          assert :ok = check_rates([{{"ex", "k"}, nil, 1}], name)
+          assert %{invalid: counted} = stats(name)
+          assert counted == before + 5
         end
       end
     end

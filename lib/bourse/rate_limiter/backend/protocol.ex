@@ -85,10 +85,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`check_rate/4` and `wait_for_capacity/5` on one bucket."
   @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
-  def check_rate(_handle, owner, key, nil, cost, max_wait),
-    do: NIF.check_rate(limitless_table(), owner, key, nil, cost, max_wait)
-
   def check_rate(handle, owner, key, limit, cost, max_wait) do
+    with :send <- limitless(limit == nil, :check_rate, [owner, key, limit, cost, max_wait]) do
+      send_check(handle, owner, key, limit, cost, max_wait)
+    end
+  end
+
+  defp send_check(handle, owner, key, limit, cost, max_wait) do
     request =
       %{
         op: "check",
@@ -106,9 +109,9 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
-    if limitless?(checks),
-      do: NIF.check_rates(limitless_table(), owner, checks, max_wait),
-      else: send_checks(handle, owner, checks, max_wait)
+    with :send <- limitless(limitless?(checks), :check_rates, [owner, checks, max_wait]) do
+      send_checks(handle, owner, checks, max_wait)
+    end
   end
 
   defp send_checks(handle, owner, checks, max_wait) do
@@ -358,8 +361,18 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   ## Requests: terms in the wire format; the daemon judges them (bourse_core's rules)
 
   # Checks without a limit (or none) need no bucket: the core judges them in the caller, on
-  # a table of its own that they leave as it is, so that they answer whatever the state of
-  # the daemon or its store.
+  # a table of its own that they leave as it is, so that they answer `:ok` whatever the
+  # state of the daemon or its store. Malformed ones go to the daemon, which counts them in
+  # its `stats.invalid` (and is judged for, when it cannot answer).
+  defp limitless(false, _callback, _args), do: :send
+
+  defp limitless(true, callback, args) do
+    case apply(NIF, callback, [limitless_table() | args]) do
+      :ok -> :ok
+      _invalid -> :send
+    end
+  end
+
   defp limitless?([]), do: true
   defp limitless?([{_key, nil, _cost} | checks]), do: limitless?(checks)
   defp limitless?(_checks), do: false
