@@ -58,20 +58,21 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
   @enforce_keys [:pid, :table, :owner_prefix, :timeout]
-  defstruct @enforce_keys ++ [booking_slack_ms: nil]
+  defstruct @enforce_keys ++ [booking_slack_ms: nil, daemon: "bourse_daemon"]
 
   @typedoc """
   A limiter's handle: the connection process and its table (the current stream, the
   requests in flight), the prefix that makes booking owners unique among every client of
-  the daemon, how long a caller waits for an answer, and the booking slack its waiters
-  name (`nil`: the daemon's own).
+  the daemon, how long a caller waits for an answer, the booking slack its waiters name
+  (`nil`: the daemon's own), and which daemon it is, for messages.
   """
   @type t :: %__MODULE__{
           pid: pid(),
           table: :ets.tid(),
           owner_prefix: String.t(),
           timeout: pos_integer(),
-          booking_slack_ms: non_neg_integer() | nil
+          booking_slack_ms: non_neg_integer() | nil,
+          daemon: String.t()
         }
 
   @typedoc "What to connect to: the daemon binary with its arguments, or a server address."
@@ -125,7 +126,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
          table: GenServer.call(pid, :table),
          owner_prefix: Keyword.get(opts, :owner_prefix, ""),
          timeout: timeout,
-         booking_slack_ms: Keyword.get(opts, :booking_slack_ms)
+         booking_slack_ms: Keyword.get(opts, :booking_slack_ms),
+         daemon: transport(target).describe(target)
        }}
     end
   end
@@ -249,7 +251,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp did_not_answer(handle),
-    do: "bourse_daemon did not answer within #{handle.timeout} ms"
+    do: "#{handle.daemon} did not answer within #{handle.timeout} ms"
 
   @doc false
   # The answer to request `id` as the caller got it: as the daemon wrote it, unless the

@@ -538,7 +538,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert {:error, %Error{type: :unavailable, message: message}} =
              RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name)
 
-    assert message =~ "did not answer within 300 ms"
+    assert message == "bourse_daemon at 127.0.0.1:#{proxy_port} did not answer within 300 ms"
     # No answer to a hello either, for a second: the connection is made again.
     eventually(fn -> RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name) == :ok end, 10_000)
   end
