@@ -19,7 +19,9 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   and exchange. Booking owners are the calling pids, rendered as strings. A call the daemon
   cannot answer (`:unavailable`) or take (a request larger than its frames) is judged by
   the core in the caller, on a scratch NIF table: malformed input gets the NIF's
-  `:invalid_parameters` error whatever the state of the daemon.
+  `:invalid_parameters` error whatever the state of the daemon. Well-formed checks that
+  need no bucket (every limit `nil`, or none) are answered `:ok` by the core in the caller,
+  without the daemon.
 
   ## Codec
 

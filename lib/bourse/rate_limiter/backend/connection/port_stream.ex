@@ -77,8 +77,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
-  # Only the spawn's own failure (no such file, not executable) is the binary's. Its stdin
-  # and stdout become the socket: their end is no end of the port.
   # An executable that is not there is not spawned: the VM leaks a file per such spawn.
   defp spawn_daemon(executable, flags, env) do
     case :file.read_file_info(executable) do
@@ -87,6 +85,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
+  # Only the spawn's own failure (no such file, not executable) is the binary's. Its stdin
+  # and stdout become the socket: their end is no end of the port.
   defp open_port(executable, flags, env) do
     {:ok,
      Port.open({:spawn_executable, executable}, [
