@@ -431,16 +431,17 @@ impl Client {
         within: Duration,
         call: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
-        let call = tokio::time::timeout(within, call);
+        let started = Instant::now();
         tokio::pin!(call);
-        // No answer by the timeout, though the call may wait longer (a late answer's window):
-        // the connection may have gone silent.
-        let answer = match tokio::time::timeout(self.timeout, &mut call).await {
-            Ok(answer) => answer,
-            Err(_) => {
+        let first = self.timeout.min(within);
+        let answer = match tokio::time::timeout(first, &mut call).await {
+            Err(_) if first < within => {
+                // No answer by the timeout, though the call may wait longer (a late
+                // answer's window): the connection may have gone silent.
                 self.link.unanswered();
-                call.await
+                tokio::time::timeout(within.saturating_sub(started.elapsed()), call).await
             }
+            answer => answer,
         };
         match &answer {
             Ok(Ok(_)) => self.link.answered(),
