@@ -169,7 +169,7 @@ impl Buckets {
             self.start_move(HashTable::with_capacity(self.move_capacity()));
         }
         self.may_want = true;
-        self.move_some();
+        self.move_old(MOVE_SLOTS, MOVE_BUCKETS);
         self.table
             .insert_unique(bucket.hash, bucket, |b| b.hash)
             .into_mut()
@@ -205,15 +205,16 @@ impl Buckets {
         self.moves += 1;
     }
 
-    /// Moves up to [`MOVE_BUCKETS`] buckets from the next [`MOVE_SLOTS`] slots of the old
-    /// table; hands it over to be freed once empty.
-    fn move_some(&mut self) {
+    /// Moves up to `most` buckets from the next `slots` slots of the old table (an insert's
+    /// share: [`MOVE_BUCKETS`] of [`MOVE_SLOTS`]; a pass's: every bucket of [`SCAN_STEP`]);
+    /// hands it over to be freed once empty.
+    fn move_old(&mut self, slots: usize, most: usize) {
         if self.old.is_empty() {
             return;
         }
-        let end = (self.old_cursor + MOVE_SLOTS).min(self.old.num_buckets());
+        let end = (self.old_cursor + slots).min(self.old.num_buckets());
         let mut moved = 0;
-        while moved < MOVE_BUCKETS && self.old_cursor < end {
+        while moved < most && self.old_cursor < end {
             if let Ok(entry) = self.old.get_bucket_entry(self.old_cursor) {
                 let bucket = entry.remove().0;
                 self.table.insert_unique(bucket.hash, bucket, |b| b.hash);
@@ -311,7 +312,7 @@ impl Buckets {
             }
         }
         if !self.old.is_empty() {
-            self.move_step();
+            self.move_old(SCAN_STEP, usize::MAX);
             return Step::Next;
         }
         if !pass.visited {
@@ -343,21 +344,6 @@ impl Buckets {
             return Step::Next;
         }
         Step::Done
-    }
-
-    /// Moves the buckets of the old table's next [`SCAN_STEP`] slots.
-    fn move_step(&mut self) {
-        let end = (self.old_cursor + SCAN_STEP).min(self.old.num_buckets());
-        while self.old_cursor < end {
-            if let Ok(entry) = self.old.get_bucket_entry(self.old_cursor) {
-                let bucket = entry.remove().0;
-                self.table.insert_unique(bucket.hash, bucket, |b| b.hash);
-            }
-            self.old_cursor += 1;
-        }
-        if self.old.is_empty() {
-            self.empty_old();
-        }
     }
 
     /// Whether the buckets fill under a quarter of the slots' capacity (and more than
