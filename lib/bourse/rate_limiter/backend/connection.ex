@@ -439,11 +439,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         %{stream: stream, target: {:socket, _}, silence_probe: nil} = state
       )
       when stream != nil do
-    Process.send_after(self(), {:silence_probe, stream}, silence_wait_ms(state))
-    {:noreply, write_hello(%{state | silence_probe: stream})}
+    probe = make_ref()
+    Process.send_after(self(), {:silence_probe, probe}, silence_wait_ms(state))
+    {:noreply, write_hello(%{state | silence_probe: probe})}
   end
 
-  def handle_info({:silence_probe, stream}, %{stream: stream, silence_probe: stream} = state) do
+  # Only the probe still unanswered counts: an earlier one's hello was answered.
+  def handle_info({:silence_probe, probe}, %{silence_probe: probe} = state) do
     reason = "the daemon answered nothing, not even a hello, for #{silence_wait_ms(state)} ms"
     {:noreply, reconnect(broken(%{state | silence_probe: nil}, reason))}
   end
