@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use common::load::{self, assert_conforms};
+use common::proxy::SwallowingProxy;
 use common::{
     borrowed, check, check_frame, eventually, key, LineClient, Server, StdioDaemon, Transport,
 };
@@ -1361,56 +1362,6 @@ fn redis_down_at_start_or_silent_gives_errors_not_hangs() {
     );
     assert_eq!(answer["error"]["message"], within.as_str());
     drop(silent);
-}
-
-/// A proxy to `port` on loopback whose open connections can be made to swallow everything
-/// (read and dropped, never closed), as a middlebox that lost a flow does; connections
-/// made after that are relayed.
-struct SwallowingProxy {
-    address: std::net::SocketAddr,
-    /// Bumped to make every connection open now swallow.
-    era: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl SwallowingProxy {
-    fn to(port: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap();
-        let era = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let eras = Arc::clone(&era);
-        thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                let born = eras.load(Ordering::SeqCst);
-                for (mut from, mut to) in [
-                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
-                    (server, client),
-                ] {
-                    let eras = Arc::clone(&eras);
-                    thread::spawn(move || {
-                        let mut buffer = [0u8; 16 * 1024];
-                        while let Ok(read) = from.read(&mut buffer) {
-                            if read == 0 {
-                                break;
-                            }
-                            if eras.load(Ordering::SeqCst) == born
-                                && to.write_all(&buffer[..read]).is_err()
-                            {
-                                break;
-                            }
-                        }
-                    });
-                }
-            }
-        });
-        Self { address, era }
-    }
-
-    fn swallow_open_connections(&self) {
-        self.era.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 /// A connection to one Redis server that goes silent while Redis stays healthy (new

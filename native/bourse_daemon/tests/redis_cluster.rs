@@ -9,14 +9,17 @@ mod cluster_support;
 mod common;
 
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use cluster_support::Cluster;
+use cluster_support::{key_slot, Cluster};
 use common::load::{assert_conforms, assert_multi_bucket_checks_atomic, count, load, Answer};
-use common::{borrowed, check, key, Server, Transport};
+use common::proxy::SwallowingProxy;
+use common::{borrowed, check, eventually, key, Server, Transport};
 
 /// A server-mode daemon on `cluster` through two of its nodes as seeds.
 fn daemon(cluster: &Cluster, extra: &[&str]) -> Server {
@@ -634,6 +637,83 @@ fn a_stopped_master_at_little_traffic_leaves_the_others_served() {
     assert_eq!(stopped["error"]["type"], "unavailable", "{stopped}");
     let refused = answers.iter().filter(|a| a["result"] != "admitted").count();
     assert_eq!(refused, 0, "{answers:?}");
+}
+
+/// One master's connection that goes silent while Redis stays healthy (a middlebox that
+/// lost the flow swallows everything and never closes it) is opened again, though the
+/// other masters go on answering all the while.
+#[test]
+fn a_silent_connection_to_one_master_is_opened_again() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let master = |exchange: &str| {
+        let tag = format!("{{{}:{exchange}}}", exchange.len());
+        cluster.master_of_slot(key_slot(tag.as_bytes()))
+    };
+    let exchanges: Vec<String> = (0..16).map(|e| format!("mute-{e}")).collect();
+    let (silent, silent_master) = (&exchanges[0], master(&exchanges[0]));
+    let other = exchanges[1..]
+        .iter()
+        .find(|exchange| master(exchange) != silent_master)
+        .expect("an exchange on another master");
+    // The master is announced at the proxy's port: clients reach it through the proxy.
+    let proxy = SwallowingProxy::to(silent_master);
+    let proxy_port = proxy.address.port();
+    let announce = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("cluster-announce-port")
+        .arg(proxy_port)
+        .clone();
+    cluster
+        .query::<()>(silent_master, &mut announce.clone())
+        .expect("the announced port set");
+    eventually(
+        "every node to announce the master at the proxy's port",
+        || {
+            let views = cluster.views();
+            views.len() == 6 && views.iter().all(|v| v.iter().any(|n| n.port == proxy_port))
+        },
+    );
+    let server = daemon(&cluster, &["--redis-timeout-ms", "300"]);
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let mut t = server.connect();
+    for exchange in [silent, other] {
+        let answer = t.call(check(&key(exchange, None), limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+
+    proxy.swallow_open_connections();
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = {
+        let (stop, mut t, k, limit) = (
+            Arc::clone(&stop),
+            server.connect(),
+            key(other, None),
+            limit.clone(),
+        );
+        thread::spawn(move || {
+            let mut refused = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let answer = t.call(check(&k, limit.clone(), 1.0));
+                if answer["result"] != "admitted" {
+                    refused.push(answer);
+                }
+            }
+            refused
+        })
+    };
+    let k = key(silent, None);
+    let answer = t.call(check(&k, limit.clone(), 1.0));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    let started = Instant::now();
+    eventually("a check on the silent master admitted again", || {
+        t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted"
+    });
+    eprintln!("answered again after {:?}", started.elapsed());
+    stop.store(true, Ordering::SeqCst);
+    let refused = busy.join().unwrap();
+    assert!(refused.is_empty(), "the other master's checks: {refused:?}");
 }
 
 /// `reset_exchange` walks only the masters of its exchange's slot: another master stopped

@@ -23,7 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::answer::{self, CheckAnswer};
 use super::clock::ServerClock;
-use super::connection::{Connection, ScanNode};
+use super::connection::{self, Connection, ScanNode};
 use super::link::Link;
 use super::script::{self, Call, Script, Sources};
 use crate::store::{LastRun, StoreError, StoreResult};
@@ -167,7 +167,7 @@ impl Client {
             None => clock.at(started + within),
         };
         let answer = self
-            .bounded_within(within, async {
+            .bounded_within(within, self.slot_of(call), async {
                 // Never closed: acquiring only waits.
                 let _turn = self.in_flight.acquire().await;
                 let deadline = self.on_redis_clock(deadline, &mut connection).await?;
@@ -195,8 +195,9 @@ impl Client {
         let started = parts.iter().map(|(sent, _, _)| *sent).min();
         let started = started.unwrap_or_else(Instant::now);
         let mut connection = self.link.connection();
+        let slot = parts.first().and_then(|(_, _, call)| self.slot_of(call));
         let answer = self
-            .bounded_within(self.answer_window(), async {
+            .bounded_within(self.answer_window(), slot, async {
                 let mut deadlines = Vec::with_capacity(parts.len());
                 for (sent, last_run, _) in parts {
                     let deadline = |clock: &ServerClock| clock.deadline(*sent, *last_run);
@@ -336,7 +337,7 @@ impl Client {
         within: Duration,
     ) -> StoreResult<T> {
         let mut connection = self.link.connection();
-        self.bounded_within(within, async {
+        self.bounded_within(within, None, async {
             match command.query_async(&mut connection).await {
                 Err(error) if lost_connection(&error) => command.query_async(&mut connection).await,
                 answer => answer,
@@ -357,7 +358,7 @@ impl Client {
             ScanNode::Server => self.command_within(command, within).await,
             node => {
                 let mut connection = self.link.connection();
-                self.bounded_within(within, connection.query_on(node, command))
+                self.bounded_within(within, None, connection.query_on(node, command))
                     .await
             }
         }
@@ -422,13 +423,22 @@ impl Client {
     ) -> StoreResult<Vec<ScanNode>> {
         let within = until.saturating_duration_since(Instant::now());
         let mut connection = self.link.connection();
-        self.bounded_within(within, connection.scan_nodes(slot))
+        self.bounded_within(within, slot, connection.scan_nodes(slot))
             .await
     }
 
+    /// The hash slot of `call`'s keys on a cluster, where one master's connection can go
+    /// silent alone (`Link`); `None` on one server.
+    fn slot_of(&self, call: &Call) -> Option<u16> {
+        self.is_cluster()
+            .then(|| connection::slot(call.first_key()))
+    }
+
+    /// `call`, a call in `slot` (`None`: without keys), answered within `within`.
     async fn bounded_within<T>(
         &self,
         within: Duration,
+        slot: Option<u16>,
         call: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
         let started = Instant::now();
@@ -438,16 +448,16 @@ impl Client {
             Err(_) if first < within => {
                 // No answer by the timeout, though the call may wait longer (a late
                 // answer's window): the connection may have gone silent.
-                self.link.unanswered();
+                self.link.unanswered(slot);
                 tokio::time::timeout(within.saturating_sub(started.elapsed()), call).await
             }
             answer => answer,
         };
         match &answer {
-            Ok(Ok(_)) => self.link.answered(),
-            Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(),
+            Ok(Ok(_)) => self.link.answered(slot),
+            Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(slot),
             Ok(Err(_)) => {}
-            Err(_) => self.link.unanswered(),
+            Err(_) => self.link.unanswered(slot),
         }
         match answer {
             Ok(Ok(value)) => Ok(value),

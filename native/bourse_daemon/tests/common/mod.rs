@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 pub mod load;
+pub mod proxy;
 
 pub const DAEMON: &str = env!("CARGO_BIN_EXE_bourse_daemon");
 
