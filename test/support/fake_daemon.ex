@@ -40,6 +40,17 @@ defmodule Bourse.FakeDaemon do
     end
   end
 
+  @doc "A check request, as a connection's callers send it."
+  @spec check() :: map()
+  def check do
+    %{
+      op: "check",
+      key: %{exchange: "x", credential: nil, axis: "k"},
+      limit: %{"capacity" => 1, "refill_per_sec" => 1},
+      cost: 1
+    }
+  end
+
   @doc "The frame of a daemon's answer to a hello, in the external term format, with `auth`."
   @spec hello(map() | nil) :: iodata()
   def hello(auth) do

@@ -9,13 +9,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
   alias Bourse.{Error, FakeDaemon}
   alias Bourse.RateLimiter.Backend.Connection
 
-  @check %{
-    op: "check",
-    key: %{exchange: "x", credential: nil, axis: "k"},
-    limit: %{"capacity" => 1, "refill_per_sec" => 1},
-    cost: 1
-  }
-
   # Answers the hello as a daemon on this VM's monotonic clock would, then tells the test
   # the deadline of every request it reads, and answers none (but the connection's hellos,
   # which show it is not silent).
@@ -45,7 +38,9 @@ defmodule Bourse.RateLimiter.Backend.ConnectionDeadlineTest do
 
       early =
         for _ <- 1..40 do
-          assert {:error, %Error{type: :unavailable}} = Connection.request(handle, @check)
+          assert {:error, %Error{type: :unavailable}} =
+                   Connection.request(handle, FakeDaemon.check())
+
           gave_up_us = System.monotonic_time(:microsecond)
           assert_receive {:deadline, deadline_us, ^timeout}, 5_000
           # Spread the calls over the millisecond.

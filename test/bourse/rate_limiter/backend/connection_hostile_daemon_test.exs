@@ -11,13 +11,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
 
   @largest 64 * 1024 * 1024
 
-  @check %{
-    op: "check",
-    key: %{exchange: "x", credential: nil, axis: "k"},
-    limit: %{"capacity" => 1, "refill_per_sec" => 1},
-    cost: 1
-  }
-
   # Answers the hello as a daemon does, then, to the first request, a frame header of
   # `size` bytes followed by `chunks` MiB of filler.
   defp fake_daemon(size, chunks) do
@@ -35,7 +28,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionHostileDaemonTest do
     {:ok, handle} = Connection.attach(nil, {:socket, {:unix, path, nil}}, timeout: 10_000)
 
     assert {:error, %Error{type: :unavailable, message: message}} =
-             Connection.request(handle, @check)
+             Connection.request(handle, FakeDaemon.check())
 
     assert message =~ "an answer of 4294967295 bytes"
     # What it holds, not what it dropped and has not collected yet: the data that arrived

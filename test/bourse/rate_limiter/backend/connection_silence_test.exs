@@ -9,13 +9,6 @@ defmodule Bourse.RateLimiter.Backend.ConnectionSilenceTest do
   alias Bourse.{Error, FakeDaemon}
   alias Bourse.RateLimiter.Backend.Connection
 
-  @check %{
-    op: "check",
-    key: %{exchange: "x", credential: nil, axis: "k"},
-    limit: %{"capacity" => 1, "refill_per_sec" => 1},
-    cost: 1
-  }
-
   # Tells the test of every connection, answers each hello 30 ms late and no check.
   defp slow_daemon do
     test = self()
@@ -46,7 +39,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionSilenceTest do
     assert_receive :connected, 5_000
     until = System.monotonic_time(:millisecond) + 2_500
 
-    Stream.repeatedly(fn -> Connection.request(handle, @check) end)
+    Stream.repeatedly(fn -> Connection.request(handle, FakeDaemon.check()) end)
     |> Stream.take_while(fn answer ->
       assert {:error, %Error{type: :unavailable}} = answer
       System.monotonic_time(:millisecond) < until
