@@ -24,11 +24,7 @@ defmodule Mix.Tasks.Bourse.DaemonTest do
   end
 
   test "the daemon stops when the task's VM is killed" do
-    socket =
-      Path.join(
-        System.tmp_dir!(),
-        "bourse_daemon_test_#{System.unique_integer([:positive])}.sock"
-      )
+    socket = Bourse.TempPath.new("bourse_daemon_test", ".sock")
 
     port =
       Port.open({:spawn_executable, System.find_executable("mix")}, [

@@ -88,7 +88,7 @@ defmodule Mix.Tasks.Bourse.TopTest do
     assert table =~ ~r/\nkraken\s+:public\s+request\s+5\s+0\.01/
 
     # The cookie read from a file, as a release keeps it: off the command line.
-    file = Path.join(System.tmp_dir!(), "bourse-top-cookie-#{System.unique_integer([:positive])}")
+    file = Bourse.TempPath.new("bourse-top-cookie")
     File.write!(file, cookie <> "\n")
     on_exit(fn -> File.rm(file) end)
     Top.run(["--node", "bourse_top_test@127.0.0.1", "--cookie-file", file, "--name", ":#{name}"])

@@ -9,7 +9,7 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
   @vars ~w(PATH CARGO_TARGET_DIR RUSTFLAGS BOURSE_NATIVE_PREBUILT_DIR)
 
   setup do
-    dir = Path.join(System.tmp_dir!(), "bourse_native_test_#{System.unique_integer([:positive])}")
+    dir = Bourse.TempPath.new("bourse_native_test")
     env = for name <- @vars, into: %{}, do: {name, System.get_env(name)}
     config = Application.get_env(:bourse, :native_prebuilt_dir)
     Mix.shell(Mix.Shell.Process)

@@ -29,8 +29,7 @@ defmodule Bourse.DependentAppTest do
   ]
 
   setup_all do
-    tmp =
-      Path.join(System.tmp_dir!(), "bourse_dependent_app_#{System.unique_integer([:positive])}")
+    tmp = Bourse.TempPath.new("bourse_dependent_app")
 
     on_exit(fn -> File.rm_rf!(tmp) end)
     app = Path.join(tmp, "dep_app")

@@ -109,7 +109,7 @@ defmodule Bourse.BackendCase do
   """
   @spec start_daemon_and_redis(String.t()) :: %{daemon: DaemonServer.t(), redis: term()}
   def start_daemon_and_redis(prefix) do
-    socket = Path.join(System.tmp_dir!(), "#{prefix}-#{System.unique_integer([:positive])}.sock")
+    socket = Bourse.TempPath.new("#{prefix}", ".sock")
 
     daemon = start_daemon(["--socket", socket, "--listen", "127.0.0.1:0"])
     redis = RedisServer.start()

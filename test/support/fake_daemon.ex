@@ -14,7 +14,7 @@ defmodule Bourse.FakeDaemon do
   """
   @spec start(String.t(), (:gen_tcp.socket() -> term())) :: Path.t()
   def start(prefix, serve) do
-    path = Path.join(System.tmp_dir!(), "#{prefix}-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("#{prefix}", ".sock")
     {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
     on_exit(fn -> File.rm(path) end)
     Task.start_link(fn -> accept(listener, serve) end)

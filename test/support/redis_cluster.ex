@@ -53,7 +53,7 @@ defmodule Bourse.RedisCluster do
   @spec start(keyword()) :: t()
   def start(opts \\ []) do
     node_timeout = Keyword.get(opts, :node_timeout_ms, 2_000)
-    dir = Path.join(System.tmp_dir!(), "bourse-cluster-#{System.unique_integer([:positive])}")
+    dir = Bourse.TempPath.new("bourse-cluster")
     File.mkdir_p!(dir)
     nodes = for _ <- 1..6, into: %{}, do: start_node(dir, node_timeout)
     ports = Map.keys(nodes)

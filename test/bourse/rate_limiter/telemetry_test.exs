@@ -52,8 +52,7 @@ defmodule Bourse.RateLimiter.TelemetryTest do
     assert Telemetry.attach_default_logger() == {:error, :telemetry_not_loaded}
 
     # Another VM, with a stand-in for the :telemetry application's API.
-    script =
-      Path.join(System.tmp_dir!(), "bourse_telemetry_#{System.unique_integer([:positive])}.exs")
+    script = Bourse.TempPath.new("bourse_telemetry", ".exs")
 
     on_exit(fn -> File.rm(script) end)
 

@@ -60,7 +60,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     assert fds.() - before < 5
 
     # Executable, but no program: the kernel refuses to run it.
-    garbage = Path.join(System.tmp_dir!(), "bourse-garbage-#{System.unique_integer([:positive])}")
+    garbage = Bourse.TempPath.new("bourse-garbage")
     on_exit(fn -> File.rm(garbage) end)
     File.write!(garbage, "garbage\n")
     File.chmod!(garbage, 0o700)
@@ -77,7 +77,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
              {:error, "#{cat} exited with status 1 before it connected"}
 
     # A program that connects and sends the JSON hello back: not a term.
-    echo = Path.join(System.tmp_dir!(), "bourse-echo-#{System.unique_integer([:positive])}")
+    echo = Bourse.TempPath.new("bourse-echo")
     on_exit(fn -> File.rm(echo) end)
 
     File.write!(echo, """
@@ -95,7 +95,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   end
 
   test "a daemon past its --max-connections: the refusal reaches the client, in its codec" do
-    socket = Path.join(System.tmp_dir!(), "bourse-codec-#{System.unique_integer([:positive])}")
+    socket = Bourse.TempPath.new("bourse-codec")
     args = ["--socket", socket, "--listen", "127.0.0.1:0", "--max-connections", "1"]
     daemon = DaemonServer.start(args)
     on_exit(fn -> DaemonServer.stop(daemon) end)

@@ -191,7 +191,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
   describe "frames handed to the connection behind a full socket" do
     @tag timeout: 120_000
     test "a stopped daemon, megabytes queued and callers handing frames over: after it resumes every answer is its caller's" do
-      socket = Path.join(System.tmp_dir!(), "races-#{System.unique_integer([:positive])}.sock")
+      socket = Bourse.TempPath.new("races", ".sock")
       daemon = start_daemon(["--socket", socket, "--max-frame-bytes", "4194304"])
       name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 10_000})
       eventually(fn -> RateLimiter.check_rate({"ex", "warm"}, @wide, 1, name) == :ok end)

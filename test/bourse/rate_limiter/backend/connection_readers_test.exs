@@ -66,7 +66,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
   end
 
   defp unix_daemon(timeout \\ 1_000, limiter_opts \\ []) do
-    path = Path.join(System.tmp_dir!(), "readers-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("readers", ".sock")
     daemon = start_daemon(["--socket", path])
 
     name =

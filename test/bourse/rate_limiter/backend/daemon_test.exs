@@ -94,7 +94,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   end
 
   test "a Unix socket" do
-    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("bourse", ".sock")
     daemon = start_daemon(["--socket", path])
     name = start_limiter({:daemon, {:unix, daemon.unix}})
     # Nothing refills while the test runs, however slow the machine.
@@ -363,8 +363,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   test "a daemon that accepts and never answers holds the limiter's start at most its timeout" do
     # A stopped daemon: the kernel accepts its connections, nothing reads them.
-    path =
-      Path.join(System.tmp_dir!(), "bourse-silent-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("bourse-silent", ".sock")
 
     {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
     on_exit(fn -> File.rm(path) end)
@@ -435,7 +434,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   @tag timeout: 60_000
   test "a daemon that stops reading megabytes: writers find the socket busy and give up at their timeout" do
-    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("bourse", ".sock")
     daemon = start_daemon(["--socket", path, "--max-frame-bytes", "67108864"])
     name = start_limiter({:daemon, {:unix, daemon.unix}, timeout: 500})
     assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
@@ -457,7 +456,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   end
 
   test "a daemon past its --max-connections: callers get its refusal, over TCP and a Unix socket" do
-    path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+    path = Bourse.TempPath.new("bourse", ".sock")
     daemon = start_daemon(["--listen", "127.0.0.1:0", "--socket", path, "--max-connections", "1"])
     # The one connection the daemon serves.
     served = start_limiter({:daemon, daemon.tcp})
@@ -476,7 +475,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   describe "the user serving a Unix socket" do
     test "is the daemon's: a socket served by another user is refused and sent nothing" do
-      path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+      path = Bourse.TempPath.new("bourse", ".sock")
       {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
       on_exit(fn -> File.rm(path) end)
       test = self()
@@ -504,7 +503,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
 
     test "by default, this program's user: its own daemon is served" do
-      path = Path.join(System.tmp_dir!(), "bourse-#{System.unique_integer([:positive])}.sock")
+      path = Bourse.TempPath.new("bourse", ".sock")
       daemon = start_daemon(["--socket", path])
       name = start_limiter({:daemon, {:unix, daemon.unix}})
       assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)

@@ -13,7 +13,10 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
 
   setup do
     previous = System.get_env("TMPDIR")
-    root = Path.join("/tmp", "bourse-tmpdir-#{System.unique_integer([:positive])}")
+
+    root =
+      Path.join("/tmp", "bourse-tmpdir-#{System.pid()}-#{System.unique_integer([:positive])}")
+
     on_exit(fn -> restore(previous) && File.rm_rf!(root) end)
     %{root: root}
   end

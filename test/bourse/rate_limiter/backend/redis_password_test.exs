@@ -21,8 +21,7 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
   defp start_redis do
     port = Loopback.free_port()
 
-    socket =
-      Path.join(System.tmp_dir!(), "bourse-redis-#{System.unique_integer([:positive])}.sock")
+    socket = Bourse.TempPath.new("bourse-redis", ".sock")
 
     server =
       Port.open({:spawn_executable, System.find_executable("redis-server")}, [

@@ -69,7 +69,7 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
   end
 
   test "no daemon at the socket: every callback judges bad input as the NIF does" do
-    path = Path.join(System.tmp_dir!(), "bourse-nowhere-#{System.unique_integer([:positive])}")
+    path = Bourse.TempPath.new("bourse-nowhere")
     {:ok, opts} = Daemon.options({:unix, path}, timeout: 200)
     {:ok, handle} = Daemon.attach(nil, backend_opts: opts)
 
@@ -85,7 +85,7 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
   end
 
   test "a socket path that is a file or a directory is named as such" do
-    file = Path.join(System.tmp_dir!(), "bourse-file-#{System.unique_integer([:positive])}")
+    file = Bourse.TempPath.new("bourse-file")
     File.write!(file, "")
     on_exit(fn -> File.rm(file) end)
 
