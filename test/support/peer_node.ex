@@ -12,11 +12,12 @@ defmodule Bourse.PeerNode do
   @doc "Makes this VM a node (epmd started if need be) and starts a peer; `{peer, node}`."
   @spec start() :: {pid(), node()}
   def start do
-    unless Node.alive?(), do: distribute(:"bourse_test_#{System.unique_integer([:positive])}")
+    unless Node.alive?(),
+      do: distribute(:"bourse_test_#{System.pid()}_#{System.unique_integer([:positive])}")
 
     {:ok, peer, node} =
       :peer.start(%{
-        name: :"bourse_peer_#{System.unique_integer([:positive])}",
+        name: :"bourse_peer_#{System.pid()}_#{System.unique_integer([:positive])}",
         host: ~c"127.0.0.1",
         longnames: true,
         args: Enum.flat_map(:code.get_path(), &[~c"-pa", &1])

@@ -716,6 +716,50 @@ fn a_silent_connection_to_one_master_is_opened_again() {
     assert!(refused.is_empty(), "the other master's checks: {refused:?}");
 }
 
+/// While a master stays stopped under steady traffic, the daemon opens its cluster
+/// connection again ever more rarely: each reopening connects to every other master, and
+/// before, one came every timeout for as long as the stop lasted.
+#[test]
+fn a_stopped_master_under_traffic_is_reconnected_ever_more_rarely() {
+    let Some(cluster) = Cluster::start(10_000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "200"]);
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let mut t = server.connect();
+    let two = two_masters(&cluster, &mut t, "churn");
+    let connections = |port: u16| -> u64 {
+        let info: String = cluster
+            .query(port, ::redis::cmd("INFO").arg("stats"))
+            .expect("INFO stats");
+        info.lines()
+            .find_map(|line| line.strip_prefix("total_connections_received:"))
+            .and_then(|count| count.trim().parse().ok())
+            .expect("total_connections_received")
+    };
+    let before = connections(two.other_master);
+    cluster.signal(two.first_master, "STOP");
+    let started = Instant::now();
+    let mut refused = Vec::new();
+    while started.elapsed() < Duration::from_secs(4) {
+        let stopped = t.call(check(&key(&two.first, None), limit.clone(), 1.0));
+        assert_eq!(stopped["error"]["type"], "unavailable", "{stopped}");
+        let answer = t.call(check(&key(&two.other, None), limit.clone(), 1.0));
+        if answer["result"] != "admitted" {
+            refused.push(answer);
+        }
+    }
+    cluster.signal(two.first_master, "CONT");
+    let opened = connections(two.other_master) - before;
+    assert!(refused.is_empty(), "{refused:?}");
+    // Reopenings at about 0.2, 0.4, 0.8, 1.6 and 3.2 s; before, about 20.
+    assert!(
+        opened <= 10,
+        "{opened} connections to the other master in 4 s"
+    );
+    eprintln!("{opened} connections to the other master in 4 s");
+}
+
 /// `reset_exchange` walks only the masters of its exchange's slot: another master stopped
 /// does not keep it from its answer. Before, it walked every master, and was answered
 /// `unavailable` (after resetting the exchange all the same).

@@ -7,12 +7,16 @@
 //! Every later call would then wait for its timeout. So when a call gets no answer within
 //! the timeout and nothing else was answered for a whole timeout either (on a cluster:
 //! nothing in the call's hash slot, since one master's connection can go silent while the
-//! others answer), the connection is opened again (at most once per timeout), in the
-//! background: it replaces the old one once it has answered a `PING` within the timeout,
-//! and is dropped otherwise. A new
-//! connection cannot be set up while Redis (or a cluster's master) is silent, stopped say,
-//! so the old one, which may still serve the other masters, is kept meanwhile; calls sent
-//! on it still get their late answers.
+//! others answer), the connection is opened again, in the background: it replaces the old
+//! one once it has answered a `PING` within the timeout, and is dropped otherwise (Redis
+//! stopped, say: the old one is kept). Calls sent on the old one still get their late
+//! answers. On a cluster the new one may answer through another master and replace the old
+//! one while a master stays stopped; the other masters' calls go on either way.
+//!
+//! While the same silence goes on (nothing answered there since the last reopening), each
+//! further reopening waits twice as long as the one before, up to [`MAX_BACKOFF`] timeouts:
+//! a master stopped for a minute does not make every daemon open a connection to every
+//! other master each timeout.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -23,20 +27,18 @@ use super::connection::Connection;
 /// Opens a connection (without waiting for it); must run inside a Tokio runtime.
 type Open = Arc<dyn Fn() -> Result<Connection, String> + Send + Sync>;
 
+/// Hash slots of a Redis Cluster.
+const SLOTS: usize = 16_384;
+/// The longest wait between reopenings for one silence, in timeouts.
+const MAX_BACKOFF: u64 = 16;
+
 pub struct Link {
     connection: Arc<Mutex<Connection>>,
     open: Open,
     timeout: Duration,
     started: Instant,
-    /// When the connection was last opened (ms after `started`).
-    opened: AtomicU64,
-    /// When Redis last answered (ms after `started`): on a cluster, a call in each hash slot
-    /// and, last, a call without a slot; on one server, any call.
-    answered: Box<[AtomicU64]>,
+    silence: Silence,
 }
-
-/// Hash slots of a Redis Cluster.
-const SLOTS: usize = 16_384;
 
 impl Link {
     /// Opens the connection with `open`, which opens it again when it stops answering.
@@ -45,18 +47,13 @@ impl Link {
         timeout: Duration,
     ) -> Result<Self, String> {
         let connection = open()?;
-        let entries = if connection.is_cluster() {
-            SLOTS + 1
-        } else {
-            1
-        };
+        let silence = Silence::new(connection.is_cluster(), timeout.as_millis() as u64);
         Ok(Self {
             connection: Arc::new(Mutex::new(connection)),
             open: Arc::new(open),
             timeout,
             started: Instant::now(),
-            opened: AtomicU64::new(0),
-            answered: (0..entries).map(|_| AtomicU64::new(0)).collect(),
+            silence,
         })
     }
 
@@ -70,37 +67,86 @@ impl Link {
 
     /// Redis answered a call in `slot` (`None`: a call without keys).
     pub fn answered(&self, slot: Option<u16>) {
-        self.last_answer(slot)
-            .fetch_max(self.now_ms(), Ordering::Relaxed);
+        self.silence.answered(slot, self.now_ms());
     }
 
     /// A call in `slot` got no answer within the timeout: opens the connection again when
-    /// nothing there was answered for a whole timeout, since it was last opened.
+    /// [`Silence`] says so.
     pub fn unanswered(&self, slot: Option<u16>) {
-        let opened = self.opened.load(Ordering::Relaxed);
-        let last = self.last_answer(slot).load(Ordering::Relaxed).max(opened);
-        let now = self.now_ms();
-        let silent = now.saturating_sub(last) >= self.timeout.as_millis() as u64;
-        if !silent {
+        if !self.silence.reopens(slot, self.now_ms()) {
             return;
         }
-        // One caller opens it; the others see the new time.
-        let mine = self
-            .opened
-            .compare_exchange(opened, now, Ordering::Relaxed, Ordering::Relaxed);
-        if mine.is_ok() {
-            let (open, current, timeout) = (
-                Arc::clone(&self.open),
-                Arc::clone(&self.connection),
-                self.timeout,
-            );
-            tokio::spawn(async move {
-                let Ok(mut connection) = open() else { return };
-                if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping()).await {
-                    *current.lock().unwrap_or_else(PoisonError::into_inner) = connection;
-                }
-            });
+        let (open, current, timeout) = (
+            Arc::clone(&self.open),
+            Arc::clone(&self.connection),
+            self.timeout,
+        );
+        tokio::spawn(async move {
+            let Ok(mut connection) = open() else { return };
+            if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping()).await {
+                *current.lock().unwrap_or_else(PoisonError::into_inner) = connection;
+            }
+        });
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+}
+
+/// When a silent connection is opened again. Times are ms from any fixed moment.
+struct Silence {
+    timeout_ms: u64,
+    /// When the connection was last opened again.
+    opened: AtomicU64,
+    /// How long the silence that made the last reopening must go on before the next one.
+    backoff_ms: AtomicU64,
+    /// When Redis last answered: on a cluster, a call in each hash slot and, last, a call
+    /// without a slot; on one server, any call.
+    answered: Box<[AtomicU64]>,
+}
+
+impl Silence {
+    fn new(by_slot: bool, timeout_ms: u64) -> Self {
+        let entries = if by_slot { SLOTS + 1 } else { 1 };
+        Self {
+            timeout_ms,
+            opened: AtomicU64::new(0),
+            backoff_ms: AtomicU64::new(timeout_ms),
+            answered: (0..entries).map(|_| AtomicU64::new(0)).collect(),
         }
+    }
+
+    fn answered(&self, slot: Option<u16>, now: u64) {
+        self.last_answer(slot).fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Whether a call in `slot` that got no answer within the timeout makes the connection
+    /// open again now: nothing there was answered for a timeout, or, when nothing there was
+    /// answered since the last reopening either, for the backoff since that reopening. One
+    /// caller is told so; the others see the new time.
+    fn reopens(&self, slot: Option<u16>, now: u64) -> bool {
+        let opened = self.opened.load(Ordering::Relaxed);
+        let last = self.last_answer(slot).load(Ordering::Relaxed);
+        let (silent, next_backoff) = if last >= opened {
+            (now.saturating_sub(last) >= self.timeout_ms, self.timeout_ms)
+        } else {
+            let backoff = self.backoff_ms.load(Ordering::Relaxed);
+            let longest = self.timeout_ms * MAX_BACKOFF;
+            (
+                now.saturating_sub(opened) >= backoff,
+                (backoff * 2).min(longest),
+            )
+        };
+        let mine = silent
+            && self
+                .opened
+                .compare_exchange(opened, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+        if mine {
+            self.backoff_ms.store(next_backoff, Ordering::Relaxed);
+        }
+        mine
     }
 
     fn last_answer(&self, slot: Option<u16>) -> &AtomicU64 {
@@ -109,8 +155,61 @@ impl Link {
             _ => &self.answered[self.answered.len() - 1],
         }
     }
+}
 
-    fn now_ms(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The times at which calls in `slot`, each unanswered, reopen the connection, one call
+    /// every ms from `from` to `to`.
+    fn reopenings(silence: &Silence, slot: Option<u16>, from: u64, to: u64) -> Vec<u64> {
+        (from..=to)
+            .filter(|&now| silence.reopens(slot, now))
+            .collect()
+    }
+
+    #[test]
+    fn a_silence_reopens_after_a_timeout_then_ever_more_rarely() {
+        let silence = Silence::new(false, 100);
+        silence.answered(None, 1_000);
+        assert_eq!(
+            reopenings(&silence, None, 1_001, 6_000),
+            [1_100, 1_200, 1_400, 1_800, 2_600, 4_200, 5_800]
+        );
+    }
+
+    #[test]
+    fn an_answer_ends_the_silence_and_its_backoff() {
+        let silence = Silence::new(false, 100);
+        assert_eq!(reopenings(&silence, None, 0, 1_000), [100, 200, 400, 800]);
+        silence.answered(None, 1_000);
+        assert_eq!(reopenings(&silence, None, 1_001, 1_300), [1_100, 1_200]);
+    }
+
+    #[test]
+    fn on_a_cluster_one_silent_slot_reopens_while_others_answer() {
+        let silence = Silence::new(true, 100);
+        silence.answered(Some(7), 1_000);
+        for now in 1_000..=1_500 {
+            silence.answered(Some(9), now);
+        }
+        assert_eq!(
+            reopenings(&silence, Some(7), 1_001, 1_500),
+            [1_100, 1_200, 1_400]
+        );
+        // A slot that answered since the last reopening starts from a timeout again.
+        assert_eq!(
+            reopenings(&silence, Some(9), 1_501, 1_900),
+            [1_600, 1_700, 1_900]
+        );
+    }
+
+    #[test]
+    fn one_server_counts_every_call_as_one_silence() {
+        let silence = Silence::new(false, 100);
+        silence.answered(Some(7), 1_000);
+        assert!(!silence.reopens(Some(9), 1_099));
+        assert!(silence.reopens(None, 1_100));
     }
 }
