@@ -660,13 +660,13 @@ fn a_silent_connection_to_one_master_is_opened_again() {
     // The master is announced at the proxy's port: clients reach it through the proxy.
     let proxy = SwallowingProxy::to(silent_master);
     let proxy_port = proxy.address.port();
-    let announce = ::redis::cmd("CONFIG")
+    let mut announce = ::redis::cmd("CONFIG");
+    announce
         .arg("SET")
         .arg("cluster-announce-port")
-        .arg(proxy_port)
-        .clone();
+        .arg(proxy_port);
     cluster
-        .query::<()>(silent_master, &mut announce.clone())
+        .query::<()>(silent_master, &mut announce)
         .expect("the announced port set");
     eventually(
         "every node to announce the master at the proxy's port",
