@@ -92,6 +92,16 @@ fn clients_share_one_bucket() {
 }
 
 #[test]
+fn each_start_names_its_own_table_and_every_connection_sees_it() {
+    let table = |server: &Server| server.connect().call(json!({"op": "hello"}))["table"].clone();
+    let first = Server::tcp(&[]);
+    let second = Server::tcp(&[]);
+    assert!(table(&first).is_string());
+    assert_eq!(table(&first), table(&first));
+    assert_ne!(table(&first), table(&second));
+}
+
+#[test]
 fn oversized_frames_get_an_error_then_the_connection_closes() {
     let server = Server::tcp(&["--max-frame-bytes", "1024"]);
     // A long line that arrives whole...

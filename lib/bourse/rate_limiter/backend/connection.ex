@@ -324,6 +324,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       down_reason: "not connected yet",
       backoff_ms: @first_backoff_ms,
       connected_before: false,
+      # The daemon's in-memory table, as its last hello named it (none with Redis).
+      daemon_table: nil,
       limiter: limiter,
       orphan_timer: nil,
       silence_probe: nil,
@@ -845,11 +847,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         hello["assume_busy_at_start"] != false ->
           :ok
 
-        state.connected_before ->
+        state.connected_before and hello["table"] != state.daemon_table ->
           Logger.warning(
-            "#{describe(state)}: reconnected to a daemon started without " <>
-              "--assume-busy-at-start; if it restarted, its buckets started full while " <>
-              "the exchange still counts the previous run"
+            "#{describe(state)}: reconnected to a daemon that restarted without " <>
+              "--assume-busy-at-start: its buckets started full while the exchange " <>
+              "still counts the previous run"
           )
 
         state.assume_busy ->
@@ -896,6 +898,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         partial: state.transport.no_partial(),
         backoff_ms: @first_backoff_ms,
         connected_before: true,
+        daemon_table: hello["table"],
         assume_busy: true
     }
   end

@@ -58,8 +58,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   A restarted daemon starts with an empty table while the exchange still counts what was
   spent before. Run it with `--assume-busy-at-start` (under a supervisor such as systemd):
   its buckets then start as if they had been empty at start, so a restart never hands out
-  a fresh burst. A limiter that reconnects to a daemon running without that flag logs a
-  warning.
+  a fresh burst. A limiter that reconnects to a daemon that restarted without that flag
+  (its in-memory table is another) logs a warning.
 
   The limiter's `:booking_slack_ms` goes with each of its waiting checks, so its bookings
   lapse by its own slack (the daemon's `--booking-slack-ms` is the slack of clients that

@@ -35,6 +35,8 @@ pub struct Hello {
     pub idle_timeout_ms: Option<u64>,
     /// The daemon's monotonic clock (µs) when it answered: deadlines are sent on it.
     pub clock_us: u64,
+    /// The id of the in-memory table, new at each start (`None` with Redis).
+    pub table: Option<String>,
 }
 
 /// Where an answer goes: the request's id, or for a frame whose id could not be read, its
@@ -106,6 +108,9 @@ pub fn encode(out: &mut Vec<u8>, codec: Codec, to: To, answer: Answer) {
             }
             if let Some(ms) = hello.idle_timeout_ms {
                 body["idle_timeout_ms"] = json!(ms);
+            }
+            if let Some(table) = hello.table {
+                body["table"] = json!(table);
             }
             body
         }

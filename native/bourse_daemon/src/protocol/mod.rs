@@ -50,6 +50,9 @@ pub struct Service<S: Store = Memory> {
     connections: AtomicU64,
     /// The origin of the clock requests' deadlines are on (docs/PROTOCOL.md, "Deadlines").
     epoch: Instant,
+    /// Names this process's in-memory table, new at each start (`None` with Redis, whose
+    /// buckets outlive the daemon): a client that reconnects learns whether it restarted.
+    table: Option<String>,
 }
 
 /// The answer to `first`, the first frame of a port whose daemon refused its configuration
@@ -185,6 +188,7 @@ impl<S: Store> Service<S> {
             owners: RandomState::new(),
             connections: AtomicU64::new(0),
             epoch: Instant::now(),
+            table: (!S::REMOTE).then(random_hex::<16>),
         }
     }
 
@@ -467,6 +471,7 @@ impl<S: Store> Service<S> {
             nonce,
             idle_timeout_ms: session.idle_timeout_ms,
             clock_us: self.clock_us(),
+            table: self.table.clone(),
         })
     }
 
@@ -524,14 +529,19 @@ impl<S: Store> Service<S> {
 
 /// 32 random bytes in hex, for a connection to prove the secret over.
 fn nonce() -> String {
-    let mut bytes = [0u8; 32];
-    // Without the system's randomness, the nonce is still unique per connection: derived
-    // from a keyed hash of the time and a counter (`RandomState` keys come from the OS too).
+    random_hex::<32>()
+}
+
+/// `N` random bytes in hex.
+fn random_hex<const N: usize>() -> String {
+    let mut bytes = [0u8; N];
+    // Without the system's randomness, still unique: derived from a keyed hash of the
+    // time and a counter (`RandomState` keys come from the OS too).
     if getrandom::fill(&mut bytes).is_err() {
         let state = RandomState::new();
         for (i, chunk) in bytes.chunks_mut(8).enumerate() {
             let word = state.hash_one((i, std::time::SystemTime::now()));
-            chunk.copy_from_slice(&word.to_le_bytes());
+            chunk.copy_from_slice(&word.to_le_bytes()[..chunk.len()]);
         }
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()

@@ -104,6 +104,11 @@ fn hello_names_the_protocol() {
         .as_object_mut()
         .and_then(|hello| hello.remove("clock_us"));
     assert!(clock_us.is_some_and(|clock| clock.is_u64()));
+    let table = hello
+        .as_object_mut()
+        .and_then(|hello| hello.remove("table"));
+    let table = table.as_ref().and_then(Value::as_str).unwrap_or_default();
+    assert!(table.len() == 32 && table.bytes().all(|b| b.is_ascii_hexdigit()));
     assert_eq!(
         hello,
         json!({"ok": true, "protocol": 1, "server": SERVER,

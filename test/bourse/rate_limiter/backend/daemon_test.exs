@@ -140,7 +140,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
         eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
       end)
 
-    assert log =~ "without --assume-busy-at-start"
+    assert log =~ "a daemon that restarted without --assume-busy-at-start"
   end
 
   test "a limiter's booking_slack_ms holds for its waiters on a daemon with another slack" do
@@ -540,8 +540,19 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
              RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name)
 
     assert message == "bourse_daemon at 127.0.0.1:#{proxy_port} did not answer within 300 ms"
-    # No answer to a hello either, for a second: the connection is made again.
-    eventually(fn -> RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name) == :ok end, 10_000)
+
+    # No answer to a hello either, for a second: the connection is made again, to the same
+    # daemon, which did not restart.
+    log =
+      capture_log(fn ->
+        eventually(
+          fn -> RateLimiter.check_rate({"ex", "silent"}, @fast, 1, name) == :ok end,
+          10_000
+        )
+      end)
+
+    assert log =~ "connected again"
+    refute log =~ "restarted"
   end
 
   # A TCP proxy to `port`: `{its port, swallow}`; after `swallow.()`, the connections open
