@@ -23,10 +23,11 @@ use std::time::{Duration, Instant};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::runtime::Runtime;
+use tokio::sync::Notify;
 
 use crate::protocol::{self, Service, Session};
 use crate::spin::{Spin, Waited};
-use crate::store::Store;
+use crate::store::{Store, MAX_RUNNING};
 use crate::sweeper;
 
 mod output;
@@ -50,6 +51,8 @@ struct Shared<S: Store> {
     output: Arc<Output<Stdout>>,
     /// Requests running on the remote store.
     running: AtomicUsize,
+    /// Told each time one of them ends.
+    ended: Notify,
     /// Set by SIGTERM: requests read from now on are not run.
     stopping: AtomicBool,
     /// How long a stop waits for the requests running on the remote store.
@@ -92,6 +95,7 @@ pub fn run<S: Store>(
         service,
         output: Output::new(io::stdout()),
         running: AtomicUsize::new(0),
+        ended: Notify::new(),
         stopping: AtomicBool::new(false),
         drain_timeout,
     });
@@ -254,6 +258,10 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
         }
         if number > 1 || !protocol::may_set_up(frame) {
             spawn(&shared, number, frame.to_vec());
+            // Past [`MAX_RUNNING`], stdin is read once one of them ends.
+            while shared.running.load(Ordering::SeqCst) >= MAX_RUNNING {
+                shared.ended.notified().await;
+            }
             continue;
         }
         let mut out = vec![0; 4];
@@ -345,6 +353,7 @@ fn spawn<S: Store>(shared: &Arc<Shared<S>>, number: u64, frame: Vec<u8>) {
             .await;
         shared.output.answer(&mut out);
         shared.running.fetch_sub(1, Ordering::SeqCst);
+        shared.ended.notify_one();
     });
 }
 

@@ -49,6 +49,11 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// work on (Redis) makes it refuse to run past this moment too.
 pub type LastRun = Option<Instant>;
 
+/// Requests of one client (a connection, a port) running at once on a remote store; past
+/// it, reading waits. Each holds a few KB until its answer is written, also for a client
+/// that reads none.
+pub const MAX_RUNNING: usize = 256;
+
 /// The operations of the protocol, on validated input. Every method of a shared store may
 /// fail with [`StoreError::Unavailable`]; none of them may hang. Those given a [`LastRun`]
 /// do nothing past it.

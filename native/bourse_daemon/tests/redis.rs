@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -2291,6 +2291,48 @@ fn a_redis_stopped_under_a_flood_keeps_only_the_admitted_checks_paid() {
         (paid() - admitted as f64).abs() < 0.5,
         "{admitted} admitted, {first} paid"
     );
+}
+
+/// A port's daemon holds at most 256 requests waiting on a stopped Redis, as a server's
+/// connection does: it reads no more, so a client writing without end finds stdin full
+/// (rather than the daemon's memory growing with it), and every request is answered once
+/// Redis resumes.
+#[test]
+fn a_port_reads_no_more_while_256_requests_wait_on_redis() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let mut t = StdioDaemon::start(&["--redis", url.as_str(), "--redis-timeout-ms", "60000"]);
+    assert_eq!(t.call(json!({"op": "hello"}))["ok"], true);
+    let limit = json!({"capacity": 1_000_000, "refill_per_sec": 1});
+    let k = key("held", Some("k"));
+    let n = 5_000;
+    let frames: Vec<Vec<u8>> = (0..n).map(|id| check_frame(id, &k, &limit)).collect();
+    let frame_bytes = frames[0].len();
+    kill("STOP", redis.child.id());
+    let written = Arc::new(AtomicUsize::new(0));
+    let mut stdin = t.stdin.take().unwrap();
+    let sender = {
+        let written = Arc::clone(&written);
+        thread::spawn(move || {
+            for frame in frames {
+                stdin.write_all(&frame).unwrap();
+                written.fetch_add(1, Ordering::SeqCst);
+            }
+            stdin
+        })
+    };
+    sleep_ms(1_500);
+    let taken = written.load(Ordering::SeqCst);
+    kill("CONT", redis.child.id());
+    t.stdin = Some(sender.join().unwrap());
+    // What a pipe holds unread (64 KiB on Linux), and the 256 read.
+    let at_most = 256 + 2 * 65_536 / frame_bytes;
+    eprintln!("with Redis stopped, {taken} of {n} requests written (at most {at_most})");
+    assert!(taken <= at_most, "{taken} requests taken, more than {at_most}");
+    for _ in 0..n {
+        let answer = t.recv_answer();
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
 }
 
 /// A client that skips the `hello` and pipelines its first requests waits no longer for

@@ -29,7 +29,7 @@ mod thread;
 use self::frames::{framed, Frames, Framing, Next};
 use crate::protocol::{self, Codec, Service, Session};
 use crate::spin::{Spin, Waited};
-use crate::store::Store;
+use crate::store::{Store, MAX_RUNNING};
 use crate::sweeper;
 
 /// Answers are written out once this many bytes are pending, even mid-batch.
@@ -40,9 +40,6 @@ const WRITE_CHUNK: usize = 64 * 1024;
 const WRITE_PIECE: usize = 8 * 1024;
 /// How long a connection that must prove the secret may take to do it.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
-/// Requests of one connection running at once on a remote store; past it, reading waits.
-/// Each holds a few KB until its answer is written, also for a client that reads none.
-const MAX_RUNNING: usize = 256;
 /// What a refused connection may still send (its hello) before it is closed, at most.
 const REFUSED_READ_BYTES: usize = 64 * 1024;
 /// TCP connections that have not been sent their nonce yet, at most (see [`Unproved`]).
