@@ -7,7 +7,7 @@ use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 
 use crate::key::{Key, KeyRef};
-use crate::rules::{self, InvalidInput, MAX_PAUSES};
+use crate::rules::MAX_PAUSES;
 use crate::types::PauseTarget;
 
 /// Pauses an index holds before it reserves room for all it may ever hold
@@ -38,6 +38,9 @@ pub(crate) struct Pauses {
     exchanges: HashTable<Pause>,
     credentials: HashTable<Pause>,
     keys: HashTable<Pause>,
+    /// The end of a pause of every exchange (0: none): what a new exchange pause holds
+    /// when [`MAX_PAUSES`] exchanges are paused.
+    every: u64,
 }
 
 fn find<'a>(index: &'a HashTable<Pause>, hash: u64, key: &KeyRef) -> Option<&'a Pause> {
@@ -53,23 +56,27 @@ impl Pauses {
             exchanges: HashTable::new(),
             credentials: HashTable::new(),
             keys: HashTable::new(),
+            every: 0,
         }
     }
 
     /// Holds `target` until `until`; an existing pause of it keeps the later end. Key and
     /// credential pauses are at most [`MAX_PAUSES`] (ended ones count until
     /// [`Self::take_ended`]), and so are exchange pauses. With no room, a new key or
-    /// credential pause holds its whole exchange instead: a limited reply is never
-    /// ignored. Only a new exchange pause past [`MAX_PAUSES`] exchanges is refused.
-    pub fn add(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
-        match (self.insert(target, until), target) {
-            (Err(_), PauseTarget::Credential(exchange, _)) => {
-                self.insert(&PauseTarget::Exchange(exchange.clone()), until)
-            }
-            (Err(_), PauseTarget::Key(key)) => {
-                self.insert(&PauseTarget::Exchange(key.exchange().to_vec()), until)
-            }
-            (held, _) => held,
+    /// credential pause holds its whole exchange instead, and a new exchange pause every
+    /// exchange: a limited reply is never ignored.
+    pub fn add(&mut self, target: &PauseTarget, until: u64) {
+        let exchange = match target {
+            PauseTarget::Exchange(_) => None,
+            PauseTarget::Credential(exchange, _) => Some(exchange.as_slice()),
+            PauseTarget::Key(key) => Some(key.exchange()),
+        };
+        let held = self.insert(target, until)
+            || exchange.is_some_and(|exchange| {
+                self.insert(&PauseTarget::Exchange(exchange.to_vec()), until)
+            });
+        if !held {
+            self.every = self.every.max(until);
         }
     }
 
@@ -83,8 +90,8 @@ impl Pauses {
     }
 
     /// Holds `target` until `until`: an existing pause keeps the later end; a new one is
-    /// added if there is room, else refused.
-    fn insert(&mut self, target: &PauseTarget, until: u64) -> Result<(), InvalidInput> {
+    /// added if there is room. Returns whether it is held.
+    fn insert(&mut self, target: &PauseTarget, until: u64) -> bool {
         let room = self.room(target);
         let (index, key) = match target {
             PauseTarget::Exchange(exchange) => {
@@ -111,9 +118,7 @@ impl Pauses {
                 let pause = pause.get_mut();
                 pause.until = pause.until.max(until);
             }
-            Entry::Vacant(_) if !room => {
-                return Err(rules::too_many_pauses().for_exchange(target.exchange()))
-            }
+            Entry::Vacant(_) if !room => return false,
             Entry::Vacant(vacant) => {
                 vacant.insert(Pause {
                     key: key.to_owned_key(),
@@ -123,12 +128,12 @@ impl Pauses {
                 });
             }
         }
-        Ok(())
+        true
     }
 
     /// The latest end of the pauses covering `key` (whose hash is `key_hash`), or 0.
     pub fn until(&self, key: &KeyRef, key_hash: u64) -> u64 {
-        let mut until = 0;
+        let mut until = self.every;
         if !self.keys.is_empty() {
             if let Some(pause) = find(&self.keys, key_hash, key) {
                 until = pause.until;
@@ -171,8 +176,12 @@ impl Pauses {
         std::mem::replace(self, Self::new(self.hasher))
     }
 
-    /// Takes out up to [`TAKE_STEP`] pauses that ended by `now`.
+    /// Takes out up to [`TAKE_STEP`] pauses that ended by `now`, and the pause of every
+    /// exchange if it ended.
     pub fn take_ended(&mut self, now: u64) -> Vec<Pause> {
+        if self.every <= now {
+            self.every = 0;
+        }
         self.take_where(|pause| pause.until <= now)
     }
 
@@ -206,18 +215,12 @@ mod tests {
         let mut pauses = Pauses::new(hasher);
         let key = KeyRef::new(b"ex", Some(b"k"), b"ip");
         let other = KeyRef::new(b"other", Some(b"k"), b"ip");
-        pauses
-            .add(&PauseTarget::Exchange(b"ex".to_vec()), 10)
-            .unwrap();
-        pauses
-            .add(
-                &PauseTarget::Credential(b"ex".to_vec(), Some(b"k".to_vec())),
-                30,
-            )
-            .unwrap();
-        pauses
-            .add(&PauseTarget::Key(key.to_owned_key()), 20)
-            .unwrap();
+        pauses.add(&PauseTarget::Exchange(b"ex".to_vec()), 10);
+        pauses.add(
+            &PauseTarget::Credential(b"ex".to_vec(), Some(b"k".to_vec())),
+            30,
+        );
+        pauses.add(&PauseTarget::Key(key.to_owned_key()), 20);
         assert_eq!(pauses.until(&key, hasher.hash_one(key)), 30);
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 0);
         // The public pool is not a credential's pause.
@@ -249,13 +252,11 @@ mod tests {
             for i in 0..1_000 {
                 let credential = format!("key-{i}").into_bytes();
                 let key = KeyRef::new(exchange, Some(&credential), b"ip").to_owned_key();
-                pauses.add(&PauseTarget::Key(key), 100 + i).unwrap();
+                pauses.add(&PauseTarget::Key(key), 100 + i);
                 let credential = PauseTarget::Credential(exchange.to_vec(), Some(credential));
-                pauses.add(&credential, 100 + i).unwrap();
+                pauses.add(&credential, 100 + i);
             }
-            pauses
-                .add(&PauseTarget::Exchange(exchange.to_vec()), 5_000)
-                .unwrap();
+            pauses.add(&PauseTarget::Exchange(exchange.to_vec()), 5_000);
         }
         assert_eq!(pauses.take_of_exchange(b"ex").len(), TAKE_STEP);
         assert_eq!(
@@ -280,43 +281,51 @@ mod tests {
         let hasher = foldhash::fast::RandomState::default();
         let mut pauses = Pauses::new(hasher);
         for i in 0..MAX_PAUSES {
-            pauses.add(&target(i), 100).unwrap();
+            pauses.add(&target(i), 100);
         }
         let other = KeyRef::new(b"ex", Some(b"other"), b"ip");
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 0);
         // An existing target is extended; a new one holds the exchange.
-        pauses.add(&target(0), 200).unwrap();
-        pauses.add(&target(MAX_PAUSES), 300).unwrap();
+        pauses.add(&target(0), 200);
+        pauses.add(&target(MAX_PAUSES), 300);
         let credential = PauseTarget::Credential(b"ex".to_vec(), Some(b"new".to_vec()));
-        pauses.add(&credential, 400).unwrap();
+        pauses.add(&credential, 400);
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 400);
         assert_eq!(len(&pauses), MAX_PAUSES + 1);
         // Ended pauses make room again.
         take_all(|| pauses.take_ended(350));
-        pauses.add(&target(MAX_PAUSES + 1), 500).unwrap();
+        pauses.add(&target(MAX_PAUSES + 1), 500);
         assert_eq!(len(&pauses), 2);
     }
 
     #[test]
-    fn exchange_pauses_past_the_bound_are_refused() {
-        let mut pauses = Pauses::new(foldhash::fast::RandomState::default());
+    fn past_the_bound_a_new_exchange_pause_holds_every_exchange_until_it_ends() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut pauses = Pauses::new(hasher);
         let exchange = |i: usize| PauseTarget::Exchange(format!("ex-{i}").into_bytes());
         for i in 0..MAX_PAUSES {
-            pauses.add(&exchange(i), 100).unwrap();
+            pauses.add(&exchange(i), 100);
         }
-        let refused = pauses.add(&exchange(MAX_PAUSES), 100).unwrap_err();
-        assert_eq!(
-            refused.message(),
-            format!(
-                "at most {MAX_PAUSES} exchanges may be paused at once; this pause was not added"
-            )
-        );
-        assert_eq!(
-            refused.exchange(),
-            Some(format!("ex-{MAX_PAUSES}").as_bytes())
-        );
-        // A key of an exchange already paused is held as before.
-        pauses.add(&exchange(0), 200).unwrap();
-        pauses.add(&target(0), 300).unwrap();
+        let elsewhere = KeyRef::new(b"elsewhere", Some(b"k"), b"ip");
+        let until_elsewhere =
+            |pauses: &Pauses| pauses.until(&elsewhere, hasher.hash_one(elsewhere));
+        assert_eq!(until_elsewhere(&pauses), 0);
+        // A paused exchange is extended as before; a new one holds every exchange.
+        pauses.add(&exchange(0), 200);
+        assert_eq!(until_elsewhere(&pauses), 0);
+        pauses.add(&exchange(MAX_PAUSES), 300);
+        assert_eq!(until_elsewhere(&pauses), 300);
+        // So does a key or credential pause that has no room and no room for its exchange.
+        for i in 0..MAX_PAUSES {
+            pauses.add(&target(i), 50);
+        }
+        let credential = PauseTarget::Credential(b"new".to_vec(), Some(b"k".to_vec()));
+        pauses.add(&credential, 400);
+        assert_eq!(until_elsewhere(&pauses), 400);
+        assert_eq!(len(&pauses), 2 * MAX_PAUSES);
+        // It ends as any pause does.
+        take_all(|| pauses.take_ended(400));
+        assert_eq!(until_elsewhere(&pauses), 0);
+        assert_eq!(len(&pauses), 0);
     }
 }

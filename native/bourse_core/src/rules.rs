@@ -458,14 +458,6 @@ pub fn not_a_pause_target(given: Shape) -> InvalidInput {
     ))
 }
 
-/// A table holds at most [`MAX_PAUSES`] pauses of exchanges (and as many of keys and
-/// credentials, past which those hold their exchange instead).
-pub fn too_many_pauses() -> InvalidInput {
-    InvalidInput::new(format!(
-        "at most {MAX_PAUSES} exchanges may be paused at once; this pause was not added"
-    ))
-}
-
 /// The backoff after `count` consecutive limited replies without a usable wait:
 /// [`FIRST_BACKOFF_MS`], doubling with each, at most [`MAX_BACKOFF_MS`].
 pub fn backoff_ms(count: u32) -> u64 {

@@ -623,15 +623,14 @@ impl<C: Clock> Table<C> {
     /// then; waiters book behind the pause. Overlapping pauses keep the later end. Past
     /// [`crate::rules::MAX_PAUSES`] pauses of keys and credentials (ended ones count until
     /// the next sweep), a new one holds its whole exchange; past as many of exchanges, a
-    /// new exchange is refused.
-    pub fn pause(&self, target: PauseTarget, ms: u64) -> Result<(), InvalidInput> {
+    /// new exchange pause holds every exchange.
+    pub fn pause(&self, target: PauseTarget, ms: u64) {
         let until = self
             .clock
             .now()
             .saturating_add(ms.saturating_mul(NANOS_PER_MS).min(MAX_WAIT_NS));
-        self.pauses.write().add(&target, until)?;
+        self.pauses.write().add(&target, until);
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
-        Ok(())
     }
 
     /// Counts a limited reply without a usable wait for `exchange`'s `credential` (`None`:
@@ -639,14 +638,8 @@ impl<C: Clock> Table<C> {
     /// consecutive replies counted before this one (which lapse
     /// [`rules::BACKOFF_LAPSE_MS`] after the last). A reply that comes while the last
     /// backoff's pause still holds is not counted: its request was sent before that pause.
-    /// Returns the pause in milliseconds. A pause refused (see [`Table::pause`]) counts
-    /// nothing.
-    pub fn back_off(
-        &self,
-        exchange: &[u8],
-        credential: Option<&[u8]>,
-        scope: BackoffScope,
-    ) -> Result<u64, InvalidInput> {
+    /// Returns the pause in milliseconds.
+    pub fn back_off(&self, exchange: &[u8], credential: Option<&[u8]>, scope: BackoffScope) -> u64 {
         let counted = KeyRef::new(exchange, credential, b"");
         let target = match scope {
             BackoffScope::Credential => {
@@ -668,14 +661,14 @@ impl<C: Clock> Table<C> {
         };
         let ms = rules::backoff_ms(level);
         let until = now.saturating_add(ms * NANOS_PER_MS);
-        pauses.add(&target, until)?;
+        pauses.add(&target, until);
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
         let backoff = Backoff {
             count: backoff.count.saturating_add(u32::from(counts)),
             held_until: backoff.held_until.max(until),
         };
         backoffs.set(&counted, backoff, now);
-        Ok(ms)
+        ms
     }
 
     /// Forgets the backoff count of `exchange`'s `credential`: the next backoff is the first.
@@ -890,7 +883,7 @@ mod tests {
                     }
                     Op::Debit { key: i, cost } => table.record_request(key(i), f64::from(cost)),
                     Op::Pause { key: i, ms } => {
-                        table.pause(PauseTarget::Key(key(i).to_owned_key()), ms).unwrap()
+                        table.pause(PauseTarget::Key(key(i).to_owned_key()), ms)
                     }
                     Op::Advance { ms } => clock.advance_ms(ms),
                 }

@@ -338,7 +338,7 @@ fn run_ops(
                 _ => PauseTarget::Exchange(EX.to_vec()),
             };
             log.push(format!("{} pause {t:?} {ms}", clock.now()));
-            table.pause(t, ms).unwrap();
+            table.pause(t, ms);
         } else if let Op::Reset(b) = *op {
             table.reset(KEYS[b]);
             reset_at = clock.now();

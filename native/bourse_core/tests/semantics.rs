@@ -251,8 +251,7 @@ fn probe_after_a_lapse(look: impl Fn(&Table<ManualClock>)) -> Outcome {
         booking_slack_ms: None,
     };
     let (b, ip) = (key("b"), key("ip"));
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 400)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 400);
     assert!(matches!(
         t.check_rates(ME, &[check(b, s, 1.0)], w),
         Ok(Outcome::Booked(_))
@@ -276,8 +275,7 @@ fn probe_after_a_lapse(look: impl Fn(&Table<ManualClock>)) -> Outcome {
     clock.advance_ms(150);
     look(&t);
     clock.advance_ms(450);
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 100)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 100);
     t.check_rate(ME, check(b, s, 3.0), Mode::Probe)
 }
 
@@ -400,8 +398,7 @@ fn an_early_claim_or_a_pause_keeps_the_slack_a_booking_was_made_with() {
     clock.advance_ms(500);
     assert_eq!(t.check_rate(ME, check(), Mode::Probe), Outcome::Delay(500));
     // A pause moves it later.
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000);
     assert_eq!(t.check_rate(ME, check(), Mode::Probe), Outcome::Delay(1000));
     // Two seconds past its new ready time: within its own slack still.
     clock.advance_ms(1_000 + 2_000);
@@ -722,10 +719,8 @@ fn pauses_hold_every_bucket_of_the_target() {
     t.pause(
         PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
         2_000,
-    )
-    .unwrap();
-    t.pause(PauseTarget::Key(key("ip").to_owned_key()), 500)
-        .unwrap();
+    );
+    t.pause(PauseTarget::Key(key("ip").to_owned_key()), 500);
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(2000));
     assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(2000));
     // Other credentials are untouched.
@@ -749,8 +744,7 @@ fn a_pause_that_starts_after_booking_holds_the_claim() {
     let l = limit(1.0, 10.0);
     t.record_request(key("request"), 1.0);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Booked(100));
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 1_000);
     clock.advance_ms(100);
     assert_eq!(wait(&t, ME, "request", l, 1.0), Outcome::Delay(900));
     clock.advance_ms(900);
@@ -772,8 +766,7 @@ fn bookings_a_pause_held_and_the_traffic_behind_it_fit_the_bucket_at_its_end() {
         );
     }
     clock.advance_ms(50);
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 2_000)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 2_000);
     // Each comes back at its ready time and is held to the pause's end.
     for owner in 0..10 {
         clock.advance_ms(if owner == 0 { 50 } else { 100 });
@@ -821,8 +814,7 @@ fn a_booking_held_by_a_pause_of_one_of_its_buckets_is_paid_again_on_the_others()
     t.pause(
         PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
         2_000,
-    )
-    .unwrap();
+    );
     for owner in 0..10 {
         clock.advance_ms(if owner == 0 { 50 } else { 100 });
         assert_eq!(
@@ -886,8 +878,7 @@ fn a_short_pause_charges_a_held_booking_nothing_more() {
         assert_eq!(probe(&t, "request", l, 1.0), Outcome::Admitted);
     }
     assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Booked(500));
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 600)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 600);
     clock.advance_ms(500);
     assert_eq!(wait(&t, OTHER, "request", l, 5.0), Outcome::Delay(100));
     clock.advance_ms(100);
@@ -906,40 +897,40 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     // Each reply after the last backoff's pause ended counts: the pause doubles.
     let mut steps = Vec::new();
     for _ in 0..4 {
-        steps.push(t.back_off(b"binance", me, credential).unwrap());
+        steps.push(t.back_off(b"binance", me, credential));
         clock.advance_ms(*steps.last().unwrap());
     }
     assert_eq!(steps, [1000, 2000, 4000, 8000]);
     // Replies that come back during a backoff's pause were sent before it: each pauses as
     // long again and counts nothing (a burst of 429s is one backoff, not eight).
     let burst: Vec<u64> = (0..8)
-        .map(|_| t.back_off(b"binance", me, credential).unwrap())
+        .map(|_| t.back_off(b"binance", me, credential))
         .collect();
     assert_eq!(burst, [16_000; 8]);
     assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Delay(16_000));
     // Per credential: another one, and the public pool, count for themselves.
-    assert_eq!(t.back_off(b"binance", Some(b"k2"), credential), Ok(1000));
-    assert_eq!(t.back_off(b"binance", None, credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", Some(b"k2"), credential), 1000);
+    assert_eq!(t.back_off(b"binance", None, credential), 1000);
     // The whole exchange's buckets, counted for the credential limited.
     let okx = KeyRef::new(b"okx", Some(b"other"), b"request");
-    assert_eq!(t.back_off(b"okx", me, BackoffScope::Exchange), Ok(1000));
+    assert_eq!(t.back_off(b"okx", me, BackoffScope::Exchange), 1000);
     assert_eq!(
         t.check_rate(ME, check(okx, l, 1.0), Mode::Probe),
         Outcome::Delay(1000)
     );
     // A success starts the count again; so does a lapse after the last limited reply.
     t.reset_backoff(b"binance", me);
-    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", me, credential), 1000);
     clock.advance_ms(BACKOFF_LAPSE_MS - 1);
-    assert_eq!(t.back_off(b"binance", me, credential), Ok(2000));
+    assert_eq!(t.back_off(b"binance", me, credential), 2000);
     clock.advance_ms(BACKOFF_LAPSE_MS);
     t.sweep();
-    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", me, credential), 1000);
     // Resets forget the counts with the pauses.
     t.reset_exchange(b"binance");
-    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", me, credential), 1000);
     t.reset_all();
-    assert_eq!(t.back_off(b"binance", me, credential), Ok(1000));
+    assert_eq!(t.back_off(b"binance", me, credential), 1000);
     // Never a bucket: nothing shows among the keys; a key shows the pause alone.
     assert!(t.busiest(10).is_empty());
     let info = t.inspect(KeyRef::new(b"binance", me, b"")).unwrap();
@@ -947,26 +938,30 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
 }
 
 #[test]
-fn a_backoff_refused_for_want_of_room_for_its_pause_counts_nothing() {
+fn a_backoff_without_room_for_its_exchange_pause_holds_every_exchange() {
     let (t, clock) = table();
     for i in 0..MAX_PAUSES {
         t.pause(
             PauseTarget::Exchange(format!("ex-{i}").into_bytes()),
             60_000,
-        )
-        .unwrap();
+        );
     }
     let me = Some(&b"api-key"[..]);
-    // A credential's pause fits (its own index), an exchange's does not.
-    assert_eq!(
-        t.back_off(b"binance", me, BackoffScope::Credential),
-        Ok(1000)
-    );
-    let refused = t.back_off(b"binance", me, BackoffScope::Exchange);
-    assert_eq!(refused.unwrap_err().exchange(), Some(&b"binance"[..]));
-    t.reset_exchange(b"ex-0");
+    // A credential's pause fits (its own index); an exchange's holds every exchange.
+    assert_eq!(t.back_off(b"binance", me, BackoffScope::Credential), 1000);
     clock.advance_ms(1000);
-    assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), Ok(2000));
+    assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), 2000);
+    let okx = KeyRef::new(b"okx", Some(b"other-key"), b"ip");
+    let l = limit(10.0, 10.0);
+    assert_eq!(
+        t.check_rate(ME, check(okx, l, 1.0), Mode::Probe),
+        Outcome::Delay(2000)
+    );
+    clock.advance_ms(2000);
+    assert_eq!(
+        t.check_rate(ME, check(okx, l, 1.0), Mode::Probe),
+        Outcome::Admitted
+    );
 }
 
 #[test]
@@ -977,8 +972,7 @@ fn resets_forget_keys_bookings_and_pauses() {
     t.record_request(key("request"), 10.0);
     t.record_request(key("ip"), 10.0);
     t.record_request(okx, 3.0);
-    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000)
-        .unwrap();
+    t.pause(PauseTarget::Exchange(b"binance".to_vec()), 60_000);
     t.reset(key("ip"));
     let info = t.inspect(key("ip")).unwrap();
     assert_eq!((info.limit, info.tokens, info.bookings), (None, 0.0, 0));
@@ -1112,13 +1106,13 @@ fn a_booking_held_again_does_not_go_out_with_one_booked_behind_it_beyond_the_cap
     assert_eq!(probe(&t, "request", l, 3.0), Outcome::Admitted);
     assert_eq!(wait(&t, ME, "request", l, 3.0), Outcome::Booked(750));
     clock.advance_ms(271);
-    t.pause(credential(), 1_000).unwrap();
+    t.pause(credential(), 1_000);
     clock.advance_ms(57);
     let b_ready = match wait(&t, OTHER, "request", l, 1.0) {
         Outcome::Booked(ms) => 328 + ms,
         other => panic!("{other:?}"),
     };
-    t.pause(credential(), 1_007).unwrap();
+    t.pause(credential(), 1_007);
     clock.advance_ms(422);
     let a_ready = match wait(&t, ME, "request", l, 3.0) {
         Outcome::Delay(ms) => 750 + ms,
@@ -1174,8 +1168,7 @@ fn a_held_claim_keeps_its_turn_on_its_other_buckets() {
     t.pause(
         PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
         3_400,
-    )
-    .unwrap();
+    );
     clock.advance_ms(900);
     assert_eq!(t.check_rates(ME, &both, waiter), Ok(Outcome::Delay(2_500)));
     clock.advance_ms(2_500);
@@ -1208,8 +1201,7 @@ fn a_late_claim_held_by_a_pause_gets_back_nothing_the_cap_took_after_its_ready_t
     t.pause(
         PauseTarget::Credential(b"binance".to_vec(), Some(b"api-key".to_vec())),
         1_000,
-    )
-    .unwrap();
+    );
     clock.advance_ms(150);
     let other = KeyRef::new(b"binance", Some(b"other"), b"request");
     let beside = [check(other, l, 10.0), check(ip, l, 10.0)];

@@ -294,7 +294,8 @@ impl<C: Clock> Store for Memory<C> {
         ms: u64,
         _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<()>> + Send {
-        ready(self.table.pause(target, ms).map_err(StoreError::Invalid))
+        self.table.pause(target, ms);
+        ready(Ok(()))
     }
 
     fn back_off(
@@ -304,11 +305,7 @@ impl<C: Clock> Store for Memory<C> {
         scope: BackoffScope,
         _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<u64>> + Send {
-        ready(
-            self.table
-                .back_off(exchange, credential, scope)
-                .map_err(StoreError::Invalid),
-        )
+        ready(Ok(self.table.back_off(exchange, credential, scope)))
     }
 
     fn reset_backoff(

@@ -2328,7 +2328,10 @@ fn a_port_reads_no_more_while_256_requests_wait_on_redis() {
     // What a pipe holds unread (64 KiB on Linux), and the 256 read.
     let at_most = 256 + 2 * 65_536 / frame_bytes;
     eprintln!("with Redis stopped, {taken} of {n} requests written (at most {at_most})");
-    assert!(taken <= at_most, "{taken} requests taken, more than {at_most}");
+    assert!(
+        taken <= at_most,
+        "{taken} requests taken, more than {at_most}"
+    );
     for _ in 0..n {
         let answer = t.recv_answer();
         assert_eq!(answer["result"], "admitted", "{answer}");

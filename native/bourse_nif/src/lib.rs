@@ -520,7 +520,7 @@ fn pause<'a>(env: Env<'a>, table: Handle<'a>, target: Term<'a>, ms: Term<'a>) ->
     answer(env, table, || {
         let target = pause_target(target)?;
         let ms = naming(target.exchange(), || rules::pause_ms(number(ms)))?;
-        table.pause(target, ms)?;
+        table.pause(target, ms);
         Ok(atoms::ok().encode(env))
     })
 }
@@ -544,7 +544,7 @@ fn back_off<'a>(
         } else {
             return Err(rules::not_a_backoff_scope(shape(scope)).for_exchange(exchange));
         };
-        Ok(table.back_off(exchange, credential, scope)?.encode(env))
+        Ok(table.back_off(exchange, credential, scope).encode(env))
     })
 }
 

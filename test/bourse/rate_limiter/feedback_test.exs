@@ -295,6 +295,18 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert :ok = RateLimiter.check_rate({"okx", "new", "a"}, @slow, 1, name)
     end
 
+    test "with the table's pauses of exchanges all in use, a 418 pauses every exchange",
+         %{name: name} do
+      for i <- 1..Bourse.Native.bound(:max_pauses),
+          do: :ok = RateLimiter.pause("held-#{i}", 60_000, name)
+
+      assert {:error, %Error{type: :rate_limit_exceeded, stop: true, retry_after: 120_000}} =
+               observe(418, [{"Retry-After", "120"}], name)
+
+      assert_paused({"binance", "k", "a"}, name, 119_000..120_000)
+      assert_paused({"okx", "other", "a"}, name, 119_000..120_000)
+    end
+
     test "a 429 pauses every axis of the credential, for every caller, per Retry-After",
          %{name: name} do
       assert {:error, %Error{} = error} = observe(429, [{"Retry-After", "2"}], name)
