@@ -98,7 +98,7 @@ defmodule Bourse.RateLimiter do
   @typedoc "Token-bucket configuration."
   @type rate_limit ::
           %{capacity: number(), refill_per_sec: number()}
-          | %{requests: number(), period: pos_integer()}
+          | %{requests: number(), period: number()}
           | %{requests: number()}
 
   @typedoc "A single bucket check: `{key, rate_limit, cost}`, or `{bucket, cost}`."
@@ -657,7 +657,8 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   Counters since the limiter's bucket table was created (they survive a restart of the
-  limiter's process), and what it holds now. A limiter on a shared daemon, or on Redis,
+  limiter's process; a port's daemon restarted after it died has a new table, and
+  counts from zero), and what it holds now. A limiter on a shared daemon, or on Redis,
   reads its daemon's counters: the answers to every client of that daemon.
 
     * `:admitted` – checks paid at once;
@@ -706,7 +707,9 @@ defmodule Bourse.RateLimiter do
   JSON (map or list), for the rate-limit signals exchanges put there
   (`Bourse.RateLimiter.BodySignal`); `limits:` the credential's bucket definitions by
   axis (`%{"ip" => %{capacity: 480, refill_per_sec: 72}}`), which spares header sync a
-  read of each definition from the table. Like `check_rates/3`, the name may be left out
+  read of each definition from the table; `axis:` the axis of the reply's endpoint, which
+  the per-endpoint headers (Bybit `X-Bapi-Limit*`, generic `x-ratelimit-*`) then sync
+  instead of `"request"`. Like `check_rates/3`, the name may be left out
   before the options: `observe_response("bybit", key, 200, headers, body: body)`.
 
   Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic
@@ -783,8 +786,9 @@ defmodule Bourse.RateLimiter do
   pause covers it:
 
     * `:limit` – the bucket definition `%{capacity: c, refill_per_sec: r}`; `nil` for a
-      key that only has `record_request/3` debt, or only a pause (its other fields are
-      then zero);
+      key that only has `record_request/3` debt, or only a pause, or that only refused
+      checks have seen (with `assume_busy_at_start`, the table keeps when a check first
+      saw it: its bucket starts from then); its other fields are then zero;
     * `:tokens` – tokens now, negative while in debt;
     * `:borrowed` – what `get_cost/3` answers;
     * `:debt` – how far below zero the bucket is (or the pending debt of a key without a

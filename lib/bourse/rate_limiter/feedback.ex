@@ -79,8 +79,12 @@ defmodule Bourse.RateLimiter.Feedback do
   | `x-mbx-order-count-10s` (Binance) | `"orders_10s"` | 10 s, wall-clock |
   | `x-mbx-order-count-1m` (Binance futures) | `"orders_1m"` | 60 s, wall-clock |
   | `x-mbx-order-count-1d` (Binance) | `"orders_1d"` | 1 day, wall-clock (UTC) |
-  | `x-bapi-limit`, `x-bapi-limit-status`, `x-bapi-limit-reset-timestamp` (Bybit) | `"request"` | 1 s |
-  | `x-ratelimit-limit`, `x-ratelimit-remaining`, `x-ratelimit-reset` (generic) | `"request"` | unknown |
+  | `x-bapi-limit`, `x-bapi-limit-status`, `x-bapi-limit-reset-timestamp` (Bybit) | `"request"`, or `axis:` | 1 s |
+  | `x-ratelimit-limit`, `x-ratelimit-remaining`, `x-ratelimit-reset` (generic) | `"request"`, or `axis:` | unknown |
+
+  The last two describe the endpoint of the reply (Bybit: "your remaining requests for
+  current endpoint"): an adapter passes that endpoint's axis with
+  `observe_response(..., axis: "order_create")`, and they sync that bucket.
 
   Binance's `x-mbx-used-weight` without an interval suffix is ignored: it names no window.
 
@@ -291,8 +295,9 @@ defmodule Bourse.RateLimiter.Feedback do
     with {:ok, running} <- check_name(name),
          :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
-         {:ok, body, definitions} <- options(opts, exchange_id, credential_key),
+         {:ok, body, definitions, endpoint} <- options(opts, exchange_id, credential_key),
          {:ok, axes} <- axes(),
+         axes = endpoint_axis(axes, endpoint),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
          :ok <- running(running, name),
@@ -318,11 +323,18 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp options(opts, exchange_id, credential) do
-    with :ok <- Options.known_options(opts, "option", [:body, :limits], ":body or :limits"),
+    with :ok <-
+           Options.known_options(
+             opts,
+             "option",
+             [:body, :limits, :axis],
+             ":body, :limits or :axis"
+           ),
          {:ok, body} <- body(Keyword.get(opts, :body)),
          {:ok, definitions} <-
-           definitions(Keyword.get(opts, :limits, %{}), exchange_id, credential) do
-      {:ok, body, definitions}
+           definitions(Keyword.get(opts, :limits, %{}), exchange_id, credential),
+         {:ok, endpoint} <- endpoint(Keyword.get(opts, :axis), exchange_id, credential) do
+      {:ok, body, definitions, endpoint}
     else
       {:error, %Error{}} = error -> error
       {:error, message} -> invalid(message)
@@ -349,6 +361,27 @@ defmodule Bourse.RateLimiter.Feedback do
   defp definition(exchange_id, credential, axis, definition) do
     with :ok <- native(Native.check_key({exchange_id, credential, axis}), "limits: "),
          do: native(Native.limit_definition(definition), "limits: ")
+  end
+
+  # `axis:` – the axis of the reply's endpoint, held to the key rules of every check.
+  defp endpoint(nil, _exchange_id, _credential), do: {:ok, nil}
+
+  defp endpoint(axis, exchange_id, credential) do
+    with :ok <- native(Native.check_key({exchange_id, credential, axis}), "axis: "),
+         do: {:ok, axis}
+  end
+
+  # The limit-and-remaining headers describe the endpoint of the reply: given its axis,
+  # they sync that bucket, in the window configured for them.
+  defp endpoint_axis(axes, nil), do: axes
+
+  defp endpoint_axis(axes, endpoint) do
+    Enum.reduce(Map.keys(@families), axes, fn family, axes ->
+      case axes do
+        %{^family => {_axis, window_ms}} -> Map.put(axes, family, {endpoint, window_ms})
+        _ignored -> axes
+      end
+    end)
   end
 
   # The answer of a rule of the core, as every call gives it.

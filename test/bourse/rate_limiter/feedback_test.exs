@@ -242,6 +242,31 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_tokens_since(key, name, -2, limit.refill_per_sec, set_at)
     end
 
+    test "axis: the per-endpoint headers sync the bucket of the reply's endpoint", %{name: name} do
+      {:ok, %{"order_create" => limit}} = RateLimiter.Exchange.buckets(:bybit_v5)
+      key = {"bybit", "k", "order_create"}
+      assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+      now = System.os_time(:millisecond)
+
+      headers = [
+        {"X-Bapi-Limit", "10"},
+        {"X-Bapi-Limit-Status", "0"},
+        {"X-Bapi-Limit-Reset-Timestamp", "#{now}"}
+      ]
+
+      assert :ok =
+               RateLimiter.observe_response("bybit", "k", 200, headers, name, axis: "order_create")
+
+      # Nothing remains: the bucket holds what refilled since, far below a request.
+      assert tokens(key, name) < 0.5
+      assert RateLimiter.inspect_key({"bybit", "k", "request"}, name) == nil
+
+      for bad <- [:order_create, 5, String.duplicate("a", 1_025)] do
+        assert {:error, %Error{type: :invalid_parameters, message: "axis: " <> _}} =
+                 RateLimiter.observe_response("bybit", "k", 200, headers, name, axis: bad)
+      end
+    end
+
     test "generic x-ratelimit-*: the window is unknown, so the allowance is the remaining count",
          %{name: name} do
       key = {"binance", "k", "request"}

@@ -19,10 +19,9 @@ defmodule Bourse.RateLimiter.Exchange.BybitV5 do
   read 2026-12-01. Other endpoints have limits of their own in that table; add them as
   counters.
 
-  The `X-Bapi-Limit*` headers describe the endpoint of the reply; header sync applies
-  them to the axis `"request"` by default (`config :bourse, :header_axes` changes it),
-  so name the bucket of the endpoint an adapter calls most `"request"`, or call
-  `Bourse.RateLimiter.sync/4` with the endpoint's axis.
+  The `X-Bapi-Limit*` headers describe the endpoint of the reply: pass its axis,
+  `observe_response("bybit", key, status, headers, axis: "order_create")`, and header
+  sync applies them to that bucket (without `axis:`, to `"request"`).
 
   Signals: `retCode` 10006 (per-UID limit), 10018 (IP limit), 10009 (IP banned) in the
   body; HTTP 403 "access too frequent": stop and wait at least 10 minutes
