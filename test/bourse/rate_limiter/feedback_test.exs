@@ -32,6 +32,13 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
   defp window_left(window_ms), do: window_ms - rem(System.os_time(:millisecond), window_ms)
 
+  # Waits for the next window of `window_ms` when this one ends within a second, so that a
+  # sync and the reading that checks it fall in one window.
+  defp clear_of_window_end(window_ms) do
+    left = window_left(window_ms)
+    if left < 1_000, do: Process.sleep(left + 10)
+  end
+
   defp assert_invalid(answer),
     do: assert({:error, %Error{type: :invalid_parameters, message: "" <> _}} = answer)
 
@@ -46,6 +53,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
          %{name: name} do
       key = {"binance", "k", "ip"}
       assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
+      clear_of_window_end(60_000)
       # B = 480 + 72 * 60 = 4800 per minute: 1200 more may go before the minute ends.
       assert :ok = observe(200, [{"x-mbx-used-weight-1m", "3600"}], name)
       left = window_left(60_000)
@@ -57,6 +65,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       key = {"binance", "k", "ip"}
       # B = 6000 + 100 * 60 = 12,000 a minute; Binance spot admits 6,000.
       assert :ok = RateLimiter.check_rate(key, %{requests: 6000, period: 60_000}, 1, name)
+      clear_of_window_end(60_000)
       assert :ok = observe(200, [{"X-MBX-USED-WEIGHT-1M", "5900"}], name)
       # 100 more until the minute ends, 100 a second of it from the refill.
       left = window_left(60_000)
@@ -70,6 +79,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
         Bourse.RateLimiter.Feedback.put_header_limits(exchange, %{"X-MBX-USED-WEIGHT-1M" => 2400})
 
       assert :ok = RateLimiter.check_rate(key, %{requests: 2400, period: 60_000}, 1, name)
+      clear_of_window_end(60_000)
 
       assert :ok =
                RateLimiter.observe_response(
@@ -109,6 +119,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       for {credential, opts} <- [{"read", []}, {"given", [limits: buckets]}] do
         key = {"binance", credential, "ip"}
         assert :ok = RateLimiter.check_rate(key, buckets["ip"], 1, name)
+        clear_of_window_end(60_000)
         headers = [{"x-mbx-used-weight-1m", "3600"}]
         assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
         left = window_left(60_000)
@@ -148,6 +159,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
           ] do
         key = {"binance", credential, "ip"}
         assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+        clear_of_window_end(60_000)
         headers = [{"x-mbx-used-weight-1m", "600"}]
         opts = [limits: %{"ip" => limit}]
         assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
@@ -240,6 +252,25 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
       assert :ok = observe(200, headers, name)
       assert_tokens_since(key, name, -2, limit.refill_per_sec, set_at)
+    end
+
+    test "keys sharing an IP: their one bucket of the IP follows the IP's used weight",
+         %{name: name} do
+      ip = {"binance", :public, "ip"}
+
+      for key <- ["key-a", "key-b"] do
+        checks = [{ip, @binance, 10}, {{"binance", key, "orders_10s"}, @slow, 1}]
+        assert :ok = RateLimiter.check_rates(checks, name)
+      end
+
+      # B = 4800 per minute; the IP used 4000 of it: 800 more until the minute ends.
+      clear_of_window_end(60_000)
+      headers = [{"x-mbx-used-weight-1m", "4000"}]
+      assert :ok = RateLimiter.observe_response("binance", :public, 200, headers, name)
+      assert :ok = RateLimiter.observe_response("binance", "key-a", 200, headers, name)
+      left = window_left(60_000)
+      assert_in_delta tokens(ip, name), min(460, 800 - 72 * left / 1000), 72 * 0.2
+      assert RateLimiter.inspect_key({"binance", "key-a", "ip"}, name) == nil
     end
 
     test "axis: the per-endpoint headers sync the bucket of the reply's endpoint", %{name: name} do
