@@ -30,14 +30,8 @@ defmodule Bourse.RateLimiter.FeedbackTest do
            "#{tokens} tokens, expected #{expected} (+ up to #{refilled} refilled since)"
   end
 
-  defp window_left(window_ms), do: window_ms - rem(System.os_time(:millisecond), window_ms)
-
-  # Waits for the next window of `window_ms` when this one ends within a second, so that a
-  # sync and the reading that checks it fall in one window.
-  defp clear_of_window_end(window_ms) do
-    left = window_left(window_ms)
-    if left < 1_000, do: Process.sleep(left + 10)
-  end
+  defp window_left(window_ms), do: Bourse.Window.left(window_ms)
+  defp clear_of_window_end(window_ms), do: Bourse.Window.clear_of_end(window_ms)
 
   defp assert_invalid(answer),
     do: assert({:error, %Error{type: :invalid_parameters, message: "" <> _}} = answer)

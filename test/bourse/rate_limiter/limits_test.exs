@@ -197,6 +197,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
           ] do
         key = {exchange, "k", axis}
         assert :ok = Bourse.RateLimiter.check_rate(key, limit, 0, name)
+        Bourse.Window.clear_of_end(window_ms)
 
         assert :ok =
                  Bourse.RateLimiter.observe_response(
@@ -207,7 +208,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
                    name
                  )
 
-        left = window_ms - rem(System.os_time(:millisecond), window_ms)
+        left = Bourse.Window.left(window_ms)
         rate = limit.requests / (window_ms / 1000)
         expected = min(limit.requests, limit.requests - used - rate * left / 1000)
         tokens = Bourse.RateLimiter.inspect_key(key, name).tokens
