@@ -119,9 +119,10 @@ impl<'a> Request<'a> {
                 let checked = || {
                     let cost = cost(request.get("cost"))?;
                     let mode = mode(request)?;
-                    Ok((limit(required(request, "limit")?)?, cost, mode))
+                    let owner = owner(request)?;
+                    Ok((limit(required(request, "limit")?)?, cost, mode, owner))
                 };
-                let (limit, cost, mode) =
+                let (limit, cost, mode, owner) =
                     checked().map_err(|error: InvalidInput| error.for_exchange(key.exchange))?;
                 let checks = limit
                     .map(|limit| Check { key, limit, cost })
@@ -129,7 +130,7 @@ impl<'a> Request<'a> {
                     .collect();
                 Self::Check {
                     checks,
-                    owner: owner(request)?,
+                    owner,
                     mode,
                 }
             }

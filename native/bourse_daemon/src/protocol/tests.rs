@@ -554,6 +554,7 @@ fn an_error_names_the_exchange_whenever_it_could_be_read() {
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":null,"foo":1}},{limit}}}"#),
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":5}},{limit}}}"#),
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":null,"axis":7}},{limit}}}"#),
+        format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":"k"}},{limit},"owner":[1]}}"#),
         r#"{"op":"record","key":{"exchange":"binance"},"cost":1}"#.to_string(),
         r#"{"op":"pause","target":{"exchange":"binance","foo":1},"ms":5}"#.to_string(),
         r#"{"op":"back_off","credential":{"exchange":"binance"},"scope":"credential"}"#.to_string(),
