@@ -65,13 +65,16 @@ pub struct Client {
     timeout: Duration,
     /// Where Redis is, as errors name it (`Servers::describe`).
     peer: String,
+    /// Whether the daemon was given a password for Redis.
+    password_given: bool,
 }
 
 impl Client {
-    pub fn new(link: Link, peer: String, timeout: Duration) -> Self {
+    pub fn new(link: Link, peer: String, timeout: Duration, password_given: bool) -> Self {
         Self {
             link,
             peer,
+            password_given,
             sources: Sources::new(),
             functions: AtomicBool::new(true),
             clock: ServerClock::new(timeout),
@@ -477,6 +480,12 @@ impl Client {
                      is a Redis server listening there?"
                 )))
             }
+            Ok(Err(error)) if unauthenticated(&error) && self.password_given => Err(self
+                .unavailable(format_args!(
+                    "it refused the password given ({}): is it this Redis's? (a Redis \
+                     without a password refuses any)",
+                    error.to_string().lines().next().unwrap_or_default()
+                ))),
             Ok(Err(error)) if unauthenticated(&error) => Err(self.unavailable(format_args!(
                 "it asks for a password ({}): give it in the Redis URL \
                  (redis://:PASSWORD@host:port), --redis-password-file or BOURSE_REDIS_PASSWORD",

@@ -62,7 +62,8 @@ impl RedisStore {
             timeout,
         )?;
         let peer = options.servers.describe();
-        let client = Arc::new(Client::new(link, peer, options.timeout));
+        let password_given = options.password.is_some();
+        let client = Arc::new(Client::new(link, peer, options.timeout, password_given));
         let prefix = options.prefix.into_bytes();
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),

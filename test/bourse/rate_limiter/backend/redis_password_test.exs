@@ -94,6 +94,18 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute_password_shown(line)
   end
 
+  test "a password Redis refuses is named as refused, and not shown" do
+    redis = start_redis()
+    url = "redis://:wrong-secret-part@127.0.0.1:#{redis.port}"
+    name = start_limiter({:redis, url, redis_timeout_ms: 4_000})
+
+    assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"binance", "wrong"}, @limit, 1, name)
+
+    assert message =~ "it refused the password given"
+    refute message =~ "secret-part"
+  end
+
   test "a password in a unix:// URL's query (?pass=, or a percent-encoded name such as ?%70ass=) is Redis's password, and never on the daemon's command line" do
     # Each with the rest of the query the daemon is given.
     for {query, kept} <- [{"pass=", ""}, {"db=0&%70ass=", "db=0"}] do
