@@ -139,7 +139,12 @@ defmodule Bourse.RateLimiter.Backend.ConnectionReadersTest do
     # unless a victim was killed between counting its request and writing it (rare: it
     # must be preempted right there), which leaves one answer expected for good
     # (SocketStream's comment), the connection reading, and callers going through it.
-    settled = eventually(fn -> in_flight_and_reader(name) in [{0, 0}, {1, -1}] end)
+    settled =
+      eventually(fn ->
+        state = in_flight_and_reader(name)
+        state in [{0, 0}, {1, -1}] && state
+      end)
+
     # No route left, and the rows of victims killed as they wrote or read alone swept: the
     # table holds the stream alone, as a caller alone finds it.
     eventually(fn -> :ets.info(handle(name).table, :size) == 1 end)
