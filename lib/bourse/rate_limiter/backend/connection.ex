@@ -847,17 +847,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         hello["assume_busy_at_start"] != false ->
           :ok
 
-        state.connected_before and hello["table"] != state.daemon_table ->
+        not state.connected_before ->
+          if state.assume_busy do
+            Logger.warning(
+              "#{describe(state)}: the daemon runs without --assume-busy-at-start, so the " <>
+                "limiter's assume_busy_at_start: true does not hold for its buckets"
+            )
+          end
+
+        hello["table"] != state.daemon_table ->
           Logger.warning(
             "#{describe(state)}: reconnected to a daemon that restarted without " <>
               "--assume-busy-at-start: its buckets started full while the exchange " <>
               "still counts the previous run"
-          )
-
-        state.assume_busy ->
-          Logger.warning(
-            "#{describe(state)}: the daemon runs without --assume-busy-at-start, so the " <>
-              "limiter's assume_busy_at_start: true does not hold for its buckets"
           )
 
         true ->
