@@ -641,8 +641,9 @@ defmodule Bourse.RateLimiter do
   Overlapping pauses keep the later end. A limiter's own table (NIF, port, daemon) holds
   at most 10,000 pauses of keys and credentials in force,
   past which a new one pauses its whole exchange, and as many of exchanges, past which a
-  new exchange's pause pauses every exchange until it ends (`reset_all/1` ends it): a
-  limited reply is never ignored. Redis keeps every pause.
+  new exchange's pause pauses every exchange until it ends (only `reset_all/1` ends it
+  sooner): a limited reply is never ignored. Ended pauses the sweep has not taken yet are
+  taken out first. Redis keeps every pause.
   """
   @spec pause(pause_target(), non_neg_integer(), GenServer.name()) :: :ok | error()
   def pause(target, ms, name \\ @default) do

@@ -61,23 +61,31 @@ impl Pauses {
     }
 
     /// Holds `target` until `until`; an existing pause of it keeps the later end. Key and
-    /// credential pauses are at most [`MAX_PAUSES`] (ended ones count until
-    /// [`Self::take_ended`]), and so are exchange pauses. With no room, a new key or
-    /// credential pause holds its whole exchange instead, and a new exchange pause every
-    /// exchange: a limited reply is never ignored.
-    pub fn add(&mut self, target: &PauseTarget, until: u64) {
+    /// credential pauses are at most [`MAX_PAUSES`], and so are exchange pauses; ended ones
+    /// count until [`Self::take_ended`], which a new pause without room runs first (at
+    /// `now`). Still without room, a new key or credential pause holds its whole exchange
+    /// instead, and a new exchange pause every exchange: a limited reply is never ignored.
+    /// Returns the ended pauses taken out, for the caller to free once it let the lock go.
+    pub fn add(&mut self, target: &PauseTarget, until: u64, now: u64) -> Vec<Pause> {
+        let mut ended = Vec::new();
+        let mut held = self.insert(target, until);
+        if !held {
+            ended = self.take_ended(now);
+            held = self.insert(target, until);
+        }
         let exchange = match target {
             PauseTarget::Exchange(_) => None,
             PauseTarget::Credential(exchange, _) => Some(exchange.as_slice()),
             PauseTarget::Key(key) => Some(key.exchange()),
         };
-        let held = self.insert(target, until)
+        let held = held
             || exchange.is_some_and(|exchange| {
                 self.insert(&PauseTarget::Exchange(exchange.to_vec()), until)
             });
         if !held {
             self.every = self.every.max(until);
         }
+        ended
     }
 
     /// Whether a new pause of `target`'s kind fits.
@@ -215,12 +223,13 @@ mod tests {
         let mut pauses = Pauses::new(hasher);
         let key = KeyRef::new(b"ex", Some(b"k"), b"ip");
         let other = KeyRef::new(b"other", Some(b"k"), b"ip");
-        pauses.add(&PauseTarget::Exchange(b"ex".to_vec()), 10);
+        pauses.add(&PauseTarget::Exchange(b"ex".to_vec()), 10, 0);
         pauses.add(
             &PauseTarget::Credential(b"ex".to_vec(), Some(b"k".to_vec())),
             30,
+            0,
         );
-        pauses.add(&PauseTarget::Key(key.to_owned_key()), 20);
+        pauses.add(&PauseTarget::Key(key.to_owned_key()), 20, 0);
         assert_eq!(pauses.until(&key, hasher.hash_one(key)), 30);
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 0);
         // The public pool is not a credential's pause.
@@ -252,11 +261,11 @@ mod tests {
             for i in 0..1_000 {
                 let credential = format!("key-{i}").into_bytes();
                 let key = KeyRef::new(exchange, Some(&credential), b"ip").to_owned_key();
-                pauses.add(&PauseTarget::Key(key), 100 + i);
+                pauses.add(&PauseTarget::Key(key), 100 + i, 0);
                 let credential = PauseTarget::Credential(exchange.to_vec(), Some(credential));
-                pauses.add(&credential, 100 + i);
+                pauses.add(&credential, 100 + i, 0);
             }
-            pauses.add(&PauseTarget::Exchange(exchange.to_vec()), 5_000);
+            pauses.add(&PauseTarget::Exchange(exchange.to_vec()), 5_000, 0);
         }
         assert_eq!(pauses.take_of_exchange(b"ex").len(), TAKE_STEP);
         assert_eq!(
@@ -281,20 +290,20 @@ mod tests {
         let hasher = foldhash::fast::RandomState::default();
         let mut pauses = Pauses::new(hasher);
         for i in 0..MAX_PAUSES {
-            pauses.add(&target(i), 100);
+            pauses.add(&target(i), 100, 0);
         }
         let other = KeyRef::new(b"ex", Some(b"other"), b"ip");
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 0);
         // An existing target is extended; a new one holds the exchange.
-        pauses.add(&target(0), 200);
-        pauses.add(&target(MAX_PAUSES), 300);
+        pauses.add(&target(0), 200, 0);
+        pauses.add(&target(MAX_PAUSES), 300, 0);
         let credential = PauseTarget::Credential(b"ex".to_vec(), Some(b"new".to_vec()));
-        pauses.add(&credential, 400);
+        pauses.add(&credential, 400, 0);
         assert_eq!(pauses.until(&other, hasher.hash_one(other)), 400);
         assert_eq!(len(&pauses), MAX_PAUSES + 1);
         // Ended pauses make room again.
         take_all(|| pauses.take_ended(350));
-        pauses.add(&target(MAX_PAUSES + 1), 500);
+        pauses.add(&target(MAX_PAUSES + 1), 500, 0);
         assert_eq!(len(&pauses), 2);
     }
 
@@ -304,28 +313,46 @@ mod tests {
         let mut pauses = Pauses::new(hasher);
         let exchange = |i: usize| PauseTarget::Exchange(format!("ex-{i}").into_bytes());
         for i in 0..MAX_PAUSES {
-            pauses.add(&exchange(i), 100);
+            pauses.add(&exchange(i), 100, 0);
         }
         let elsewhere = KeyRef::new(b"elsewhere", Some(b"k"), b"ip");
         let until_elsewhere =
             |pauses: &Pauses| pauses.until(&elsewhere, hasher.hash_one(elsewhere));
         assert_eq!(until_elsewhere(&pauses), 0);
         // A paused exchange is extended as before; a new one holds every exchange.
-        pauses.add(&exchange(0), 200);
+        pauses.add(&exchange(0), 200, 0);
         assert_eq!(until_elsewhere(&pauses), 0);
-        pauses.add(&exchange(MAX_PAUSES), 300);
+        pauses.add(&exchange(MAX_PAUSES), 300, 0);
         assert_eq!(until_elsewhere(&pauses), 300);
         // So does a key or credential pause that has no room and no room for its exchange.
         for i in 0..MAX_PAUSES {
-            pauses.add(&target(i), 50);
+            pauses.add(&target(i), 50, 0);
         }
         let credential = PauseTarget::Credential(b"new".to_vec(), Some(b"k".to_vec()));
-        pauses.add(&credential, 400);
+        pauses.add(&credential, 400, 0);
         assert_eq!(until_elsewhere(&pauses), 400);
         assert_eq!(len(&pauses), 2 * MAX_PAUSES);
         // It ends as any pause does.
         take_all(|| pauses.take_ended(400));
         assert_eq!(until_elsewhere(&pauses), 0);
         assert_eq!(len(&pauses), 0);
+    }
+
+    #[test]
+    fn a_new_pause_without_room_takes_out_ended_ones_first() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut pauses = Pauses::new(hasher);
+        let exchange = |i: usize| PauseTarget::Exchange(format!("ex-{i}").into_bytes());
+        for i in 0..MAX_PAUSES {
+            pauses.add(&exchange(i), 100, 0);
+        }
+        // All ended by 150, none swept yet: room is made, and no other exchange is held.
+        let ended = pauses.add(&exchange(MAX_PAUSES), 300, 150);
+        assert_eq!(ended.len(), TAKE_STEP);
+        let elsewhere = KeyRef::new(b"elsewhere", Some(b"k"), b"ip");
+        assert_eq!(pauses.until(&elsewhere, hasher.hash_one(elsewhere)), 0);
+        let paused = KeyRef::new(format!("ex-{MAX_PAUSES}").as_bytes(), None, b"ip").to_owned_key();
+        let paused = paused.as_ref();
+        assert_eq!(pauses.until(&paused, hasher.hash_one(paused)), 300);
     }
 }

@@ -625,12 +625,13 @@ impl<C: Clock> Table<C> {
     /// the next sweep), a new one holds its whole exchange; past as many of exchanges, a
     /// new exchange pause holds every exchange.
     pub fn pause(&self, target: PauseTarget, ms: u64) {
-        let until = self
-            .clock
-            .now()
-            .saturating_add(ms.saturating_mul(NANOS_PER_MS).min(MAX_WAIT_NS));
-        self.pauses.write().add(&target, until);
+        let now = self.clock.now();
+        let until = now.saturating_add(ms.saturating_mul(NANOS_PER_MS).min(MAX_WAIT_NS));
+        let mut pauses = self.pauses.write();
+        let ended = pauses.add(&target, until, now);
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
+        drop(pauses);
+        drop(ended);
     }
 
     /// Counts a limited reply without a usable wait for `exchange`'s `credential` (`None`:
@@ -661,13 +662,16 @@ impl<C: Clock> Table<C> {
         };
         let ms = rules::backoff_ms(level);
         let until = now.saturating_add(ms * NANOS_PER_MS);
-        pauses.add(&target, until);
+        let ended = pauses.add(&target, until, now);
         self.pause_horizon.fetch_max(until, Ordering::SeqCst);
         let backoff = Backoff {
             count: backoff.count.saturating_add(u32::from(counts)),
             held_until: backoff.held_until.max(until),
         };
         backoffs.set(&counted, backoff, now);
+        drop(backoffs);
+        drop(pauses);
+        drop(ended);
         ms
     }
 
