@@ -710,7 +710,9 @@ defmodule Bourse.RateLimiter do
   axis (`%{"ip" => %{capacity: 480, refill_per_sec: 72}}`), which spares header sync a
   read of each definition from the table; `axis:` the axis of the reply's endpoint, which
   the per-endpoint headers (Bybit `X-Bapi-Limit*`, generic `x-ratelimit-*`) then sync
-  instead of `"request"`. Like `check_rates/3`, the name may be left out
+  instead of `"request"`; `ip:` the credential part of the buckets of the IP the reply
+  came from, for keys that share it (`:public`): the headers that count the IP (Binance
+  `x-mbx-used-weight-1m`, `x-sapi-used-ip-weight-1m`) then sync those. Like `check_rates/3`, the name may be left out
   before the options: `observe_response("bybit", key, 200, headers, body: body)`.
 
   Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic

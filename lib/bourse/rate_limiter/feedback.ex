@@ -86,6 +86,11 @@ defmodule Bourse.RateLimiter.Feedback do
   current endpoint"): an adapter passes that endpoint's axis with
   `observe_response(..., axis: "order_create")`, and they sync that bucket.
 
+  `x-mbx-used-weight-1m` and `x-sapi-used-ip-weight-1m` count the IP the reply came
+  from. Keys sharing an IP check one bucket of it (`{"binance", :public, "ip"}`) and pass
+  `ip: :public` (the credential part of the IP's buckets): those two headers then sync
+  `{exchange_id, ip, axis}`, and the others the key's own buckets.
+
   Binance's `x-mbx-used-weight` without an interval suffix is ignored: it names no window.
 
   **Used counters** (Binance) give `used`, the cost the exchange counted in the current
@@ -175,6 +180,9 @@ defmodule Bourse.RateLimiter.Feedback do
     "x-mbx-order-count-1m" => {"orders_1m", 60_000},
     "x-mbx-order-count-1d" => {"orders_1d", 86_400_000}
   }
+
+  # The used counters that count the IP, not the account: `ip:` names their buckets.
+  @ip_counters ["x-mbx-used-weight-1m", "x-sapi-used-ip-weight-1m"]
 
   # limit, remaining and reset header names, and how to read the reset.
   @families %{
@@ -295,14 +303,14 @@ defmodule Bourse.RateLimiter.Feedback do
     with {:ok, running} <- check_name(name),
          :ok <- check_credential(exchange_id, credential_key),
          :ok <- check_status(status),
-         {:ok, body, definitions, endpoint} <- options(opts, exchange_id, credential_key),
+         {:ok, given} <- options(opts, exchange_id, credential_key),
          {:ok, axes} <- axes(),
-         axes = endpoint_axis(axes, endpoint),
+         axes = endpoint_axis(axes, given.endpoint),
          {:ok, limits} <- exchange_limits(exchange_id),
          {:ok, found} <- collect(headers, wanted(axes)),
          :ok <- running(running, name),
-         reply = {status, body, found},
-         counters = {axes, limits, definitions},
+         reply = {status, given.body, found},
+         counters = {axes, limits, given.definitions, given.ip},
          :ok <-
            CallDeadline.shared(fn ->
              record(exchange_id, credential_key, reply, counters, name)
@@ -327,14 +335,15 @@ defmodule Bourse.RateLimiter.Feedback do
            Options.known_options(
              opts,
              "option",
-             [:body, :limits, :axis],
-             ":body, :limits or :axis"
+             [:body, :limits, :axis, :ip],
+             ":body, :limits, :axis or :ip"
            ),
          {:ok, body} <- body(Keyword.get(opts, :body)),
          {:ok, definitions} <-
            definitions(Keyword.get(opts, :limits, %{}), exchange_id, credential),
-         {:ok, endpoint} <- endpoint(Keyword.get(opts, :axis), exchange_id, credential) do
-      {:ok, body, definitions, endpoint}
+         {:ok, endpoint} <- endpoint(Keyword.get(opts, :axis), exchange_id, credential),
+         {:ok, ip} <- ip(Keyword.get(opts, :ip, credential), exchange_id) do
+      {:ok, %{body: body, definitions: definitions, endpoint: endpoint, ip: ip}}
     else
       {:error, %Error{}} = error -> error
       {:error, message} -> invalid(message)
@@ -369,6 +378,11 @@ defmodule Bourse.RateLimiter.Feedback do
   defp endpoint(axis, exchange_id, credential) do
     with :ok <- native(Native.check_key({exchange_id, credential, axis}), "axis: "),
          do: {:ok, axis}
+  end
+
+  # `ip:` – the credential part of the buckets of the IP the reply came from.
+  defp ip(ip, exchange_id) do
+    with :ok <- native(Native.check_key({exchange_id, ip}), "ip: "), do: {:ok, ip}
   end
 
   # The limit-and-remaining headers describe the endpoint of the reply: given its axis,
@@ -509,9 +523,9 @@ defmodule Bourse.RateLimiter.Feedback do
 
   ## Header sync
 
-  defp sync_all(exchange_id, credential, found, {axes, limits, definitions}, name) do
+  defp sync_all(exchange_id, credential, found, {axes, limits, definitions, ip}, name) do
     Enum.reduce_while(axes, :ok, fn {header, {axis, window_ms}}, :ok ->
-      key = {exchange_id, credential, axis}
+      key = {exchange_id, if(header in @ip_counters, do: ip, else: credential), axis}
       counter = {window_ms, limits[header], definitions[axis]}
 
       case sync_one(header, key, counter, found, name) do

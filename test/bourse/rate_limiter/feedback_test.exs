@@ -248,23 +248,39 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_tokens_since(key, name, -2, limit.refill_per_sec, set_at)
     end
 
-    test "keys sharing an IP: their one bucket of the IP follows the IP's used weight",
+    test "keys sharing an IP, ip: :public: the IP's counters sync its one bucket, a key's own its own",
          %{name: name} do
       ip = {"binance", :public, "ip"}
-
-      for key <- ["key-a", "key-b"] do
-        checks = [{ip, @binance, 10}, {{"binance", key, "orders_10s"}, @slow, 1}]
-        assert :ok = RateLimiter.check_rates(checks, name)
-      end
+      orders = %{capacity: 10, refill_per_sec: 0.001}
+      checks = fn key -> [{ip, @binance, 10}, {{"binance", key, "orders_10s"}, orders, 1}] end
+      for key <- ["key-a", "key-b"], do: assert(:ok = RateLimiter.check_rates(checks.(key), name))
 
       # B = 4800 per minute; the IP used 4000 of it: 800 more until the minute ends.
+      # The account of key-a placed 9 of its 10 orders in the 10 s window.
       clear_of_window_end(60_000)
-      headers = [{"x-mbx-used-weight-1m", "4000"}]
-      assert :ok = RateLimiter.observe_response("binance", :public, 200, headers, name)
-      assert :ok = RateLimiter.observe_response("binance", "key-a", 200, headers, name)
+      clear_of_window_end(10_000)
+      headers = [{"x-mbx-used-weight-1m", "4000"}, {"x-mbx-order-count-10s", "9"}]
+      opts = [ip: :public, limits: %{"orders_10s" => orders}]
+      assert :ok = RateLimiter.observe_response("binance", "key-a", 200, headers, name, opts)
       left = window_left(60_000)
       assert_in_delta tokens(ip, name), min(460, 800 - 72 * left / 1000), 72 * 0.2
+      assert tokens({"binance", "key-a", "orders_10s"}, name) < 1.01
+      assert tokens({"binance", "key-b", "orders_10s"}, name) > 8.9
       assert RateLimiter.inspect_key({"binance", "key-a", "ip"}, name) == nil
+
+      # An account's order limit holds that key alone; the IP's limit, every key.
+      assert :ok = RateLimiter.reset(ip, name)
+      body = ~s({"code":-1015,"msg":"Too many new orders."})
+      opts = [ip: :public, body: body]
+      assert {:error, _} = RateLimiter.observe_response("binance", "key-a", 429, [], name, opts)
+      assert {:delay, _} = RateLimiter.check_rates(checks.("key-a"), name)
+      assert :ok = RateLimiter.check_rates(checks.("key-b"), name)
+      body = ~s({"code":-1003,"msg":"Too much request weight used."})
+      opts = [ip: :public, body: body]
+      assert {:error, _} = RateLimiter.observe_response("binance", "key-a", 429, [], name, opts)
+      assert {:delay, _} = RateLimiter.check_rates(checks.("key-b"), name)
+
+      assert_invalid(RateLimiter.observe_response("binance", "key-a", 200, [], name, ip: :other))
     end
 
     test "axis: the per-endpoint headers sync the bucket of the reply's endpoint", %{name: name} do
