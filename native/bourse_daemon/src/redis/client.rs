@@ -487,8 +487,9 @@ impl Client {
                     error.to_string().lines().next().unwrap_or_default()
                 ))),
             Ok(Err(error)) if unauthenticated(&error) => Err(self.unavailable(format_args!(
-                "it asks for a password ({}): give it in the Redis URL \
-                 (redis://:PASSWORD@host:port), --redis-password-file or BOURSE_REDIS_PASSWORD",
+                "it asks for a password ({}): give it in the Elixir backend's Redis URL \
+                 (redis://:PASSWORD@host:port), or to the daemon with \
+                 --redis-password-file or BOURSE_REDIS_PASSWORD",
                 error.to_string().lines().next().unwrap_or_default()
             ))),
             Ok(Err(error)) => Err(self.unavailable(error)),
