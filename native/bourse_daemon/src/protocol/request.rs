@@ -139,10 +139,16 @@ impl<'a> Request<'a> {
                     &["checks", "owner", "max_wait_ms", "booking_slack_ms"],
                     "a check_many request",
                 )?;
-                let mode = mode(request)?;
+                let options = || Ok((mode(request)?, owner(request)?));
+                let (mode, owner) = options().map_err(|error: InvalidInput| {
+                    match request.get("checks").and_then(one_exchange) {
+                        Some(exchange) => error.for_exchange(exchange),
+                        None => error,
+                    }
+                })?;
                 Self::Check {
                     checks: checks(required(request, "checks")?)?,
-                    owner: owner(request)?,
+                    owner,
                     mode,
                 }
             }
@@ -404,6 +410,22 @@ fn checks(value: &Value) -> Result<Vec<Check<'_>>> {
         }
     }
     Ok(checks)
+}
+
+/// The exchange every check of a `check_many` names, where one alone can be read: the
+/// exchange its errors of the whole request name, as the Elixir API's do.
+fn one_exchange(checks: &Value) -> Option<&[u8]> {
+    let Value::Array(items) = checks else {
+        return None;
+    };
+    let mut named = items
+        .iter()
+        .take(MAX_CHECKS)
+        .filter_map(|item| item.get("key")?.get("exchange")?.as_str());
+    let first = named.next()?;
+    named
+        .all(|other| other == first)
+        .then_some(first.as_bytes())
 }
 
 /// The request's `owner`: a string or an integer.

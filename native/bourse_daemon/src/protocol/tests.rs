@@ -555,6 +555,8 @@ fn an_error_names_the_exchange_whenever_it_could_be_read() {
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":5}},{limit}}}"#),
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":null,"axis":7}},{limit}}}"#),
         format!(r#"{{"op":"check","key":{{"exchange":"binance","credential":"k"}},{limit},"owner":[1]}}"#),
+        format!(r#"{{"op":"check_many","checks":[{{"key":{{"exchange":"binance","credential":"k"}},{limit}}}],"owner":[1]}}"#),
+        format!(r#"{{"op":"check_many","checks":[{{"key":{{"exchange":"binance","credential":"k"}},{limit}}}],"max_wait_ms":0}}"#),
         r#"{"op":"record","key":{"exchange":"binance"},"cost":1}"#.to_string(),
         r#"{"op":"pause","target":{"exchange":"binance","foo":1},"ms":5}"#.to_string(),
         r#"{"op":"back_off","credential":{"exchange":"binance"},"scope":"credential"}"#.to_string(),
@@ -564,8 +566,13 @@ fn an_error_names_the_exchange_whenever_it_could_be_read() {
         assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
         assert_eq!(answer["error"]["exchange"], "binance", "{request}: {answer}");
     }
-    // An exchange that cannot be read is not named.
+    // An exchange that cannot be read is not named, nor one of several.
     let answer = f.call(r#"{"op":"check","key":{"exchange":5,"credential":null},"limit":null}"#);
+    assert!(answer["error"].get("exchange").is_none(), "{answer}");
+    let answer = f.call(&format!(
+        r#"{{"op":"check_many","checks":[{{"key":{{"exchange":"a","credential":"k"}},{limit}}},{{"key":{{"exchange":"b","credential":"k"}},{limit}}}],"max_wait_ms":0}}"#
+    ));
+    assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
     assert!(answer["error"].get("exchange").is_none(), "{answer}");
 }
 
