@@ -413,11 +413,9 @@ defmodule Bourse.RateLimiter.Feedback do
         "body must be a binary, a decoded JSON map or list, or nil, got #{Error.describe(other)}"
       )
 
-  # A reply may need no call to the bucket table: the name is resolved here, and a name
-  # that is not a limiter's is refused (that process is never called). A limiter not
-  # running exits the caller only when a call to its table is needed.
-  # A name of anything but a limiter is refused before the input is judged; a limiter that
-  # is not running exits the caller after (`running/2`), whatever the response.
+  # A name of anything but a limiter is refused before the input is judged (that process
+  # is never called); a limiter that is not running exits the caller after (`running/2`),
+  # whatever the response.
   defp check_name(name) do
     case Router.route(name) do
       {:invalid, message} -> invalid(message)

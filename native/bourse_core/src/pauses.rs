@@ -41,6 +41,9 @@ pub(crate) struct Pauses {
     /// The end of a pause of every exchange (0: none): what a new exchange pause holds
     /// when [`MAX_PAUSES`] exchanges are paused.
     every: u64,
+    /// No pause in the indexes ends before this: until then, looking for ended ones to
+    /// make room finds none, and is skipped.
+    no_end_before: u64,
 }
 
 fn find<'a>(index: &'a HashTable<Pause>, hash: u64, key: &KeyRef) -> Option<&'a Pause> {
@@ -57,20 +60,21 @@ impl Pauses {
             credentials: HashTable::new(),
             keys: HashTable::new(),
             every: 0,
+            no_end_before: 0,
         }
     }
 
     /// Holds `target` until `until`; an existing pause of it keeps the later end. Key and
     /// credential pauses are at most [`MAX_PAUSES`], and so are exchange pauses; ended ones
-    /// count until [`Self::take_ended`], which a new pause without room runs first (at
-    /// `now`). Still without room, a new key or credential pause holds its whole exchange
-    /// instead, and a new exchange pause every exchange: a limited reply is never ignored.
-    /// Returns the ended pauses taken out, for the caller to free once it let the lock go.
+    /// count until taken out, as a new pause without room does first (at `now`). Still
+    /// without room, a new key or credential pause holds its whole exchange instead, and a
+    /// new exchange pause every exchange: a limited reply is never ignored. Returns the
+    /// ended pauses taken out, for the caller to free once it let the lock go.
     pub fn add(&mut self, target: &PauseTarget, until: u64, now: u64) -> Vec<Pause> {
         let mut ended = Vec::new();
         let mut held = self.insert(target, until);
         if !held {
-            ended = self.take_ended(now);
+            ended = self.make_room(now);
             held = self.insert(target, until);
         }
         let exchange = match target {
@@ -86,6 +90,36 @@ impl Pauses {
             self.every = self.every.max(until);
         }
         ended
+    }
+
+    /// Takes out up to [`TAKE_STEP`] pauses of each kind that ended by `now`, so that a new
+    /// pause of any kind finds room; nothing when none can have ended.
+    fn make_room(&mut self, now: u64) -> Vec<Pause> {
+        if now < self.no_end_before {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut next_end = u64::MAX;
+        let mut walked_all = true;
+        for index in [&mut self.exchanges, &mut self.credentials, &mut self.keys] {
+            let taken = out.len();
+            out.extend(
+                index
+                    .extract_if(|pause| {
+                        let ended = pause.until <= now;
+                        if !ended {
+                            next_end = next_end.min(pause.until);
+                        }
+                        ended
+                    })
+                    .take(TAKE_STEP),
+            );
+            walked_all &= out.len() - taken < TAKE_STEP;
+        }
+        if walked_all {
+            self.no_end_before = next_end;
+        }
+        out
     }
 
     /// Whether a new pause of `target`'s kind fits.
@@ -134,6 +168,7 @@ impl Pauses {
                     exchange_hash,
                     until,
                 });
+                self.no_end_before = self.no_end_before.min(until);
             }
         }
         true
@@ -354,5 +389,36 @@ mod tests {
         let paused = KeyRef::new(format!("ex-{MAX_PAUSES}").as_bytes(), None, b"ip").to_owned_key();
         let paused = paused.as_ref();
         assert_eq!(pauses.until(&paused, hasher.hash_one(paused)), 300);
+    }
+
+    #[test]
+    fn room_is_made_for_each_kind_and_looked_for_only_once_a_pause_may_have_ended() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut pauses = Pauses::new(hasher);
+        for i in 0..2 * TAKE_STEP {
+            pauses.add(
+                &PauseTarget::Exchange(format!("ex-{i}").into_bytes()),
+                100,
+                0,
+            );
+        }
+        for i in 0..MAX_PAUSES {
+            pauses.add(&target(i), 100 + i as u64, 0);
+        }
+        // Nothing ended at 50: no room, so the credential's exchange is held; the walk
+        // learnt that nothing ends before 100, and the next one is skipped.
+        let other = KeyRef::new(b"cx", Some(b"other"), b"ip");
+        let credential =
+            |name: &str| PauseTarget::Credential(b"cx".to_vec(), Some(name.as_bytes().to_vec()));
+        assert!(pauses.add(&credential("early"), 1_000, 50).is_empty());
+        assert_eq!(pauses.until(&other, hasher.hash_one(other)), 1_000);
+        assert_eq!(pauses.no_end_before, 100);
+        // At 150, many ended exchange pauses and 51 ended key pauses: a credential gets
+        // room of its own kind, and its exchange's pause is not extended.
+        let ended = pauses.add(&credential("late"), 2_000, 150);
+        assert_eq!(ended.len(), TAKE_STEP + 51);
+        assert_eq!(pauses.until(&other, hasher.hash_one(other)), 1_000);
+        let late = KeyRef::new(b"cx", Some(b"late"), b"ip");
+        assert_eq!(pauses.until(&late, hasher.hash_one(late)), 2_000);
     }
 }
