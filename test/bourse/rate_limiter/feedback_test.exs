@@ -33,6 +33,14 @@ defmodule Bourse.RateLimiter.FeedbackTest do
   defp window_left(window_ms), do: Bourse.Window.left(window_ms)
   defp clear_of_window_end(window_ms), do: Bourse.Window.clear_of_end(window_ms)
 
+  defp bybit_headers(limit, remaining, reset_ms) do
+    [
+      {"X-Bapi-Limit", "#{limit}"},
+      {"X-Bapi-Limit-Status", "#{remaining}"},
+      {"X-Bapi-Limit-Reset-Timestamp", "#{reset_ms}"}
+    ]
+  end
+
   defp assert_invalid(answer),
     do: assert({:error, %Error{type: :invalid_parameters, message: "" <> _}} = answer)
 
@@ -220,11 +228,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
       # Not limited: the reset timestamp is now, so the allowance holds now.
       # B = min(5 + 5 * 1, 10) = 10; used = 10 - 7 = 3: 7 tokens (capped at 5) stay.
-      headers = [
-        {"X-Bapi-Limit", "10"},
-        {"X-Bapi-Limit-Status", "7"},
-        {"X-Bapi-Limit-Reset-Timestamp", "#{now}"}
-      ]
+      headers = bybit_headers(10, 7, now)
 
       assert :ok = observe(200, headers, name)
       assert tokens(key, name) > 3.9
@@ -287,13 +291,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       {:ok, %{"order_create" => limit}} = RateLimiter.Exchange.buckets(:bybit_v5)
       key = {"bybit", "k", "order_create"}
       assert :ok = RateLimiter.check_rate(key, limit, 1, name)
-      now = System.os_time(:millisecond)
-
-      headers = [
-        {"X-Bapi-Limit", "10"},
-        {"X-Bapi-Limit-Status", "0"},
-        {"X-Bapi-Limit-Reset-Timestamp", "#{now}"}
-      ]
+      headers = bybit_headers(10, 0, System.os_time(:millisecond))
 
       assert :ok =
                RateLimiter.observe_response("bybit", "k", 200, headers, name, axis: "order_create")
