@@ -77,15 +77,9 @@ impl Pauses {
             ended = self.make_room(now);
             held = self.insert(target, until);
         }
-        let exchange = match target {
-            PauseTarget::Exchange(_) => None,
-            PauseTarget::Credential(exchange, _) => Some(exchange.as_slice()),
-            PauseTarget::Key(key) => Some(key.exchange()),
-        };
         let held = held
-            || exchange.is_some_and(|exchange| {
-                self.insert(&PauseTarget::Exchange(exchange.to_vec()), until)
-            });
+            || !matches!(target, PauseTarget::Exchange(_))
+                && self.insert(&PauseTarget::Exchange(target.exchange().to_vec()), until);
         if !held {
             self.every = self.every.max(until);
         }
