@@ -763,9 +763,10 @@ defmodule Bourse.RateLimiter do
     do: name |> run(:sync, [key, allowance, window_left_ms]) |> failed({:key, key})
 
   @doc false
-  # Counts a limited reply without a usable wait for `{exchange_id, credential_key}` in the
-  # limiter's table and pauses `scope` (`:credential` or `:exchange`) for the backoff
-  # (`Bourse.RateLimiter.Feedback`); returns the pause in milliseconds.
+  # Counts a limited reply without a usable wait, for `{exchange_id, credential_key}` or
+  # (scope `:exchange`) for the exchange, in the limiter's table and pauses `scope`
+  # (`:credential` or `:exchange`) for the backoff (`Bourse.RateLimiter.Feedback`);
+  # returns the pause in milliseconds.
   @spec back_off({String.t(), String.t() | :public}, :credential | :exchange, GenServer.name()) ::
           pos_integer() | error()
   def back_off(credential, scope, name) do
@@ -781,6 +782,7 @@ defmodule Bourse.RateLimiter do
 
   @doc false
   @spec reset_backoff({String.t(), String.t() | :public}, GenServer.name()) :: :ok | error()
+  # Starts the backoff counts of the credential and of its exchange again.
   def reset_backoff(credential, name),
     do: name |> run(:reset_backoff, [credential]) |> failed({:key, credential})
 

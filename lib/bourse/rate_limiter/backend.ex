@@ -64,11 +64,12 @@ defmodule Bourse.RateLimiter.Backend do
   @callback pause(handle(), target :: term(), ms :: term()) :: :ok | error()
   @doc """
   Counts a limited reply without a usable wait for `credential`
-  (`{exchange_id, credential_key}`) and pauses `scope` (`:credential` or `:exchange`) for
-  the backoff; returns the pause in milliseconds.
+  (`{exchange_id, credential_key}`), or for its exchange with scope `:exchange`, and
+  pauses `scope` (`:credential` or `:exchange`) for the backoff; returns the pause in
+  milliseconds.
   """
   @callback back_off(handle(), credential :: term(), scope :: term()) :: pos_integer() | error()
-  @doc "Forgets the backoff count of `credential`: its next backoff is the first."
+  @doc "Forgets the backoff counts of `credential` and of its exchange: the next is the first."
   @callback reset_backoff(handle(), credential :: term()) :: :ok | error()
   @callback inspect(handle(), key :: term()) :: map() | nil | error()
   @callback stats(handle()) :: map() | error()

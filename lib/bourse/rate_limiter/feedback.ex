@@ -24,8 +24,10 @@ defmodule Bourse.RateLimiter.Feedback do
        `EService:Throttled: <unix time>`, Binance's `IP banned until <ms>`), with the same
        floor and cap;
     3. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
-       consecutive limited reply without a usable wait on that credential; a 2xx without
-       a signal on the credential starts the count again. A reply that comes back while
+       consecutive limited reply without a usable wait on that credential, or on the
+       exchange for replies that limit the whole exchange (a 418, Binance's -1003),
+       whichever credential they came to: keys sharing an IP share its count. A 2xx
+       without a signal on the credential starts both counts again. A reply that comes back while
        the backoff's pause holds was sent before it: it pauses as long again and is not
        counted (a burst of replies to requests in flight together is one step).
 
@@ -48,8 +50,8 @@ defmodule Bourse.RateLimiter.Feedback do
   the count, and a limited reply counts and pauses in one call. The count is no bucket:
   it never shows in `Bourse.RateLimiter.busiest/2` or `mix bourse.top`. It lapses
   10 minutes after the last limited reply that counted into it, and `reset_exchange/2`
-  and `reset_all/1` forget it; a table counts at most 10,000 credentials at once (when
-  full, a new credential's backoff stays at 1 s).
+  and `reset_all/1` forget it; a table counts at most 10,000 credentials and exchanges at
+  once (when full, a new one's backoff stays at 1 s).
 
   Calls to the bucket table per reply: one `pause` (or, for the backoff, one
   `back_off`) per limited reply; one to start the backoff count again per 2xx without a

@@ -1,6 +1,7 @@
-//! Backoff counts: consecutive limited replies without a usable wait, per credential, each
-//! lapsing [`BACKOFF_LAPSE_MS`] after the last reply that counted into it, with the end of
-//! the last backoff's pause.
+//! Backoff counts: consecutive limited replies without a usable wait, per credential (and
+//! per exchange, for replies limiting the whole exchange), each lapsing
+//! [`BACKOFF_LAPSE_MS`] after the last reply that counted into it, with the end of the last
+//! backoff's pause.
 
 use std::hash::BuildHasher;
 
@@ -19,8 +20,14 @@ pub(crate) struct Backoff {
     pub held_until: u64,
 }
 
-/// A credential packed as a key (`{exchange, credential, ""}`), its backoff and when it
-/// lapses.
+/// The count of replies limiting the whole of `exchange`, packed as a key: no credential's
+/// (each is `{exchange, credential, ""}`).
+pub(crate) fn exchange_backoff(exchange: &[u8]) -> KeyRef<'_> {
+    KeyRef::new(exchange, None, b"exchange")
+}
+
+/// A credential packed as a key (`{exchange, credential, ""}`), or [`exchange_backoff`],
+/// its backoff and when it lapses.
 struct Count {
     key: Key,
     hash: u64,

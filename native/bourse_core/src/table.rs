@@ -8,7 +8,7 @@ use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
-use crate::backoffs::{Backoff, Backoffs};
+use crate::backoffs::{exchange_backoff, Backoff, Backoffs};
 use crate::bucket::{Bucket, Previous, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Pass, Step};
 use crate::busiest::Busiest;
@@ -637,16 +637,21 @@ impl<C: Clock> Table<C> {
     /// Counts a limited reply without a usable wait for `exchange`'s `credential` (`None`:
     /// the public pool) and pauses `scope` for the backoff: [`rules::backoff_ms`] of the
     /// consecutive replies counted before this one (which lapse
-    /// [`rules::BACKOFF_LAPSE_MS`] after the last). A reply that comes while the last
-    /// backoff's pause still holds is not counted: its request was sent before that pause.
-    /// Returns the pause in milliseconds.
+    /// [`rules::BACKOFF_LAPSE_MS`] after the last). A credential's replies count for it;
+    /// replies limiting the whole exchange (its IP) count for the exchange, whichever
+    /// credential they came to. A reply that comes while the last backoff's pause still
+    /// holds is not counted: its request was sent before that pause. Returns the pause in
+    /// milliseconds.
     pub fn back_off(&self, exchange: &[u8], credential: Option<&[u8]>, scope: BackoffScope) -> u64 {
-        let counted = KeyRef::new(exchange, credential, b"");
-        let target = match scope {
-            BackoffScope::Credential => {
-                PauseTarget::Credential(exchange.to_vec(), credential.map(<[u8]>::to_vec))
-            }
-            BackoffScope::Exchange => PauseTarget::Exchange(exchange.to_vec()),
+        let (counted, target) = match scope {
+            BackoffScope::Credential => (
+                KeyRef::new(exchange, credential, b""),
+                PauseTarget::Credential(exchange.to_vec(), credential.map(<[u8]>::to_vec)),
+            ),
+            BackoffScope::Exchange => (
+                exchange_backoff(exchange),
+                PauseTarget::Exchange(exchange.to_vec()),
+            ),
         };
         let mut pauses = self.pauses.write();
         let mut backoffs = self.backoffs.lock();
@@ -675,11 +680,12 @@ impl<C: Clock> Table<C> {
         ms
     }
 
-    /// Forgets the backoff count of `exchange`'s `credential`: the next backoff is the first.
+    /// Forgets the backoff counts of `exchange`'s `credential` and of the whole exchange (a
+    /// reply that went through): the next backoff of either is the first.
     pub fn reset_backoff(&self, exchange: &[u8], credential: Option<&[u8]>) {
-        self.backoffs
-            .lock()
-            .remove(&KeyRef::new(exchange, credential, b""));
+        let mut backoffs = self.backoffs.lock();
+        backoffs.remove(&KeyRef::new(exchange, credential, b""));
+        backoffs.remove(&exchange_backoff(exchange));
     }
 
     /// The end of the latest pause covering each of `items` (0 for none); none at all

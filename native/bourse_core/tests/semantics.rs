@@ -911,7 +911,7 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
     // Per credential: another one, and the public pool, count for themselves.
     assert_eq!(t.back_off(b"binance", Some(b"k2"), credential), 1000);
     assert_eq!(t.back_off(b"binance", None, credential), 1000);
-    // The whole exchange's buckets, counted for the credential limited.
+    // The whole exchange's buckets.
     let okx = KeyRef::new(b"okx", Some(b"other"), b"request");
     assert_eq!(t.back_off(b"okx", me, BackoffScope::Exchange), 1000);
     assert_eq!(
@@ -938,6 +938,38 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
 }
 
 #[test]
+fn replies_limiting_the_exchange_count_for_the_exchange_whichever_credential_got_them() {
+    let (t, clock) = table();
+    let exchange = BackoffScope::Exchange;
+    let keys = [Some(&b"key-a"[..]), Some(&b"key-b"[..]), None];
+    // Keys sharing an IP limited in turn: one count, doubling per reply.
+    let mut steps = Vec::new();
+    for credential in keys.into_iter().cycle().take(4) {
+        steps.push(t.back_off(b"binance", credential, exchange));
+        clock.advance_ms(*steps.last().unwrap());
+    }
+    assert_eq!(steps, [1000, 2000, 4000, 8000]);
+    // Another key's reply sent before the pause: held as long again, not counted.
+    assert_eq!(t.back_off(b"binance", keys[1], exchange), 16_000);
+    assert_eq!(t.back_off(b"binance", keys[0], exchange), 16_000);
+    clock.advance_ms(16_000);
+    // A credential's own count is apart, and so is another exchange's.
+    assert_eq!(
+        t.back_off(b"binance", keys[0], BackoffScope::Credential),
+        1000
+    );
+    assert_eq!(t.back_off(b"okx", keys[0], exchange), 1000);
+    clock.advance_ms(1000);
+    // A reply that went through, to any credential, starts the exchange's count again.
+    t.reset_backoff(b"binance", keys[1]);
+    assert_eq!(t.back_off(b"binance", keys[0], exchange), 1000);
+    assert_eq!(
+        t.back_off(b"binance", keys[0], BackoffScope::Credential),
+        2000
+    );
+}
+
+#[test]
 fn a_backoff_without_room_for_its_exchange_pause_holds_every_exchange() {
     let (t, clock) = table();
     for i in 0..MAX_PAUSES {
@@ -949,6 +981,7 @@ fn a_backoff_without_room_for_its_exchange_pause_holds_every_exchange() {
     let me = Some(&b"api-key"[..]);
     // A credential's pause fits (its own index); an exchange's holds every exchange.
     assert_eq!(t.back_off(b"binance", me, BackoffScope::Credential), 1000);
+    assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), 1000);
     clock.advance_ms(1000);
     assert_eq!(t.back_off(b"binance", me, BackoffScope::Exchange), 2000);
     let okx = KeyRef::new(b"okx", Some(b"other-key"), b"ip");

@@ -1,7 +1,8 @@
 defmodule Bourse.ContractTests.Backoff do
   @moduledoc false
   # The backoff of `observe_response/6`: limited replies without a usable wait, counted
-  # per credential in the limiter's table (shared by the limiters sharing it).
+  # per credential (per exchange for replies limiting the whole exchange) in the limiter's
+  # table (shared by the limiters sharing it).
   # Part of `Bourse.ContractTests`, which sets the imports and attributes used here.
 
   defmacro __using__(_opts) do
@@ -40,14 +41,20 @@ defmodule Bourse.ContractTests.Backoff do
           assert {:error, %{retry_after: 2000}} = limited_reply("k2", 429, name)
         end
 
-        test "a 418 without Retry-After backs off the whole exchange, counted for its credential",
+        test "a 418 without Retry-After backs off the whole exchange, counted for the exchange",
              %{name: name} do
           assert {:error, %{retry_after: 1000, stop: true}} = limited_reply("k", 418, name)
           assert_delay(check_rate({"ex", "other", "ip"}, @still, 1, name), 1..1_000)
           assert :ok = check_rate({"ex2", "k", "ip"}, @still, 1, name)
           Process.sleep(1_000)
+          # Keys sharing the IP share its count, whichever key the reply came to.
+          assert {:error, %{retry_after: 2000}} = limited_reply("other", 418, name)
+          # Sent before that pause: held as long again, not counted.
           assert {:error, %{retry_after: 2000}} = limited_reply("k", 418, name)
-          assert {:error, %{retry_after: 2000}} = limited_reply("k", 429, name)
+          # A credential's own 429s count apart.
+          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+          # A reply that went through, to any key, starts the exchange's count again.
+          assert :ok = observe_response("ex", "k2", 200, [], name)
           assert {:error, %{retry_after: 1000}} = limited_reply("other", 418, name)
         end
 

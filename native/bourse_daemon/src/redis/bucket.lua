@@ -43,6 +43,8 @@
 --   P:{E}:o:C    string  the credential's backoff: "<count> <end of its last pause>", the
 --                        limited replies without a usable wait counted since its last
 --                        success
+--   P:{E}:o      string  the exchange's backoff, as a credential's: the replies that limited
+--                        the whole exchange (its IP), whichever credential got them
 --   P:{E}:r:<n>  string  the answers of the `checks`, `record`, `back_off` or `refunds` call
 --                        numbered n (by its daemon), as it returned them, written when it
 --                        ran (a `checks` call's after the time it ran, µs, and a space);
@@ -1368,12 +1370,12 @@ local function pause(now)
   return 'OK'
 end
 
--- back_off: KEYS = pauses, the credential's backoff; ARGV = 'back_off', pause field, first
--- ms, longest ms, lapse ms (bourse_core::rules). Holds the field for the first backoff
--- doubled per reply counted before (at most the longest) and counts this one, unless the
--- last backoff's pause still holds: a reply sent before it is held as long again and not
--- counted. The backoff ("<count> <end of its last pause, µs>") lapses after the lapse.
--- Returns the pause in ms.
+-- back_off: KEYS = pauses, the backoff counted (the credential's; the exchange's when the
+-- field is the exchange's); ARGV = 'back_off', pause field, first ms, longest ms, lapse ms
+-- (bourse_core::rules). Holds the field for the first backoff doubled per reply counted
+-- before (at most the longest) and counts this one, unless the last backoff's pause still
+-- holds: a reply sent before it is held as long again and not counted. The backoff
+-- ("<count> <end of its last pause, µs>") lapses after the lapse. Returns the pause in ms.
 local function back_off(now)
   local count, held = string.match(call('GET', KEYS[2]) or '', '^(%d+) ?(%d*)$')
   count, held = tonumber(count) or 0, tonumber(held) or 0
@@ -1387,9 +1389,10 @@ local function back_off(now)
   return ms
 end
 
--- reset_backoff: KEYS = the credential's backoff count; ARGV = 'reset_backoff'.
+-- reset_backoff: KEYS = the credential's backoff count, the exchange's; ARGV =
+-- 'reset_backoff'.
 local function reset_backoff()
-  call('DEL', KEYS[1])
+  call('DEL', KEYS[1], KEYS[2])
   return 'OK'
 end
 

@@ -79,6 +79,14 @@ pub fn write_run_marker(out: &mut Vec<u8>, prefix: &[u8], tag: &[u8], process: u
     let _ = write!(out, "}}:r:{process:016x}{run:x}");
 }
 
+/// The backoff count of the replies that limited the whole of `exchange`.
+pub fn exchange_backoff_name(prefix: &[u8], exchange: &[u8]) -> Vec<u8> {
+    written(|out| {
+        tagged(out, prefix, exchange);
+        out.extend_from_slice(b":o");
+    })
+}
+
 /// A credential's names: its backoff count, and its field in the exchange's pauses.
 pub struct CredentialNames {
     pub backoff: Vec<u8>,
@@ -325,6 +333,9 @@ mod tests {
         assert_eq!(credential.pause, b.credential_pause);
         assert_eq!(hash_tag(&credential.backoff), hash_tag(&a.pauses));
         assert!(decode_bucket_name(b"bourse", &credential.backoff).is_none());
+        let exchange_backoff = exchange_backoff_name(b"bourse", b"binance");
+        assert_eq!(exchange_backoff, b"bourse:{7:binance}:o");
+        assert_eq!(hash_tag(&exchange_backoff), hash_tag(&a.pauses));
         for names in [&a, &b] {
             for name in [
                 &names.bucket,

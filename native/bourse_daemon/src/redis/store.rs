@@ -400,13 +400,16 @@ impl Store for RedisStore {
         last_run: LastRun,
     ) -> StoreResult<u64> {
         let names = self.credential_names(exchange, credential);
-        let field = match scope {
-            BackoffScope::Credential => names.pause,
-            BackoffScope::Exchange => b"x".to_vec(),
+        let (field, counted) = match scope {
+            BackoffScope::Credential => (names.pause, names.backoff),
+            BackoffScope::Exchange => (
+                b"x".to_vec(),
+                names::exchange_backoff_name(&self.prefix, exchange),
+            ),
         };
         let mut call = Call::default();
         call.key(names::pauses_name(&self.prefix, exchange))
-            .key(names.backoff)
+            .key(counted)
             .arg("back_off")
             .arg(field)
             .arg(FIRST_BACKOFF_MS)
@@ -424,7 +427,9 @@ impl Store for RedisStore {
     ) -> StoreResult<()> {
         let names = self.credential_names(exchange, credential);
         let mut call = Call::default();
-        call.key(names.backoff).arg("reset_backoff");
+        call.key(names.backoff)
+            .key(names::exchange_backoff_name(&self.prefix, exchange))
+            .arg("reset_backoff");
         let _: String = self.client.invoke(&call, last_run).await?;
         Ok(())
     }
