@@ -91,6 +91,7 @@ defmodule Bourse.RateLimiter do
   alias Bourse.RateLimiter.{Backend, Bucket, Events, Feedback, Options, Router, Server}
 
   @default __MODULE__
+  @owner_key {__MODULE__, :owner}
   @typedoc "Rate limiter key: `{exchange_id, api_key | :public, bucket_axis}`."
   @type key ::
           {String.t(), String.t() | :public, String.t()} | {String.t(), String.t() | :public}
@@ -147,17 +148,17 @@ defmodule Bourse.RateLimiter do
     answer =
       case route do
         {Backend.NIF, table, _events, _pid} ->
-          Backend.NIF.check_rate(table, self(), key, limit, cost, nil)
+          Backend.NIF.check_rate(table, owner(), key, limit, cost, nil)
 
         # The port's and the socket's, one implementation.
         {backend, handle, _events, _pid} when backend in [Backend.Port, Backend.Daemon] ->
-          Backend.Protocol.check_rate(handle, self(), key, limit, cost, nil)
+          Backend.Protocol.check_rate(handle, owner(), key, limit, cost, nil)
 
         {backend, handle, _events, _pid} ->
-          backend.check_rate(handle, self(), key, limit, cost, nil)
+          backend.check_rate(handle, owner(), key, limit, cost, nil)
 
         elsewhere ->
-          routed(elsewhere, name, :check_rate, [self(), key, limit, cost, nil])
+          routed(elsewhere, name, :check_rate, [owner(), key, limit, cost, nil])
       end
 
     case answer do
@@ -184,7 +185,7 @@ defmodule Bourse.RateLimiter do
     # its table is the one the name reaches (a `{:global, _}` name, say, may have been
     # registered to another limiter since).
     if reaches(bucket.name) === route and :erlang.is_process_alive(pid) do
-      case Backend.NIF.check_prepared(table, self(), prepared, cost, nil) do
+      case Backend.NIF.check_prepared(table, owner(), prepared, cost, nil) do
         :ok -> :ok
         :not_prepared -> check_rate(bucket.key, bucket.limit, cost, bucket.name)
         other -> checked(other, route, bucket.key, cost)
@@ -319,10 +320,10 @@ defmodule Bourse.RateLimiter do
       answer =
         case route do
           {Backend.NIF, table, _events, _pid} ->
-            Backend.NIF.check_rates(table, self(), checks, max_wait)
+            Backend.NIF.check_rates(table, owner(), checks, max_wait)
 
           elsewhere ->
-            routed(elsewhere, name, :check_rates, [self(), unprepared(checks), max_wait])
+            routed(elsewhere, name, :check_rates, [owner(), unprepared(checks), max_wait])
         end
 
       case answer do
@@ -357,7 +358,9 @@ defmodule Bourse.RateLimiter do
   the slack above the caller's wake-up delay.
   A caller that wakes to find the limiter stopped, or is told its store is unavailable
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
-  it paid: `:ok`. Told later, its booking has lapsed (as any late waiter's), and the call
+  it paid: `:ok`. That booking, which the store may still hold, is not claimed again: the
+  process's later checks book under a new owner, and bookings it left behind lapse, paid.
+  Told later, its booking has lapsed (as any late waiter's), and the call
   answers `:unavailable`.
   """
   @spec wait_for_capacity(
@@ -379,7 +382,7 @@ defmodule Bourse.RateLimiter do
     default = Bourse.Defaults.rate_limit_max_wait_ms()
 
     with {:ok, max_wait} <- options(opts, default, route, {:key, key}) do
-      await(route, name, [self(), key, limit, cost, max_wait], nil)
+      await(route, name, [owner(), key, limit, cost, max_wait], nil)
     end
   end
 
@@ -393,8 +396,9 @@ defmodule Bourse.RateLimiter do
   # A caller that slept has paid its booking: when it finds the limiter stopped, or is told
   # its store is unavailable within the booking slack of the booking's ready time, it is
   # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
-  # answer that paid). Told later than that, its booking has lapsed, as any late waiter's.
-  defp await(:noproc, _name, _args, {_since, _due}), do: :ok
+  # answer that paid), which it then forfeits. Told later than that, its booking has
+  # lapsed, as any late waiter's.
+  defp await(:noproc, _name, _args, {_since, _due}), do: forfeit_bookings()
 
   defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
     metadata = fn -> %{key: key, cost: cost} end
@@ -410,9 +414,12 @@ defmodule Bourse.RateLimiter do
         admitted_after_wait(route, since, metadata)
 
       {:error, %Error{type: :unavailable}} = unavailable when since != nil ->
-        if on_time?(route, slept),
-          do: admitted_after_wait(route, since, metadata),
-          else: failed(unavailable, {:key, key})
+        if on_time?(route, slept) do
+          forfeit_bookings()
+          admitted_after_wait(route, since, metadata)
+        else
+          failed(unavailable, {:key, key})
+        end
 
       # Booked, or early for the caller's booking: within the budget either way.
       {:delay, ms} ->
@@ -432,6 +439,18 @@ defmodule Bourse.RateLimiter do
       other ->
         failed(other, {:key, key})
     end
+  end
+
+  # The booking owner of the calling process: the process, until it forfeits its bookings.
+  defp owner, do: Process.get(@owner_key, self())
+
+  # A waiter admitted without its store's word (the limiter stopped, or the store did not
+  # answer its claim) leaves its booking where the process's next check could claim it
+  # again: the process books under a new owner from then on. What it left behind lapses,
+  # paid.
+  defp forfeit_bookings do
+    Process.put(@owner_key, {self(), System.unique_integer([:positive])})
+    :ok
   end
 
   # Whether a waiter is still within its booking slack of the booking's ready time. A

@@ -15,10 +15,12 @@ defmodule Bourse.RateLimiter.Backend do
     * `{:over_budget, ms}` – the wait exceeds `max_wait`; nothing paid;
     * `{:error, message}` – malformed input, or `{:error, %Bourse.Error{}}`.
 
-  `owner` is the pid the booking belongs to; `max_wait` is `nil` for a probe.
+  `owner` is who the booking belongs to: the calling pid, or `{pid, integer}` once that
+  process forfeited its bookings; `max_wait` is `nil` for a probe.
   """
 
   @type handle :: term()
+  @type owner :: pid() | {pid(), integer()}
   @type error :: {:error, String.t() | Bourse.Error.t()}
   @type check_answer ::
           :ok | {:delay, pos_integer()} | {:booked, pos_integer()} | {:over_budget, pos_integer()}
@@ -39,14 +41,14 @@ defmodule Bourse.RateLimiter.Backend do
               {:ok, handle()} | {:error, term()}
   @callback check_rate(
               handle(),
-              pid(),
+              owner(),
               key :: term(),
               limit :: term(),
               cost :: term(),
               max_wait :: pos_integer() | nil
             ) ::
               check_answer() | error()
-  @callback check_rates(handle(), pid(), checks :: term(), max_wait :: pos_integer() | nil) ::
+  @callback check_rates(handle(), owner(), checks :: term(), max_wait :: pos_integer() | nil) ::
               check_answer() | error()
   @callback record_request(handle(), key :: term(), cost :: term()) :: :ok | error()
   @callback get_cost(handle(), key :: term()) :: number() | error()

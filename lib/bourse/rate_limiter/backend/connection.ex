@@ -279,24 +279,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
   @doc """
-  The booking owner the daemon knows `pid` by. The calling process's own is kept in its
-  process dictionary (rendering a pid costs more than the rest of a request's terms).
+  The booking owner the daemon knows `owner` (a pid, or `{pid, integer}`) by. The last one
+  rendered is kept in the calling process's dictionary (rendering a pid costs more than
+  the rest of a request's terms).
   """
-  @spec owner(t(), pid()) :: String.t()
-  def owner(%__MODULE__{owner_prefix: prefix}, pid) when pid == self() do
+  @spec owner(t(), pid() | {pid(), integer()}) :: String.t()
+  def owner(%__MODULE__{owner_prefix: prefix}, owner) do
     case Process.get(@owner_key) do
-      {^prefix, owner} ->
-        owner
+      {^prefix, ^owner, rendered} ->
+        rendered
 
       _other ->
-        owner = prefix <> List.to_string(:erlang.pid_to_list(pid))
-        Process.put(@owner_key, {prefix, owner})
-        owner
+        rendered = prefix <> rendered(owner)
+        Process.put(@owner_key, {prefix, owner, rendered})
+        rendered
     end
   end
 
-  def owner(%__MODULE__{owner_prefix: prefix}, pid),
-    do: prefix <> List.to_string(:erlang.pid_to_list(pid))
+  defp rendered({pid, number}), do: rendered(pid) <> "#" <> Integer.to_string(number)
+  defp rendered(pid), do: List.to_string(:erlang.pid_to_list(pid))
 
   ## The process
 

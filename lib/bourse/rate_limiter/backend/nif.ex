@@ -42,7 +42,13 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   `check_rate/6` of a bucket `prepare/3` made, on `table`; `:not_prepared` when `table` is
   no table or `bucket` no prepared bucket.
   """
-  @spec check_prepared(reference(), pid(), reference(), term(), pos_integer() | nil) ::
+  @spec check_prepared(
+          reference(),
+          Bourse.RateLimiter.Backend.owner(),
+          reference(),
+          term(),
+          pos_integer() | nil
+        ) ::
           Bourse.RateLimiter.Backend.check_answer() | :not_prepared | {:error, Bourse.Error.t()}
   def check_prepared(table, owner, bucket, cost, max_wait),
     do: table |> Native.check_prepared(owner, bucket, cost, max_wait) |> answer()

@@ -16,7 +16,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   and so is one longer than a key part may be, which would not fit the daemon's frames.
   The daemon judges everything with `bourse_core`'s rules, as the NIF does, and its error
   comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message
-  and exchange. Booking owners are the calling pids, rendered as strings. A call the daemon
+  and exchange. Booking owners are the calling pids (`{pid, n}` once a process forfeited its
+  bookings), rendered as strings. A call the daemon
   cannot answer (`:unavailable`) or take (a request larger than its frames) is judged by
   the core in the caller, on a scratch NIF table: malformed input gets the NIF's
   `:invalid_parameters` error whatever the state of the daemon. Well-formed checks that
@@ -85,7 +86,14 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   ## The callbacks
 
   @doc "`check_rate/4` and `wait_for_capacity/5` on one bucket."
-  @spec check_rate(handle(), pid(), term(), term(), term(), pos_integer() | nil) ::
+  @spec check_rate(
+          handle(),
+          Bourse.RateLimiter.Backend.owner(),
+          term(),
+          term(),
+          term(),
+          pos_integer() | nil
+        ) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rate(handle, owner, key, limit, cost, max_wait) do
     with :send <- limitless(limit == nil, :check_rate, [owner, key, limit, cost, max_wait]) do
@@ -108,7 +116,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   end
 
   @doc "`check_rates/3`: all or nothing over several buckets."
-  @spec check_rates(handle(), pid(), term(), pos_integer() | nil) ::
+  @spec check_rates(handle(), Bourse.RateLimiter.Backend.owner(), term(), pos_integer() | nil) ::
           Bourse.RateLimiter.Backend.check_answer() | error()
   def check_rates(handle, owner, checks, max_wait) do
     with :send <- limitless(limitless?(checks), :check_rates, [owner, checks, max_wait]) do

@@ -186,6 +186,36 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     DaemonServer.signal(daemon, "CONT")
   end
 
+  test "a waiter admitted while its daemon is stopped forfeits the booking it was admitted on" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 300}, "forfeit", booking_slack_ms: 5_000)
+    limit = %{capacity: 1, refill_per_sec: 1}
+    assert :ok = RateLimiter.check_rate({"ex", "forfeit"}, limit, 1, name)
+    test = self()
+
+    waiter =
+      Task.async(fn ->
+        waited =
+          RateLimiter.wait_for_capacity({"ex", "forfeit"}, limit, 1, name, max_wait_ms: 5_000)
+
+        send(test, {:waited, waited})
+        receive do: (:again -> RateLimiter.check_rate({"ex", "forfeit"}, limit, 1, name))
+      end)
+
+    eventually(fn -> RateLimiter.inspect_key({"ex", "forfeit"}, name).bookings == 1 end)
+    DaemonServer.signal(daemon, "STOP")
+
+    # Its claim, read only once its deadline passed, is never run: the booking stays in the
+    # daemon, and the waiter, told :unavailable within its slack, is admitted against it.
+    assert_receive {:waited, :ok}, 5_000
+    DaemonServer.signal(daemon, "CONT")
+    assert RateLimiter.inspect_key({"ex", "forfeit"}, name).bookings == 1
+
+    # Its next check does not claim that booking again: it pays, and waits for the refill.
+    send(waiter.pid, :again)
+    assert {:delay, _} = Task.await(waiter)
+  end
+
   test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 
