@@ -732,7 +732,8 @@ defmodule Bourse.RateLimiter do
   instead of `"request"`; `ip:` the credential part of the buckets of the IP the reply
   came from, for keys that share it (`:public`): the headers that count the IP (Binance
   `x-mbx-used-weight-1m`, `x-sapi-used-ip-weight-1m`) then sync those (and `limits:`
-  gives those axes' definitions for the IP's buckets). Like `check_rates/3`, the name may
+  gives those axes' definitions for the IP's buckets), and a 429 whose body names no limit
+  of the credential alone pauses those too. Like `check_rates/3`, the name may
   be left out before the options: `observe_response("bybit", key, 200, headers, body: body)`.
 
   Used-weight headers (Binance `x-mbx-used-weight-1m`, Bybit `x-bapi-limit*`, generic

@@ -7,7 +7,8 @@ defmodule Bourse.RateLimiter.Feedback do
   ## 429, 418 and rate-limit signals in the body
 
   A 429 pauses every bucket of the credential (`{exchange_id, credential_key}`: every
-  axis) for every caller at once; a 418 (Binance's IP ban) pauses every bucket of the
+  axis) for every caller at once, and, given `ip:`, every bucket of that IP too unless
+  its body names a limit of the credential alone (the 429 may be the IP's); a 418 (Binance's IP ban) pauses every bucket of the
   whole exchange, every credential and `:public` included, since the ban is on the IP
   that all of them share. A rate-limit signal in the body or status of any other reply
   (Bybit's `retCode` 10006 on an HTTP 200, Binance's 403, ...:
@@ -324,11 +325,11 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   # The reply's effects on the table; with a daemon or Redis, within one timeout.
-  defp record(exchange_id, credential, {status, body, found}, counters, name) do
+  defp record(exchange_id, credential, {status, body, found}, {_, _, _, ip} = counters, name) do
     with :ok <- sync_all(exchange_id, credential, found, counters, name) do
       now = System.os_time(:millisecond)
       signal = BodySignal.find(exchange_id, status, body, found, now)
-      react(exchange_id, credential, status, found, signal, name)
+      react(exchange_id, credential, status, found, signal, ip, name)
     end
   end
 
@@ -440,19 +441,31 @@ defmodule Bourse.RateLimiter.Feedback do
 
   ## 429, 418, body signals and backoff
 
-  defp react(exchange_id, credential, status, found, signal, name) do
+  defp react(exchange_id, credential, status, found, signal, ip, name) do
     case limited(status, signal) do
-      nil when status in 200..299 -> RateLimiter.reset_backoff({exchange_id, credential}, name)
-      nil -> :ok
-      limited -> limit(exchange_id, credential, status, found, limited, name)
+      nil when status in 200..299 ->
+        RateLimiter.reset_backoff({exchange_id, credential}, name)
+
+      nil ->
+        :ok
+
+      {:credential_or_ip, stop, named_ms, reason} ->
+        scope = if ip == credential, do: :credential, else: {:credential, ip}
+        limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name)
+
+      limited ->
+        limit(exchange_id, credential, status, found, limited, name)
     end
   end
 
-  # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`.
+  # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`. A 429
+  # that names no limit may be the credential's or the IP's: `:credential_or_ip` holds
+  # both (the buckets of `ip:` as well as the credential's), as requests sent through an
+  # IP during its Retry-After earn an IP ban.
   defp limited(418, signal),
     do: {:exchange, true, signal[:wait_ms], signal[:reason]}
 
-  defp limited(status, nil) when status == 429, do: {:credential, false, nil, nil}
+  defp limited(status, nil) when status == 429, do: {:credential_or_ip, false, nil, nil}
   defp limited(_status, nil), do: nil
   defp limited(_status, signal), do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
@@ -483,9 +496,9 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  # Pauses `scope` (the credential's buckets, or the exchange's) for Retry-After first,
-  # then a wait the reply names in its body, then the backoff the limiter counts for the
-  # credential. Returns the wait and where it came from.
+  # Pauses `scope` (the credential's buckets, with the IP's for `{:credential, ip}`, or the
+  # exchange's) for Retry-After first, then a wait the reply names in its body, then the
+  # backoff the limiter counts. Returns the wait and where it came from.
   defp wait(retry_after, named_ms, credential, scope, name) do
     case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
       {{:ok, ms}, _} ->
@@ -495,7 +508,7 @@ defmodule Bourse.RateLimiter.Feedback do
         pause(ms, :ban, credential, scope, name)
 
       {:error, nil} ->
-        backoff(RateLimiter.back_off(credential, scope, name))
+        backoff(credential, scope, name)
 
       {:error, named_ms} ->
         named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms), credential, scope, name)
@@ -505,16 +518,41 @@ defmodule Bourse.RateLimiter.Feedback do
   defp named({:ok, ms}, credential, scope, name), do: pause(ms, :named, credential, scope, name)
   defp named({:stop, ms}, credential, scope, name), do: pause(ms, :ban, credential, scope, name)
 
-  defp pause(ms, why, {exchange_id, _} = credential, scope, name) do
-    target = if scope == :exchange, do: exchange_id, else: credential
-
+  defp pause(ms, why, credential, scope, name) do
     # The time asked, as long as `Process.sleep/1` takes (a header may ask for 1e308 s).
-    with :ok <- RateLimiter.pause(target, min(ms, @max_ban_ms), name),
+    with :ok <- pause_targets(targets(credential, scope), min(ms, @max_ban_ms), name),
          do: {:ok, min(ms, Native.bound(:max_ms)), why}
   end
 
-  defp backoff(ms) when is_integer(ms), do: {:ok, ms, :backoff}
-  defp backoff(error), do: error
+  # The backoff is counted for the credential (or the exchange); the IP's buckets are held
+  # as long.
+  defp backoff({exchange_id, _} = credential, {:credential, ip}, name) do
+    with {:ok, ms, why} <- backoff(credential, :credential, name),
+         :ok <- RateLimiter.pause({exchange_id, ip}, ms, name),
+         do: {:ok, ms, why}
+  end
+
+  defp backoff(credential, scope, name) do
+    case RateLimiter.back_off(credential, scope, name) do
+      ms when is_integer(ms) -> {:ok, ms, :backoff}
+      error -> error
+    end
+  end
+
+  defp targets({exchange_id, _credential}, :exchange), do: [exchange_id]
+  defp targets(credential, :credential), do: [credential]
+
+  defp targets({exchange_id, _} = credential, {:credential, ip}),
+    do: [credential, {exchange_id, ip}]
+
+  defp pause_targets(targets, ms, name) do
+    Enum.reduce_while(targets, :ok, fn target, :ok ->
+      case RateLimiter.pause(target, ms, name) do
+        :ok -> {:cont, :ok}
+        error -> {:halt, error}
+      end
+    end)
+  end
 
   defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
   defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"

@@ -284,6 +284,23 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert {:error, _} = RateLimiter.observe_response("binance", "key-a", 429, [], name, opts)
       assert {:delay, _} = RateLimiter.check_rates(checks.("key-b"), name)
 
+      # A 429 that names no limit (a proxy's page) may be the IP's: it holds the key and the
+      # IP's bucket, for Retry-After or for the key's backoff; other keys' own buckets run.
+      key_b_orders = {{"binance", "key-b", "orders_10s"}, orders, 1}
+
+      for {headers, wait} <- [{[{"retry-after", "30"}], 30_000}, {[], 1_000}] do
+        assert :ok = RateLimiter.reset_exchange("binance", name)
+        opts = [ip: :public, body: "<html>429 Too Many Requests</html>"]
+
+        assert {:error, %Error{retry_after: ^wait}} =
+                 RateLimiter.observe_response("binance", "key-a", 429, headers, name, opts)
+
+        assert {:delay, ms} = RateLimiter.check_rates([{ip, @binance, 1}], name)
+        assert ms in (wait - 200)..wait
+        assert {:delay, _} = RateLimiter.check_rates(checks.("key-a"), name)
+        assert :ok = RateLimiter.check_rates([key_b_orders], name)
+      end
+
       assert_invalid(RateLimiter.observe_response("binance", "key-a", 200, [], name, ip: :other))
     end
 
