@@ -206,10 +206,8 @@ defmodule Bourse.RateLimiter.Exchange do
   end
 
   def put_header_limits(%{exchange_id: exchange_id, counters: counters}, [])
-      when is_list(counters) do
-    limits = for %{header: header, limit: limit} <- counters, into: %{}, do: {header, limit}
-    Feedback.put_header_limits(exchange_id, limits)
-  end
+      when is_list(counters),
+      do: Feedback.put_header_limits(exchange_id, counter_header_limits(counters))
 
   def put_header_limits(other, opts) do
     invalid(
@@ -218,6 +216,29 @@ defmodule Bourse.RateLimiter.Exchange do
         Error.describe(opts)
     )
   end
+
+  @doc false
+  # Header sync's defaults for `exchange_id`: the limits of the counters of the profile
+  # with that exchange id, by header (`%{}` for none).
+  @spec header_limits(String.t()) :: %{String.t() => number()}
+  def header_limits(exchange_id) do
+    by_exchange =
+      with nil <- :persistent_term.get({__MODULE__, :header_limits}, nil) do
+        by_exchange =
+          for {_name, module} <- @modules, into: %{} do
+            {:ok, %{exchange_id: id, counters: counters}} = module.profile([])
+            {id, counter_header_limits(counters)}
+          end
+
+        :persistent_term.put({__MODULE__, :header_limits}, by_exchange)
+        by_exchange
+      end
+
+    Map.get(by_exchange, exchange_id, %{})
+  end
+
+  defp counter_header_limits(counters),
+    do: for(%{header: header, limit: limit} <- counters, into: %{}, do: {header, limit})
 
   defp invalid(message), do: {:error, Error.invalid(message)}
 end

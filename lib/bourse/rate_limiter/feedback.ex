@@ -121,13 +121,15 @@ defmodule Bourse.RateLimiter.Feedback do
        (each `rateLimits` entry is the limit of its header), or by
        `put_header_limits/2`;
     2. `config :bourse, :header_limits, %{header => limit}` (`nil`: no limit known);
-    3. the default below: Binance spot's, as documented on
+    3. for the exchange id of a profile of `Bourse.RateLimiter.Exchange`, its counters'
+       limits (`"binance_usdm"`: 2,400 weight and 1,200 orders a minute, 300 orders in
+       10 s);
+    4. the default below: Binance spot's, as documented on
        <https://developers.binance.com/docs/binance-spot-api-docs/rest-api/limits> and
        <https://developers.binance.com/docs/products/caas/basics/4.rate-limits> (SAPI),
        and as the live `exchangeInfo` listed them on 6 November 2026 (the field report,
-       docs/CONTRACT.md); read 2026-12-01. Other Binance markets count differently (USD-M
-       futures: 2,400 weight a minute): load their `exchangeInfo`, or use
-       `Bourse.RateLimiter.Exchange`.
+       docs/CONTRACT.md); read 2026-12-01. Other Binance markets count differently: use
+       their profile's exchange id, load their `exchangeInfo`, or set their limits.
 
   | header | default `L` |
   | --- | --- |
@@ -169,7 +171,8 @@ defmodule Bourse.RateLimiter.Feedback do
   """
 
   alias Bourse.{Error, Native, RateLimiter}
-  alias Bourse.RateLimiter.{BodySignal, CallDeadline, Events, Options, RetryAfter, Router}
+  alias Bourse.RateLimiter.{BodySignal, CallDeadline, Events, Exchange, Options, RetryAfter}
+  alias Bourse.RateLimiter.Router
 
   @cap_ms 300_000
   @max_ban_ms 3 * 86_400_000
@@ -270,7 +273,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp exchange_limits(exchange_id) do
     with {:ok, configured} <- configured_header_limits() do
       {:ok,
-       @default_header_limits |> Map.merge(configured) |> Map.merge(header_limits(exchange_id))}
+       @default_header_limits
+       |> Map.merge(Exchange.header_limits(exchange_id))
+       |> Map.merge(configured)
+       |> Map.merge(header_limits(exchange_id))}
     end
   end
 

@@ -141,10 +141,9 @@ defmodule Bourse.RateLimiter.ExchangeTest do
       end
     end
 
-    test "put_header_limits: the profile's limits bound header sync for its exchange id" do
+    test "a profile's limits bound header sync for its exchange id, with nothing set" do
       name = :"exchange_#{System.unique_integer([:positive])}"
       start_supervised!({RateLimiter, name: name})
-      assert :ok = Exchange.put_header_limits(:binance_usdm)
       # A profile's options go to the profile.
       assert :ok = Exchange.put_header_limits(:kraken_spot, tier: :pro)
 

@@ -19,8 +19,8 @@ defmodule Bourse.RateLimiter.Exchange.BinanceUSDM do
   `Bourse.RateLimiter.Limits.from_binance_exchange_info/2` and
   `exchange: "binance_usdm"`. Headers and windows as for spot.
 
-  Call `Bourse.RateLimiter.Exchange.put_header_limits(:binance_usdm)` once, so that
-  header sync holds `"binance_usdm"` buckets to 2,400 rather than spot's 6,000.
+  Header sync holds `"binance_usdm"` buckets to these limits (2,400 weight a minute, not
+  spot's 6,000) with nothing to set.
   """
 
   @faq "https://www.binance.com/en/support/faq/rate-limits-on-binance-futures-281596e222414cdd9051664ea621cdc3"
