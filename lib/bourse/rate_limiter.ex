@@ -802,7 +802,8 @@ defmodule Bourse.RateLimiter do
 
   @doc false
   @spec reset_backoff({String.t(), String.t() | :public}, GenServer.name()) :: :ok | error()
-  # Starts the backoff counts of the credential and of its exchange again.
+  # Starts the backoff counts of the credential and of its exchange again (each unless its
+  # backoff's pause holds).
   def reset_backoff(credential, name),
     do: name |> run(:reset_backoff, [credential]) |> failed({:key, credential})
 

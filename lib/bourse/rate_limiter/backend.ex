@@ -71,7 +71,10 @@ defmodule Bourse.RateLimiter.Backend do
   milliseconds.
   """
   @callback back_off(handle(), credential :: term(), scope :: term()) :: pos_integer() | error()
-  @doc "Forgets the backoff counts of `credential` and of its exchange: the next is the first."
+  @doc """
+  Forgets the backoff counts of `credential` and of its exchange, each unless its last
+  backoff's pause holds: the next backoff is the first.
+  """
   @callback reset_backoff(handle(), credential :: term()) :: :ok | error()
   @callback inspect(handle(), key :: term()) :: map() | nil | error()
   @callback stats(handle()) :: map() | error()

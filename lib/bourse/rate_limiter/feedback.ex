@@ -28,7 +28,8 @@ defmodule Bourse.RateLimiter.Feedback do
        consecutive limited reply without a usable wait on that credential, or on the
        exchange for replies that limit the whole exchange (a 418, Binance's -1003),
        whichever credential they came to: keys sharing an IP share its count. A 2xx
-       without a signal on the credential starts both counts again. A reply that comes back while
+       without a signal on the credential starts both counts again, each unless its
+       backoff's pause holds (the 2xx was sent before it). A reply that comes back while
        the backoff's pause holds was sent before it: it pauses as long again and is not
        counted (a burst of replies to requests in flight together is one step).
 

@@ -20,6 +20,11 @@ pub(crate) struct Backoff {
     pub held_until: u64,
 }
 
+/// When a count set at `now` lapses.
+fn lapse_after(now: u64) -> u64 {
+    now.saturating_add(BACKOFF_LAPSE_MS * NANOS_PER_MS)
+}
+
 /// The count of replies limiting the whole of `exchange`, packed as a key: no credential's
 /// (each is `{exchange, credential, ""}`).
 pub(crate) fn exchange_backoff(exchange: &[u8]) -> KeyRef<'_> {
@@ -39,6 +44,9 @@ struct Count {
 pub(crate) struct Backoffs {
     hasher: foldhash::fast::RandomState,
     counts: HashTable<Count>,
+    /// No count lapses before this: until then, looking for lapsed ones to make room finds
+    /// none, and is skipped.
+    no_lapse_before: u64,
 }
 
 impl Backoffs {
@@ -46,6 +54,7 @@ impl Backoffs {
         Self {
             hasher,
             counts: HashTable::new(),
+            no_lapse_before: 0,
         }
     }
 
@@ -64,7 +73,7 @@ impl Backoffs {
     /// When [`MAX_BACKOFFS`] credentials are counted, lapsed counts are dropped first; if
     /// none has lapsed, a new credential is not counted (its next backoff is the first).
     pub fn set(&mut self, credential: &KeyRef, backoff: Backoff, now: u64) {
-        let lapses_at = now.saturating_add(BACKOFF_LAPSE_MS * NANOS_PER_MS);
+        let lapses_at = lapse_after(now);
         let hash = self.hasher.hash_one(credential);
         let known = |entry: &Count| entry.hash == hash && entry.key.as_ref() == *credential;
         if self.counts.len() >= MAX_BACKOFFS && self.counts.find(hash, known).is_none() {
@@ -90,13 +99,16 @@ impl Backoffs {
         }
     }
 
-    /// Forgets the count of `credential`.
-    pub fn remove(&mut self, credential: &KeyRef) {
+    /// Forgets the count of `credential`, unless the pause of its last backoff holds at
+    /// `now`.
+    pub fn remove_unless_held(&mut self, credential: &KeyRef, now: u64) {
         let hash = self.hasher.hash_one(credential);
         if let Ok(entry) = self.counts.find_entry(hash, |count| {
             count.hash == hash && count.key.as_ref() == *credential
         }) {
-            entry.remove();
+            if entry.get().backoff.held_until <= now {
+                entry.remove();
+            }
         }
     }
 
@@ -110,9 +122,21 @@ impl Backoffs {
         *self = Self::new(self.hasher);
     }
 
-    /// Drops the counts that lapsed by `now`.
+    /// Drops the counts that lapsed by `now`; nothing when none can have lapsed.
     pub fn drop_lapsed(&mut self, now: u64) {
-        self.counts.retain(|count| count.lapses_at > now);
+        if now < self.no_lapse_before {
+            return;
+        }
+        // A count set from now on lapses no earlier than this, nor than those kept.
+        let mut next_lapse = lapse_after(now);
+        self.counts.retain(|count| {
+            let kept = count.lapses_at > now;
+            if kept {
+                next_lapse = next_lapse.min(count.lapses_at);
+            }
+            kept
+        });
+        self.no_lapse_before = next_lapse;
         if self.counts.len() < self.counts.capacity() / 4 {
             self.counts.shrink_to(0, |count| count.hash);
         }
@@ -145,7 +169,7 @@ mod tests {
         let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
         assert_eq!(backoffs.get(&a, lapse - 1).count, 2);
         assert_eq!(backoffs.get(&a, lapse).count, 0);
-        backoffs.remove(&a);
+        backoffs.remove_unless_held(&a, 0);
         assert_eq!(backoffs.get(&a, 0).count, 0);
     }
 
@@ -177,5 +201,41 @@ mod tests {
         backoffs.set(&late, counted(1), lapse);
         assert_eq!(backoffs.get(&late, lapse).count, 1);
         assert_eq!(backoffs.counts.len(), 2);
+    }
+
+    #[test]
+    fn a_full_table_is_walked_for_lapsed_counts_only_once_one_may_have_lapsed() {
+        let mut backoffs = Backoffs::new(foldhash::fast::RandomState::default());
+        let lapse = BACKOFF_LAPSE_MS * NANOS_PER_MS;
+        for i in 0..MAX_BACKOFFS {
+            let credential = credential(i);
+            let set_at = i as u64;
+            backoffs.set(
+                &KeyRef::new(b"ex", Some(&credential), b""),
+                counted(1),
+                set_at,
+            );
+        }
+        // Full, none lapsed: the walk learns that none lapses before the first one's lapse.
+        let new = |i: usize| credential(MAX_BACKOFFS + i);
+        backoffs.set(&KeyRef::new(b"ex", Some(&new(0)), b""), counted(1), 5);
+        assert_eq!(backoffs.no_lapse_before, lapse);
+        // Until then, no walk (a removal meanwhile leaves room all the same).
+        backoffs.remove_unless_held(&KeyRef::new(b"ex", Some(&credential(7)), b""), 6);
+        backoffs.set(&KeyRef::new(b"ex", Some(&new(1)), b""), counted(1), 6);
+        assert_eq!(backoffs.counts.len(), MAX_BACKOFFS);
+        // At the first lapse, one walk drops it and learns of the next.
+        backoffs.set(&KeyRef::new(b"ex", Some(&new(2)), b""), counted(1), lapse);
+        assert_eq!(
+            backoffs
+                .get(&KeyRef::new(b"ex", Some(&new(2)), b""), lapse)
+                .count,
+            1
+        );
+        assert_eq!(backoffs.no_lapse_before, lapse + 1);
+        // Emptied, it knows that nothing set from then on lapses sooner than a lapse later.
+        backoffs.drop_lapsed(3 * lapse);
+        assert!(backoffs.counts.is_empty());
+        assert_eq!(backoffs.no_lapse_before, 4 * lapse);
     }
 }

@@ -681,11 +681,13 @@ impl<C: Clock> Table<C> {
     }
 
     /// Forgets the backoff counts of `exchange`'s `credential` and of the whole exchange (a
-    /// reply that went through): the next backoff of either is the first.
+    /// reply that went through): the next backoff of either is the first. A count whose
+    /// last pause still holds is kept: the reply's request was sent before that pause.
     pub fn reset_backoff(&self, exchange: &[u8], credential: Option<&[u8]>) {
         let mut backoffs = self.backoffs.lock();
-        backoffs.remove(&KeyRef::new(exchange, credential, b""));
-        backoffs.remove(&exchange_backoff(exchange));
+        let now = self.clock.now();
+        backoffs.remove_unless_held(&KeyRef::new(exchange, credential, b""), now);
+        backoffs.remove_unless_held(&exchange_backoff(exchange), now);
     }
 
     /// The end of the latest pause covering each of `items` (0 for none); none at all

@@ -918,7 +918,12 @@ fn backoffs_double_per_limited_reply_and_pause_their_scope() {
         t.check_rate(ME, check(okx, l, 1.0), Mode::Probe),
         Outcome::Delay(1000)
     );
-    // A success starts the count again; so does a lapse after the last limited reply.
+    // A success sent before the pause (it comes back while the pause holds) leaves the
+    // count; one after it starts the count again, as a lapse after the last limited reply.
+    t.reset_backoff(b"binance", me);
+    clock.advance_ms(16_000);
+    assert_eq!(t.back_off(b"binance", me, credential), 32_000);
+    clock.advance_ms(32_000);
     t.reset_backoff(b"binance", me);
     assert_eq!(t.back_off(b"binance", me, credential), 1000);
     clock.advance_ms(BACKOFF_LAPSE_MS - 1);
@@ -960,7 +965,13 @@ fn replies_limiting_the_exchange_count_for_the_exchange_whichever_credential_got
     );
     assert_eq!(t.back_off(b"okx", keys[0], exchange), 1000);
     clock.advance_ms(1000);
-    // A reply that went through, to any credential, starts the exchange's count again.
+    // A reply that went through, to any credential, starts the exchange's count again,
+    // unless it comes back while the exchange's backoff holds (it was sent before).
+    assert_eq!(t.back_off(b"binance", keys[2], exchange), 32_000);
+    t.reset_backoff(b"binance", keys[1]);
+    clock.advance_ms(32_000);
+    assert_eq!(t.back_off(b"binance", keys[1], exchange), 64_000);
+    clock.advance_ms(64_000);
     t.reset_backoff(b"binance", keys[1]);
     assert_eq!(t.back_off(b"binance", keys[0], exchange), 1000);
     assert_eq!(

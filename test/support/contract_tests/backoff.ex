@@ -36,9 +36,12 @@ defmodule Bourse.ContractTests.Backoff do
           assert :ok = observe_response("ex", "k", 503, [], name)
           Process.sleep(2_000)
           assert {:error, %{retry_after: 4000}} = limited_reply("k", 429, name)
+          # A 2xx back while the backoff holds was sent before it: the count stays.
           assert :ok = observe_response("ex", "k", 200, [], name)
-          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
-          assert {:error, %{retry_after: 2000}} = limited_reply("k2", 429, name)
+          assert {:error, %{retry_after: 4000}} = limited_reply("k", 429, name)
+          # One after it (k2's backoff ended long ago) starts the count again.
+          assert :ok = observe_response("ex", "k2", 200, [], name)
+          assert {:error, %{retry_after: 1000}} = limited_reply("k2", 429, name)
         end
 
         test "a 418 without Retry-After backs off the whole exchange, counted for the exchange",
@@ -53,7 +56,11 @@ defmodule Bourse.ContractTests.Backoff do
           assert {:error, %{retry_after: 2000}} = limited_reply("k", 418, name)
           # A credential's own 429s count apart.
           assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
-          # A reply that went through, to any key, starts the exchange's count again.
+          # A 2xx back while the exchange's backoff holds was sent before it: the count stays.
+          assert :ok = observe_response("ex", "k2", 200, [], name)
+          assert {:error, %{retry_after: 2000}} = limited_reply("other", 418, name)
+          # Once it ended, a 2xx to any key starts the exchange's count again.
+          Process.sleep(2_000)
           assert :ok = observe_response("ex", "k2", 200, [], name)
           assert {:error, %{retry_after: 1000}} = limited_reply("other", 418, name)
         end

@@ -1390,9 +1390,15 @@ local function back_off(now)
 end
 
 -- reset_backoff: KEYS = the credential's backoff count, the exchange's; ARGV =
--- 'reset_backoff'.
-local function reset_backoff()
-  call('DEL', KEYS[1], KEYS[2])
+-- 'reset_backoff'. Drops each count unless its last pause still holds (the reply's request
+-- was sent before that pause).
+local function reset_backoff(now)
+  for i = 1, 2 do
+    local _, held = string.match(call('GET', KEYS[i]) or '', '^(%d+) ?(%d*)$')
+    if (tonumber(held) or 0) <= now then
+      call('DEL', KEYS[i])
+    end
+  end
   return 'OK'
 end
 
