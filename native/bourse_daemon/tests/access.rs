@@ -8,7 +8,7 @@ use std::ffi::CString;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -72,6 +72,42 @@ impl Drop for Shell {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Another user's daemon started on the path of a live socket it may not connect to, in a
+/// directory it may write to, does not take that socket over.
+#[test]
+fn a_live_socket_another_user_cannot_reach_is_not_replaced() {
+    if !can_run_as_nobody() {
+        eprintln!("SKIPPED: needs root and setpriv to run a daemon as nobody");
+        return;
+    }
+    let dir = open_dir("shared-path");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let path = dir.join("d.sock");
+    let path_text = path.to_str().unwrap();
+    let _owner = Shell::start("umask 077", &["--socket", path_text]);
+    let inode = std::fs::metadata(&path).unwrap().ino();
+    // A copy that nobody may run, wherever the build is.
+    let binary = dir.join("bourse_daemon");
+    std::fs::copy(daemon_binary(), &binary).unwrap();
+    std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let output = Command::new("timeout")
+        .arg("10")
+        .args(AS_NOBODY)
+        .args([binary.to_str().unwrap(), "--socket", path_text])
+        .env_remove("BOURSE_DAEMON_SECRET")
+        .output()
+        .map(|output| {
+            (
+                output.status.code(),
+                String::from_utf8_lossy(&output.stderr).to_string(),
+            )
+        })
+        .unwrap();
+    assert_eq!(output.0, Some(1), "{}", output.1);
+    assert!(output.1.contains("not replacing it"), "{}", output.1);
+    assert_eq!(std::fs::metadata(&path).unwrap().ino(), inode);
 }
 
 /// A directory every user may enter, for a socket another user tries to reach.
@@ -158,17 +194,28 @@ for request in [{"op": "busiest"}, {"op": "reset_all"},
     print(request["op"] + ":", answer.get("error", {}).get("type", "served"), json.dumps(answer))
 "#;
 
-#[test]
-fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
-    // The system's Python: another user cannot run one under /root.
-    let python = "/usr/bin/python3";
+/// Whether this test runs as root with `setpriv`, to run a program as `nobody`.
+fn can_run_as_nobody() -> bool {
     let root = Command::new("id")
         .arg("-u")
         .output()
         .map(|o| o.stdout == b"0\n");
-    let usable = Command::new("setpriv").arg("--version").output().is_ok()
-        && std::path::Path::new(python).exists();
-    if root.ok() != Some(true) || !usable {
+    root.ok() == Some(true) && Command::new("setpriv").arg("--version").output().is_ok()
+}
+
+/// What `setpriv` takes to run a program as `nobody`.
+const AS_NOBODY: [&str; 4] = [
+    "setpriv",
+    "--reuid=nobody",
+    "--regid=nogroup",
+    "--clear-groups",
+];
+
+#[test]
+fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
+    // The system's Python: another user cannot run one under /root.
+    let python = "/usr/bin/python3";
+    if !can_run_as_nobody() || !std::path::Path::new(python).exists() {
         eprintln!("SKIPPED: needs root, setpriv and {python} to run a client as nobody");
         return;
     }
@@ -193,15 +240,9 @@ fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
     );
     let tcp = daemon.tcp();
     let (host, port) = tcp.rsplit_once(':').unwrap();
-    let output = Command::new("setpriv")
-        .args([
-            "--reuid=nobody",
-            "--regid=nogroup",
-            "--clear-groups",
-            python,
-            "-c",
-            INTRUDER,
-        ])
+    let output = Command::new(AS_NOBODY[0])
+        .args(&AS_NOBODY[1..])
+        .args([python, "-c", INTRUDER])
         .args([path.to_str().unwrap(), host, port])
         .env_remove("BOURSE_DAEMON_SECRET")
         .output()

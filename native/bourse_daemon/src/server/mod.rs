@@ -852,13 +852,22 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
             "{} exists and is not a socket; not replacing it",
             path.display()
         )),
+        // Stale only when refused: nobody listens. Any other failure (another user's
+        // socket this one may not connect to) says nothing of whether it is in use.
         Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
             Ok(_) => Err(format!(
                 "another process is listening on {}",
                 path.display()
             )),
-            Err(_) => std::fs::remove_file(path)
-                .map_err(|error| format!("cannot remove stale socket {}: {error}", path.display())),
+            Err(error) if error.kind() == ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path).map_err(|error| {
+                    format!("cannot remove stale socket {}: {error}", path.display())
+                })
+            }
+            Err(error) => Err(format!(
+                "cannot tell whether {} is in use ({error}); not replacing it",
+                path.display()
+            )),
         },
     }
 }
