@@ -16,8 +16,9 @@ use serde_json::{json, Map, Number, Value};
 
 /// The version byte every external term starts with.
 pub const VERSION: u8 = 131;
-/// Nesting deeper than this is refused, as the JSON parser refuses it.
-pub const MAX_DEPTH: usize = 128;
+/// Lists, tuples, maps and the other terms read as a JSON array or object, nested deeper
+/// than this, are refused, as the JSON parser refuses such arrays and objects.
+pub const MAX_DEPTH: usize = 127;
 /// Maps with more keys are read as their shape: no request has nearly as many.
 pub const MAX_MAP_KEYS: usize = 1024;
 
@@ -167,13 +168,14 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// One term at nesting `depth`; `top` for the frame's own term (whose `id` is kept).
+    /// One term at nesting `depth` (the frame's own term, `top`, whose `id` is kept, is at 0).
     fn term(&mut self, depth: usize, top: bool) -> Read<Value> {
+        let deeper = || Err(format!("nesting deeper than {MAX_DEPTH}"));
         if depth > MAX_DEPTH {
-            return Err(format!("nesting deeper than {MAX_DEPTH}"));
+            return deeper();
         }
         let tag = self.u8()?;
-        Ok(match tag {
+        let value = match tag {
             SMALL_INTEGER => Value::from(self.u8()?),
             INTEGER => {
                 let b = self.fixed(4)?;
@@ -295,7 +297,12 @@ impl<'a> Reader<'a> {
             }
             COMPRESSED => return Err("a compressed term inside a term".into()),
             other => return Err(format!("unknown tag {other}")),
-        })
+        };
+        // An array or object at `depth` is the JSON parser's level `depth + 1`.
+        match value {
+            Value::Array(_) | Value::Object(_) if depth >= MAX_DEPTH => deeper(),
+            value => Ok(value),
+        }
     }
 
     /// An integer of `n` little-endian magnitude bytes after its sign: a number within 64

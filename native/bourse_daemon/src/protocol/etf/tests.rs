@@ -243,16 +243,36 @@ fn deep_nesting_is_refused_without_recursing_through_it() {
         }
         let unreadable = error(&frame);
         assert!(
-            unreadable.message.contains("nesting deeper than 128"),
+            unreadable.message.contains("nesting deeper than 127"),
             "{}",
             unreadable.message
         );
     }
-    // At the limit, it is read.
-    let mut frame = vec![VERSION];
-    frame.extend(std::iter::repeat_n([SMALL_TUPLE, 1], MAX_DEPTH).flatten());
-    frame.push(NIL);
-    assert!(decode(&frame).is_ok());
+    // At the limit, it is read; a level more is refused, as JSON's arrays (a tuple is read
+    // as an object, `[]` as an array, an integer as a number).
+    for (tuples, innermost, read) in [
+        (MAX_DEPTH - 1, NIL, true),
+        (MAX_DEPTH, SMALL_INTEGER, true),
+        (MAX_DEPTH, NIL, false),
+        (MAX_DEPTH + 1, SMALL_INTEGER, false),
+    ] {
+        let mut frame = vec![VERSION];
+        frame.extend(std::iter::repeat_n([SMALL_TUPLE, 1], tuples).flatten());
+        frame.extend_from_slice(if innermost == NIL {
+            &[NIL]
+        } else {
+            &[SMALL_INTEGER, 7]
+        });
+        assert_eq!(
+            decode(&frame).is_ok(),
+            read,
+            "{tuples} tuples, then {innermost}"
+        );
+        let inner = if innermost == NIL { "[]" } else { "7" };
+        let json = format!("{}{inner}{}", "[".repeat(tuples), "]".repeat(tuples));
+        let parsed = serde_json::from_str::<serde_json::Value>(&json);
+        assert_eq!(parsed.is_ok(), read, "{json}");
+    }
 }
 
 #[test]
