@@ -442,9 +442,10 @@ fn backoffs_double_per_limited_reply_and_are_shared_by_connections() {
     f.clock.advance_ms(1000);
     assert_eq!(back_off(r#""k1""#, "credential")["ms"], 2000);
     assert_eq!(f.call(on)["ms"], 2000);
+    // Replies limiting the whole exchange count for it, whichever credential got them.
     assert_eq!(back_off("null", "exchange")["ms"], 1000);
     f.clock.advance_ms(2000);
-    assert_eq!(back_off(r#""k1""#, "exchange")["ms"], 4000);
+    assert_eq!(back_off(r#""k1""#, "exchange")["ms"], 2000);
     let reset = r#"{"op":"reset_backoff","credential":{"exchange":"binance","credential":"k1"}}"#;
     assert_eq!(f.call(reset), json!({"ok": true}));
     assert_eq!(back_off(r#""k1""#, "credential")["ms"], 1000);
