@@ -31,7 +31,9 @@ defmodule Bourse.RateLimiter do
   `:max_wait_ms` are *waiters*: a delay within the budget *books* the cost at once, so
   later callers queue behind it and cheap traffic cannot starve a heavy call. The same
   process coming back with the same checks at the ready time is admitted against its
-  booking without a second charge. A booking not claimed within `:booking_slack_ms` of its
+  booking without a second charge (unless the process forfeited its bookings, on every
+  limiter, when a waiter of it was admitted without its store's word: see
+  `wait_for_capacity/5`). A booking not claimed within `:booking_slack_ms` of its
   ready time lapses; its cost stays paid.
 
   ## Usage
@@ -359,7 +361,8 @@ defmodule Bourse.RateLimiter do
   A caller that wakes to find the limiter stopped, or is told its store is unavailable
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
   it paid: `:ok`. That booking, which the store may still hold, is not claimed again: the
-  process's later checks book under a new owner, and bookings it left behind lapse, paid.
+  process's later checks, on every limiter, book under a new owner, and bookings it left
+  behind lapse, paid.
   Told later, its booking has lapsed (as any late waiter's), and the call
   answers `:unavailable`.
   """

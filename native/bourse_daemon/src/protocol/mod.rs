@@ -547,8 +547,9 @@ fn random_hex<const N: usize>() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// 64 hex digits (either case) as 32 bytes; `None` for anything else.
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() != 64 {
+    if text.len() != 64 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..text.len())

@@ -1124,6 +1124,16 @@ fn connections_that_must_prove_the_secret_serve_nothing_else_before() {
         call(&session, r#"{"op":"stats"}"#)["error"]["type"],
         "unauthorized"
     );
+    // Hex digits only: not the sign an integer parser takes ("+1" for "01").
+    let signed = call(
+        &session,
+        &format!(
+            r#"{{"op":"auth","proof":"{}","challenge":"+1{}"}}"#,
+            prove(b"0123456789abcdef", &nonce),
+            "ab".repeat(31)
+        ),
+    );
+    assert_eq!(signed["error"]["type"], "unauthorized", "{signed}");
     let proved = call(
         &session,
         &format!(
