@@ -228,6 +228,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
+  defp address({:unix, path}, _allow_remote),
+    do: {:error, "a Unix socket path must be a non-empty binary, got #{Error.describe(path)}"}
+
   defp address({ip, port}, allow_remote) when is_tuple(ip) and is_integer(port) do
     with :ok <- port_number(port), do: host(ip, port, allow_remote)
   end

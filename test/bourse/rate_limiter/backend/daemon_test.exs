@@ -57,6 +57,10 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
         assert {:error, _message} = Daemon.options(address, []), inspect(address)
       end
 
+      # A charlist path is named as the path, not as an address of another shape.
+      assert {:error, "a Unix socket path must be a non-empty binary, got a list"} =
+               Daemon.options({:unix, ~c"/tmp/s"}, [])
+
       longest = "/" <> String.duplicate("a", 106)
 
       assert {:ok, address: {:unix, ^longest, ^uid}, timeout: _} =
