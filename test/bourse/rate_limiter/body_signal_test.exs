@@ -220,10 +220,11 @@ defmodule Bourse.RateLimiter.BodySignalTest do
       assert {:error, %Error{retry_after: 2000}} =
                RateLimiter.observe_response("bybit", "k", 200, [], name, body: %{retCode: 10006})
 
-      # A 200 without a signal starts the count again.
+      # A 200 without a signal back while that pause holds was sent before it: the count
+      # stays, and the next signal, sent before the pause too, waits as long again.
       assert :ok = RateLimiter.observe_response("bybit", "k", 200, [], name, body: %{retCode: 0})
 
-      assert {:error, %Error{retry_after: 1000}} =
+      assert {:error, %Error{retry_after: 2000}} =
                RateLimiter.observe_response("bybit", "k", 200, [], name, body: %{retCode: 10006})
     end
 

@@ -479,11 +479,14 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert {:error, %Error{retry_after: 3000}} = observe(429, [{"retry-after", "3"}], name)
       Process.sleep(2_000)
 
-      # Other statuses leave it alone; a 2xx starts again.
+      # Other statuses leave it alone; a 2xx starts again, unless it comes back while the
+      # backoff's pause holds (it was sent before it).
       assert :ok = observe(503, [], name)
       assert {:error, %Error{retry_after: 4000}} = observe(429, %{}, name)
       assert :ok = observe(204, [], name)
-      assert {:error, %Error{retry_after: 1000}} = observe(429, [], name)
+      assert {:error, %Error{retry_after: 4000}} = observe(429, [], name)
+      assert :ok = observe(204, [], name, "k2")
+      assert {:error, %Error{retry_after: 1000}} = observe(429, [], name, "k2")
     end
 
     test "the backoff count is kept beside the buckets: none shows, none is paid for",
