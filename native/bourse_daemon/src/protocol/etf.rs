@@ -298,9 +298,14 @@ impl<'a> Reader<'a> {
             COMPRESSED => return Err("a compressed term inside a term".into()),
             other => return Err(format!("unknown tag {other}")),
         };
-        // An array or object at `depth` is the JSON parser's level `depth + 1`.
+        // An array or object at `depth` is the JSON parser's level `depth + 1`; an integer
+        // beyond 64 bits, read as its shape, is a number in JSON.
         match value {
-            Value::Array(_) | Value::Object(_) if depth >= MAX_DEPTH => deeper(),
+            Value::Array(_) | Value::Object(_)
+                if depth >= MAX_DEPTH && !matches!(tag, SMALL_BIG | LARGE_BIG) =>
+            {
+                deeper()
+            }
             value => Ok(value),
         }
     }

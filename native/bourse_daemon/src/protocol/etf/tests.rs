@@ -249,26 +249,25 @@ fn deep_nesting_is_refused_without_recursing_through_it() {
         );
     }
     // At the limit, it is read; a level more is refused, as JSON's arrays (a tuple is read
-    // as an object, `[]` as an array, an integer as a number).
+    // as an object, `[]` as an array, an integer as a number, even past 64 bits).
+    let big = [SMALL_BIG, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 64];
     for (tuples, innermost, read) in [
         (MAX_DEPTH - 1, NIL, true),
         (MAX_DEPTH, SMALL_INTEGER, true),
+        (MAX_DEPTH, SMALL_BIG, true),
         (MAX_DEPTH, NIL, false),
         (MAX_DEPTH + 1, SMALL_INTEGER, false),
     ] {
         let mut frame = vec![VERSION];
         frame.extend(std::iter::repeat_n([SMALL_TUPLE, 1], tuples).flatten());
-        frame.extend_from_slice(if innermost == NIL {
-            &[NIL]
-        } else {
-            &[SMALL_INTEGER, 7]
-        });
-        assert_eq!(
-            decode(&frame).is_ok(),
-            read,
-            "{tuples} tuples, then {innermost}"
-        );
-        let inner = if innermost == NIL { "[]" } else { "7" };
+        let (term, inner): (&[u8], &str) = match innermost {
+            NIL => (&[NIL], "[]"),
+            SMALL_BIG => (&big, "1180591620717411303424"),
+            _ => (&[SMALL_INTEGER, 7], "7"),
+        };
+        frame.extend_from_slice(term);
+        let decoded = decode(&frame);
+        assert_eq!(decoded.is_ok(), read, "{tuples} tuples, then {innermost}");
         let json = format!("{}{inner}{}", "[".repeat(tuples), "]".repeat(tuples));
         let parsed = serde_json::from_str::<serde_json::Value>(&json);
         assert_eq!(parsed.is_ok(), read, "{json}");
