@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixListener;
 use std::process::{Command, Output};
 
@@ -89,6 +91,19 @@ fn unix_socket_files_are_replaced_only_when_stale() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("another process is listening"));
     drop(live);
 
+    // Nor one whose listener accepts nothing, its backlog full (a blocking connect would
+    // wait for ever): the daemon gives up on it within a second or so.
+    let full = full_listener(&path);
+    let started = std::time::Instant::now();
+    let output = Command::new("timeout")
+        .args(["10", DAEMON, "--socket", path_text])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("accepts nothing"));
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    drop(full);
+
     // Nor is a file that is not a socket.
     std::fs::remove_file(&path).unwrap();
     std::fs::write(&path, "data").unwrap();
@@ -97,4 +112,33 @@ fn unix_socket_files_are_replaced_only_when_stale() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("not a socket"));
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "data");
     std::fs::remove_file(&path).unwrap();
+}
+
+/// A listener at `path` with a backlog of none, filled by connections it never accepts: a
+/// blocking connect to it waits. Dropped, it closes them all.
+fn full_listener(path: &std::path::Path) -> (UnixListener, Vec<OwnedFd>) {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).unwrap();
+    // SAFETY: listen(2) on a socket this function owns.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    // SAFETY: a zeroed sockaddr_un is valid; the path fits (temp paths are short).
+    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (slot, byte) in address.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+        *slot = *byte as libc::c_char;
+    }
+    let mut waiting = Vec::new();
+    loop {
+        // SAFETY: a new socket, owned at once; connect(2) reads `address` only.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0) };
+        assert!(fd >= 0);
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let size = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        let done =
+            unsafe { libc::connect(fd.as_raw_fd(), std::ptr::addr_of!(address).cast(), size) };
+        if done != 0 {
+            return (listener, waiting);
+        }
+        waiting.push(fd);
+    }
 }

@@ -842,6 +842,23 @@ fn unread_bytes(fd: RawFd) -> Option<usize> {
     (done == 0).then_some(unread as usize)
 }
 
+/// How long the check of an existing socket file waits for a connection.
+const STALE_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A connection to the Unix socket at `path`, or why not; `None` when none came within
+/// `timeout` (the connecting thread is left to its fate: the daemon is about to exit).
+fn connect_within(
+    path: &Path,
+    timeout: Duration,
+) -> Option<io::Result<std::os::unix::net::UnixStream>> {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = sender.send(std::os::unix::net::UnixStream::connect(path));
+    });
+    receiver.recv_timeout(timeout).ok()
+}
+
 /// Removes a socket file left by a daemon that is gone; refuses to replace a live socket or
 /// anything that is not a socket.
 fn remove_stale_socket(path: &Path) -> Result<(), String> {
@@ -853,18 +870,23 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
             path.display()
         )),
         // Stale only when refused: nobody listens. Any other failure (another user's
-        // socket this one may not connect to) says nothing of whether it is in use.
-        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
-            Ok(_) => Err(format!(
+        // socket this one may not connect to) says nothing of whether it is in use, and a
+        // listener that accepts nothing (its backlog full) holds a blocking connect.
+        Ok(_) => match connect_within(path, STALE_CHECK_TIMEOUT) {
+            Some(Ok(_)) => Err(format!(
                 "another process is listening on {}",
                 path.display()
             )),
-            Err(error) if error.kind() == ErrorKind::ConnectionRefused => {
+            None => Err(format!(
+                "another process is listening on {} (it accepts nothing); not replacing it",
+                path.display()
+            )),
+            Some(Err(error)) if error.kind() == ErrorKind::ConnectionRefused => {
                 std::fs::remove_file(path).map_err(|error| {
                     format!("cannot remove stale socket {}: {error}", path.display())
                 })
             }
-            Err(error) => Err(format!(
+            Some(Err(error)) => Err(format!(
                 "cannot tell whether {} is in use ({error}); not replacing it",
                 path.display()
             )),
