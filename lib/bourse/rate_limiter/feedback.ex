@@ -27,7 +27,10 @@ defmodule Bourse.RateLimiter.Feedback do
     3. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
        consecutive limited reply without a usable wait on that credential, or on the
        exchange for replies that limit the whole exchange (a 418, Binance's -1003),
-       whichever credential they came to: keys sharing an IP share its count. A 2xx
+       whichever credential they came to: every key of the exchange shares that count
+       (one per exchange, whatever IP a key sends from). With `ip:`, a 429 that names
+       no limit is counted for the IP's buckets, shared by the keys that pass that
+       `ip:`, and a 2xx also starts that count again. A 2xx
        without a signal on the credential starts both counts again, each unless its
        backoff's pause holds (the 2xx was sent before it). A reply that comes back while
        the backoff's pause holds was sent before it: it pauses as long again and is not
@@ -51,13 +54,13 @@ defmodule Bourse.RateLimiter.Feedback do
   daemon, or in Redis, for the limiters sharing them): limiters sharing a table share
   the count, and a limited reply counts and pauses in one call. The count is no bucket:
   it never shows in `Bourse.RateLimiter.busiest/2` or `mix bourse.top`. It lapses
-  10 minutes after the last limited reply that counted into it, and `reset_exchange/2`
+  10 minutes after the last limited reply (counted or not), and `reset_exchange/2`
   and `reset_all/1` forget it; a table counts at most 10,000 credentials and exchanges at
   once (when full, a new one's backoff stays at 1 s).
 
   Calls to the bucket table per reply: one `pause` (or, for the backoff, one
-  `back_off`) per limited reply; one to start the backoff count again per 2xx without a
-  signal; per used-weight header present, one `sync`, after an `inspect_key` for the
+  `back_off`) per limited reply, and with `ip:` one more for the other buckets a 429 holds;
+  one to start the backoff count again per 2xx without a signal (two with `ip:`); per used-weight header present, one `sync`, after an `inspect_key` for the
   bucket's definition unless the adapter passes it
   (`limits: %{axis => limit}`, each limit in any form a check takes, such as
   `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical 2xx reply
@@ -450,8 +453,12 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp react(exchange_id, credential, status, found, signal, ip, name) do
     case limited(status, signal) do
-      nil when status in 200..299 ->
+      nil when status in 200..299 and ip == credential ->
         RateLimiter.reset_backoff({exchange_id, credential}, name)
+
+      nil when status in 200..299 ->
+        with :ok <- RateLimiter.reset_backoff({exchange_id, credential}, name),
+             do: RateLimiter.reset_backoff({exchange_id, ip}, name)
 
       nil ->
         :ok
@@ -531,11 +538,11 @@ defmodule Bourse.RateLimiter.Feedback do
          do: {:ok, min(ms, Native.bound(:max_ms)), why}
   end
 
-  # The backoff is counted for the credential (or the exchange); the IP's buckets are held
-  # as long.
+  # A 429 that may be the IP's is counted for the IP's buckets, which it pauses (keys
+  # sharing the IP share the count); the credential's are held as long.
   defp backoff({exchange_id, _} = credential, {:credential, ip}, name) do
-    with {:ok, ms, why} <- backoff(credential, :credential, name),
-         :ok <- RateLimiter.pause({exchange_id, ip}, ms, name),
+    with {:ok, ms, why} <- backoff({exchange_id, ip}, :credential, name),
+         :ok <- RateLimiter.pause(credential, ms, name),
          do: {:ok, ms, why}
   end
 

@@ -301,6 +301,18 @@ defmodule Bourse.RateLimiter.FeedbackTest do
         assert :ok = RateLimiter.check_rates([key_b_orders], name)
       end
 
+      # Its backoff is the IP's, shared by the keys that pass it: key-b's next one doubles
+      # key-a's; a 2xx to either, once that pause ended, starts it again.
+      bare_429 = fn key ->
+        RateLimiter.observe_response("binance", key, 429, [], name, ip: :public)
+      end
+
+      Process.sleep(1_000)
+      assert {:error, %Error{retry_after: 2_000}} = bare_429.("key-b")
+      Process.sleep(2_000)
+      assert :ok = RateLimiter.observe_response("binance", "key-a", 200, [], name, ip: :public)
+      assert {:error, %Error{retry_after: 1_000}} = bare_429.("key-b")
+
       assert_invalid(RateLimiter.observe_response("binance", "key-a", 200, [], name, ip: :other))
     end
 
