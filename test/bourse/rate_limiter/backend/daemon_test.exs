@@ -108,9 +108,12 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert {:delay, _} = RateLimiter.check_rate({"ex", "k"}, still, 1, name)
   end
 
+  # Daemons restarted at an address are on Unix sockets: a TCP port given back by a killed
+  # daemon may be taken meanwhile as another connection's ephemeral port.
   test "the daemon restarts: :unavailable meanwhile, then the limiter reconnects, and a drained key stays drained" do
-    daemon = start_daemon(["--listen", "127.0.0.1:0"])
-    name = start_limiter({:daemon, daemon.tcp})
+    path = Bourse.TempPath.new("bourse", ".sock")
+    daemon = start_daemon(["--socket", path])
+    name = start_limiter({:daemon, {:unix, path}})
     drained = {"ex", "drained"}
     for _ <- 1..10, do: assert(:ok = RateLimiter.check_rate(drained, @limit, 1, name))
 
@@ -119,7 +122,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert unavailable?(RateLimiter.check_rate(drained, @limit, 1, name))
     assert unavailable?(RateLimiter.wait_for_capacity(drained, @limit, 1, name))
 
-    start_daemon(["--listen", daemon.tcp, "--assume-busy-at-start"])
+    start_daemon(["--socket", path, "--assume-busy-at-start"])
 
     eventually(fn -> RateLimiter.check_rate({"ex", "fresh"}, @fast, 1, name) == :ok end)
 
@@ -133,14 +136,15 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   end
 
   test "a reconnect to a daemon without --assume-busy-at-start logs a warning" do
-    daemon = start_daemon(["--listen", "127.0.0.1:0"])
-    name = start_limiter({:daemon, daemon.tcp})
+    path = Bourse.TempPath.new("bourse", ".sock")
+    daemon = start_daemon(["--socket", path])
+    name = start_limiter({:daemon, {:unix, path}})
     assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
     DaemonServer.kill(daemon)
 
     log =
       capture_log(fn ->
-        start_daemon(["--listen", daemon.tcp])
+        start_daemon(["--socket", path])
         eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
       end)
 
@@ -242,17 +246,15 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
   test "started before its daemon: :unavailable until the daemon is up, then it connects" do
     # A free port: where a daemon listened a moment ago.
-    address =
-      start_daemon(["--listen", "127.0.0.1:0"]) |> tap(&DaemonServer.stop/1) |> Map.fetch!(:tcp)
-
-    name = start_limiter({:daemon, address})
+    path = Bourse.TempPath.new("bourse", ".sock")
+    name = start_limiter({:daemon, {:unix, path}})
 
     assert {:error, %Error{type: :unavailable, message: message}} =
              RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
 
-    assert message =~ "bourse_daemon at #{address} is unavailable"
+    assert message =~ "bourse_daemon at unix:#{path} is unavailable"
 
-    start_daemon(["--listen", address])
+    start_daemon(["--socket", path])
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end, 10_000)
   end
 
