@@ -92,6 +92,12 @@ defmodule Bourse.RateLimiter.Exchange do
     coinbase_advanced: CoinbaseAdvanced
   }
 
+  # Each profile's counters, by exchange id (for `header_limits/1`).
+  @counters_by_exchange (for {_name, module} <- @modules, into: %{} do
+                           {:ok, %{exchange_id: id, counters: counters}} = module.profile([])
+                           {id, counters}
+                         end)
+
   @doc "The names of the profiles."
   @spec profiles() :: [atom()]
   def profiles, do: @modules |> Map.keys() |> Enum.sort()
@@ -221,21 +227,8 @@ defmodule Bourse.RateLimiter.Exchange do
   # Header sync's defaults for `exchange_id`: the limits of the counters of the profile
   # with that exchange id, by header (`%{}` for none).
   @spec header_limits(String.t()) :: %{String.t() => number()}
-  def header_limits(exchange_id) do
-    by_exchange =
-      with nil <- :persistent_term.get({__MODULE__, :header_limits}, nil) do
-        by_exchange =
-          for {_name, module} <- @modules, into: %{} do
-            {:ok, %{exchange_id: id, counters: counters}} = module.profile([])
-            {id, counter_header_limits(counters)}
-          end
-
-        :persistent_term.put({__MODULE__, :header_limits}, by_exchange)
-        by_exchange
-      end
-
-    Map.get(by_exchange, exchange_id, %{})
-  end
+  def header_limits(exchange_id),
+    do: @counters_by_exchange |> Map.get(exchange_id, []) |> counter_header_limits()
 
   defp counter_header_limits(counters),
     do: for(%{header: header, limit: limit} <- counters, into: %{}, do: {header, limit})

@@ -8,9 +8,10 @@ defmodule Bourse.RateLimiter.Feedback do
 
   A 429 pauses every bucket of the credential (`{exchange_id, credential_key}`: every
   axis) for every caller at once, and, given `ip:`, every bucket of that IP too unless
-  its body names a limit of the credential alone (the 429 may be the IP's); a 418 (Binance's IP ban) pauses every bucket of the
-  whole exchange, every credential and `:public` included, since the ban is on the IP
-  that all of them share. A rate-limit signal in the body or status of any other reply
+  its body names a limit of the credential alone (the 429 may be the IP's); a 418
+  (Binance's IP ban) pauses every bucket of the whole exchange, every credential and
+  `:public` included, since the ban is on the IP that all of them share. A rate-limit
+  signal in the body or status of any other reply
   (Bybit's `retCode` 10006 on an HTTP 200, Binance's 403, ...:
   `Bourse.RateLimiter.BodySignal` lists them, with their sources) is treated the same
   way: like a 429 for the credential, or for the whole exchange when the exchange counts
@@ -60,8 +61,9 @@ defmodule Bourse.RateLimiter.Feedback do
 
   Calls to the bucket table per reply: one `pause` (or, for the backoff, one
   `back_off`) per limited reply, and with `ip:` one more for the other buckets a 429 holds;
-  one to start the backoff count again per 2xx without a signal (two with `ip:`); per used-weight header present, one `sync`, after an `inspect_key` for the
-  bucket's definition unless the adapter passes it
+  one to start the backoff count again per 2xx without a signal (two with `ip:`); per
+  used-weight header present, one `sync`, after an `inspect_key` for the bucket's
+  definition unless the adapter passes it
   (`limits: %{axis => limit}`, each limit in any form a check takes, such as
   `Bourse.RateLimiter.Exchange.buckets/2` returns); nothing else. A typical 2xx reply
   with one used-weight header and `limits:` costs two round trips to a daemon or Redis.
@@ -452,36 +454,32 @@ defmodule Bourse.RateLimiter.Feedback do
   ## 429, 418, body signals and backoff
 
   defp react(exchange_id, credential, status, found, signal, ip, name) do
-    case limited(status, signal) do
-      nil when status in 200..299 and ip == credential ->
-        RateLimiter.reset_backoff({exchange_id, credential}, name)
+    # A 429 that names no limit may be the credential's or the IP's: with `ip:` it holds
+    # both, as requests sent through an IP during its Retry-After earn an IP ban.
+    unnamed = if ip == credential, do: :credential, else: {:credential, ip}
 
+    case limited(status, signal, unnamed) do
       nil when status in 200..299 ->
-        with :ok <- RateLimiter.reset_backoff({exchange_id, credential}, name),
-             do: RateLimiter.reset_backoff({exchange_id, ip}, name)
+        each([credential, ip] |> Enum.uniq(), &RateLimiter.reset_backoff({exchange_id, &1}, name))
 
       nil ->
         :ok
-
-      {:credential_or_ip, stop, named_ms, reason} ->
-        scope = if ip == credential, do: :credential, else: {:credential, ip}
-        limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name)
 
       limited ->
         limit(exchange_id, credential, status, found, limited, name)
     end
   end
 
-  # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`. A 429
-  # that names no limit may be the credential's or the IP's: `:credential_or_ip` holds
-  # both (the buckets of `ip:` as well as the credential's), as requests sent through an
-  # IP during its Retry-After earn an IP ban.
-  defp limited(418, signal),
+  # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`; `unnamed`
+  # is the scope of a 429 that names no limit.
+  defp limited(418, signal, _unnamed),
     do: {:exchange, true, signal[:wait_ms], signal[:reason]}
 
-  defp limited(status, nil) when status == 429, do: {:credential_or_ip, false, nil, nil}
-  defp limited(_status, nil), do: nil
-  defp limited(_status, signal), do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
+  defp limited(429, nil, unnamed), do: {unnamed, false, nil, nil}
+  defp limited(_status, nil, _unnamed), do: nil
+
+  defp limited(_status, signal, _unnamed),
+    do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
     with {:ok, wait, why} <-
@@ -534,8 +532,8 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp pause(ms, why, credential, scope, name) do
     # The time asked, as long as `Process.sleep/1` takes (a header may ask for 1e308 s).
-    with :ok <- pause_targets(targets(credential, scope), min(ms, @max_ban_ms), name),
-         do: {:ok, min(ms, Native.bound(:max_ms)), why}
+    paused = each(targets(credential, scope), &RateLimiter.pause(&1, min(ms, @max_ban_ms), name))
+    with :ok <- paused, do: {:ok, min(ms, Native.bound(:max_ms)), why}
   end
 
   # A 429 that may be the IP's is counted for the IP's buckets, which it pauses (keys
@@ -559,9 +557,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp targets({exchange_id, _} = credential, {:credential, ip}),
     do: [credential, {exchange_id, ip}]
 
-  defp pause_targets(targets, ms, name) do
-    Enum.reduce_while(targets, :ok, fn target, :ok ->
-      case RateLimiter.pause(target, ms, name) do
+  # `call` on each item in turn, up to the first that is not `:ok`, which is returned.
+  defp each(items, call) do
+    Enum.reduce_while(items, :ok, fn item, :ok ->
+      case call.(item) do
         :ok -> {:cont, :ok}
         error -> {:halt, error}
       end

@@ -1370,6 +1370,12 @@ local function pause(now)
   return 'OK'
 end
 
+-- The backoff count at `key` and the end of its last pause (µs); 0 and 0 for none.
+local function backoff_at(key)
+  local count, held = string.match(call('GET', key) or '', '^(%d+) ?(%d*)$')
+  return tonumber(count) or 0, tonumber(held) or 0
+end
+
 -- back_off: KEYS = pauses, the backoff counted (the credential's; the exchange's when the
 -- field is the exchange's); ARGV = 'back_off', pause field, first ms, longest ms, lapse ms
 -- (bourse_core::rules). Holds the field for the first backoff doubled per reply counted
@@ -1377,8 +1383,7 @@ end
 -- holds: a reply sent before it is held as long again and not counted. The backoff
 -- ("<count> <end of its last pause, µs>") lapses after the lapse. Returns the pause in ms.
 local function back_off(now)
-  local count, held = string.match(call('GET', KEYS[2]) or '', '^(%d+) ?(%d*)$')
-  count, held = tonumber(count) or 0, tonumber(held) or 0
+  local count, held = backoff_at(KEYS[2])
   local counts = held <= now
   local level = counts and count or math.max(count - 1, 0)
   local ms = math.min(tonumber(ARGV[3]) * 2 ^ math.min(level, 30), tonumber(ARGV[4]))
@@ -1394,8 +1399,8 @@ end
 -- was sent before that pause).
 local function reset_backoff(now)
   for i = 1, 2 do
-    local _, held = string.match(call('GET', KEYS[i]) or '', '^(%d+) ?(%d*)$')
-    if (tonumber(held) or 0) <= now then
+    local _, held = backoff_at(KEYS[i])
+    if held <= now then
       call('DEL', KEYS[i])
     end
   end

@@ -399,9 +399,11 @@ impl Store for RedisStore {
         scope: BackoffScope,
         last_run: LastRun,
     ) -> StoreResult<u64> {
-        let names = self.credential_names(exchange, credential);
         let (field, counted) = match scope {
-            BackoffScope::Credential => (names.pause, names.backoff),
+            BackoffScope::Credential => {
+                let names = self.credential_names(exchange, credential);
+                (names.pause, names.backoff)
+            }
             BackoffScope::Exchange => (
                 b"x".to_vec(),
                 names::exchange_backoff_name(&self.prefix, exchange),
