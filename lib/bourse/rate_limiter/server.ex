@@ -128,6 +128,10 @@ defmodule Bourse.RateLimiter.Server do
     )
   end
 
+  defp cannot_start(config, {:misconfigured, message}) do
+    Error.invalid("cannot start the limiter's #{inspect(config.backend)} backend: #{message}")
+  end
+
   defp cannot_start(config, reason) do
     reason = if is_binary(reason), do: reason, else: Error.describe(reason)
     Error.unavailable("cannot start the limiter's #{inspect(config.backend)} backend: #{reason}")

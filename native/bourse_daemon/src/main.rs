@@ -73,13 +73,11 @@ fn main() -> ExitCode {
         None => serve(Memory::new(Table::new(config)), options, runtime),
         Some(redis) => {
             let timeout = Duration::from_millis(redis.timeout_ms);
-            if let redis::Servers::Cluster(seeds) = &redis.servers {
-                let password = redis.password.as_deref();
-                let checked = runtime.block_on(redis::refuse_standalone(seeds, password, timeout));
-                if let Err(message) = checked {
-                    eprintln!("bourse_daemon: {message}");
-                    return refused(&message);
-                }
+            let (servers, password) = (&redis.servers, redis.password.as_deref());
+            let checked = runtime.block_on(redis::refuse_misconfigured(servers, password, timeout));
+            if let Err(message) = checked {
+                eprintln!("bourse_daemon: {message}");
+                return refused(&message);
             }
             let store = {
                 let _context = runtime.enter();

@@ -1490,6 +1490,29 @@ fn bad_redis_options_are_refused_at_start() {
     }
 }
 
+/// Runs a daemon with `args` (and `env`) that must refuse to start: its stderr.
+fn refused_start(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut daemon = Command::new(common::DAEMON)
+        .args(args)
+        .env("BOURSE_DAEMON_SECRET", common::SECRET)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = common::wait_exit(&mut daemon);
+    let mut stderr = String::new();
+    daemon
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+    stderr
+}
+
 #[test]
 fn a_single_redis_given_as_cluster_seeds_is_refused_at_start() {
     let Some(redis) = Redis::start() else { return };
@@ -1504,32 +1527,68 @@ fn a_single_redis_given_as_cluster_seeds_is_refused_at_start() {
         for seed in &seeds {
             args.extend(["--redis-cluster", seed]);
         }
-        let mut daemon = Command::new(common::DAEMON)
-            .args(&args)
-            .env("BOURSE_DAEMON_SECRET", common::SECRET)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let status = common::wait_exit(&mut daemon);
-        let mut stderr = String::new();
-        daemon
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
-        assert_eq!(status.code(), Some(2), "{seeds:?}: {stderr}");
+        let stderr = refused_start(&args, &[]);
         assert!(
             stderr.contains(&format!(
-                "redis at 127.0.0.1:{} is not a Redis Cluster (cluster support disabled)",
+                "redis at 127.0.0.1:{}: it is not a Redis Cluster (cluster support disabled)",
                 redis.port
             )),
             "{stderr}"
         );
         assert!(stderr.contains("give one URL"), "{stderr}");
     }
+}
+
+/// A Redis that refuses the daemon (its password, or a database it does not have) refuses
+/// the daemon's start, rather than every request after it; a Redis that does not answer
+/// does not.
+#[test]
+fn a_redis_that_refuses_the_daemon_refuses_its_start() {
+    let Some(redis) = Redis::start() else { return };
+    let (url, on_db_16) = (redis.url(), format!("{}/16", redis.url()));
+    fn with(url: &str) -> [&str; 4] {
+        ["--listen", "127.0.0.1:0", "--redis", url]
+    }
+    let stderr = refused_start(&with(&url), &[("BOURSE_REDIS_PASSWORD", "wrong-pw")]);
+    assert!(stderr.contains("it refused the password given"), "{stderr}");
+    let stderr = refused_start(&with(&on_db_16), &[]);
+    assert!(stderr.contains("it has no such database"), "{stderr}");
+    let mut admin = redis.connection().unwrap();
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("sesame")
+        .query(&mut admin)
+        .unwrap();
+    let stderr = refused_start(&with(&url), &[]);
+    assert!(
+        stderr.contains(&format!(
+            "--redis: redis at 127.0.0.1:{}: it asks for a password",
+            redis.port
+        )),
+        "{stderr}"
+    );
+    let stderr = refused_start(&with(&url), &[("BOURSE_REDIS_PASSWORD", "wrong-pw")]);
+    assert!(stderr.contains("it refused the password given"), "{stderr}");
+    assert!(
+        !stderr.contains("wrong-pw") && !stderr.contains("sesame"),
+        "{stderr}"
+    );
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("")
+        .query(&mut admin)
+        .unwrap();
+    // Stopped: the daemon starts, and serves once Redis is back.
+    common::signal(&redis.child, "STOP");
+    let server = daemon(&redis, &["--redis-timeout-ms", "300"]);
+    common::signal(&redis.child, "CONT");
+    let mut t = server.connect();
+    let k = key("start", None);
+    eventually("a check admitted once Redis answers", || {
+        t.call(check(&k, json!({"requests": 5}), 1.0))["result"] == "admitted"
+    });
 }
 
 /// A small deterministic generator (xorshift64*) for the differential test.

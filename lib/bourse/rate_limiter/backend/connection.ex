@@ -343,6 +343,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         Process.link(limiter)
         {:ok, state}
 
+      # A daemon that refuses this limiter's configuration (its secret) at start will not
+      # take it later either.
+      {:error, {:misconfigured, _message} = reason} ->
+        {:stop, reason}
+
       # A port that cannot start is a configuration error; a daemon may come up later.
       {:error, reason} ->
         if state.transport.start_without_it?() do
@@ -838,6 +843,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp describe(state), do: state.transport.describe(state.target)
 
   defp reason_text({:refused, message}), do: "it refused its configuration: #{message}"
+  defp reason_text({:misconfigured, message}), do: message
   defp reason_text(reason), do: reason
 
   defp open(state) do

@@ -33,7 +33,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   without it listening on that port is refused (`:unavailable`, "another program may be
   listening there"), never believed. The secret never travels. The limiter reads the
   secret from `secret_file:` (a trailing newline is ignored) or else from the environment
-  variable `BOURSE_DAEMON_SECRET`, when it connects. Answers never hold an API key:
+  variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that answers at start and
+  refuses that secret (or asks for one none was given) fails the start with
+  `:invalid_parameters`. Answers never hold an API key:
   `busiest` shows fingerprints (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined

@@ -480,30 +480,35 @@ impl Client {
                      is a Redis server listening there?"
                 )))
             }
-            Ok(Err(error)) if unauthenticated(&error) && self.password_given => Err(self
-                .unavailable(format_args!(
-                    "it refused the password given ({}): is it this Redis's? (a Redis \
-                     without a password refuses any)",
-                    error.to_string().lines().next().unwrap_or_default()
-                ))),
-            Ok(Err(error)) if unauthenticated(&error) => Err(self.unavailable(format_args!(
-                "it asks for a password ({}): give it in the Elixir backend's Redis URL \
-                 (redis://:PASSWORD@host:port), or to the daemon with \
-                 --redis-password-file or BOURSE_REDIS_PASSWORD",
-                error.to_string().lines().next().unwrap_or_default()
-            ))),
-            Ok(Err(error)) => Err(self.unavailable(error)),
+            Ok(Err(error)) => Err(self.unavailable(
+                password_refusal(&error, self.password_given).unwrap_or_else(|| error.to_string()),
+            )),
             Err(_) => Err(self.no_answer()),
         }
     }
 }
 
-/// Whether Redis refused a call for want of a password: `NOAUTH`, or its protocol error
-/// for a long command from a client that has not authenticated (Redis 7).
-fn unauthenticated(error: &RedisError) -> bool {
-    error.kind() == ErrorKind::AuthenticationFailed
+/// Why Redis refused a call, when it refused this daemon's password (`password_given`) or
+/// asks for one.
+pub fn password_refusal(error: &RedisError, password_given: bool) -> Option<String> {
+    let text = error.to_string();
+    let first_line = text.lines().next().unwrap_or_default();
+    let unauthenticated = error.kind() == ErrorKind::AuthenticationFailed
         || error.code() == Some("NOAUTH")
-        || error.to_string().contains("unauthenticated")
+        // Redis 7's protocol error for a long command from a client that has not authenticated.
+        || text.contains("unauthenticated");
+    match (unauthenticated, password_given) {
+        (false, _) => None,
+        (true, true) => Some(format!(
+            "it refused the password given ({first_line}): is it this Redis's? (a Redis \
+             without a password refuses any)"
+        )),
+        (true, false) => Some(format!(
+            "it asks for a password ({first_line}): give it in the Elixir backend's Redis URL \
+             (redis://:PASSWORD@host:port), or to the daemon with --redis-password-file or \
+             BOURSE_REDIS_PASSWORD"
+        )),
+    }
 }
 
 /// What a call that Redis ran past its deadline is told.

@@ -26,7 +26,7 @@
 //! - `fingerprints`: the fingerprints of recently seen credentials;
 //! - `answer`: the script's answers read back;
 //! - `scan`: table-wide `SCAN` of every node;
-//! - `seeds`: a cluster's seeds refused at start when one is a server without cluster support;
+//! - `start`: Redis asked at start, the daemon refused when Redis refuses it;
 //! - `counters`: the statistics of this daemon's answers;
 //! - `urls`: the passwords in Redis URLs, found and hidden.
 
@@ -41,11 +41,11 @@ mod link;
 mod names;
 mod scan;
 mod script;
-mod seeds;
+mod start;
 mod store;
 mod urls;
 
 pub use connection::Servers;
-pub use seeds::refuse_standalone;
+pub use start::refuse_misconfigured;
 pub use store::{Options, RedisStore};
 pub use urls::has_password;

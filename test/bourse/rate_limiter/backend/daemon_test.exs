@@ -309,6 +309,24 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  # A misconfiguration fails the start, rather than every call later.
+  test "a daemon that refuses the limiter's secret fails its start, showing no secret" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    wrong = Bourse.TempPath.new("bourse-secret", "")
+    File.write!(wrong, "not-the-daemons-secret\n")
+    on_exit(fn -> File.rm(wrong) end)
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(
+               name: :daemon_wrong_secret,
+               backend: {:daemon, daemon.tcp, secret_file: wrong}
+             )
+
+    assert message =~ "the daemon refused the proof of the shared secret"
+    refute message =~ "not-the-daemons"
+    refute message =~ DaemonServer.secret()
+  end
+
   # Without the secret, a peer hands client B, as its nonce, what the daemon would prove to
   # client A: were B to prove it, A would take B's proof for the daemon's and send its
   # requests, credentials and all, to the peer.

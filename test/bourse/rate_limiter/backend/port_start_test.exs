@@ -43,7 +43,7 @@ defmodule Bourse.RateLimiter.Backend.PortStartTest do
              RateLimiter.start_link(name: :port_start_single_redis, backend: {:redis, seeds})
 
     assert message =~
-             "redis at 127.0.0.1:#{redis.port} is not a Redis Cluster (cluster support disabled)"
+             "redis at 127.0.0.1:#{redis.port}: it is not a Redis Cluster (cluster support disabled)"
 
     assert message =~ "backend: {:redis, url}, not a list"
   end

@@ -94,16 +94,38 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute_password_shown(line)
   end
 
-  test "a password Redis refuses is named as refused, and not shown" do
+  # A misconfiguration fails the start, rather than every call later.
+  test "a password Redis refuses fails the start, named as refused, and not shown" do
     redis = start_redis()
     url = "redis://:wrong-secret-part@127.0.0.1:#{redis.port}"
-    name = start_limiter({:redis, url, redis_timeout_ms: 4_000})
 
-    assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
-             RateLimiter.check_rate({"binance", "wrong"}, @limit, 1, name)
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: :redis_wrong_password, backend: {:redis, url})
 
-    assert message =~ "it refused the password given"
+    assert message =~ "redis at 127.0.0.1:#{redis.port}: it refused the password given"
     refute message =~ "secret-part"
+  end
+
+  test "no password for a Redis that asks for one fails the start, saying where to give it" do
+    redis = start_redis()
+    url = "redis://127.0.0.1:#{redis.port}"
+
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: :redis_no_password, backend: {:redis, url})
+
+    assert message =~ "redis at 127.0.0.1:#{redis.port}: it asks for a password"
+    assert message =~ "redis://:PASSWORD@host:port"
+  end
+
+  test "a database the Redis does not have fails the start" do
+    redis = start_redis()
+    url = "redis://:#{URI.encode_www_form(@password)}@127.0.0.1:#{redis.port}/16"
+
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(name: :redis_no_database, backend: {:redis, url})
+
+    assert message =~ "redis at 127.0.0.1:#{redis.port}: it has no such database"
+    refute_password_shown(message)
   end
 
   test "a password in a unix:// URL's query (?pass=, or a percent-encoded name such as ?%70ass=) is Redis's password, and never on the daemon's command line" do

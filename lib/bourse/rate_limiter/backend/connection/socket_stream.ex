@@ -207,8 +207,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   defp prove(_socket, %{}, nil, _address, _deadline) do
     {:error,
-     "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
-       "secret_file: option"}
+     {:misconfigured,
+      "the daemon asks for its shared secret: set BOURSE_DAEMON_SECRET or the backend's " <>
+        "secret_file: option"}}
   end
 
   defp prove(socket, %{"scheme" => "hmac-sha256", "nonce" => nonce}, secret, _address, deadline) do
@@ -250,7 +251,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
              "another program may be listening there"}
 
         _ ->
-          {:error, "the daemon refused the proof of the shared secret (is it the same secret?)"}
+          {:error,
+           {:misconfigured,
+            "the daemon refused the proof of the shared secret (is it the same secret?)"}}
       end
     end
   end

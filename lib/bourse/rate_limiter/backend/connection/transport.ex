@@ -17,8 +17,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
           timeout: pos_integer()
         }
 
+  @typedoc """
+  Why a stream did not open: `{:refused, message}`, a port's daemon refused its flags;
+  `{:misconfigured, message}`, a daemon refused this client's configuration (its secret).
+  """
+  @type failure :: String.t() | {:refused, String.t()} | {:misconfigured, String.t()}
+
   @doc "Opens the stream to `target` and says hello; the daemon's hello answer."
-  @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, String.t()}
+  @callback open(target :: term(), settings()) :: {:ok, stream(), map()} | {:error, failure()}
 
   @doc """
   Writes `count` requests for the connection process (they are counted once written):
