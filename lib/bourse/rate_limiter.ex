@@ -362,9 +362,11 @@ defmodule Bourse.RateLimiter do
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
   it paid: `:ok`. That booking, which the store may still hold, is not claimed again: the
   process's later checks, on every limiter, book under a new owner, and bookings it left
-  behind lapse, paid.
-  Told later, its booking has lapsed (as any late waiter's), and the call
-  answers `:unavailable`.
+  behind lapse, paid. Not so when a pause recorded through this limiter since it booked
+  (`pause/3`, or `observe_response/6` after a limited reply) ends after the booking's
+  ready time: the pause may hold the booking to its end, which only the store knows, so
+  the call answers `:unavailable`. Told later than the slack, its booking has lapsed (as
+  any late waiter's), and the call answers `:unavailable`.
   """
   @spec wait_for_capacity(
           key(),
@@ -399,8 +401,9 @@ defmodule Bourse.RateLimiter do
   # A caller that slept has paid its booking: when it finds the limiter stopped, or is told
   # its store is unavailable within the booking slack of the booking's ready time, it is
   # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
-  # answer that paid), which it then forfeits. Told later than that, its booking has
-  # lapsed, as any late waiter's.
+  # answer that paid), which it then forfeits; unless a pause recorded since may hold the
+  # booking (never send inside an exchange's Retry-After). Told later than that, its
+  # booking has lapsed, as any late waiter's.
   defp await(:noproc, _name, _args, {_since, _due}), do: forfeit_bookings()
 
   defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
@@ -417,7 +420,7 @@ defmodule Bourse.RateLimiter do
         admitted_after_wait(route, since, metadata)
 
       {:error, %Error{type: :unavailable}} = unavailable when since != nil ->
-        if on_time?(route, slept) do
+        if on_time?(route, slept) and not paused_since?(route, slept) do
           forfeit_bookings()
           admitted_after_wait(route, since, metadata)
         else
@@ -464,6 +467,11 @@ defmodule Bourse.RateLimiter do
        do: System.monotonic_time(:millisecond) - due <= slack
 
   defp on_time?(_route, _slept), do: false
+
+  # Whether a pause recorded through the limiter ends after the waiter's booking was ready:
+  # begun after it booked (its booking was placed behind any pause then), it may hold the
+  # booking to its end, which only the store knows.
+  defp paused_since?(route, {_since, due}), do: Events.paused_until(sink(route)) > due
 
   defp admitted_after_wait(route, since, metadata) do
     waited_ms = System.monotonic_time(:millisecond) - since
@@ -672,6 +680,7 @@ defmodule Bourse.RateLimiter do
     route = Router.route(name)
 
     with :ok <- route |> routed(name, :pause, [target, ms]) |> failed({:target, target}) do
+      Events.note_pause(sink(route), ms)
       Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
     end
   end
@@ -798,6 +807,7 @@ defmodule Bourse.RateLimiter do
     with ms when is_integer(ms) <-
            route |> routed(name, :back_off, [credential, scope]) |> failed({:key, credential}) do
       target = if scope == :exchange, do: elem(credential, 0), else: credential
+      Events.note_pause(sink(route), ms)
       Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
       ms
     end

@@ -81,9 +81,11 @@ defmodule Bourse.RateLimiter.Events do
             counters: :atomics.atomics_ref()
           }
 
-  # Counters kept beside the bucket table's own, for what never reaches the table.
+  # Counters kept beside the bucket table's own, for what never reaches the table, and the
+  # latest end of a pause recorded through the limiter (monotonic ms).
   @invalid 1
   @failures 2
+  @paused_until 3
 
   @doc """
   Emits `[:bourse, :rate_limiter, event]` from the limiter `name`.
@@ -130,7 +132,7 @@ defmodule Bourse.RateLimiter.Events do
     counters =
       case previous do
         %__MODULE__{counters: counters} -> counters
-        nil -> :atomics.new(2, signed: false)
+        nil -> fresh_counters()
       end
 
     %__MODULE__{
@@ -139,6 +141,39 @@ defmodule Bourse.RateLimiter.Events do
       telemetry: if(Code.ensure_loaded?(:telemetry), do: :telemetry),
       counters: counters
     }
+  end
+
+  defp fresh_counters do
+    counters = :atomics.new(3, signed: true)
+    :atomics.put(counters, @paused_until, System.monotonic_time(:millisecond))
+    counters
+  end
+
+  @doc false
+  # A pause of `ms` was recorded through the limiter (`Bourse.RateLimiter.pause/3`, or a
+  # backoff): a waiter whose store cannot answer its claim is admitted on its booking only
+  # if no such pause may hold it (`Bourse.RateLimiter.wait_for_capacity/5`).
+  @spec note_pause(t() | {:remote, pid()} | nil, non_neg_integer()) :: :ok
+  def note_pause(%__MODULE__{counters: counters}, ms),
+    do: raise_to(counters, @paused_until, System.monotonic_time(:millisecond) + ms)
+
+  def note_pause(_sink, _ms), do: :ok
+
+  @doc false
+  # The latest end of a pause recorded through the limiter (monotonic ms); `nil` for a
+  # limiter reached through its process.
+  @spec paused_until(t() | {:remote, pid()} | nil) :: integer() | nil
+  def paused_until(%__MODULE__{counters: counters}), do: :atomics.get(counters, @paused_until)
+  def paused_until(_sink), do: nil
+
+  defp raise_to(counters, index, value) do
+    current = :atomics.get(counters, index)
+
+    cond do
+      value <= current -> :ok
+      :atomics.compare_exchange(counters, index, current, value) == :ok -> :ok
+      true -> raise_to(counters, index, value)
+    end
   end
 
   @doc false

@@ -192,6 +192,34 @@ defmodule Bourse.ContractTests.LimiterProcess do
           Supervisor.stop(supervisor)
         end
 
+        test "a waiter whose limiter stops while it sleeps is not admitted before a pause recorded since ends",
+             %{backend: backend} do
+          name = :"paused_while_waiting_#{System.unique_integer([:positive])}"
+          children = [{Bourse.RateLimiter, name: name, backend: backend, booking_slack_ms: 5_000}]
+          {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+          limit = %{capacity: 1, refill_per_sec: 1}
+          assert :ok = check_rate({"ex", "k"}, limit, 1, name)
+
+          waiter =
+            Task.async(fn ->
+              answer = wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 5_000)
+              {answer, System.monotonic_time(:millisecond)}
+            end)
+
+          eventually(fn -> Bourse.RateLimiter.inspect_key({"ex", "k"}, name).bookings == 1 end)
+          # The pause holds the booking to its end, past its ready time.
+          pause_ends = System.monotonic_time(:millisecond) + 2_500
+          assert :ok = Bourse.RateLimiter.pause({"ex", "k"}, 2_500, name)
+          Supervisor.stop(supervisor)
+
+          # Admitted only by a table that still answers (the NIF's), once the pause ended;
+          # else refused, its booking in the store it could not ask.
+          case Task.await(waiter, 10_000) do
+            {:ok, at} -> assert at >= pause_ends
+            {answer, _at} -> assert {:error, %Bourse.Error{type: :unavailable}} = answer
+          end
+        end
+
         test "a killed limiter that is not restarted answers like one never started",
              %{backend: backend} do
           name = :"killed_#{System.unique_integer([:positive])}"

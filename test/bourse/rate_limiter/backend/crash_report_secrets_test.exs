@@ -18,6 +18,7 @@ defmodule Bourse.RateLimiter.Backend.CrashReportSecretsTest do
     redis = RedisServer.start()
     # It asks for a password, which `RedisServer.stop/1` does not give.
     on_exit(fn -> System.cmd("kill", ["-9", "#{redis.os_pid}"]) end)
+
     {"OK\n", 0} =
       System.cmd("redis-cli", ~w(-p #{redis.port} CONFIG SET requirepass #{@password}))
 

@@ -224,6 +224,29 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert {:delay, _} = Task.await(waiter)
   end
 
+  # A 429 observed after the waiter booked holds its booking to the pause's end; only the
+  # daemon knows where that booking now stands.
+  test "a waiter told :unavailable is not admitted while a pause recorded since may hold its booking" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 300}, "held", booking_slack_ms: 5_000)
+    limit = %{capacity: 1, refill_per_sec: 1}
+    assert :ok = RateLimiter.check_rate({"ex", "held"}, limit, 1, name)
+
+    waiter =
+      Task.async(fn ->
+        RateLimiter.wait_for_capacity({"ex", "held"}, limit, 1, name, max_wait_ms: 5_000)
+      end)
+
+    eventually(fn -> RateLimiter.inspect_key({"ex", "held"}, name).bookings == 1 end)
+
+    assert {:error, %Error{type: :rate_limit_exceeded}} =
+             RateLimiter.observe_response("ex", "held", 429, [{"retry-after", "10"}], name)
+
+    DaemonServer.signal(daemon, "STOP")
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    assert unavailable?(Task.await(waiter, 5_000))
+  end
+
   test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 
