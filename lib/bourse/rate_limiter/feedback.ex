@@ -51,6 +51,11 @@ defmodule Bourse.RateLimiter.Feedback do
     * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
       loop.
 
+  When the table cannot be reached (a daemon or Redis down), a limited reply is not
+  recorded: the answer is `{:error, %Bourse.Error{type: :unavailable}}` with the reply's
+  `http_status` and `stop`, and `retry_after` the wait it asked for (`nil` when it named
+  none), so that the caller can hold off itself.
+
   The backoff count is kept in the limiter's bucket table, beside its pauses (in the
   daemon, or in Redis, for the limiters sharing them): limiters sharing a table share
   the count, and a limited reply counts and pauses in one call. The count is no bucket:
@@ -482,58 +487,80 @@ defmodule Bourse.RateLimiter.Feedback do
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    with {:ok, wait, why} <-
-           wait(found["retry-after"], named_ms, {exchange_id, credential}, scope, name) do
-      stop = stop or why == :ban
+    asked = asked(found["retry-after"], named_ms)
 
-      Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
-        exchange: exchange_id,
-        credential: credential,
-        axis: nil,
-        http_status: status,
-        stop: stop,
-        signal: reason
-      })
+    case hold(asked, {exchange_id, credential}, scope, name) do
+      {:ok, wait, why} ->
+        stop = stop or why == :ban
 
-      {:error,
-       Error.rate_limited(wait,
-         exchange: exchange_id,
-         http_status: status,
-         stop: stop,
-         message:
-           "#{exchange_id}: HTTP #{status}, " <>
-             if(reason, do: "#{reason}, ", else: "") <>
-             describe(why, wait) <> if(stop, do: "; stop: do not retry", else: "")
-       )}
+        Events.emit(name, :rate_limited, %{retry_after_ms: wait}, %{
+          exchange: exchange_id,
+          credential: credential,
+          axis: nil,
+          http_status: status,
+          stop: stop,
+          signal: reason
+        })
+
+        {:error,
+         Error.rate_limited(wait,
+           exchange: exchange_id,
+           http_status: status,
+           stop: stop,
+           message:
+             "#{exchange_id}: HTTP #{status}, " <>
+               if(reason, do: "#{reason}, ", else: "") <>
+               describe(why, wait) <> if(stop, do: "; stop: do not retry", else: "")
+         )}
+
+      # Not recorded: the caller still learns what the reply asked, to hold off itself.
+      {:error, %Error{type: :unavailable} = error} ->
+        {:error, unrecorded(error, asked, status, stop)}
+
+      error ->
+        error
     end
   end
+
+  # The wait a reply asks for: Retry-After first, then a wait it names in its body
+  # (`{:ok, ms, why}`); `:backoff` when it names none.
+  defp asked(retry_after, named_ms) do
+    case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
+      {{:ok, ms}, _} -> {:ok, ms, :retry_after}
+      {{:stop, ms}, _} -> {:ok, ms, :ban}
+      {:error, nil} -> :backoff
+      {:error, named_ms} -> named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms))
+    end
+  end
+
+  defp named({:ok, ms}), do: {:ok, ms, :named}
+  defp named({:stop, ms}), do: {:ok, ms, :ban}
 
   # Pauses `scope` (the credential's buckets, with the IP's for `{:credential, ip}`, or the
-  # exchange's) for Retry-After first, then a wait the reply names in its body, then the
-  # backoff the limiter counts. Returns the wait and where it came from.
-  defp wait(retry_after, named_ms, credential, scope, name) do
-    case {RetryAfter.parse(retry_after, cap_ms: @cap_ms), named_ms} do
-      {{:ok, ms}, _} ->
-        pause(ms, :retry_after, credential, scope, name)
-
-      {{:stop, ms}, _} ->
-        pause(ms, :ban, credential, scope, name)
-
-      {:error, nil} ->
-        backoff(credential, scope, name)
-
-      {:error, named_ms} ->
-        named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms), credential, scope, name)
-    end
-  end
-
-  defp named({:ok, ms}, credential, scope, name), do: pause(ms, :named, credential, scope, name)
-  defp named({:stop, ms}, credential, scope, name), do: pause(ms, :ban, credential, scope, name)
-
-  defp pause(ms, why, credential, scope, name) do
+  # exchange's) for the wait asked, or for the backoff the limiter counts. Returns the
+  # wait and where it came from.
+  defp hold({:ok, ms, why}, credential, scope, name) do
     # The time asked, as long as `Process.sleep/1` takes (a header may ask for 1e308 s).
     paused = each(targets(credential, scope), &RateLimiter.pause(&1, min(ms, @max_ban_ms), name))
     with :ok <- paused, do: {:ok, min(ms, Native.bound(:max_ms)), why}
+  end
+
+  defp hold(:backoff, credential, scope, name), do: backoff(credential, scope, name)
+
+  defp unrecorded(error, asked, status, stop) do
+    {retry_after, stop} =
+      case asked do
+        {:ok, ms, why} -> {min(ms, Native.bound(:max_ms)), stop or why == :ban}
+        :backoff -> {nil, stop}
+      end
+
+    %{
+      error
+      | message: "#{error.message}; the HTTP #{status} reply was not recorded",
+        retry_after: retry_after,
+        http_status: status,
+        stop: stop
+    }
   end
 
   # A 429 that may be the IP's is counted for the IP's buckets, which it pauses (keys

@@ -247,6 +247,26 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert unavailable?(Task.await(waiter, 5_000))
   end
 
+  test "a 429 observed while the daemon is stopped is not recorded, and its error still says the wait asked" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 200}, "unrecorded")
+    assert :ok = RateLimiter.check_rate({"ex", "unrecorded"}, @limit, 1, name)
+    DaemonServer.signal(daemon, "STOP")
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+
+    for {headers, retry_after, stop} <- [
+          {[{"retry-after", "5"}], 5_000, false},
+          {[{"retry-after", "600"}], 600_000, true},
+          {[], nil, false}
+        ] do
+      assert {:error, %Error{type: :unavailable} = error} =
+               RateLimiter.observe_response("ex", "unrecorded", 429, headers, name)
+
+      assert {error.retry_after, error.http_status, error.stop} == {retry_after, 429, stop}
+      assert error.message =~ "the HTTP 429 reply was not recorded"
+    end
+  end
+
   test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 
