@@ -122,8 +122,9 @@ defmodule Bourse.RateLimiter.Feedback do
   A reply whose `Date` header falls in an earlier window than the current one (made just
   before the boundary, read just after it) counted `used` in a window that has ended: its
   used counters are not applied, so it does not hold the bucket through the new window.
-  Pass the reply's `Date` with the other headers; without it every reading is taken as
-  current.
+  Pass the reply's `Date` with the other headers; without it a reading read in the first
+  second of a window (the first tenth of a shorter one) is not applied, as it may be from
+  the window before, and every other reading is taken as current.
 
   `L` is, for each used counter, the first of:
 
@@ -643,11 +644,12 @@ defmodule Bourse.RateLimiter.Feedback do
   # just before the boundary and read just after it would otherwise hold the bucket
   # through the whole new window). `Date` has whole seconds, never later than when the
   # reply was made, so a reply made in the current window is never taken for an old one.
-  # Without a readable `Date`, the reading is taken as current.
+  # Without a readable `Date`, a reading read early in a window (its first second, its
+  # first tenth when shorter) may be from the window before: it is not applied.
   defp ended_window?(date, window_ms, now) do
     case RetryAfter.http_date_ms(date) do
       {:ok, made} -> div(made, window_ms) < div(now, window_ms)
-      :error -> false
+      :error -> rem(now, window_ms) < min(1_000, div(window_ms, 10))
     end
   end
 

@@ -14,9 +14,11 @@ defmodule Bourse.RateLimiter.HeaderSyncDateTest do
   setup do
     name = :"header_sync_date_#{System.unique_integer([:positive])}"
     start_supervised!({RateLimiter, name: name})
-    # Not within 2 s of a minute's end, so that "now" stays in one minute throughout.
+    # Not within 2 s of a minute's end, so that "now" stays in one minute throughout, nor
+    # in its first 1.5 s, where a reading without a Date is not applied.
     now = System.os_time(:millisecond)
-    if rem(now, 60_000) > 58_000, do: Process.sleep(60_000 - rem(now, 60_000) + 10)
+    if rem(now, 60_000) > 58_000, do: Process.sleep(60_000 - rem(now, 60_000) + 1_500)
+    if rem(now, 60_000) < 1_500, do: Process.sleep(1_500 - rem(now, 60_000))
     :ok = RateLimiter.check_rate(@key, @ip, 1, name)
     %{name: name}
   end
@@ -52,8 +54,33 @@ defmodule Bourse.RateLimiter.HeaderSyncDateTest do
     assert ms > 1_000
   end
 
-  test "an unreadable or absent Date changes nothing", %{name: name} do
+  test "an unreadable or absent Date, read past a window's first second, changes nothing",
+       %{name: name} do
     assert :ok = observe(name, 4800, "not a date")
     assert {:delay, _} = RateLimiter.check_rate(@key, @ip, 1, name)
+  end
+
+  # Binance's 10-second order count: its first second.
+  test "an undated reading read in a window's first second is not applied", %{name: name} do
+    key = {"binance", "date-key", "orders_10s"}
+    limit = %{capacity: 8, refill_per_sec: 7.2}
+    :ok = RateLimiter.check_rate(key, limit, 1, name)
+    reading = [{"X-MBX-ORDER-COUNT-10S", "80"}]
+    opts = [limits: %{"orders_10s" => limit}]
+
+    into_window(100)
+    assert :ok = RateLimiter.observe_response("binance", "date-key", 200, reading, name, opts)
+    assert rem(System.os_time(:millisecond), 10_000) < 1_000, "the machine was too slow"
+    assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+
+    into_window(1_100)
+    assert :ok = RateLimiter.observe_response("binance", "date-key", 200, reading, name, opts)
+    assert {:delay, _} = RateLimiter.check_rate(key, limit, 1, name)
+  end
+
+  # Sleeps until `ms` into a 10-second window (of the next one, if past that already).
+  defp into_window(ms) do
+    at = rem(System.os_time(:millisecond), 10_000)
+    Process.sleep(if at <= ms, do: ms - at, else: 10_000 - at + ms)
   end
 end
