@@ -263,7 +263,14 @@ class BourseClient:
             if deadline is not None and self._offset_us is not None and op not in ("hello", "auth"):
                 body["deadline_us"] = max(0, _us(started) + self._offset_us + int(self._timeout * 1e6))
                 body["timeout_ms"] = max(1, int(self._timeout * 1000))
-            line = json.dumps(body, allow_nan=False).encode()
+            try:
+                line = json.dumps(body, allow_nan=False).encode()
+            except (TypeError, ValueError) as error:
+                # NaN, infinity, bytes, sets...: nothing reaches the daemon. The reason
+                # names a type or a float, never a credential.
+                raise BourseError("invalid_parameters",
+                                  f"the request holds a value JSON cannot carry ({error})",
+                                  _exchange_of(fields)) from None
             if self._max_frame_bytes is not None and len(line) > self._max_frame_bytes:
                 raise BourseError("invalid_parameters",
                                   f"the request is {len(line)} bytes encoded, more than the daemon "

@@ -159,8 +159,15 @@ class BourseClientTest(unittest.TestCase):
         self.assertIn("capacity", raised.exception.message)
         with self.assertRaises(BourseError):
             self.client.check("binance", "k", SLOW, max_wait_ms=0)
-        with self.assertRaises(ValueError):
-            self.client.check("binance", "k", SLOW, cost=float("nan"))
+        for cost in (float("nan"), float("inf"), {1}):
+            with self.assertRaises(BourseError) as raised:
+                self.client.check("binance", "k", SLOW, cost=cost)
+            self.assertEqual(raised.exception.type, "invalid_parameters")
+            self.assertIn("a value JSON cannot carry", raised.exception.message)
+        with self.assertRaises(BourseError) as raised:
+            self.client.check("binance", b"secret-bytes", SLOW)
+        self.assertNotIn("secret", raised.exception.message)
+        self.assertTrue(self.client.check("binance", "k", SLOW).admitted)
         self.assertEqual(self.client.stats()["invalid"], 2)
 
     def test_processes_share_one_bucket(self):
