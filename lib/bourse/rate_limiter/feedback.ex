@@ -557,7 +557,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
     %{
       error
-      | message: "#{error.message}; the HTTP #{status} reply was not recorded",
+      | message: "#{error.message}; the HTTP #{status} reply was not (wholly) recorded",
         retry_after: retry_after,
         http_status: status,
         stop: stop

@@ -263,7 +263,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
                RateLimiter.observe_response("ex", "unrecorded", 429, headers, name)
 
       assert {error.retry_after, error.http_status, error.stop} == {retry_after, 429, stop}
-      assert error.message =~ "the HTTP 429 reply was not recorded"
+      assert error.message =~ "the HTTP 429 reply was not (wholly) recorded"
     end
   end
 
