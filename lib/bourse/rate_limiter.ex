@@ -362,10 +362,11 @@ defmodule Bourse.RateLimiter do
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
   it paid: `:ok`. That booking, which the store may still hold, is not claimed again: the
   process's later checks, on every limiter, book under a new owner, and bookings it left
-  behind lapse, paid. Not so when a pause recorded through this limiter since it booked
-  (`pause/3`, or `observe_response/6` after a limited reply) ends after the booking's
-  ready time: the pause may hold the booking to its end, which only the store knows, so
-  the call answers `:unavailable`. Told later than the slack, its booking has lapsed (as
+  behind lapse, paid. Not so while a pause recorded through this limiter, of any key
+  (`pause/3`, or `observe_response/6` after a limited reply, also one the store did not
+  confirm), ends after the booking's ready time: recorded since the caller booked, it may
+  hold the booking to its end, which only the store knows, so the call answers
+  `:unavailable`. Told later than the slack, its booking has lapsed (as
   any late waiter's), and the call answers `:unavailable`.
   """
   @spec wait_for_capacity(
@@ -468,10 +469,16 @@ defmodule Bourse.RateLimiter do
 
   defp on_time?(_route, _slept), do: false
 
-  # Whether a pause recorded through the limiter ends after the waiter's booking was ready:
-  # begun after it booked (its booking was placed behind any pause then), it may hold the
-  # booking to its end, which only the store knows.
-  defp paused_since?(route, {_since, due}), do: Events.paused_until(sink(route)) > due
+  # Whether a pause recorded through the limiter (of any key) ends after the waiter's
+  # booking was ready: one recorded since it booked may hold the booking to its end, which
+  # only the store knows (its booking was placed behind any pause recorded before). Unknown
+  # (a limiter on another node) counts as paused.
+  defp paused_since?(route, {_since, due}) do
+    case Events.paused_until(sink(route)) do
+      nil -> true
+      until -> until > due
+    end
+  end
 
   defp admitted_after_wait(route, since, metadata) do
     waited_ms = System.monotonic_time(:millisecond) - since
@@ -680,7 +687,6 @@ defmodule Bourse.RateLimiter do
     route = Router.route(name)
 
     with :ok <- route |> routed(name, :pause, [target, ms]) |> failed({:target, target}) do
-      Events.note_pause(sink(route), ms)
       Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
     end
   end
@@ -807,7 +813,6 @@ defmodule Bourse.RateLimiter do
     with ms when is_integer(ms) <-
            route |> routed(name, :back_off, [credential, scope]) |> failed({:key, credential}) do
       target = if scope == :exchange, do: elem(credential, 0), else: credential
-      Events.note_pause(sink(route), ms)
       Events.emit_to(sink(route), :paused, %{ms: ms}, fn -> Events.describe_target(target) end)
       ms
     end
@@ -906,6 +911,16 @@ defmodule Bourse.RateLimiter do
 
   defp run(name, fun, args), do: name |> Router.route() |> routed(name, fun, args)
 
+  # Pauses are noted on the limiter's node, whoever asked (`Events.note_pause/2`), also
+  # when the store may have recorded them without answering.
+  defp routed({backend, handle, events, _pid}, _name, :pause, [_target, ms] = args) do
+    backend |> apply(:pause, [handle | args]) |> tap(&noted(&1, events, ms))
+  end
+
+  defp routed({backend, handle, events, _pid}, _name, :back_off, args) do
+    backend |> apply(:back_off, [handle | args]) |> tap(&noted(&1, events, nil))
+  end
+
   defp routed({backend, handle, _events, _pid}, _name, fun, args),
     do: apply(backend, fun, [handle | args])
 
@@ -935,6 +950,16 @@ defmodule Bourse.RateLimiter do
   @spec run_here(pid(), atom(), list()) :: term()
   def run_here(pid, :stats, []), do: stats(pid)
   def run_here(pid, fun, args), do: pid |> Router.route() |> routed(pid, fun, args)
+
+  # `ms` is the pause asked for, `nil` for a backoff's (its answer); one not answered is at
+  # least the backoff's first step.
+  defp noted(:ok, events, ms), do: Events.note_pause(events, ms)
+  defp noted(ms, events, nil) when is_integer(ms), do: Events.note_pause(events, ms)
+
+  defp noted({:error, %Error{type: :unavailable}}, events, ms),
+    do: Events.note_pause(events, ms || Bourse.Native.bound(:first_backoff_ms))
+
+  defp noted(_refused, _events, _ms), do: :ok
 
   # Where the events of a routed call go.
   defp sink({_backend, _handle, events, _pid}), do: events

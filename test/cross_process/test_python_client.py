@@ -166,6 +166,7 @@ class BourseClientTest(unittest.TestCase):
             self.assertIn("a value JSON cannot carry", raised.exception.message)
         with self.assertRaises(BourseError) as raised:
             self.client.check("binance", b"secret-bytes", SLOW)
+        self.assertEqual(raised.exception.type, "invalid_parameters")
         self.assertNotIn("secret", raised.exception.message)
         self.assertTrue(self.client.check("binance", "k", SLOW).admitted)
         self.assertEqual(self.client.stats()["invalid"], 2)

@@ -81,12 +81,23 @@ defmodule Bourse.DaemonServer do
     wait_gone(daemon, 300)
   end
 
-  @doc "Whether the daemon's OS process still runs (a zombie counts as gone)."
+  @doc """
+  Whether the daemon's OS process still runs. A zombie counts as gone once its other
+  threads are: a killed process's main thread can be a zombie while they still exit, its
+  sockets still open until the last of them has.
+  """
   @spec alive?(t()) :: boolean()
   def alive?(%__MODULE__{os_pid: os_pid}) do
     case File.read("/proc/#{os_pid}/stat") do
-      {:ok, stat} -> not String.contains?(stat, ") Z ")
+      {:ok, stat} -> not String.contains?(stat, ") Z ") or threads(os_pid) > 1
       {:error, _} -> false
+    end
+  end
+
+  defp threads(os_pid) do
+    case File.ls("/proc/#{os_pid}/task") do
+      {:ok, tasks} -> length(tasks)
+      {:error, _} -> 0
     end
   end
 

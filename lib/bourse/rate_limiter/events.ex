@@ -155,7 +155,7 @@ defmodule Bourse.RateLimiter.Events do
   # if no such pause may hold it (`Bourse.RateLimiter.wait_for_capacity/5`).
   @spec note_pause(t() | {:remote, pid()} | nil, non_neg_integer()) :: :ok
   def note_pause(%__MODULE__{counters: counters}, ms),
-    do: raise_to(counters, @paused_until, System.monotonic_time(:millisecond) + ms)
+    do: advance_to(counters, @paused_until, System.monotonic_time(:millisecond) + ms)
 
   def note_pause(_sink, _ms), do: :ok
 
@@ -166,13 +166,13 @@ defmodule Bourse.RateLimiter.Events do
   def paused_until(%__MODULE__{counters: counters}), do: :atomics.get(counters, @paused_until)
   def paused_until(_sink), do: nil
 
-  defp raise_to(counters, index, value) do
+  defp advance_to(counters, index, value) do
     current = :atomics.get(counters, index)
 
     cond do
       value <= current -> :ok
       :atomics.compare_exchange(counters, index, current, value) == :ok -> :ok
-      true -> raise_to(counters, index, value)
+      true -> advance_to(counters, index, value)
     end
   end
 

@@ -60,21 +60,28 @@ defmodule Bourse.RateLimiter.HeaderSyncDateTest do
     assert {:delay, _} = RateLimiter.check_rate(@key, @ip, 1, name)
   end
 
-  # Binance's 10-second order count: its first second.
+  # Binance's 10-second order count: its first second. A machine too slow to read the
+  # reply within it tries again, on a fresh key, in the next window.
   test "an undated reading read in a window's first second is not applied", %{name: name} do
-    key = {"binance", "date-key", "orders_10s"}
     limit = %{capacity: 8, refill_per_sec: 7.2}
-    :ok = RateLimiter.check_rate(key, limit, 1, name)
     reading = [{"X-MBX-ORDER-COUNT-10S", "80"}]
     opts = [limits: %{"orders_10s" => limit}]
 
-    into_window(100)
-    assert :ok = RateLimiter.observe_response("binance", "date-key", 200, reading, name, opts)
-    assert rem(System.os_time(:millisecond), 10_000) < 1_000, "the machine was too slow"
+    credential =
+      Enum.find_value(1..3, fn attempt ->
+        credential = "undated-#{attempt}"
+        :ok = RateLimiter.check_rate({"binance", credential, "orders_10s"}, limit, 1, name)
+        into_window(100)
+        answer = RateLimiter.observe_response("binance", credential, 200, reading, name, opts)
+        assert answer == :ok
+        rem(System.os_time(:millisecond), 10_000) < 1_000 and credential
+      end) || flunk("no reply read within a window's first second")
+
+    key = {"binance", credential, "orders_10s"}
     assert :ok = RateLimiter.check_rate(key, limit, 1, name)
 
     into_window(1_100)
-    assert :ok = RateLimiter.observe_response("binance", "date-key", 200, reading, name, opts)
+    assert :ok = RateLimiter.observe_response("binance", credential, 200, reading, name, opts)
     assert {:delay, _} = RateLimiter.check_rate(key, limit, 1, name)
   end
 

@@ -197,19 +197,20 @@ defmodule Bourse.ContractTests.LimiterProcess do
           name = :"paused_while_waiting_#{System.unique_integer([:positive])}"
           children = [{Bourse.RateLimiter, name: name, backend: backend, booking_slack_ms: 5_000}]
           {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
-          limit = %{capacity: 1, refill_per_sec: 1}
+          # Ready in 2 s: the pause and the stop come before, on a loaded machine too.
+          limit = %{capacity: 1, refill_per_sec: 0.5}
           assert :ok = check_rate({"ex", "k"}, limit, 1, name)
 
           waiter =
             Task.async(fn ->
-              answer = wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 5_000)
+              answer = wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 8_000)
               {answer, System.monotonic_time(:millisecond)}
             end)
 
           eventually(fn -> Bourse.RateLimiter.inspect_key({"ex", "k"}, name).bookings == 1 end)
           # The pause holds the booking to its end, past its ready time.
-          pause_ends = System.monotonic_time(:millisecond) + 2_500
-          assert :ok = Bourse.RateLimiter.pause({"ex", "k"}, 2_500, name)
+          pause_ends = System.monotonic_time(:millisecond) + 4_000
+          assert :ok = Bourse.RateLimiter.pause({"ex", "k"}, 4_000, name)
           Supervisor.stop(supervisor)
 
           # Admitted only by a table that still answers (the NIF's), once the pause ended;

@@ -102,14 +102,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
   always when it replaces a previous one; a socket's daemon is expected to run with it),
   `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
-  secrets never go on its command line) and `:secret` (what a socket proves when the
-  daemon asks).
+  secrets never go on its command line), `:secret` (what a socket proves when the
+  daemon asks) and `:restart` (it replaces a previous connection: a daemon that refuses
+  the secret does not fail it, as it fails a first start).
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
     if adopt(pid, target) == :ok,
       do: {:ok, previous},
-      else: attach(nil, target, Keyword.put(opts, :assume_busy_at_start, true))
+      else: attach(nil, target, Keyword.merge(opts, assume_busy_at_start: true, restart: true))
   end
 
   def attach(nil, target, opts) do
@@ -117,7 +118,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     init_arg =
       {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
-       Keyword.take(opts, [:env, :secret])}
+       Keyword.take(opts, [:env, :secret, :restart])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {:ok,
@@ -308,7 +309,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def encode(id, request), do: :erlang.term_to_binary(Map.put(request, :id, id))
 
   @impl true
-  def init({target, limiter, assume_busy, timeout, secrets}) do
+  def init({target, limiter, assume_busy, timeout, extra}) do
     Process.flag(:trap_exit, true)
 
     state = %{
@@ -331,8 +332,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       orphan_timer: nil,
       silence_probe: nil,
       clock_offset_us: nil,
-      env: Keyword.get(secrets, :env, []),
-      secret: Keyword.get(secrets, :secret)
+      env: Keyword.get(extra, :env, []),
+      secret: Keyword.get(extra, :secret),
+      restart: Keyword.get(extra, :restart, false)
     }
 
     publish(state, nil, nil)
@@ -343,9 +345,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         Process.link(limiter)
         {:ok, state}
 
-      # A daemon that refuses this limiter's configuration (its secret) at start will not
-      # take it later either.
-      {:error, {:misconfigured, _message} = reason} ->
+      # A daemon that refuses this limiter's configuration (its secret) at its first start
+      # will not take it later either; a restart (after a crash, the secret changed since)
+      # retries, as a connection that breaks does, rather than fail its supervisor.
+      {:error, {:misconfigured, _message} = reason} when not state.restart ->
         {:stop, reason}
 
       # A port that cannot start is a configuration error; a daemon may come up later.

@@ -34,7 +34,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   listening there"), never believed. The secret never travels. The limiter reads the
   secret from `secret_file:` (a trailing newline is ignored) or else from the environment
   variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that answers at start and
-  refuses that secret (or asks for one none was given) fails the start with
+  refuses that secret (or asks for one when none was given) fails its first start with
   `:invalid_parameters`. Answers never hold an API key:
   `busiest` shows fingerprints (`Bourse.Fingerprint`).
 

@@ -490,7 +490,7 @@ impl Client {
 
 /// Why Redis refused a call, when it refused this daemon's password (`password_given`) or
 /// asks for one.
-pub fn password_refusal(error: &RedisError, password_given: bool) -> Option<String> {
+pub(super) fn password_refusal(error: &RedisError, password_given: bool) -> Option<String> {
     let text = error.to_string();
     let first_line = text.lines().next().unwrap_or_default();
     let unauthenticated = error.kind() == ErrorKind::AuthenticationFailed

@@ -48,15 +48,30 @@ pub async fn refuse_misconfigured(
 /// Why the server at `url` refuses this daemon; `None` when it does not, or cannot be asked.
 async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<String> {
     let password_given = password.is_some();
-    let mut connection = match connect(url, password).await {
-        Ok(connection) => connection,
-        Err(error) => return refused_at_connect(&error, password_given),
+    // Connected to database 0, the URL's is selected here, so that its refusal is told
+    // apart from the others.
+    let (mut connection, db) = match connect(url, password).await {
+        Ok(connected) => connected,
+        Err(error) => return password_refusal(&error, password_given),
     };
     if let Err(error) = ::redis::cmd("PING")
         .query_async::<()>(&mut connection)
         .await
     {
         return password_refusal(&error, password_given);
+    }
+    if db != 0 {
+        let selected = ::redis::cmd("SELECT")
+            .arg(db)
+            .query_async::<()>(&mut connection)
+            .await;
+        if let Err(error) = selected {
+            return Some(format!(
+                "it has no database {db} ({}): the URL's database number (redis://host:port/N) \
+                 must be below its `databases` setting",
+                error.to_string().lines().next().unwrap_or_default()
+            ));
+        }
     }
     if !cluster {
         return None;
@@ -68,37 +83,28 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
         .ok()?;
     info.lines()
         .any(|line| line.trim() == "cluster_enabled:0")
-        .then(not_a_cluster)
+        .then(|| NOT_A_CLUSTER.to_owned())
 }
 
-async fn connect(url: &str, password: Option<String>) -> Result<MultiplexedConnection, RedisError> {
-    let mut info = url.into_connection_info()?;
+/// A connection to database 0 of the server at `url`, and the URL's database.
+async fn connect(
+    url: &str,
+    password: Option<String>,
+) -> Result<(MultiplexedConnection, i64), RedisError> {
+    let info = url.into_connection_info()?;
+    let db = info.redis_settings().db();
+    let mut settings = info.redis_settings().clone().set_db(0);
     if let Some(password) = password {
-        let settings = info.redis_settings().clone().set_password(password);
-        info = info.set_redis_settings(settings);
+        settings = settings.set_password(password);
     }
-    Client::open(info)?.get_multiplexed_async_connection().await
+    let connection = Client::open(info.set_redis_settings(settings))?
+        .get_multiplexed_async_connection()
+        .await?;
+    Ok((connection, db))
 }
 
-/// A password refused, or a database the server does not have (`SELECT` refused).
-fn refused_at_connect(error: &RedisError, password_given: bool) -> Option<String> {
-    password_refusal(error, password_given).or_else(|| {
-        let text = error.to_string();
-        text.contains("refused to switch database").then(|| {
-            format!(
-                "it has no such database ({}): the URL's database number (redis://host:port/N) \
-                 must be below its `databases` setting",
-                text.lines().next().unwrap_or_default()
-            )
-        })
-    })
-}
-
-fn not_a_cluster() -> String {
-    "it is not a Redis Cluster (cluster support disabled); for a single Redis server give \
-     one URL: --redis URL, or in Elixir backend: {:redis, url}, not a list"
-        .to_owned()
-}
+const NOT_A_CLUSTER: &str = "it is not a Redis Cluster (cluster support disabled); for a \
+     single Redis server give one URL: --redis URL, or in Elixir backend: {:redis, url}, not a list";
 
 fn address(url: &str) -> String {
     url.into_connection_info()

@@ -229,7 +229,8 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   test "a waiter told :unavailable is not admitted while a pause recorded since may hold its booking" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 300}, "held", booking_slack_ms: 5_000)
-    limit = %{capacity: 1, refill_per_sec: 1}
+    # Ready in 2 s: the 429 and the stop come before, on a loaded machine too.
+    limit = %{capacity: 1, refill_per_sec: 0.5}
     assert :ok = RateLimiter.check_rate({"ex", "held"}, limit, 1, name)
 
     waiter =
@@ -242,8 +243,8 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert {:error, %Error{type: :rate_limit_exceeded}} =
              RateLimiter.observe_response("ex", "held", 429, [{"retry-after", "10"}], name)
 
-    DaemonServer.signal(daemon, "STOP")
     on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    DaemonServer.signal(daemon, "STOP")
     assert unavailable?(Task.await(waiter, 5_000))
   end
 
@@ -251,8 +252,8 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 200}, "unrecorded")
     assert :ok = RateLimiter.check_rate({"ex", "unrecorded"}, @limit, 1, name)
-    DaemonServer.signal(daemon, "STOP")
     on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    DaemonServer.signal(daemon, "STOP")
 
     for {headers, retry_after, stop} <- [
           {[{"retry-after", "5"}], 5_000, false},
@@ -333,6 +334,9 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     impostors = [
       {"did not ask for the shared secret", fn _socket -> :ok end, nil},
       {"without proving it in turn", &accept_any_proof/1,
+       %{"scheme" => "hmac-sha256", "nonce" => String.duplicate("ab", 32)}},
+      # Not a daemon's refusal: no start failure for a wrong secret, a retried :unavailable.
+      {"is not a bourse_daemon's", &answer_oddly/1,
        %{"scheme" => "hmac-sha256", "nonce" => String.duplicate("ab", 32)}}
     ]
 
@@ -455,6 +459,13 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     with %{} <- FakeDaemon.request(socket) do
       ok = :erlang.term_to_binary(%{"id" => 0, "ok" => true})
       :gen_tcp.send(socket, [<<byte_size(ok)::32>>, ok])
+    end
+  end
+
+  defp answer_oddly(socket) do
+    with %{} <- FakeDaemon.request(socket) do
+      odd = :erlang.term_to_binary(%{"id" => 0, "ok" => false})
+      :gen_tcp.send(socket, [<<byte_size(odd)::32>>, odd])
     end
   end
 

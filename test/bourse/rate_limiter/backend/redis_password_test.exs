@@ -124,7 +124,7 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
              RateLimiter.start_link(name: :redis_no_database, backend: {:redis, url})
 
-    assert message =~ "redis at 127.0.0.1:#{redis.port}: it has no such database"
+    assert message =~ "redis at 127.0.0.1:#{redis.port}: it has no database 16"
     refute_password_shown(message)
   end
 

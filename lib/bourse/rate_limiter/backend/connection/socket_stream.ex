@@ -250,10 +250,15 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
            "the peer accepted the proof of the shared secret without proving it in turn: " <>
              "another program may be listening there"}
 
-        _ ->
+        {:ok, %{"ok" => false, "error" => %{"type" => "unauthorized"}}} ->
           {:error,
            {:misconfigured,
             "the daemon refused the proof of the shared secret (is it the same secret?)"}}
+
+        _ ->
+          {:error,
+           "the peer's answer to the proof of the shared secret is not a bourse_daemon's: " <>
+             "another program may be listening there"}
       end
     end
   end
