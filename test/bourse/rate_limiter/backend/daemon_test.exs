@@ -248,6 +248,31 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert unavailable?(Task.await(waiter, 5_000))
   end
 
+  test "a 429 observed while the daemon is stopped still holds back a waiter the daemon cannot answer" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+
+    name =
+      start_limiter({:daemon, daemon.tcp, timeout: 300}, "held-down", booking_slack_ms: 5_000)
+
+    limit = %{capacity: 1, refill_per_sec: 0.5}
+    assert :ok = RateLimiter.check_rate({"ex", "held-down"}, limit, 1, name)
+
+    waiter =
+      Task.async(fn ->
+        RateLimiter.wait_for_capacity({"ex", "held-down"}, limit, 1, name, max_wait_ms: 5_000)
+      end)
+
+    eventually(fn -> RateLimiter.inspect_key({"ex", "held-down"}, name).bookings == 1 end)
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    DaemonServer.signal(daemon, "STOP")
+
+    # The daemon may have recorded the pause without answering.
+    assert {:error, %Error{type: :unavailable, retry_after: 10_000}} =
+             RateLimiter.observe_response("ex", "held-down", 429, [{"retry-after", "10"}], name)
+
+    assert unavailable?(Task.await(waiter, 5_000))
+  end
+
   test "a 429 observed while the daemon is stopped is not recorded, and its error still says the wait asked" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 200}, "unrecorded")
