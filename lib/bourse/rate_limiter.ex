@@ -493,11 +493,19 @@ defmodule Bourse.RateLimiter do
   defp budget_left(max_wait, since),
     do: {max(max_wait - (System.monotonic_time(:millisecond) - since), 0), max_wait}
 
-  # The route of a waiter's next check: a limiter on another node is looked up again, as
-  # a supervisor may have restarted it (with the table, and the booking, taken over)
-  # while the waiter slept; a local route holds the table itself.
+  # The route of a waiter's next check: the name is looked up again, as a supervisor may
+  # have restarted the limiter while the waiter slept, with the table (and the booking)
+  # taken over, or, past the takeover, with a table of its own, which knows the pauses
+  # recorded since. A local route holds its table itself: it is kept while no limiter runs
+  # under the name.
   defp again({:remote, _pid}, name), do: Router.route(name)
-  defp again(route, _name), do: route
+
+  defp again(route, name) do
+    case Router.route(name) do
+      {_backend, _handle, _events, _pid} = current -> current
+      _none -> route
+    end
+  end
 
   # What a check's answer means to its caller, with the event it calls for (never for
   # `:ok`): one place for probes and waiters (docs/CONTRACT.md §4, §8). A waiter's `{:delay, ms}` is

@@ -1555,6 +1555,24 @@ fn a_redis_that_refuses_the_daemon_refuses_its_start() {
     let stderr = refused_start(&with(&on_db_16), &[]);
     assert!(stderr.contains("it has no database 16"), "{stderr}");
     let mut admin = redis.connection().unwrap();
+    let _: () = ::redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "noscript",
+            "on",
+            ">pw",
+            "~*",
+            "+@all",
+            "-@scripting",
+        ])
+        .query(&mut admin)
+        .unwrap();
+    let as_noscript = format!("redis://noscript@127.0.0.1:{}", redis.port);
+    let stderr = refused_start(&with(&as_noscript), &[("BOURSE_REDIS_PASSWORD", "pw")]);
+    assert!(
+        stderr.contains("it does not let this user run scripts"),
+        "{stderr}"
+    );
     let _: () = ::redis::cmd("CONFIG")
         .arg("SET")
         .arg("requirepass")

@@ -3,7 +3,7 @@ defmodule Bourse.RateLimiter.PauseTest do
   # rules (targets, probes, invalid input) are in the contract suite.
   use ExUnit.Case, async: true
 
-  import Bourse.ContractCase, only: [eventually: 1, now_ms: 0]
+  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
 
   alias Bourse.RateLimiter
 
@@ -74,6 +74,32 @@ defmodule Bourse.RateLimiter.PauseTest do
     # Ready within 1 s of the pause, the booking was moved to its end.
     assert {:ok, admitted_at} = Task.await(task, 10_000)
     assert admitted_at - paused_at >= 1_450
+  end
+
+  # Past the 5 s takeover the new limiter has a table of its own: the waiter's claim goes
+  # there, where the pause is, not to the table it booked in.
+  test "a pause recorded through a limiter restarted while a waiter slept holds the waiter" do
+    name = :"pause_restarted_#{System.unique_integer([:positive])}"
+    {:ok, first} = RateLimiter.start_link(name: name, booking_slack_ms: 5_000)
+    Process.unlink(first)
+    # Ready in 8 s.
+    limit = %{capacity: 1, refill_per_sec: 0.125}
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, limit, 1, name)
+
+    waiter =
+      Task.async(fn ->
+        RateLimiter.wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 12_000)
+      end)
+
+    eventually(fn -> RateLimiter.inspect_key({"ex", "k"}, name).bookings == 1 end)
+    GenServer.stop(first)
+    eventually(fn -> :persistent_term.get({RateLimiter, name}, nil) == nil end, 7_000)
+    {:ok, second} = RateLimiter.start_link(name: name)
+    Process.unlink(second)
+    on_exit(fn -> if Process.alive?(second), do: GenServer.stop(second) end)
+    assert :ok = RateLimiter.pause({"ex", "k"}, 60_000, name)
+
+    assert {:error, %Bourse.Error{type: :rate_limit_exceeded}} = Task.await(waiter, 15_000)
   end
 
   test "a longer pause extends a shorter one; a shorter one never shortens", %{name: name} do

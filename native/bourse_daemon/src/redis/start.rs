@@ -1,9 +1,10 @@
 //! Redis asked at start: a daemon that Redis refuses (a password it does not take or asks
-//! for, a database it does not have) or, with `--redis-cluster`, a seed that is a server
-//! without cluster support (it would serve checks but fail the cluster's own commands,
-//! `CLUSTER NODES`, for resets and table-wide requests) refuses to start, saying why,
-//! rather than answer `unavailable` for every request. A server that does not answer in
-//! time is left to the connection, as a Redis down at start is.
+//! for, a user that may not run scripts, a database it does not have) or, with
+//! `--redis-cluster`, a seed that is a server without cluster support (it would serve
+//! checks but fail the cluster's own commands, `CLUSTER NODES`, for resets and table-wide
+//! requests) refuses to start, saying why, rather than answer `unavailable` for every
+//! request. A server that does not answer in time is left to the connection, as a Redis
+//! down at start is.
 
 use std::time::Duration;
 
@@ -14,6 +15,8 @@ use tokio::task::JoinSet;
 use super::client::password_refusal;
 use super::connection::Servers;
 
+/// The SHA-1 of no script.
+const UNKNOWN_SCRIPT: &str = "0000000000000000000000000000000000000000";
 /// The longest wait for the servers' answers at start.
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -59,6 +62,26 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
         .await
     {
         return password_refusal(&error, password_given);
+    }
+    // A script that does not exist: `NOSCRIPT` for a user that may run scripts.
+    let probe = ::redis::cmd("EVALSHA")
+        .arg(UNKNOWN_SCRIPT)
+        .arg(0)
+        .query_async::<()>(&mut connection)
+        .await;
+    if let Err(error) = probe {
+        if error.code() == Some("NOPERM") {
+            return Some(format!(
+                "it does not let this user run scripts ({}): the limiter runs every check \
+                 as one",
+                error.to_string().lines().next().unwrap_or_default()
+            ));
+        }
+    }
+    if db != 0 && cluster {
+        return Some(format!(
+            "a Redis Cluster has database 0 only: drop the /{db} from the seed's URL"
+        ));
     }
     if db != 0 {
         let selected = ::redis::cmd("SELECT")
