@@ -207,6 +207,21 @@ fn a_cluster_of_one_node_serves_table_wide_ops() {
     assert!(borrowed(&mut t, &key("two", Some("k"))) > 1.9);
     assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
     assert_eq!(borrowed(&mut t, &key("two", Some("k"))), 0.0);
+
+    // A seed's URL naming another database is refused at start.
+    let on_db_3 = format!("{}/3", cluster.urls()[0]);
+    let refused = std::process::Command::new(common::DAEMON)
+        .args(["--listen", "127.0.0.1:0", "--redis-cluster", &on_db_3])
+        .env("BOURSE_DAEMON_SECRET", common::SECRET)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("a Redis Cluster has database 0 only"),
+        "{stderr}"
+    );
 }
 
 #[test]
