@@ -1403,12 +1403,7 @@ fn a_redis_that_asks_for_a_password_is_named_as_such() {
     let k = key("auth", None);
     assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
     let mut admin = redis.connection().unwrap();
-    let _: () = ::redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("sesame")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "sesame");
     let _: () = ::redis::cmd("CLIENT")
         .arg("KILL")
         .arg("SKIPME")
@@ -1429,12 +1424,7 @@ fn a_redis_that_asks_for_a_password_is_named_as_such() {
         "{message}"
     );
     assert!(!message.contains("sesame"), "{message}");
-    let _: () = ::redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "");
 }
 
 /// Another server at the Redis address (HTTP here): the error says so, and where.
@@ -1488,6 +1478,15 @@ fn bad_redis_options_are_refused_at_start() {
             .unwrap();
         assert_eq!(status.code(), Some(2), "{args:?}");
     }
+}
+
+/// Has `admin`'s server ask for `password` from its next connection on ("": for none);
+/// `admin` itself stays authenticated.
+fn require_password(admin: &mut ::redis::Connection, password: &str) {
+    let _: () = ::redis::cmd("CONFIG")
+        .arg(&["SET", "requirepass", password])
+        .query(admin)
+        .unwrap();
 }
 
 /// Runs a daemon with `args` (and `env`) that must refuse to start: its stderr.
@@ -1573,12 +1572,7 @@ fn a_redis_that_refuses_the_daemon_refuses_its_start() {
         stderr.contains("it does not let this user run scripts"),
         "{stderr}"
     );
-    let _: () = ::redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("sesame")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "sesame");
     let stderr = refused_start(&with(&url), &[]);
     assert!(
         stderr.contains(&format!(
@@ -1593,12 +1587,7 @@ fn a_redis_that_refuses_the_daemon_refuses_its_start() {
         !stderr.contains("wrong-pw") && !stderr.contains("sesame"),
         "{stderr}"
     );
-    let _: () = ::redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "");
     // Stopped: the daemon starts, and serves once Redis is back.
     common::signal(&redis.child, "STOP");
     let server = daemon(&redis, &["--redis-timeout-ms", "300"]);
