@@ -362,11 +362,11 @@ defmodule Bourse.RateLimiter do
   within `:booking_slack_ms` of its booking's ready time, is admitted against the booking
   it paid: `:ok`. That booking, which the store may still hold, is not claimed again: the
   process's later checks, on every limiter, book under a new owner, and bookings it left
-  behind lapse, paid. Not so while a pause recorded through this limiter, of any key
+  behind lapse, paid. Not so when a pause was recorded through this limiter, of any key
   (`pause/3`, or `observe_response/6` after a limited reply, also one the store did not
-  confirm), ends after the booking's ready time: recorded since the caller booked, it may
-  hold the booking to its end, which only the store knows, so the call answers
-  `:unavailable`. Told later than the slack, its booking has lapsed (as
+  confirm), or the limiter started, since the caller asked: such a pause may hold its
+  booking, and move the bookings ahead of it, past the ready time it was told, which only
+  the store knows, so the call answers `:unavailable`. Told later than the slack, its booking has lapsed (as
   any late waiter's), and the call answers `:unavailable`.
   """
   @spec wait_for_capacity(
@@ -392,23 +392,25 @@ defmodule Bourse.RateLimiter do
     end
   end
 
-  # `slept`: `nil` until the caller first sleeps, then `{since, due}`: when it first slept,
-  # and when its last sleep was to end, its booking's ready time (monotonic ms). Each
-  # check after a sleep has what is left of the budget: a caller that woke later than the
-  # booking slack after its ready time finds its booking lapsed (and paid), and books
-  # again only within its budget; with nothing left it only probes (it claims a ready
-  # booking, or pays what the bucket holds now), so the call ends by then.
+  # `slept`: `nil` until the caller first sleeps, then `{since, due}`: when it first asked
+  # (before its booking was made), and when its last sleep was to end, its booking's ready
+  # time (monotonic ms). Each check after a sleep has what is left of the budget: a caller
+  # that woke later than the booking slack after its ready time finds its booking lapsed
+  # (and paid), and books again only within its budget; with nothing left it only probes
+  # (it claims a ready booking, or pays what the bucket holds now), so the call ends by
+  # then.
   #
   # A caller that slept has paid its booking: when it finds the limiter stopped, or is told
   # its store is unavailable within the booking slack of the booking's ready time, it is
   # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
-  # answer that paid), which it then forfeits; unless a pause recorded since may hold the
-  # booking (never send inside an exchange's Retry-After). Told later than that, its
-  # booking has lapsed, as any late waiter's.
+  # answer that paid), which it then forfeits; unless a pause was noted since it asked,
+  # which may hold the booking (never send inside an exchange's Retry-After). Told later
+  # than that, its booking has lapsed, as any late waiter's.
   defp await(:noproc, _name, _args, {_since, _due}), do: forfeit_bookings()
 
   defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
     metadata = fn -> %{key: key, cost: cost} end
+    asked_at = System.monotonic_time(:millisecond)
     since = slept && elem(slept, 0)
     {left, _max_wait} = budget = budget_left(max_wait, since)
     args = [owner, key, limit, cost, if(left > 0, do: left)]
@@ -437,7 +439,7 @@ defmodule Bourse.RateLimiter do
           again(route, name),
           name,
           [owner, key, limit, cost, max_wait],
-          {since || now, now + ms}
+          {since || asked_at, now + ms}
         )
 
       {:over_budget, ms} ->
@@ -469,14 +471,14 @@ defmodule Bourse.RateLimiter do
 
   defp on_time?(_route, _slept), do: false
 
-  # Whether a pause recorded through the limiter (of any key) ends after the waiter's
-  # booking was ready: one recorded since it booked may hold the booking to its end, which
-  # only the store knows (its booking was placed behind any pause recorded before). Unknown
-  # (a limiter on another node) counts as paused.
-  defp paused_since?(route, {_since, due}) do
-    case Events.paused_until(sink(route)) do
+  # Whether a pause was noted through the limiter (of any key), or the limiter started,
+  # since the waiter first asked: such a pause may hold the booking, and the bookings
+  # behind it, past the ready time the waiter was told, which only the store knows.
+  # Unknown (a limiter on another node) counts as paused.
+  defp paused_since?(route, {since, _due}) do
+    case Events.noted_at(sink(route)) do
       nil -> true
-      until -> until > due
+      noted_at -> noted_at >= since
     end
   end
 
@@ -919,14 +921,16 @@ defmodule Bourse.RateLimiter do
 
   defp run(name, fun, args), do: name |> Router.route() |> routed(name, fun, args)
 
-  # Pauses are noted on the limiter's node, whoever asked (`Events.note_pause/2`), also
+  # Pauses are noted on the limiter's node, whoever asked (`Events.note_pause/1`), also
   # when the store may have recorded them without answering.
-  defp routed({backend, handle, events, _pid}, _name, :pause, [_target, ms] = args) do
-    backend |> apply(:pause, [handle | args]) |> tap(&noted(&1, events, ms))
-  end
+  defp routed({backend, handle, events, _pid}, _name, fun, args)
+       when fun in [:pause, :back_off] do
+    answer = apply(backend, fun, [handle | args])
 
-  defp routed({backend, handle, events, _pid}, _name, :back_off, args) do
-    backend |> apply(:back_off, [handle | args]) |> tap(&noted(&1, events, nil))
+    case answer do
+      {:error, %Error{type: type}} when type != :unavailable -> answer
+      _paused_or_maybe -> tap(answer, fn _ -> Events.note_pause(events) end)
+    end
   end
 
   defp routed({backend, handle, _events, _pid}, _name, fun, args),
@@ -959,15 +963,9 @@ defmodule Bourse.RateLimiter do
   def run_here(pid, :stats, []), do: stats(pid)
   def run_here(pid, fun, args), do: pid |> Router.route() |> routed(pid, fun, args)
 
-  # `ms` is the pause asked for, `nil` for a backoff's (its answer); one not answered is at
-  # least the backoff's first step.
-  defp noted(:ok, events, ms), do: Events.note_pause(events, ms)
-  defp noted(ms, events, nil) when is_integer(ms), do: Events.note_pause(events, ms)
-
-  defp noted({:error, %Error{type: :unavailable}}, events, ms),
-    do: Events.note_pause(events, ms || Bourse.Native.bound(:first_backoff_ms))
-
-  defp noted(_refused, _events, _ms), do: :ok
+  @doc false
+  # Runs `fun` on the limiter published as `entry`, from its own process.
+  def run_entry(entry, fun, args), do: routed(entry, nil, fun, args)
 
   # Where the events of a routed call go.
   defp sink({_backend, _handle, events, _pid}), do: events

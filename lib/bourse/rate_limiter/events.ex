@@ -82,10 +82,10 @@ defmodule Bourse.RateLimiter.Events do
           }
 
   # Counters kept beside the bucket table's own, for what never reaches the table, and the
-  # latest end of a pause recorded through the limiter (monotonic ms).
+  # last moment a pause was noted through the limiter, or it started (monotonic ms).
   @invalid 1
   @failures 2
-  @paused_until 3
+  @noted_at 3
 
   @doc """
   Emits `[:bourse, :rate_limiter, event]` from the limiter `name`.
@@ -126,14 +126,21 @@ defmodule Bourse.RateLimiter.Events do
 
   @doc false
   # The sink of a starting limiter; `previous` is its earlier incarnation's, whose
-  # counters it keeps.
+  # counters it keeps. A start counts as a pause noted: what was recorded while no limiter
+  # ran under the name is not known.
   @spec new(GenServer.name(), callback() | nil, t() | nil) :: t()
   def new(limiter, on_event, previous) do
     counters =
       case previous do
         %__MODULE__{counters: counters} -> counters
-        nil -> fresh_counters()
+        nil -> :atomics.new(3, signed: true)
       end
+
+    # Monotonic times may be negative: a new table's 0 is no time. A first start comes
+    # before any waiter's ask, even within the same millisecond.
+    if previous == nil,
+      do: :atomics.put(counters, @noted_at, System.monotonic_time(:millisecond) - 1),
+      else: note_now(counters)
 
     %__MODULE__{
       limiter: limiter,
@@ -143,28 +150,24 @@ defmodule Bourse.RateLimiter.Events do
     }
   end
 
-  defp fresh_counters do
-    counters = :atomics.new(3, signed: true)
-    :atomics.put(counters, @paused_until, System.monotonic_time(:millisecond))
-    counters
-  end
+  @doc false
+  # A pause was recorded through the limiter (`Bourse.RateLimiter.pause/3`, or a backoff),
+  # or may have been (its store did not answer): a waiter whose store cannot answer its
+  # claim is admitted on its booking only if no pause was noted since it asked
+  # (`Bourse.RateLimiter.wait_for_capacity/5`).
+  @spec note_pause(t() | {:remote, pid()} | nil) :: :ok
+  def note_pause(%__MODULE__{counters: counters}), do: note_now(counters)
+  def note_pause(_sink), do: :ok
 
   @doc false
-  # A pause of `ms` was recorded through the limiter (`Bourse.RateLimiter.pause/3`, or a
-  # backoff): a waiter whose store cannot answer its claim is admitted on its booking only
-  # if no such pause may hold it (`Bourse.RateLimiter.wait_for_capacity/5`).
-  @spec note_pause(t() | {:remote, pid()} | nil, non_neg_integer()) :: :ok
-  def note_pause(%__MODULE__{counters: counters}, ms),
-    do: advance_to(counters, @paused_until, System.monotonic_time(:millisecond) + ms)
+  # The last moment a pause was noted through the limiter, or it started (monotonic ms);
+  # `nil` for a limiter reached through its process.
+  @spec noted_at(t() | {:remote, pid()} | nil) :: integer() | nil
+  def noted_at(%__MODULE__{counters: counters}), do: :atomics.get(counters, @noted_at)
+  def noted_at(_sink), do: nil
 
-  def note_pause(_sink, _ms), do: :ok
-
-  @doc false
-  # The latest end of a pause recorded through the limiter (monotonic ms); `nil` for a
-  # limiter reached through its process.
-  @spec paused_until(t() | {:remote, pid()} | nil) :: integer() | nil
-  def paused_until(%__MODULE__{counters: counters}), do: :atomics.get(counters, @paused_until)
-  def paused_until(_sink), do: nil
+  defp note_now(counters),
+    do: advance_to(counters, @noted_at, System.monotonic_time(:millisecond))
 
   defp advance_to(counters, index, value) do
     current = :atomics.get(counters, index)

@@ -342,12 +342,16 @@ defmodule Bourse.RateLimiter.Feedback do
     end
   end
 
-  # The reply's effects on the table; with a daemon or Redis, within one timeout.
+  # The reply's effects on the table; with a daemon or Redis, within one timeout. A limited
+  # reply is acted on whatever became of the sync (a store down: its answer still says the
+  # wait asked, and the pause is noted), and answers first.
   defp record(exchange_id, credential, {status, body, found}, {_, _, _, ip} = counters, name) do
-    with :ok <- sync_all(exchange_id, credential, found, counters, name) do
-      now = System.os_time(:millisecond)
-      signal = BodySignal.find(exchange_id, status, body, found, now)
-      react(exchange_id, credential, status, found, signal, ip, name)
+    synced = sync_all(exchange_id, credential, found, counters, name)
+    signal = BodySignal.find(exchange_id, status, body, found, System.os_time(:millisecond))
+
+    case react(exchange_id, credential, status, found, signal, ip, name) do
+      :ok -> synced
+      reacted -> reacted
     end
   end
 

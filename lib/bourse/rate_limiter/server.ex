@@ -141,7 +141,8 @@ defmodule Bourse.RateLimiter.Server do
   def handle_call({:run, fun, args}, _from, state)
       when is_map_key(@callbacks, fun) and is_list(args) and
              length(args) == :erlang.map_get(fun, @callbacks) do
-    {:reply, apply(state.backend, fun, [state.handle | args]), state}
+    entry = {state.backend, state.handle, state.events, self()}
+    {:reply, Bourse.RateLimiter.run_entry(entry, fun, args), state}
   rescue
     # Callers send arguments already checked: these were made by hand. Shown by shape only,
     # since they may hold an API key.

@@ -1572,6 +1572,31 @@ fn a_redis_that_refuses_the_daemon_refuses_its_start() {
         stderr.contains("it does not let this user run scripts"),
         "{stderr}"
     );
+    // A user that may call functions, not run scripts: the daemon runs its checks as those.
+    let _: () = ::redis::cmd("ACL")
+        .arg(&["SETUSER", "fcallonly", "on", ">pw", "~*", "+@all"])
+        .arg(&["-eval", "-evalsha", "-eval_ro", "-evalsha_ro"])
+        .query(&mut admin)
+        .unwrap();
+    if major_version(&redis) >= 7 {
+        let password_file = common::temp_path("fcall-only-password");
+        std::fs::write(&password_file, "pw").unwrap();
+        let as_fcall_only = format!("redis://fcallonly@127.0.0.1:{}", redis.port);
+        let password_file = password_file.to_str().unwrap();
+        let server = Server::tcp(&[
+            "--redis",
+            &as_fcall_only,
+            "--redis-password-file",
+            password_file,
+        ]);
+        let mut t = server.connect();
+        let k = key("fcall-only", None);
+        assert_eq!(
+            t.call(check(&k, json!({"requests": 5}), 1.0))["result"],
+            "admitted"
+        );
+        std::fs::remove_file(password_file).unwrap();
+    }
     require_password(&mut admin, "sesame");
     let stderr = refused_start(&with(&url), &[]);
     assert!(
@@ -3043,6 +3068,8 @@ fn the_function_library_is_loaded_again_whenever_lost() {
         return;
     };
     let server = daemon(&redis, &[]);
+    // Counted from here: the start's probe is no check.
+    let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
     let mut t = server.connect();
     let k = key("fn", Some("k"));
     let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
@@ -3131,6 +3158,7 @@ fn without_functions_the_script_runs_as_evalsha() {
             let _: () = redis.query(::redis::cmd("ACL").arg("SETUSER").arg("default").arg(rule));
         }
         let server = daemon(&redis, &[]);
+        let _: () = redis.query(::redis::cmd("CONFIG").arg("RESETSTAT"));
         let mut t = server.connect();
         let k = key("nofn", Some("k"));
         let limit = json!({"capacity": 100, "refill_per_sec": 0.001});

@@ -149,7 +149,7 @@ defmodule Bourse.RateLimiter.ExchangeTest do
 
       key = {"binance_usdm", "k-#{name}", "ip"}
       assert :ok = RateLimiter.check_rate(key, %{requests: 2400, period: 60_000}, 0, name)
-      Bourse.Window.clear_of_end(60_000)
+      Bourse.Window.clear_of_edges(60_000)
 
       assert :ok =
                RateLimiter.observe_response(

@@ -22,7 +22,7 @@ defmodule Bourse.FeedbackScenario do
     key = {binance, "k", "ip"}
 
     assert :ok = RateLimiter.check_rate(key, %{requests: 6000, period: 60_000}, 1, name)
-    Bourse.Window.clear_of_end(60_000)
+    Bourse.Window.clear_of_edges(60_000)
 
     sync =
       RateLimiter.observe_response(binance, "k", 200, [{"x-mbx-used-weight-1m", "5900"}], name)
@@ -36,7 +36,7 @@ defmodule Bourse.FeedbackScenario do
     over = {binance, "k2", "ip"}
     assert :ok = RateLimiter.check_rate(over, %{requests: 6000, period: 60_000}, 1, name)
     headers = [{"x-mbx-used-weight-1m", "999999999999999"}]
-    Bourse.Window.clear_of_end(60_000)
+    Bourse.Window.clear_of_edges(60_000)
     assert :ok = RateLimiter.observe_response(binance, "k2", 200, headers, name)
     left = Bourse.Window.left(60_000)
 

@@ -31,7 +31,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
   end
 
   defp window_left(window_ms), do: Bourse.Window.left(window_ms)
-  defp clear_of_window_end(window_ms), do: Bourse.Window.clear_of_end(window_ms)
+  defp clear_of_window_edges(window_ms), do: Bourse.Window.clear_of_edges(window_ms)
 
   defp bybit_headers(limit, remaining, reset_ms) do
     [
@@ -55,7 +55,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
          %{name: name} do
       key = {"binance", "k", "ip"}
       assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
-      clear_of_window_end(60_000)
+      clear_of_window_edges(60_000)
       # B = 480 + 72 * 60 = 4800 per minute: 1200 more may go before the minute ends.
       assert :ok = observe(200, [{"x-mbx-used-weight-1m", "3600"}], name)
       left = window_left(60_000)
@@ -67,7 +67,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       key = {"binance", "k", "ip"}
       # B = 6000 + 100 * 60 = 12,000 a minute; Binance spot admits 6,000.
       assert :ok = RateLimiter.check_rate(key, %{requests: 6000, period: 60_000}, 1, name)
-      clear_of_window_end(60_000)
+      clear_of_window_edges(60_000)
       assert :ok = observe(200, [{"X-MBX-USED-WEIGHT-1M", "5900"}], name)
       # 100 more until the minute ends, 100 a second of it from the refill.
       left = window_left(60_000)
@@ -81,7 +81,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
         Bourse.RateLimiter.Feedback.put_header_limits(exchange, %{"X-MBX-USED-WEIGHT-1M" => 2400})
 
       assert :ok = RateLimiter.check_rate(key, %{requests: 2400, period: 60_000}, 1, name)
-      clear_of_window_end(60_000)
+      clear_of_window_edges(60_000)
 
       assert :ok =
                RateLimiter.observe_response(
@@ -121,7 +121,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       for {credential, opts} <- [{"read", []}, {"given", [limits: buckets]}] do
         key = {"binance", credential, "ip"}
         assert :ok = RateLimiter.check_rate(key, buckets["ip"], 1, name)
-        clear_of_window_end(60_000)
+        clear_of_window_edges(60_000)
         headers = [{"x-mbx-used-weight-1m", "3600"}]
         assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
         left = window_left(60_000)
@@ -161,7 +161,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
           ] do
         key = {"binance", credential, "ip"}
         assert :ok = RateLimiter.check_rate(key, limit, 1, name)
-        clear_of_window_end(60_000)
+        clear_of_window_edges(60_000)
         headers = [{"x-mbx-used-weight-1m", "600"}]
         opts = [limits: %{"ip" => limit}]
         assert :ok = RateLimiter.observe_response("binance", credential, 200, headers, name, opts)
@@ -261,8 +261,8 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
       # B = 4800 per minute; the IP used 4000 of it: 800 more until the minute ends.
       # The account of key-a placed 9 of its 10 orders in the 10 s window.
-      clear_of_window_end(60_000)
-      clear_of_window_end(10_000)
+      clear_of_window_edges(60_000)
+      clear_of_window_edges(10_000)
       headers = [{"x-mbx-used-weight-1m", "4000"}, {"x-mbx-order-count-10s", "9"}]
       opts = [ip: :public, limits: %{"orders_10s" => orders}]
       assert :ok = RateLimiter.observe_response("binance", "key-a", 200, headers, name, opts)

@@ -123,7 +123,7 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
 
       # Unknown window: the allowance is the 5 remaining, above the 2 tokens held.
       assert :ok = RateLimiter.check_rate(key, limit, 0, name)
-      Bourse.Window.clear_of_end(60_000)
+      Bourse.Window.clear_of_edges(60_000)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, 2, 0.1
 
@@ -147,7 +147,7 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
       # Configured: 2,400 a minute, 400 more until the minute ends.
       Application.put_env(:bourse, :header_limits, %{"X-MBX-USED-WEIGHT-1M" => 2400})
       assert :ok = RateLimiter.check_rate(key, limit, 0, name)
-      Bourse.Window.clear_of_end(60_000)
+      Bourse.Window.clear_of_edges(60_000)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       expected = min(6000, 400 - 100 * window_left.() / 1000)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20
@@ -157,7 +157,7 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
       Application.put_env(:bourse, :header_limits, %{"x-mbx-used-weight-1m" => nil})
       assert :ok = RateLimiter.reset(key, name)
       assert :ok = RateLimiter.check_rate(key, limit, 0, name)
-      Bourse.Window.clear_of_end(60_000)
+      Bourse.Window.clear_of_edges(60_000)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       expected = min(6000, 10_000 - 100 * window_left.() / 1000)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20

@@ -197,7 +197,7 @@ defmodule Bourse.RateLimiter.LimitsTest do
           ] do
         key = {exchange, "k", axis}
         assert :ok = Bourse.RateLimiter.check_rate(key, limit, 0, name)
-        Bourse.Window.clear_of_end(window_ms)
+        Bourse.Window.clear_of_edges(window_ms)
 
         assert :ok =
                  Bourse.RateLimiter.observe_response(

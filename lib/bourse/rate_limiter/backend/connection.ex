@@ -346,14 +346,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {:ok, state}
 
       # A daemon that refuses this limiter's configuration (its secret) at its first start
-      # will not take it later either; a restart (after a crash, the secret changed since)
-      # retries, as a connection that breaks does, rather than fail its supervisor.
+      # will not take it later either; a port that cannot start is a configuration error.
+      # A restart (after a crash: a secret or a Redis password changed since, say) retries,
+      # as a connection that breaks does, rather than fail its supervisor.
       {:error, {:misconfigured, _message} = reason} when not state.restart ->
         {:stop, reason}
 
-      # A port that cannot start is a configuration error; a daemon may come up later.
       {:error, reason} ->
-        if state.transport.start_without_it?() do
+        if state.restart or state.transport.start_without_it?() do
           Logger.warning("#{describe(state)}: #{reason_text(reason)}; retrying")
           Process.link(limiter)
           {:ok, down(state, reason)}
@@ -858,7 +858,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           :ok
 
         not state.connected_before ->
-          if state.assume_busy do
+          if state.assume_busy && !state.restart do
             Logger.warning(
               "#{describe(state)}: the daemon runs without --assume-busy-at-start, so the " <>
                 "limiter's assume_busy_at_start: true does not hold for its buckets"

@@ -15,8 +15,9 @@ use tokio::task::JoinSet;
 use super::client::password_refusal;
 use super::connection::Servers;
 
-/// The SHA-1 of no script.
+/// The SHA-1 of no script, and the name of no function.
 const UNKNOWN_SCRIPT: &str = "0000000000000000000000000000000000000000";
+const UNKNOWN_FUNCTION: &str = "bourse_start_probe_no_such_function";
 /// The longest wait for the servers' answers at start.
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -63,20 +64,15 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
     {
         return password_refusal(&error, password_given);
     }
-    // A script that does not exist: `NOSCRIPT` for a user that may run scripts.
-    let probe = ::redis::cmd("EVALSHA")
-        .arg(UNKNOWN_SCRIPT)
-        .arg(0)
-        .query_async::<()>(&mut connection)
-        .await;
-    if let Err(error) = probe {
-        if error.code() == Some("NOPERM") {
-            return Some(format!(
-                "it does not let this user run scripts ({}): the limiter runs every check \
-                 as one",
-                error.to_string().lines().next().unwrap_or_default()
-            ));
-        }
+    // A script and a function that do not exist: `NOSCRIPT` and "not found" for a user that
+    // may run them; the daemon runs its checks as either.
+    let evalsha = denied(&mut connection, "EVALSHA", UNKNOWN_SCRIPT).await;
+    let fcall = denied(&mut connection, "FCALL", UNKNOWN_FUNCTION).await;
+    if let (Some(evalsha), Some(_)) = (evalsha, fcall) {
+        return Some(format!(
+            "it does not let this user run scripts ({evalsha}): the limiter runs every \
+             check as one"
+        ));
     }
     if db != 0 && cluster {
         return Some(format!(
@@ -107,6 +103,24 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
     info.lines()
         .any(|line| line.trim() == "cluster_enabled:0")
         .then(|| NOT_A_CLUSTER.to_owned())
+}
+
+/// Why `command` of `name` (with no keys) was denied to this user: its `NOPERM`, or, for a
+/// command this server does not know (`FCALL` before Redis 7), that; `None` when allowed.
+async fn denied(
+    connection: &mut MultiplexedConnection,
+    command: &str,
+    name: &str,
+) -> Option<String> {
+    let answer = ::redis::cmd(command)
+        .arg(name)
+        .arg(0)
+        .query_async::<()>(connection)
+        .await;
+    let error = answer.err()?;
+    let text = error.to_string();
+    (error.code() == Some("NOPERM") || text.contains("unknown command"))
+        .then(|| text.lines().next().unwrap_or_default().to_owned())
 }
 
 /// A connection to database 0 of the server at `url`, and the URL's database.

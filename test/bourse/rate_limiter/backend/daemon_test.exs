@@ -251,6 +251,37 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  # The pause ends before the second waiter's ready time, but moves its booking behind the
+  # first's, which moved to the pause's end: admitted at its old ready time, it would be
+  # the second admission within 1 s of a bucket refilling 1 per 2 s (P1).
+  test "a waiter whose booking a pause pushed back is not admitted at its old ready time when the daemon cannot answer" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp, timeout: 300}, "pushed", booking_slack_ms: 5_000)
+    limit = %{capacity: 1, refill_per_sec: 0.5}
+    assert :ok = RateLimiter.check_rate({"ex", "pushed"}, limit, 1, name)
+
+    # Ready in 2 s, then in 4 s.
+    [first, second] =
+      for bookings <- [1, 2] do
+        waiter =
+          Task.async(fn ->
+            RateLimiter.wait_for_capacity({"ex", "pushed"}, limit, 1, name, max_wait_ms: 8_000)
+          end)
+
+        eventually(fn -> RateLimiter.inspect_key({"ex", "pushed"}, name).bookings == bookings end)
+        waiter
+      end
+
+    # Ends at 3 s: the first goes out then, the second 2 s later.
+    assert {:error, %Error{retry_after: 3_000}} =
+             RateLimiter.observe_response("ex", "pushed", 429, [{"retry-after", "3"}], name)
+
+    assert :ok = Task.await(first, 5_000)
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    DaemonServer.signal(daemon, "STOP")
+    assert unavailable?(Task.await(second, 8_000))
+  end
+
   test "a 429 observed while the daemon is stopped is not recorded, and its error still says the wait asked" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
     name = start_limiter({:daemon, daemon.tcp, timeout: 200}, "unrecorded")
@@ -260,6 +291,8 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
     for {headers, retry_after, stop} <- [
           {[{"retry-after", "5"}], 5_000, false},
+          # Its used weight cannot be synced either: the 429 is still read.
+          {[{"retry-after", "5"}, {"x-mbx-used-weight-1m", "100"}], 5_000, false},
           {[{"retry-after", "600"}], 600_000, true},
           {[], nil, false}
         ] do
@@ -286,6 +319,26 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
       capture_log(fn ->
         name = start_limiter({:daemon, daemon.tcp})
         eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+      end)
+
+    refute log =~ "assume-busy-at-start"
+
+    # Nor a limiter that did not ask, restarted with a connection of its own.
+    name = :"busy_restarted_#{System.unique_integer([:positive])}"
+    backend = {:daemon, daemon.tcp}
+    {:ok, first} = RateLimiter.start_link(name: name, backend: backend)
+    Process.unlink(first)
+    ref = Process.monitor(first)
+    Process.exit(handle(name).pid, :kill)
+    Process.exit(first, :kill)
+    assert_receive {:DOWN, ^ref, :process, _, _}
+
+    log =
+      capture_log(fn ->
+        {:ok, second} = RateLimiter.start_link(name: name, backend: backend)
+        Process.unlink(second)
+        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+        GenServer.stop(second)
       end)
 
     refute log =~ "assume-busy-at-start"

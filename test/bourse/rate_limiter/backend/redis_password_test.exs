@@ -106,6 +106,33 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute message =~ "secret-part"
   end
 
+  # A restart is no first start: it must not fail the supervisor.
+  test "a limiter restarted after its Redis's password changed starts, and answers :unavailable" do
+    redis = start_redis()
+    url = "redis://:#{URI.encode_www_form(@password)}@127.0.0.1:#{redis.port}"
+    name = :"redis_rotated_#{System.unique_integer([:positive])}"
+    {:ok, first} = RateLimiter.start_link(name: name, backend: {:redis, url})
+    Process.unlink(first)
+    assert :ok = RateLimiter.check_rate({"binance", "k"}, @limit, 1, name)
+
+    {"OK\n", 0} = System.cmd("redis-cli", ~w(-p #{redis.port} --no-auth-warning -a #{@password}
+        CONFIG SET requirepass another-password))
+
+    ref = Process.monitor(first)
+    Process.exit(Bourse.BackendCase.handle(name).pid, :kill)
+    Process.exit(first, :kill)
+    assert_receive {:DOWN, ^ref, :process, _, _}
+
+    {:ok, second} = RateLimiter.start_link(name: name, backend: {:redis, url})
+    on_exit(fn -> Process.exit(second, :kill) end)
+
+    assert {:error, %Bourse.Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"binance", "k"}, @limit, 1, name)
+
+    assert message =~ "it refused the password given"
+    refute_password_shown(message)
+  end
+
   test "no password for a Redis that asks for one fails the start, saying where to give it" do
     redis = start_redis()
     url = "redis://127.0.0.1:#{redis.port}"
