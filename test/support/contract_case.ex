@@ -93,6 +93,20 @@ defmodule Bourse.ContractCase do
   end
 
   @doc """
+  A task in `wait_for_capacity(key, limit, 1, name, max_wait_ms: max_wait_ms)`, returned
+  once the key holds `bookings` bookings (its own the last).
+  """
+  def booked_waiter(key, limit, name, max_wait_ms, bookings \\ 1) do
+    waiter =
+      Task.async(fn ->
+        Bourse.RateLimiter.wait_for_capacity(key, limit, 1, name, max_wait_ms: max_wait_ms)
+      end)
+
+    eventually(fn -> Bourse.RateLimiter.inspect_key(key, name).bookings == bookings end)
+    waiter
+  end
+
+  @doc """
   Checks `key` at cost 1 in a loop, as a busy caller does, until `done?.()`; returns how
   many checks were admitted.
   """

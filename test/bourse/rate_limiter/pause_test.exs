@@ -3,7 +3,7 @@ defmodule Bourse.RateLimiter.PauseTest do
   # rules (targets, probes, invalid input) are in the contract suite.
   use ExUnit.Case, async: true
 
-  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
+  import Bourse.ContractCase, only: [booked_waiter: 4, eventually: 1, eventually: 2, now_ms: 0]
 
   alias Bourse.RateLimiter
 
@@ -86,12 +86,7 @@ defmodule Bourse.RateLimiter.PauseTest do
     limit = %{capacity: 1, refill_per_sec: 0.125}
     assert :ok = RateLimiter.check_rate({"ex", "k"}, limit, 1, name)
 
-    waiter =
-      Task.async(fn ->
-        RateLimiter.wait_for_capacity({"ex", "k"}, limit, 1, name, max_wait_ms: 12_000)
-      end)
-
-    eventually(fn -> RateLimiter.inspect_key({"ex", "k"}, name).bookings == 1 end)
+    waiter = booked_waiter({"ex", "k"}, limit, name, 12_000)
     GenServer.stop(first)
     eventually(fn -> :persistent_term.get({RateLimiter, name}, nil) == nil end, 7_000)
     {:ok, second} = RateLimiter.start_link(name: name)

@@ -3,7 +3,10 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
   use ExUnit.Case, async: true
 
   import Bourse.BackendCase
-  import Bourse.ContractCase, only: [eventually: 1, eventually: 2, now_ms: 0]
+
+  import Bourse.ContractCase,
+    only: [booked_waiter: 4, booked_waiter: 5, eventually: 1, eventually: 2, now_ms: 0]
+
   import ExUnit.CaptureLog
 
   alias Bourse.{DaemonServer, FakeDaemon}
@@ -181,12 +184,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     limit = %{capacity: 1, refill_per_sec: 1}
     assert :ok = RateLimiter.check_rate({"ex", "late"}, limit, 1, name)
 
-    waiter =
-      Task.async(fn ->
-        RateLimiter.wait_for_capacity({"ex", "late"}, limit, 1, name, max_wait_ms: 5_000)
-      end)
-
-    eventually(fn -> RateLimiter.inspect_key({"ex", "late"}, name).bookings == 1 end)
+    waiter = booked_waiter({"ex", "late"}, limit, name, 5_000)
     DaemonServer.signal(daemon, "STOP")
 
     # Its claim times out 300 ms after it woke: the booking lapsed meanwhile.
@@ -235,12 +233,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
       limit = %{capacity: 1, refill_per_sec: 0.5}
       assert :ok = RateLimiter.check_rate({"ex", "held"}, limit, 1, name)
 
-      waiter =
-        Task.async(fn ->
-          RateLimiter.wait_for_capacity({"ex", "held"}, limit, 1, name, max_wait_ms: 5_000)
-        end)
-
-      eventually(fn -> RateLimiter.inspect_key({"ex", "held"}, name).bookings == 1 end)
+      waiter = booked_waiter({"ex", "held"}, limit, name, 5_000)
       on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
       if stop_first, do: DaemonServer.signal(daemon, "STOP")
       observed = RateLimiter.observe_response("ex", "held", 429, [{"retry-after", "10"}], name)
@@ -261,16 +254,7 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert :ok = RateLimiter.check_rate({"ex", "pushed"}, limit, 1, name)
 
     # Ready in 2 s, then in 4 s.
-    [first, second] =
-      for bookings <- [1, 2] do
-        waiter =
-          Task.async(fn ->
-            RateLimiter.wait_for_capacity({"ex", "pushed"}, limit, 1, name, max_wait_ms: 8_000)
-          end)
-
-        eventually(fn -> RateLimiter.inspect_key({"ex", "pushed"}, name).bookings == bookings end)
-        waiter
-      end
+    [first, second] = for n <- [1, 2], do: booked_waiter({"ex", "pushed"}, limit, name, 8_000, n)
 
     # Ends at 3 s: the first goes out then, the second 2 s later.
     assert {:error, %Error{retry_after: 3_000}} =
