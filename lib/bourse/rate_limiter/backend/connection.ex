@@ -280,6 +280,30 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp gone, do: Error.unavailable("the connection to bourse_daemon is gone")
 
   @doc """
+  Remembers that the daemon was asked to pause `target` (as a request names it) for `ms`
+  from now, to ask it again of a daemon whose in-memory table is new (a port restarted
+  after a crash, a shared daemon restarted): pauses, unlike spent tokens, are not covered
+  by `--assume-busy-at-start`. Overlapping pauses keep the later end.
+  """
+  @spec remember_pause(t(), term(), non_neg_integer()) :: :ok
+  def remember_pause(%__MODULE__{table: table}, target, ms) do
+    # Ends are kept negated: `update_counter/4` lowers a counter to a threshold, not raises it.
+    until = System.monotonic_time(:millisecond) + ms
+
+    :ets.update_counter(
+      table,
+      {:pause, target},
+      {2, 0, -until, -until},
+      {{:pause, target}, -until}
+    )
+
+    :ok
+  rescue
+    # The table went with its process.
+    ArgumentError -> :ok
+  end
+
+  @doc """
   The booking owner the daemon knows `owner` (a pid, or `{pid, integer}`) by. The last one
   rendered is kept in the calling process's dictionary (rendering a pid costs more than
   the rest of a request's terms).
@@ -480,6 +504,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     now = System.monotonic_time(:millisecond)
     late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
     :ets.select_delete(state.table, late)
+    :ets.select_delete(state.table, [{{{:pause, :_}, :"$1"}, [{:>, :"$1", -now}], [true]}])
 
     for {solo, pid} <- :ets.match_object(state.table, {{:solo, :_}, :_}),
         not Process.alive?(pid),
@@ -876,8 +901,27 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           :ok
       end
 
-      {:ok, state |> connected(stream, hello) |> keepalive(hello["idle_timeout_ms"])}
+      new_table? = state.connected_before and hello["table"] not in [nil, state.daemon_table]
+      state = connected(state, stream, hello)
+      state = if new_table?, do: pauses_again(state), else: state
+      publish(state, stream, hello["max_frame_bytes"])
+      {:ok, keepalive(state, hello["idle_timeout_ms"])}
     end
+  end
+
+  # The pauses in force asked of the previous table, asked again of the new one before any
+  # caller's request (their answers, id 0, go to no one).
+  defp pauses_again(state) do
+    now = System.monotonic_time(:millisecond)
+
+    frames =
+      for {{:pause, target}, negated_end} <- :ets.match_object(state.table, {{:pause, :_}, :_}),
+          -negated_end > now do
+        pause = encode(0, %{op: "pause", target: target, ms: -negated_end - now})
+        {0, PortStream.frame(pause, byte_size(pause))}
+      end
+
+    write_pending(%{state | pending: frames ++ state.pending})
   end
 
   # A hello with the callers' frames, its id 0 (callers' ids are positive); dropped as theirs
@@ -902,7 +946,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state)}: connected again")
     state = observed_clock(%{state | clock_offset_us: nil}, hello)
-    publish(state, stream, hello["max_frame_bytes"])
 
     %{
       state

@@ -187,9 +187,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
   def back_off(handle, credential, scope) do
     request = %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
-
-    run(request, handle, &field(&1, "ms"), {:back_off, [credential, scope]})
+    answer = run(request, handle, &field(&1, "ms"), {:back_off, [credential, scope]})
+    remembered(answer, handle, backoff_target(credential, scope), answer)
   end
+
+  # What a backoff pauses; well-formed once the daemon took it.
+  defp backoff_target({exchange, _credential}, :exchange), do: exchange
+  defp backoff_target(credential, _scope), do: credential
 
   @doc "Forgets the backoff count of `{exchange_id, credential_key}`."
   @spec reset_backoff(handle(), term()) :: :ok | error()
@@ -202,12 +206,30 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`pause/3`: a key, `{exchange_id, credential_key}` or an exchange id."
   @spec pause(handle(), term(), term()) :: :ok | error()
   def pause(handle, target, ms) do
-    run(
-      %{op: "pause", target: pause_target(target), ms: value(ms)},
-      handle,
-      &done/1,
-      {:pause, [target, ms]}
-    )
+    %{op: "pause", target: pause_target(target), ms: value(ms)}
+    |> run(handle, &done/1, {:pause, [target, ms]})
+    |> remembered(handle, target, ms)
+  end
+
+  # A pause the daemon took, or may have (it did not answer), is remembered, to be given
+  # again to a daemon whose in-memory table is new (`Connection.remember_pause/3`); an
+  # unanswered backoff pauses at least its first step.
+  defp remembered(answer, handle, target, ms) do
+    case answer do
+      {:error, %Error{type: :unavailable}} when is_integer(ms) ->
+        Connection.remember_pause(handle, pause_target(target), ms)
+
+      {:error, %Error{type: :unavailable}} ->
+        Connection.remember_pause(handle, pause_target(target), Native.bound(:first_backoff_ms))
+
+      {:error, _} ->
+        :ok
+
+      _paused ->
+        Connection.remember_pause(handle, pause_target(target), ms)
+    end
+
+    answer
   end
 
   @doc "A snapshot of one key, or `nil` when the table does not hold it."

@@ -154,6 +154,25 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert log =~ "a daemon that restarted without --assume-busy-at-start"
   end
 
+  test "the pauses a limiter asked of a daemon that restarted are asked again of the new one" do
+    path = Bourse.TempPath.new("bourse", ".sock")
+    daemon = start_daemon(["--socket", path, "--assume-busy-at-start"])
+    name = start_limiter({:daemon, {:unix, path}})
+    assert :ok = RateLimiter.pause("ex", 30_000, name)
+    DaemonServer.kill(daemon)
+    start_daemon(["--socket", path, "--assume-busy-at-start"])
+
+    fast = %{capacity: 1, refill_per_sec: 1.0e6}
+
+    assert {:delay, ms} =
+             eventually(fn -> paused(RateLimiter.check_rate({"ex", "k"}, fast, 1, name)) end)
+
+    assert ms > 25_000
+  end
+
+  defp paused({:delay, _ms} = delay), do: delay
+  defp paused(_answer), do: nil
+
   test "a limiter's booking_slack_ms holds for its waiters on a daemon with another slack" do
     daemon = start_daemon(["--listen", "127.0.0.1:0", "--booking-slack-ms", "0"])
     patient = start_limiter({:daemon, daemon.tcp}, "patient", booking_slack_ms: 5_000)

@@ -112,6 +112,28 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     end)
   end
 
+  # Pauses live in the daemon's table, which --assume-busy-at-start does not rebuild.
+  test "kill -9 of the daemon: the pauses in force hold in its replacement, until they end",
+       %{name: name, handle: handle} do
+    limit = %{capacity: 10, refill_per_sec: 10}
+    assert :ok = RateLimiter.check_rate({"ex", "k", "ip"}, limit, 1, name)
+
+    assert {:error, %Error{retry_after: 30_000}} =
+             RateLimiter.observe_response("ex", "k", 429, [{"retry-after", "30"}], name)
+
+    assert :ok = RateLimiter.pause("other", 1, name)
+    os_pid = port_os_pid(handle)
+    OsSignal.send(os_pid, "KILL")
+
+    eventually(fn -> port_os_pid(handle(name)) != os_pid end)
+    assert {:delay, ms} = RateLimiter.check_rate({"ex", "k", "ip"}, limit, 1, name)
+    assert ms > 25_000
+    assert RateLimiter.inspect_key({"ex", "k", "ip"}, name).pause_ms > 25_000
+    # Ended pauses are not asked again (a refill this fast fills the bucket of a daemon
+    # that assumes every bucket busy at once).
+    assert :ok = RateLimiter.check_rate({"other", "k"}, %{limit | refill_per_sec: 1.0e6}, 1, name)
+  end
+
   test "callers killed while their requests are in flight: the answers go nowhere, the port serves on",
        %{name: name, handle: handle} do
     os_pid = stop_port(handle)
