@@ -366,8 +366,8 @@ defmodule Bourse.RateLimiter do
   (`pause/3`, or `observe_response/6` after a limited reply, also one the store did not
   confirm), or the limiter started, since the caller asked: such a pause may hold its
   booking, and move the bookings ahead of it, past the ready time it was told, which only
-  the store knows, so the call answers `:unavailable`. Told later than the slack, its booking has lapsed (as
-  any late waiter's), and the call answers `:unavailable`.
+  the store knows, so the call answers `:unavailable`. Told later than the slack, its
+  booking has lapsed (as any late waiter's), and the call answers `:unavailable`.
   """
   @spec wait_for_capacity(
           key(),
@@ -926,11 +926,8 @@ defmodule Bourse.RateLimiter do
   defp routed({backend, handle, events, _pid}, _name, fun, args)
        when fun in [:pause, :back_off] do
     answer = apply(backend, fun, [handle | args])
-
-    case answer do
-      {:error, %Error{type: type}} when type != :unavailable -> answer
-      _paused_or_maybe -> tap(answer, fn _ -> Events.note_pause(events) end)
-    end
+    if paused?(answer), do: Events.note_pause(events)
+    answer
   end
 
   defp routed({backend, handle, _events, _pid}, _name, fun, args),
@@ -966,6 +963,11 @@ defmodule Bourse.RateLimiter do
   @doc false
   # Runs `fun` on the limiter published as `entry`, from its own process.
   def run_entry(entry, fun, args), do: routed(entry, nil, fun, args)
+
+  # A pause taken, or maybe taken (its store did not answer); not one refused.
+  defp paused?({:error, %Error{type: :unavailable}}), do: true
+  defp paused?({:error, _refused}), do: false
+  defp paused?(_taken), do: true
 
   # Where the events of a routed call go.
   defp sink({_backend, _handle, events, _pid}), do: events
