@@ -303,6 +303,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> :ok
   end
 
+  @doc "Forgets the remembered pauses whose target (as a request names it) `ended?`; `:ok`."
+  @spec forget_pauses(t(), (term() -> boolean())) :: :ok
+  def forget_pauses(%__MODULE__{table: table}, ended?) do
+    for {{:pause, target} = pause, _negated_end} <- :ets.match_object(table, {{:pause, :_}, :_}),
+        ended?.(target),
+        do: :ets.delete(table, pause)
+
+    :ok
+  rescue
+    ArgumentError -> :ok
+  end
+
   @doc """
   The booking owner the daemon knows `owner` (a pid, or `{pid, integer}`) by. The last one
   rendered is kept in the calling process's dictionary (rendering a pid costs more than

@@ -165,23 +165,27 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @doc "`reset/2`."
   @spec reset(handle(), term()) :: :ok | error()
   def reset(handle, key) do
-    run(%{op: "reset", key: key(key)}, handle, &done/1, {:reset, [key]})
+    request = %{op: "reset", key: key(key)}
+
+    request
+    |> run(handle, &done/1, {:reset, [key]})
+    |> forgetting(handle, &(&1 == request.key))
   end
 
   @doc "`reset_exchange/2`."
   @spec reset_exchange(handle(), term()) :: :ok | error()
   def reset_exchange(handle, exchange) do
-    run(
-      %{op: "reset_exchange", exchange: value(exchange)},
-      handle,
-      &done/1,
-      {:reset_exchange, [exchange]}
-    )
+    sent = value(exchange)
+
+    %{op: "reset_exchange", exchange: sent}
+    |> run(handle, &done/1, {:reset_exchange, [exchange]})
+    |> forgetting(handle, &match?(%{exchange: ^sent}, &1))
   end
 
   @doc "`reset_all/1`."
   @spec reset_all(handle()) :: :ok | error()
-  def reset_all(handle), do: run(%{op: "reset_all"}, handle, &done/1)
+  def reset_all(handle),
+    do: %{op: "reset_all"} |> run(handle, &done/1) |> forgetting(handle, fn _ -> true end)
 
   @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
@@ -210,6 +214,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     |> run(handle, &done/1, {:pause, [target, ms]})
     |> remembered(handle, target, ms)
   end
+
+  # The pauses a reset ended are not asked again of a new table.
+  defp forgetting(:ok, handle, ended?), do: Connection.forget_pauses(handle, ended?)
+  defp forgetting(answer, _handle, _ended?), do: answer
 
   # A pause the daemon took, or may have (it did not answer), is remembered, to be given
   # again to a daemon whose in-memory table is new (`Connection.remember_pause/3`); an

@@ -134,6 +134,28 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert :ok = RateLimiter.check_rate({"other", "k"}, %{limit | refill_per_sec: 1.0e6}, 1, name)
   end
 
+  test "kill -9 of the daemon: pauses a reset ended are not asked again of its replacement",
+       %{name: name} do
+    fast = %{capacity: 1, refill_per_sec: 1.0e6}
+
+    for {target, reset} <- [
+          {"ex", &RateLimiter.reset_exchange("ex", &1)},
+          {{"ex", "k", "ip"}, &RateLimiter.reset({"ex", "k", "ip"}, &1)},
+          {{"ex", "k"}, &RateLimiter.reset_all/1}
+        ] do
+      assert :ok = RateLimiter.pause(target, 30_000, name)
+      assert :ok = reset.(name)
+      os_pid = port_os_pid(handle(name))
+      OsSignal.send(os_pid, "KILL")
+      eventually(fn -> port_os_pid(handle(name)) != os_pid end)
+
+      assert :ok =
+               eventually(fn ->
+                 RateLimiter.check_rate({"ex", "k", "ip"}, fast, 1, name) == :ok and :ok
+               end)
+    end
+  end
+
   test "callers killed while their requests are in flight: the answers go nowhere, the port serves on",
        %{name: name, handle: handle} do
     os_pid = stop_port(handle)
