@@ -53,22 +53,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   require Logger
 
-  alias Bourse.Error
+  alias Bourse.{Error, Native}
   alias Bourse.RateLimiter.CallDeadline
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
-  @enforce_keys [:pid, :table, :owner_prefix, :timeout]
+  @enforce_keys [:pid, :table, :pauses, :owner_prefix, :timeout]
   defstruct @enforce_keys ++ [booking_slack_ms: nil, daemon: "bourse_daemon"]
 
   @typedoc """
   A limiter's handle: the connection process and its table (the current stream, the
-  requests in flight), the prefix that makes booking owners unique among every client of
+  requests in flight), the pauses it asked of the daemon (`remember_pause/3`; a table of
+  their own, so that the table of requests tells a caller alone in flight), the prefix
+  that makes booking owners unique among every client of
   the daemon, how long a caller waits for an answer, the booking slack its waiters name
   (`nil`: the daemon's own), and which daemon it is, for messages.
   """
   @type t :: %__MODULE__{
           pid: pid(),
           table: :ets.tid(),
+          pauses: :ets.tid(),
           owner_prefix: String.t(),
           timeout: pos_integer(),
           booking_slack_ms: non_neg_integer() | nil,
@@ -121,10 +124,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
        Keyword.take(opts, [:env, :secret, :restart])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
+      {table, pauses} = GenServer.call(pid, :tables)
+
       {:ok,
        %__MODULE__{
          pid: pid,
-         table: GenServer.call(pid, :table),
+         table: table,
+         pauses: pauses,
          owner_prefix: Keyword.get(opts, :owner_prefix, ""),
          timeout: timeout,
          booking_slack_ms: Keyword.get(opts, :booking_slack_ms),
@@ -283,19 +289,27 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   Remembers that the daemon was asked to pause `target` (as a request names it) for `ms`
   from now, to ask it again of a daemon whose in-memory table is new (a port restarted
   after a crash, a shared daemon restarted): pauses, unlike spent tokens, are not covered
-  by `--assume-busy-at-start`. Overlapping pauses keep the later end.
+  by `--assume-busy-at-start`. Overlapping pauses keep the later end. Past as many as a
+  table holds in force (`:max_pauses`), a new one is remembered as a pause of its whole
+  exchange, as the table itself holds it.
   """
   @spec remember_pause(t(), term(), non_neg_integer()) :: :ok
-  def remember_pause(%__MODULE__{table: table}, target, ms) do
+  def remember_pause(%__MODULE__{pauses: table}, target, ms) do
     # Ends are kept negated: `update_counter/4` lowers a counter to a threshold, not raises it.
     until = System.monotonic_time(:millisecond) + ms
 
-    :ets.update_counter(
-      table,
-      {:pause, target},
-      {2, 0, -until, -until},
-      {{:pause, target}, -until}
-    )
+    target =
+      case target do
+        %{exchange: exchange} = target ->
+          if :ets.info(table, :size) < Native.bound(:max_pauses),
+            do: target,
+            else: %{exchange: exchange}
+
+        other ->
+          other
+      end
+
+    :ets.update_counter(table, target, {2, 0, -until, -until}, {target, -until})
 
     :ok
   rescue
@@ -305,10 +319,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   @doc "Forgets the remembered pauses whose target (as a request names it) `ended?`; `:ok`."
   @spec forget_pauses(t(), (term() -> boolean())) :: :ok
-  def forget_pauses(%__MODULE__{table: table}, ended?) do
-    for {{:pause, target} = pause, _negated_end} <- :ets.match_object(table, {{:pause, :_}, :_}),
+  def forget_pauses(%__MODULE__{pauses: table}, ended?) do
+    for {target, _negated_end} <- :ets.tab2list(table),
         ended?.(target),
-        do: :ets.delete(table, pause)
+        do: :ets.delete(table, target)
 
     :ok
   rescue
@@ -353,6 +367,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       transport: transport(target),
       timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
+      pauses: :ets.new(__MODULE__, [:public, write_concurrency: true]),
       assume_busy: assume_busy,
       stream: nil,
       partial: [],
@@ -426,7 +441,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp redact_message(message), do: message
 
   @impl true
-  def handle_call(:table, _from, state), do: {:reply, state.table, state}
+  def handle_call(:tables, _from, state), do: {:reply, {state.table, state.pauses}, state}
 
   def handle_call({:adopt, limiter, target}, _from, %{target: target} = state) do
     Process.link(limiter)
@@ -516,7 +531,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     now = System.monotonic_time(:millisecond)
     late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
     :ets.select_delete(state.table, late)
-    :ets.select_delete(state.table, [{{{:pause, :_}, :"$1"}, [{:>, :"$1", -now}], [true]}])
+    :ets.select_delete(state.pauses, [{{:_, :"$1"}, [{:>, :"$1", -now}], [true]}])
 
     for {solo, pid} <- :ets.match_object(state.table, {{:solo, :_}, :_}),
         not Process.alive?(pid),
@@ -927,7 +942,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     now = System.monotonic_time(:millisecond)
 
     frames =
-      for {{:pause, target}, negated_end} <- :ets.match_object(state.table, {{:pause, :_}, :_}),
+      for {target, negated_end} <- :ets.tab2list(state.pauses),
           -negated_end > now do
         pause = encode(0, %{op: "pause", target: target, ms: -negated_end - now})
         {0, PortStream.frame(pause, byte_size(pause))}

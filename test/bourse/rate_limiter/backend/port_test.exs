@@ -134,6 +134,15 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert :ok = RateLimiter.check_rate({"other", "k"}, %{limit | refill_per_sec: 1.0e6}, 1, name)
   end
 
+  # A caller alone in flight reads its own answer only while the table of requests holds
+  # nothing but the stream and its own route.
+  test "a remembered pause leaves the table of requests as it was", %{name: name} do
+    table = handle(name).table
+    before = :ets.info(table, :size)
+    assert :ok = RateLimiter.pause("unrelated", 60_000, name)
+    assert :ets.info(table, :size) == before
+  end
+
   test "kill -9 of the daemon: pauses a reset ended are not asked again of its replacement",
        %{name: name} do
     fast = %{capacity: 1, refill_per_sec: 1.0e6}
