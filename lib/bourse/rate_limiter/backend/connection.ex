@@ -317,13 +317,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> :ok
   end
 
-  @doc "Forgets the remembered pauses whose target (as a request names it) `ended?`; `:ok`."
-  @spec forget_pauses(t(), (term() -> boolean())) :: :ok
-  def forget_pauses(%__MODULE__{pauses: table}, ended?) do
-    for {target, _negated_end} <- :ets.tab2list(table),
-        ended?.(target),
-        do: :ets.delete(table, target)
-
+  @doc """
+  Forgets the remembered pauses whose target (as a request names it) matches `pattern`,
+  an ETS pattern (a map pattern matches the maps that hold its keys); `:ok`.
+  """
+  @spec forget_pauses(t(), term()) :: :ok
+  def forget_pauses(%__MODULE__{pauses: table}, pattern) do
+    :ets.match_delete(table, {pattern, :_})
     :ok
   rescue
     ArgumentError -> :ok

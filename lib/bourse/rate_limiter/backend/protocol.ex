@@ -166,10 +166,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   @spec reset(handle(), term()) :: :ok | error()
   def reset(handle, key) do
     request = %{op: "reset", key: key(key)}
-
-    request
-    |> run(handle, &done/1, {:reset, [key]})
-    |> forgetting(handle, &(&1 == request.key))
+    request |> run(handle, &done/1, {:reset, [key]}) |> forgetting(handle, request.key)
   end
 
   @doc "`reset_exchange/2`."
@@ -179,20 +176,22 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
     %{op: "reset_exchange", exchange: sent}
     |> run(handle, &done/1, {:reset_exchange, [exchange]})
-    |> forgetting(handle, &match?(%{exchange: ^sent}, &1))
+    |> forgetting(handle, %{exchange: sent})
   end
 
   @doc "`reset_all/1`."
   @spec reset_all(handle()) :: :ok | error()
   def reset_all(handle),
-    do: %{op: "reset_all"} |> run(handle, &done/1) |> forgetting(handle, fn _ -> true end)
+    do: %{op: "reset_all"} |> run(handle, &done/1) |> forgetting(handle, :_)
 
   @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
   def back_off(handle, credential, scope) do
     request = %{op: "back_off", credential: backoff_credential(credential), scope: scope(scope)}
-    answer = run(request, handle, &field(&1, "ms"), {:back_off, [credential, scope]})
-    remembered(answer, handle, backoff_target(credential, scope), answer)
+
+    request
+    |> run(handle, &field(&1, "ms"), {:back_off, [credential, scope]})
+    |> remembered(handle, backoff_target(credential, scope), nil)
   end
 
   # What a backoff pauses; well-formed once the daemon took it.
@@ -215,28 +214,25 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     |> remembered(handle, target, ms)
   end
 
-  # The pauses a reset ended are not asked again of a new table.
-  defp forgetting(:ok, handle, ended?), do: Connection.forget_pauses(handle, ended?)
-  defp forgetting(answer, _handle, _ended?), do: answer
+  # The pauses a reset ended (their targets match `ended`, as requests name them) are not
+  # asked again of a new table.
+  defp forgetting(:ok, handle, ended), do: Connection.forget_pauses(handle, ended)
+  defp forgetting(answer, _handle, _ended), do: answer
 
   # A pause the daemon took, or may have (it did not answer), is remembered, to be given
-  # again to a daemon whose in-memory table is new (`Connection.remember_pause/3`); an
-  # unanswered backoff pauses at least its first step.
-  defp remembered(answer, handle, target, ms) do
-    case answer do
-      {:error, %Error{type: :unavailable}} when is_integer(ms) ->
-        Connection.remember_pause(handle, pause_target(target), ms)
+  # again to a daemon whose in-memory table is new (`Connection.remember_pause/3`). `asked`
+  # is the pause's length, `nil` for a backoff's: its answer says it, and an unanswered
+  # one pauses at least its first step.
+  defp remembered(answer, handle, target, asked) do
+    ms =
+      case answer do
+        :ok -> asked
+        ms when is_integer(ms) -> ms
+        {:error, %Error{type: :unavailable}} -> asked || Native.bound(:first_backoff_ms)
+        {:error, _refused} -> nil
+      end
 
-      {:error, %Error{type: :unavailable}} ->
-        Connection.remember_pause(handle, pause_target(target), Native.bound(:first_backoff_ms))
-
-      {:error, _} ->
-        :ok
-
-      _paused ->
-        Connection.remember_pause(handle, pause_target(target), ms)
-    end
-
+    if ms, do: Connection.remember_pause(handle, pause_target(target), ms)
     answer
   end
 
