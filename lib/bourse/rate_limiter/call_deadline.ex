@@ -4,7 +4,9 @@ defmodule Bourse.RateLimiter.CallDeadline do
   # (`Bourse.RateLimiter.observe_response/6`: a pause, and per used-weight header a read
   # and a sync): within `shared/1`, a limiter's first request sets the deadline of its later
   # ones (`Bourse.RateLimiter.Backend.Connection` asks `deadline/2`), so the call answers
-  # within one timeout however slow the store is. User code run meanwhile (event callbacks,
+  # within one timeout however slow the store is; a request answered `:unavailable` (the
+  # daemon's store did not answer within its own timeout) gives that answer to the later
+  # ones at once (`answered/2`), as their store could not answer them in time either. User code run meanwhile (event callbacks,
   # telemetry handlers: `outside/1`) keeps its own calls' timeouts. Kept in the calling
   # process's dictionary, for that process alone.
 
@@ -47,8 +49,9 @@ defmodule Bourse.RateLimiter.CallDeadline do
 
   @doc false
   # The deadline (monotonic ms) of a request to `limiter` (any term naming its
-  # connection) whose own is `own`: the earlier one a shared call set for that limiter.
-  @spec deadline(term(), integer()) :: integer()
+  # connection) whose own is `own`: the earlier one a shared call set for that limiter; or
+  # `{:answered, answer}`, the `:unavailable` answer an earlier request of the call got.
+  @spec deadline(term(), integer()) :: integer() | {:answered, term()}
   def deadline(limiter, own) do
     case Process.get(@key) do
       nil ->
@@ -56,8 +59,11 @@ defmodule Bourse.RateLimiter.CallDeadline do
 
       deadlines ->
         case Map.fetch(deadlines, limiter) do
-          {:ok, deadline} ->
+          {:ok, deadline} when is_integer(deadline) ->
             min(deadline, own)
+
+          {:ok, answered} ->
+            answered
 
           :error ->
             Process.put(@key, Map.put(deadlines, limiter, own))
@@ -65,4 +71,21 @@ defmodule Bourse.RateLimiter.CallDeadline do
         end
     end
   end
+
+  @doc false
+  # Notes the answer of a request to `limiter`, and returns it: within a shared call, an
+  # `:unavailable` one answers the call's later requests to `limiter`.
+  @spec answered(term(), answer) :: answer when answer: term()
+  def answered(limiter, answer) do
+    with deadlines when is_map(deadlines) <- Process.get(@key),
+         true <- unavailable?(answer) do
+      Process.put(@key, Map.put(deadlines, limiter, {:answered, answer}))
+    end
+
+    answer
+  end
+
+  defp unavailable?(%{"ok" => false, "error" => %{"type" => "unavailable"}}), do: true
+  defp unavailable?({:error, %Bourse.Error{type: :unavailable}}), do: true
+  defp unavailable?(_answer), do: false
 end

@@ -54,6 +54,8 @@ pub const MAX_MS: u64 = 4_294_967_295;
 pub const MAX_SETTING_MS: u64 = 86_400_000;
 /// Longest wait for a remote store (Redis) per command: a call waits several of them.
 pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
+/// Shortest secret a shared daemon's TCP clients prove.
+pub const MIN_SECRET_BYTES: usize = 16;
 /// Largest capacity, refill rate, cost or allowance: far beyond any exchange limit, small
 /// enough that every product and sum stays exact to well under a token.
 pub const MAX_AMOUNT: f64 = 1e12;

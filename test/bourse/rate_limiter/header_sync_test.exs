@@ -107,6 +107,7 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
         {"x-mbx-order-count-10s", "99999"}
       ]
 
+      Bourse.Window.clear_of_edges([60_000, 1_000])
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       tokens = &RateLimiter.inspect_key({"ex", "k", &1}, name).tokens
 

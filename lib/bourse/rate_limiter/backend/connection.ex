@@ -89,6 +89,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
   @min_route_sweep_ms 100
+  # A caller waiting this long for its answer has its input judged (`request/3`).
+  @judge_after_ms 50
   @owner_key {__MODULE__, :owner}
 
   # `%{"id" => id, "ok" => true, "result" => "admitted"}` as the daemon writes it: a map of
@@ -149,14 +151,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   Sends one request (a map, see `encode/2`) and returns the daemon's answer, decoded, or
   `{:error, message}` for a request too large for the daemon, or
   `{:error, %Bourse.Error{type: :unavailable}}`.
+
+  `judge`, if given, is run once when no answer came within #{@judge_after_ms} ms: an error it
+  returns (the request's input, judged in the caller, is malformed) answers at once, so
+  that a daemon stopped or slow does not keep a malformed call waiting for its timeout.
   """
-  @spec request(t(), map()) :: map() | {:error, String.t() | Error.t()}
-  def request(%__MODULE__{} = handle, request) do
+  @spec request(t(), map(), (() -> Error.t() | nil) | nil) ::
+          map() | {:error, String.t() | Error.t()}
+  def request(%__MODULE__{} = handle, request, judge \\ nil) do
     id = System.unique_integer([:positive])
     now_us = System.monotonic_time(:microsecond)
     now_ms = div(now_us, 1000)
-    deadline = CallDeadline.deadline(handle.table, now_ms + handle.timeout)
 
+    case CallDeadline.deadline(handle.table, now_ms + handle.timeout) do
+      {:answered, answer} -> answer
+      deadline -> publish(handle, request, {id, deadline, judge}, {now_us, now_ms})
+    end
+  end
+
+  defp publish(handle, request, {id, deadline, _judge} = call, {now_us, now_ms}) do
     case :ets.lookup(handle.table, :stream) do
       [{:stream, nil, _transport, _max, down, _offset}] ->
         {:error, Error.unavailable(down)}
@@ -175,7 +188,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
           size ->
             frame = PortStream.frame(payload, size)
-            handle |> call(id, {stream, transport, frame}, deadline) |> answer(id)
+            answer = handle |> call(call, {stream, transport, frame}) |> answer(id)
+            CallDeadline.answered(handle.table, answer)
         end
     end
   rescue
@@ -196,25 +210,26 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # (`SocketStream.solo/5`). Whoever takes the route from the table answers: the
   # connection with the answer (or the failure of the stream), or the caller that gives up
   # or read its answer itself; once the alias is gone, nothing more arrives.
-  defp call(handle, id, {stream, _transport, frame}, deadline) do
+  defp call(handle, {id, deadline, judge}, {stream, _transport, frame}) do
     reply_to = :erlang.alias([:reply])
     :ets.insert(handle.table, {id, {reply_to, deadline}})
+    route = {id, reply_to, deadline}
 
     case SocketStream.solo(stream, handle.table, handle.pid, id, frame) do
       # The real answer, though the stream broke meanwhile and the connection sent why.
       {:answer, answer} ->
-        give_up(handle, id, reply_to, "")
+        give_up(handle, route, nil)
         answer
 
       :written ->
-        await(handle, id, reply_to, deadline)
+        judged_await(handle, route, judge)
 
       :shared ->
         send(handle.pid, {:write, stream, id, frame})
-        await(handle, id, reply_to, deadline)
+        judged_await(handle, route, judge)
 
       {:error, reason} ->
-        write_failed(handle, id, reply_to, stream, reason, deadline)
+        write_failed(handle, route, stream, reason, judge)
     end
   end
 
@@ -222,38 +237,54 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # look alive to it (the daemon closed a socket, after a refusal, say). While it does, the
   # connection will close it and answer this call's route with why; once it has, the
   # caller reads why.
-  defp write_failed(handle, id, reply_to, stream, reason, deadline) do
+  defp write_failed(handle, route, stream, reason, judge) do
     send(handle.pid, {:write_failed, stream, reason})
 
     case :ets.lookup(handle.table, :stream) do
       [{:stream, ^stream, _transport, _max, _down, _offset}] ->
-        await(handle, id, reply_to, deadline)
+        judged_await(handle, route, judge)
 
       [{:stream, _other, _transport, _max, down, _offset}] ->
-        give_up(handle, id, reply_to, down)
+        give_up(handle, route, {:error, Error.unavailable(down)})
+    end
+  end
+
+  # `await/2`, the input judged (`request/3`) if the answer is slow to come: a malformed
+  # one answers at once.
+  defp judged_await(handle, route, nil), do: await(handle, route)
+
+  defp judged_await(handle, {_id, reply_to, deadline} = route, judge) do
+    receive do
+      {^reply_to, answer} -> answer
+    after
+      min(@judge_after_ms, max(deadline - System.monotonic_time(:millisecond), 0)) ->
+        case judge.() do
+          nil -> await(handle, route)
+          %Error{} = error -> give_up(handle, route, {:error, error})
+        end
     end
   end
 
   # What the connection answers the route, or nothing by the deadline.
-  defp await(handle, id, reply_to, deadline) do
+  defp await(handle, {_id, reply_to, deadline} = route) do
     receive do
       {^reply_to, answer} -> answer
     after
       max(deadline - System.monotonic_time(:millisecond), 0) ->
         send(handle.pid, :unanswered)
-        give_up(handle, id, reply_to, did_not_answer(handle))
+        give_up(handle, route, {:error, Error.unavailable(did_not_answer(handle))})
     end
   end
 
-  # An answer (or a failure) sent before the alias went away still counts.
-  defp give_up(handle, id, reply_to, message) do
+  # An answer (or a failure) sent before the alias went away still counts; else `error`.
+  defp give_up(handle, {id, reply_to, _deadline}, error) do
     :erlang.unalias(reply_to)
     :ets.delete(handle.table, id)
 
     receive do
       {^reply_to, answer} -> answer
     after
-      0 -> {:error, Error.unavailable(message)}
+      0 -> error
     end
   end
 
@@ -562,7 +593,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     do: {:noreply, write_pending(%{state | retry_timer: nil})}
 
   def handle_info({:write_failed, stream, reason}, %{stream: stream} = state),
-    do: {:noreply, reconnect(broken(state, "cannot write: #{inspect(reason)}"))}
+    do: {:noreply, reconnect(broken(state, cannot_write(reason)))}
 
   # Answers and the end of the stream; anything else (exits of ports already replaced,
   # stale timers, messages of closed sockets) is dropped.
@@ -638,14 +669,23 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       # handing it over may have handed it over since this write looked for it.
       {:error, :writer_killed} ->
         case unsent_of_caller(state) do
-          %{unsent: nil} -> reconnect(broken(state, "cannot write: :writer_killed"))
+          %{unsent: nil} -> reconnect(broken(state, cannot_write(:writer_killed)))
           handed_over -> write_pending(handed_over)
         end
 
       {:error, reason} ->
-        reconnect(broken(state, "cannot write: #{inspect(reason)}"))
+        reconnect(broken(state, cannot_write(reason)))
     end
   end
+
+  # Why a write failed, in words, with the reason as the socket or port gave it.
+  defp cannot_write(reason) when reason in [:epipe, :closed, :econnreset, :enotconn],
+    do: "cannot write: the daemon closed the connection (#{inspect(reason)})"
+
+  defp cannot_write(:writer_killed),
+    do: "cannot write: a caller was killed while writing (:writer_killed)"
+
+  defp cannot_write(reason), do: "cannot write: #{inspect(reason)}"
 
   # A caller's frame the socket took in part goes first (a caller that dies once it handed
   # it over looks dead to `write_nowait/4`).

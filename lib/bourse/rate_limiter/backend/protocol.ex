@@ -18,9 +18,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   comes back as `{:error, %Bourse.Error{type: :invalid_parameters}}` with the same message
   and exchange. Booking owners are the calling pids (`{pid, n}` once a process forfeited its
   bookings), rendered as strings. A call the daemon
-  cannot answer (`:unavailable`) or take (a request larger than its frames) is judged by
-  the core in the caller, on a scratch NIF table: malformed input gets the NIF's
-  `:invalid_parameters` error whatever the state of the daemon. Well-formed checks that
+  cannot answer (`:unavailable`) or take (a request larger than its frames), or whose
+  answer has not come within 50 ms, is judged by the core in the caller, on a scratch NIF
+  table: malformed input gets the NIF's `:invalid_parameters` error whatever the state of
+  the daemon, without waiting for its timeout. Well-formed checks that
   need no bucket (every limit `nil`, or none) are answered `:ok` by the core in the caller,
   without the daemon.
 
@@ -284,11 +285,11 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   # back as it wrote them. `call` (`{callback, args}`, `nil` for a call without input) is
   # the same call for `NIF`, to judge its input when the daemon did not (`judged/2`).
   defp run(request, handle, shape, call \\ nil) do
-    request |> answer(handle, shape) |> judged(call)
+    request |> answer(handle, shape, call) |> judged(call)
   end
 
-  defp answer(request, handle, shape) do
-    case Connection.request(handle, request) do
+  defp answer(request, handle, shape, call) do
+    case Connection.request(handle, request, call && fn -> invalid(call) end) do
       %{"ok" => true} = answer ->
         case shape.(answer) do
           :error -> {:error, unexpected(answer)}
@@ -315,8 +316,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   # An error of a call the daemon did not judge (it is unavailable, or the request is too
   # large for its frames: Connection.request's plain-string error): the core's
-  # `:invalid_parameters` for the same call, judged by `NIF` on a scratch table thrown away
-  # after, or else `error` as it is. Run only on these failures.
+  # `:invalid_parameters` for the same call (`invalid/1`), or else `error` as it is. Run
+  # only on these failures, and on answers slow to come (Connection.request/3).
   defp judged({:error, %Error{type: :unavailable}} = error, {_callback, _args} = call),
     do: judge(error, call)
 
@@ -325,10 +326,19 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
   defp judged(answer, _call), do: answer
 
-  defp judge(error, {callback, args}) do
+  defp judge(error, call) do
+    case invalid(call) do
+      nil -> error
+      invalid -> {:error, invalid}
+    end
+  end
+
+  # The core's `:invalid_parameters` error for the call, judged by `NIF` on a scratch table
+  # thrown away after, or nil.
+  defp invalid({callback, args}) do
     case apply(NIF, callback, [Native.new_table(false, 0) | args]) do
-      {:error, %Error{type: :invalid_parameters}} = invalid -> invalid
-      _answer -> error
+      {:error, %Error{type: :invalid_parameters} = invalid} -> invalid
+      _answer -> nil
     end
   end
 

@@ -26,8 +26,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   reads it: `%70ass=` is `pass=`) reaches the daemon in its environment
   (`BOURSE_REDIS_PASSWORD`), never on its command line (a cluster has one password: the
   first seed's that holds one). A URL that could carry it there otherwise is refused with
-  `:invalid_parameters`, without showing it: a password elsewhere (`?password=` or
-  `?p%61ssword=`, any `unix://` userinfo), a user name without a password
+  `:invalid_parameters`, without showing it: a password elsewhere (`?password=`,
+  `?p%61ssword=`, a `pass` or `password` field in another letter case such as `?PASS=`,
+  any `unix://` userinfo), a user name without a password
   (`redis://NAME@host` or `redis://NAME:@host`, which authenticate nothing: most often a
   password missing its colon, or with the colon on the wrong side), spaces or control
   characters, a fragment, an `@` after the host (percent-encode `/`, `?` and `#` in a
@@ -218,9 +219,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   end
 
   # What is left of the URL goes on the daemon's command line: a password field its
-  # Redis client would not read (`password=`, or `pass=` in a redis:// URL; names
-  # form-decoded, as the daemon judges them) is refused here, before the command line is
-  # written.
+  # Redis client would not read (`password=`, `pass=` in a redis:// URL, either in any
+  # letter case; names form-decoded, as the daemon judges them) is refused here, before the
+  # command line is written.
   defp no_password_left(seeds) when is_list(seeds),
     do: seeds |> Enum.map(&no_password_left/1) |> Enum.find(:ok, &(&1 != :ok))
 
@@ -231,7 +232,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
         _ -> []
       end
 
-    if Enum.any?(fields, &(elem(&1, 0) in ["pass", "password"])),
+    if Enum.any?(fields, &(String.downcase(elem(&1, 0)) in ["pass", "password"])),
       do:
         {:error,
          "the Redis URL's query must not hold a password: give it as redis://:PASSWORD@host:port " <>

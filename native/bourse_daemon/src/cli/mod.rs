@@ -12,6 +12,7 @@ pub use secrets::{Environment, Process};
 pub use usage::USAGE;
 
 use crate::redis::{has_password, Servers};
+use bourse_core::rules::MIN_SECRET_BYTES;
 use flags::{Flags, Read};
 use secrets::read_secret;
 
@@ -86,8 +87,10 @@ fn transport(flags: &Flags, secret: Option<&[u8]>) -> Result<Transport, String> 
                                 --secret-file PATH or BOURSE_DAEMON_SECRET"
                         .into())
                 }
-                Some(secret) if secret.len() < 16 => {
-                    return Err("the shared secret must be at least 16 bytes".into())
+                Some(secret) if secret.len() < MIN_SECRET_BYTES => {
+                    return Err(format!(
+                        "the shared secret must be at least {MIN_SECRET_BYTES} bytes"
+                    ))
                 }
                 _ => {}
             }

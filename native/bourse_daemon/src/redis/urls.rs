@@ -35,7 +35,7 @@ fn as_parsed(url: &str) -> String {
 /// Where `url`'s passwords are, in order: the userinfo's after its first `:` (the
 /// authority follows the first `://` before any `?` or `#`), and the value of each query
 /// field (from the first `?`, fields end at `&` or `#`) whose name, form-decoded as the
-/// client decodes it (`%70ass` is `pass`), is `pass` or `password`.
+/// client decodes it (`%70ass` is `pass`), is `pass` or `password` in any letter case.
 fn passwords(url: &str) -> Vec<Range<usize>> {
     let head = url.split(['?', '#']).next().unwrap_or("");
     let userinfo = head.split_once("://").and_then(|(scheme, rest)| {
@@ -49,9 +49,12 @@ fn passwords(url: &str) -> Vec<Range<usize>> {
         let mut start = query + 1;
         for field in url[start..].split(['&', '#']) {
             let end = start + field.len();
-            let is_password = form_urlencoded::parse(field.as_bytes())
-                .next()
-                .is_some_and(|(name, _)| name == "pass" || name == "password");
+            let is_password =
+                form_urlencoded::parse(field.as_bytes())
+                    .next()
+                    .is_some_and(|(name, _)| {
+                        name.eq_ignore_ascii_case("pass") || name.eq_ignore_ascii_case("password")
+                    });
             if is_password {
                 passwords.push(field.find('=').map_or(end, |at| start + at + 1)..end);
             }
@@ -87,6 +90,10 @@ mod tests {
             (
                 "unix:///tmp/r.sock?pa\tss=hunter2\n",
                 "unix:///tmp/r.sock?pass=***",
+            ),
+            (
+                "unix:///tmp/r.sock?PASS=hunter2&Password=hunter2",
+                "unix:///tmp/r.sock?PASS=***&Password=***",
             ),
             // A `://` in the query starts no authority.
             ("unix:/r?x=a://:hunter2@h", "unix:/r?x=a://:hunter2@h"),

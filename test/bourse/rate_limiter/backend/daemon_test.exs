@@ -429,8 +429,21 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
              )
 
     assert message =~ "the daemon refused the proof of the shared secret"
+    assert message =~ "is it the same secret?"
     refute message =~ "not-the-daemons"
     refute message =~ DaemonServer.secret()
+
+    # One shorter than any daemon's is named as such.
+    File.write!(wrong, "short\n")
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(
+               name: :daemon_short_secret,
+               backend: {:daemon, daemon.tcp, secret_file: wrong}
+             )
+
+    assert message =~ "this one has 5 bytes, and a daemon's is at least 16"
+    refute message =~ "short"
   end
 
   # Without the secret, a peer hands client B, as its nonce, what the daemon would prove to

@@ -60,4 +60,25 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
     info = RateLimiter.inspect_key(key, name)
     assert info.tokens > 18.99, "a check told :unavailable paid: #{inspect(info)}"
   end
+
+  test "observe_response answers within one Redis timeout when Redis stops: its later round trips do not wait again" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    name = start_limiter({:redis, redis.url, redis_timeout_ms: 1_000})
+    header = [{"x-mbx-used-weight-1m", "10"}]
+    assert :ok = RateLimiter.observe_response("binance", "k", 200, header, name)
+
+    OsSignal.send(redis.os_pid, "STOP")
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{redis.os_pid}"], stderr_to_stdout: true) end)
+
+    # A used-weight sync, then a backoff reset (200) or a pause (429): two round trips.
+    for status <- [200, 429] do
+      {micros, answer} =
+        :timer.tc(fn -> RateLimiter.observe_response("binance", "k", status, header, name) end)
+
+      assert {:error, %Error{type: :unavailable}} = answer
+      # Two Redis timeouts before (2 s each, measured); one now.
+      assert micros < 1_700_000, "HTTP #{status}: answered after #{div(micros, 1000)} ms"
+    end
+  end
 end

@@ -117,6 +117,30 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
     assert_public_calls(name, nif)
   end
 
+  test "a stopped daemon or port: bad input is answered long before the call's timeout" do
+    {daemon, connected} = start_connected_daemon(timeout: 5_000)
+    OsSignal.send(daemon.os_pid, "STOP")
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
+    port = start_limiter(:port)
+    assert :ok = RateLimiter.check_rate(@key, @limit, 1, port)
+    stop_port(handle(port))
+    nif = start_limiter(:nif)
+
+    for name <- [connected, port] do
+      answers =
+        bad_calls()
+        |> Enum.map(fn call -> Task.async(fn -> :timer.tc(fn -> call.(name) end) end) end)
+        |> Task.await_many(30_000)
+
+      for {call, {micros, answer}} <- Enum.zip(bad_calls(), answers) do
+        assert {:error, %Error{type: :invalid_parameters}} = want = call.(nif)
+        assert answer == want
+        # Before, each waited the whole 5 s timeout.
+        assert micros < 2_500_000, "answered after #{div(micros, 1000)} ms"
+      end
+    end
+  end
+
   test "Redis down: bad input is :invalid_parameters, with the NIF's message" do
     name = start_limiter({:redis, "redis://127.0.0.1:1", redis_timeout_ms: 200})
     nif = start_limiter(:nif)
@@ -136,20 +160,27 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
     assert message =~ "cost"
   end
 
-  # Public calls on the limiter `name`, whose store does not answer, in parallel (each
-  # waits for its timeout): bad input gets what the NIF limiter `nif` answers, checks
-  # without a limit :ok (they need no bucket), other valid input :unavailable.
-  defp assert_public_calls(name, nif) do
+  # Public calls with malformed input, each for the limiter it is given.
+  defp bad_calls do
     other = %{capacity: 5, refill_per_sec: 1}
 
-    bad = [
+    [
       fn n -> RateLimiter.check_rate(:badkey, @limit, 1, n) end,
       fn n -> RateLimiter.check_rate(@key, @limit, -1, n) end,
+      fn n -> RateLimiter.check_rate(@key, @limit, :nan, n) end,
       fn n -> RateLimiter.check_rates([{@key, @limit, 1}, {@key, other, 1}], n) end,
       fn n -> RateLimiter.wait_for_capacity(@key, %{requests: 0}, 1, n) end,
       fn n -> RateLimiter.get_cost({"binance", 1}, 0, n) end,
       fn n -> RateLimiter.pause("binance", -1, n) end
     ]
+  end
+
+  # Public calls on the limiter `name`, whose store does not answer, in parallel (each
+  # waits for its timeout): bad input gets what the NIF limiter `nif` answers, checks
+  # without a limit :ok (they need no bucket), other valid input :unavailable.
+  defp assert_public_calls(name, nif) do
+    other = %{capacity: 5, refill_per_sec: 1}
+    bad = bad_calls()
 
     limitless = [
       fn n -> RateLimiter.check_rate(@key, nil, 1, n) end,
