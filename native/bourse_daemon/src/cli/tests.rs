@@ -129,21 +129,24 @@ fn redis_passwords_are_refused_however_the_url_spells_them() {
         let error = run(&["--stdio", "--redis", url]).unwrap_err();
         assert!(error.contains("must not hold a password"), "{url}: {error}");
     }
-    // Fields the client does not read (`password`, `pass` in a redis:// URL), and a URL it
-    // refuses (`db=x`, whose error would show the URL), are refused too.
+    // Fields the client does not read (`password`, `pass` in a redis:// URL, either in
+    // another letter case: `%50` is `P`), and a URL it refuses (`db=x`, whose error would
+    // show the URL), are refused too.
     for url in [
         "unix:///tmp/redis.sock?db=1&%70ass=pw&db=x",
         "unix:///tmp/redis.sock?%70assword=pw",
         "unix:///tmp/redis.sock?passw%6Frd=pw",
         "unix:///tmp/redis.sock?passw%6frd=pw",
         "redis://h:1/?p%61ss=pw",
+        "unix:///tmp/redis.sock?%50ass=pw",
+        "unix:///tmp/redis.sock?PASSWORD=pw",
+        "redis://h:1/?Pass=pw",
     ] {
         let error = run(&["--stdio", "--redis", url]).unwrap_err();
         assert!(error.contains("must not hold a password"), "{url}: {error}");
     }
-    // Names read as neither: `%50` is `P`, `+` a space, `%2570` is `%70`, `%3D` is `=`.
+    // Names read as neither: `+` a space, `%2570` is `%70`, `%3D` is `=`.
     for url in [
-        "unix:///tmp/redis.sock?%50ass=x",
         "unix:///tmp/redis.sock?pa+ss=x",
         "unix:///tmp/redis.sock?%2570ass=x",
         "unix:///tmp/redis.sock?pass%3D=x",

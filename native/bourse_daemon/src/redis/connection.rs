@@ -23,8 +23,10 @@ use ::redis::{
 
 use super::urls::without_password;
 
-/// The longest pause between two tries of a cluster request (milliseconds): a slot that
-/// moved or a master that took over is found again within this.
+/// The pause between two tries of a cluster request (milliseconds), drawn from this range
+/// at every try: a slot that moved or a master that took over is found again within its
+/// end. (The client's default, a pause growing with each try, overflows past 60 tries,
+/// which a timeout of a second or more asks for.)
 const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 50);
 /// Tries of one cluster request at least: the timeout ends them (`cluster_retries`).
 const CLUSTER_RETRIES: u32 = 25;
@@ -132,7 +134,8 @@ impl Connection {
                     .overall_response_timeout(Some(timeout))
                     .retries(cluster_retries(timeout))
                     .min_retry_wait(min_wait)
-                    .max_retry_wait(max_wait);
+                    .max_retry_wait(max_wait)
+                    .retry_wait_formula(max_wait, 1);
                 if let Some(password) = password {
                     builder = builder.password(password);
                 }
