@@ -403,7 +403,7 @@ defmodule Bourse.ContractCase do
       {"observe_response: status 200.0", fn -> observe.(200.0, [], name, []) end},
       {"observe_response: deep map status", fn -> observe.(deep_map, [], name, []) end},
       {"observe_response: deep map headers",
-       fn -> observe.(200, %{"a" => deep_map}, name, []) end},
+       fn -> observe.(200, %{"retry-after" => deep_map}, name, []) end},
       {"observe_response: bignum capacity in limits:",
        fn ->
          observe.(200, used, name, limits: %{"ip" => %{capacity: 10 ** 400, refill_per_sec: 1}})

@@ -25,9 +25,11 @@ defmodule Bourse.RateLimiter.Feedback do
        `X-Bapi-Limit-Reset-Timestamp` with `retCode` 10006, Kraken's
        `EService:Throttled: <unix time>`, Binance's `IP banned until <ms>`), with the same
        floor and cap;
-    3. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
+    3. for a ban (below) that names none, 2 minutes, the shortest IP ban Binance documents
+       (requests sent into a ban lengthen it);
+    4. an exponential backoff of 1 s, 2 s, 4 s, ..., at most 300 s (never a stop), per
        consecutive limited reply without a usable wait on that credential, or on the
-       exchange for replies that limit the whole exchange (a 418, Binance's -1003),
+       exchange for replies that limit the whole exchange (Binance's -1003),
        whichever credential they came to: every key of the exchange shares that count
        (one per exchange, whatever IP a key sends from). With `ip:`, a 429 that names
        no limit is counted for the IP's buckets, shared by the keys that pass that
@@ -187,6 +189,8 @@ defmodule Bourse.RateLimiter.Feedback do
   alias Bourse.RateLimiter.Router
 
   @cap_ms 300_000
+  # The shortest IP ban Binance documents ("from 2 minutes to 3 days").
+  @unnamed_ban_ms 120_000
   @max_ban_ms 3 * 86_400_000
   @max_window_ms 86_400_000
 
@@ -492,7 +496,7 @@ defmodule Bourse.RateLimiter.Feedback do
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    asked = asked(found["retry-after"], named_ms)
+    asked = found["retry-after"] |> asked(named_ms) |> at_least_a_ban(stop)
 
     case hold(asked, {exchange_id, credential}, scope, name) do
       {:ok, wait, why} ->
@@ -537,6 +541,11 @@ defmodule Bourse.RateLimiter.Feedback do
       {:error, named_ms} -> named(RetryAfter.parse(named_ms / 1000, cap_ms: @cap_ms))
     end
   end
+
+  # A ban that names no usable wait holds for the shortest ban, not a backoff from 1 s:
+  # requests sent into a ban lengthen it.
+  defp at_least_a_ban(:backoff, true), do: {:ok, @unnamed_ban_ms, :unnamed_ban}
+  defp at_least_a_ban(asked, _stop), do: asked
 
   defp named({:ok, ms}), do: {:ok, ms, :named}
   defp named({:stop, ms}), do: {:ok, ms, :ban}
@@ -603,6 +612,9 @@ defmodule Bourse.RateLimiter.Feedback do
   defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"
   defp describe(:backoff, ms), do: "no usable Retry-After: backing off #{ms} ms"
   defp describe(:named, ms), do: "the reply asks to wait #{ms} ms"
+
+  defp describe(:unnamed_ban, ms),
+    do: "a ban that names no usable wait: pausing #{ms} ms, the shortest IP ban Binance documents"
 
   ## Header sync
 
@@ -773,15 +785,17 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp pairs([], _wanted, found), do: {:ok, found}
 
+  # A header that is not read is not judged: an odd one (an integer value, say) must not
+  # keep the reply's status from being acted on.
   defp pairs([{name, value} = header | rest], wanted, found) do
     with {:ok, name} <- text(name),
+         name = String.downcase(name),
+         {:wanted, true} <- {:wanted, MapSet.member?(wanted, name)},
          {:ok, value} <- value(value) do
-      name = String.downcase(name)
-
-      if value && MapSet.member?(wanted, name),
-        do: pairs(rest, wanted, Map.put_new(found, name, value)),
-        else: pairs(rest, wanted, found)
+      found = if value, do: Map.put_new(found, name, value), else: found
+      pairs(rest, wanted, found)
     else
+      {:wanted, false} -> pairs(rest, wanted, found)
       :error -> bad_header(header)
     end
   end

@@ -539,6 +539,19 @@ defmodule Bourse.RateLimiter.FeedbackTest do
     end
   end
 
+  test "a header it does not read is not judged: the 429 is acted on", %{name: name} do
+    for {headers, credential} <- [
+          {[{"retry-after", "30"}, {"content-length", 123}], "k1"},
+          {%{"Retry-After" => "30", "x-trace" => nil, "x-list" => [1, 2]}, "k2"}
+        ] do
+      assert {:error, %Error{type: :rate_limit_exceeded, retry_after: 30_000}} =
+               observe(429, headers, name, credential)
+
+      assert {:delay, ms} = RateLimiter.check_rate({"binance", credential}, @slow, 1, name)
+      assert ms > 25_000
+    end
+  end
+
   test "bad arguments are invalid_parameters, and touch nothing", %{name: name} do
     ok_headers = [{"retry-after", "5"}]
 

@@ -44,25 +44,52 @@ defmodule Bourse.ContractTests.Backoff do
           assert {:error, %{retry_after: 1000}} = limited_reply("k2", 429, name)
         end
 
-        test "a 418 without Retry-After backs off the whole exchange, counted for the exchange",
+        test "replies limiting the IP without a usable wait back off the whole exchange, counted for it",
              %{name: name} do
-          assert {:error, %{retry_after: 1000, stop: true}} = limited_reply("k", 418, name)
-          assert_delay(check_rate({"ex", "other", "ip"}, @still, 1, name), 1..1_000)
+          # Binance's -1003: the IP's request weight, whichever key the reply came to.
+          ip_limited = fn credential ->
+            Bourse.RateLimiter.observe_response("binance", credential, 429, [], name,
+              body: %{"code" => -1003}
+            )
+          end
+
+          assert {:error, %{retry_after: 1000, stop: false}} = ip_limited.("k")
+          assert_delay(check_rate({"binance", "other", "ip"}, @still, 1, name), 1..1_000)
           assert :ok = check_rate({"ex2", "k", "ip"}, @still, 1, name)
           Process.sleep(1_000)
           # Keys sharing the IP share its count, whichever key the reply came to.
-          assert {:error, %{retry_after: 2000}} = limited_reply("other", 418, name)
+          assert {:error, %{retry_after: 2000}} = ip_limited.("other")
           # Sent before that pause: held as long again, not counted.
-          assert {:error, %{retry_after: 2000}} = limited_reply("k", 418, name)
+          assert {:error, %{retry_after: 2000}} = ip_limited.("k")
           # A credential's own 429s count apart.
-          assert {:error, %{retry_after: 1000}} = limited_reply("k", 429, name)
+          assert {:error, %{retry_after: 1000}} = observe_response("binance", "k", 429, [], name)
           # A 2xx back while the exchange's backoff holds was sent before it: the count stays.
-          assert :ok = observe_response("ex", "k2", 200, [], name)
-          assert {:error, %{retry_after: 2000}} = limited_reply("other", 418, name)
+          assert :ok = observe_response("binance", "k2", 200, [], name)
+          assert {:error, %{retry_after: 2000}} = ip_limited.("other")
           # Once it ended, a 2xx to any key starts the exchange's count again.
           Process.sleep(2_000)
-          assert :ok = observe_response("ex", "k2", 200, [], name)
-          assert {:error, %{retry_after: 1000}} = limited_reply("other", 418, name)
+          assert :ok = observe_response("binance", "k2", 200, [], name)
+          assert {:error, %{retry_after: 1000}} = ip_limited.("other")
+        end
+
+        test "a ban that names no wait (a 418 without Retry-After) pauses the exchange 2 minutes, not a backoff",
+             %{name: name} do
+          for _ <- 1..2 do
+            assert {:error, %{retry_after: 120_000, stop: true, message: message}} =
+                     observe_response("binance", "k", 418, [], name)
+
+            assert message =~ "names no usable wait"
+          end
+
+          assert_delay(check_rate({"binance", "other", "ip"}, @still, 1, name), 119_000..120_000)
+          assert :ok = check_rate({"ex2", "k", "ip"}, @still, 1, name)
+          # No backoff counted: the exchange's first backoff is still 1 s.
+          assert :ok = reset_exchange("binance", name)
+
+          assert {:error, %{retry_after: 1000}} =
+                   Bourse.RateLimiter.observe_response("binance", "k", 429, [], name,
+                     body: %{"code" => -1003}
+                   )
         end
 
         test "the count is no bucket, and resets forget it with the pauses", %{name: name} do
