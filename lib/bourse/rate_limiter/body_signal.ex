@@ -17,7 +17,7 @@ defmodule Bourse.RateLimiter.BodySignal do
   | exchange | signal | scope | reaction |
   | --- | --- | --- | --- |
   | Binance | `"code"` -1003 `TOO_MANY_REQUESTS` (request weight, counted per IP) | exchange (the IP) | as a 429, for every credential; with `IP banned until <ms>` in `"msg"`: a ban until then, stop |
-  | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429 |
+  | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429; the wait is the rest of the order window its `"msg"` names (`per 10 SECOND`, `per MINUTE`; not a day's) |
   | Binance | HTTP 403: the WAF limit was violated | exchange (the IP) | as a 418: stop |
   | Bybit | `"retCode"` 10006: too many visits, the per-UID API limit | credential | as a 429; the wait is `X-Bapi-Limit-Reset-Timestamp` when no `Retry-After` |
   | Bybit | `"retCode"` 10018: the IP rate limit | exchange (the IP) | as a 429, for every credential |
@@ -161,7 +161,8 @@ defmodule Bourse.RateLimiter.BodySignal do
         end
 
       -1015 ->
-        signal(:credential, false, nil, "Binance code -1015 (too many new orders)")
+        wait = order_window_left(get(body, "msg"), now_ms)
+        signal(:credential, false, wait, "Binance code -1015 (too many new orders)")
 
       _ ->
         nil
@@ -269,6 +270,24 @@ defmodule Bourse.RateLimiter.BodySignal do
   end
 
   defp banned_until(_msg), do: nil
+
+  # What is left of the order window a -1015 names ("current limit is 50 orders per 10
+  # SECOND"), on the local clock: Binance's order windows start at whole intervals. A day's
+  # is left to the backoff: a pause to midnight would hold every request of the credential.
+  defp order_window_left(msg, now_ms) when is_binary(msg) and byte_size(msg) <= 512 do
+    with [_, count, unit] <- Regex.run(~r/per (\d{0,3}) ?(SECOND|MINUTE)\b/i, msg),
+         interval when interval in 1..300_000 <- window_ms(count, String.upcase(unit)) do
+      interval - rem(now_ms, interval)
+    else
+      _ -> nil
+    end
+  end
+
+  defp order_window_left(_msg, _now_ms), do: nil
+
+  defp window_ms("", unit), do: window_ms("1", unit)
+  defp window_ms(count, "SECOND"), do: String.to_integer(count) * 1_000
+  defp window_ms(count, "MINUTE"), do: String.to_integer(count) * 60_000
 
   # Bybit's reset time, while limited; the current time otherwise (then nothing to wait).
   defp bybit_reset(%{"x-bapi-limit-reset-timestamp" => text}, now_ms)

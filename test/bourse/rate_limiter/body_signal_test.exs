@@ -75,6 +75,21 @@ defmodule Bourse.RateLimiter.BodySignalTest do
 
       assert ms in 1..3000
 
+      # Binance's -1015: the rest of the order window its message names, a day's excepted.
+      for {window, interval} <- [{"10 SECOND", 10_000}, {"SECOND", 1_000}, {"2 MINUTE", 120_000}] do
+        msg = "Too many new orders; current limit is 50 orders per #{window}."
+        assert %{wait_ms: ms} = find("binance", 429, %{"code" => -1015, "msg" => msg})
+        left = interval - rem(System.os_time(:millisecond), interval)
+        assert abs(ms - left) < 100 or abs(ms - left) > interval - 100, "#{window}: #{ms}"
+      end
+
+      for msg <- [
+            "Too many new orders; current limit is 160000 orders per DAY.",
+            "Too many new orders"
+          ] do
+        assert %{wait_ms: nil} = find("binance", 429, %{"code" => -1015, "msg" => msg})
+      end
+
       msg = "Way too much request weight used; IP banned until #{now + 60_000}."
       assert %{wait_ms: ms, stop: true} = find("binance", 418, %{"code" => -1003, "msg" => msg})
       assert ms in 50_000..60_000
