@@ -153,7 +153,10 @@ defmodule Bourse.RateLimiter.Limits do
   names them `X-MBX-USED-WEIGHT-(intervalNum)(intervalLetter)` and
   `X-MBX-ORDER-COUNT-(intervalNum)(intervalLetter)`), so that header sync
   (`Bourse.RateLimiter.Feedback`) holds every bucket of that exchange to what the
-  exchange admits: `Bourse.RateLimiter.Feedback.put_header_limits/2`.
+  exchange admits: `Bourse.RateLimiter.Feedback.put_header_limits/2`. Header sync reads
+  the headers of its table (the README's "Used-weight headers"); an entry of another
+  interval (`REQUEST_WEIGHT` 1 `SECOND`, say) takes effect once its header is given an
+  axis and window in `config :bourse, :header_axes`.
 
       {:ok, buckets} = Limits.from_binance_exchange_info(info, exchange: "binance")
 
