@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use common::load::{self, assert_conforms};
-use common::proxy::SwallowingProxy;
+use common::proxy::{CuttingProxy, SwallowingProxy};
 use common::{
     borrowed, check, check_frame, eventually, key, LineClient, Server, StdioDaemon, Transport,
 };
@@ -1389,6 +1389,34 @@ fn a_silent_connection_to_a_healthy_redis_is_opened_again() {
         t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted"
     });
     eprintln!("answered again after {:?}", started.elapsed());
+}
+
+/// A reply cut in the middle of its frame (the connection closed there) reads as a parse
+/// error: the call is sent again on a new connection, which finds the answers of its run,
+/// so a check paid is answered, never told `unavailable`; so is a `record`.
+#[test]
+fn a_reply_cut_mid_frame_is_read_again_never_paid_unanswered() {
+    let Some(redis) = Redis::start() else { return };
+    let proxy = CuttingProxy::to(redis.port);
+    let url = format!("redis://{}", proxy.address);
+    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "1000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 100, "refill_per_sec": 0.001});
+    let k = key("cut", None);
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    for (round, request) in [
+        check(&k, limit.clone(), 1.0),
+        json!({"op": "record", "key": k, "cost": 1}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        proxy.arm();
+        let answer = t.call(request);
+        assert_eq!(proxy.cuts(), round as u64 + 1, "no reply was cut");
+        assert_eq!(answer["ok"], true, "{answer}");
+        assert!((borrowed(&mut t, &k) - (round as f64 + 2.0)).abs() < 0.01);
+    }
 }
 
 /// A Redis that starts asking for a password: the error says so, not only what Redis

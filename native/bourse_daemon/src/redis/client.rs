@@ -572,7 +572,12 @@ fn no_script(error: &RedisError) -> bool {
     error.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
 }
 
-/// Errors after which the connection manager reconnects.
+/// Errors after which the connection manager reconnects: the call may have run, and is sent
+/// once more. A reply cut in the middle of its frame (the connection closed there) reads as
+/// a parse error.
 fn lost_connection(error: &RedisError) -> bool {
-    error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+    error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || error.kind() == ErrorKind::Parse
 }
