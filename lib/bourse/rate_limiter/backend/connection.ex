@@ -189,7 +189,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           size ->
             frame = PortStream.frame(payload, size)
             answer = handle |> call(call, {stream, transport, frame}) |> answer(id)
-            CallDeadline.answered(handle.table, answer)
+            waited = System.monotonic_time(:millisecond) - now_ms
+            CallDeadline.answered(handle.table, answer, waited)
         end
     end
   rescue

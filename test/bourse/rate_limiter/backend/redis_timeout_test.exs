@@ -81,4 +81,29 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
       assert micros < 1_700_000, "HTTP #{status}: answered after #{div(micros, 1000)} ms"
     end
   end
+
+  test "a request of observe_response refused at once does not keep its limited reply's pause from being recorded" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    name = start_limiter({:redis, redis.url, redis_timeout_ms: 1_000})
+    ip = %{capacity: 480, refill_per_sec: 72}
+    assert :ok = RateLimiter.check_rate({"binance", "k", "ip"}, ip, 1, name)
+
+    # The bucket's key made a string: its sync is refused at once (WRONGTYPE).
+    {keys, 0} = System.cmd("redis-cli", ["-p", "#{redis.port}", "--scan", "--pattern", "*:b:*"])
+
+    for key <- String.split(keys, "\n", trim: true),
+        do: {_, 0} = System.cmd("redis-cli", ["-p", "#{redis.port}", "SET", key, "x"])
+
+    headers = [{"retry-after", "30"}, {"x-mbx-used-weight-1m", "10"}]
+
+    assert {:error, %Error{type: :rate_limit_exceeded, retry_after: 30_000}} =
+             RateLimiter.observe_response("binance", "k", 429, headers, name,
+               limits: %{"ip" => ip}
+             )
+
+    # The pause was recorded all the same: every caller of the credential holds.
+    assert {:delay, ms} = RateLimiter.check_rate({"binance", "k", "orders"}, ip, 1, name)
+    assert ms > 25_000
+  end
 end
