@@ -1,7 +1,7 @@
-//! A TCP proxy that can turn silent, as a middlebox that lost a flow does.
+//! TCP proxies that fail as middleboxes do: one that turns silent, one that cuts a reply.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -10,42 +10,22 @@ use std::thread;
 /// (read and dropped, never closed), as a middlebox that lost a flow does; connections
 /// made after that are relayed.
 pub struct SwallowingProxy {
-    pub address: std::net::SocketAddr,
+    pub address: SocketAddr,
     /// Bumped to make every connection open now swallow.
     era: Arc<AtomicU64>,
 }
 
 impl SwallowingProxy {
     pub fn to(port: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap();
         let era = Arc::new(AtomicU64::new(0));
         let eras = Arc::clone(&era);
-        thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                let born = eras.load(Ordering::SeqCst);
-                for (mut from, mut to) in [
-                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
-                    (server, client),
-                ] {
-                    let eras = Arc::clone(&eras);
-                    thread::spawn(move || {
-                        let mut buffer = [0u8; 16 * 1024];
-                        while let Ok(read) = from.read(&mut buffer) {
-                            if read == 0 {
-                                break;
-                            }
-                            if eras.load(Ordering::SeqCst) == born
-                                && to.write_all(&buffer[..read]).is_err()
-                            {
-                                break;
-                            }
-                        }
-                    });
-                }
+        let address = listen(port, move |client, server| {
+            let born = eras.load(Ordering::SeqCst);
+            for (from, to) in [(clone(&client), clone(&server)), (server, client)] {
+                let eras = Arc::clone(&eras);
+                pump(from, to, move |bytes, to| {
+                    eras.load(Ordering::SeqCst) != born || to.write_all(bytes).is_ok()
+                });
             }
         });
         Self { address, era }
@@ -60,49 +40,31 @@ impl SwallowingProxy {
 /// the middle: it relays the first half of the bytes it reads, then closes both sides, as
 /// a middlebox or a network fault may.
 pub struct CuttingProxy {
-    pub address: std::net::SocketAddr,
+    pub address: SocketAddr,
     armed: Arc<AtomicU64>,
     cuts: Arc<AtomicU64>,
 }
 
 impl CuttingProxy {
     pub fn to(port: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap();
         let (armed, cuts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let (arm, cut) = (Arc::clone(&armed), Arc::clone(&cuts));
-        thread::spawn(move || {
-            for mut client in listener.incoming().flatten() {
-                let Ok(mut server) = TcpStream::connect(("127.0.0.1", port)) else {
-                    continue;
-                };
-                let (mut requests, mut to_server) =
-                    (client.try_clone().unwrap(), server.try_clone().unwrap());
-                thread::spawn(move || {
-                    let mut buffer = [0u8; 16 * 1024];
-                    while let Ok(read @ 1..) = requests.read(&mut buffer) {
-                        if to_server.write_all(&buffer[..read]).is_err() {
-                            break;
-                        }
-                    }
-                });
-                let (arm, cut) = (Arc::clone(&arm), Arc::clone(&cut));
-                thread::spawn(move || {
-                    let mut buffer = [0u8; 16 * 1024];
-                    while let Ok(read @ 1..) = server.read(&mut buffer) {
-                        if read >= 2 && arm.swap(0, Ordering::SeqCst) == 1 {
-                            let _ = client.write_all(&buffer[..read / 2]);
-                            let _ = client.shutdown(std::net::Shutdown::Both);
-                            let _ = server.shutdown(std::net::Shutdown::Both);
-                            cut.fetch_add(1, Ordering::SeqCst);
-                            break;
-                        }
-                        if client.write_all(&buffer[..read]).is_err() {
-                            break;
-                        }
-                    }
-                });
-            }
+        let address = listen(port, move |client, server| {
+            pump(clone(&client), clone(&server), |bytes, to| {
+                to.write_all(bytes).is_ok()
+            });
+            let (arm, cut) = (Arc::clone(&arm), Arc::clone(&cut));
+            let server_side = clone(&server);
+            pump(server, client, move |bytes, to| {
+                if bytes.len() < 2 || arm.swap(0, Ordering::SeqCst) == 0 {
+                    return to.write_all(bytes).is_ok();
+                }
+                let _ = to.write_all(&bytes[..bytes.len() / 2]);
+                let _ = to.shutdown(Shutdown::Both);
+                let _ = server_side.shutdown(Shutdown::Both);
+                cut.fetch_add(1, Ordering::SeqCst);
+                false
+            });
         });
         Self {
             address,
@@ -120,4 +82,40 @@ impl CuttingProxy {
     pub fn cuts(&self) -> u64 {
         self.cuts.load(Ordering::SeqCst)
     }
+}
+
+/// Listens on loopback and hands each connection, with one of its own to the server at
+/// `port`, to `relay`.
+fn listen(port: u16, relay: impl Fn(TcpStream, TcpStream) + Send + 'static) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            if let Ok(server) = TcpStream::connect(("127.0.0.1", port)) {
+                relay(client, server);
+            }
+        }
+    });
+    address
+}
+
+/// Reads `from` until it closes, in a thread of its own, giving what it reads to `forward`
+/// with `to`, until `forward` says to stop.
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    mut forward: impl FnMut(&[u8], &mut TcpStream) -> bool + Send + 'static,
+) {
+    thread::spawn(move || {
+        let mut buffer = [0u8; 16 * 1024];
+        while let Ok(read @ 1..) = from.read(&mut buffer) {
+            if !forward(&buffer[..read], &mut to) {
+                break;
+            }
+        }
+    });
+}
+
+fn clone(stream: &TcpStream) -> TcpStream {
+    stream.try_clone().unwrap()
 }
