@@ -751,8 +751,9 @@ defmodule Bourse.RateLimiter do
   The one call an adapter makes after every response from `exchange_id` made with
   `credential_key`. `headers` are `{name, value}` pairs or a map of name to value or list
   of values; names are case-insensitive; names and values may be binaries or charlists
-  (as `:httpc` returns them); the values of headers it does not read are not judged. Options: `body:` the reply's body, a binary or the decoded
-  JSON (map or list), for the rate-limit signals exchanges put there
+  (as `:httpc` returns them); the values of headers it does not read are not judged.
+  Options: `body:` the reply's body, a binary or the decoded JSON (map or list), for the
+  rate-limit signals exchanges put there
   (`Bourse.RateLimiter.BodySignal`); `limits:` the credential's bucket definitions by
   axis (`%{"ip" => %{capacity: 480, refill_per_sec: 72}}`), which spares header sync a
   read of each definition from the table; `axis:` the axis of the reply's endpoint, which

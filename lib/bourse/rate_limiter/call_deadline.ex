@@ -6,13 +6,12 @@ defmodule Bourse.RateLimiter.CallDeadline do
   # ones (`Bourse.RateLimiter.Backend.Connection` asks `deadline/2`), so the call answers
   # within one timeout however slow the store is; a request answered `:unavailable` after
   # waiting for it (the daemon's store did not answer within its own timeout) gives that
-  # answer to the later ones at once (`answered/3`), as their store could not answer them
-  # in time either. User code run meanwhile (event callbacks,
+  # answer to the later ones at once (`slow/2`), as their store could not answer them in
+  # time either. User code run meanwhile (event callbacks,
   # telemetry handlers: `outside/1`) keeps its own calls' timeouts. Kept in the calling
   # process's dictionary, for that process alone.
 
   @key {__MODULE__, :deadlines}
-  @slow_ms 50
 
   @doc false
   # Runs `fun` with one deadline per limiter for its requests; within another such call,
@@ -75,15 +74,14 @@ defmodule Bourse.RateLimiter.CallDeadline do
   end
 
   @doc false
-  # Notes the answer of a request to `limiter`, which waited `waited_ms` for it, and
-  # returns it: within a shared call, an `:unavailable` one that came after
-  # 50 ms or more (`@slow_ms`) answers the call's later requests to `limiter`. One that
-  # came at once (a key of another type in Redis, say) leaves them to be sent: they cost
-  # little, and a limited reply's pause must not be lost to it.
-  @spec answered(term(), answer, non_neg_integer()) :: answer when answer: term()
-  def answered(limiter, answer, waited_ms) do
-    with true <- waited_ms >= @slow_ms,
-         deadlines when is_map(deadlines) <- Process.get(@key),
+  # Notes the answer of a request to `limiter` that was slow to come (the connection
+  # judges), and returns it: within a shared call, an `:unavailable` one answers the call's
+  # later requests to `limiter`. One that came at once (a key of another type in Redis,
+  # say) is not noted: the later requests cost little, and a limited reply's pause must
+  # not be lost to it.
+  @spec slow(term(), answer) :: answer when answer: term()
+  def slow(limiter, answer) do
+    with deadlines when is_map(deadlines) <- Process.get(@key),
          true <- unavailable?(answer) do
       Process.put(@key, Map.put(deadlines, limiter, {:answered, answer}))
     end

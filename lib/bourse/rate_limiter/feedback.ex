@@ -790,12 +790,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp pairs([{name, value} = header | rest], wanted, found) do
     with {:ok, name} <- text(name),
          name = String.downcase(name),
-         {:wanted, true} <- {:wanted, MapSet.member?(wanted, name)},
-         {:ok, value} <- value(value) do
+         {:ok, value} <- if(MapSet.member?(wanted, name), do: value(value), else: {:ok, nil}) do
       found = if value, do: Map.put_new(found, name, value), else: found
       pairs(rest, wanted, found)
     else
-      {:wanted, false} -> pairs(rest, wanted, found)
       :error -> bad_header(header)
     end
   end

@@ -89,8 +89,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
   @min_route_sweep_ms 100
-  # A caller waiting this long for its answer has its input judged (`request/3`).
-  @judge_after_ms 50
+  # An answer this late is slow: meanwhile the caller judges its input (`request/3`), and
+  # an `:unavailable` one answers the later requests of its call (`CallDeadline`).
+  @slow_ms 50
   @owner_key {__MODULE__, :owner}
 
   # `%{"id" => id, "ok" => true, "result" => "admitted"}` as the daemon writes it: a map of
@@ -152,7 +153,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `{:error, message}` for a request too large for the daemon, or
   `{:error, %Bourse.Error{type: :unavailable}}`.
 
-  `judge`, if given, is run once when no answer came within #{@judge_after_ms} ms: an error it
+  `judge`, if given, is run once when no answer came within #{@slow_ms} ms: an error it
   returns (the request's input, judged in the caller, is malformed) answers at once, so
   that a daemon stopped or slow does not keep a malformed call waiting for its timeout.
   """
@@ -189,8 +190,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           size ->
             frame = PortStream.frame(payload, size)
             answer = handle |> call(call, {stream, transport, frame}) |> answer(id)
-            waited = System.monotonic_time(:millisecond) - now_ms
-            CallDeadline.answered(handle.table, answer, waited)
+
+            if System.monotonic_time(:millisecond) - now_ms >= @slow_ms,
+              do: CallDeadline.slow(handle.table, answer),
+              else: answer
         end
     end
   rescue
@@ -223,11 +226,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         answer
 
       :written ->
-        judged_await(handle, route, judge)
+        await(handle, route, judge)
 
       :shared ->
         send(handle.pid, {:write, stream, id, frame})
-        judged_await(handle, route, judge)
+        await(handle, route, judge)
 
       {:error, reason} ->
         write_failed(handle, route, stream, reason, judge)
@@ -243,37 +246,35 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     case :ets.lookup(handle.table, :stream) do
       [{:stream, ^stream, _transport, _max, _down, _offset}] ->
-        judged_await(handle, route, judge)
+        await(handle, route, judge)
 
       [{:stream, _other, _transport, _max, down, _offset}] ->
         give_up(handle, route, {:error, Error.unavailable(down)})
     end
   end
 
-  # `await/2`, the input judged (`request/3`) if the answer is slow to come: a malformed
-  # one answers at once.
-  defp judged_await(handle, route, nil), do: await(handle, route)
+  # What the connection answers the route, or nothing by the deadline. With a `judge`
+  # (`request/3`), an answer slow to come has the input judged meanwhile: a malformed one
+  # answers at once.
+  defp await(handle, {_id, reply_to, deadline} = route, judge) do
+    left = max(deadline - System.monotonic_time(:millisecond), 0)
 
-  defp judged_await(handle, {_id, reply_to, deadline} = route, judge) do
     receive do
       {^reply_to, answer} -> answer
     after
-      min(@judge_after_ms, max(deadline - System.monotonic_time(:millisecond), 0)) ->
-        case judge.() do
-          nil -> await(handle, route)
-          %Error{} = error -> give_up(handle, route, {:error, error})
-        end
+      if(judge, do: min(@slow_ms, left), else: left) -> waited(handle, route, judge)
     end
   end
 
-  # What the connection answers the route, or nothing by the deadline.
-  defp await(handle, {_id, reply_to, deadline} = route) do
-    receive do
-      {^reply_to, answer} -> answer
-    after
-      max(deadline - System.monotonic_time(:millisecond), 0) ->
-        send(handle.pid, :unanswered)
-        give_up(handle, route, {:error, Error.unavailable(did_not_answer(handle))})
+  defp waited(handle, route, nil) do
+    send(handle.pid, :unanswered)
+    give_up(handle, route, {:error, Error.unavailable(did_not_answer(handle))})
+  end
+
+  defp waited(handle, route, judge) do
+    case judge.() do
+      nil -> await(handle, route, nil)
+      %Error{} = error -> give_up(handle, route, {:error, error})
     end
   end
 
