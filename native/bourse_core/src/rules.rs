@@ -417,11 +417,56 @@ pub fn limit_per_period(requests: Shape, period_ms: Option<Shape>) -> Result<Lim
     Ok(Limit::checked(requests, refill_per_sec))
 }
 
+/// What a limit may be.
+const NOT_A_LIMIT: &str = "limit must be %{capacity: c, refill_per_sec: r}, \
+    %{requests: n, period: ms}, %{requests: n} or nil, got ";
+
 /// A limit is one of three maps, or `nil`.
 pub fn not_a_limit(given: Shape) -> InvalidInput {
-    InvalidInput::new(format!(
-        "limit must be %{{capacity: c, refill_per_sec: r}}, %{{requests: n, period: ms}}, %{{requests: n}} or nil, got {given}"
-    ))
+    InvalidInput::new(format!("{}{given}", NOT_A_LIMIT))
+}
+
+/// Which of a limit's keys a map offered as a limit holds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LimitKeys {
+    /// `:capacity`
+    pub capacity: bool,
+    /// `:refill_per_sec`
+    pub refill_per_sec: bool,
+    /// `:requests`
+    pub requests: bool,
+    /// `:period`
+    pub period: bool,
+}
+
+/// A map of `size` keys that is no limit. One of at most 2 keys is described by the limit
+/// keys it holds and how many others (a misspelt key shows); a larger one, which no limit
+/// is, by its size alone. Other keys are counted, never shown: any term may be one.
+pub fn not_a_limit_map(size: usize, keys: LimitKeys) -> InvalidInput {
+    let held: Vec<&str> = [
+        (keys.capacity, ":capacity"),
+        (keys.refill_per_sec, ":refill_per_sec"),
+        (keys.requests, ":requests"),
+        (keys.period, ":period"),
+    ]
+    .into_iter()
+    .filter_map(|(held, name)| held.then_some(name))
+    .collect();
+    if size == 0 || size > 2 {
+        return not_a_limit(Shape::Map { size });
+    }
+    let others = size.saturating_sub(held.len());
+    let others_text = format!(
+        "{} other than :capacity, :refill_per_sec, :requests and :period",
+        plural(others, "key", "keys")
+    );
+    let given = match (held.as_slice(), others) {
+        ([], _) => format!("a map of {others_text}"),
+        ([only], 0) => format!("a map of {only} alone"),
+        ([one], _) => format!("a map of {one} and {others_text}"),
+        (held, _) => format!("a map of {}", held.join(" and ")),
+    };
+    InvalidInput::new(format!("{}{given}", NOT_A_LIMIT))
 }
 
 /// Two checks of one key in a single call must share one definition.
@@ -666,6 +711,49 @@ mod tests {
             err.for_exchange(b"okx").for_exchange(b"other").exchange(),
             Some(&b"okx"[..])
         );
+    }
+
+    #[test]
+    fn a_map_of_at_most_two_keys_that_is_no_limit_names_its_limit_keys() {
+        let keys = |capacity, refill_per_sec, requests, period| LimitKeys {
+            capacity,
+            refill_per_sec,
+            requests,
+            period,
+        };
+        let others = "other than :capacity, :refill_per_sec, :requests and :period";
+        for (size, held, got) in [
+            (
+                2,
+                keys(true, false, false, false),
+                format!("a map of :capacity and 1 key {others}"),
+            ),
+            (
+                1,
+                keys(true, false, false, false),
+                "a map of :capacity alone".into(),
+            ),
+            (
+                2,
+                keys(false, false, false, false),
+                format!("a map of 2 keys {others}"),
+            ),
+            (
+                1,
+                keys(false, false, false, false),
+                format!("a map of 1 key {others}"),
+            ),
+            (
+                2,
+                keys(true, false, true, false),
+                "a map of :capacity and :requests".into(),
+            ),
+            (0, keys(false, false, false, false), "an empty map".into()),
+            (3, keys(true, true, true, false), "a map of 3 keys".into()),
+        ] {
+            let message = not_a_limit_map(size, held).message().to_string();
+            assert_eq!(message, format!("{NOT_A_LIMIT}{got}"));
+        }
     }
 
     #[test]

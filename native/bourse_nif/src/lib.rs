@@ -2,7 +2,7 @@
 //! resource and answers. Malformed input becomes `{:error, message}`; nothing here sleeps,
 //! and table-wide work and long check lists run on dirty schedulers.
 
-use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
+use bourse_core::rules::{self, KeyPart, LimitKeys, MAX_CHECKS};
 use bourse_core::{
     BackoffScope, Check, Config, InvalidInput, Key, KeyInfo, KeyRef, Limit, Mode, Outcome,
     PauseTarget, Shape, Stats, Table,
@@ -183,9 +183,20 @@ fn limit(term: Term) -> Decoded<Option<Limit>> {
     if is_atom(term, atoms::nil()) {
         return Ok(None);
     }
-    let not_a_limit = || rules::not_a_limit(shape(term));
-    let size = term.map_size().map_err(|_| not_a_limit())?;
+    let size = term
+        .map_size()
+        .map_err(|_| rules::not_a_limit(shape(term)))?;
     let field = |name: Atom| term.map_get(name).ok();
+    let not_a_limit = || {
+        let held = |name: Atom| field(name).is_some();
+        let keys = LimitKeys {
+            capacity: held(atoms::capacity()),
+            refill_per_sec: held(atoms::refill_per_sec()),
+            requests: held(atoms::requests()),
+            period: held(atoms::period()),
+        };
+        rules::not_a_limit_map(size, keys)
+    };
     let limit = match (size, field(atoms::capacity())) {
         // Two keys, one of them `capacity`: the other must be `refill_per_sec`.
         (2, Some(capacity)) => {

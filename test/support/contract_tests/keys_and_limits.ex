@@ -109,21 +109,28 @@ defmodule Bourse.ContractTests.KeysAndLimits do
           assert :ok = check_rates([{key, nil, 1}, {key, nil, 2}], name)
         end
 
-        test "a map that is no limit is named by its size, whatever its keys, and counts one invalid input",
+        test "a map that is no limit is named by its size, and by its limit keys up to 2 keys, and counts one invalid input",
              %{name: name} do
           not_a_limit =
             "limit must be %{capacity: c, refill_per_sec: r}, %{requests: n, period: ms}, " <>
               "%{requests: n} or nil, got "
 
+          others = "other than :capacity, :refill_per_sec, :requests and :period"
           many = Map.new(1..5_000, &{:"k#{&1}", &1})
 
           cases = [
             {Map.new(1..5_000, &{&1, &1}), "a map of 5000 keys"},
             {Map.merge(many, %{capacity: 10, refill_per_sec: 1}), "a map of 5002 keys"},
             {%{capacity: 10, refill_per_sec: 1, requests: 10}, "a map of 3 keys"},
-            {%{:"$key1" => 1, "x" => 2}, "a map of 2 keys"},
-            {%{:"$key0" => 10, :requests => 10}, "a map of 2 keys"},
-            {%{:requests => 10, "period" => 1000}, "a map of 2 keys"}
+            {%{:"$key1" => 1, "x" => 2}, "a map of 2 keys #{others}"},
+            {%{:"$key0" => 10, :requests => 10}, "a map of :requests and 1 key #{others}"},
+            {%{:requests => 10, "period" => 1000}, "a map of :requests and 1 key #{others}"},
+            {%{capacity: 10, refil_per_sec: 1}, "a map of :capacity and 1 key #{others}"},
+            {%{"capacity" => 10, "refill_per_sec" => 1}, "a map of 2 keys #{others}"},
+            {%{capacity: 10}, "a map of :capacity alone"},
+            {%{refill_per_sec: 1}, "a map of :refill_per_sec alone"},
+            {%{capacity: 10, requests: 10}, "a map of :capacity and :requests"},
+            {%{period: 10}, "a map of :period alone"}
           ]
 
           %{invalid: before} = stats(name)

@@ -6,7 +6,7 @@
 //! JSON cannot hold every Elixir term: a client may send a value as its shape alone,
 //! `{"$term": KIND}` with `"arity"`, `"size"` or `"len"` (docs/PROTOCOL.md, "Values").
 
-use bourse_core::rules::{self, KeyPart, MAX_CHECKS};
+use bourse_core::rules::{self, KeyPart, LimitKeys, MAX_CHECKS};
 use bourse_core::{BackoffScope, Check, InvalidInput, KeyRef, Limit, Mode, PauseTarget, Shape};
 use serde_json::{Map, Value};
 
@@ -532,8 +532,16 @@ fn limit(value: &Value) -> Result<Option<Limit>> {
         Value::Object(fields) if !fields.contains_key("$term") => fields,
         other => return Err(rules::not_a_limit(shape(other))),
     };
-    let not_a_limit = || rules::not_a_limit(shape(value));
     let field = |name: &str| fields.get(name);
+    let not_a_limit = || {
+        let keys = LimitKeys {
+            capacity: fields.contains_key("capacity"),
+            refill_per_sec: fields.contains_key("refill_per_sec"),
+            requests: fields.contains_key("requests"),
+            period: fields.contains_key("period"),
+        };
+        rules::not_a_limit_map(fields.len(), keys)
+    };
     let limit = match (fields.len(), field("capacity"), field("requests")) {
         (2, Some(capacity), None) => {
             let refill = field("refill_per_sec").ok_or_else(not_a_limit)?;

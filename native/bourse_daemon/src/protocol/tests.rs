@@ -666,7 +666,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         (check("{}", ""), "got an empty map"),
         (
             check(r#"{"capacity":1}"#, ""),
-            "got a map of 1 key",
+            "got a map of :capacity alone",
         ),
         (
             check(r#"{"capacity":"1","refill_per_sec":1}"#, ""),
@@ -686,13 +686,14 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             check(r#"{"requests":10,"refill_per_sec":1}"#, ""),
-            "or nil, got a map of 2 keys",
+            "or nil, got a map of :refill_per_sec and :requests",
         ),
-        (check(r#"{"period":10}"#, ""), "or nil, got a map of 1 key"),
+        (check(r#"{"period":10}"#, ""), "or nil, got a map of :period alone"),
         (check(r#"{"requests":10,"period":0}"#, ""), "period must be"),
         (
             check(r#"{"requests":10,"rate":1}"#, ""),
-            "or nil, got a map of 2 keys",
+            "or nil, got a map of :requests and 1 key other than :capacity, :refill_per_sec, \
+             :requests and :period",
         ),
         (
             check(r#"{"requests":1}"#, r#","cost":-1"#),
