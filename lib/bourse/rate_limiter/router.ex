@@ -31,6 +31,7 @@ defmodule Bourse.RateLimiter.Router do
           entry() | {:remote, pid()} | :noproc | {:exit, term()} | {:invalid, String.t()}
 
   @remote_timeout 5_000
+  @remote_poll 1_000
 
   ## Publishing (by the limiter process)
 
@@ -190,13 +191,48 @@ defmodule Bourse.RateLimiter.Router do
   end
 
   def run(pid, fun, args) do
-    :erpc.call(node(pid), Bourse.RateLimiter, :run_here, [pid, fun, args], :infinity)
+    node = node(pid)
+    request = :erpc.send_request(node, Bourse.RateLimiter, :run_here, [pid, fun, args])
+    await(request, node, pid)
   catch
     :error, {:erpc, :noconnection} -> exit_as_call({:nodedown, node(pid)}, pid)
     :error, {:erpc, reason} -> exit_as_call(reason, pid)
     # As raised there, without the stack, whose arguments would show the caller's key.
     :exit, {:exception, reason} -> exit(reason)
     :error, {:exception, reason, _stack} -> :erlang.error(reason)
+  end
+
+  # The answer of a call run on `node`, however long it rightly takes there (a waiter's
+  # budget, the backend's timeout), as long as `node` runs: while it is awaited, `node` is
+  # asked every second to answer, and a node that does not within `@remote_timeout`
+  # (stopped, or cut off before distribution notices, which takes a minute) ends the
+  # wait as a `GenServer.call/2` timeout does.
+  defp await(request, node, pid) do
+    case :erpc.wait_response(request, @remote_poll) do
+      {:response, result} ->
+        result
+
+      :no_response ->
+        if responsive?(node) do
+          await(request, node, pid)
+        else
+          abandon(request)
+          exit_as_call(:timeout, pid)
+        end
+    end
+  end
+
+  defp responsive?(node) do
+    :erpc.call(node, :erlang, :node, [], @remote_timeout) == node
+  catch
+    :error, {:erpc, _reason} -> false
+  end
+
+  # A reply that comes after this is dropped, not left in the caller's mailbox.
+  defp abandon(request) do
+    :erpc.receive_response(request, 0)
+  catch
+    _kind, _reason -> :ok
   end
 
   @doc """
