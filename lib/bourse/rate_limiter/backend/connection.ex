@@ -106,7 +106,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`,
   `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
-  always when it replaces a previous one; a socket's daemon is expected to run with it),
+  always when it replaces a previous one, unless `:table_outlives_daemon`; a socket's
+  daemon is expected to run with it), `:table_outlives_daemon` (the daemon's buckets live
+  in Redis: a daemon started again finds them, and is started as the first one was),
   `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
   secrets never go on its command line), `:secret` (what a socket proves when the
   daemon asks) and `:restart` (it replaces a previous connection: a daemon that refuses
@@ -114,9 +116,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
-    if adopt(pid, target) == :ok,
-      do: {:ok, previous},
-      else: attach(nil, target, Keyword.merge(opts, assume_busy_at_start: true, restart: true))
+    if adopt(pid, target) == :ok do
+      {:ok, previous}
+    else
+      busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
+      attach(nil, target, Keyword.merge(opts, assume_busy_at_start: busy, restart: true))
+    end
   end
 
   def attach(nil, target, opts) do
@@ -124,7 +129,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     init_arg =
       {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
-       Keyword.take(opts, [:env, :secret, :restart])}
+       Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {table, pauses} = GenServer.call(pid, :tables)
@@ -418,7 +423,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       clock_offset_us: nil,
       env: Keyword.get(extra, :env, []),
       secret: Keyword.get(extra, :secret),
-      restart: Keyword.get(extra, :restart, false)
+      restart: Keyword.get(extra, :restart, false),
+      table_outlives_daemon: table_outlives_daemon?(extra)
     }
 
     publish(state, nil, nil)
@@ -1011,7 +1017,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp keepalive(state, _idle_ms), do: state
 
-  # From now on a port is restarted with --assume-busy-at-start: its table would be new.
+  # From now on a port is restarted with --assume-busy-at-start: its table would be new
+  # (unless its buckets live in Redis).
   defp connected(state, stream, hello) do
     if state.connected_before, do: Logger.info("#{describe(state)}: connected again")
     state = observed_clock(%{state | clock_offset_us: nil}, hello)
@@ -1023,9 +1030,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         backoff_ms: @first_backoff_ms,
         connected_before: true,
         daemon_table: hello["table"],
-        assume_busy: true
+        assume_busy: state.assume_busy == true or not state.table_outlives_daemon
     }
   end
+
+  defp table_outlives_daemon?(opts), do: Keyword.get(opts, :table_outlives_daemon, false) == true
 
   @doc false
   # The first frame of a stream, in JSON (every connection starts so): its answer and every

@@ -65,6 +65,7 @@ defmodule Bourse.RateLimiter.Backend.Port do
       Connection.attach(previous, {:port, executable, args},
         timeout: max(@timeout, Keyword.get(opts, :timeout, 0)),
         assume_busy_at_start: opts[:assume_busy_at_start],
+        table_outlives_daemon: Keyword.get(opts, :table_outlives_daemon, false),
         booking_slack_ms: opts[:booking_slack_ms],
         env: Keyword.get(opts, :env, [])
       )

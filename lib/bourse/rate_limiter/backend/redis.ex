@@ -117,7 +117,15 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     # may run until three quarters of the Redis timeout after that: callers that wait four
     # Redis timeouts are told how every request they sent ended, never :unavailable for one
     # that pays later.
-    opts = Keyword.merge(opts, env: env, timeout: 4 * redis[:redis_timeout_ms])
+    # The buckets stay in Redis when the daemon is started again: it starts as the first
+    # one did, not assuming every bucket busy (which would empty them for every limiter).
+    opts =
+      Keyword.merge(opts,
+        env: env,
+        timeout: 4 * redis[:redis_timeout_ms],
+        table_outlives_daemon: true
+      )
+
     Port.run_daemon(previous, redis_args, opts)
   end
 
