@@ -117,6 +117,14 @@ defmodule Bourse.Error do
   defp count(n, unit), do: "#{n} #{unit}s"
 
   @doc """
+  A file path as messages show it: itself, or as `inspect/1` writes it when it is not
+  UTF-8 (Linux allows any bytes but NUL), so that every message is text.
+  """
+  @spec path(binary()) :: String.t()
+  def path(path) when is_binary(path),
+    do: if(String.valid?(path), do: path, else: inspect(path))
+
+  @doc """
   `error` with its `:exchange` set to `exchange` when it has none and `exchange` is an
   exchange id by the core's rule for key parts (UTF-8 text of at most 1024 bytes).
   """

@@ -26,7 +26,7 @@ defmodule Bourse.OptionMessagesTest do
       )
 
   test "daemon options" do
-    for bad <- [@secret, @huge, {@secret, 1}, @long_list] do
+    for bad <- [@secret, @huge, {@secret, 1}, @long_list, <<"127.0.0.", 0xFF, ":7000">>] do
       assert_described(start({:daemon, bad}))
       assert_described(start({:daemon, "127.0.0.1:7000", timeout: bad}))
       assert_described(start({:daemon, "127.0.0.1:7000", allow_remote: bad}))
@@ -38,6 +38,20 @@ defmodule Bourse.OptionMessagesTest do
 
     assert assert_described(start({:daemon, "127.0.0.1:7000", no_such: 1})) =~
              "unknown daemon option :no_such"
+  end
+
+  test "a Redis URL or a path that is not UTF-8 is refused or shown as text" do
+    for url <- [
+          <<"redis://127.0.0.1:1/", 0xFF>>,
+          <<"unix:///tmp/", 0xFF>>,
+          [<<"redis://h", 0xFF, ":1">>]
+        ] do
+      assert assert_described(start({:redis, url})) =~ "a Redis URL is UTF-8 text"
+    end
+
+    message = assert_described(start({:daemon, "127.0.0.1:7000", secret_file: <<"/no/", 0xFF>>}))
+    assert String.valid?(message)
+    assert message =~ ~S(secret_file <<47, 110, 111, 47, 255>>)
   end
 
   test "redis options" do

@@ -29,11 +29,21 @@ use crate::redis::RedisStore;
 use crate::store::{Memory, Store};
 
 fn main() -> ExitCode {
-    if let Err(message) = stdio_socket::redirect(std::env::args().skip(1)) {
+    // Its own socket's path is text: found before the other arguments are judged, so that
+    // a port is told why they are refused.
+    let lossy = std::env::args_os().skip(1);
+    if let Err(message) = stdio_socket::redirect(lossy.map(|arg| arg.to_string_lossy().into())) {
         eprintln!("bourse_daemon: {message}");
         return ExitCode::FAILURE;
     }
-    let options = match cli::parse(std::env::args().skip(1), &cli::Process) {
+    let args = match cli::arguments(std::env::args_os().skip(1)) {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("bourse_daemon: {message}");
+            return refused(&message);
+        }
+    };
+    let options = match cli::parse(args, &cli::Process) {
         Ok(Command::Help) => {
             print!("{}", cli::USAGE);
             return ExitCode::SUCCESS;
@@ -104,7 +114,7 @@ fn main() -> ExitCode {
 /// Exits 2 for a refused configuration; a port (`--stdio`) is told why in the answer to its
 /// first frame.
 fn refused(message: &str) -> ExitCode {
-    if std::env::args().any(|arg| arg == "--stdio") {
+    if std::env::args_os().any(|arg| arg == "--stdio") {
         stdio::refuse(message)
     } else {
         ExitCode::from(2)

@@ -67,6 +67,31 @@ fn bad_flags_exit_two_with_a_reason_and_the_usage() {
 }
 
 #[test]
+fn an_argument_that_is_not_utf8_is_refused_by_its_place() {
+    let url = std::ffi::OsStr::from_bytes(b"redis://127.0.0.1:1/\xff");
+    for (mode, place) in [("--listen", 4), ("--stdio", 3)] {
+        let mut command = Command::new(DAEMON);
+        if mode == "--listen" {
+            command.args(["--listen", "127.0.0.1:0"]);
+        } else {
+            command.arg("--stdio");
+        }
+        let output = command
+            .arg("--redis")
+            .arg(url)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run bourse_daemon");
+        assert_eq!(output.status.code(), Some(2), "{mode}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let reason = format!("argument {place} is not UTF-8");
+        assert!(stderr.contains(&reason), "{mode}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{mode}: {stderr}");
+        assert!(!stderr.contains("redis://"), "{mode}: {stderr}");
+    }
+}
+
+#[test]
 fn unix_socket_files_are_replaced_only_when_stale() {
     let path = common::temp_path("stale.sock");
     let _ = std::fs::remove_file(&path);

@@ -112,7 +112,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       {:error, reason} ->
         {:error,
          Bourse.Error.invalid(
-           "cannot read the daemon secret_file #{path}: #{:file.format_error(reason)}"
+           "cannot read the daemon secret_file #{Error.path(path)}: #{:file.format_error(reason)}"
          )}
     end
   end
@@ -238,7 +238,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   end
 
   defp address(address, allow_remote) when is_binary(address) do
-    with [host, port] <- split_host_port(address),
+    with true <- String.valid?(address),
+         [host, port] <- split_host_port(address),
          {port, ""} <- Integer.parse(port),
          :ok <- port_number(port) do
       case :inet.parse_strict_address(String.to_charlist(host)) do

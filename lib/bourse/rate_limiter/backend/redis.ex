@@ -310,6 +310,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       %URI{scheme: scheme} = uri when scheme in @schemes ->
         cond do
           control_characters?(url) -> {:error, control_characters()}
+          not String.valid?(url) -> {:error, not_utf8()}
           not String.starts_with?(String.downcase(url), scheme <> "://") -> {:error, bad_url(url)}
           uri.fragment != nil -> {:error, "a Redis URL has no fragment (\"#...\")"}
           at_past_host?(uri) -> {:error, at_past_host()}
@@ -333,6 +334,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       when scheme == "redis" and host not in [nil, ""] ->
         cond do
           control_characters?(seed) -> {:error, control_characters()}
+          not String.valid?(seed) -> {:error, not_utf8()}
           at_past_host?(uri) -> {:error, at_past_host()}
           true -> seeds(rest, count + 1, [seed | seeds])
         end
@@ -362,6 +364,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     do:
       "a Redis URL cannot contain spaces or control characters (NUL, tab, newline, ...): " <>
         "percent-encode them"
+
+  defp not_utf8, do: "a Redis URL is UTF-8 text: percent-encode any other byte"
 
   # The daemon's client reads a unix:// URL's password from its query only, and nothing of
   # its userinfo (which would go on the command line).

@@ -11,10 +11,24 @@ pub use options::{Access, Command, Options, RedisOptions, Transport};
 pub use secrets::{Environment, Process};
 pub use usage::USAGE;
 
+use std::ffi::OsString;
+
 use crate::redis::{has_password, Servers};
 use bourse_core::rules::MIN_SECRET_BYTES;
 use flags::{Flags, Read};
 use secrets::read_secret;
+
+/// The arguments after the program name as text; one that is not UTF-8 (a flag's value
+/// passed as raw bytes) is refused, by its place only: it may hold a secret.
+pub fn arguments<I: IntoIterator<Item = OsString>>(args: I) -> Result<Vec<String>, String> {
+    args.into_iter()
+        .enumerate()
+        .map(|(index, arg)| {
+            arg.into_string()
+                .map_err(|_| format!("argument {} is not UTF-8", index + 1))
+        })
+        .collect()
+}
 
 /// Parses the arguments after the program name. An error is a message for stderr.
 pub fn parse<I: IntoIterator<Item = String>>(

@@ -361,6 +361,17 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end, 10_000)
   end
 
+  test "a socket path that is not UTF-8 is named in messages as Elixir writes it" do
+    path = Bourse.TempPath.new(<<"bourse-", 0xFF>>, ".sock")
+    name = start_limiter({:daemon, {:unix, path}})
+
+    assert {:error, %Error{type: :unavailable, message: message}} =
+             RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    assert String.valid?(message)
+    assert message =~ "bourse_daemon at unix:#{inspect(path)} is unavailable"
+  end
+
   test "another server at the address (Redis, HTTP): the error says it is not a bourse_daemon" do
     for greeting <- ["-ERR unknown command\r\n", "HTTP/1.1 400 Bad Request\r\n\r\n"] do
       {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])

@@ -73,7 +73,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
          :ok <- :socket.listen(listener, 1) do
       {:ok, listener}
     else
-      {:error, reason} -> {:error, "cannot listen on #{path}: #{inspect(reason)}"}
+      {:error, reason} ->
+        {:error, "cannot listen on #{Bourse.Error.path(path)}: #{inspect(reason)}"}
     end
   end
 
@@ -248,5 +249,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def start_without_it?, do: false
 
   @impl true
-  def describe({:port, executable, _args}), do: "bourse_daemon port (#{executable})"
+  def describe({:port, executable, _args}),
+    do: "bourse_daemon port (#{Bourse.Error.path(executable)})"
 end

@@ -709,7 +709,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   def start_without_it?, do: true
 
   @impl true
-  def describe({:socket, {:unix, path, _uid}}), do: "bourse_daemon at unix:#{path}"
+  def describe({:socket, {:unix, path, _uid}}),
+    do: "bourse_daemon at unix:#{Bourse.Error.path(path)}"
 
   def describe({:socket, {:tcp, host, port}}) when is_tuple(host),
     do: "bourse_daemon at #{:inet.ntoa(host)}:#{port}"
