@@ -138,16 +138,15 @@ fn redis(flags: &Flags, env: &impl Environment) -> Result<Option<RedisOptions>, 
         }
         (None, true) => return Ok(None),
     };
-    let urls = match &servers {
-        Servers::One(url) => std::slice::from_ref(url),
-        Servers::Cluster(seeds) => seeds.as_slice(),
+    let (urls, flag) = match &servers {
+        Servers::One(url) => (std::slice::from_ref(url), "--redis URL"),
+        Servers::Cluster(seeds) => (seeds.as_slice(), "--redis-cluster URL"),
     };
     if urls.iter().any(|url| has_password(url)) {
-        return Err(
-            "--redis URL must not hold a password (the command line is public): \
-                    use --redis-password-file PATH or BOURSE_REDIS_PASSWORD"
-                .into(),
-        );
+        return Err(format!(
+            "{flag} must not hold a password (the command line is public): \
+             use --redis-password-file PATH or BOURSE_REDIS_PASSWORD"
+        ));
     }
     let password = read_secret(
         env,

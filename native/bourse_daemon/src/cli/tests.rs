@@ -69,8 +69,17 @@ fn secrets_come_from_files_or_the_environment_never_argv() {
         "redis://:p\nw@h:1",
     ] {
         let error = run(&["--stdio", "--redis", url]).unwrap_err();
-        assert!(error.contains("must not hold a password"), "{url}: {error}");
+        assert!(
+            error.starts_with("--redis URL must not hold a password"),
+            "{url}: {error}"
+        );
     }
+    // A cluster's seed is named as such.
+    let error = run(&["--stdio", "--redis-cluster", "redis://:pw@h:1"]).unwrap_err();
+    assert!(
+        error.starts_with("--redis-cluster URL must not hold a password"),
+        "{error}"
+    );
     // Other query fields hold no password.
     assert!(run(&[
         "--stdio",
