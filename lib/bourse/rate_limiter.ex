@@ -524,11 +524,13 @@ defmodule Bourse.RateLimiter do
   # What a check's answer means to its caller, with the event it calls for (never for
   # `:ok`): one place for probes and waiters (docs/CONTRACT.md §4, §8). A waiter's `{:delay, ms}` is
   # its own booking, not ready yet: past the budget it is `{:held, ms, budget}`, refused
-  # by `failed/2` while the booking stays. `budget` is `nil` (a probe), the budget, or
-  # `{left, max_wait}` (a waiter's, `budget_left/2`).
+  # by `failed/2` while the booking stays (an `:over_budget` refusal, as the store counts
+  # it). `budget` is `nil` (a probe), the budget, or `{left, max_wait}` (a waiter's,
+  # `budget_left/2`).
   defp observe(answer, route, {left, _max_wait} = budget, metadata) do
     case answer do
       {:delay, ms} when ms > left ->
+        refused(route, ms, :over_budget, left, metadata)
         {:held, ms, budget}
 
       {:over_budget, ms} ->
@@ -547,6 +549,7 @@ defmodule Bourse.RateLimiter do
         {:delay, ms}
 
       {:delay, ms} when ms > max_wait ->
+        refused(route, ms, :over_budget, max_wait, metadata)
         {:held, ms, max_wait}
 
       {:booked, ms} ->

@@ -38,7 +38,7 @@ defmodule Bourse.RateLimiter.Events do
 
   | event | when | measurements | metadata (besides the above) |
   | --- | --- | --- | --- |
-  | `:refused` | a probe (`check_rate/4`, `check_rates` without `:max_wait_ms`) answered `{:delay, ms}`, or a waiter's wait exceeded its `:max_wait_ms` (nothing paid) | `delay_ms` | `reason`: `:delay` or `:over_budget`; `max_wait_ms` (`nil` for a probe) |
+  | `:refused` | a probe (`check_rate/4`, `check_rates` without `:max_wait_ms`) answered `{:delay, ms}`, or a waiter's wait exceeded its `:max_wait_ms` (nothing paid; a waiter back early for its own booking keeps it) | `delay_ms` | `reason`: `:delay` or `:over_budget`; `max_wait_ms` (`nil` for a probe) |
   | `:booked` | a waiter (`wait_for_capacity`, `check_rates` with `:max_wait_ms`) booked its cost | `delay_ms`: until the booking is ready | |
   | `:admitted_after_wait` | `wait_for_capacity` returned `:ok` after sleeping | `waited_ms`: from the call to the admission | |
   | `:lapsed` | bookings were not claimed within `:booking_slack_ms` of their ready time | `count`: bookings dropped (one per bucket of a multi-bucket booking) | only `:limiter` |

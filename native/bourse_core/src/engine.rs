@@ -295,9 +295,13 @@ fn claim(
         booking.lapse_at = booking.lapse_at.max(ready.saturating_add(slack_ns));
         bucket.told(now, ready.saturating_sub(now));
     }
-    stats.delayed += 1;
+    let outcome = Outcome::Delay(delay_ms(now, ready));
+    match outcome.past_budget(request.mode) {
+        true => stats.over_budget += 1,
+        false => stats.delayed += 1,
+    }
     stats.paused += u64::from(pause_until > now);
-    Outcome::Delay(delay_ms(now, ready))
+    outcome
 }
 
 /// Holds the booking until `ready` on each bucket where it is due before (a pause of the

@@ -69,6 +69,13 @@ impl Outcome {
     pub fn paid(self) -> bool {
         matches!(self, Outcome::Admitted | Outcome::Booked(_))
     }
+
+    /// Whether a waiter is told a delay past its budget: it is early for a booking of its
+    /// own, which stays, and is refused by its caller. Counted as over budget, as a waiter
+    /// refused for its wait is.
+    pub fn past_budget(self, mode: Mode) -> bool {
+        matches!((self, mode), (Outcome::Delay(ms), Mode::Wait { max_wait_ms, .. }) if ms > max_wait_ms)
+    }
 }
 
 /// What a pause applies to.

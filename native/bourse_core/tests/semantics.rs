@@ -425,6 +425,30 @@ fn a_waiter_over_budget_books_nothing() {
 }
 
 #[test]
+fn a_waiter_back_early_with_a_shorter_budget_keeps_its_booking_and_counts_over_budget() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    t.record_request(key("request"), 10.0);
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Booked(500));
+    clock.advance_ms(100);
+    let short = Mode::Wait {
+        max_wait_ms: 10,
+        booking_slack_ms: None,
+    };
+    // Its booking's remaining wait, past this budget: refused by its caller, still booked.
+    assert_eq!(
+        t.check_rate(ME, check(key("request"), l, 5.0), short),
+        Outcome::Delay(400)
+    );
+    assert_eq!(t.inspect(key("request")).unwrap().bookings, 1);
+    // Within its budget, or as a probe, an early claim is a delay.
+    assert_eq!(wait(&t, ME, "request", l, 5.0), Outcome::Delay(400));
+    assert_eq!(probe(&t, "request", l, 5.0), Outcome::Delay(400));
+    let stats = t.stats();
+    assert_eq!((stats.over_budget, stats.delayed), (1, 2));
+}
+
+#[test]
 fn heavy_waiter_is_not_starved_by_cheap_traffic() {
     let (t, clock) = table();
     let l = limit(10.0, 10.0);

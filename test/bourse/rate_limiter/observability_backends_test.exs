@@ -45,6 +45,13 @@ defmodule Bourse.ObservabilityScenario do
 
     assert_received {[:bourse, :rate_limiter, :booked], %{delay_ms: ^booked}, %{cost: 1}}
 
+    # Back early with a shorter budget: refused over budget, its booking kept.
+    assert {:error, %Error{type: :rate_limit_exceeded, retry_after: held}} =
+             RateLimiter.check_rates([{key, @limit, 1}], name, max_wait_ms: 10)
+
+    assert_received {[:bourse, :rate_limiter, :refused], %{delay_ms: ^held},
+                     %{reason: :over_budget, max_wait_ms: 10}}
+
     assert :ok = RateLimiter.pause({"binance", credential}, 60_000, name)
 
     assert_received {[:bourse, :rate_limiter, :paused], %{ms: 60_000},
@@ -73,7 +80,7 @@ defmodule Bourse.ObservabilityScenario do
 
     after_ = RateLimiter.stats(name)
 
-    for {counter, added} <- [admitted: 1, delayed: 1, booked: 1] do
+    for {counter, added} <- [admitted: 1, delayed: 1, booked: 1, over_budget: 1] do
       assert after_[counter] - before[counter] == added,
              "#{counter}: #{inspect({before, after_})}"
     end

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use bourse_core::{Outcome, Stats};
+use bourse_core::{Mode, Outcome, Stats};
 
 #[derive(Default)]
 pub struct Counters {
@@ -22,14 +22,16 @@ fn bump(counter: &AtomicU64, by: u64) {
 }
 
 impl Counters {
-    /// Counts a check's outcome, whether a pause delayed it, and the bookings it found lapsed.
-    pub fn outcome(&self, outcome: Outcome, paused: bool, lapsed: u64) {
+    /// Counts a check's outcome (of a check in `mode`), whether a pause delayed it, and the
+    /// bookings it found lapsed.
+    pub fn outcome(&self, outcome: Outcome, mode: Mode, paused: bool, lapsed: u64) {
         bump(&self.lapsed, lapsed);
         bump(&self.paused, u64::from(paused));
         bump(
             match outcome {
                 Outcome::Admitted => &self.admitted,
                 Outcome::Claimed => &self.claimed,
+                Outcome::Delay(_) if outcome.past_budget(mode) => &self.over_budget,
                 Outcome::Delay(_) => &self.delayed,
                 Outcome::Booked(_) => &self.booked,
                 Outcome::OverBudget(_) => &self.over_budget,

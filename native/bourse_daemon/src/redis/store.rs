@@ -288,7 +288,7 @@ impl Store for RedisStore {
         }
         let (result, ms, paused, lapsed) = self.checks.check(call, connection, last_run).await?;
         let outcome = answer::outcome(&result, ms)?;
-        self.counters.outcome(outcome, paused > 0, lapsed);
+        self.counters.outcome(outcome, mode, paused > 0, lapsed);
         Ok(outcome)
     }
 
