@@ -17,16 +17,18 @@ defmodule Bourse.Defaults do
   The longest wait, in ms, `Bourse.RateLimiter.wait_for_capacity/5` accepts when the caller
   gives no `:max_wait_ms`: `config :bourse, rate_limit_max_wait_ms: ms`, default `30_000`.
   A value that is not an integer from 1 to `4_294_967_295` makes those calls answer
-  `:invalid_parameters`.
+  `:invalid_parameters`; it is returned as configured, checked where it is used.
   """
-  @spec rate_limit_max_wait_ms() :: pos_integer()
+  @spec rate_limit_max_wait_ms() :: term()
   def rate_limit_max_wait_ms, do: Application.get_env(:bourse, :rate_limit_max_wait_ms, 30_000)
 
   @doc """
   How long, in ms, a booking stays claimable after its ready time:
-  `config :bourse, booking_slack_ms: ms`, default `250`.
+  `config :bourse, booking_slack_ms: ms`, default `250`. It is returned as configured: a
+  limiter started with a value that is not an integer from 0 to one day is refused with
+  `:invalid_parameters`.
   """
-  @spec booking_slack_ms() :: non_neg_integer()
+  @spec booking_slack_ms() :: term()
   def booking_slack_ms,
     do:
       Application.get_env(
