@@ -25,7 +25,7 @@ use tokio::io::Interest;
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 
-use crate::protocol::{self, Service, Session};
+use crate::protocol::{self, Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::{Store, MAX_RUNNING};
 use crate::sweeper;
@@ -38,8 +38,11 @@ use output::Output;
 enum Frame {
     /// A frame is in the buffer.
     Data,
-    /// stdin closed (possibly in the middle of a frame): the VM closed the port or died.
+    /// stdin closed between frames: the VM closed the port or died.
     Closed,
+    /// stdin closed in the middle of a frame, whose bytes after its header (if whole) are
+    /// in the buffer.
+    Cut,
     /// The header announced this many bytes, more than allowed.
     TooLarge,
 }
@@ -158,6 +161,11 @@ fn serve_local<S: Store>(
                 shared.drain();
                 return ExitCode::SUCCESS;
             }
+            Ok(Frame::Cut) => {
+                answer_cut(shared, number, &frame);
+                shared.drain();
+                return ExitCode::SUCCESS;
+            }
             Ok(Frame::TooLarge) => {
                 let session = &shared.session;
                 shared
@@ -233,20 +241,21 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
             input.drain(..start);
             start = 0;
             match stdin.read_into(&mut input).await {
-                Ok(0) => {
-                    shared.drained().await;
-                    return ExitCode::SUCCESS;
-                }
+                Ok(0) => {}
                 Ok(_) => continue,
-                Err(error) if closed(&error) => {
-                    shared.drained().await;
-                    return ExitCode::SUCCESS;
-                }
+                Err(error) if closed(&error) => {}
                 Err(error) => {
                     eprintln!("bourse_daemon: reading stdin: {error}");
                     return ExitCode::FAILURE;
                 }
             }
+            // stdin ended, perhaps in the middle of a frame.
+            if !input.is_empty() {
+                let number = shared.session.next_frame();
+                answer_cut(&shared, number, input.get(4..).unwrap_or_default());
+            }
+            shared.drained().await;
+            return ExitCode::SUCCESS;
         };
         start += 4 + frame.len();
         let number = shared.session.next_frame();
@@ -385,22 +394,51 @@ fn stdin_ready(timeout_ms: libc::c_int) -> bool {
 /// Reads one length-prefixed frame into `frame`.
 fn read_frame(reader: &mut impl BufRead, frame: &mut Vec<u8>, max: usize) -> io::Result<Frame> {
     let mut header = [0u8; 4];
-    match reader.read_exact(&mut header) {
-        Ok(()) => {}
-        Err(error) if closed(&error) => return Ok(Frame::Closed),
-        Err(error) => return Err(error),
+    frame.clear();
+    match read_full(reader, &mut header)? {
+        0 => return Ok(Frame::Closed),
+        4 => {}
+        _ => return Ok(Frame::Cut),
     }
     let length = u32::from_be_bytes(header) as usize;
     if length > max {
         return Ok(Frame::TooLarge);
     }
-    frame.clear();
     frame.resize(length, 0);
-    match reader.read_exact(frame) {
-        Ok(()) => Ok(Frame::Data),
-        Err(error) if closed(&error) => Ok(Frame::Closed),
-        Err(error) => Err(error),
+    let read = read_full(reader, frame)?;
+    if read < length {
+        frame.truncate(read);
+        return Ok(Frame::Cut);
     }
+    Ok(Frame::Data)
+}
+
+/// Reads into `buf` until it is full or stdin ends (or the client is gone); the bytes read.
+fn read_full(reader: &mut impl io::Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut read = 0;
+    while read < buf.len() {
+        match reader.read(&mut buf[read..]) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if closed(&error) => break,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(read)
+}
+
+/// Answers frame `number`, which stdin ended in the middle of (`partial`: its bytes after
+/// its header), as a server answers a stream that ends so: not executed, with the id that
+/// leads it in JSON, if one does.
+fn answer_cut<S: Store>(shared: &Shared<S>, number: u64, partial: &[u8]) {
+    let mut out = vec![0; 4];
+    let json = shared.session.codec() == Codec::Json;
+    let line = json.then_some(partial);
+    shared
+        .service
+        .truncated_frame(&shared.session, &mut out, number, line);
+    let _ = shared.output.send(&mut out, true);
 }
 
 /// The client is gone: stdin ended, or (`--stdio-socket`) the socket was closed with

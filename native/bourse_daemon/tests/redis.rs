@@ -206,6 +206,24 @@ fn every_op_through_redis_in_server_and_stdio_mode() {
     assert!(keys.iter().all(|k| k.starts_with("bourse:e{")), "{keys:?}");
 }
 
+#[test]
+fn a_frame_cut_off_by_the_end_of_stdin_is_answered_not_executed() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    let mut port = StdioDaemon::start(&["--redis", url.as_str()]);
+    let record = br#"{"id":8,"op":"record","key":{"exchange":"p","credential":null},"cost":1}"#;
+    port.send_raw(&200u32.to_be_bytes());
+    port.send_raw(record);
+    port.close_stdin();
+    let answer = port.recv_frame().expect("the cut frame is answered");
+    assert_eq!(answer["id"], 8);
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("middle of a frame"), "{message}");
+    assert!(common::wait_exit(&mut port.child).success());
+    let keys: Vec<String> = redis.query(::redis::cmd("KEYS").arg("*:b:*"));
+    assert!(keys.is_empty(), "executed: {keys:?}");
+}
+
 /// Voluntary context switches (sleeps) of every thread of process `pid` so far.
 fn sleeps_of(pid: u32) -> u64 {
     let mut total = 0;

@@ -57,19 +57,25 @@ fn closing_stdin_exits_cleanly_even_mid_frame() {
     assert!(daemon.recv_frame().is_none());
     assert!(common::wait_exit(&mut daemon.child).success());
 
+    // A frame cut off is answered, with the id that leads it, and not executed.
     let mut daemon = StdioDaemon::start(&[]);
     daemon.send_raw(&100u32.to_be_bytes());
-    daemon.send_raw(br#"{"op":"hel"#);
+    daemon.send_raw(br#"{"id":8,"op":"record","key":{"exchange":"p","credential":null}"#);
     daemon.close_stdin();
-    assert!(
-        daemon.recv_frame().is_none(),
-        "a partial frame is not executed"
-    );
+    let answer = daemon.recv_frame().expect("the cut frame is answered");
+    assert_eq!(answer["id"], 8);
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("middle of a frame"), "{message}");
+    assert!(daemon.recv_frame().is_none());
     assert!(common::wait_exit(&mut daemon.child).success());
 
+    // So is a header cut off.
     let mut daemon = StdioDaemon::start(&[]);
     daemon.send_raw(&[0, 0]);
     daemon.close_stdin();
+    let answer = daemon.recv_frame().expect("the cut header is answered");
+    assert_eq!(answer["error"]["type"], "invalid_parameters");
     assert!(common::wait_exit(&mut daemon.child).success());
 }
 
