@@ -26,6 +26,7 @@ use tokio::runtime::Runtime;
 use crate::cli::{Command, Options, Transport};
 use crate::protocol::{Service, PROTOCOL_VERSION, SERVER};
 use crate::redis::RedisStore;
+use crate::server::UnprovedBounds;
 use crate::store::{Memory, Store};
 
 fn main() -> ExitCode {
@@ -142,9 +143,11 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
             stdio::run(service, &runtime, max_frame, sweep_interval, drain_timeout)
         }
         Transport::Server { tcp, unix } => {
+            let (max_connections, unproved) = descriptors_for(access.max_connections);
             let limits = server::Limits {
                 max_frame_bytes: options.max_frame_bytes,
-                max_connections: descriptors_for(access.max_connections),
+                max_connections,
+                unproved,
                 idle_timeout: (access.idle_timeout_ms > 0)
                     .then(|| Duration::from_millis(access.idle_timeout_ms)),
                 socket_mode: access.socket_mode,
@@ -165,24 +168,26 @@ fn serve<S: Store>(store: S, options: Options, runtime: Runtime) -> ExitCode {
     }
 }
 
-/// File descriptors kept for listeners, Redis, the runtime and the connections that have
-/// not proved the secret yet or are being refused.
-const SPARE_DESCRIPTORS: u64 =
-    64 + (server::MAX_SILENT + server::MAX_GREETED + server::MAX_LINGERING) as u64;
+/// File descriptors kept for the listeners, Redis and the runtime.
+const RESERVED_DESCRIPTORS: u64 = 64;
 
-/// `wanted` connections if the descriptor limit allows them (raising the soft limit
-/// towards the hard one if needed), else as many as it does: connections past the limit
-/// would fail `accept` and never be told why.
-fn descriptors_for(wanted: usize) -> usize {
+/// `wanted` connections, and the full bounds of those not served yet, if the descriptor
+/// limit allows them (raising the soft limit towards the hard one if needed); else each
+/// cut in proportion, so that connections past the limit do not fail `accept` (and never
+/// learn why), and connections that have not proved the secret cannot take the
+/// descriptors of those that will.
+fn descriptors_for(wanted: usize) -> (usize, UnprovedBounds) {
+    let full = UnprovedBounds::FULL;
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit/setrlimit only read and write `limit`.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return wanted;
+        return (wanted, full);
     }
-    let needed = wanted as u64 + SPARE_DESCRIPTORS;
+    let need = wanted + full.total();
+    let needed = need as u64 + RESERVED_DESCRIPTORS;
     if limit.rlim_cur < needed {
         let raised = libc::rlimit {
             rlim_cur: needed.min(limit.rlim_max),
@@ -192,12 +197,18 @@ fn descriptors_for(wanted: usize) -> usize {
             limit = raised;
         }
     }
-    let allowed = limit.rlim_cur.saturating_sub(SPARE_DESCRIPTORS).max(1) as usize;
-    if allowed < wanted {
-        eprintln!(
-            "bourse_daemon: serving at most {allowed} connections (the descriptor limit is {})",
-            limit.rlim_cur
-        );
+    let have =
+        usize::try_from(limit.rlim_cur.saturating_sub(RESERVED_DESCRIPTORS)).unwrap_or(usize::MAX);
+    if have >= need {
+        return (wanted, full);
     }
-    wanted.min(allowed)
+    let unproved = full.scaled(have, need);
+    let connections = have.saturating_sub(unproved.total()).clamp(1, wanted);
+    eprintln!(
+        "bourse_daemon: serving at most {connections} connections, and {} waiting to prove \
+         the secret (the descriptor limit is {})",
+        unproved.silent + unproved.greeted,
+        limit.rlim_cur
+    );
+    (connections, unproved)
 }

@@ -312,6 +312,36 @@ fn idle_and_unproved_connections_cannot_lock_out_a_real_client() {
     drop(idle);
 }
 
+#[test]
+fn greeted_connections_cannot_take_every_descriptor_of_a_low_limit() {
+    // Fewer descriptors than the unproved queues hold at full size.
+    let daemon = Shell::start("ulimit -n 200", &["--listen", "127.0.0.1:0"]);
+    let addr = daemon.tcp();
+    let hello = format!("{}\n", json!({"op": "hello"}));
+    let greeted: Vec<TcpStream> = (0..300)
+        .filter_map(|_| {
+            let mut stream = TcpStream::connect(&addr).ok()?;
+            stream.write_all(hello.as_bytes()).ok()?;
+            Some(stream)
+        })
+        .collect();
+    assert!(greeted.len() >= 250, "{} connections", greeted.len());
+    // Each hello read and answered, or its connection closed.
+    std::thread::sleep(Duration::from_millis(500));
+    let stream = TcpStream::connect(&addr).unwrap();
+    let mut client = LineClient::new(stream);
+    // Well before the unproved connections' own deadline (10 s) frees their descriptors.
+    client
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(4)))
+        .unwrap();
+    assert_eq!(
+        authenticate(&mut client, SECRET.as_bytes()),
+        json!({"ok": true})
+    );
+    drop(greeted);
+}
+
 /// Connections opened as fast as one thread can and held without a word (another local
 /// user's, say) do not close a client's connection while it proves the secret: 20
 /// clients, each with at least 20 ms and 256 such connections between the answer to its

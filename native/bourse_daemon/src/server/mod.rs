@@ -55,11 +55,48 @@ const UNPROVED_MAX_FRAME_BYTES: usize = 1024;
 /// connections open cannot take the descriptors kept spare.
 pub const MAX_LINGERING: usize = 16;
 
+/// How many connections of each kind that are not served (yet) may hold a descriptor at
+/// once: TCP ones that have not proved the secret, silent or greeted (see [`Unproved`]),
+/// and refused ones lingering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnprovedBounds {
+    pub silent: usize,
+    pub greeted: usize,
+    pub lingering: usize,
+}
+
+impl UnprovedBounds {
+    /// [`MAX_SILENT`], [`MAX_GREETED`] and [`MAX_LINGERING`].
+    pub const FULL: Self = Self {
+        silent: MAX_SILENT,
+        greeted: MAX_GREETED,
+        lingering: MAX_LINGERING,
+    };
+
+    /// The descriptors they hold at most.
+    pub fn total(self) -> usize {
+        self.silent + self.greeted + self.lingering
+    }
+
+    /// Each bound cut to `have / need` of itself (at least 1), for a descriptor limit that
+    /// allows `have` descriptors where `need` are wanted.
+    pub fn scaled(self, have: usize, need: usize) -> Self {
+        let cut = |bound: usize| (bound * have / need.max(1)).clamp(1, bound);
+        Self {
+            silent: cut(self.silent),
+            greeted: cut(self.greeted),
+            lingering: cut(self.lingering),
+        }
+    }
+}
+
 /// What bounds the connections.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_frame_bytes: usize,
     pub max_connections: usize,
+    /// Connections not served (yet) holding a descriptor, at most.
+    pub unproved: UnprovedBounds,
     /// A connection that sends nothing for this long is closed.
     pub idle_timeout: Option<Duration>,
     /// The permission bits of the Unix socket files (0o600 or 0o660).
@@ -121,8 +158,8 @@ pub async fn run<S: Store>(
         service: Arc::clone(&service),
         limits,
         connections: Arc::new(Semaphore::new(limits.max_connections)),
-        unproved: Arc::default(),
-        lingering: Arc::new(Semaphore::new(MAX_LINGERING)),
+        unproved: Arc::new(Unproved::new(limits.unproved)),
+        lingering: Arc::new(Semaphore::new(limits.unproved.lingering)),
         shutdown,
         stopped: Arc::new(stopped),
         _alive: alive,
@@ -356,9 +393,9 @@ enum Slot {
 /// `auth` proves the secret). So connections that send no `hello` (another local user's),
 /// however many and fast, never evict a client that was sent its nonce; connections that
 /// do must be sent [`MAX_GREETED`] nonces while the client computes its `auth`.
-#[derive(Default)]
 struct Unproved {
     queues: Mutex<Queues>,
+    bounds: UnprovedBounds,
 }
 
 /// The entries of [`Unproved`], oldest first.
@@ -396,6 +433,13 @@ impl Evictable {
 }
 
 impl Unproved {
+    fn new(bounds: UnprovedBounds) -> Self {
+        Self {
+            queues: Mutex::default(),
+            bounds,
+        }
+    }
+
     /// A place among the silent connections, for a new one.
     fn admit(self: &Arc<Self>) -> Place {
         self.join(false)
@@ -415,8 +459,8 @@ impl Unproved {
         });
         let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         let (queue, max) = match greeted {
-            false => (&mut queues.silent, MAX_SILENT),
-            true => (&mut queues.greeted, MAX_GREETED),
+            false => (&mut queues.silent, self.bounds.silent),
+            true => (&mut queues.greeted, self.bounds.greeted),
         };
         if queue.len() >= max {
             if let Some(oldest) = queue.pop_front() {
@@ -935,11 +979,22 @@ impl Drop for SocketFile {
 mod tests {
     use super::*;
 
+    /// Under a low descriptor limit each bound is cut in proportion, never to nothing.
+    #[test]
+    fn bounds_are_cut_in_proportion_to_the_descriptors() {
+        let full = UnprovedBounds::FULL;
+        assert_eq!(full.scaled(592, 592), full);
+        let cut = full.scaled(136, 592);
+        assert_eq!((cut.silent, cut.greeted, cut.lingering), (14, 58, 3));
+        let least = full.scaled(0, 592);
+        assert_eq!((least.silent, least.greeted, least.lingering), (1, 1, 1));
+    }
+
     /// New connections, however many, evict only the oldest silent ones; a connection sent
     /// its nonce evicts only the oldest greeted one; places are left when dropped.
     #[test]
     fn silent_connections_evict_only_silent_ones() {
-        let unproved = Arc::new(Unproved::default());
+        let unproved = Arc::new(Unproved::new(UnprovedBounds::FULL));
         let first = unproved.admit();
         let greeted: Vec<Place> = (0..MAX_GREETED).map(|_| unproved.greet()).collect();
         let silent: Vec<Place> = (0..10 * MAX_SILENT).map(|_| unproved.admit()).collect();
