@@ -130,6 +130,11 @@ _MAX_PART_BYTES = 1024
 _MAX_CHECKS = 1024
 
 
+def _credential(exchange: str, credential: Optional[str]) -> dict:
+    """A credential as the daemon reads one: None is the public pool."""
+    return {"exchange": _part(exchange), "credential": _part(credential)}
+
+
 def _part(value: Any) -> Any:
     """A key part as the daemon is to judge it: a string that cannot be one (longer than
     1024 bytes, or not UTF-8: a lone surrogate) goes as its shape, as the Elixir client
@@ -456,6 +461,28 @@ class BourseClient:
         elif axis is not None:
             raise ValueError("pause: an axis needs a credential")
         self.request("pause", target=target, ms=ms)
+
+    def sync(self, exchange: str, credential: Optional[str], allowance: float,
+             window_left_ms: int, axis: str = "request") -> float:
+        """Follows an exchange's used-weight header: the exchange allows only `allowance`
+        more cost until its window ends in `window_left_ms`; the key's tokens are lowered
+        to fit (never raised). Returns the tokens taken."""
+        return self.request("sync", key=key(exchange, credential, axis), allowance=allowance,
+                            window_left_ms=window_left_ms)["taken"]
+
+    def back_off(self, exchange: str, credential: Optional[str],
+                 scope: str = "credential") -> int:
+        """Counts a limited reply without a usable wait (a 429 without Retry-After) and
+        pauses the credential's buckets ("credential") or its whole exchange ("exchange")
+        for the backoff: 1 s, doubled per reply counted before, at most 300 s. Returns the
+        pause in milliseconds."""
+        return self.request("back_off", credential=_credential(exchange, credential),
+                            scope=scope)["ms"]
+
+    def reset_backoff(self, exchange: str, credential: Optional[str]) -> None:
+        """After a success: the backoff counts of the credential and its exchange start
+        again."""
+        self.request("reset_backoff", credential=_credential(exchange, credential))
 
     def inspect(self, exchange: str, credential: Optional[str],
                 axis: str = "request") -> Optional[dict]:

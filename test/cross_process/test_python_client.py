@@ -152,6 +152,26 @@ class BourseClientTest(unittest.TestCase):
         self.assertEqual(self.client.stats()["buckets"], 0)
         self.assertGreaterEqual(self.client.sweep(), 0)
 
+    def test_sync_back_off_and_reset_backoff(self):
+        limit = {"capacity": 100, "refill_per_sec": 0.001}
+        self.assertTrue(self.client.check("bybit", "k", limit, cost=10).admitted)
+        # The exchange allows 30 more until its window ends: 60 of the 90 tokens are taken.
+        self.assertAlmostEqual(self.client.sync("bybit", "k", 30, 1000), 60, places=1)
+        self.assertEqual(self.client.check("bybit", "k", limit, cost=31).result, "delay")
+        # Never raised; a key the table does not hold is left alone.
+        self.assertEqual(self.client.sync("bybit", "k", 1000, 1000), 0)
+        self.assertEqual(self.client.sync("bybit", "other", 0, 1000), 0)
+
+        self.assertEqual(self.client.back_off("bybit", "k"), 1000)
+        self.assertEqual(self.client.check("bybit", "k", limit).result, "delay")
+        self.assertTrue(self.client.check("bybit", "j", limit).admitted)
+        self.assertEqual(self.client.back_off("bybit", None, scope="exchange"), 1000)
+        self.assertEqual(self.client.check("bybit", "j", limit).result, "delay")
+        self.client.reset_backoff("bybit", "k")
+        with self.assertRaises(BourseError) as raised:
+            self.client.back_off("bybit", "k", scope="everything")
+        self.assertEqual(raised.exception.type, "invalid_parameters")
+
     def test_errors_raise(self):
         with self.assertRaises(BourseError) as raised:
             self.client.check("binance", "k", {"capacity": -1, "refill_per_sec": 1})
