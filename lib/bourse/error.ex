@@ -118,11 +118,15 @@ defmodule Bourse.Error do
 
   @doc """
   A file path as messages show it: itself, or as `inspect/1` writes it when it is not
-  UTF-8 (Linux allows any bytes but NUL), so that every message is text.
+  UTF-8 or holds control characters (Linux allows any bytes but NUL), so that every
+  message is text of one line.
   """
   @spec path(binary()) :: String.t()
-  def path(path) when is_binary(path),
-    do: if(String.valid?(path), do: path, else: inspect(path))
+  def path(path) when is_binary(path) do
+    if String.valid?(path) and not String.match?(path, ~r/[\x00-\x1f\x7f]/),
+      do: path,
+      else: inspect(path)
+  end
 
   @doc """
   `error` with its `:exchange` set to `exchange` when it has none and `exchange` is an

@@ -217,7 +217,7 @@ defmodule Bourse.RateLimiter do
   def check_rate(key, limit, cost) when is_atom(cost) and not is_boolean(cost) and cost != nil do
     # A limiter's name in the cost's place: the message says where a name goes.
     case check_rate(key, limit, cost, @default) do
-      {:error, %Error{type: :invalid_parameters, message: message} = error} ->
+      {:error, %Error{type: :invalid_parameters, message: "cost " <> _ = message} = error} ->
         hint = "; a limiter's name goes fourth: check_rate(key, limit, cost, name)"
         {:error, %{error | message: message <> hint}}
 
@@ -949,7 +949,7 @@ defmodule Bourse.RateLimiter do
   defp routed({backend, handle, _events, _pid}, _name, fun, args),
     do: apply(backend, fun, [handle | args])
 
-  defp routed({:remote, pid}, _name, fun, args), do: Router.run(pid, fun, args)
+  defp routed({:remote, pid}, name, fun, args), do: Router.run(pid, fun, args, name || pid)
   defp routed(:noproc, name, fun, args), do: absent(:noproc, name, fun, args)
   defp routed({:exit, reason}, name, fun, args), do: absent(reason, name, fun, args)
   defp routed({:invalid, message}, _name, _fun, _args), do: {:error, message}
@@ -971,7 +971,7 @@ defmodule Bourse.RateLimiter do
 
   @doc false
   # A call of `fun` for the limiter `pid` of this node, run for a caller on another node
-  # (`Router.run/3`).
+  # (`Router.run/4`).
   @spec run_here(pid(), atom(), list()) :: term()
   def run_here(pid, :stats, []), do: stats(pid)
   def run_here(pid, fun, args), do: pid |> Router.route() |> routed(pid, fun, args)

@@ -52,6 +52,15 @@ defmodule Bourse.OptionMessagesTest do
     message = assert_described(start({:daemon, "127.0.0.1:7000", secret_file: <<"/no/", 0xFF>>}))
     assert String.valid?(message)
     assert message =~ ~S(secret_file <<47, 110, 111, 47, 255>>)
+
+    # Control characters, as inspect/1 writes them: a message is one line.
+    message = assert_described(start({:daemon, "127.0.0.1:7000", secret_file: "/no/a\nb"}))
+    assert message =~ ~S(secret_file "/no/a\nb")
+
+    for address <- ["h\0:7000", "h\n:7000", "h x:7000"] do
+      assert assert_described(start({:daemon, address, allow_remote: true})) =~
+               "daemon address must be"
+    end
   end
 
   test "redis options" do

@@ -8,7 +8,7 @@ defmodule Bourse.RateLimiter.Router do
   own process, without the limiter's mailbox. Every other name (`{:global, _}`,
   `{:via, _, _}`, `{name, node}`, a pid) is resolved to a process: one of this node
   that published an entry is reached the same way; one of another node is asked there
-  (`run/3`). A pid or name of any other process is refused with `:invalid_parameters` and
+  (`run/4`). A pid or name of any other process is refused with `:invalid_parameters` and
   that process is left alone.
 
   A limiter whose process has ended (stopped or crashed) answers like one never started
@@ -175,28 +175,30 @@ defmodule Bourse.RateLimiter.Router do
 
   @doc """
   Runs the call `fun` of `Bourse.RateLimiter` with `args` for the limiter process `pid` (a
-  `{:remote, pid}` route). On another node it runs in a process of that node, which
+  `{:remote, pid}` route), which the caller named `name` (as its exits name it). On another node it runs in a process of that node, which
   reaches the limiter's table as a local caller does: calls do not queue in the limiter's
   mailbox, and each is bounded by its backend's own timeout. A limiter of this node still
   starting (its entry not yet published) is called.
   """
-  @spec run(pid(), atom(), list()) :: term()
-  def run(pid, :stats, []) when node(pid) == node(), do: GenServer.call(pid, :stats)
+  @spec run(pid(), atom(), list(), term()) :: term()
+  def run(pid, fun, args, name)
 
-  def run(pid, fun, args) when node(pid) == node() do
+  def run(pid, :stats, [], _name) when node(pid) == node(), do: GenServer.call(pid, :stats)
+
+  def run(pid, fun, args, name) when node(pid) == node() do
     GenServer.call(pid, {:run, fun, args})
   catch
     # Without the request, whose arguments hold the caller's key.
-    :exit, {reason, {GenServer, :call, _request}} -> exit_as_call(reason, pid)
+    :exit, {reason, {GenServer, :call, _request}} -> exit_as_call(reason, name)
   end
 
-  def run(pid, fun, args) do
+  def run(pid, fun, args, name) do
     node = node(pid)
     request = :erpc.send_request(node, Bourse.RateLimiter, :run_here, [pid, fun, args])
-    await(request, node, pid)
+    await(request, node, name)
   catch
-    :error, {:erpc, :noconnection} -> exit_as_call({:nodedown, node(pid)}, pid)
-    :error, {:erpc, reason} -> exit_as_call(reason, pid)
+    :error, {:erpc, :noconnection} -> exit_as_call({:nodedown, node(pid)}, name)
+    :error, {:erpc, reason} -> exit_as_call(reason, name)
     # As raised there, without the stack, whose arguments would show the caller's key.
     :exit, {:exception, reason} -> exit(reason)
     :error, {:exception, reason, _stack} -> :erlang.error(reason)
@@ -207,17 +209,17 @@ defmodule Bourse.RateLimiter.Router do
   # asked every second to answer, and a node that does not within `@remote_timeout`
   # (stopped, or cut off before distribution notices, which takes a minute) ends the
   # wait as a `GenServer.call/2` timeout does.
-  defp await(request, node, pid) do
+  defp await(request, node, name) do
     case :erpc.wait_response(request, @remote_poll) do
       {:response, result} ->
         result
 
       :no_response ->
         if responsive?(node) do
-          await(request, node, pid)
+          await(request, node, name)
         else
           abandon(request)
-          exit_as_call(:timeout, pid)
+          exit_as_call(:timeout, name)
         end
     end
   end

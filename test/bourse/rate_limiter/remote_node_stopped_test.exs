@@ -66,7 +66,7 @@ defmodule Bourse.RateLimiter.RemoteNodeStoppedTest do
     OsSignal.send(os_pid, "STOP")
 
     assert_receive {:ended, result, ms}, 30_000
-    assert {:exit, {:timeout, {RateLimiter, :call, [_limiter]}}} = result
+    assert {:exit, {:timeout, {RateLimiter, :call, [^name]}}} = result
     # The node is asked every second, and given 5 s to answer.
     assert ms < 15_000
   end

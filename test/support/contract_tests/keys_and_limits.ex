@@ -130,7 +130,11 @@ defmodule Bourse.ContractTests.KeysAndLimits do
             {%{capacity: 10}, "a map of :capacity alone"},
             {%{refill_per_sec: 1}, "a map of :refill_per_sec alone"},
             {%{capacity: 10, requests: 10}, "a map of :capacity and :requests"},
-            {%{period: 10}, "a map of :period alone"}
+            {%{period: 10}, "a map of :period alone"},
+            # A struct's __struct__ is a key like any other.
+            {struct(Bourse.ContractTests.OneField, capacity: 10),
+             "a map of :capacity and 1 key #{others}"},
+            {%{__struct__: :capacity}, "a map of 1 key #{others}"}
           ]
 
           %{invalid: before} = stats(name)

@@ -238,7 +238,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   end
 
   defp address(address, allow_remote) when is_binary(address) do
-    with true <- String.valid?(address),
+    with true <- String.valid?(address) and not String.match?(address, ~r/[\x00-\x20\x7f]/),
          [host, port] <- split_host_port(address),
          {port, ""} <- Integer.parse(port),
          :ok <- port_number(port) do

@@ -457,8 +457,10 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
        when map_size(limit) == 2 and is_number(capacity) and is_number(refill),
        do: %{"capacity" => capacity, "refill_per_sec" => refill}
 
-  defp limit(%{} = limit) when map_size(limit) <= 2 and not is_struct(limit) do
+  # (A struct too: its `__struct__` is one of its keys, as the NIF counts it.)
+  defp limit(%{} = limit) when map_size(limit) <= 2 do
     limit
+    |> Map.to_list()
     |> Enum.with_index()
     |> Map.new(fn
       {{key, value}, _i} when key in @limit_keys -> {Atom.to_string(key), value(value)}
