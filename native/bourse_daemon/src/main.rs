@@ -30,10 +30,9 @@ use crate::server::UnprovedBounds;
 use crate::store::{Memory, Store};
 
 fn main() -> ExitCode {
-    // Its own socket's path is text: found before the other arguments are judged, so that
-    // a port is told why they are refused.
-    let lossy = std::env::args_os().skip(1);
-    if let Err(message) = stdio_socket::redirect(lossy.map(|arg| arg.to_string_lossy().into())) {
+    // Its own socket is found before the other arguments are judged, so that a port is told
+    // there why they are refused.
+    if let Err(message) = stdio_socket::redirect(std::env::args_os().skip(1)) {
         eprintln!("bourse_daemon: {message}");
         return ExitCode::FAILURE;
     }

@@ -3,13 +3,16 @@
 //! it unchanged (and a refused configuration is answered there). A socket lets the client
 //! read answers as soon as they are written, without a port in between.
 
+use std::ffi::{OsStr, OsString};
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 
 const FLAG: &str = "--stdio-socket";
 
-/// Connects stdin and stdout to the socket named by `--stdio-socket` in `args`, if any.
-pub fn redirect<I: IntoIterator<Item = String>>(args: I) -> Result<(), String> {
+/// Connects stdin and stdout to the socket named by `--stdio-socket` in `args`, if any (a
+/// path is bytes: it need not be UTF-8).
+pub fn redirect<I: IntoIterator<Item = OsString>>(args: I) -> Result<(), String> {
     let Some(path) = socket_path(args) else {
         return Ok(());
     };
@@ -26,17 +29,18 @@ pub fn redirect<I: IntoIterator<Item = String>>(args: I) -> Result<(), String> {
 }
 
 /// The value of the flag (`--stdio-socket PATH` or `--stdio-socket=PATH`).
-fn socket_path<I: IntoIterator<Item = String>>(args: I) -> Option<String> {
+fn socket_path<I: IntoIterator<Item = OsString>>(args: I) -> Option<OsString> {
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         if arg == FLAG {
             return args.next();
         }
         if let Some(path) = arg
-            .strip_prefix(FLAG)
-            .and_then(|rest| rest.strip_prefix('='))
+            .as_bytes()
+            .strip_prefix(FLAG.as_bytes())
+            .and_then(|rest| rest.strip_prefix(b"="))
         {
-            return Some(path.to_string());
+            return Some(OsStr::from_bytes(path).to_owned());
         }
     }
     None
@@ -46,17 +50,21 @@ fn socket_path<I: IntoIterator<Item = String>>(args: I) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|arg| arg.to_string()).collect()
+    fn args(list: &[&str]) -> Vec<OsString> {
+        list.iter().map(OsString::from).collect()
     }
 
     #[test]
     fn the_path_is_read_in_either_form() {
         assert_eq!(socket_path(args(&["--stdio"])), None);
         let spaced = args(&["--stdio", "--stdio-socket", "/tmp/d/s"]);
-        assert_eq!(socket_path(spaced).as_deref(), Some("/tmp/d/s"));
+        assert_eq!(socket_path(spaced), Some("/tmp/d/s".into()));
         let inline = args(&["--stdio-socket=/tmp/d/s", "--stdio"]);
-        assert_eq!(socket_path(inline).as_deref(), Some("/tmp/d/s"));
+        assert_eq!(socket_path(inline), Some("/tmp/d/s".into()));
+        // Bytes that are not UTF-8, as given.
+        let raw = OsStr::from_bytes(b"--stdio-socket=/tmp/d/\xff").to_owned();
+        let path = OsStr::from_bytes(b"/tmp/d/\xff").to_owned();
+        assert_eq!(socket_path([raw]), Some(path));
     }
 
     #[test]

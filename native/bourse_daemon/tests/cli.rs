@@ -2,8 +2,9 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::net::UnixListener;
 use std::process::{Command, Output};
 
@@ -89,6 +90,72 @@ fn an_argument_that_is_not_utf8_is_refused_by_its_place() {
         assert!(!stderr.contains("panicked"), "{mode}: {stderr}");
         assert!(!stderr.contains("redis://"), "{mode}: {stderr}");
     }
+}
+
+/// The port's socket may be at a path that is not UTF-8: the daemon connects there (not
+/// to its lossy text) and serves it.
+#[test]
+fn a_stdio_socket_path_that_is_not_utf8_is_served() {
+    let dir = common::temp_path("raw-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut raw = dir.into_os_string().into_vec();
+    raw.extend_from_slice(b"/s\xff.sock");
+    let path = std::path::PathBuf::from(std::ffi::OsString::from_vec(raw));
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut daemon = Command::new(DAEMON)
+        .arg("--stdio")
+        .arg("--stdio-socket")
+        .arg(&path)
+        .spawn()
+        .expect("run bourse_daemon");
+    let (mut stream, _) = listener.accept().unwrap();
+    let hello = br#"{"id":1,"op":"hello"}"#;
+    stream
+        .write_all(&(hello.len() as u32).to_be_bytes())
+        .unwrap();
+    stream.write_all(hello).unwrap();
+    let mut header = [0u8; 4];
+    stream.read_exact(&mut header).unwrap();
+    let mut answer = vec![0u8; u32::from_be_bytes(header) as usize];
+    stream.read_exact(&mut answer).unwrap();
+    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["ok"], true, "{answer}");
+    drop(stream);
+    assert!(daemon.wait().unwrap().success());
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A secret in the environment is bytes, as in a file: one that is not UTF-8 (random
+/// bytes) is used, not taken for unset; a Redis password that is not UTF-8 is refused.
+#[test]
+fn secrets_in_the_environment_need_not_be_utf8() {
+    let random = std::ffi::OsStr::from_bytes(b"\xff\xfe-0123456789abcdef-\x80");
+    let mut served = Command::new(DAEMON)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("BOURSE_DAEMON_SECRET", random)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run bourse_daemon");
+    let mut line = String::new();
+    let stdout = served.stdout.take().unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+    let _ = served.kill();
+    let _ = served.wait();
+    assert!(line.starts_with("listening tcp "), "{line:?}");
+
+    let output = Command::new(DAEMON)
+        .args(["--stdio", "--redis", "redis://127.0.0.1:1"])
+        .env("BOURSE_REDIS_PASSWORD", random)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run bourse_daemon");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("the Redis password must be UTF-8"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -19,15 +19,21 @@ use flags::{Flags, Read};
 use secrets::read_secret;
 
 /// The arguments after the program name as text; one that is not UTF-8 (a flag's value
-/// passed as raw bytes) is refused, by its place only: it may hold a secret.
+/// passed as raw bytes) is refused, by its place only: it may hold a secret. The path of
+/// `--stdio-socket` may be any bytes: it was used as given before (`stdio_socket`).
 pub fn arguments<I: IntoIterator<Item = OsString>>(args: I) -> Result<Vec<String>, String> {
-    args.into_iter()
-        .enumerate()
-        .map(|(index, arg)| {
-            arg.into_string()
-                .map_err(|_| format!("argument {} is not UTF-8", index + 1))
-        })
-        .collect()
+    let mut texts: Vec<String> = Vec::new();
+    for (index, arg) in args.into_iter().enumerate() {
+        let socket_path = texts.last().is_some_and(|flag| flag == "--stdio-socket")
+            || arg.as_encoded_bytes().starts_with(b"--stdio-socket=");
+        let text = match arg.into_string() {
+            Ok(text) => text,
+            Err(arg) if socket_path => arg.to_string_lossy().into_owned(),
+            Err(_) => return Err(format!("argument {} is not UTF-8", index + 1)),
+        };
+        texts.push(text);
+    }
+    Ok(texts)
 }
 
 /// Parses the arguments after the program name. An error is a message for stderr.

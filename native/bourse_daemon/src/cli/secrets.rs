@@ -1,9 +1,12 @@
 //! Secrets (the TCP clients' shared secret, the Redis password and key secret): read from a
 //! file named on the command line or from the environment, never taken from the arguments.
 
+use std::os::unix::ffi::OsStringExt;
+
 /// Where secrets may come from: a file named on the command line, or the environment.
 pub trait Environment {
-    fn var(&self, name: &str) -> Option<String>;
+    /// The variable's bytes (a secret need not be UTF-8), `None` when unset or empty.
+    fn var(&self, name: &str) -> Option<Vec<u8>>;
     fn read(&self, path: &str) -> Result<Vec<u8>, String>;
 }
 
@@ -11,8 +14,9 @@ pub trait Environment {
 pub struct Process;
 
 impl Environment for Process {
-    fn var(&self, name: &str) -> Option<String> {
-        std::env::var(name).ok().filter(|value| !value.is_empty())
+    fn var(&self, name: &str) -> Option<Vec<u8>> {
+        let value = std::env::var_os(name)?.into_vec();
+        (!value.is_empty()).then_some(value)
     }
 
     fn read(&self, path: &str) -> Result<Vec<u8>, String> {
@@ -31,7 +35,7 @@ pub fn read_secret(
     let mut bytes = match file {
         Some(path) => env.read(path).map_err(|error| format!("{flag}: {error}"))?,
         None => match env.var(var) {
-            Some(value) => value.into_bytes(),
+            Some(value) => value,
             None => return Ok(None),
         },
     };

@@ -8,11 +8,11 @@ use super::*;
 struct Fake(Vec<(&'static str, &'static str)>);
 
 impl Environment for Fake {
-    fn var(&self, name: &str) -> Option<String> {
+    fn var(&self, name: &str) -> Option<Vec<u8>> {
         self.0
             .iter()
             .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.to_string())
+            .map(|(_, v)| v.as_bytes().to_vec())
     }
     fn read(&self, path: &str) -> Result<Vec<u8>, String> {
         Ok(format!("file: {path}\n").into_bytes())
