@@ -284,6 +284,17 @@ fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A client with the secret that connects to `addr` proves it, answered within `wait`.
+fn proved_client(addr: &str, wait: Duration) -> LineClient<TcpStream> {
+    let mut client = LineClient::new(TcpStream::connect(addr).unwrap());
+    client.stream.set_read_timeout(Some(wait)).unwrap();
+    assert_eq!(
+        authenticate(&mut client, SECRET.as_bytes()),
+        json!({"ok": true})
+    );
+    client
+}
+
 #[test]
 fn idle_and_unproved_connections_cannot_lock_out_a_real_client() {
     // Few descriptors, as on a host with `ulimit -n 256`.
@@ -293,19 +304,7 @@ fn idle_and_unproved_connections_cannot_lock_out_a_real_client() {
         .filter_map(|_| TcpStream::connect(&addr).ok())
         .collect();
     assert!(idle.len() >= 250, "{} connections", idle.len());
-    let stream = TcpStream::connect(&addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut client = LineClient::new(stream);
-    client
-        .stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    assert_eq!(
-        authenticate(&mut client, SECRET.as_bytes()),
-        json!({"ok": true})
-    );
+    let mut client = proved_client(&addr, Duration::from_secs(10));
     let answer =
         client.call(json!({"op": "check", "key": key("x", None), "limit": {"requests": 5}}));
     assert_eq!(answer["result"], "admitted");
@@ -328,17 +327,8 @@ fn greeted_connections_cannot_take_every_descriptor_of_a_low_limit() {
     assert!(greeted.len() >= 250, "{} connections", greeted.len());
     // Each hello read and answered, or its connection closed.
     std::thread::sleep(Duration::from_millis(500));
-    let stream = TcpStream::connect(&addr).unwrap();
-    let mut client = LineClient::new(stream);
     // Well before the unproved connections' own deadline (10 s) frees their descriptors.
-    client
-        .stream
-        .set_read_timeout(Some(Duration::from_secs(4)))
-        .unwrap();
-    assert_eq!(
-        authenticate(&mut client, SECRET.as_bytes()),
-        json!({"ok": true})
-    );
+    proved_client(&addr, Duration::from_secs(4));
     drop(greeted);
 }
 
