@@ -175,10 +175,11 @@ defmodule Bourse.RateLimiter.Router do
 
   @doc """
   Runs the call `fun` of `Bourse.RateLimiter` with `args` for the limiter process `pid` (a
-  `{:remote, pid}` route), which the caller named `name` (as its exits name it). On another node it runs in a process of that node, which
-  reaches the limiter's table as a local caller does: calls do not queue in the limiter's
-  mailbox, and each is bounded by its backend's own timeout. A limiter of this node still
-  starting (its entry not yet published) is called.
+  `{:remote, pid}` route), which the caller named `name` (as its exits name it). On another
+  node it runs in a process of that node, which reaches the limiter's table as a local
+  caller does: calls do not queue in the limiter's mailbox, and each is bounded by its
+  backend's own timeout. A limiter of this node still starting (its entry not yet
+  published) is called.
   """
   @spec run(pid(), atom(), list(), term()) :: term()
   def run(pid, fun, args, name)
