@@ -214,18 +214,6 @@ defmodule Bourse.RateLimiter do
   @doc "`check_rate(key, limit, cost)` is `check_rate(key, limit, cost, Bourse.RateLimiter)`."
   @spec check_rate(key(), rate_limit() | nil, number()) ::
           :ok | {:delay, pos_integer()} | error()
-  def check_rate(key, limit, cost) when is_atom(cost) and not is_boolean(cost) and cost != nil do
-    # A limiter's name in the cost's place: the message says where a name goes.
-    case check_rate(key, limit, cost, @default) do
-      {:error, %Error{type: :invalid_parameters, message: "cost " <> _ = message} = error} ->
-        hint = "; a limiter's name goes fourth: check_rate(key, limit, cost, name)"
-        {:error, %{error | message: message <> hint}}
-
-      other ->
-        other
-    end
-  end
-
   def check_rate(key, limit, cost), do: check_rate(key, limit, cost, @default)
 
   # What a prepared bucket's name reaches now: an atom's route is what it published.

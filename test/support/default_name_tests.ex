@@ -46,12 +46,6 @@ defmodule Bourse.DefaultNameContractTests do
         assert :ok = RateLimiter.check_rate({"ex", "k"}, nil)
         assert_invalid(RateLimiter.check_rate({"ex"}, @still))
         assert_invalid(RateLimiter.check_rate({"ex", "k"}, @still, -1))
-
-        # A limiter's name in the cost's place is refused, saying where a name goes.
-        message = assert_invalid(RateLimiter.check_rate({"ex", "k"}, @still, MyApp.Limiter))
-        assert message =~ "got an atom; a limiter's name goes fourth"
-        refute assert_invalid(RateLimiter.check_rate({"ex", "k"}, @still, "1")) =~ "fourth"
-        refute assert_invalid(RateLimiter.check_rate({"ex"}, @still, MyApp.Limiter)) =~ "fourth"
       end
 
       test "check_rates/1, check_rates/2 with a name or options, check_rates/3" do
