@@ -3005,6 +3005,50 @@ fn a_check_failing_in_redis_fails_alone_in_its_call() {
     );
 }
 
+/// Numbers another program wrote into a bucket that no bucket holds (NaN, an infinity, a
+/// definition <= 0) make its checks fail, `unavailable`, never admit: a NaN compares
+/// false with everything, so a bucket holding one admitted every check, and kept it. A
+/// pause end beyond the longest wait answers the longest wait.
+#[test]
+fn numbers_no_bucket_holds_are_refused_not_admitted() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 5, "refill_per_sec": 1});
+    let cases = [
+        ("b", "nan"),
+        ("b", "-nan"),
+        ("t", "nan"),
+        ("b", "inf"),
+        ("r", "nan"),
+        ("c", "-5"),
+        ("r", "inf"),
+    ];
+    for (n, (field, value)) in cases.into_iter().enumerate() {
+        let exchange = format!("h{n}");
+        let k = key(&exchange, None);
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        let bucket = format!("bourse:{{2:{exchange}}}:b:-:7:request");
+        let _: () = redis.query(::redis::cmd("HSET").arg(&bucket).arg(field).arg(value));
+        for _ in 0..20 {
+            let answer = t.call(check(&k, limit.clone(), 5.0));
+            assert_eq!(
+                load::classify(&answer),
+                "unavailable",
+                "{field}={value}: {answer}"
+            );
+        }
+    }
+    // A pause whose end is past any wait: the longest wait (1e12 ms), not a larger delay.
+    let k = key("h9", None);
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let pauses = "bourse:{2:h9}:p";
+    let _: () = redis.query(::redis::cmd("HSET").arg(pauses).arg("x").arg("1e20"));
+    let answer = t.call(check(&k, limit.clone(), 1.0));
+    assert_eq!(answer["result"], "delay", "{answer}");
+    assert_eq!(answer["ms"], 1_000_000_000_000u64, "{answer}");
+}
+
 /// Commands the script ran on `redis` since the stats were reset: all but the daemon's
 /// own (the script call, TIME for its clock, stats reading).
 fn script_commands(redis: &Redis) -> (u64, String) {

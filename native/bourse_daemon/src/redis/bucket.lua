@@ -170,7 +170,7 @@ local function covers(tokens, cost)
 end
 
 local function delay_ms(from, to)
-  return math.max(math.ceil((to - from) / 1000), 1)
+  return math.max(math.ceil(math.min(to - from, MAX_WAIT) / 1000), 1)
 end
 
 -- A check's answer as one line: the result alone when its numbers (the delay in ms, 1 if a
@@ -181,6 +181,22 @@ local function answer(result, ms, paused, lapsed)
     return result
   end
   return string.format('%d %d %d %s', ms, paused, lapsed, result)
+end
+
+-- A stored number, or nil when it is none or not finite: NaN and the infinities, which only
+-- another program writes, are refused as malformed (a NaN compares false with everything,
+-- so a bucket holding one would admit every check).
+local function finite(text)
+  local x = tonumber(text)
+  if x and x == x and x > -math.huge and x < math.huge then
+    return x
+  end
+end
+
+-- A stored definition's number: finite and > 0, or nil.
+local function positive(text)
+  local x = finite(text)
+  return x and x > 0 and x or nil
 end
 
 -- The number a bucket's `k` or `q` field (written with its `t`, read as `t_text`) holds
@@ -209,14 +225,21 @@ local function load(key, now, id, request)
   if request and v[1] == request.c_text and v[2] == request.r_text then
     c, r = request.c, request.r
   else
-    c, r = tonumber(v[1]), tonumber(v[2])
+    c, r = positive(v[1]), positive(v[2])
+    if (v[1] and not c) or (v[2] and not r) then
+      error('malformed bucket')
+    end
+  end
+  local b, t = finite(v[3]), finite(v[4])
+  if not (b and t) then
+    error('malformed bucket')
   end
   -- Every field a bucket gets is named here, so that its table is sized once.
   local bucket = {
     c = c,
     r = r,
-    b = tonumber(v[3]),
-    t = tonumber(v[4]),
+    b = b,
+    t = t,
     expiry = nil,
     expiry_read = nil,
     expiry_text = nil,
