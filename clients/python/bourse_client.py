@@ -194,7 +194,11 @@ class BourseClient:
         self.server = hello.get("server")
         auth = hello.get("auth")
         if auth is not None:
-            self._prove(auth, secret)
+            try:
+                self._prove(auth, secret)
+            except BaseException:
+                self.close()
+                raise
         elif not isinstance(address, str):
             # Every daemon serving TCP asks (a Unix socket's permissions stand for the proof).
             self.close()
@@ -217,7 +221,8 @@ class BourseClient:
         """Proves the secret (the HMAC-SHA256 of the hello's nonce), and has the daemon prove
         it in turn over a challenge of ours; the secret itself never travels."""
         if secret is None:
-            secret = os.environ.get("BOURSE_DAEMON_SECRET", "").encode() or None
+            # Bytes, as the daemon reads it: a secret need not be UTF-8.
+            secret = os.environb.get(b"BOURSE_DAEMON_SECRET", b"") or None
         if (secret is None or auth.get("scheme") != "hmac-sha256"
                 or not isinstance(auth.get("nonce"), str)):
             self.close()
@@ -532,8 +537,8 @@ def _budget(left: int, max_wait_ms: int, first: bool) -> str:
 
 def _exchange_of(fields: dict) -> Optional[str]:
     """The exchange a request names, as Elixir reads it for errors raised in the caller:
-    the key's (or target's) exchange; of several checks, theirs if the first 1024 name
-    exactly one."""
+    the key's (target's, credential's) exchange; of several checks, theirs if the first
+    1024 name exactly one."""
     def of(candidate: Any) -> Optional[str]:
         if isinstance(candidate, dict) and isinstance(candidate.get("exchange"), str):
             return candidate["exchange"]
@@ -542,7 +547,7 @@ def _exchange_of(fields: dict) -> Optional[str]:
         named = {of(c.get("key")) for c in fields["checks"][:_MAX_CHECKS] if isinstance(c, dict)}
         named.discard(None)
         return named.pop() if len(named) == 1 else None
-    for candidate in (fields.get("key"), fields.get("target")):
+    for candidate in (fields.get("key"), fields.get("target"), fields.get("credential")):
         if of(candidate) is not None:
             return of(candidate)
     return fields["exchange"] if isinstance(fields.get("exchange"), str) else None

@@ -54,13 +54,13 @@ SECRET = b"python-test-secret-0123"
 class Daemon:
     """A daemon on a free loopback port and a Unix socket, stopped with SIGTERM."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, secret: bytes = SECRET):
         self.dir = tempfile.TemporaryDirectory()
         self.socket = os.path.join(self.dir.name, "bourse.sock")
         self.process = subprocess.Popen(
             [daemon_binary(), "--listen", "127.0.0.1:0", "--socket", self.socket, *extra],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, "BOURSE_DAEMON_SECRET": SECRET.decode()})
+            env={**os.environb, b"BOURSE_DAEMON_SECRET": secret})
         tcp = self.process.stdout.readline().split()
         unix = self.process.stdout.readline().split()
         assert tcp[:2] == ["listening", "tcp"] and unix[:2] == ["listening", "unix"], (tcp, unix)
@@ -171,6 +171,25 @@ class BourseClientTest(unittest.TestCase):
         with self.assertRaises(BourseError) as raised:
             self.client.back_off("bybit", "k", scope="everything")
         self.assertEqual(raised.exception.type, "invalid_parameters")
+        # Refused in the client (bytes are not JSON): the error names the exchange too.
+        with self.assertRaises(BourseError) as raised:
+            self.client.back_off("bybit", b"K")
+        self.assertEqual(raised.exception.exchange, "bybit")
+
+    def test_a_secret_in_the_environment_is_bytes_as_the_daemon_reads_it(self):
+        raw = b"python-\xff\xfe-secret-0123456789"
+        daemon = Daemon(secret=raw)
+        saved = os.environb.get(b"BOURSE_DAEMON_SECRET")
+        os.environb[b"BOURSE_DAEMON_SECRET"] = raw
+        try:
+            with BourseClient(daemon.tcp) as client:
+                self.assertTrue(client.check("e", "k", SLOW).admitted)
+        finally:
+            if saved is None:
+                del os.environb[b"BOURSE_DAEMON_SECRET"]
+            else:
+                os.environb[b"BOURSE_DAEMON_SECRET"] = saved
+            self.assertEqual(daemon.stop(), 0)
 
     def test_errors_raise(self):
         with self.assertRaises(BourseError) as raised:
