@@ -172,9 +172,12 @@ fn stdio_reads_terms_after_the_first_hello_and_survives_hostile_ones() {
     daemon.send_frame(CHECK);
     admitted(&daemon.recv_bytes().expect("an answer"));
     assert!(peak_kb(daemon.child.id()) < 256 * 1024);
-    // A half frame at the end of the stream is not executed; the daemon exits 0.
+    // A half frame at the end of the stream is answered, as a term, and not executed; the
+    // daemon exits 0.
     daemon.send_raw(&[0, 0, 0, 50, 131]);
     daemon.close_stdin();
+    let cut = daemon.recv_bytes().expect("the cut frame is answered");
+    assert!(contains(&cut, b"the stream ended in the middle of a frame"));
     assert_eq!(daemon.recv_bytes(), None);
     assert_eq!(common::wait_exit(&mut daemon.child).code(), Some(0));
 }

@@ -235,9 +235,12 @@ fn stdio_answers_every_hostile_frame_and_goes_on() {
             .map(|_| daemon.recv_frame().expect("an answer"))
             .collect();
         judge(&frames, answers, &mut daemon);
-        // A half frame at the end of the stream is not executed; the daemon exits 0.
+        // A half frame at the end of the stream is answered and not executed; the daemon
+        // exits 0.
         daemon.send_raw(&[0, 0, 0, 50, b'{']);
         daemon.close_stdin();
+        let cut = daemon.recv_frame().expect("the cut frame is answered");
+        assert_eq!(cut["error"]["type"], "invalid_parameters", "{cut}");
         assert_eq!(daemon.recv_frame(), None);
         assert_eq!(common::wait_exit(&mut daemon.child).code(), Some(0));
     }
