@@ -296,9 +296,10 @@ fn claim(
         bucket.told(now, ready.saturating_sub(now));
     }
     let outcome = Outcome::Delay(delay_ms(now, ready));
-    match outcome.past_budget(request.mode) {
-        true => stats.over_budget += 1,
-        false => stats.delayed += 1,
+    if outcome.past_budget(request.mode) {
+        stats.over_budget += 1;
+    } else {
+        stats.delayed += 1;
     }
     stats.paused += u64::from(pause_until > now);
     outcome

@@ -443,6 +443,9 @@ pub struct LimitKeys {
 /// keys it holds and how many others (a misspelt key shows); a larger one, which no limit
 /// is, by its size alone. Other keys are counted, never shown: any term may be one.
 pub fn not_a_limit_map(size: usize, keys: LimitKeys) -> InvalidInput {
+    if size == 0 || size > 2 {
+        return not_a_limit(Shape::Map { size });
+    }
     let held: Vec<&str> = [
         (keys.capacity, ":capacity"),
         (keys.refill_per_sec, ":refill_per_sec"),
@@ -452,9 +455,6 @@ pub fn not_a_limit_map(size: usize, keys: LimitKeys) -> InvalidInput {
     .into_iter()
     .filter_map(|(held, name)| held.then_some(name))
     .collect();
-    if size == 0 || size > 2 {
-        return not_a_limit(Shape::Map { size });
-    }
     let others = size.saturating_sub(held.len());
     let others_text = format!(
         "{} other than :capacity, :refill_per_sec, :requests and :period",

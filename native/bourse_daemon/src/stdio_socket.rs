@@ -28,6 +28,11 @@ pub fn redirect<I: IntoIterator<Item = OsString>>(args: I) -> Result<(), String>
     Ok(())
 }
 
+/// Whether `arg`, after the argument `previous`, is the socket's path.
+pub fn names_path(previous: Option<&str>, arg: &OsStr) -> bool {
+    previous == Some(FLAG) || inline_path(arg).is_some()
+}
+
 /// The value of the flag (`--stdio-socket PATH` or `--stdio-socket=PATH`).
 fn socket_path<I: IntoIterator<Item = OsString>>(args: I) -> Option<OsString> {
     let mut args = args.into_iter();
@@ -35,15 +40,17 @@ fn socket_path<I: IntoIterator<Item = OsString>>(args: I) -> Option<OsString> {
         if arg == FLAG {
             return args.next();
         }
-        if let Some(path) = arg
-            .as_bytes()
-            .strip_prefix(FLAG.as_bytes())
-            .and_then(|rest| rest.strip_prefix(b"="))
-        {
-            return Some(OsStr::from_bytes(path).to_owned());
+        if let Some(path) = inline_path(&arg) {
+            return Some(path.to_owned());
         }
     }
     None
+}
+
+/// The path of `--stdio-socket=PATH`.
+fn inline_path(arg: &OsStr) -> Option<&OsStr> {
+    let rest = arg.as_bytes().strip_prefix(FLAG.as_bytes())?;
+    rest.strip_prefix(b"=").map(OsStr::from_bytes)
 }
 
 #[cfg(test)]

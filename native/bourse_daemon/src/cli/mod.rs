@@ -14,6 +14,7 @@ pub use usage::USAGE;
 use std::ffi::OsString;
 
 use crate::redis::{has_password, Servers};
+use crate::stdio_socket;
 use bourse_core::rules::MIN_SECRET_BYTES;
 use flags::{Flags, Read};
 use secrets::read_secret;
@@ -24,8 +25,7 @@ use secrets::read_secret;
 pub fn arguments<I: IntoIterator<Item = OsString>>(args: I) -> Result<Vec<String>, String> {
     let mut texts: Vec<String> = Vec::new();
     for (index, arg) in args.into_iter().enumerate() {
-        let socket_path = texts.last().is_some_and(|flag| flag == "--stdio-socket")
-            || arg.as_encoded_bytes().starts_with(b"--stdio-socket=");
+        let socket_path = stdio_socket::names_path(texts.last().map(String::as_str), &arg);
         let text = match arg.into_string() {
             Ok(text) => text,
             Err(arg) if socket_path => arg.to_string_lossy().into_owned(),
