@@ -4,7 +4,7 @@ export LANG := C.UTF-8
 export LC_ALL := C.UTF-8
 export MIX_ENV ?= dev
 
-APT_PACKAGES := elixir erlang-dev erlang-dialyzer erlang-proper redis-server python3 procps
+APT_PACKAGES := elixir erlang-dev erlang-dialyzer erlang-proper redis-server lua5.1 python3 procps
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps build lint dialyzer test demo bench

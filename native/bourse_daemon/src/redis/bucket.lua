@@ -209,15 +209,22 @@ local function written_with(field, t_text)
   end
 end
 
+-- A bucket's fields as `load` reads them: c, r, b, t, k, q, s, n and, with a booking id,
+-- that booking's field, in one HMGET.
+local function read_bucket(key, id)
+  return id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n', 'w:' .. id)
+    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n')
+end
+
 -- A stored bucket, or nil. A clock that stepped back is treated as "no time passed since
 -- the last payment": the bucket refills nothing until the clock passes it again. With a
--- booking id, also that booking's field (or nil), read in the same HMGET. A definition
--- stored as the `request`'s arguments spell it is the request's (not parsed again).
--- `expiry` is set while `k` holds (see the layout): the bucket then has no bookings;
--- `refunds_at_most` while `q` holds. `n_text`: its definition time `n` as stored.
-local function load(key, now, id, request)
-  local v = id and call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n', 'w:' .. id)
-    or call('HMGET', key, 'c', 'r', 'b', 't', 'k', 'q', 's', 'n')
+-- booking id, also that booking's field (or nil). A definition stored as the `request`'s
+-- arguments spell it is the request's (not parsed again). `expiry` is set while `k` holds
+-- (see the layout): the bucket then has no bookings; `refunds_at_most` while `q` holds.
+-- `n_text`: its definition time `n` as stored. `read`: the bucket's fields if already read
+-- (`read_bucket`).
+local function load(key, now, id, request, read)
+  local v = read or read_bucket(key, id)
   if not v[3] then
     return nil, v[9] or nil
   end
@@ -956,10 +963,14 @@ local function checks(now, late)
     if deadline > 0 and now > deadline then
       answers[j] = 'late'
     else
-      local ok, items, line = pcall(decide, now, k, a + 2)
+      local ok, items, line, marker, kept = pcall(decide, now, k, a + 2)
       if ok then
-        for _, item in ipairs(items) do
-          markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+        if items then
+          for _, item in ipairs(items) do
+            markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+          end
+        else
+          markers[marker] = math.max(markers[marker] or 0, kept)
         end
         answers[j] = line
       else
@@ -974,9 +985,62 @@ local function checks(now, late)
   return { now, text }
 end
 
--- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1].
+-- The common check, decided without `decide`'s tables: one key, by a limiter without
+-- assume_busy_at_start, whose bucket (its fields `read`) holds the request's definition,
+-- was paid without bookings (its `k` holds) and covers the cost, not held by a pause.
+-- Pays and keeps it as `decide` would (`spend`, `save_unbooked`); returns the answer, the
+-- exchange's marker and the ms the bucket is kept. Any other check: nil, having written
+-- nothing.
+local function admit_plain(now, k, at, read)
+  local a = item_at(at, 1)
+  local c_text, r_text = ARGV[a + 1], ARGV[a + 2]
+  if ARGV[at + 4] ~= '0' or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
+    or read[2] ~= r_text then
+    return nil
+  end
+  local b, t = finite(read[3]), finite(read[4])
+  local expiry, expiry_text = written_with(read[5], read[4])
+  if not (b and t and expiry) or t > now then
+    return nil
+  end
+  if parse(ARGV[at + 2]) > 0 then
+    -- As `find_bookings`: a key of another type fails the check.
+    call('ZCARD', KEYS[k + 2])
+  end
+  local group = parse(ARGV[a + 4])
+  local held_until = pause_end(KEYS[k + 1 + 2 * group], ARGV[a + 5], ARGV[a + 6])
+  local c, r, cost = parse(c_text), parse(r_text), parse(ARGV[a + 3])
+  local cap = math.max(c, cost)
+  local available = math.min(b + r * ((now - t) / 1e6), cap)
+  if held_until > now or not covers(available, cost) then
+    return nil
+  end
+  local paid = available - cost
+  local ttl = math.max(c / r * 1e6, (c - paid) / r * 1e6, 0)
+  local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
+  local now_ms, now_text, key = math.floor(now / 1000), fmt_time(now), KEYS[k + 1]
+  local renew = expiry < now_ms + ms
+  if renew then
+    ms = ms + KEEP_AHEAD
+    expiry_text = int(now_ms + ms - EXPIRY_SLACK)
+  end
+  local k_text, q_text = now_text .. ' ' .. expiry_text, now_text .. ' 0'
+  call('HSET', key, 'b', fmt(paid), 't', now_text, 'k', k_text, 'q', q_text)
+  if renew then
+    call('PEXPIRE', key, int_text(ms))
+  end
+  return 'admitted ' .. (read[8] or '-'), KEYS[k + 2 + 2 * group], renew and ms or expiry - now_ms
+end
+
+-- One check, its keys from KEYS[k + 1] and its arguments from ARGV[at + 1]. Returns its
+-- items and its answer, or false, the answer, the marker and its ms (`admit_plain`).
 decide = function(now, k, at)
   local id, max_wait = ARGV[at + 1], parse(ARGV[at + 2])
+  local read = read_bucket(KEYS[k + 1], id)
+  local line, marker, kept = admit_plain(now, k, at, read)
+  if line then
+    return false, line, marker, kept
+  end
   local waits = max_wait > 0
   local busy, n = ARGV[at + 4] == '1', parse(ARGV[at + 5])
   local items, began, markers = {}, {}, {}
@@ -1011,7 +1075,7 @@ decide = function(now, k, at)
       undefined = nil,
       redefined = nil,
     }
-    item.loaded, item.found = load(item.key, now, id, item)
+    item.loaded, item.found = load(item.key, now, id, item, i == 1 and read or nil)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
       began[group], markers[marker] = state_began(marker, now, busy)
     end

@@ -148,6 +148,16 @@ impl Call {
         }
     }
 
+    /// An empty call with room for `keys` keys and `args` arguments, `bytes` in all.
+    pub fn with_capacity(keys: usize, args: usize, bytes: usize) -> Self {
+        Self {
+            data: Vec::with_capacity(bytes),
+            keys: Vec::with_capacity(keys),
+            args: Vec::with_capacity(args),
+            read_only: false,
+        }
+    }
+
     pub fn is_read_only(&self) -> bool {
         self.read_only
     }

@@ -236,7 +236,9 @@ impl Store for RedisStore {
                 booking_slack_ms,
             } => (max_wait_ms, booking_slack_ms),
         };
-        let mut call = Call::default();
+        // Each item's two keys, its group's two and its seven arguments, with their names.
+        let mut call =
+            Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
         call.arg_with(|out| {
             // Writing to a Vec cannot fail.
             let _ = write!(out, "{owner}:{}", signature(&items));
