@@ -29,6 +29,9 @@ use crate::redis::RedisStore;
 use crate::server::UnprovedBounds;
 use crate::store::{Memory, Store};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     // Its own socket is found before the other arguments are judged, so that a port is told
     // there why they are refused.
