@@ -332,6 +332,70 @@ fn greeted_connections_cannot_take_every_descriptor_of_a_low_limit() {
     drop(greeted);
 }
 
+/// Four floods at once of connections that each send a `hello` and are held (as many as a
+/// low descriptor limit allows, then the oldest closed) never run the daemon out of
+/// descriptors: it accepts a connection only when one of its places for connections that
+/// have not proved the secret is free, after the one it evicted has closed. Clients with
+/// the secret all prove it meanwhile.
+#[test]
+fn concurrent_floods_never_run_a_low_limit_out_of_descriptors() {
+    let log = std::env::temp_dir().join(format!("bourse-floods-{}.log", std::process::id()));
+    let prelude = format!("ulimit -n 150; exec 2>'{}'", log.display());
+    let daemon = Shell::start(&prelude, &["--listen", "127.0.0.1:0"]);
+    let addr = daemon.tcp();
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicUsize::new(0));
+    let floods: Vec<_> = (0..4)
+        .map(|_| {
+            let (addr, stop, opened) = (addr.clone(), Arc::clone(&stop), Arc::clone(&opened));
+            std::thread::spawn(move || {
+                let hello = format!("{}\n", json!({"op": "hello"}));
+                let mut held = std::collections::VecDeque::new();
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(mut stream) = TcpStream::connect(&addr) {
+                        let _ = stream.write_all(hello.as_bytes());
+                        held.push_back(stream);
+                        opened.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if held.len() > 100 {
+                        held.pop_front();
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // A connection sent its nonce may be evicted by the floods' own before it proves the
+    // secret (they too are sent theirs): the client then connects again.
+    for client in 0..10 {
+        let started = std::time::Instant::now();
+        let proved = (0..100).any(|_| {
+            greeted(&addr).is_some_and(|(stream, nonce)| {
+                let proof = common::proof(SECRET.as_bytes(), &nonce);
+                call(&stream, &json!({"op": "auth", "proof": proof})) == Some(json!({"ok": true}))
+            })
+        });
+        assert!(proved, "client {client} never proved the secret");
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "client {client} took {took:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for flood in floods {
+        flood.join().unwrap();
+    }
+    let opened = opened.load(Ordering::Relaxed);
+    // Far more than the descriptors: the daemon closed most of them.
+    assert!(opened >= 200, "the floods opened only {opened} connections");
+    drop(daemon);
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    assert!(!logged.contains("accept:"), "{logged}");
+}
+
 /// Connections opened as fast as one thread can and held without a word (another local
 /// user's, say) do not close a client's connection while it proves the secret: 20
 /// clients, each with at least 20 ms and 256 such connections between the answer to its

@@ -267,11 +267,12 @@ impl Listener {
     async fn accept<S: Store>(&self, context: &Context<S>) -> io::Result<()> {
         match self {
             Self::Tcp(listener) => {
+                let descriptor = context.unproved.descriptor().await?;
                 let (stream, _) = listener.accept().await?;
                 // Small answers must not wait for Nagle (best effort: a reset peer is
                 // found out by its first read).
                 let _ = stream.set_nodelay(true);
-                let slot = Slot::Unproved(context.unproved.admit());
+                let slot = Slot::Unproved(context.unproved.admit(Some(descriptor)));
                 tokio::spawn(serve(stream, context.clone(), slot));
             }
             Self::Unix(listener) => {
@@ -396,6 +397,9 @@ enum Slot {
 struct Unproved {
     queues: Mutex<Queues>,
     bounds: UnprovedBounds,
+    /// The descriptors of the connections in the queues, and of those evicted until they
+    /// close: as many as the queues hold.
+    descriptors: Arc<Semaphore>,
 }
 
 /// The entries of [`Unproved`], oldest first.
@@ -437,21 +441,46 @@ impl Unproved {
         Self {
             queues: Mutex::default(),
             bounds,
+            descriptors: Arc::new(Semaphore::new(bounds.silent + bounds.greeted)),
         }
     }
 
-    /// A place among the silent connections, for a new one.
-    fn admit(self: &Arc<Self>) -> Place {
-        self.join(false)
+    /// A descriptor for the next connection accepted, once one is free. When every one is
+    /// held by a connection in the queues (the silent ones are then as many as their
+    /// bound), the oldest silent one is evicted, as the new one would evict it, and its
+    /// descriptor taken once it has closed: evicted connections never hold descriptors
+    /// beyond the queues' bounds, however fast new ones come.
+    async fn descriptor(&self) -> io::Result<OwnedSemaphorePermit> {
+        let descriptors = Arc::clone(&self.descriptors);
+        if let Ok(descriptor) = Arc::clone(&descriptors).try_acquire_owned() {
+            return Ok(descriptor);
+        }
+        {
+            let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+            if queues.silent.len() + queues.greeted.len()
+                >= self.bounds.silent + self.bounds.greeted
+            {
+                if let Some(oldest) = queues.silent.pop_front() {
+                    oldest.evict();
+                }
+            }
+        }
+        descriptors.acquire_owned().await.map_err(io::Error::other)
     }
 
-    /// A place among the greeted connections, for one just sent its nonce.
-    fn greet(self: &Arc<Self>) -> Place {
-        self.join(true)
+    /// A place among the silent connections, for a new one holding `descriptor`.
+    fn admit(self: &Arc<Self>, descriptor: Option<OwnedSemaphorePermit>) -> Place {
+        self.join(false, descriptor)
+    }
+
+    /// A place among the greeted connections, for one just sent its nonce; it takes over
+    /// the descriptor of its silent place.
+    fn greet(self: &Arc<Self>, silent: &mut Place) -> Place {
+        self.join(true, silent.descriptor.take())
     }
 
     /// A place at the end of a queue, evicting the queue's oldest past its bound.
-    fn join(self: &Arc<Self>, greeted: bool) -> Place {
+    fn join(self: &Arc<Self>, greeted: bool, descriptor: Option<OwnedSemaphorePermit>) -> Place {
         let entry = Arc::new(Evictable {
             greeted,
             evicted: AtomicBool::new(false),
@@ -471,6 +500,7 @@ impl Unproved {
         Place {
             unproved: Arc::clone(self),
             entry,
+            descriptor,
         }
     }
 
@@ -480,10 +510,12 @@ impl Unproved {
     }
 }
 
-/// A connection's place in a queue of [`Unproved`], left when dropped.
+/// A connection's place in a queue of [`Unproved`], left when dropped, with the descriptor
+/// it was accepted with ([`Unproved::descriptor`]).
 struct Place {
     unproved: Arc<Unproved>,
     entry: Arc<Evictable>,
+    descriptor: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for Place {
@@ -583,7 +615,7 @@ where
                     }
                     // Proved: from now on it needs a connection slot, before another
                     // frame is served. Sent its nonce: from now on it is greeted.
-                    if let Slot::Unproved(place) = &slot {
+                    if let Slot::Unproved(place) = &mut slot {
                         if session.authenticated() {
                             input.allow(max_frame_bytes);
                             match Arc::clone(&context.connections).try_acquire_owned() {
@@ -615,7 +647,7 @@ where
                                 }
                             }
                         } else if session.nonce_sent() && !place.entry.greeted {
-                            slot = Slot::Unproved(context.unproved.greet());
+                            slot = Slot::Unproved(context.unproved.greet(place));
                             looked = false;
                         }
                     }
@@ -995,9 +1027,9 @@ mod tests {
     #[test]
     fn silent_connections_evict_only_silent_ones() {
         let unproved = Arc::new(Unproved::new(UnprovedBounds::FULL));
-        let first = unproved.admit();
-        let greeted: Vec<Place> = (0..MAX_GREETED).map(|_| unproved.greet()).collect();
-        let silent: Vec<Place> = (0..10 * MAX_SILENT).map(|_| unproved.admit()).collect();
+        let first = unproved.admit(None);
+        let greeted: Vec<Place> = (0..MAX_GREETED).map(|_| greet(&unproved)).collect();
+        let silent: Vec<Place> = (0..10 * MAX_SILENT).map(|_| unproved.admit(None)).collect();
         assert!(first.entry.is_evicted());
         assert!(greeted.iter().all(|place| !place.entry.is_evicted()));
         let kept = silent.iter().position(|place| !place.entry.is_evicted());
@@ -1009,7 +1041,7 @@ mod tests {
         assert!(silent[silent.len() - MAX_SILENT..]
             .iter()
             .all(|place| !place.entry.is_evicted()));
-        let newest = unproved.greet();
+        let newest = greet(&unproved);
         let evicted: Vec<bool> = greeted
             .iter()
             .map(|place| place.entry.is_evicted())
@@ -1019,5 +1051,67 @@ mod tests {
         assert!(!silent.last().unwrap().entry.is_evicted());
         drop((first, greeted, silent, newest));
         assert!(unproved.is_empty());
+    }
+
+    /// A place among the greeted connections without one among the silent ones first.
+    fn greet(unproved: &Arc<Unproved>) -> Place {
+        unproved.join(true, None)
+    }
+
+    /// Whether `descriptor` stays pending for a while.
+    async fn pending<F: std::future::Future>(descriptor: F) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), descriptor)
+            .await
+            .is_err()
+    }
+
+    /// A connection evicted holds its descriptor until it closes: the next descriptor is
+    /// given only then, and evicts no one else meanwhile.
+    #[tokio::test]
+    async fn an_evicted_connection_holds_its_descriptor_until_it_closes() {
+        let bounds = UnprovedBounds {
+            silent: 2,
+            greeted: 1,
+            lingering: 1,
+        };
+        let unproved = Arc::new(Unproved::new(bounds));
+        let mut places = Vec::new();
+        for _ in 0..3 {
+            let descriptor = unproved.descriptor().await.unwrap();
+            places.push(unproved.admit(Some(descriptor)));
+        }
+        assert!(places[0].entry.is_evicted());
+        assert!(pending(unproved.descriptor()).await);
+        assert!(!places[1].entry.is_evicted());
+        drop(places.remove(0));
+        let descriptor = unproved.descriptor().await.unwrap();
+        places.push(unproved.admit(Some(descriptor)));
+        assert!(places[0].entry.is_evicted());
+    }
+
+    /// With every descriptor held by a connection in the queues, the next one evicts the
+    /// oldest silent one, never a greeted one, and is given once it has closed.
+    #[tokio::test]
+    async fn a_full_house_gives_the_oldest_silent_connections_descriptor() {
+        let bounds = UnprovedBounds {
+            silent: 2,
+            greeted: 1,
+            lingering: 1,
+        };
+        let unproved = Arc::new(Unproved::new(bounds));
+        let descriptor = unproved.descriptor().await.unwrap();
+        let mut greeted = unproved.admit(Some(descriptor));
+        let greeted = unproved.greet(&mut greeted);
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            let descriptor = unproved.descriptor().await.unwrap();
+            silent.push(unproved.admit(Some(descriptor)));
+        }
+        assert!(!silent[0].entry.is_evicted());
+        assert!(pending(unproved.descriptor()).await);
+        assert!(silent[0].entry.is_evicted());
+        assert!(!silent[1].entry.is_evicted() && !greeted.entry.is_evicted());
+        drop(silent.remove(0));
+        assert!(unproved.descriptor().await.is_ok());
     }
 }
