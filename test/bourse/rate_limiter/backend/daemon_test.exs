@@ -556,8 +556,9 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
 
     started = now_ms()
     name = start_limiter({:daemon, {:unix, path}, timeout: 300})
-    # At most 1 s for a connection (5 s before, whatever the timeout).
-    assert now_ms() - started < 3_000, "started after #{now_ms() - started} ms"
+    # At most 1 s for a connection (5 s before, whatever the timeout); the bound leaves a
+    # loaded machine room (3.3 s seen) and still tells the two apart.
+    assert now_ms() - started < 4_500, "started after #{now_ms() - started} ms"
 
     assert {:error, %Error{type: :unavailable}} =
              RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
