@@ -13,7 +13,8 @@
 #      in this VM and again in one started with +IOs false,
 #      beside one caller's floor in this VM (a port to a peer that does no work, answering
 #      at once or a few µs later) and the daemon's own ceiling with Rust clients (pipelined,
-#      and one request in flight);
+#      and one request in flight), and the Redis script's own cost per check with and
+#      without its path for the common check;
 #   4. resident memory after 1,000,000 distinct keys, and after the sweep dropped them.
 #
 # `mix run bench/run.exs core elixir daemon memory` runs only the sections named.
@@ -323,6 +324,12 @@ defmodule Bench do
       ~w(run -q --release -p bourse_daemon --example redis_bench --) ++
         ~w(--store memory --store redis --clients 1 --clients 64 --seconds 1)
     )
+
+    IO.puts(
+      "\nThe Redis script alone, with and without its path for the common check (--example script_bench):\n"
+    )
+
+    cargo(~w(run -q --release -p bourse_daemon --example script_bench))
 
     IO.puts("")
   end
