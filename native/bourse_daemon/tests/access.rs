@@ -396,6 +396,43 @@ fn concurrent_floods_never_run_a_low_limit_out_of_descriptors() {
     assert!(!logged.contains("accept:"), "{logged}");
 }
 
+/// A listener waiting for its next connection holds no place of another's: with two
+/// listeners, connections taking every place of those that have not proved the secret on
+/// one (greeted ones, then silent ones, none closing) do not stall it, and a client with
+/// the secret proves it there at once.
+#[test]
+fn a_second_listener_does_not_stall_the_first() {
+    let daemon = Shell::start(":", &["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"]);
+    let addr = daemon.tcp();
+    let hello = format!("{}\n", json!({"op": "hello"}));
+    let said_hello: Vec<TcpStream> = (0..256)
+        .filter_map(|_| {
+            let mut stream = TcpStream::connect(&addr).ok()?;
+            stream.write_all(hello.as_bytes()).ok()?;
+            Some(stream)
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let said_nothing: Vec<TcpStream> = (0..64)
+        .filter_map(|_| TcpStream::connect(&addr).ok())
+        .collect();
+    assert_eq!((said_hello.len(), said_nothing.len()), (256, 64));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let proved = (0..10).any(|_| {
+        greeted(&addr).is_some_and(|(stream, nonce)| {
+            let proof = common::proof(SECRET.as_bytes(), &nonce);
+            call(&stream, &json!({"op": "auth", "proof": proof})) == Some(json!({"ok": true}))
+        })
+    });
+    let took = started.elapsed();
+    assert!(
+        proved && took < Duration::from_secs(3),
+        "proved: {proved}, took {took:?}"
+    );
+    drop((said_hello, said_nothing));
+}
+
 /// Connections opened as fast as one thread can and held without a word (another local
 /// user's, say) do not close a client's connection while it proves the secret: 20
 /// clients, each with at least 20 ms and 256 such connections between the answer to its

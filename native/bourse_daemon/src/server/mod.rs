@@ -158,7 +158,7 @@ pub async fn run<S: Store>(
         service: Arc::clone(&service),
         limits,
         connections: Arc::new(Semaphore::new(limits.max_connections)),
-        unproved: Arc::new(Unproved::new(limits.unproved)),
+        unproved: Arc::new(Unproved::new(limits.unproved, tcp_listeners.len())),
         lingering: Arc::new(Semaphore::new(limits.unproved.lingering)),
         shutdown,
         stopped: Arc::new(stopped),
@@ -397,8 +397,9 @@ enum Slot {
 struct Unproved {
     queues: Mutex<Queues>,
     bounds: UnprovedBounds,
-    /// The descriptors of the connections in the queues, and of those evicted until they
-    /// close: as many as the queues hold.
+    /// The descriptors of the connections in the queues, of those evicted until they
+    /// close, and of one connection being accepted per TCP listener: as many as the queues
+    /// hold, and one per listener.
     descriptors: Arc<Semaphore>,
 }
 
@@ -437,35 +438,25 @@ impl Evictable {
 }
 
 impl Unproved {
-    fn new(bounds: UnprovedBounds) -> Self {
+    /// Queues of `bounds` for the connections of `listeners` TCP listeners.
+    fn new(bounds: UnprovedBounds, listeners: usize) -> Self {
+        let places = bounds.silent + bounds.greeted + listeners;
         Self {
             queues: Mutex::default(),
             bounds,
-            descriptors: Arc::new(Semaphore::new(bounds.silent + bounds.greeted)),
+            descriptors: Arc::new(Semaphore::new(places)),
         }
     }
 
-    /// A descriptor for the next connection accepted, once one is free. When every one is
-    /// held by a connection in the queues (the silent ones are then as many as their
-    /// bound), the oldest silent one is evicted, as the new one would evict it, and its
-    /// descriptor taken once it has closed: evicted connections never hold descriptors
-    /// beyond the queues' bounds, however fast new ones come.
+    /// A descriptor for the next connection a listener accepts, once one is free: evicted
+    /// connections never hold descriptors beside new ones, however fast these come. The
+    /// queues never hold more than their bounds, so when none is free, a connection they
+    /// evicted still holds one, and gives it back as it closes.
     async fn descriptor(&self) -> io::Result<OwnedSemaphorePermit> {
-        let descriptors = Arc::clone(&self.descriptors);
-        if let Ok(descriptor) = Arc::clone(&descriptors).try_acquire_owned() {
-            return Ok(descriptor);
-        }
-        {
-            let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-            if queues.silent.len() + queues.greeted.len()
-                >= self.bounds.silent + self.bounds.greeted
-            {
-                if let Some(oldest) = queues.silent.pop_front() {
-                    oldest.evict();
-                }
-            }
-        }
-        descriptors.acquire_owned().await.map_err(io::Error::other)
+        Arc::clone(&self.descriptors)
+            .acquire_owned()
+            .await
+            .map_err(io::Error::other)
     }
 
     /// A place among the silent connections, for a new one holding `descriptor`.
@@ -1026,7 +1017,7 @@ mod tests {
     /// its nonce evicts only the oldest greeted one; places are left when dropped.
     #[test]
     fn silent_connections_evict_only_silent_ones() {
-        let unproved = Arc::new(Unproved::new(UnprovedBounds::FULL));
+        let unproved = Arc::new(Unproved::new(UnprovedBounds::FULL, 1));
         let first = unproved.admit(None);
         let greeted: Vec<Place> = (0..MAX_GREETED).map(|_| greet(&unproved)).collect();
         let silent: Vec<Place> = (0..10 * MAX_SILENT).map(|_| unproved.admit(None)).collect();
@@ -1065,8 +1056,9 @@ mod tests {
             .is_err()
     }
 
-    /// A connection evicted holds its descriptor until it closes: the next descriptor is
-    /// given only then, and evicts no one else meanwhile.
+    /// A connection evicted holds its descriptor until it closes: past the queues' places
+    /// and the listeners' own, the next descriptor is given only then, and evicts no one
+    /// meanwhile.
     #[tokio::test]
     async fn an_evicted_connection_holds_its_descriptor_until_it_closes() {
         let bounds = UnprovedBounds {
@@ -1074,44 +1066,45 @@ mod tests {
             greeted: 1,
             lingering: 1,
         };
-        let unproved = Arc::new(Unproved::new(bounds));
-        let mut places = Vec::new();
+        let unproved = Arc::new(Unproved::new(bounds, 1));
+        let descriptor = unproved.descriptor().await.unwrap();
+        let mut greeted = unproved.admit(Some(descriptor));
+        let greeted = unproved.greet(&mut greeted);
+        let mut silent = Vec::new();
         for _ in 0..3 {
             let descriptor = unproved.descriptor().await.unwrap();
-            places.push(unproved.admit(Some(descriptor)));
+            silent.push(unproved.admit(Some(descriptor)));
         }
-        assert!(places[0].entry.is_evicted());
+        // Three silent ones for two places: the first evicted, still open.
+        assert!(silent[0].entry.is_evicted());
         assert!(pending(unproved.descriptor()).await);
-        assert!(!places[1].entry.is_evicted());
-        drop(places.remove(0));
-        let descriptor = unproved.descriptor().await.unwrap();
-        places.push(unproved.admit(Some(descriptor)));
-        assert!(places[0].entry.is_evicted());
+        assert!(!silent[1].entry.is_evicted() && !greeted.entry.is_evicted());
+        drop(silent.remove(0));
+        assert!(unproved.descriptor().await.is_ok());
     }
 
-    /// With every descriptor held by a connection in the queues, the next one evicts the
-    /// oldest silent one, never a greeted one, and is given once it has closed.
+    /// Each listener waiting to accept holds a descriptor of its own: with every place in
+    /// the queues taken and no evicted connection left, another listener's next
+    /// connection is still accepted (it evicts the oldest silent one as it joins).
     #[tokio::test]
-    async fn a_full_house_gives_the_oldest_silent_connections_descriptor() {
+    async fn a_listener_waiting_to_accept_holds_no_place_of_the_queues() {
         let bounds = UnprovedBounds {
             silent: 2,
             greeted: 1,
             lingering: 1,
         };
-        let unproved = Arc::new(Unproved::new(bounds));
+        let unproved = Arc::new(Unproved::new(bounds, 2));
+        let _waiting_to_accept = unproved.descriptor().await.unwrap();
         let descriptor = unproved.descriptor().await.unwrap();
         let mut greeted = unproved.admit(Some(descriptor));
-        let greeted = unproved.greet(&mut greeted);
+        let _greeted = unproved.greet(&mut greeted);
         let mut silent = Vec::new();
         for _ in 0..2 {
             let descriptor = unproved.descriptor().await.unwrap();
             silent.push(unproved.admit(Some(descriptor)));
         }
-        assert!(!silent[0].entry.is_evicted());
-        assert!(pending(unproved.descriptor()).await);
-        assert!(silent[0].entry.is_evicted());
-        assert!(!silent[1].entry.is_evicted() && !greeted.entry.is_evicted());
-        drop(silent.remove(0));
-        assert!(unproved.descriptor().await.is_ok());
+        let descriptor = tokio::time::timeout(Duration::from_secs(1), unproved.descriptor());
+        let newest = unproved.admit(Some(descriptor.await.unwrap().unwrap()));
+        assert!(silent[0].entry.is_evicted() && !newest.entry.is_evicted());
     }
 }
