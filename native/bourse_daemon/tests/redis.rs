@@ -3049,6 +3049,35 @@ fn numbers_no_bucket_holds_are_refused_not_admitted() {
     assert_eq!(answer["ms"], 1_000_000_000_000u64, "{answer}");
 }
 
+/// A bucket's record of its expiry (`k`) that is not a number, as only another program
+/// writes, is renewed by the next payment with the key's expiry, never kept.
+#[test]
+fn an_expiry_record_that_is_no_number_is_renewed() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 5, "refill_per_sec": 1});
+    for (n, odd) in ["nan", "-nan", "x"].into_iter().enumerate() {
+        let exchange = format!("k{n}");
+        let k = key(&exchange, None);
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        let bucket = format!("bourse:{{2:{exchange}}}:b:-:7:request");
+        let time: String = redis.query(::redis::cmd("HGET").arg(&bucket).arg("t"));
+        let _: () = redis.query(
+            ::redis::cmd("HSET")
+                .arg(&bucket)
+                .arg("k")
+                .arg(format!("{time} {odd}")),
+        );
+        let _: () = redis.query(::redis::cmd("PERSIST").arg(&bucket));
+        assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+        let ttl: i64 = redis.query(::redis::cmd("PTTL").arg(&bucket));
+        assert!(ttl > 0, "k = {odd}: PTTL {ttl}");
+        let record: String = redis.query(::redis::cmd("HGET").arg(&bucket).arg("k"));
+        assert!(!record.ends_with(odd), "k = {odd}: kept as {record}");
+    }
+}
+
 /// Commands the script ran on `redis` since the stats were reset: all but the daemon's
 /// own (the script call, TIME for its clock, stats reading).
 fn script_commands(redis: &Redis) -> (u64, String) {

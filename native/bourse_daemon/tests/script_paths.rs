@@ -2,7 +2,8 @@
 //! every other in `decide`. `tests/support/script_paths.lua` runs random sequences of
 //! `checks` calls through the script as it is and through the script with `admit_plain`
 //! never taken, each on its own Redis written in Lua, and compares the answers and every
-//! key, field and expiry after each call.
+//! key, field and expiry after each call; now and then another program writes an odd value
+//! (`nan`, `inf`, `1e309`, ...) into a bucket's field, or a bucket expires.
 //!
 //! Runs `lua5.1`, the Lua of Redis's scripts; skips, saying so, when it is not installed
 //! (`make deps` installs it).
@@ -17,7 +18,7 @@ fn the_common_check_is_decided_as_every_check_is() {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let harness = crate_dir.join("tests/support/script_paths.lua");
     let script = crate_dir.join("src/redis/bucket.lua");
-    for seed in 1..=8 {
+    for seed in 1..=12 {
         let output = match Command::new("lua5.1")
             .arg(&harness)
             .arg(&script)

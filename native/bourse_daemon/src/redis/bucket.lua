@@ -1019,7 +1019,8 @@ local function admit_plain(now, k, at, read)
   local ttl = math.max(c / r * 1e6, (c - paid) / r * 1e6, 0)
   local ms = math.ceil((math.min(ttl, MAX_WAIT) + MARGIN) / 1000)
   local now_ms, now_text, key = math.floor(now / 1000), fmt_time(now), KEYS[k + 1]
-  local renew = expiry < now_ms + ms
+  -- Written as `save_unbooked` tests it, so that an expiry that is not a number renews too.
+  local renew = not (expiry >= now_ms + ms)
   if renew then
     ms = ms + KEEP_AHEAD
     expiry_text = int(now_ms + ms - EXPIRY_SLACK)
