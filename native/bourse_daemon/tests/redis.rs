@@ -3104,6 +3104,22 @@ fn script_commands(redis: &Redis) -> (u64, String) {
     (total, stats)
 }
 
+/// A definition is stored as the daemon spells it in its calls (Rust's shortest form for a
+/// number that is not whole), so that the checks that follow find it equal to theirs as
+/// text and take the script's path for the common check.
+#[test]
+fn a_definition_is_stored_as_the_requests_spell_it() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("kraken", None);
+    let limit = json!({"capacity": 2.5, "refill_per_sec": 0.1});
+    assert_eq!(t.call(check(&k, limit, 1.0))["result"], "admitted");
+    let bucket = "bourse:{6:kraken}:b:-:7:request";
+    let stored: Vec<String> = redis.query(::redis::cmd("HMGET").arg(bucket).arg("c").arg("r"));
+    assert_eq!(stored, [format!("{}", 2.5f64), format!("{}", 0.1f64)]);
+}
+
 /// The common path stays cheap inside Redis (single-threaded, so its cost per check caps
 /// every daemon sharing it): an admitted check of three known buckets without bookings or
 /// pauses reads each bucket once and its pauses once per exchange.

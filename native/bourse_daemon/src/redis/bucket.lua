@@ -3,7 +3,8 @@
 -- table and one time.
 --
 -- Times are microseconds from Redis's TIME: exact in Lua's doubles. Whole numbers
--- are stored as integers, others with %.17g, which round-trips every double. Redis >= 5
+-- are stored as integers, others with %.17g, which round-trips every double (a definition
+-- as the requests spell it, which reads back exactly too). Redis >= 5
 -- replicates a script's effects, not the script, so reading TIME is allowed.
 --
 -- The file ends with `run`, the entry point: script.rs appends a line that either registers
@@ -114,13 +115,17 @@ end
 -- Numbers of few distinct values (counts, definitions, costs, expiries in ms) are parsed
 -- or formatted once, not on every check: inside Redis tonumber costs about 2k instructions
 -- and string.format 3.5k. A function library keeps them from call to call; past
--- MAX_REMEMBERED values both tables start again.
+-- MAX_REMEMBERED values the tables start again.
 local MAX_REMEMBERED = 1024
 local parsed, formatted, remembered = {}, {}, 0
+-- The text each definition's number came in, by number: a definition is stored as the
+-- requests spell it (every daemon writes a number alike), so that the checks that follow
+-- find the stored one equal to theirs without parsing it (`load`, `admit_plain`).
+local spelled = {}
 
 local function remember()
   if remembered >= MAX_REMEMBERED then
-    parsed, formatted, remembered = {}, {}, 0
+    parsed, formatted, spelled, remembered = {}, {}, {}, 0
   end
   remembered = remembered + 1
 end
@@ -133,6 +138,13 @@ local function parse(text)
     remember()
     parsed[text] = x
   end
+  return x
+end
+
+-- A request's capacity or refill (finite, > 0) parsed, its text remembered as its spelling.
+local function parse_definition(text)
+  local x = parse(text)
+  spelled[x] = spelled[x] or text
   return x
 end
 
@@ -282,7 +294,8 @@ local function save(key, bucket)
   bucket.shown = nil
   if bucket.defined then
     bucket.defined = nil
-    local c, r, n = fmt(bucket.c), fmt(bucket.r), fmt_time(call_now)
+    local c, r = spelled[bucket.c] or fmt(bucket.c), spelled[bucket.r] or fmt(bucket.r)
+    local n = fmt_time(call_now)
     bucket.n_text = n
     if shown then
       call('HSET', key, 'b', b, 't', t, 'k', k, 'q', q, 'c', c, 'r', r, 'n', n, 'f', shown)
@@ -1059,8 +1072,8 @@ decide = function(now, k, at)
       wkey = KEYS[k + 2 * i],
       c_text = ARGV[a + 1],
       r_text = ARGV[a + 2],
-      c = parse(ARGV[a + 1]),
-      r = parse(ARGV[a + 2]),
+      c = parse_definition(ARGV[a + 1]),
+      r = parse_definition(ARGV[a + 2]),
       cost = parse(ARGV[a + 3]),
       shown = ARGV[a + 7],
       group = group,

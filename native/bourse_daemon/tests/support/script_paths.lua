@@ -231,7 +231,7 @@ local run_b = script(general, redis_b)
 math.randomseed(seed)
 local P = 'bourse:{7:binance}'
 local credentials = { 'aa', 'bb', 'cc' }
-local definitions = { { '1', '1' }, { '2', '0.5' }, { '5', '10' }, { '3', '1' } }
+local definitions = { { '1', '1' }, { '2', '0.1' }, { '5', '10' }, { '3', '0.5' } }
 local costs = { '1', '1', '1', '2', '0.5' }
 local fields = { 'c', 'r', 'b', 't', 'k', 'q', 'n' }
 local odd_values = { 'nan', '-nan', 'inf', '-inf', '-0', '1e309', '', ' 5', '0x10', '1e-320' }
