@@ -115,17 +115,19 @@ end
 -- Numbers of few distinct values (counts, definitions, costs, expiries in ms) are parsed
 -- or formatted once, not on every check: inside Redis tonumber costs about 2k instructions
 -- and string.format 3.5k. A function library keeps them from call to call; past
--- MAX_REMEMBERED values the tables start again.
+-- MAX_REMEMBERED values both tables start again.
 local MAX_REMEMBERED = 1024
 local parsed, formatted, remembered = {}, {}, 0
 -- The text each definition's number came in, by number: a definition is stored as the
 -- requests spell it (every daemon writes a number alike), so that the checks that follow
--- find the stored one equal to theirs without parsing it (`load`, `admit_plain`).
-local spelled = {}
+-- find the stored one equal to theirs without parsing it (`load`, `admit_plain`). Started
+-- again only between calls (`run`), past MAX_REMEMBERED numbers, so that a definition
+-- parsed by a call is spelled when the call stores it.
+local spelled, spellings = {}, 0
 
 local function remember()
   if remembered >= MAX_REMEMBERED then
-    parsed, formatted, spelled, remembered = {}, {}, {}, 0
+    parsed, formatted, remembered = {}, {}, 0
   end
   remembered = remembered + 1
 end
@@ -144,7 +146,9 @@ end
 -- A request's capacity or refill (finite, > 0) parsed, its text remembered as its spelling.
 local function parse_definition(text)
   local x = parse(text)
-  spelled[x] = spelled[x] or text
+  if spelled[x] == nil then
+    spelled[x], spellings = text, spellings + 1
+  end
   return x
 end
 
@@ -1555,6 +1559,9 @@ local function run(keys, args)
     math, string, table, tonumber, tostring, ipairs, pairs, pcall, type, call = libraries()
   end
   KEYS, ARGV = keys, args
+  if spellings >= MAX_REMEMBERED then
+    spelled, spellings = {}, 0
+  end
   local op = ops[ARGV[1]]
   if not op then
     return redis.error_reply('bourse: unknown script op')

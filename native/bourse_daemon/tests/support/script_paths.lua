@@ -5,7 +5,9 @@
 -- in-memory Redis: the script as it is, and the script with `admit_plain` never taken. Both
 -- must give the same answers and leave the same keys, fields and expiries after every call.
 -- Now and then another program writes an odd value into a bucket's field, or a bucket
--- expires. Prints how many checks `admit_plain` decided; exits 1 at the first difference.
+-- expires. Half the costs are distinct, so that the script's tables of numbers parsed
+-- start again now and then; a definition is still stored as the requests spell it.
+-- Prints how many checks `admit_plain` decided; exits 1 at the first difference.
 
 local path, seed, steps = arg[1], tonumber(arg[2]), tonumber(arg[3])
 
@@ -234,6 +236,13 @@ local credentials = { 'aa', 'bb', 'cc' }
 local definitions = { { '1', '1' }, { '2', '0.1' }, { '5', '10' }, { '3', '0.5' } }
 local costs = { '1', '1', '1', '2', '0.5' }
 local fields = { 'c', 'r', 'b', 't', 'k', 'q', 'n' }
+-- How the requests spell the definitions' numbers.
+local spellings = {}
+for _, definition in ipairs(definitions) do
+  spellings[definition[1]], spellings[definition[2]] = true, true
+end
+-- Buckets given an odd definition by another program, until they expire.
+local oddly_defined = {}
 local odd_values = { 'nan', '-nan', 'inf', '-inf', '-0', '1e309', '', ' 5', '0x10', '1e-320' }
 
 -- One `checks` call of 1 to 3 checks, as the daemon sends it (see script.rs).
@@ -257,7 +266,8 @@ local function random_call(step)
       local c = credentials[i == 1 and math.random(1, 2) or 3]
       local name = 'h' .. c .. ':1:a'
       add(keys, P .. ':b:' .. name, P .. ':w:' .. name)
-      local cost = costs[math.random(1, #costs)]
+      local cost = math.random() < 0.5 and costs[math.random(1, #costs)]
+        or string.format('%.6f', math.random() * 2)
       add(args, definition[1], definition[2], cost, '1', 'c:h' .. c, 'k:' .. name, 'key:' .. c)
     end
     add(keys, P .. ':p', 'bourse:e{7:binance}')
@@ -301,8 +311,9 @@ for step = 1, steps do
       db[bucket][field] = value
     end
     odd = true
+    oddly_defined[bucket] = oddly_defined[bucket] or field == 'c' or field == 'r'
   elseif math.random() < 0.02 then
-    db_a[bucket], db_b[bucket] = nil, nil
+    db_a[bucket], db_b[bucket], oddly_defined[bucket] = nil, nil, nil
   end
   local keys, args = random_call(step)
   local a = run_a(copy(keys), copy(args))
@@ -320,6 +331,14 @@ for step = 1, steps do
   if store_a ~= store_b then
     print(string.format('step %d: stores differ\n%s\n--\n%s', step, store_a, store_b))
     os.exit(1)
+  end
+  for key, value in pairs(db_a) do
+    local spelled = type(value) ~= 'table' or oddly_defined[key]
+      or (value.c == nil or spellings[value.c]) and (value.r == nil or spellings[value.r])
+    if not spelled then
+      print(string.format('step %d: %s holds c=%s r=%s', step, key, value.c, value.r))
+      os.exit(1)
+    end
   end
   -- The call's run marker, compared above, is not read again.
   db_a[keys[1]], db_b[keys[1]] = nil, nil
