@@ -31,9 +31,13 @@ mod cluster_support;
 #[path = "support/cpu.rs"]
 mod cpu;
 
+#[path = "support/own_redis.rs"]
+mod own_redis;
+
 use cpu::process_cpu;
+use own_redis::OwnRedis;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -82,26 +86,8 @@ fn main() {
     if stores.is_empty() {
         stores = ["memory", "redis", "cluster"].map(String::from).to_vec();
     }
-    let mut own_redis = OwnRedis(None);
-    let url = url.unwrap_or_else(|| {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server not found (pass --redis URL)");
-        own_redis.0 = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            thread::sleep(Duration::from_millis(20));
-        }
-        format!("redis://127.0.0.1:{port}")
-    });
+    let mut own_redis = OwnRedis::default();
+    let url = url.unwrap_or_else(|| own_redis.start());
     let run_for = Duration::from_secs_f64(seconds);
     let cluster = stores
         .iter()
@@ -197,18 +183,6 @@ fn main() {
         let _ = std::fs::remove_file(&socket);
     }
     drop(cluster);
-}
-
-/// The `redis-server` this benchmark started, stopped when it ends, also by a panic.
-struct OwnRedis(Option<Child>);
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        if let Some(redis) = &mut self.0 {
-            let _ = redis.kill();
-            let _ = redis.wait();
-        }
-    }
 }
 
 /// Prints one row: its round trips' count, rate and latencies, then `cpu` (daemon and Redis

@@ -12,14 +12,14 @@
 //!
 //! Without `--redis` it starts its own `redis-server` (no persistence) on a free port.
 
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
+#[path = "support/own_redis.rs"]
+mod own_redis;
+
+use own_redis::OwnRedis;
 
 const BUCKET: &str = include_str!("../src/redis/bucket.lua");
 /// Where bucket.lua's `decide` takes `admit_plain`'s answer; replaced to never take it.
-const PLAIN_TAKEN: &str = "local line, marker, kept = admit_plain(now, k, at, read)";
+const PLAIN_TAKEN: &str = "local line, marker, kept = admit_plain(now, k, at, read, max_wait)";
 const PLAIN_NEVER: &str = "local line, marker, kept = nil, nil, nil";
 const CREDENTIALS: usize = 1000;
 const ROUNDS: usize = 5;
@@ -38,7 +38,7 @@ fn main() {
             }
         }
     }
-    let mut own_redis = OwnRedis(None);
+    let mut own_redis = OwnRedis::default();
     let url = url.unwrap_or_else(|| own_redis.start());
     let mut connection = redis::Client::open(url.as_str())
         .and_then(|client| client.get_connection())
@@ -157,39 +157,4 @@ fn script_micros(connection: &mut redis::Connection) -> f64 {
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
-}
-
-/// The `redis-server` this benchmark started, stopped when it ends, also by a panic.
-struct OwnRedis(Option<Child>);
-
-impl OwnRedis {
-    /// Starts a `redis-server` without persistence on a free loopback port; its URL.
-    fn start(&mut self) -> String {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server not found (pass --redis URL)");
-        self.0 = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            thread::sleep(Duration::from_millis(20));
-        }
-        format!("redis://127.0.0.1:{port}")
-    }
-}
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        if let Some(redis) = &mut self.0 {
-            let _ = redis.kill();
-            let _ = redis.wait();
-        }
-    }
 }

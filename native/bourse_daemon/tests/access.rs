@@ -284,6 +284,18 @@ fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Up to `count` connections to `addr` that each sent a `hello` (and read nothing).
+fn said_hello(addr: &str, count: usize) -> Vec<TcpStream> {
+    let hello = format!("{}\n", json!({"op": "hello"}));
+    (0..count)
+        .filter_map(|_| {
+            let mut stream = TcpStream::connect(addr).ok()?;
+            stream.write_all(hello.as_bytes()).ok()?;
+            Some(stream)
+        })
+        .collect()
+}
+
 /// A client with the secret that connects to `addr` proves it, answered within `wait`.
 fn proved_client(addr: &str, wait: Duration) -> LineClient<TcpStream> {
     let mut client = LineClient::new(TcpStream::connect(addr).unwrap());
@@ -316,14 +328,7 @@ fn greeted_connections_cannot_take_every_descriptor_of_a_low_limit() {
     // Fewer descriptors than the unproved queues hold at full size.
     let daemon = Shell::start("ulimit -n 200", &["--listen", "127.0.0.1:0"]);
     let addr = daemon.tcp();
-    let hello = format!("{}\n", json!({"op": "hello"}));
-    let greeted: Vec<TcpStream> = (0..300)
-        .filter_map(|_| {
-            let mut stream = TcpStream::connect(&addr).ok()?;
-            stream.write_all(hello.as_bytes()).ok()?;
-            Some(stream)
-        })
-        .collect();
+    let greeted = said_hello(&addr, 300);
     assert!(greeted.len() >= 250, "{} connections", greeted.len());
     // Each hello read and answered, or its connection closed.
     std::thread::sleep(Duration::from_millis(500));
@@ -404,19 +409,12 @@ fn concurrent_floods_never_run_a_low_limit_out_of_descriptors() {
 fn a_second_listener_does_not_stall_the_first() {
     let daemon = Shell::start(":", &["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"]);
     let addr = daemon.tcp();
-    let hello = format!("{}\n", json!({"op": "hello"}));
-    let said_hello: Vec<TcpStream> = (0..256)
-        .filter_map(|_| {
-            let mut stream = TcpStream::connect(&addr).ok()?;
-            stream.write_all(hello.as_bytes()).ok()?;
-            Some(stream)
-        })
-        .collect();
+    let hellos = said_hello(&addr, 256);
     std::thread::sleep(Duration::from_millis(300));
     let said_nothing: Vec<TcpStream> = (0..64)
         .filter_map(|_| TcpStream::connect(&addr).ok())
         .collect();
-    assert_eq!((said_hello.len(), said_nothing.len()), (256, 64));
+    assert_eq!((hellos.len(), said_nothing.len()), (256, 64));
     std::thread::sleep(Duration::from_millis(300));
     let started = std::time::Instant::now();
     let proved = (0..10).any(|_| {
@@ -430,7 +428,7 @@ fn a_second_listener_does_not_stall_the_first() {
         proved && took < Duration::from_secs(3),
         "proved: {proved}, took {took:?}"
     );
-    drop((said_hello, said_nothing));
+    drop((hellos, said_nothing));
 }
 
 /// Connections opened as fast as one thread can and held without a word (another local

@@ -1007,8 +1007,8 @@ end
 -- was paid without bookings (its `k` holds) and covers the cost, not held by a pause.
 -- Pays and keeps it as `decide` would (`spend`, `save_unbooked`); returns the answer, the
 -- exchange's marker and the ms the bucket is kept. Any other check: nil, having written
--- nothing.
-local function admit_plain(now, k, at, read)
+-- nothing. `max_wait`: the check's, parsed (0 for a probe).
+local function admit_plain(now, k, at, read, max_wait)
   local a = item_at(at, 1)
   local c_text, r_text = ARGV[a + 1], ARGV[a + 2]
   if ARGV[at + 4] ~= '0' or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
@@ -1020,7 +1020,7 @@ local function admit_plain(now, k, at, read)
   if not (b and t and expiry) or t > now then
     return nil
   end
-  if parse(ARGV[at + 2]) > 0 then
+  if max_wait > 0 then
     -- As `find_bookings`: a key of another type fails the check.
     call('ZCARD', KEYS[k + 2])
   end
@@ -1055,7 +1055,7 @@ end
 decide = function(now, k, at)
   local id, max_wait = ARGV[at + 1], parse(ARGV[at + 2])
   local read = read_bucket(KEYS[k + 1], id)
-  local line, marker, kept = admit_plain(now, k, at, read)
+  local line, marker, kept = admit_plain(now, k, at, read, max_wait)
   if line then
     return false, line, marker, kept
   end

@@ -1056,24 +1056,33 @@ mod tests {
             .is_err()
     }
 
-    /// A connection evicted holds its descriptor until it closes: past the queues' places
-    /// and the listeners' own, the next descriptor is given only then, and evicts no one
-    /// meanwhile.
-    #[tokio::test]
-    async fn an_evicted_connection_holds_its_descriptor_until_it_closes() {
+    /// Queues of two silent places and one greeted, for `listeners` listeners.
+    fn small(listeners: usize) -> Arc<Unproved> {
         let bounds = UnprovedBounds {
             silent: 2,
             greeted: 1,
             lingering: 1,
         };
-        let unproved = Arc::new(Unproved::new(bounds, 1));
+        Arc::new(Unproved::new(bounds, listeners))
+    }
+
+    /// A connection accepted with a descriptor of `unproved`, in its silent queue.
+    async fn accepted(unproved: &Arc<Unproved>) -> Place {
         let descriptor = unproved.descriptor().await.unwrap();
-        let mut greeted = unproved.admit(Some(descriptor));
-        let greeted = unproved.greet(&mut greeted);
+        unproved.admit(Some(descriptor))
+    }
+
+    /// A connection evicted holds its descriptor until it closes: past the queues' places
+    /// and the listeners' own, the next descriptor is given only then, and evicts no one
+    /// meanwhile.
+    #[tokio::test]
+    async fn an_evicted_connection_holds_its_descriptor_until_it_closes() {
+        let unproved = small(1);
+        let mut first = accepted(&unproved).await;
+        let greeted = unproved.greet(&mut first);
         let mut silent = Vec::new();
         for _ in 0..3 {
-            let descriptor = unproved.descriptor().await.unwrap();
-            silent.push(unproved.admit(Some(descriptor)));
+            silent.push(accepted(&unproved).await);
         }
         // Three silent ones for two places: the first evicted, still open.
         assert!(silent[0].entry.is_evicted());
@@ -1088,23 +1097,16 @@ mod tests {
     /// connection is still accepted (it evicts the oldest silent one as it joins).
     #[tokio::test]
     async fn a_listener_waiting_to_accept_holds_no_place_of_the_queues() {
-        let bounds = UnprovedBounds {
-            silent: 2,
-            greeted: 1,
-            lingering: 1,
-        };
-        let unproved = Arc::new(Unproved::new(bounds, 2));
+        let unproved = small(2);
         let _waiting_to_accept = unproved.descriptor().await.unwrap();
-        let descriptor = unproved.descriptor().await.unwrap();
-        let mut greeted = unproved.admit(Some(descriptor));
-        let _greeted = unproved.greet(&mut greeted);
+        let mut first = accepted(&unproved).await;
+        let _greeted = unproved.greet(&mut first);
         let mut silent = Vec::new();
         for _ in 0..2 {
-            let descriptor = unproved.descriptor().await.unwrap();
-            silent.push(unproved.admit(Some(descriptor)));
+            silent.push(accepted(&unproved).await);
         }
-        let descriptor = tokio::time::timeout(Duration::from_secs(1), unproved.descriptor());
-        let newest = unproved.admit(Some(descriptor.await.unwrap().unwrap()));
+        let newest = tokio::time::timeout(Duration::from_secs(1), accepted(&unproved));
+        let newest = newest.await.unwrap();
         assert!(silent[0].entry.is_evicted() && !newest.entry.is_evicted());
     }
 }

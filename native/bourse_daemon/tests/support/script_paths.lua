@@ -43,6 +43,16 @@ local function redis_in_memory(clock)
     return (l_open and score > l or not l_open and score >= l)
       and (h_open and score < h or not h_open and score <= h)
   end
+  -- The members of `key` scored from `low` to `high`, in order.
+  local function scored(key, low, high)
+    local out = {}
+    for _, entry in ipairs(sorted(key)) do
+      if within(entry[2], low, high) then
+        out[#out + 1] = entry
+      end
+    end
+    return out
+  end
   local function count(key)
     local n = 0
     for _ in pairs(db[key] or {}) do
@@ -124,29 +134,21 @@ local function redis_in_memory(clock)
       return score and string.format('%.17g', score) or false
     end,
     ZCOUNT = function(key, low, high)
-      local n = 0
-      for _, entry in ipairs(sorted(key)) do
-        n = n + (within(entry[2], low, high) and 1 or 0)
-      end
-      return n
+      return #scored(key, low, high)
     end,
     ZRANGEBYSCORE = function(key, low, high)
       local out = {}
-      for _, entry in ipairs(sorted(key)) do
-        if within(entry[2], low, high) then
-          out[#out + 1] = entry[1]
-        end
+      for i, entry in ipairs(scored(key, low, high)) do
+        out[i] = entry[1]
       end
       return out
     end,
     ZREMRANGEBYSCORE = function(key, low, high)
-      local n = 0
-      for _, entry in ipairs(sorted(key)) do
-        if within(entry[2], low, high) then
-          db[key][entry[1]], n = nil, n + 1
-        end
+      local gone = scored(key, low, high)
+      for _, entry in ipairs(gone) do
+        db[key][entry[1]] = nil
       end
-      return n
+      return #gone
     end,
     ZRANGE = function(key, first, last, scores)
       local list, out = sorted(key), {}
@@ -220,7 +222,7 @@ local counted = replaced(
 counted = replaced(counted, 'local function admit_plain(', 'plain_admitted = 0\nlocal function admit_plain(')
 local general = replaced(
   source,
-  'local line, marker, kept = admit_plain(now, k, at, read)',
+  'local line, marker, kept = admit_plain(now, k, at, read, max_wait)',
   'local line, marker, kept = nil, nil, nil'
 )
 
