@@ -450,7 +450,8 @@ fn closed(error: &io::Error) -> bool {
     )
 }
 
-/// SIGTERM: run nothing more, wait for the answers of the requests running, flush, exit 0.
+/// SIGTERM: run nothing more, wait for the answers of the requests running, flush, exit 0;
+/// within the drain timeout and [`STUCK_FLUSH`], even when nobody reads stdout.
 /// SIGINT is ignored: Ctrl-C in the BEAM shell reaches the port too, and the port's life
 /// follows the VM's (stdin).
 fn watch_signals<S: Store>(shared: Arc<Shared<S>>) -> io::Result<()> {
@@ -474,12 +475,24 @@ fn watch_signals<S: Store>(shared: Arc<Shared<S>>) -> io::Result<()> {
             }
         });
         shared.stopping.store(true, Ordering::SeqCst);
-        // The answer being written in memory mode completes under the writer's lock.
-        shared.drain();
+        // The answer being written in memory mode completes under the writer's lock. A
+        // stdout nobody reads holds that lock for good: the drain is given up then.
+        let (drained, done) = std::sync::mpsc::channel();
+        let bound = shared.drain_timeout + STUCK_FLUSH;
+        std::thread::spawn(move || {
+            shared.drain();
+            let _ = drained.send(());
+        });
+        if done.recv_timeout(bound).is_err() {
+            eprintln!("bourse_daemon: stdout is not read; stopping with answers unwritten");
+        }
         std::process::exit(0);
     });
     Ok(())
 }
+
+/// How long past the drain timeout a stop waits for stdout to take the last answers.
+const STUCK_FLUSH: Duration = Duration::from_secs(1);
 
 /// How long a port whose daemon refused its configuration waits for its first frame, in ms.
 const REFUSAL_WAIT_MS: libc::c_int = 5_000;

@@ -206,6 +206,15 @@ fn every_op_through_redis_in_server_and_stdio_mode() {
     assert!(keys.iter().all(|k| k.starts_with("bourse:e{")), "{keys:?}");
 }
 
+/// SIGTERM stops a port on Redis whose stdout nobody reads: its answers are given up after
+/// the drain (before, its one thread blocked writing them, and it never exited).
+#[test]
+fn sigterm_exits_while_nobody_reads_the_ports_stdout() {
+    let Some(redis) = Redis::start() else { return };
+    let url = redis.url();
+    assert!(common::sigterm_with_stdout_unread(&["--redis", url.as_str()]).success());
+}
+
 #[test]
 fn a_frame_cut_off_by_the_end_of_stdin_is_answered_not_executed() {
     let Some(redis) = Redis::start() else { return };

@@ -104,6 +104,13 @@ fn sigterm_exits_zero_and_sigint_is_ignored() {
     assert!(common::wait_exit(&mut daemon.child).success());
 }
 
+/// SIGTERM stops a port whose stdout nobody reads (before, it waited for that stdout for
+/// good).
+#[test]
+fn sigterm_exits_while_nobody_reads_stdout() {
+    assert!(common::sigterm_with_stdout_unread(&[]).success());
+}
+
 #[test]
 fn an_idle_port_uses_no_cpu() {
     let mut daemon = StdioDaemon::start(&[]);

@@ -57,6 +57,33 @@ pub fn wait_exit(child: &mut Child) -> ExitStatus {
     }
 }
 
+/// Starts a port (`--stdio` and `extra`) whose stdout nobody reads, keeps sending it checks
+/// until its answers fill stdout, then sends SIGTERM; returns how the daemon exited.
+pub fn sigterm_with_stdout_unread(extra: &[&str]) -> ExitStatus {
+    let mut child = Command::new(daemon_binary())
+        .arg("--stdio")
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn bourse_daemon --stdio");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let request = json!({"op": "check", "key": {"exchange": "unread", "credential": null},
+                         "limit": {"capacity": 1, "refill_per_sec": 0.001}});
+    let payload = serde_json::to_vec(&request).unwrap();
+    let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&payload);
+    // Ends with a failed write once the daemon is gone.
+    std::thread::spawn(move || while stdin.write_all(&frame).is_ok() {});
+    // Far more answers than stdout's pipe and the daemon's buffer take, even through Redis.
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child);
+    drop(child.stdout.take());
+    status
+}
+
 /// Requests whose answers far outnumber what the sockets' buffers hold (loopback TCP takes
 /// several MB), written to `stream` from a thread of its own that never reads an answer;
 /// it ends once its write fails (the connection was shut down or closed) or after 30 MB.
