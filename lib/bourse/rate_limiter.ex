@@ -714,7 +714,9 @@ defmodule Bourse.RateLimiter do
 
     * `:admitted` – checks paid at once;
     * `:claimed` – waiters admitted against their booking;
-    * `:delayed` – probes answered `{:delay, ms}`, and waiters that came back early;
+    * `:delayed` – probes answered `{:delay, ms}`, and waiters that came back early or
+      with none of their budget left (they ask as a probe does; their event says
+      `:over_budget`);
     * `:booked` – waiters that booked their cost;
     * `:over_budget` – waiters refused because the wait exceeded `:max_wait_ms` (or a
       bucket's queue of bookings was full);
