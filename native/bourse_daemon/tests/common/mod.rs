@@ -57,23 +57,26 @@ pub fn wait_exit(child: &mut Child) -> ExitStatus {
     }
 }
 
-/// Starts a port (`--stdio` and `extra`) whose stdout nobody reads, keeps sending it checks
-/// until its answers fill stdout, then sends SIGTERM; returns how the daemon exited.
-pub fn sigterm_with_stdout_unread(extra: &[&str]) -> ExitStatus {
-    let mut child = Command::new(daemon_binary())
+/// `bourse_daemon --stdio` with `extra`, its stdin and stdout piped, its stderr dropped.
+fn spawn_port(extra: &[&str]) -> Child {
+    Command::new(daemon_binary())
         .arg("--stdio")
         .args(extra)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .expect("spawn bourse_daemon --stdio");
+        .expect("spawn bourse_daemon --stdio")
+}
+
+/// Starts a port (`--stdio` and `extra`) whose stdout nobody reads, keeps sending it checks
+/// until its answers fill stdout, then sends SIGTERM; returns how the daemon exited.
+pub fn sigterm_with_stdout_unread(extra: &[&str]) -> ExitStatus {
+    let mut child = spawn_port(extra);
     let mut stdin = child.stdin.take().expect("stdin");
     let request = json!({"op": "check", "key": {"exchange": "unread", "credential": null},
                          "limit": {"capacity": 1, "refill_per_sec": 0.001}});
-    let payload = serde_json::to_vec(&request).unwrap();
-    let mut frame = (payload.len() as u32).to_be_bytes().to_vec();
-    frame.extend_from_slice(&payload);
+    let frame = frame(&serde_json::to_vec(&request).unwrap());
     // Ends with a failed write once the daemon is gone.
     std::thread::spawn(move || while stdin.write_all(&frame).is_ok() {});
     // Far more answers than stdout's pipe and the daemon's buffer take, even through Redis.
@@ -413,14 +416,7 @@ pub struct StdioDaemon {
 
 impl StdioDaemon {
     pub fn start(extra: &[&str]) -> Self {
-        let mut child = Command::new(daemon_binary())
-            .arg("--stdio")
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn bourse_daemon --stdio");
+        let mut child = spawn_port(extra);
         let stdin = child.stdin.take();
         let mut stdout = child.stdout.take().expect("stdout");
         let (sender, frames) = mpsc::channel();
