@@ -111,6 +111,31 @@ fn sigterm_exits_while_nobody_reads_stdout() {
     assert!(common::sigterm_with_stdout_unread(&[]).success());
 }
 
+/// The same through `--stdio-socket`, where the socket replaces stdin and stdout.
+#[test]
+fn sigterm_exits_while_nobody_reads_the_stdio_socket() {
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
+
+    let path = common::temp_path("unread-stdio-socket");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = Command::new(common::daemon_binary())
+        .args(["--stdio", "--stdio-socket"])
+        .arg(&path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn bourse_daemon --stdio --stdio-socket");
+    let (socket, _) = listener.accept().unwrap();
+    let kept = socket.try_clone().unwrap();
+    let status = common::sigterm_with_answers_unread(&mut child, socket);
+    drop(kept);
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "{status:?}");
+}
+
 #[test]
 fn an_idle_port_uses_no_cpu() {
     let mut daemon = StdioDaemon::start(&[]);

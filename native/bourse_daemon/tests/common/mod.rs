@@ -73,18 +73,27 @@ fn spawn_port(extra: &[&str]) -> Child {
 /// until its answers fill stdout, then sends SIGTERM; returns how the daemon exited.
 pub fn sigterm_with_stdout_unread(extra: &[&str]) -> ExitStatus {
     let mut child = spawn_port(extra);
-    let mut stdin = child.stdin.take().expect("stdin");
+    let stdin = child.stdin.take().expect("stdin");
+    let status = sigterm_with_answers_unread(&mut child, stdin);
+    drop(child.stdout.take());
+    status
+}
+
+/// Keeps writing checks to `input`, the stdin of the port `child`, and reads none of its
+/// answers, until they fill its output; then sends SIGTERM and returns how it exited.
+pub fn sigterm_with_answers_unread<W: Write + Send + 'static>(
+    child: &mut Child,
+    mut input: W,
+) -> ExitStatus {
     let request = json!({"op": "check", "key": {"exchange": "unread", "credential": null},
                          "limit": {"capacity": 1, "refill_per_sec": 0.001}});
     let frame = frame(&serde_json::to_vec(&request).unwrap());
     // Ends with a failed write once the daemon is gone.
-    std::thread::spawn(move || while stdin.write_all(&frame).is_ok() {});
-    // Far more answers than stdout's pipe and the daemon's buffer take, even through Redis.
+    std::thread::spawn(move || while input.write_all(&frame).is_ok() {});
+    // Far more answers than the output's buffers and the daemon's take, even through Redis.
     std::thread::sleep(Duration::from_millis(500));
-    signal(&child, "TERM");
-    let status = wait_exit(&mut child);
-    drop(child.stdout.take());
-    status
+    signal(child, "TERM");
+    wait_exit(child)
 }
 
 /// Requests whose answers far outnumber what the sockets' buffers hold (loopback TCP takes
