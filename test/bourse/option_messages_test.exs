@@ -70,6 +70,10 @@ defmodule Bourse.OptionMessagesTest do
       assert_described(start({:redis, "redis://127.0.0.1:6379", redis_timeout_ms: bad}))
     end
 
+    for bad <- [@huge, {@secret}, @long_list] do
+      assert_described(start({:redis, "redis://127.0.0.1:6379", password_file: bad}))
+    end
+
     assert_described(start({:redis, "redis://127.0.0.1:6379", [{@secret, 1}]}))
 
     assert assert_described(start({:redis, "redis://127.0.0.1:6379", no_such: 1})) =~

@@ -445,16 +445,19 @@ defmodule Bourse.RateLimiter.Feedback do
   # A name of anything but a limiter is refused before the input is judged (that process
   # is never called); a limiter that is not running exits the caller after (`running/2`),
   # whatever the response.
+  # A name that reaches no limiter (none runs, or its node did not answer within the remote
+  # timeout) exits as a call would, once the input is judged; it is asked once, not again.
   defp check_name(name) do
     case Router.route(name) do
       {:invalid, message} -> invalid(message)
-      :noproc -> {:ok, false}
-      _reachable -> {:ok, true}
+      :noproc -> {:ok, {:absent, :noproc}}
+      {:exit, reason} -> {:ok, {:absent, reason}}
+      _reachable -> {:ok, :running}
     end
   end
 
-  defp running(true, _name), do: :ok
-  defp running(false, name), do: Router.exit_as_call(:noproc, name)
+  defp running(:running, _name), do: :ok
+  defp running({:absent, reason}, name), do: Router.exit_as_call(reason, name)
 
   # The key-part rules of every call, from the core.
   defp check_credential(exchange_id, credential_key),

@@ -41,10 +41,7 @@ fn main() -> ExitCode {
     }
     let args = match cli::arguments(std::env::args_os().skip(1)) {
         Ok(args) => args,
-        Err(message) => {
-            eprintln!("bourse_daemon: {message}");
-            return refused(&message);
-        }
+        Err(message) => return refused(&message, &message),
     };
     let options = match cli::parse(args, &cli::Process) {
         Ok(Command::Help) => {
@@ -59,8 +56,8 @@ fn main() -> ExitCode {
         Err(message) => {
             // The synopsis, not every flag: a refused port writes into its VM's log.
             let synopsis = cli::USAGE.split("\n\n").next().unwrap_or_default();
-            eprintln!("bourse_daemon: {message}\n\n{synopsis}\n(--help lists every flag)");
-            return refused(&message);
+            let shown = format!("{message}\n\n{synopsis}\n(--help lists every flag)");
+            return refused(&message, &shown);
         }
     };
     // In --stdio mode the main thread runs the runtime: with Redis it reads stdin as one of
@@ -89,8 +86,7 @@ fn main() -> ExitCode {
             let (servers, password) = (&redis.servers, redis.password.as_deref());
             let checked = runtime.block_on(redis::refuse_misconfigured(servers, password, timeout));
             if let Err(message) = checked {
-                eprintln!("bourse_daemon: {message}");
-                return refused(&message);
+                return refused(&message, &message);
             }
             let store = {
                 let _context = runtime.enter();
@@ -105,18 +101,19 @@ fn main() -> ExitCode {
             };
             match store {
                 Ok(store) => serve(store, options, runtime),
-                Err(message) => {
-                    eprintln!("bourse_daemon: {message}");
-                    refused(&message)
-                }
+                Err(message) => refused(&message, &message),
             }
         }
     }
 }
 
-/// Exits 2 for a refused configuration; a port (`--stdio`) is told why in the answer to its
-/// first frame.
-fn refused(message: &str) -> ExitCode {
+/// Exits 2 for a refused configuration, `shown` on stderr; a port (`--stdio`) is also told
+/// `message` in the answer to its first frame. A port on `--stdio-socket` is told there
+/// alone: its client reports it, and stderr would repeat it in the client's log, raw.
+fn refused(message: &str, shown: &str) -> ExitCode {
+    if !stdio_socket::named(std::env::args_os().skip(1)) {
+        eprintln!("bourse_daemon: {shown}");
+    }
     if std::env::args_os().any(|arg| arg == "--stdio") {
         stdio::refuse(message)
     } else {

@@ -28,6 +28,11 @@ pub fn redirect<I: IntoIterator<Item = OsString>>(args: I) -> Result<(), String>
     Ok(())
 }
 
+/// Whether `args` name a socket.
+pub fn named<I: IntoIterator<Item = OsString>>(args: I) -> bool {
+    socket_path(args).is_some()
+}
+
 /// Whether `arg`, after the argument `previous`, is the socket's path.
 pub fn names_path(previous: Option<&str>, arg: &OsStr) -> bool {
     previous == Some(FLAG) || inline_path(arg).is_some()

@@ -146,12 +146,11 @@ fn an_idle_port_uses_no_cpu() {
 }
 
 /// A port has no stderr of its own: a daemon that refuses its configuration answers the
-/// port's first frame with why, in the codec its `hello` asked for, then exits 2.
+/// port's first frame with why, in the codec its `hello` asked for, then exits 2. It says
+/// why on stderr too, unless its client is on `--stdio-socket` (the Elixir backend, which
+/// reports the answer itself).
 #[test]
 fn a_refused_configuration_answers_the_hello_with_why() {
-    use std::io::{Read, Write};
-    use std::process::{Command, Stdio};
-
     for (args, hello) in [
         (
             &["--stdio", "--redis-timeout-ms", "abc"][..],
@@ -162,34 +161,73 @@ fn a_refused_configuration_answers_the_hello_with_why() {
             r#"{"id":7,"op":"hello"}"#,
         ),
     ] {
-        let mut child = Command::new(common::daemon_binary())
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn");
-        let mut stdin = child.stdin.take().unwrap();
-        stdin
-            .write_all(&(hello.len() as u32).to_be_bytes())
-            .unwrap();
-        stdin.write_all(hello.as_bytes()).unwrap();
-        let mut out = Vec::new();
-        child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
-        assert_eq!(child.wait().unwrap().code(), Some(2), "{args:?}");
-        let size = u32::from_be_bytes(out[..4].try_into().unwrap()) as usize;
-        assert_eq!(out.len(), 4 + size, "{args:?}");
-        let answer: serde_json::Value = serde_json::from_slice(&out[4..]).unwrap();
-        let hello: serde_json::Value = serde_json::from_str(hello).unwrap();
-        assert_eq!(answer["ok"], false, "{answer}");
-        assert_eq!(answer["id"], hello["id"], "{answer}");
-        assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
-        let message = answer["error"]["message"].as_str().unwrap();
-        assert!(
-            message.contains("--redis-timeout-ms") || message.contains("database number"),
-            "{message}"
-        );
+        for on_socket in [false, true] {
+            let (answer, stderr) = refused_port(args, hello, on_socket);
+            let hello: serde_json::Value = serde_json::from_str(hello).unwrap();
+            assert_eq!(answer["ok"], false, "{answer}");
+            assert_eq!(answer["id"], hello["id"], "{answer}");
+            assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains("--redis-timeout-ms") || message.contains("database number"),
+                "{message}"
+            );
+            if on_socket {
+                assert_eq!(stderr, "", "{args:?}");
+            } else {
+                assert!(stderr.contains(message), "{args:?}: {stderr}");
+            }
+        }
     }
+}
+
+/// Runs a port that refuses `args`, its client on stdin and stdout or on `--stdio-socket`;
+/// sends it the frame `hello`; returns the answer and what the daemon wrote on stderr once
+/// it exited 2.
+fn refused_port(args: &[&str], hello: &str, on_socket: bool) -> (serde_json::Value, String) {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
+
+    let path = common::temp_path("refused-stdio-socket");
+    let _ = std::fs::remove_file(&path);
+    let mut command = Command::new(common::daemon_binary());
+    command.args(args).stderr(Stdio::piped());
+    let listener = on_socket.then(|| {
+        command.arg("--stdio-socket").arg(&path);
+        command.stdin(Stdio::null()).stdout(Stdio::null());
+        UnixListener::bind(&path).unwrap()
+    });
+    if !on_socket {
+        command.stdin(Stdio::piped()).stdout(Stdio::piped());
+    }
+    let mut child = command.spawn().expect("spawn");
+    let (mut input, mut output): (Box<dyn Write>, Box<dyn Read>) = match &listener {
+        Some(listener) => {
+            let (socket, _) = listener.accept().unwrap();
+            (Box::new(socket.try_clone().unwrap()), Box::new(socket))
+        }
+        None => (
+            Box::new(child.stdin.take().unwrap()),
+            Box::new(child.stdout.take().unwrap()),
+        ),
+    };
+    input.write_all(&common::frame(hello.as_bytes())).unwrap();
+    let mut out = Vec::new();
+    output.read_to_end(&mut out).unwrap();
+    drop(input);
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(2), "{args:?}");
+    let _ = std::fs::remove_file(&path);
+    let size = u32::from_be_bytes(out[..4].try_into().unwrap()) as usize;
+    assert_eq!(out.len(), 4 + size, "{args:?}");
+    (serde_json::from_slice(&out[4..]).unwrap(), stderr)
 }
 
 /// A refused daemon whose port sends nothing and closes its input exits 2 at once.

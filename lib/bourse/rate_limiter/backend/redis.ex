@@ -43,7 +43,12 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       buckets only with the same prefix;
     * `:redis_timeout_ms` – the longest wait for Redis per command (default 1000); a call
       told `:unavailable` by then pays nothing. Callers wait for the daemon itself at most
-      four times this, and at least 5 s.
+      four times this, and at least 5 s;
+    * `:password_file` – a file holding the Redis password (a trailing newline is not part
+      of it), instead of one in the URL: the daemon reads it at each start
+      (`--redis-password-file`), so neither the limiter's options nor its state hold the
+      password. A file it cannot read, or that holds nothing or no UTF-8 text, fails the
+      start with `:invalid_parameters`, naming the file.
 
   The limiter's `:booking_slack_ms` applies to its daemon (`:sweep_interval_ms` does not:
   keys expire by their TTL, see docs/PROTOCOL.md); with
@@ -88,6 +93,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @default_redis_timeout_ms 1_000
   @schemes ~w(redis unix)
   @max_seeds 64
+  # Linux's PATH_MAX: no longer path names a file.
+  @max_path_bytes 4096
 
   @impl true
   def attach(previous, opts) do
@@ -99,8 +106,11 @@ defmodule Bourse.RateLimiter.Backend.Redis do
         seeds -> Enum.flat_map(seeds, &["--redis-cluster", &1])
       end
 
+    password_file = if path = redis[:password_file], do: ["--redis-password-file", path], else: []
+
     redis_args =
       servers ++
+        password_file ++
         [
           "--redis-prefix",
           redis[:prefix],
@@ -221,10 +231,40 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          :ok <- no_bare_user(url),
          {url, password} = without_password(url),
          :ok <- no_password_left(url),
-         :ok <- utf8_password(password) do
-      {:ok, url: url, password: password, prefix: prefix, redis_timeout_ms: timeout}
+         :ok <- utf8_password(password),
+         {:ok, password_file} <- password_file(Keyword.fetch(opts, :password_file), password) do
+      {:ok,
+       url: url,
+       password: password,
+       password_file: password_file,
+       prefix: prefix,
+       redis_timeout_ms: timeout}
     end
   end
+
+  # A path the daemon reads the password from (made absolute: the daemon's working
+  # directory need not stay the VM's); one password, from the file or from the URL.
+  defp password_file(:error, _password), do: {:ok, nil}
+
+  defp password_file({:ok, path}, nil) when is_binary(path) and path != "" do
+    cond do
+      byte_size(path) > @max_path_bytes ->
+        {:error,
+         "password_file must be a path of at most #{@max_path_bytes} bytes, got #{Error.describe(path)}"}
+
+      String.valid?(path) and not String.contains?(path, <<0>>) ->
+        {:ok, Path.expand(path)}
+
+      true ->
+        {:error, "password_file must be a path of UTF-8 text without NUL"}
+    end
+  end
+
+  defp password_file({:ok, path}, _password) when is_binary(path) and path != "",
+    do: {:error, "the Redis password is given twice: in the URL and in password_file"}
+
+  defp password_file({:ok, other}, _password),
+    do: {:error, "password_file must be a path, got #{Error.describe(other)}"}
 
   # What is left of the URL goes on the daemon's command line: a password field its
   # Redis client would not read (`password=`, `pass=` in a redis:// URL, either in any
@@ -298,8 +338,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     Options.known_options(
       opts,
       "redis option",
-      [:prefix, :redis_timeout_ms],
-      ":prefix or :redis_timeout_ms"
+      [:prefix, :redis_timeout_ms, :password_file],
+      ":prefix, :redis_timeout_ms or :password_file"
     )
   end
 

@@ -505,8 +505,8 @@ pub(super) fn password_refusal(error: &RedisError, password_given: bool) -> Opti
         )),
         (true, false) => Some(format!(
             "it asks for a password ({first_line}): give it in the Elixir backend's Redis URL \
-             (redis://:PASSWORD@host:port), or to the daemon with --redis-password-file or \
-             BOURSE_REDIS_PASSWORD"
+             (redis://:PASSWORD@host:port) or its password_file, or to the daemon with \
+             --redis-password-file or BOURSE_REDIS_PASSWORD"
         )),
     }
 }

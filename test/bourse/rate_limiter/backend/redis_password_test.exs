@@ -94,6 +94,68 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute_password_shown(line)
   end
 
+  # A file holding `text`, owner-only, removed when the test ends.
+  defp password_file(text) do
+    path = Bourse.TempPath.new("bourse-redis-password")
+    File.write!(path, text)
+    File.chmod!(path, 0o600)
+    on_exit(fn -> File.rm(path) end)
+    path
+  end
+
+  test "a password_file holds Redis's password (its newline not part of it); the daemon's command line names the file, never the password" do
+    redis = start_redis()
+    path = password_file(@password <> "\n")
+    url = "redis://127.0.0.1:#{redis.port}"
+    name = start_limiter({:redis, url, password_file: path, redis_timeout_ms: 4_000})
+    assert :ok = RateLimiter.check_rate({"binance", "file"}, @limit, 1, name)
+
+    assert [line] = daemon_command_lines("127.0.0.1:#{redis.port}")
+    assert line =~ path
+    refute_password_shown(line)
+  end
+
+  test "a password_file that cannot be read, holds nothing, or holds a password Redis refuses fails the start, naming the file and not the password" do
+    redis = start_redis()
+    url = "redis://127.0.0.1:#{redis.port}"
+    missing = Bourse.TempPath.new("bourse-no-such-password")
+
+    for {path, why} <- [
+          {missing, "cannot read #{missing}"},
+          {password_file("\n"), "the secret is empty"},
+          {password_file("wrong-secret-part"), "it refused the password given"}
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.start_link(
+                 name: :redis_password_file_refused,
+                 backend: {:redis, url, password_file: path}
+               )
+
+      assert message =~ why
+      refute message =~ "secret-part"
+    end
+  end
+
+  test "a password in the URL and a password_file both, or a password_file that is no path, are refused before the daemon starts" do
+    path = password_file(@password)
+
+    for {url, file, why} <- [
+          {"redis://:secret-part@127.0.0.1:6379", path, "given twice"},
+          {"redis://127.0.0.1:6379", "", "password_file must be a path, got a binary of 0 bytes"},
+          {"redis://127.0.0.1:6379", :file, "password_file must be a path, got :file"},
+          {"redis://127.0.0.1:6379", "a\0b", "password_file must be a path of UTF-8 text"}
+        ] do
+      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+               RateLimiter.start_link(
+                 name: :redis_password_twice,
+                 backend: {:redis, url, password_file: file}
+               )
+
+      assert message =~ why
+      refute message =~ "secret-part"
+    end
+  end
+
   # A misconfiguration fails the start, rather than every call later.
   test "a password Redis refuses fails the start, named as refused, and not shown" do
     redis = start_redis()
