@@ -347,27 +347,23 @@ pub fn shape(value: &Value) -> Shape {
     }
 }
 
-/// The shape a client described, `{"$term": KIND, ...}`.
+/// The shape a client described, `{"$term": KIND, ...}`; one whose count is missing or no
+/// count (not a whole number from 0 to 2^64 - 1) is no term's: [`Shape::Other`].
 fn described(kind: &str, fields: &Map<String, Value>) -> Shape {
     let count = |name: &str| fields.get(name).and_then(Value::as_u64).map(|n| n as usize);
+    let counted = |name: &str, shape: fn(usize) -> Shape| count(name).map_or(Shape::Other, shape);
     match kind {
         "atom" => Shape::Atom,
         "nil" => Shape::Nil,
-        "binary" => Shape::Binary {
-            len: count("size").unwrap_or(0),
-        },
+        "binary" => counted("size", |len| Shape::Binary { len }),
         "bitstring" => Shape::Bitstring,
         "big_integer" => Shape::BigInteger,
         "list" => Shape::List {
             len: count("len").filter(|&len| len <= MAX_CHECKS),
         },
         "improper_list" => Shape::ImproperList,
-        "tuple" => Shape::Tuple {
-            arity: count("arity").unwrap_or(0),
-        },
-        "map" => Shape::Map {
-            size: count("size").unwrap_or(0),
-        },
+        "tuple" => counted("arity", |arity| Shape::Tuple { arity }),
+        "map" => counted("size", |size| Shape::Map { size }),
         "pid" => Shape::Pid,
         "port" => Shape::Port,
         "reference" => Shape::Reference,

@@ -656,6 +656,31 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
                 .into(),
             "unknown field \"axes\" in a key",
         ),
+        // A shape without its count, or with one no term has, is no term's.
+        (
+            r#"{"op":"check","key":{"exchange":{"$term":"binary","size":-1},"credential":null},"limit":null}"#
+                .into(),
+            "exchange_id must be a UTF-8 binary of at most 1024 bytes, got a term of unknown type",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":{"$term":"binary"},"credential":null},"limit":null}"#
+                .into(),
+            "got a term of unknown type",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":{"$term":"binary","size":99999999999999999999},"credential":null},"limit":null}"#
+                .into(),
+            "got a term of unknown type",
+        ),
+        (
+            r#"{"op":"check","key":{"$term":"tuple","arity":2.5},"limit":null}"#.into(),
+            "got a term of unknown type",
+        ),
+        (
+            r#"{"op":"check","key":{"exchange":"b","credential":null},"limit":{"$term":"map","size":-1}}"#
+                .into(),
+            "got a term of unknown type",
+        ),
         (
             format!(
                 r#"{{"op":"check","key":{{"exchange":"{big}","credential":null}},"limit":null}}"#
