@@ -214,6 +214,18 @@ defmodule Bourse.RateLimiter do
   @doc "`check_rate(key, limit, cost)` is `check_rate(key, limit, cost, Bourse.RateLimiter)`."
   @spec check_rate(key(), rate_limit() | nil, number()) ::
           :ok | {:delay, pos_integer()} | error()
+  def check_rate(key, limit, cost) when is_atom(cost) and not is_boolean(cost) and cost != nil do
+    # Most often a limiter's name where the cost goes: the message says where names go.
+    case check_rate(key, limit, cost, @default) do
+      {:error, %Error{type: :invalid_parameters, message: "cost " <> _} = error} ->
+        hint = " (the third argument is the cost; name a limiter as the fourth)"
+        {:error, %{error | message: error.message <> hint}}
+
+      answer ->
+        answer
+    end
+  end
+
   def check_rate(key, limit, cost), do: check_rate(key, limit, cost, @default)
 
   # What a prepared bucket's name reaches now: an atom's route is what it published.

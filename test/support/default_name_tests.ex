@@ -46,6 +46,13 @@ defmodule Bourse.DefaultNameContractTests do
         assert :ok = RateLimiter.check_rate({"ex", "k"}, nil)
         assert_invalid(RateLimiter.check_rate({"ex"}, @still))
         assert_invalid(RateLimiter.check_rate({"ex", "k"}, @still, -1))
+
+        # A limiter's name where the cost goes.
+        assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+                 RateLimiter.check_rate({"ex", "k"}, @still, MyApp.Limiter)
+
+        assert message =~ "cost must be a finite number"
+        assert message =~ "name a limiter as the fourth"
       end
 
       test "check_rates/1, check_rates/2 with a name or options, check_rates/3" do
