@@ -378,7 +378,9 @@ defmodule Bourse.RateLimiter do
   (`pause/3`, or `observe_response/6` after a limited reply, also one the store did not
   confirm), or the limiter started, since the caller asked: such a pause may hold its
   booking, and move the bookings ahead of it, past the ready time it was told, which only
-  the store knows, so the call answers `:unavailable`. Told later than the slack, its
+  the store knows, so the call answers `:unavailable`. So it does when the connection to
+  the limiter's daemon broke, or the daemon came back with a new table, since the caller
+  asked: the booking may be gone, its refill given to others. Told later than the slack, its
   booking has lapsed (as any late waiter's), and the call answers `:unavailable`.
   """
   @spec wait_for_capacity(
@@ -416,8 +418,9 @@ defmodule Bourse.RateLimiter do
   # its store is unavailable within the booking slack of the booking's ready time, it is
   # admitted against that booking (an exit, or an `:unavailable` refusal, would be an
   # answer that paid), which it then forfeits; unless a pause was noted since it asked,
-  # which may hold the booking (never send inside an exchange's Retry-After). Told later
-  # than that, its booking has lapsed, as any late waiter's.
+  # which may hold the booking (never send inside an exchange's Retry-After), or the store
+  # may have lost the booking since. Told later than that, its booking has lapsed, as any
+  # late waiter's.
   defp await(:noproc, _name, _args, {_since, _due}), do: forfeit_bookings()
 
   defp await(route, name, [owner, key, limit, cost, max_wait], slept) do
@@ -435,7 +438,8 @@ defmodule Bourse.RateLimiter do
         admitted_after_wait(route, since, metadata)
 
       {:error, %Error{type: :unavailable}} = unavailable when since != nil ->
-        if on_time?(route, slept) and not paused_since?(route, slept) do
+        if on_time?(route, slept) and not paused_since?(route, slept) and
+             not lost_since?(route, slept) do
           forfeit_bookings()
           admitted_after_wait(route, since, metadata)
         else
@@ -491,6 +495,16 @@ defmodule Bourse.RateLimiter do
     case Events.noted_at(sink(route)) do
       nil -> true
       noted_at -> noted_at >= since
+    end
+  end
+
+  # Whether the store may have lost the booking since the waiter first asked: its daemon's
+  # stream broke, or the daemon came back with a new table, which may already give others
+  # the refill the booking paid for.
+  defp lost_since?({backend, handle, _events, _pid}, {since, _due}) do
+    case backend.store_lost_at(handle) do
+      nil -> false
+      lost_at -> lost_at >= since
     end
   end
 

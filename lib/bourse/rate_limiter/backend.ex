@@ -84,4 +84,9 @@ defmodule Bourse.RateLimiter.Backend do
   """
   @callback busiest(handle(), count :: pos_integer()) :: [map()] | error()
   @callback sweep(handle()) :: non_neg_integer() | error()
+  @doc """
+  The last moment (monotonic ms) the store may have lost the bookings it held (a daemon
+  that restarted with a new table, or whose stream broke), `nil` for never.
+  """
+  @callback store_lost_at(handle()) :: integer() | nil
 end

@@ -356,6 +356,22 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @doc """
+  The last moment (monotonic ms) the daemon may have lost what it held for the limiter's
+  callers, their bookings: the stream to it broke, or it answered a hello with a new
+  table. `nil` when it never did, or the connection is gone with its limiter (whose
+  stop `Bourse.RateLimiter.wait_for_capacity/5` judges as such).
+  """
+  @spec store_lost_at(t()) :: integer() | nil
+  def store_lost_at(%__MODULE__{table: table}) do
+    case :ets.lookup(table, :store_lost_at) do
+      [{:store_lost_at, ms}] -> ms
+      [] -> nil
+    end
+  rescue
+    ArgumentError -> nil
+  end
+
+  @doc """
   Forgets the remembered pauses whose target (as a request names it) matches `pattern`,
   an ETS pattern (a map pattern matches the maps that hold its keys); `:ok`.
   """
@@ -875,6 +891,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp broken(state, reason) do
     Logger.warning("#{describe(state)}: #{reason}")
     state = %{state | down_reason: reason}
+    note_store_lost(state)
     error = {:error, Error.unavailable(publish(state, nil, nil))}
     state.transport.close(state.stream)
 
@@ -909,6 +926,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp unavailable(state), do: "#{describe(state)} is unavailable: #{state.down_reason}"
+
+  # The stream broke (the daemon may come back with a new table), or a hello named a new
+  # table: what the daemon held for callers (bookings) may be gone (`store_lost_at/1`).
+  defp note_store_lost(state),
+    do: :ets.insert(state.table, {:store_lost_at, System.monotonic_time(:millisecond)})
 
   # A port is reopened at once; a socket after its backoff.
   defp reconnect(state) do
@@ -978,6 +1000,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       new_table? = state.connected_before and hello["table"] not in [nil, state.daemon_table]
       state = connected(state, stream, hello)
+      if new_table?, do: note_store_lost(state)
       state = if new_table?, do: pauses_again(state), else: state
       publish(state, stream, hello["max_frame_bytes"])
       {:ok, keepalive(state, hello["idle_timeout_ms"])}

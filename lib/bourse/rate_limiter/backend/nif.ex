@@ -96,6 +96,10 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @impl true
   defdelegate sweep(table), to: Native
 
+  # The table is the VM's own: it goes only with the VM.
+  @impl true
+  def store_lost_at(_table), do: nil
+
   # The NIF names malformed input as `{:error, message, exchange_id | nil}`.
   defp answer({:error, message, exchange}),
     do: {:error, %Bourse.Error{type: :invalid_parameters, message: message, exchange: exchange}}

@@ -78,6 +78,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       defdelegate busiest(handle, count), to: Protocol
       @impl true
       defdelegate sweep(handle), to: Protocol
+      @impl true
+      defdelegate store_lost_at(handle), to: Bourse.RateLimiter.Backend.Connection
     end
   end
 

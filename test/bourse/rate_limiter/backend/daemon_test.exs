@@ -241,6 +241,31 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert {:delay, _} = Task.await(waiter)
   end
 
+  # The restarted daemon never held the booking, and counts the refill it paid for from its
+  # own start: admitted against it, the waiter would spend that refill beside others (P1).
+  test "a waiter the daemon cannot answer is not admitted once the daemon restarted since it booked" do
+    path = Bourse.TempPath.new("bourse", ".sock")
+    first = start_daemon(["--socket", path])
+
+    name =
+      start_limiter({:daemon, {:unix, path}, timeout: 300}, "restarted", booking_slack_ms: 5_000)
+
+    # Ready in 2 s: the restart and the stop come before, on a loaded machine too.
+    limit = %{capacity: 1, refill_per_sec: 0.5}
+    assert :ok = RateLimiter.check_rate({"ex", "restarted"}, limit, 1, name)
+    waiter = booked_waiter({"ex", "restarted"}, limit, name, 5_000)
+
+    DaemonServer.kill(first)
+    second = start_daemon(["--socket", path, "--assume-busy-at-start"])
+    on_exit(fn -> DaemonServer.signal(second, "CONT") end)
+
+    eventually(fn -> not unavailable?(RateLimiter.check_rate({"ex", "other"}, limit, 1, name)) end)
+
+    DaemonServer.signal(second, "STOP")
+
+    assert unavailable?(Task.await(waiter, 5_000))
+  end
+
   # A 429 observed after the waiter booked holds its booking to the pause's end; only the
   # daemon knows where that booking now stands, and it may have recorded the pause without
   # answering.
