@@ -804,6 +804,40 @@ fn a_reset_of_an_exchange_needs_only_its_own_master() {
     }
 }
 
+/// A master down with no replica to take over its slots: a reset of its exchange, or of
+/// everything, cannot reach its keys, and answers `unavailable`. Before, the walk skipped
+/// the failed master and answered `ok`, its keys untouched.
+#[test]
+fn a_reset_that_cannot_reach_a_failed_masters_keys_is_unavailable() {
+    let Some(mut cluster) = Cluster::start(1000) else {
+        return;
+    };
+    let server = daemon(&cluster, &["--redis-timeout-ms", "500"]);
+    let mut t = server.connect();
+    let two = two_masters(&cluster, &mut t, "down");
+    let replica = cluster.replica_of(two.first_master);
+    cluster.kill(replica);
+    cluster.kill(two.first_master);
+    eventually("the master is marked failed", || {
+        cluster.topology().is_some_and(|nodes| {
+            nodes
+                .iter()
+                .any(|node| node.port == two.first_master && node.failed)
+        })
+    });
+    for request in [
+        json!({"op": "reset_exchange", "exchange": two.first}),
+        json!({"op": "reset_all"}),
+    ] {
+        let answer = t.call(request.clone());
+        assert_eq!(answer["ok"], false, "{request}: {answer}");
+        assert_eq!(
+            answer["error"]["type"], "unavailable",
+            "{request}: {answer}"
+        );
+    }
+}
+
 /// The first of 16 exchanges and another on a different master, with their masters.
 struct TwoMasters {
     first: String,

@@ -17,8 +17,8 @@ use ::redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
 use ::redis::{
-    Client, Cmd, ConnectionAddr, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture,
-    RedisResult, Value,
+    Client, Cmd, ConnectionAddr, ErrorKind, FromRedisValue, IntoConnectionInfo, Pipeline,
+    RedisError, RedisFuture, RedisResult, Value,
 };
 
 use super::urls::without_password;
@@ -176,7 +176,8 @@ impl Connection {
                     .route_command(command, RoutingInfo::SingleNode(node))
                     .await
                     .and_then(|value| Ok(String::from_redis_value(value)?))?;
-                Ok(masters(&text, seeds, slot))
+                masters(&text, seeds, slot)
+                    .map_err(|why| RedisError::from((ErrorKind::Io, "cluster down", why)))
             }
         }
     }
@@ -266,35 +267,50 @@ fn is_load(command: &Cmd) -> bool {
     )
 }
 
-/// The masters serving slots in a `CLUSTER NODES` answer. A node that does not know its own
+/// The masters serving slots (with `slot`, serving it or moving it) in a `CLUSTER NODES`
+/// answer, or why they cannot all be scanned: a master that failed still serves slots (no
+/// replica took over yet), or no master serves `slot`. A node that does not know its own
 /// address (a cluster of one node, which never met another) shows an empty host: it is the
 /// seed of its port.
-fn masters(text: &str, seeds: &[(String, u16)], slot: Option<u16>) -> Vec<ScanNode> {
-    text.lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let flags: Vec<&str> = fields.get(2)?.split(',').collect();
-            let serves_slots = fields.len() > 8;
-            if !flags.contains(&"master") || flags.contains(&"fail") || !serves_slots {
-                return None;
-            }
-            if let Some(slot) = slot {
-                fields[8..]
-                    .iter()
-                    .any(|range| holds(range, slot))
-                    .then_some(())?;
-            }
-            // ip:port@cport[,hostname]
-            let address = fields[1].split(['@', ',']).next()?;
-            let (host, port) = address.rsplit_once(':')?;
-            let port = port.parse().ok()?;
-            let host = match seeds.iter().find(|seed| host.is_empty() && seed.1 == port) {
-                Some((seed, _)) => seed.clone(),
-                None => host.to_string(),
-            };
-            Some(ScanNode::Master { host, port })
-        })
-        .collect()
+fn masters(
+    text: &str,
+    seeds: &[(String, u16)],
+    slot: Option<u16>,
+) -> Result<Vec<ScanNode>, String> {
+    let mut found = Vec::new();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let Some(flags) = fields
+            .get(2)
+            .map(|flags| flags.split(',').collect::<Vec<_>>())
+        else {
+            continue;
+        };
+        let serves = fields.len() > 8
+            && slot.is_none_or(|slot| fields[8..].iter().any(|range| holds(range, slot)));
+        if !flags.contains(&"master") || !serves {
+            continue;
+        }
+        // ip:port@cport[,hostname]
+        let address = fields[1].split(['@', ',']).next().unwrap_or_default();
+        if flags.contains(&"fail") {
+            return Err(format!(
+                "the master at {address} is down, its slots not yet taken over"
+            ));
+        }
+        let Some((host, Ok(port))) = address.rsplit_once(':').map(|(h, p)| (h, p.parse())) else {
+            continue;
+        };
+        let host = match seeds.iter().find(|seed| host.is_empty() && seed.1 == port) {
+            Some((seed, _)) => seed.clone(),
+            None => host.to_string(),
+        };
+        found.push(ScanNode::Master { host, port });
+    }
+    match slot {
+        Some(slot) if found.is_empty() => Err(format!("no master serves slot {slot}")),
+        _ => Ok(found),
+    }
 }
 
 /// Whether a slot field of `CLUSTER NODES` (`a-b`, `n`, or a slot on its way in or out,
@@ -356,7 +372,7 @@ mod tests {
     fn a_node_without_its_own_address_is_the_seed_of_its_port() {
         let seeds = [("127.0.0.1".to_string(), 7000)];
         let one_node = "07c3 :7000@17000 myself,master - 0 0 0 connected 0-16383\n";
-        let found = masters(one_node, &seeds, None);
+        let found = masters(one_node, &seeds, None).unwrap();
         assert!(
             matches!(&found[..], [ScanNode::Master { host, port: 7000 }] if host == "127.0.0.1")
         );
@@ -423,6 +439,7 @@ f6 127.0.0.1:7006@17006 master - 0 0 5 connected
 ";
         let found = |slot| -> Vec<u16> {
             masters(nodes, &[], slot)
+                .unwrap()
                 .into_iter()
                 .map(|node| match node {
                     ScanNode::Master { port, .. } => port,
@@ -436,6 +453,7 @@ f6 127.0.0.1:7006@17006 master - 0 0 5 connected
         assert_eq!(found(Some(5000)), [7001, 7002]);
         assert_eq!(found(Some(16383)), [7005]);
         let ports: Vec<u16> = masters(nodes, &[], None)
+            .unwrap()
             .into_iter()
             .filter_map(|node| match node {
                 ScanNode::Master { host, port } if host == "::1" => Some(port),
@@ -443,6 +461,24 @@ f6 127.0.0.1:7006@17006 master - 0 0 5 connected
             })
             .collect();
         assert_eq!(ports, [7005]);
+    }
+
+    /// A reset that skipped them would answer `ok` with their keys untouched.
+    #[test]
+    fn a_failed_master_still_serving_slots_fails_the_scan() {
+        let nodes = "\
+a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-8191
+b2 127.0.0.1:7002@17002 master,fail - 0 0 2 connected 8192-16383
+";
+        let down = "the master at 127.0.0.1:7002 is down, its slots not yet taken over";
+        assert_eq!(masters(nodes, &[], None).err().unwrap(), down);
+        assert_eq!(masters(nodes, &[], Some(9000)).err().unwrap(), down);
+        assert_eq!(masters(nodes, &[], Some(100)).unwrap().len(), 1);
+        let half = "a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-8191\n";
+        assert_eq!(
+            masters(half, &[], Some(9000)).err().unwrap(),
+            "no master serves slot 9000"
+        );
     }
 
     #[test]
