@@ -596,4 +596,35 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_invalid(RateLimiter.observe_response("binance", "k", 200, [], bad))
     end
   end
+
+  # A name on a node that does not answer costs one remote timeout (5 s), not two: the
+  # name is asked once, and the call exits as a call to it would. Counted here with a
+  # node that is not there, whose every asking fails at once.
+  test "observe_response asks a name on another node once, and exits as a call would" do
+    name = {:far_limiter, :"nowhere@127.0.0.1"}
+    route = {Bourse.RateLimiter.Router, :route, 1}
+    Code.ensure_loaded!(Bourse.RateLimiter.Router)
+    test = self()
+    tracer = spawn_link(fn -> send(test, {:asked, asked(name)}) end)
+    :erlang.trace(self(), true, [:call, {:tracer, tracer}])
+    1 = :erlang.trace_pattern(route, true, [:local])
+
+    result =
+      catch_exit(RateLimiter.observe_response("ex", "k", 429, [{"retry-after", "1"}], name))
+
+    :erlang.trace(self(), false, [:call])
+    :erlang.trace_pattern(route, false, [:local])
+    send(tracer, :done)
+    assert {{:nodedown, :"nowhere@127.0.0.1"}, {RateLimiter, :call, [^name]}} = result
+    assert_receive {:asked, 1}
+  end
+
+  # The calls of `Router.route(name)` traced until `:done`.
+  defp asked(name) do
+    receive do
+      {:trace, _pid, :call, {Bourse.RateLimiter.Router, :route, [^name]}} -> 1 + asked(name)
+      {:trace, _pid, :call, _other} -> asked(name)
+      :done -> 0
+    end
+  end
 end

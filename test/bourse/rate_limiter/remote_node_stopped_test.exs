@@ -70,22 +70,4 @@ defmodule Bourse.RateLimiter.RemoteNodeStoppedTest do
     # The node is asked every second, and given 5 s to answer.
     assert ms < 15_000
   end
-
-  # observe_response asks the node once: a second routing of its own took 10 s.
-  test "observe_response to a stopped node exits as a call timeout after one remote timeout",
-       %{name: name, os_pid: os_pid} do
-    OsSignal.send(os_pid, "STOP")
-    started = System.monotonic_time(:millisecond)
-
-    result =
-      try do
-        RateLimiter.observe_response("ex", "k", 429, [{"retry-after", "1"}], name)
-      catch
-        :exit, reason -> {:exit, reason}
-      end
-
-    ms = System.monotonic_time(:millisecond) - started
-    assert {:exit, {:timeout, {RateLimiter, :call, [^name]}}} = result
-    assert ms < 9_000, "#{ms} ms"
-  end
 end

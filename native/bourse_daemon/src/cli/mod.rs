@@ -51,7 +51,8 @@ pub fn parse<I: IntoIterator<Item = String>>(
         "--secret-file",
         flags.secret_file.as_deref(),
         "BOURSE_DAEMON_SECRET",
-    )?;
+    )?
+    .map(|(bytes, _source)| bytes);
     let transport = transport(&flags, secret.as_deref())?;
     let redis = redis(&flags, env)?;
     let Flags {
@@ -160,7 +161,9 @@ fn redis(flags: &Flags, env: &impl Environment) -> Result<Option<RedisOptions>, 
         flags.redis_password_file.as_deref(),
         "BOURSE_REDIS_PASSWORD",
     )?
-    .map(|bytes| String::from_utf8(bytes).map_err(|_| "the Redis password must be UTF-8"))
+    .map(|(bytes, source)| {
+        String::from_utf8(bytes).map_err(|_| format!("{source}: the Redis password must be UTF-8"))
+    })
     .transpose()?;
     Ok(Some(RedisOptions {
         servers,
@@ -170,7 +173,8 @@ fn redis(flags: &Flags, env: &impl Environment) -> Result<Option<RedisOptions>, 
             "--redis-key-secret-file",
             flags.redis_key_secret_file.as_deref(),
             "BOURSE_REDIS_KEY_SECRET",
-        )?,
+        )?
+        .map(|(bytes, _source)| bytes),
         prefix: flags
             .redis_prefix
             .clone()

@@ -26,7 +26,7 @@ Access (server mode):
                             are accepted). The file gets the daemon's group, or its
                             directory's when that has the setgid bit (chmod g+s DIR).
   TCP clients must prove a shared secret before anything but `hello` is served: the
-  secret (at least 16 bytes, a trailing newline ignored) comes from the file named by
+  secret (16 to 4096 bytes, a trailing newline ignored) comes from the file named by
   --secret-file PATH, or else from the environment variable BOURSE_DAEMON_SECRET; never
   from the command line. --listen without a secret is refused.
   --max-connections N       Connections served at once (default 256, 1..=65536); past it

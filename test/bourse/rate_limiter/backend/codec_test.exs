@@ -4,6 +4,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   use ExUnit.Case, async: false
 
   import Bourse.BackendCase, only: [start_daemon_and_redis: 1]
+  import Bourse.ContractCase, only: [eventually: 1]
 
   alias Bourse.{DaemonServer, Error, RateLimiter}
   alias Bourse.RateLimiter.Backend.Connection
@@ -92,6 +93,39 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     File.chmod!(echo, 0o700)
     assert {:error, message} = PortStream.open({:port, echo, []}, settings)
     assert message =~ "not a bourse_daemon speaking protocol 1 in the external term format"
+  end
+
+  # A daemon blocked before it reads (opening a file, say) does not notice its socket or
+  # its stdin closing: it is killed, or it would outlive the VM.
+  test "a port that connects and never answers its hello, or never connects, is killed" do
+    settings = %{assume_busy: false, env: [], secret: nil, timeout: 1_000}
+    pid_file = Bourse.TempPath.new("bourse-silent-pid")
+    silent = Bourse.TempPath.new("bourse-silent")
+    on_exit(fn -> Enum.each([silent, pid_file], &File.rm/1) end)
+
+    File.write!(silent, """
+    #!/usr/bin/env python3
+    import os, signal, socket, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    if "--connect" in sys.argv:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sys.argv[sys.argv.index("--stdio-socket") + 1])
+    time.sleep(60)
+    """)
+
+    File.chmod!(silent, 0o700)
+
+    for {args, why} <- [
+          {[pid_file, "--connect"], "no hello within"},
+          {[pid_file], "it did not connect within"}
+        ] do
+      File.rm(pid_file)
+      assert {:error, message} = PortStream.open({:port, silent, args}, settings)
+      assert message =~ why
+      os_pid = File.read!(pid_file)
+      eventually(fn -> not File.exists?("/proc/#{os_pid}") end)
+    end
   end
 
   test "a daemon past its --max-connections: the refusal reaches the client, in its codec" do

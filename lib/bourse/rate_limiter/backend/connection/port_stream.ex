@@ -54,7 +54,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
             {:ok, stream, hello}
 
           error ->
-            close(stream)
+            :ok = SocketStream.close(stream)
+            kill_port(port)
             error
         end
       end
@@ -118,7 +119,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
           {^port, {:exit_status, status}} -> {:error, exited_early(executable, status)}
         after
           @handshake_timeout ->
-            close_port(port)
+            kill_port(port)
             {:error, "it did not connect within #{@handshake_timeout} ms"}
         end
 
@@ -185,6 +186,17 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   rescue
     # It closed already.
     ArgumentError -> :ok
+  end
+
+  # A daemon that did not start as it should is killed, not only left: one that reads
+  # neither its socket nor its stdin (blocked opening a file, say) would outlive the VM.
+  defp kill_port(port) do
+    with {:os_pid, os_pid} <- Port.info(port, :os_pid) do
+      close_port(port)
+      :os.cmd(~c"kill -KILL #{os_pid} 2>/dev/null")
+    end
+
+    :ok
   end
 
   @impl true
