@@ -111,10 +111,11 @@ fn main() -> ExitCode {
 /// `message` in the answer to its first frame. A port on `--stdio-socket` is told there
 /// alone: its client reports it, and stderr would repeat it in the client's log, raw.
 fn refused(message: &str, shown: &str) -> ExitCode {
-    if !stdio_socket::named(std::env::args_os().skip(1)) {
+    let port = std::env::args_os().any(|arg| arg == "--stdio");
+    if !(port && stdio_socket::named(std::env::args_os().skip(1))) {
         eprintln!("bourse_daemon: {shown}");
     }
-    if std::env::args_os().any(|arg| arg == "--stdio") {
+    if port {
         stdio::refuse(message)
     } else {
         ExitCode::from(2)

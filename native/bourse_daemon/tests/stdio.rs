@@ -181,6 +181,30 @@ fn a_refused_configuration_answers_the_hello_with_why() {
     }
 }
 
+/// `--stdio-socket` without `--stdio` is no port: the refusal goes to stderr alone.
+#[test]
+fn a_stdio_socket_without_stdio_is_refused_on_stderr() {
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
+
+    let path = common::temp_path("stray-stdio-socket");
+    let _ = std::fs::remove_file(&path);
+    let _listener = UnixListener::bind(&path).unwrap();
+    let output = Command::new(common::daemon_binary())
+        .args(["--socket", "/nonexistent/x.sock", "--stdio-socket"])
+        .arg(&path)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--stdio-socket goes with --stdio"),
+        "{stderr}"
+    );
+}
+
 /// Runs a port that refuses `args`, its client on stdin and stdout or on `--stdio-socket`;
 /// sends it the frame `hello`; returns the answer and what the daemon wrote on stderr once
 /// it exited 2.
