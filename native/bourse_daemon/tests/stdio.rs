@@ -111,28 +111,51 @@ fn sigterm_exits_while_nobody_reads_stdout() {
     assert!(common::sigterm_with_stdout_unread(&[]).success());
 }
 
+/// Where a daemon's `--stdio-socket` connects: a listener on a fresh temporary path, whose
+/// file is removed when it is dropped.
+struct StdioSocket {
+    path: std::path::PathBuf,
+    listener: std::os::unix::net::UnixListener,
+}
+
+impl StdioSocket {
+    fn bind(name: &str) -> Self {
+        let path = common::temp_path(name);
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        Self { path, listener }
+    }
+
+    /// The daemon's end, once it connected.
+    fn accept(&self) -> std::os::unix::net::UnixStream {
+        self.listener.accept().unwrap().0
+    }
+}
+
+impl Drop for StdioSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// The same through `--stdio-socket`, where the socket replaces stdin and stdout.
 #[test]
 fn sigterm_exits_while_nobody_reads_the_stdio_socket() {
-    use std::os::unix::net::UnixListener;
     use std::process::{Command, Stdio};
 
-    let path = common::temp_path("unread-stdio-socket");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
+    let listener = StdioSocket::bind("unread-stdio-socket");
     let mut child = Command::new(common::daemon_binary())
         .args(["--stdio", "--stdio-socket"])
-        .arg(&path)
+        .arg(&listener.path)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn bourse_daemon --stdio --stdio-socket");
-    let (socket, _) = listener.accept().unwrap();
+    let socket = listener.accept();
     let kept = socket.try_clone().unwrap();
     let status = common::sigterm_with_answers_unread(&mut child, socket);
     drop(kept);
-    let _ = std::fs::remove_file(&path);
     assert!(status.success(), "{status:?}");
 }
 
@@ -184,19 +207,15 @@ fn a_refused_configuration_answers_the_hello_with_why() {
 /// `--stdio-socket` without `--stdio` is no port: the refusal goes to stderr alone.
 #[test]
 fn a_stdio_socket_without_stdio_is_refused_on_stderr() {
-    use std::os::unix::net::UnixListener;
     use std::process::{Command, Stdio};
 
-    let path = common::temp_path("stray-stdio-socket");
-    let _ = std::fs::remove_file(&path);
-    let _listener = UnixListener::bind(&path).unwrap();
+    let listener = StdioSocket::bind("stray-stdio-socket");
     let output = Command::new(common::daemon_binary())
         .args(["--socket", "/nonexistent/x.sock", "--stdio-socket"])
-        .arg(&path)
+        .arg(&listener.path)
         .stdin(Stdio::null())
         .output()
         .expect("run");
-    let _ = std::fs::remove_file(&path);
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -210,17 +229,15 @@ fn a_stdio_socket_without_stdio_is_refused_on_stderr() {
 /// it exited 2.
 fn refused_port(args: &[&str], hello: &str, on_socket: bool) -> (serde_json::Value, String) {
     use std::io::{Read, Write};
-    use std::os::unix::net::UnixListener;
     use std::process::{Command, Stdio};
 
-    let path = common::temp_path("refused-stdio-socket");
-    let _ = std::fs::remove_file(&path);
     let mut command = Command::new(common::daemon_binary());
     command.args(args).stderr(Stdio::piped());
     let listener = on_socket.then(|| {
-        command.arg("--stdio-socket").arg(&path);
+        let listener = StdioSocket::bind("refused-stdio-socket");
+        command.arg("--stdio-socket").arg(&listener.path);
         command.stdin(Stdio::null()).stdout(Stdio::null());
-        UnixListener::bind(&path).unwrap()
+        listener
     });
     if !on_socket {
         command.stdin(Stdio::piped()).stdout(Stdio::piped());
@@ -228,7 +245,7 @@ fn refused_port(args: &[&str], hello: &str, on_socket: bool) -> (serde_json::Val
     let mut child = command.spawn().expect("spawn");
     let (mut input, mut output): (Box<dyn Write>, Box<dyn Read>) = match &listener {
         Some(listener) => {
-            let (socket, _) = listener.accept().unwrap();
+            let socket = listener.accept();
             (Box::new(socket.try_clone().unwrap()), Box::new(socket))
         }
         None => (
@@ -248,7 +265,6 @@ fn refused_port(args: &[&str], hello: &str, on_socket: bool) -> (serde_json::Val
         .read_to_string(&mut stderr)
         .unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(2), "{args:?}");
-    let _ = std::fs::remove_file(&path);
     let size = u32::from_be_bytes(out[..4].try_into().unwrap()) as usize;
     assert_eq!(out.len(), 4 + size, "{args:?}");
     (serde_json::from_slice(&out[4..]).unwrap(), stderr)
