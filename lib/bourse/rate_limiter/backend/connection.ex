@@ -890,8 +890,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # from now on fails), then every caller in flight is failed.
   defp broken(state, reason) do
     Logger.warning("#{describe(state)}: #{reason}")
-    state = %{state | down_reason: reason}
-    note_store_lost(state)
+    state = note_store_lost(%{state | down_reason: reason})
     error = {:error, Error.unavailable(publish(state, nil, nil))}
     state.transport.close(state.stream)
 
@@ -929,8 +928,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # The stream broke (the daemon may come back with a new table), or a hello named a new
   # table: what the daemon held for callers (bookings) may be gone (`store_lost_at/1`).
-  defp note_store_lost(state),
-    do: :ets.insert(state.table, {:store_lost_at, System.monotonic_time(:millisecond)})
+  defp note_store_lost(state) do
+    :ets.insert(state.table, {:store_lost_at, System.monotonic_time(:millisecond)})
+    state
+  end
 
   # A port is reopened at once; a socket after its backoff.
   defp reconnect(state) do
@@ -1000,8 +1001,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       new_table? = state.connected_before and hello["table"] not in [nil, state.daemon_table]
       state = connected(state, stream, hello)
-      if new_table?, do: note_store_lost(state)
-      state = if new_table?, do: pauses_again(state), else: state
+      state = if new_table?, do: state |> note_store_lost() |> pauses_again(), else: state
       publish(state, stream, hello["max_frame_bytes"])
       {:ok, keepalive(state, hello["idle_timeout_ms"])}
     end

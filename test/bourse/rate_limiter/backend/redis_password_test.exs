@@ -125,14 +125,7 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {password_file("\n"), "the secret is empty"},
           {password_file("wrong-secret-part"), "it refused the password given"}
         ] do
-      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
-               RateLimiter.start_link(
-                 name: :redis_password_file_refused,
-                 backend: {:redis, url, password_file: path}
-               )
-
-      assert message =~ why
-      refute message =~ "secret-part"
+      assert_start_refused(url, path, why)
     end
   end
 
@@ -145,15 +138,21 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
           {"redis://127.0.0.1:6379", :file, "password_file must be a path, got :file"},
           {"redis://127.0.0.1:6379", "a\0b", "password_file must be a path of UTF-8 text"}
         ] do
-      assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
-               RateLimiter.start_link(
-                 name: :redis_password_twice,
-                 backend: {:redis, url, password_file: file}
-               )
-
-      assert message =~ why
-      refute message =~ "secret-part"
+      assert_start_refused(url, file, why)
     end
+  end
+
+  # A limiter given `url` and `password_file: file` does not start, saying `why`, and
+  # nothing of a password.
+  defp assert_start_refused(url, file, why) do
+    assert {:error, %Bourse.Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(
+               name: :redis_password_file_refused,
+               backend: {:redis, url, password_file: file}
+             )
+
+    assert message =~ why
+    refute message =~ "secret-part"
   end
 
   # A misconfiguration fails the start, rather than every call later.
