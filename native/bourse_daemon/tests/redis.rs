@@ -57,11 +57,16 @@ impl Redis {
             eprintln!("SKIPPED: no redis-server binary on PATH (make deps installs it)");
             return None;
         }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
-        Some(Self::on_port_with(port, options))
+        // A port found free may be taken by another test's server before this one binds it.
+        loop {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free port")
+                .port();
+            if let Some(redis) = Self::listening_on(port, options, &[]) {
+                return Some(redis);
+            }
+        }
     }
 
     fn on_port(port: u16) -> Self {
@@ -73,6 +78,13 @@ impl Redis {
     }
 
     fn on_port_with_env(port: u16, options: &[&str], env: &[(&str, &Path)]) -> Self {
+        Self::listening_on(port, options, env)
+            .unwrap_or_else(|| panic!("another redis-server took port {port}"))
+    }
+
+    /// A server on `port` once it answers there itself, or `None` when it exits (another
+    /// server took the port: its answers must not pass for this one's).
+    fn listening_on(port: u16, options: &[&str], env: &[(&str, &Path)]) -> Option<Self> {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -81,9 +93,24 @@ impl Redis {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
-        let redis = Self { child, port };
-        eventually("redis-server answers PING", || redis.ping());
-        redis
+        let mut redis = Self { child, port };
+        let mut exited = false;
+        eventually("redis-server answers PING, or exits", || {
+            exited = matches!(redis.child.try_wait(), Ok(Some(_)));
+            exited || redis.answers_itself()
+        });
+        (!exited).then_some(redis)
+    }
+
+    /// Whether the server answering on the port is this one's process.
+    fn answers_itself(&self) -> bool {
+        let pid = format!("process_id:{}\r\n", self.child.id());
+        self.connection().is_some_and(|mut c| {
+            ::redis::cmd("INFO")
+                .arg("server")
+                .query::<String>(&mut c)
+                .is_ok_and(|info| info.contains(&pid))
+        })
     }
 
     /// [`Self::start`] with a wall clock that `clock` moves.
@@ -107,11 +134,6 @@ impl Redis {
         client
             .get_connection_with_timeout(Duration::from_secs(1))
             .ok()
-    }
-
-    fn ping(&self) -> bool {
-        self.connection()
-            .is_some_and(|mut c| ::redis::cmd("PING").query::<String>(&mut c).is_ok())
     }
 
     /// Runs one command (test inspection of what the script stored).
