@@ -47,14 +47,8 @@ dialyzer: deps
 # The Python client's tests run the daemon `cargo test` just built, not whatever an earlier
 # build left in target/debug. The VM's clock stays on the OS's monotonic clock, as the
 # stores' do, when the wall clock is set (README, "Bookings").
-# The Redis late-check test runs alone: beside the rest of the parallel Redis suite its held
-# calls sometimes never reach Redis (about one run in two in a fresh clone; never alone so
-# far), for a cause not yet found.
-LONE_TEST := a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it
-
 test: lint
-	cargo test --workspace --release -- --skip $(LONE_TEST)
-	cargo test --release -p bourse_daemon --test redis -- --exact $(LONE_TEST)
+	cargo test --workspace --release
 	ELIXIR_ERL_OPTIONS="+C multi_time_warp" MIX_ENV=test mix test
 	BOURSE_DAEMON=target/release/bourse_daemon python3 -m unittest discover -s test/cross_process
 

@@ -373,7 +373,8 @@ fn probes_over_capacity_costs_and_definition_changes() {
 
     // A changed definition is taken when admitted, with the tokens clamped to it.
     let defined = key("binance", Some("redefined"));
-    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
+    // Nothing refills within the test's tolerance of 0.01 token for 100 s.
+    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.0001});
     assert_eq!(t.call(check(&defined, slow(10), 2.0))["result"], "admitted");
     assert_eq!(t.call(check(&defined, slow(5), 1.0))["result"], "admitted");
     let info = t.call(json!({"op": "inspect", "key": defined}))["info"].clone();
@@ -709,7 +710,8 @@ fn multi_bucket_checks_pauses_resets_and_sync() {
     let Some(redis) = Redis::start() else { return };
     let server = daemon(&redis, &[]);
     let mut t = server.connect();
-    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
+    // Nothing refills within the test's tolerance of 0.01 token for 100 s.
+    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.0001});
     let a = key("bybit", Some("k"));
     let ip = json!({"exchange": "bybit", "credential": null, "axis": "ip"});
     let many = |cost_a: f64| {
@@ -2285,7 +2287,7 @@ fn a_refund_sent_twice_gives_back_once() {
 /// first are held.
 #[test]
 fn a_late_check_is_given_back_only_what_the_bucket_would_hold_without_it() {
-    // Three calls are in flight at most: each case is among the first three of one order.
+    // Three calls are on their way at most: each case is among the first three of one order.
     late_checks_given_back([0, 1, 2, 3, 4]);
     late_checks_given_back([3, 4, 0, 1, 2]);
 }
@@ -2295,15 +2297,17 @@ fn late_checks_given_back(order: [usize; 5]) {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
     let url = format!("redis://127.0.0.1:{}", relay.port);
-    // Time for the held calls to reach Redis before their deadline (three quarters of the
-    // timeout) on a loaded machine too: with 500 ms they once ran late, and paid nothing.
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "2000"]);
+    // The first three calls hold the turns for the timeout; the other two are sent as they
+    // end, past their own deadline (three quarters of the timeout after they were sent), so
+    // the first three must be seen run within a quarter of it: 1.5 s on a loaded machine.
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "6000"]);
     let mut t = server.connect();
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
     // Its exchange's marker has no run_id: for this daemon the state began again.
     let busy = daemon(&redis, &["--assume-busy-at-start"]);
-    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.001});
+    // Nothing refills within the test's tolerance of 0.01 token for 100 s.
+    let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.0001});
     let (synced, redefined, paid_again, reset, emptied) = (
         key("gate", Some("synced")),
         key("gate", Some("redefined")),
@@ -2317,18 +2321,19 @@ fn late_checks_given_back(order: [usize; 5]) {
         assert_eq!(t.call(check(k, slow(10), 1.0))["result"], "admitted");
     }
     relay.hold(true);
+    // The daemon takes a connection's requests in no set order: each of the first three is
+    // sent once Redis ran the one before (7 tokens left), so that each holds a turn of its
+    // own. The other two wait behind them, and do nothing once late.
     for (id, k) in keys.into_iter().enumerate() {
         let mut request = check(k, slow(10), 2.0);
         request["id"] = json!(id);
         t.send_request(&request);
+        if id < 3 {
+            eventually("Redis runs the held call", || {
+                (borrowed(&mut direct, k) - 3.0).abs() < 0.01
+            });
+        }
     }
-    // Redis ran the first three (7 tokens left each) before the other daemon's calls; the
-    // others may wait behind them, and do nothing once late.
-    eventually("Redis runs the held calls", || {
-        keys[..3]
-            .iter()
-            .all(|k| (borrowed(&mut direct, k) - 3.0).abs() < 0.01)
-    });
     let sync = json!({"op": "sync", "key": synced, "allowance": 7.5, "window_left_ms": 0});
     assert_eq!(direct.call(sync)["taken"], 0.0);
     assert_eq!(
