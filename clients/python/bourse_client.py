@@ -9,7 +9,7 @@ then, from any number of processes:
 
     from bourse_client import BourseClient, RateLimitExceeded
 
-    limit = {"requests": 1200, "period": 60000}          # Binance: 1200 weight per minute
+    limit = {"requests": 6000, "period": 60000}          # Binance spot: 6000 weight per minute
     with BourseClient(("127.0.0.1", 7400)) as limiter:   # or BourseClient("/run/bourse.sock")
         # Probe: admitted now (and paid), or told how long to wait (nothing paid).
         decision = limiter.check("binance", "API-KEY", limit, cost=5)

@@ -17,14 +17,16 @@ defmodule Bourse.RateLimiter.BodySignal do
   | exchange | signal | scope | reaction |
   | --- | --- | --- | --- |
   | Binance | `"code"` -1003 `TOO_MANY_REQUESTS` (request weight, counted per IP) | exchange (the IP) | as a 429, for every credential; with `IP banned until <ms>` in `"msg"`: a ban until then, stop |
-  | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429; the wait is the rest of the order window its `"msg"` names (`per 10 SECOND`, `per MINUTE`; not a day's) |
+  | Binance | `"code"` -1015 `TOO_MANY_ORDERS` | credential | as a 429; the wait is the rest of the order window its `"msg"` names (`per 10 SECOND`, `per MINUTE`) |
+  | Binance | `"code"` -1015 naming the day's limit (`per DAY`) | the credential's `"orders_1d"` bucket | until 00:00 UTC, when the day's count restarts; stop (other requests of the credential go on) |
   | Binance | HTTP 403: the WAF limit was violated | exchange (the IP) | as a 418: stop |
   | Bybit | `"retCode"` 10006: too many visits, the per-UID API limit | credential | as a 429; the wait is `X-Bapi-Limit-Reset-Timestamp` when no `Retry-After` |
   | Bybit | `"retCode"` 10018: the IP rate limit | exchange (the IP) | as a 429, for every credential |
   | Bybit | `"retCode"` 10009: IP banned; HTTP 403: access too frequent | exchange (the IP) | stop; 403 waits 10 minutes, as documented |
-  | OKX | `"code"` 50011: rate limit reached; 50061: sub-account rate limit reached | credential | as a 429 |
+  | OKX | `"code"` 50011: rate limit reached; 50061: sub-account rate limit reached; either as an order's `"sCode"` in `"data"` when the batch failed (`"code"` 1 or 2) | credential | as a 429 |
   | Kraken | `"error"` holds `EAPI:Rate limit exceeded` (the REST call counter) or `EOrder:Rate limit exceeded` (the trading counter) | credential | as a 429 |
   | Kraken | `"error"` holds `EService:Throttled: <unix time>` (too many concurrent requests) | credential | as a 429, until that time |
+  | Kraken | `"error"` holds `EGeneral:Temporary lockout` (the counter was exceeded; requests sent meanwhile prolong it) | credential | 15 minutes, as the lockout typically lasts; stop |
   | Coinbase | `"errors"` holds `%{"id" => "rate_limit_exceeded"}`, or `"error"` is `"rate_limit_exceeded"` | credential | as a 429 |
 
   Codes may be numbers or strings (OKX sends `"50011"`). A `Retry-After` header, when
@@ -45,12 +47,17 @@ defmodule Bourse.RateLimiter.BodySignal do
       access too frequent": "wait for at least 10 minutes").
     * OKX: REST error codes 50011 "Rate limit reached" and 50061 "Sub-account rate limit
       reached", <https://www.okx.com/docs-v5/en/#error-code-rest-api-general> (read in a
-      stored mirror of that table; OKX's own Web3 API pages list 50011 with HTTP 429).
+      stored mirror of that table; OKX's own Web3 API pages list 50011 with HTTP 429). A
+      batch's per-order results carry `"sCode"` and `"sMsg"` in `"data"`, with `"code"`
+      1 (all failed) or 2 (some failed).
     * Kraken: <https://docs.kraken.com/api/docs/guides/spot-rest-ratelimits> (errors
       `EAPI:Rate limit exceeded` and `EService: Throttled: [UNIX timestamp]`);
       <https://support.kraken.com/hc/en-us/articles/360045239571-Trading-rate-limits>
       and <https://docs.kraken.com/exchange/guides/general/ratelimits>
-      (`EOrder:Rate limit exceeded`).
+      (`EOrder:Rate limit exceeded`);
+      <https://support.kraken.com/hc/en-us/articles/360001491786-API-error-messages>
+      (`EGeneral:Temporary lockout` among the rate-limit errors, typically about 15
+      minutes).
     * Coinbase: a 429 with `{"errors": [{"id": "rate_limit_exceeded", ...}]}`,
       <https://docs.cdp.coinbase.com/coinbase-app/api-architecture/rate-limiting>;
       Advanced Trade and Exchange REST answer 429 Too Many Requests,
@@ -62,11 +69,12 @@ defmodule Bourse.RateLimiter.BodySignal do
 
   @typedoc """
   A signal found: which buckets to pause (`:credential`: every bucket of the credential;
-  `:exchange`: every bucket of the exchange), whether to stop, the wait the reply names
+  `:exchange`: every bucket of the exchange; `{:axis, axis}`: the credential's bucket of
+  that axis), whether to stop, the wait the reply names
   (ms, `nil` if none) and a description for the error message.
   """
   @type t :: %{
-          scope: :credential | :exchange,
+          scope: :credential | :exchange | {:axis, String.t()},
           stop: boolean(),
           wait_ms: non_neg_integer() | nil,
           reason: String.t()
@@ -78,6 +86,9 @@ defmodule Bourse.RateLimiter.BodySignal do
   @families ~w(binance bybit okx kraken coinbase)
   @max_items 16
   @bybit_ip_ban_ms 600_000
+  # How long Kraken's temporary lockout typically lasts.
+  @kraken_lockout_ms 900_000
+  @day_ms 86_400_000
 
   # The fields read, as strings and as the atoms of a map decoded with atom keys.
   @keys %{
@@ -122,7 +133,7 @@ defmodule Bourse.RateLimiter.BodySignal do
   @wanted %{
     "binance" => ["code", "msg"],
     "bybit" => ["retCode"],
-    "okx" => ["code"],
+    "okx" => ["code", "data"],
     "kraken" => ["error"],
     "coinbase" => ["error", "errors"]
   }
@@ -161,8 +172,16 @@ defmodule Bourse.RateLimiter.BodySignal do
         end
 
       -1015 ->
-        wait = order_window_left(get(body, "msg"), now_ms)
-        signal(:credential, false, wait, "Binance code -1015 (too many new orders)")
+        msg = get(body, "msg")
+
+        case day_left(msg, now_ms) do
+          nil ->
+            wait = order_window_left(msg, now_ms)
+            signal(:credential, false, wait, "Binance code -1015 (too many new orders)")
+
+          left ->
+            signal({:axis, "orders_1d"}, true, left, "Binance code -1015 (the day's new orders)")
+        end
 
       _ ->
         nil
@@ -190,11 +209,15 @@ defmodule Bourse.RateLimiter.BodySignal do
     end
   end
 
+  # A batch that failed in whole or in part (code 1 or 2) names each order's error in its
+  # `"sCode"`.
   defp body_signal("okx", body, _headers, _now_ms) do
     case code(body) do
-      50011 -> signal(:credential, false, nil, "OKX code 50011 (rate limit reached)")
-      50061 -> signal(:credential, false, nil, "OKX code 50061 (sub-account rate limit reached)")
-      _ -> nil
+      batch when batch in [1, 2] ->
+        body |> get("data") |> items() |> Enum.find_value(&okx_code(get(&1, "sCode"), "sCode"))
+
+      code ->
+        okx_code(code, "code")
     end
   end
 
@@ -209,11 +232,28 @@ defmodule Bourse.RateLimiter.BodySignal do
       do: signal(:credential, false, nil, "Coinbase rate_limit_exceeded")
   end
 
+  defp okx_code(code, field) do
+    case code(code) do
+      50011 ->
+        signal(:credential, false, nil, "OKX #{field} 50011 (rate limit reached)")
+
+      50061 ->
+        signal(:credential, false, nil, "OKX #{field} 50061 (sub-account rate limit reached)")
+
+      _ ->
+        nil
+    end
+  end
+
   defp kraken_error("EAPI:Rate limit exceeded", _now_ms),
     do: signal(:credential, false, nil, "Kraken EAPI:Rate limit exceeded")
 
   defp kraken_error("EOrder:Rate limit exceeded", _now_ms),
     do: signal(:credential, false, nil, "Kraken EOrder:Rate limit exceeded")
+
+  # Sent while locked out; requests sent meanwhile prolong it.
+  defp kraken_error("EGeneral:Temporary lockout", _now_ms),
+    do: signal(:credential, true, @kraken_lockout_ms, "Kraken EGeneral:Temporary lockout")
 
   defp kraken_error("EService:" <> rest, now_ms) when byte_size(rest) <= 64 do
     case Regex.run(~r/\A\s*Throttled:\s*(\d{1,12})\s*\z/, rest) do
@@ -272,8 +312,7 @@ defmodule Bourse.RateLimiter.BodySignal do
   defp banned_until(_msg), do: nil
 
   # What is left of the order window a -1015 names ("current limit is 50 orders per 10
-  # SECOND"), on the local clock: Binance's order windows start at whole intervals. A day's
-  # is left to the backoff: a pause to midnight would hold every request of the credential.
+  # SECOND"), on the local clock: Binance's order windows start at whole intervals.
   defp order_window_left(msg, now_ms) when is_binary(msg) and byte_size(msg) <= 512 do
     with [_, count, unit] <- Regex.run(~r/per (\d{0,3}) ?(SECOND|MINUTE)\b/i, msg),
          interval when interval in 1..300_000 <- window_ms(count, String.upcase(unit)) do
@@ -284,6 +323,14 @@ defmodule Bourse.RateLimiter.BodySignal do
   end
 
   defp order_window_left(_msg, _now_ms), do: nil
+
+  # What is left of the UTC day, when a -1015 names the day's order limit ("200000 orders
+  # per DAY").
+  defp day_left(msg, now_ms) when is_binary(msg) and byte_size(msg) <= 512 do
+    if Regex.match?(~r/per 1? ?DAY\b/i, msg), do: @day_ms - rem(now_ms, @day_ms)
+  end
+
+  defp day_left(_msg, _now_ms), do: nil
 
   defp window_ms("", unit), do: window_ms("1", unit)
   defp window_ms(count, "SECOND"), do: String.to_integer(count) * 1_000

@@ -97,8 +97,9 @@ defmodule Bourse.RateLimiter.Feedback do
   | `x-mbx-order-count-1d` (Binance) | `"orders_1d"` | 1 day, wall-clock (UTC) |
   | `x-bapi-limit`, `x-bapi-limit-status`, `x-bapi-limit-reset-timestamp` (Bybit) | `"request"`, or `axis:` | 1 s |
   | `x-ratelimit-limit`, `x-ratelimit-remaining`, `x-ratelimit-reset` (generic) | `"request"`, or `axis:` | unknown |
+  | `gw-ratelimit-limit`, `gw-ratelimit-remaining`, `gw-ratelimit-reset` (KuCoin) | `"request"`, or `axis:` | unknown |
 
-  The last two describe the endpoint of the reply (Bybit: "your remaining requests for
+  The last three describe the endpoint of the reply (Bybit: "your remaining requests for
   current endpoint"): an adapter passes that endpoint's axis with
   `observe_response(..., axis: "order_create")`, and they sync that bucket.
 
@@ -154,22 +155,27 @@ defmodule Bourse.RateLimiter.Feedback do
   | `x-mbx-order-count-1m` | 1,200 (USD-M futures `ORDERS`, 1 `MINUTE`: spot has none) |
   | `x-mbx-order-count-1d` | 200,000 (`ORDERS`, 1 `DAY`) |
 
-  **Limit and remaining** (Bybit, generic) give `limit` and `remaining`, so
+  **Limit and remaining** (Bybit, KuCoin, generic) give `limit` and `remaining`, so
   `used = limit - remaining`, and the allowance is `min(B, limit) - used`: never more
   than `remaining`. When the exchange's window is unknown (the generic headers, by
   default) `B` is taken as `limit` and the allowance is `remaining` itself; configure the
   window to keep the same room for other programs as the Binance headers do. The time
   left is `x-bapi-limit-reset-timestamp - now` (ms since the epoch; Bybit sends the
   current time while not limited: the allowance then holds right now) or
-  `x-ratelimit-reset`: seconds until the reset (decimals allowed) or, from 1e9 up, the
-  reset time in seconds since the epoch; without a reset header the allowance holds
+  `x-ratelimit-reset`: seconds until the reset (decimals allowed), from 1e9 up the reset
+  time in seconds since the epoch, from 1e12 up in ms since the epoch; or
+  `gw-ratelimit-reset`: ms until the reset. Without a reset header the allowance holds
   right now. The time left is capped at the window when known, else at one day.
+
+  A 429 whose reply names no wait (no usable `Retry-After`, none in its body) waits until
+  the reset one of these reset headers names, when it names one still to come; else the
+  backoff.
 
   ## Configuration
 
   The axis and window of each header can be changed, and used counters added, in the
   application environment. Keys are used-counter header names or the family names
-  `"x-bapi-limit"` and `"x-ratelimit"`; values are an axis, `{axis, window_ms}`
+  `"x-bapi-limit"`, `"x-ratelimit"` and `"gw-ratelimit"`; values are an axis, `{axis, window_ms}`
   (`window_ms` may be `nil` for the families) or `nil` to ignore the header:
 
       config :bourse, :header_axes, %{
@@ -211,7 +217,9 @@ defmodule Bourse.RateLimiter.Feedback do
     "x-bapi-limit" =>
       {"x-bapi-limit", "x-bapi-limit-status", "x-bapi-limit-reset-timestamp", :epoch_ms},
     "x-ratelimit" =>
-      {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", :seconds_or_epoch}
+      {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", :seconds_or_epoch},
+    "gw-ratelimit" =>
+      {"gw-ratelimit-limit", "gw-ratelimit-remaining", "gw-ratelimit-reset", :ms_left}
   }
 
   # The exchange's limit per window of each used counter: see the moduledoc.
@@ -226,7 +234,8 @@ defmodule Bourse.RateLimiter.Feedback do
 
   @default_axes Map.merge(@used_counters, %{
                   "x-bapi-limit" => {"request", 1_000},
-                  "x-ratelimit" => {"request", nil}
+                  "x-ratelimit" => {"request", nil},
+                  "gw-ratelimit" => {"request", nil}
                 })
 
   @typedoc "Reply headers: `{name, value}` pairs, or a map of name to value or values."
@@ -499,6 +508,7 @@ defmodule Bourse.RateLimiter.Feedback do
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
+    named_ms = named_ms || reset_named(found)
     asked = found["retry-after"] |> asked(named_ms) |> at_least_a_ban(stop)
 
     case hold(asked, {exchange_id, credential}, scope, name) do
@@ -597,6 +607,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   defp targets({exchange_id, _credential}, :exchange), do: [exchange_id]
   defp targets(credential, :credential), do: [credential]
+  defp targets({exchange_id, credential}, {:axis, axis}), do: [{exchange_id, credential, axis}]
 
   defp targets({exchange_id, _} = credential, {:credential, ip}),
     do: [credential, {exchange_id, ip}]
@@ -689,6 +700,17 @@ defmodule Bourse.RateLimiter.Feedback do
     RateLimiter.sync(key, allowance, left, name)
   end
 
+  # The wait until the first reset a limit family's header names (`nil` for none): what a
+  # 429 waits without a `Retry-After` or a wait named in its body.
+  defp reset_named(found) do
+    Enum.find_value(@families, fn {_family, {_limit, _remaining, reset_name, kind}} ->
+      case reset_left(found[reset_name], kind, @max_window_ms) do
+        0 -> nil
+        left -> left
+      end
+    end)
+  end
+
   defp reset_left(nil, _kind, _max), do: 0
 
   defp reset_left(text, kind, max) do
@@ -697,6 +719,8 @@ defmodule Bourse.RateLimiter.Feedback do
     left =
       case {number(text), kind} do
         {{:ok, epoch_ms}, :epoch_ms} -> epoch_ms - now
+        {{:ok, ms}, :ms_left} -> ms
+        {{:ok, epoch_ms}, :seconds_or_epoch} when epoch_ms >= 1.0e12 -> epoch_ms - now
         {{:ok, seconds}, :seconds_or_epoch} when seconds >= 1.0e9 -> seconds * 1000 - now
         {{:ok, seconds}, :seconds_or_epoch} -> seconds * 1000
         _unusable -> 0

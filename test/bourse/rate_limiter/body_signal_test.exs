@@ -41,11 +41,23 @@ defmodule Bourse.RateLimiter.BodySignalTest do
              false},
             {"okx", 200, %{"code" => "50061", "msg" => "Sub-account rate limit reached"},
              :credential, false},
+            # A batch that failed, in whole or in part: each order's sCode.
+            {"okx", 200,
+             ~s({"code":"1","data":[{"ordId":"","sCode":"50011","sMsg":"Rate limit reached"}],"msg":"All operations failed"}),
+             :credential, false},
+            {"okx", 200, %{"code" => "2", "data" => [%{"sCode" => "0"}, %{"sCode" => "50061"}]},
+             :credential, false},
             {"kraken", 200, ~s({"error":["EAPI:Rate limit exceeded"],"result":{}}), :credential,
              false},
             {"kraken", 200, %{"error" => ["EOrder:Rate limit exceeded"]}, :credential, false},
             {"kraken", 200, %{error: ["EService: Throttled: #{div(now, 1000) + 5}"]}, :credential,
              false},
+            {"kraken", 200, ~s({"error":["EGeneral:Temporary lockout"]}), :credential, true},
+            {"binance", 429,
+             %{
+               "code" => -1015,
+               "msg" => "Too many new orders; current limit is 200000 orders per DAY."
+             }, {:axis, "orders_1d"}, true},
             {"coinbase", 429,
              ~s({"errors":[{"id":"rate_limit_exceeded","message":"Too many requests"}]}),
              :credential, false},
@@ -75,7 +87,10 @@ defmodule Bourse.RateLimiter.BodySignalTest do
 
       assert ms in 1..3000
 
-      # Binance's -1015: the rest of the order window its message names, a day's excepted.
+      assert %{wait_ms: 900_000} =
+               find("kraken", 200, %{"error" => ["EGeneral:Temporary lockout"]})
+
+      # Binance's -1015: the rest of the order window its message names.
       for {window, interval} <- [{"10 SECOND", 10_000}, {"SECOND", 1_000}, {"2 MINUTE", 120_000}] do
         msg = "Too many new orders; current limit is 50 orders per #{window}."
         body = %{"code" => -1015, "msg" => msg}
@@ -83,12 +98,18 @@ defmodule Bourse.RateLimiter.BodySignalTest do
         assert ms == interval - rem(now, interval), "#{window}: #{ms}"
       end
 
-      for msg <- [
-            "Too many new orders; current limit is 160000 orders per DAY.",
-            "Too many new orders"
-          ] do
-        assert %{wait_ms: nil} = find("binance", 429, %{"code" => -1015, "msg" => msg})
+      # A day's: the rest of the UTC day, on its own axis.
+      for window <- ["DAY", "1 DAY"] do
+        msg = "Too many new orders; current limit is 160000 orders per #{window}."
+        body = %{"code" => -1015, "msg" => msg}
+
+        assert %{wait_ms: ms, scope: {:axis, "orders_1d"}} =
+                 BodySignal.find("binance", 429, body, %{}, now)
+
+        assert ms == 86_400_000 - rem(now, 86_400_000)
       end
+
+      assert %{wait_ms: nil} = find("binance", 429, %{"code" => -1015, "msg" => "Too many"})
 
       msg = "Way too much request weight used; IP banned until #{now + 60_000}."
       assert %{wait_ms: ms, stop: true} = find("binance", 418, %{"code" => -1003, "msg" => msg})
@@ -241,6 +262,24 @@ defmodule Bourse.RateLimiter.BodySignalTest do
 
       assert {:error, %Error{retry_after: 2000}} =
                RateLimiter.observe_response("bybit", "k", 200, [], name, body: %{retCode: 10006})
+    end
+
+    test "Binance's -1015 for the day's orders holds the credential's orders_1d bucket until 00:00 UTC",
+         %{name: name} do
+      msg = "Too many new orders; current limit is 200000 orders per DAY."
+      body = ~s({"code":-1015,"msg":"#{msg}"})
+
+      assert {:error, %Error{stop: true, retry_after: ms} = error} =
+               RateLimiter.observe_response("binance", "k", 429, [], name, body: body)
+
+      left = 86_400_000 - rem(System.os_time(:millisecond), 86_400_000)
+      # Read after the answer: no longer than its wait.
+      assert ms in left..(left + 5_000)
+      assert error.message =~ "-1015"
+      assert {:delay, _} = RateLimiter.check_rate({"binance", "k", "orders_1d"}, @slow, 1, name)
+      # Its other requests (queries, cancels) go on.
+      assert :ok = RateLimiter.check_rate({"binance", "k", "request"}, @slow, 1, name)
+      assert :ok = RateLimiter.check_rate({"binance", "k", "orders_10s"}, @slow, 1, name)
     end
 
     test "IP-wide signals pause every credential; bans stop; Retry-After comes first",

@@ -345,12 +345,20 @@ defmodule Bourse.RateLimiter.FeedbackTest do
             {"2", 10..10},
             {"2.000", 10..10},
             # Epoch seconds, read when the headers are made: the reset is 1 to 2 s away.
-            {:two_seconds_on, 10..20}
+            {:two_seconds_on, 10..20},
+            # Epoch ms (before, read as seconds: the bucket was held for a day).
+            {:two_seconds_on_ms, 10..20}
           ] do
         assert :ok = RateLimiter.reset(key, name)
         assert :ok = RateLimiter.check_rate(key, limit, 1, name)
         set_at = System.monotonic_time(:millisecond)
-        reset = if reset == :two_seconds_on, do: "#{System.os_time(:second) + 2}", else: reset
+
+        reset =
+          case reset do
+            :two_seconds_on -> "#{System.os_time(:second) + 2}"
+            :two_seconds_on_ms -> "#{System.os_time(:millisecond) + 2000}"
+            seconds -> seconds
+          end
 
         headers = [
           {"x-ratelimit-limit", "100"},
@@ -372,6 +380,54 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       set_at = System.monotonic_time(:millisecond)
       assert :ok = observe(200, headers, name)
       assert_tokens_since(key, name, 20, limit.refill_per_sec, set_at)
+    end
+  end
+
+  describe "KuCoin gw-ratelimit-*" do
+    test "sync the allowance to what remains, and a 429 waits for the reset they name",
+         %{name: name} do
+      key = {"kucoin", "k", "request"}
+      limit = %{capacity: 320, refill_per_sec: 10}
+      assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+      set_at = System.monotonic_time(:millisecond)
+
+      headers = [
+        {"gw-ratelimit-limit", "4000"},
+        {"gw-ratelimit-remaining", "5"},
+        {"gw-ratelimit-reset", "12000"}
+      ]
+
+      assert :ok = RateLimiter.observe_response("kucoin", "k", 200, headers, name)
+      # 5 more until the reset in 12 s: the refill until then is taken off now.
+      assert_tokens_since(key, name, 5 - 12 * limit.refill_per_sec, limit.refill_per_sec, set_at)
+
+      body = ~s({"code":"429000","msg":"Too Many Requests"})
+
+      assert {:error, %Error{type: :rate_limit_exceeded, retry_after: 12_000, stop: false}} =
+               RateLimiter.observe_response("kucoin", "k", 429, headers, name, body: body)
+
+      # Every axis of the credential.
+      assert_paused({"kucoin", "k", "other"}, name, 11_000..12_000)
+    end
+
+    test "a 429 with a reset header in the past, or none, backs off from 1 s", %{name: name} do
+      past = "#{System.os_time(:second) - 5}"
+
+      for {headers, i} <-
+            Enum.with_index([[{"x-ratelimit-reset", past}], [{"gw-ratelimit-reset", "0"}], []]) do
+        assert {:error, %Error{retry_after: 1000}} =
+                 RateLimiter.observe_response("kucoin", "k-#{i}", 429, headers, name)
+      end
+    end
+
+    test "a 429 with an x-ratelimit-reset in epoch ms waits until then", %{name: name} do
+      reset = "#{System.os_time(:millisecond) + 4000}"
+
+      assert {:error, %Error{retry_after: ms}} =
+               observe(429, [{"x-ratelimit-reset", reset}], name)
+
+      assert ms in 3000..4000
+      assert_paused({"binance", "k", "a"}, name, 2000..4000)
     end
   end
 
