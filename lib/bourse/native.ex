@@ -29,7 +29,8 @@ defmodule Bourse.Native do
   # A bound or default of the core's rules: `:max_key_part_bytes`, `:max_checks`,
   # `:max_busiest`, `:max_pauses`, `:default_booking_slack_ms`, `:max_ms`,
   # `:max_setting_ms`, `:max_store_timeout_ms`, `:max_amount`, `:first_backoff_ms`,
-  # `:min_secret_bytes`; and the NIF's
+  # `:min_secret_bytes`, `:max_secret_bytes`, `:max_secret_file_bytes`,
+  # `:max_secret_path_bytes`; and the NIF's
   # `:max_inline_checks` and `:max_inline_bookings` (longer check lists, and checks of
   # buckets holding more bookings together, run on a dirty scheduler).
   def bound(name), do: Map.fetch!(:persistent_term.get({__MODULE__, :bounds}), name)

@@ -40,6 +40,35 @@ defmodule Bourse.OptionMessagesTest do
              "unknown daemon option :no_such"
   end
 
+  # As the daemon reads its own: never a FIFO waited on, nor a device read without end.
+  test "a daemon secret_file is a regular file of a few bytes, refused at once otherwise" do
+    dir = Bourse.TempPath.new("bourse-secret-files", "")
+    File.mkdir_p!(dir)
+    on_exit(fn -> File.rm_rf(dir) end)
+    fifo = Path.join(dir, "fifo")
+    {_, 0} = System.cmd("mkfifo", [fifo])
+    File.write!(Path.join(dir, "huge"), String.duplicate("x", 100_000))
+    File.write!(Path.join(dir, "long"), String.duplicate("x", 4097) <> "\n")
+    File.write!(Path.join(dir, "empty"), "\n\r\n")
+
+    for {path, says} <- [
+          {fifo, "not a regular file"},
+          {"/dev/zero", "not a regular file"},
+          {dir, "not a regular file"},
+          {Path.join(dir, "huge"), "larger than 65536 bytes"},
+          {Path.join(dir, "long"), "the secret is longer than 4096 bytes"},
+          {Path.join(dir, "empty"), "the secret is empty"},
+          {"/no/a\0b", "cannot read the daemon secret_file"},
+          {"/" <> String.duplicate("x", 100_000),
+           "secret_file must be a path of at most 4096 bytes"}
+        ] do
+      started = System.monotonic_time(:millisecond)
+      message = assert_described(start({:daemon, "127.0.0.1:7000", secret_file: path}))
+      assert message =~ says, message
+      assert System.monotonic_time(:millisecond) - started < 2_000, path
+    end
+  end
+
   test "a Redis URL or a path that is not UTF-8 is refused or shown as text" do
     for url <- [
           <<"redis://127.0.0.1:1/", 0xFF>>,

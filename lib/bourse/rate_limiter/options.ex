@@ -122,6 +122,23 @@ defmodule Bourse.RateLimiter.Options do
     end
   end
 
+  @doc false
+  # The path of a secret's file given as option `name` (`:secret_file`, `:password_file`),
+  # made absolute (a daemon's working directory need not stay the VM's), of at most the
+  # core's `max_secret_path_bytes`.
+  @spec secret_path(atom(), term()) :: {:ok, binary()} | {:error, String.t()}
+  def secret_path(name, path) when is_binary(path) and path != "" do
+    max = Native.bound(:max_secret_path_bytes)
+
+    if byte_size(path) <= max,
+      do: {:ok, Path.expand(path)},
+      else:
+        {:error, "#{name} must be a path of at most #{max} bytes, got #{Error.describe(path)}"}
+  end
+
+  def secret_path(name, other),
+    do: {:error, "#{name} must be a path, got #{Error.describe(other)}"}
+
   # The first unknown key of keyword list `opts`, else its first repeated one: a message
   # names one, whatever the list holds.
   defp bad_option(opts, known) do

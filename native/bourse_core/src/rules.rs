@@ -56,6 +56,14 @@ pub const MAX_SETTING_MS: u64 = 86_400_000;
 pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
 /// Shortest secret a shared daemon's TCP clients prove.
 pub const MIN_SECRET_BYTES: usize = 16;
+/// Longest secret: Redis closes an unauthenticated connection whose password is much
+/// longer (16 KiB), and no secret needs more.
+pub const MAX_SECRET_BYTES: usize = 4096;
+/// Most bytes read of a secret's file: a larger one (a certificate bundle, a log) is not
+/// one, and is not read whole.
+pub const MAX_SECRET_FILE_BYTES: usize = 64 * 1024;
+/// Longest path of a secret's file.
+pub const MAX_SECRET_PATH_BYTES: usize = 4096;
 /// Largest capacity, refill rate, cost or allowance: far beyond any exchange limit, small
 /// enough that every product and sum stays exact to well under a token.
 pub const MAX_AMOUNT: f64 = 1e12;

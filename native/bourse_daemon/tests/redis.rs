@@ -487,6 +487,44 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
+/// A booking is its named owner's in every daemon on the Redis: claimed through a daemon
+/// started after the one that booked it was killed (a Redis limiter's own daemon is
+/// started again at once), and through another daemon, it is admitted without paying
+/// again. Before, each daemon process hashed owners with a key of its own: the claim found
+/// no booking of its owner, and booked and paid a second time.
+#[test]
+fn a_booking_is_claimed_through_another_daemon_on_the_same_redis() {
+    let Some(redis) = Redis::start() else { return };
+    let limit = json!({"capacity": 5, "refill_per_sec": 5});
+    let k = key("okx", Some("owned"));
+    let waiter = |owner: &str| json!({"op": "check", "key": k, "limit": limit, "cost": 5, "owner": owner, "max_wait_ms": 5000});
+    for (owner, by_a_restarted_one) in [
+        ("1234.vm-a.<0.101.0>", true),
+        ("1234.vm-a.<0.102.0>", false),
+    ] {
+        let first = daemon(&redis, &[]);
+        let mut t = first.connect();
+        assert_eq!(t.call(json!({"op": "reset", "key": k}))["ok"], true);
+        assert_eq!(t.call(waiter(owner))["result"], "admitted");
+        let booked = t.call(waiter(owner));
+        assert_eq!(booked["result"], "booked", "{booked}");
+        let second = match by_a_restarted_one {
+            true => {
+                drop(t);
+                drop(first);
+                daemon(&redis, &[])
+            }
+            false => daemon(&redis, &[]),
+        };
+        let mut claimer = second.connect();
+        sleep_ms(ms(&booked) + 50);
+        assert_eq!(claimer.call(waiter(owner))["result"], "claimed");
+        // Paid once: the booking's 5, less what refilled since it was ready.
+        let borrowed = borrowed(&mut claimer, &k);
+        assert!(borrowed <= 5.0 && borrowed > 2.0, "{borrowed} borrowed");
+    }
+}
+
 /// A booking over two buckets whose claim a pause of one of them holds is held on the
 /// other too: claimed at the pause's end, not lapsed and booked again, and paid there as of
 /// that end, so another credential on the IP finds no refill of the pause left beside it.

@@ -5,7 +5,8 @@
 
 use bourse_core::rules::{
     DEFAULT_BOOKING_SLACK_MS, FIRST_BACKOFF_MS, MAX_AMOUNT, MAX_BUSIEST, MAX_CHECKS,
-    MAX_KEY_PART_BYTES, MAX_MS, MAX_PAUSES, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS, MIN_SECRET_BYTES,
+    MAX_KEY_PART_BYTES, MAX_MS, MAX_PAUSES, MAX_SECRET_BYTES, MAX_SECRET_FILE_BYTES,
+    MAX_SECRET_PATH_BYTES, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS, MIN_SECRET_BYTES,
 };
 use bourse_core::InvalidInput;
 use rustler::{Encoder, Env, Term};
@@ -16,7 +17,8 @@ mod names {
     rustler::atoms! {
         max_key_part_bytes, max_checks, max_busiest, max_pauses, default_booking_slack_ms,
         max_ms, max_setting_ms, max_store_timeout_ms, max_amount, max_inline_checks,
-        max_inline_bookings, first_backoff_ms, min_secret_bytes,
+        max_inline_bookings, first_backoff_ms, min_secret_bytes, max_secret_bytes,
+        max_secret_file_bytes, max_secret_path_bytes,
     }
 }
 
@@ -60,6 +62,9 @@ fn bounds(env: Env) -> Term {
         (names::max_store_timeout_ms(), MAX_STORE_TIMEOUT_MS),
         (names::first_backoff_ms(), FIRST_BACKOFF_MS),
         (names::min_secret_bytes(), MIN_SECRET_BYTES as u64),
+        (names::max_secret_bytes(), MAX_SECRET_BYTES as u64),
+        (names::max_secret_file_bytes(), MAX_SECRET_FILE_BYTES as u64),
+        (names::max_secret_path_bytes(), MAX_SECRET_PATH_BYTES as u64),
         (names::max_inline_checks(), MAX_INLINE_CHECKS as u64),
         (names::max_inline_bookings(), MAX_INLINE_BOOKINGS as u64),
     ];

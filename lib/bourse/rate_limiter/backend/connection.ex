@@ -104,8 +104,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `previous` handle if its connection is alive and connected to the same target (it is
   adopted: linked to the caller), else a new connection.
 
-  Options: `:timeout` (ms a caller waits for an answer), `:owner_prefix`,
-  `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
+  Options: `:timeout` (ms a caller waits for an answer), `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
   always when it replaces a previous one, unless `:table_outlives_daemon`; a socket's
   daemon is expected to run with it), `:table_outlives_daemon` (the daemon's buckets live
   in Redis: a daemon started again finds them, and is started as the first one was),
@@ -139,13 +138,19 @@ defmodule Bourse.RateLimiter.Backend.Connection do
          pid: pid,
          table: table,
          pauses: pauses,
-         owner_prefix: Keyword.get(opts, :owner_prefix, ""),
+         owner_prefix: owner_prefix(),
          timeout: timeout,
          booking_slack_ms: Keyword.get(opts, :booking_slack_ms),
          daemon: transport(target).describe(target)
        }}
     end
   end
+
+  # Pids are only unique within one VM: the prefix tells this connection's owners apart
+  # from every other client's of a daemon or Redis (the OS pid, and random bytes for other
+  # connections, hosts and reused OS pids). It stays with the connection, through its
+  # streams opened again: a booking in Redis is claimed through a daemon started again.
+  defp owner_prefix, do: "#{System.pid()}.#{Base.url_encode64(:rand.bytes(6))}."
 
   defp adopt(pid, target) do
     GenServer.call(pid, {:adopt, self(), target})

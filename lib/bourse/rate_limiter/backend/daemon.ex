@@ -94,7 +94,6 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     with {:ok, secret} <- secret(daemon[:secret_file]) do
       Connection.attach(previous, {:socket, daemon[:address]},
         timeout: daemon[:timeout],
-        owner_prefix: owner_prefix(),
         secret: secret,
         booking_slack_ms: opts[:booking_slack_ms],
         assume_busy_at_start: opts[:assume_busy_at_start]
@@ -104,24 +103,52 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   defp secret(nil), do: {:ok, System.get_env("BOURSE_DAEMON_SECRET")}
 
+  # As the daemon reads its own (`--secret-file`): a regular file of a few bytes, never a
+  # FIFO or device waited on or read without end; a trailing newline is not part of it.
   defp secret(path) do
-    case File.read(path) do
-      {:ok, secret} ->
-        {:ok, String.trim_trailing(secret, "\n")}
+    max_file = Native.bound(:max_secret_file_bytes)
 
-      {:error, reason} ->
-        {:error,
-         Bourse.Error.invalid(
-           "cannot read the daemon secret_file #{Error.path(path)}: #{:file.format_error(reason)}"
-         )}
+    with {:ok, %File.Stat{type: :regular, size: size}} when size <= max_file <- File.stat(path),
+         {:ok, bytes} when byte_size(bytes) <= max_file <- read_at_most(path, max_file + 1) do
+      secret_of(trim_line_ends(bytes), path)
+    else
+      {:ok, %File.Stat{type: :regular}} -> cannot_read(path, "larger than #{max_file} bytes")
+      {:ok, %File.Stat{}} -> cannot_read(path, "not a regular file")
+      {:ok, _more} -> cannot_read(path, "larger than #{max_file} bytes")
+      {:error, reason} -> cannot_read(path, :file.format_error(reason))
     end
   end
 
-  # Pids are only unique within one VM: the prefix tells this VM's apart from every other
-  # client's (the OS pid, and random bytes for other hosts and reused OS pids).
-  defp owner_prefix do
-    "#{System.pid()}.#{Base.url_encode64(:rand.bytes(6))}"
+  defp read_at_most(path, bytes) do
+    case File.open(path, [:read, :binary], &IO.binread(&1, bytes)) do
+      {:ok, :eof} -> {:ok, ""}
+      {:ok, {:error, reason}} -> {:error, reason}
+      result -> result
+    end
   end
+
+  defp trim_line_ends(bytes) do
+    case :binary.last(<<0, bytes::binary>>) do
+      end_of_line when end_of_line in [?\n, ?\r] ->
+        trim_line_ends(binary_part(bytes, 0, byte_size(bytes) - 1))
+
+      _other ->
+        bytes
+    end
+  end
+
+  defp secret_of("", path), do: cannot_read(path, "the secret is empty")
+
+  defp secret_of(secret, path) do
+    max = Native.bound(:max_secret_bytes)
+
+    if byte_size(secret) <= max,
+      do: {:ok, secret},
+      else: cannot_read(path, "the secret is longer than #{max} bytes")
+  end
+
+  defp cannot_read(path, why),
+    do: {:error, Error.invalid("cannot read the daemon secret_file #{Error.path(path)}: #{why}")}
 
   @impl true
   def options([address]), do: options(address, [])
@@ -172,9 +199,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   defp secret_file(opts) do
     case Keyword.fetch(opts, :secret_file) do
-      :error -> {:ok, []}
-      {:ok, path} when is_binary(path) and path != "" -> {:ok, secret_file: path}
-      {:ok, other} -> {:error, "secret_file must be a path, got #{Error.describe(other)}"}
+      :error ->
+        {:ok, []}
+
+      {:ok, path} ->
+        with {:ok, path} <- Options.secret_path(:secret_file, path), do: {:ok, secret_file: path}
     end
   end
 

@@ -93,8 +93,6 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   @default_redis_timeout_ms 1_000
   @schemes ~w(redis unix)
   @max_seeds 64
-  # Linux's PATH_MAX: no longer path names a file.
-  @max_path_bytes 4096
 
   @impl true
   def attach(previous, opts) do
@@ -242,29 +240,22 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     end
   end
 
-  # A path the daemon reads the password from (made absolute: the daemon's working
-  # directory need not stay the VM's); one password, from the file or from the URL.
+  # A path the daemon reads the password from, on its command line (UTF-8 text without
+  # NUL); one password, from the file or from the URL.
   defp password_file(:error, _password), do: {:ok, nil}
 
-  defp password_file({:ok, path}, nil) when is_binary(path) and path != "" do
-    cond do
-      byte_size(path) > @max_path_bytes ->
-        {:error,
-         "password_file must be a path of at most #{@max_path_bytes} bytes, got #{Error.describe(path)}"}
-
-      String.valid?(path) and not String.contains?(path, <<0>>) ->
-        {:ok, Path.expand(path)}
-
-      true ->
-        {:error, "password_file must be a path of UTF-8 text without NUL"}
+  defp password_file({:ok, path}, nil) do
+    with {:ok, path} <- Options.secret_path(:password_file, path) do
+      if String.valid?(path) and not String.contains?(path, <<0>>),
+        do: {:ok, path},
+        else: {:error, "password_file must be a path of UTF-8 text without NUL"}
     end
   end
 
   defp password_file({:ok, path}, _password) when is_binary(path) and path != "",
     do: {:error, "the Redis password is given twice: in the URL and in password_file"}
 
-  defp password_file({:ok, other}, _password),
-    do: {:error, "password_file must be a path, got #{Error.describe(other)}"}
+  defp password_file({:ok, other}, _password), do: Options.secret_path(:password_file, other)
 
   # What is left of the URL goes on the daemon's command line: a password field its
   # Redis client would not read (`password=`, `pass=` in a redis:// URL, either in any

@@ -6,12 +6,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::OpenOptionsExt;
 
-/// The longest secret: Redis closes an unauthenticated connection whose password is much
-/// longer (16 KiB), and no secret needs more.
-pub const MAX_SECRET_BYTES: usize = 4096;
-/// The most bytes read of a secret's file: a larger one (a certificate bundle, a log) is
-/// not one, and is not read whole.
-const MAX_SECRET_FILE_BYTES: u64 = 64 * 1024;
+use bourse_core::rules::{MAX_SECRET_BYTES, MAX_SECRET_FILE_BYTES};
 
 /// Where secrets may come from: a file named on the command line, or the environment.
 pub trait Environment {
@@ -42,10 +37,10 @@ impl Environment for Process {
             return Err(format!("cannot read {path}: not a regular file"));
         }
         let mut bytes = Vec::new();
-        file.take(MAX_SECRET_FILE_BYTES + 1)
+        file.take(MAX_SECRET_FILE_BYTES as u64 + 1)
             .read_to_end(&mut bytes)
             .map_err(cannot)?;
-        if bytes.len() as u64 > MAX_SECRET_FILE_BYTES {
+        if bytes.len() > MAX_SECRET_FILE_BYTES {
             return Err(format!(
                 "cannot read {path}: larger than {MAX_SECRET_FILE_BYTES} bytes, no secret's file"
             ));

@@ -45,7 +45,7 @@ pub struct Service<S: Store = Memory> {
     max_frame_bytes: usize,
     /// The shared secret TCP clients prove (`auth`).
     secret: Option<Vec<u8>>,
-    /// Keyed hashing of owner ids: a client cannot forge another connection's default owner.
+    /// Keyed hashing of connections' default owners: a client cannot forge another's.
     owners: RandomState,
     connections: AtomicU64,
     /// The origin of the clock requests' deadlines are on (docs/PROTOCOL.md, "Deadlines").
@@ -517,14 +517,22 @@ impl<S: Store> Service<S> {
         })
     }
 
-    /// The booking owner: the connection's own, or a named one (hashed).
+    /// The booking owner: the connection's own, or a named one. A named owner's id is the
+    /// same in every daemon process and version, as its bookings in Redis outlive the daemon
+    /// that made them: one restarted, or another on the same Redis, knows their owners.
     fn owner(&self, session: &Session, owner: Owner) -> u64 {
         match owner {
             Owner::Connection => session.default_owner,
-            Owner::Named(name) => self.owners.hash_one(("string", name)),
-            Owner::Numbered(n) => self.owners.hash_one(("integer", Some(n))),
+            Owner::Named(name) => named_owner(b's', name.as_bytes()),
+            Owner::Numbered(n) => named_owner(b'i', &n.to_le_bytes()),
         }
     }
+}
+
+/// The id of a named owner: XXH3 (its specification fixes its output) of the name, seeded
+/// with its kind.
+fn named_owner(kind: u8, name: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(name, u64::from(kind))
 }
 
 /// 32 random bytes in hex, for a connection to prove the secret over.

@@ -38,6 +38,26 @@ defmodule Bourse.RateLimiter.Backend.RedisRestartTest do
     assert_kept(key, restarted, other)
   end
 
+  # Before, the new daemon knew no booking of the waiter: it booked and paid a second time.
+  test "its daemon killed while a waiter sleeps: the waiter claims its booking, paying once",
+       %{restarted: restarted} do
+    key = {"ex", "waiter"}
+    limit = %{capacity: 5, refill_per_sec: 5}
+    assert :ok = RateLimiter.check_rate(key, limit, 5, restarted)
+    checks = [{key, limit, 5}]
+    assert {:delay, ms} = RateLimiter.check_rates(checks, restarted, max_wait_ms: 5_000)
+
+    handle = handle(restarted)
+    old = port_os_pid(handle)
+    OsSignal.send(old, "KILL")
+    eventually(fn -> port_os_pid(handle) != old end)
+
+    Process.sleep(ms)
+    assert :ok = RateLimiter.check_rates(checks, restarted, max_wait_ms: 5_000)
+    # Paid once: the booking's 5, less what refilled since it was ready.
+    assert RateLimiter.get_cost(key, 0, restarted) <= 5.0
+  end
+
   test "the limiter restarted: the bucket keeps its tokens for both limiters",
        %{backend: backend, key: key, other: other, restarted: restarted} do
     stop_supervised!(restarted)
