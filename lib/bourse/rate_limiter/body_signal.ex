@@ -57,7 +57,8 @@ defmodule Bourse.RateLimiter.BodySignal do
       (`EOrder:Rate limit exceeded`);
       <https://support.kraken.com/hc/en-us/articles/360001491786-API-error-messages>
       (`EGeneral:Temporary lockout` among the rate-limit errors, typically about 15
-      minutes).
+      minutes); <https://docs.kraken.com/exchange/guides/general/errors> (a lockout,
+      "typically a few minutes"; retrying meanwhile does not end it).
     * Coinbase: a 429 with `{"errors": [{"id": "rate_limit_exceeded", ...}]}`,
       <https://docs.cdp.coinbase.com/coinbase-app/api-architecture/rate-limiting>;
       Advanced Trade and Exchange REST answer 429 Too Many Requests,

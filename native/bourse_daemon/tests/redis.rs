@@ -2606,6 +2606,47 @@ fn unavailable_within(name: &str, answers: &[(Value, Duration)], within: Duratio
     }
 }
 
+/// A shared daemon whose Redis timeout is longer than its client's: a check Redis ran in
+/// time, whose answer then came after its request's last moment to run, is answered
+/// `unavailable` at that moment, and what it paid is given back when the answer comes.
+/// Before, the daemon waited for the answer up to its own timeout and delivered it to a
+/// caller that had given up: paid, and told `unavailable` by its own client.
+#[test]
+fn a_check_answered_by_redis_after_its_last_moment_to_run_is_given_back() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "8000"]);
+    let mut t = server.connect();
+    let limit = json!({"capacity": 20, "refill_per_sec": 0.001});
+    let k = key("dl", Some("late"));
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    let clock_us = t.call(json!({"op": "hello"}))["clock_us"].as_u64().unwrap();
+    relay.hold(true);
+    // Its caller waits 1 s: it may run until 0.75 s from now, and does at once.
+    let mut request = check(&k, limit.clone(), 3.0);
+    request["deadline_us"] = json!(clock_us + 1_000_000);
+    request["timeout_ms"] = json!(1000);
+    // Redis's answer comes after the caller's deadline, long before the daemon's timeout.
+    let held = Arc::clone(&relay.held);
+    let releasing = thread::spawn(move || {
+        sleep_ms(1_500);
+        held.store(false, Ordering::SeqCst);
+    });
+    let started = Instant::now();
+    let answer = t.call(request);
+    let took = started.elapsed();
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    assert!(
+        took < Duration::from_millis(1_000),
+        "answered after {took:?}"
+    );
+    releasing.join().unwrap();
+    eventually("what the late check paid is given back", || {
+        (borrowed(&mut t, &k) - 1.0).abs() < 0.01
+    });
+}
+
 /// A shared daemon whose Redis timeout is longer than its client's: a request whose own
 /// deadline passed while Redis was stopped is not run when Redis resumes, alone or sharing
 /// a call with checks that may still run (which pay).

@@ -158,13 +158,20 @@ impl Batcher {
             true => lane.turns.clone().try_acquire_owned().ok(),
             false => None,
         };
-        let until = (sent + self.timeout).into();
+        // Its caller is not waited for past its request's last moment to run: an answer that
+        // comes later (Redis ran the check, then stalled) would reach a caller who gave up,
+        // and be paid; not taken, it is given back when it comes.
+        let timeout = sent + self.timeout;
+        let until = last_run.map_or(timeout, |last| last.min(timeout));
         if let Some(turn) = turn {
             let turn = Turn::new(turn, &self.calls);
             let client = self.client.clone();
             let mut call = Box::pin(run(client, self.runs.clone(), vec![waiting], turn));
             // Past the timeout, its answer is read in the background.
-            if tokio::time::timeout_at(until, &mut call).await.is_err() {
+            if tokio::time::timeout_at(until.into(), &mut call)
+                .await
+                .is_err()
+            {
                 tokio::spawn(call);
             }
         } else if lane.queue.send(Box::new(waiting)).is_err() {
@@ -173,7 +180,7 @@ impl Batcher {
             ));
         }
         let mut answer = answer;
-        match tokio::time::timeout_at(until, &mut answer).await {
+        match tokio::time::timeout_at(until.into(), &mut answer).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(self.client.unavailable("the check was dropped unanswered")),
             // Closed, then read: an answer sent meanwhile is this caller's; none can come
@@ -182,6 +189,10 @@ impl Batcher {
                 answer.close();
                 match answer.try_recv() {
                     Ok(answer) => answer,
+                    Err(_) if until < timeout => Err(self.client.unavailable(
+                        "no answer by the request's last moment to run; what the check \
+                         paid, if it ran, is given back when the answer comes",
+                    )),
                     Err(_) => Err(self.client.no_answer()),
                 }
             }
