@@ -103,12 +103,17 @@ fn shape(term: Term) -> Shape {
             Ok(len) => Shape::List { len: Some(len) },
             Err(shape) => shape,
         },
-        TermType::Tuple => match rustler::types::tuple::get_tuple(term) {
-            Ok(elements) => Shape::Tuple {
-                arity: elements.len(),
-            },
-            Err(_) => Shape::Other,
-        },
+        // SAFETY: enif_get_tuple only reads `term`; only the arity is kept.
+        TermType::Tuple => {
+            match unsafe {
+                rustler::wrapper::tuple::get_tuple(term.get_env().as_c_arg(), term.as_c_arg())
+            } {
+                Ok(elements) => Shape::Tuple {
+                    arity: elements.len(),
+                },
+                Err(_) => Shape::Other,
+            }
+        }
         TermType::Map => term
             .map_size()
             .map_or(Shape::Other, |size| Shape::Map { size }),
@@ -231,15 +236,33 @@ fn max_wait(term: Term) -> Decoded<Mode> {
     })
 }
 
-/// A booking owner: the pid itself for a local process, a 64-bit hash for anything else.
+/// A booking owner: the pid itself for a local process, a mix of its pid and number for
+/// `{pid, integer}` (one of a process's calls). Nothing else is sent (`Bourse.Native` is
+/// internal); anything else is one owner, never walked, whatever its size.
 fn owner(term: Term) -> u64 {
-    match term.decode::<LocalPid>() {
-        // A local pid is an immediate term: its value names the process while it lives.
-        Ok(_) => term.as_c_arg() as u64,
-        Err(_) => {
-            (u64::from(term.hash_internal(0x9e37_79b9)) << 32) | u64::from(term.hash_internal(7))
-        }
+    // A local pid is an immediate term: its value names the process while it lives.
+    let pid = |term: Term| {
+        term.decode::<LocalPid>()
+            .ok()
+            .map(|_| term.as_c_arg() as u64)
+    };
+    if let Some(pid) = pid(term) {
+        return pid;
     }
+    match tuple::<2>(term) {
+        Some([process, number]) => match (pid(process), number.decode::<i64>()) {
+            (Some(pid), Ok(number)) => mix(pid ^ mix(number as u64)),
+            _ => u64::MAX,
+        },
+        None => u64::MAX,
+    }
+}
+
+/// SplitMix64's finaliser: every bit of `x` moves every bit of the result.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {

@@ -147,6 +147,16 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
 
     # Whether `call`, run in a process of its own, left its normal scheduler for a dirty
     # one (its scheduling, traced, shows the dirty NIF's finalizer), and its answer.
+    # The lengths (native time units) of the slices the traced process ran, until :done.
+    defp collect_slices(to, slices, since \\ nil) do
+      receive do
+        {:trace_ts, _, :in, _, at} -> collect_slices(to, slices, at)
+        {:trace_ts, _, :out, _, at} when since != nil -> collect_slices(to, [at - since | slices])
+        {:trace_ts, _, _, _, _} -> collect_slices(to, slices, since)
+        :done -> send(to, {:slices, slices})
+      end
+    end
+
     defp scheduled(call) do
       parent = self()
 
@@ -281,6 +291,37 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert {:delay, again} = NIF.check_rates(t, self(), buckets, nil)
       between = System.monotonic_time(:millisecond) - asked_at
       assert again in (ms - between - 2)..(ms + 2), "#{again} ms, #{ms} ms #{between} ms before"
+    end
+
+    # Owners are a pid or `{pid, integer}`; anything else is one owner, not hashed whole
+    # (before, a 64 MB binary held a normal scheduler 86 ms on a 2-vCPU machine, 100 ms
+    # here; now a few µs). Its slices are read from a trace of its scheduling.
+    test "a huge owner term is not walked on the normal scheduler", %{table: t} do
+      huge = :binary.copy(<<1>>, 256 * 1024 * 1024)
+      me = self()
+      tracer = spawn_link(fn -> collect_slices(me, []) end)
+      :erlang.trace(me, true, [:running, :monotonic_timestamp, tracer: tracer])
+
+      for owner <- [huge, {me, huge}, {huge, 1}] do
+        assert :ok = NIF.check_rate(t, owner, {"binance", "owned"}, @still, 1, nil)
+        Process.sleep(1)
+        assert :ok = NIF.check_rates(t, owner, [{{"binance", "owned"}, @still, 1}], nil)
+        Process.sleep(1)
+      end
+
+      :erlang.trace(me, false, [:running])
+      send(tracer, :done)
+      assert_receive {:slices, slices}, 5_000
+      longest = slices |> Enum.max() |> System.convert_time_unit(:native, :millisecond)
+      # Far above a few µs, far below the hundreds of ms a walk of 256 MB takes.
+      assert longest < 100, "a slice of #{longest} ms"
+      # `{pid, integer}` owners are told apart, and from the pid alone.
+      slow = %{capacity: 1, refill_per_sec: 0.001}
+      ready = {{"binance", "waited"}, slow, 1}
+      assert :ok = NIF.check_rates(t, self(), [ready], nil)
+      assert {:booked, _} = NIF.check_rates(t, {self(), 1}, [ready], 4_294_967_295)
+      assert {:booked, _} = NIF.check_rates(t, {self(), 2}, [ready], 4_294_967_295)
+      assert {:booked, _} = NIF.check_rates(t, self(), [ready], 4_294_967_295)
     end
 
     test "lists too long or improper are refused on the normal scheduler, as short ones are",
