@@ -34,6 +34,13 @@ defmodule Bourse.OptionMessagesTest do
     end
 
     assert_described(start({:daemon, "127.0.0.1:7000", [{@secret, 1}]}))
+    # No host name holds an `@`: a secret before one is not shown as the host.
+    assert_described(start({:daemon, "#{@secret}@127.0.0.1:7000", allow_remote: true}))
+    assert_described(start({:daemon, "#{@secret}@127.0.0.1:7000"}))
+
+    assert assert_described(start({:daemon, "/tmp/bourse.sock"})) =~
+             "a Unix socket's path is given as {:unix, path}"
+
     assert_described(start({:daemon, {{127, 0, 0, 1}, 70_000}, []}))
 
     assert assert_described(start({:daemon, "127.0.0.1:7000", no_such: 1})) =~

@@ -275,8 +275,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
       case :inet.parse_strict_address(String.to_charlist(host)) do
         {:ok, ip} -> host(ip, port, allow_remote)
         {:error, _} when host == "localhost" -> {:ok, {:tcp, {127, 0, 0, 1}, port}}
-        {:error, _} when allow_remote -> {:ok, {:tcp, String.to_charlist(host), port}}
-        {:error, _} -> {:error, remote(address)}
+        # A host name, shown in messages: nothing else (no `user:secret@` part) is one.
+        {:error, _} -> host_name(host, port, address, allow_remote)
       end
     else
       {:error, _} = error -> error
@@ -285,6 +285,19 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   end
 
   defp address(other, _allow_remote), do: {:error, bad_address(other)}
+
+  defp host_name(host, port, address, allow_remote) do
+    cond do
+      not String.match?(host, ~r/\A[A-Za-z0-9]([A-Za-z0-9.-]{0,252})\z/) ->
+        {:error, bad_address(address)}
+
+      allow_remote ->
+        {:ok, {:tcp, String.to_charlist(host), port}}
+
+      true ->
+        {:error, remote(address)}
+    end
+  end
 
   defp split_host_port(address) do
     case Regex.run(~r/\A(?:\[([^\]]+)\]|([^:\[\]]+)):(\d+)\z/, address) do
@@ -310,6 +323,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   defp port_number(port),
     do: {:error, "daemon port must be 1..65535, got #{Error.describe(port)}"}
+
+  defp bad_address("/" <> _ = path) do
+    "daemon address must be \"IP:PORT\", {ip, port} or {:unix, path}, got #{Error.describe(path)}" <>
+      " (a Unix socket's path is given as {:unix, path})"
+  end
 
   defp bad_address(address) do
     "daemon address must be \"IP:PORT\", {ip, port} or {:unix, path}, got #{Error.describe(address)}"
