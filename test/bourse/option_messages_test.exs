@@ -57,6 +57,8 @@ defmodule Bourse.OptionMessagesTest do
     File.write!(Path.join(dir, "huge"), String.duplicate("x", 100_000))
     File.write!(Path.join(dir, "long"), String.duplicate("x", 4097) <> "\n")
     File.write!(Path.join(dir, "empty"), "\n\r\n")
+    # Refused at start whether a daemon answers or not (none does here).
+    File.write!(Path.join(dir, "short"), "0123456789abcde\r\n")
 
     for {path, says} <- [
           {fifo, "not a regular file"},
@@ -65,6 +67,7 @@ defmodule Bourse.OptionMessagesTest do
           {Path.join(dir, "huge"), "larger than 65536 bytes"},
           {Path.join(dir, "long"), "the secret is longer than 4096 bytes"},
           {Path.join(dir, "empty"), "the secret is empty"},
+          {Path.join(dir, "short"), "the secret has 15 bytes, and a daemon's is at least 16"},
           {"/no/a\0b", "cannot read the daemon secret_file"},
           {"/" <> String.duplicate("x", 100_000),
            "secret_file must be a path of at most 4096 bytes"}

@@ -168,8 +168,9 @@ defmodule Bourse.RateLimiter.Feedback do
   right now. The time left is capped at the window when known, else at one day.
 
   A 429 whose reply names no wait (no usable `Retry-After`, none in its body) waits until
-  the reset one of these reset headers names, when it names one still to come; else the
-  backoff.
+  the reset one of these reset headers names, when it names one still to come (capped at
+  its window when known, as above); else the backoff. A 418, a ban, is never shortened
+  by one.
 
   ## Configuration
 
@@ -358,9 +359,10 @@ defmodule Bourse.RateLimiter.Feedback do
   # The reply's effects on the table; with a daemon or Redis, within one timeout. A limited
   # reply is acted on whatever became of the sync (a store down: its answer still says the
   # wait asked, and the pause is noted), and answers first.
-  defp record(exchange_id, credential, {status, body, found}, {_, _, _, ip} = counters, name) do
+  defp record(exchange_id, credential, {status, body, found}, {axes, _, _, ip} = counters, name) do
     synced = sync_all(exchange_id, credential, found, counters, name)
     signal = BodySignal.find(exchange_id, status, body, found, System.os_time(:millisecond))
+    found = if status == 429, do: Map.put(found, :reset_ms, reset_named(found, axes)), else: found
 
     case react(exchange_id, credential, status, found, signal, ip, name) do
       :ok -> synced
@@ -508,7 +510,7 @@ defmodule Bourse.RateLimiter.Feedback do
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
   defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    named_ms = named_ms || reset_named(found)
+    named_ms = named_ms || found[:reset_ms]
     asked = found["retry-after"] |> asked(named_ms) |> at_least_a_ban(stop)
 
     case hold(asked, {exchange_id, credential}, scope, name) do
@@ -700,13 +702,16 @@ defmodule Bourse.RateLimiter.Feedback do
     RateLimiter.sync(key, allowance, left, name)
   end
 
-  # The wait until the first reset a limit family's header names (`nil` for none): what a
-  # 429 waits without a `Retry-After` or a wait named in its body.
-  defp reset_named(found) do
-    Enum.find_value(@families, fn {_family, {_limit, _remaining, reset_name, kind}} ->
-      case reset_left(found[reset_name], kind, @max_window_ms) do
-        0 -> nil
-        left -> left
+  # The wait until the first reset a limit family read (`axes`) names, capped at its window
+  # when known as its syncs are (`nil` for none): what a 429 waits without a `Retry-After`
+  # or a wait named in its body.
+  defp reset_named(found, axes) do
+    Enum.find_value(@families, fn {family, {_limit, _remaining, reset_name, kind}} ->
+      with {_axis, window_ms} <- axes[family],
+           left when left > 0 <- reset_left(found[reset_name], kind, window_ms || @max_window_ms) do
+        left
+      else
+        _ -> nil
       end
     end)
   end

@@ -420,6 +420,27 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       end
     end
 
+    test "a reset header sets the wait of a 429 only, within its family's window when known",
+         %{name: name} do
+      # A 418 without Retry-After is a ban of the shortest length, not the reset's second.
+      assert {:error, %Error{retry_after: 120_000, stop: true}} =
+               observe(418, [{"x-ratelimit-reset", "1"}], name, "banned")
+
+      # Bybit's window is a second: a reset timestamp 2 minutes on waits that second.
+      reset = "#{System.os_time(:millisecond) + 120_000}"
+
+      assert {:error, %Error{retry_after: 1000, stop: false, message: message}} =
+               RateLimiter.observe_response(
+                 "bybit",
+                 "k",
+                 429,
+                 [{"x-bapi-limit-reset-timestamp", reset}],
+                 name
+               )
+
+      assert message =~ "the reply asks to wait 1000 ms"
+    end
+
     test "a 429 with an x-ratelimit-reset in epoch ms waits until then", %{name: name} do
       reset = "#{System.os_time(:millisecond) + 4000}"
 

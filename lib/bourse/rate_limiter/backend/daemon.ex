@@ -102,7 +102,13 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
-  defp secret(nil), do: {:ok, System.get_env("BOURSE_DAEMON_SECRET")}
+  # From the environment, as the daemon reads it: unset or empty is none.
+  defp secret(nil) do
+    case System.get_env("BOURSE_DAEMON_SECRET", "") do
+      "" -> {:ok, nil}
+      secret -> usable(trim_line_ends(secret), "BOURSE_DAEMON_SECRET")
+    end
+  end
 
   # As the daemon reads its own (`--secret-file`): a regular file of a few bytes, never a
   # FIFO or device waited on or read without end; a trailing newline is not part of it.
@@ -111,7 +117,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
     with {:ok, %File.Stat{type: :regular, size: size}} when size <= max_file <- File.stat(path),
          {:ok, bytes} when byte_size(bytes) <= max_file <- read_at_most(path, max_file + 1) do
-      secret_of(trim_line_ends(bytes), path)
+      usable(trim_line_ends(bytes), "the daemon secret_file #{Error.path(path)}")
     else
       {:ok, %File.Stat{type: :regular}} -> cannot_read(path, "larger than #{max_file} bytes")
       {:ok, %File.Stat{}} -> cannot_read(path, "not a regular file")
@@ -138,14 +144,27 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
-  defp secret_of("", path), do: cannot_read(path, "the secret is empty")
+  # A secret of the length a daemon takes (its TCP secret is at least the core's
+  # `min_secret_bytes`), refused at start, whether the daemon answers or not.
+  defp usable(secret, source) do
+    {least, most} = {Native.bound(:min_secret_bytes), Native.bound(:max_secret_bytes)}
 
-  defp secret_of(secret, path) do
-    max = Native.bound(:max_secret_bytes)
+    why =
+      cond do
+        secret == "" ->
+          "the secret is empty"
 
-    if byte_size(secret) <= max,
-      do: {:ok, secret},
-      else: cannot_read(path, "the secret is longer than #{max} bytes")
+        byte_size(secret) < least ->
+          "the secret has #{byte_size(secret)} bytes, and a daemon's is at least #{least}"
+
+        byte_size(secret) > most ->
+          "the secret is longer than #{most} bytes"
+
+        true ->
+          nil
+      end
+
+    if why, do: {:error, Error.invalid("#{source}: #{why}")}, else: {:ok, secret}
   end
 
   defp cannot_read(path, why),

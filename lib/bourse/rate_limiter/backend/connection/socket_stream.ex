@@ -37,7 +37,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
 
   @behaviour Bourse.RateLimiter.Backend.Connection.Transport
 
-  alias Bourse.Native
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Backend.Connection.PortStream
 
@@ -252,7 +251,9 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
              "another program may be listening there"}
 
         {:ok, %{"ok" => false, "error" => %{"type" => "unauthorized"}}} ->
-          {:error, {:misconfigured, refused(secret)}}
+          {:error,
+           {:misconfigured,
+            "the daemon refused the proof of the shared secret (is it the same secret?)"}}
 
         _ ->
           {:error,
@@ -260,16 +261,6 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
              "another program may be listening there"}
       end
     end
-  end
-
-  defp refused(secret) do
-    least = Native.bound(:min_secret_bytes)
-
-    if byte_size(secret) < least,
-      do:
-        "the daemon refused the proof of the shared secret: this one has " <>
-          "#{byte_size(secret)} bytes, and a daemon's is at least #{least}",
-      else: "the daemon refused the proof of the shared secret (is it the same secret?)"
   end
 
   defp hmac(secret, message),
