@@ -221,8 +221,9 @@ class BourseClient:
         """Proves the secret (the HMAC-SHA256 of the hello's nonce), and has the daemon prove
         it in turn over a challenge of ours; the secret itself never travels."""
         if secret is None:
-            # Bytes, as the daemon reads it: a secret need not be UTF-8.
-            secret = os.environb.get(b"BOURSE_DAEMON_SECRET", b"") or None
+            # Bytes, as the daemon reads it (a secret need not be UTF-8), without the
+            # trailing newlines the daemon drops.
+            secret = os.environb.get(b"BOURSE_DAEMON_SECRET", b"").rstrip(b"\r\n") or None
         if (secret is None or auth.get("scheme") != "hmac-sha256"
                 or not isinstance(auth.get("nonce"), str)):
             self.close()
