@@ -33,7 +33,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   without it listening on that port is refused (`:unavailable`, "another program may be
   listening there"), never believed. The secret never travels. The limiter reads the
   secret from `secret_file:` (a regular file of at most 64 KiB, as the daemon reads its
-  own; a trailing newline is ignored; the secret is 16 to 4096 bytes) or else from the environment
+  own; a trailing newline is ignored; a TCP daemon's secret is 16 to 4096 bytes) or else from the environment
   variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that answers at start and
   refuses that secret (or asks for one when none was given) fails its first start with
   `:invalid_parameters`. Answers never hold an API key:
@@ -92,7 +92,7 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   def attach(previous, opts) do
     daemon = Keyword.fetch!(opts, :backend_opts)
 
-    with {:ok, secret} <- secret(daemon[:secret_file]) do
+    with {:ok, secret} <- secret(daemon[:secret_file], least_secret_bytes(daemon[:address])) do
       Connection.attach(previous, {:socket, daemon[:address]},
         timeout: daemon[:timeout],
         secret: secret,
@@ -102,22 +102,27 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
+  # A TCP daemon's secret is at least the core's `min_secret_bytes`; a Unix socket's
+  # daemon asks for none.
+  defp least_secret_bytes({:tcp, _host, _port}), do: Native.bound(:min_secret_bytes)
+  defp least_secret_bytes(_unix), do: 1
+
   # From the environment, as the daemon reads it: unset or empty is none.
-  defp secret(nil) do
+  defp secret(nil, least) do
     case System.get_env("BOURSE_DAEMON_SECRET", "") do
       "" -> {:ok, nil}
-      secret -> usable(trim_line_ends(secret), "BOURSE_DAEMON_SECRET")
+      secret -> usable(trim_line_ends(secret), least, "BOURSE_DAEMON_SECRET")
     end
   end
 
   # As the daemon reads its own (`--secret-file`): a regular file of a few bytes, never a
   # FIFO or device waited on or read without end; a trailing newline is not part of it.
-  defp secret(path) do
+  defp secret(path, least) do
     max_file = Native.bound(:max_secret_file_bytes)
 
     with {:ok, %File.Stat{type: :regular, size: size}} when size <= max_file <- File.stat(path),
          {:ok, bytes} when byte_size(bytes) <= max_file <- read_at_most(path, max_file + 1) do
-      usable(trim_line_ends(bytes), "the daemon secret_file #{Error.path(path)}")
+      usable(trim_line_ends(bytes), least, "the daemon secret_file #{Error.path(path)}")
     else
       {:ok, %File.Stat{type: :regular}} -> cannot_read(path, "larger than #{max_file} bytes")
       {:ok, %File.Stat{}} -> cannot_read(path, "not a regular file")
@@ -144,10 +149,10 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
     end
   end
 
-  # A secret of the length a daemon takes (its TCP secret is at least the core's
-  # `min_secret_bytes`), refused at start, whether the daemon answers or not.
-  defp usable(secret, source) do
-    {least, most} = {Native.bound(:min_secret_bytes), Native.bound(:max_secret_bytes)}
+  # A secret of the length a daemon takes (at least `least` bytes), refused at start,
+  # whether the daemon answers or not.
+  defp usable(secret, least, source) do
+    most = Native.bound(:max_secret_bytes)
 
     why =
       cond do

@@ -457,7 +457,13 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     wrong = Bourse.TempPath.new("bourse-secret", "")
     on_exit(fn -> File.rm(wrong) end)
 
-    # One shorter than any daemon's is refused before it is offered.
+    # A Unix socket's daemon asks for no secret: a short one given is not refused.
+    unix = start_daemon(["--socket", Bourse.TempPath.new("bourse", ".sock")])
+    File.write!(wrong, "short\n")
+    name = start_limiter({:daemon, {:unix, unix.unix}, secret_file: wrong})
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, @limit, 1, name)
+
+    # One shorter than any TCP daemon's is refused before it is offered.
     for {secret, says} <- [
           {"not-the-daemons-secret",
            "the daemon refused the proof of the shared secret (is it the same secret?)"},
