@@ -176,8 +176,9 @@ defmodule Bourse.RateLimiter.Feedback do
 
   The axis and window of each header can be changed, and used counters added, in the
   application environment. Keys are used-counter header names or the family names
-  `"x-bapi-limit"`, `"x-ratelimit"` and `"gw-ratelimit"`; values are an axis, `{axis, window_ms}`
-  (`window_ms` may be `nil` for the families) or `nil` to ignore the header:
+  `"x-bapi-limit"`, `"x-ratelimit"` and `"gw-ratelimit"`; values are an axis,
+  `{axis, window_ms}` (`window_ms` may be `nil` for the families) or `nil` to ignore the
+  header:
 
       config :bourse, :header_axes, %{
         "x-mbx-used-weight-1m" => "weight",

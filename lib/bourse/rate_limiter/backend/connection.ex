@@ -104,9 +104,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   `previous` handle if its connection is alive and connected to the same target (it is
   adopted: linked to the caller), else a new connection.
 
-  Options: `:timeout` (ms a caller waits for an answer), `:assume_busy_at_start` (a port's daemon is started with `--assume-busy-at-start`;
-  always when it replaces a previous one, unless `:table_outlives_daemon`; a socket's
-  daemon is expected to run with it), `:table_outlives_daemon` (the daemon's buckets live
+  Options: `:timeout` (ms a caller waits for an answer), `:assume_busy_at_start` (a
+  port's daemon is started with `--assume-busy-at-start`; always when it replaces a
+  previous one, unless `:table_outlives_daemon`; a socket's daemon is expected to run
+  with it), `:table_outlives_daemon` (the daemon's buckets live
   in Redis: a daemon started again finds them, and is started as the first one was),
   `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
   secrets never go on its command line), `:secret` (what a socket proves when the

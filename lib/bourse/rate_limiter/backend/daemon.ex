@@ -33,11 +33,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   without it listening on that port is refused (`:unavailable`, "another program may be
   listening there"), never believed. The secret never travels. The limiter reads the
   secret from `secret_file:` (a regular file of at most 64 KiB, as the daemon reads its
-  own; a trailing newline is ignored; a TCP daemon's secret is 16 to 4096 bytes) or else from the environment
-  variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that answers at start and
-  refuses that secret (or asks for one when none was given) fails its first start with
-  `:invalid_parameters`. Answers never hold an API key:
-  `busiest` shows fingerprints (`Bourse.Fingerprint`).
+  own; a trailing newline is ignored; a TCP daemon's secret is 16 to 4096 bytes) or else
+  from the environment variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that
+  answers at start and refuses that secret (or asks for one when none was given) fails
+  its first start with `:invalid_parameters`. Answers never hold an API key: `busiest`
+  shows fingerprints (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined
   (length-prefixed external terms after a JSON `hello`, see
