@@ -144,7 +144,8 @@ defmodule Bourse.RateLimiter.Feedback do
        <https://developers.binance.com/docs/products/caas/basics/4.rate-limits> (SAPI),
        and as the live `exchangeInfo` listed them on 6 November 2026 (the field report,
        docs/CONTRACT.md); read 2026-12-01. Other Binance markets count differently: use
-       their profile's exchange id, load their `exchangeInfo`, or set their limits.
+       their profile's exchange id, load their `exchangeInfo`, or set their limits. A
+       reply of another exchange id held to this default logs a warning, once per header.
 
   | header | default `L` |
   | --- | --- |
@@ -191,6 +192,8 @@ defmodule Bourse.RateLimiter.Feedback do
 
       config :bourse, :header_limits, %{"x-used-weight" => 10, "x-mbx-used-weight-1m" => 2_400}
   """
+
+  require Logger
 
   alias Bourse.{Error, Native, RateLimiter}
   alias Bourse.RateLimiter.{BodySignal, CallDeadline, Events, Exchange, Options, RetryAfter}
@@ -636,6 +639,10 @@ defmodule Bourse.RateLimiter.Feedback do
   ## Header sync
 
   defp sync_all(exchange_id, credential, found, {axes, limits, definitions, ip}, name) do
+    Enum.each(@default_header_limits, fn {header, _limit} ->
+      if Map.has_key?(found, header), do: warn_if_defaulted(exchange_id, header)
+    end)
+
     Enum.reduce_while(axes, :ok, fn {header, {axis, window_ms}}, :ok ->
       key = {exchange_id, if(header in @ip_counters, do: ip, else: credential), axis}
       counter = {window_ms, limits[header], definitions[axis]}
@@ -670,6 +677,35 @@ defmodule Bourse.RateLimiter.Feedback do
           sync(key, budget - used, left, name)
         end
     end
+  end
+
+  # Another Binance market than spot whose limit of a used counter is Binance spot's
+  # default, no profile, configuration or `put_header_limits/2` naming its own: said once
+  # per header in the VM's life (a few terms kept, whatever the ids), as it may be higher
+  # than the market's own.
+  defp warn_if_defaulted("binance", _header), do: :ok
+
+  defp warn_if_defaulted(exchange_id, header) do
+    warned = {__MODULE__, :defaulted, header}
+
+    unless :persistent_term.get(warned, false) or own_limit?(exchange_id, header) do
+      :persistent_term.put(warned, true)
+
+      Logger.warning(
+        "#{exchange_id}: #{header} is held to Binance spot's limit " <>
+          "(#{@default_header_limits[header]}), none being set for this exchange id: " <>
+          "load its exchangeInfo (Limits.from_binance_exchange_info/2, exchange: " <>
+          "#{inspect(exchange_id)}), use its profile's id, or set it (put_header_limits/2)"
+      )
+    end
+
+    :ok
+  end
+
+  defp own_limit?(exchange_id, header) do
+    Map.has_key?(Exchange.header_limits(exchange_id), header) or
+      Map.has_key?(header_limits(exchange_id), header) or
+      Map.has_key?(Application.get_env(:bourse, :header_limits) || %{}, header)
   end
 
   # Whether a reply's `Date` puts it in a window of the counter that has ended: its

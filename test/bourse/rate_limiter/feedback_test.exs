@@ -383,6 +383,29 @@ defmodule Bourse.RateLimiter.FeedbackTest do
     end
   end
 
+  describe "Binance spot's default limits" do
+    # The only test that reads the warning: it is said once per header in the VM's life.
+    test "another exchange id held to them is warned about, once per header", %{name: name} do
+      :persistent_term.erase(
+        {Bourse.RateLimiter.Feedback, :defaulted, "x-sapi-used-uid-weight-1m"}
+      )
+
+      headers = [{"x-sapi-used-uid-weight-1m", "10"}]
+
+      log =
+        ExUnit.CaptureLog.capture_log(fn ->
+          for _ <- 1..2,
+              do:
+                :ok =
+                  RateLimiter.observe_response("binance_coinm", "API-KEY-1", 200, headers, name)
+        end)
+
+      assert [_once] = Regex.scan(~r/x-sapi-used-uid-weight-1m is held to Binance spot's/, log)
+      assert log =~ "binance_coinm"
+      refute log =~ "API-KEY-1"
+    end
+  end
+
   describe "KuCoin gw-ratelimit-*" do
     test "sync the allowance to what remains, and a 429 waits for the reset they name",
          %{name: name} do
