@@ -40,6 +40,24 @@ pub(crate) struct Previous {
     base_at: u64,
 }
 
+/// What a payment changes in a bucket holding at most one booking: its definition, its
+/// tokens and that booking. Two equal balances of one bucket mean that nothing paid,
+/// debited, lowered or redefined it in between.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Balance {
+    limit: Option<Limit>,
+    base: f64,
+    base_at: u64,
+    /// The owner, signature and place of its one booking.
+    booking: Option<(u64, u64, u64)>,
+}
+
+impl Balance {
+    pub fn holds_booking(&self) -> bool {
+        self.booking.is_some()
+    }
+}
+
 /// Tokens are `base + refill * (t - base_at)`, read capped at the capacity (or at the
 /// cost of an over-capacity request). `base` only moves when something is paid, so the
 /// uncapped reading is what accrued since the last payment.
@@ -149,6 +167,35 @@ impl Bucket {
         self.base_at = from;
         self.limit = Some(limit);
         previous
+    }
+
+    /// Its balance, unless it holds more than one booking.
+    pub fn balance(&self) -> Option<Balance> {
+        let booking = match self.bookings.as_slice() {
+            [] => None,
+            [only] => Some((only.owner, only.signature, only.made)),
+            _ => return None,
+        };
+        Some(Balance {
+            limit: self.limit,
+            base: self.base,
+            base_at: self.base_at,
+            booking,
+        })
+    }
+
+    /// Puts back `before` (a balance without bookings) when the bucket is still at `after`,
+    /// the balance one payment left it with: it then holds what it would hold had that
+    /// payment never been made. Returns whether it did.
+    pub fn take_back(&mut self, before: &Balance, after: &Balance) -> bool {
+        if before.holds_booking() || self.balance().as_ref() != Some(after) {
+            return false;
+        }
+        self.limit = before.limit;
+        self.base = before.base;
+        self.base_at = before.base_at;
+        self.bookings.clear();
+        true
     }
 
     /// Takes back the definition a check gave the key and then paid nothing under: a

@@ -9,7 +9,7 @@ use parking_lot::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
 use crate::backoffs::{exchange_backoff, Backoff, Backoffs};
-use crate::bucket::{Bucket, Previous, MAX_WAIT_NS};
+use crate::bucket::{Balance, Bucket, Previous, MAX_WAIT_NS};
 use crate::buckets::{Buckets, Pass, Step};
 use crate::busiest::Busiest;
 use crate::clock::{Clock, MonotonicClock, NANOS_PER_MS, NANOS_PER_SEC};
@@ -18,6 +18,7 @@ use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
+use crate::receipt::Receipt;
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 use crate::walk::Walk;
@@ -158,7 +159,7 @@ impl<C: Clock> Table<C> {
 
     /// Checks one bucket. `owner` identifies the caller, for its bookings.
     pub fn check_rate(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
-        self.check_item(owner, self.item(check), mode)
+        self.check_item(owner, self.item(check), mode, None)
     }
 
     /// Checks one prepared bucket, as [`Table::check_rate`] checks its key and limit.
@@ -173,6 +174,7 @@ impl<C: Clock> Table<C> {
             owner,
             self.prepared_item(PreparedCheck { bucket, cost }),
             mode,
+            None,
         )
     }
 
@@ -204,7 +206,7 @@ impl<C: Clock> Table<C> {
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.item(c)));
-                self.check_items(owner, &mut items, mode, max_bookings)
+                self.check_items(owner, &mut items, mode, max_bookings, None)
             }
         }
     }
@@ -235,11 +237,12 @@ impl<C: Clock> Table<C> {
                 owner,
                 self.prepared_item(*single),
                 mode,
+                None,
             ))),
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.prepared_item(c)));
-                self.check_items(owner, &mut items, mode, max_bookings)
+                self.check_items(owner, &mut items, mode, max_bookings, None)
             }
         }
     }
@@ -274,13 +277,57 @@ impl<C: Clock> Table<C> {
         }
     }
 
-    fn check_item(&self, owner: u64, item: Item, mode: Mode) -> Outcome {
+    /// [`Table::check_rates`], noting what it paid on each bucket, for
+    /// [`Table::give_back`].
+    pub fn check_rates_receipted(
+        &self,
+        owner: u64,
+        checks: &[Check],
+        mode: Mode,
+    ) -> Result<(Outcome, Receipt), InvalidInput> {
+        let mut receipt = Receipt::default();
+        let outcome = match checks {
+            [] => Outcome::Admitted,
+            [single] => self.check_item(owner, self.item(*single), mode, Some(&mut receipt)),
+            _ => {
+                let mut items = Items::new();
+                items.extend(checks.iter().map(|&c| self.item(c)));
+                let checked =
+                    self.check_items(owner, &mut items, mode, usize::MAX, Some(&mut receipt));
+                unbounded(checked)?
+            }
+        };
+        Ok((outcome, receipt))
+    }
+
+    /// Takes back what a check paid ([`Table::check_rates_receipted`]) from each of its
+    /// buckets that nothing paid, debited, lowered, redefined or dropped since; the others
+    /// keep it. Returns how many buckets got their payment back.
+    pub fn give_back(&self, receipt: &Receipt) -> usize {
+        let mut given = 0;
+        for paid in receipt.paid() {
+            let mut shard = self.lock(paid.hash);
+            let found = shard.buckets.find_mut(paid.hash, Sought::Packed(&paid.key));
+            given += usize::from(found.is_some_and(|bucket| paid.take_back(bucket)));
+        }
+        given
+    }
+
+    fn check_item(
+        &self,
+        owner: u64,
+        item: Item,
+        mode: Mode,
+        receipt: Option<&mut Receipt>,
+    ) -> Outcome {
         let mut guard = self.lock(item.hash);
         let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &item, request.now);
+        let before = receipt.as_ref().and_then(|_| bucket.balance());
         let items = std::slice::from_ref(&item);
-        let outcome = self.defining(&mut [bucket], items, request.now, |buckets| {
+        let mut buckets = [bucket];
+        let outcome = self.defining(&mut buckets, items, request.now, |buckets| {
             Some(engine::decide(
                 buckets,
                 items,
@@ -289,8 +336,12 @@ impl<C: Clock> Table<C> {
                 &pauses,
             ))
         });
+        let outcome = outcome.expect("a single check is always decided");
+        if let Some(receipt) = receipt.filter(|_| outcome.paid()) {
+            receipt.note(buckets[0], before);
+        }
         Self::unlock(guard);
-        outcome.expect("a single check is always decided")
+        outcome
     }
 
     /// Runs `decide` over `buckets` (aligned with `items`), those that start as new under
@@ -327,6 +378,7 @@ impl<C: Clock> Table<C> {
         items: &mut [Item],
         mode: Mode,
         max_bookings: usize,
+        receipt: Option<&mut Receipt>,
     ) -> Result<Option<Outcome>, InvalidInput> {
         // Shards in ascending order: every multi-bucket check locks them in this order. A
         // key's checks end up adjacent, first given first (the sort is stable).
@@ -368,12 +420,21 @@ impl<C: Clock> Table<C> {
             // allocations, apart from the shards' other fields (the stats borrowed below).
             buckets.push(unsafe { &mut *bucket });
         }
+        let before: SmallVec<[Option<Balance>; INLINE_CHECKS]> = match receipt {
+            Some(_) => buckets.iter().map(|bucket| bucket.balance()).collect(),
+            None => SmallVec::new(),
+        };
         let stats = &mut guards[0].stats;
         let outcome = self.defining(&mut buckets, items, request.now, |buckets| {
             let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
             (bookings <= max_bookings)
                 .then(|| engine::decide(buckets, items, stats, request, &pauses))
         });
+        if let Some(receipt) = receipt.filter(|_| outcome.is_some_and(Outcome::paid)) {
+            for (bucket, before) in buckets.iter().zip(before) {
+                receipt.note(bucket, before);
+            }
+        }
         // Every lock released before any table is allocated.
         let wanted: SmallVec<[(&Mutex<Shard>, Option<usize>); 1]> = guards
             .iter_mut()

@@ -131,31 +131,43 @@ fn serve_local<S: Store>(
     let stdin = ManuallyDrop::new(unsafe { File::from_raw_fd(libc::STDIN_FILENO) });
     let mut reader = BufReader::with_capacity(64 * 1024, &*stdin);
     let mut frame = Vec::new();
-    let mut out = Vec::with_capacity(256);
+    let mut answers = Answers::default();
     let mut spin = Spin::default();
     loop {
         if reader.buffer().is_empty() {
             await_input(&mut spin);
         }
         let found = read_frame(&mut reader, &mut frame, max_frame_bytes);
+        if !matches!(found, Ok(Frame::Data)) {
+            if let Err(error) = answers.send(shared) {
+                return write_failed(error);
+            }
+        }
         let number = shared.session.next_frame();
-        out.clear();
-        out.extend_from_slice(&[0; 4]);
         let written = match found {
             Ok(Frame::Data) => {
-                // Counted as running before `stopping` is read: a stop either sees it
-                // running and waits for its answer, or it sees the stop and runs nothing.
+                // Counted as running before `stopping` is read, until its answer is written:
+                // a stop either sees it running and waits for its answer, or it sees the
+                // stop and runs nothing.
                 shared.running.fetch_add(1, Ordering::SeqCst);
                 if shared.stopping.load(Ordering::SeqCst) {
                     shared.running.fetch_sub(1, Ordering::SeqCst);
-                    continue;
+                    answers.send(shared)
+                } else {
+                    let session = &shared.session;
+                    let start = answers.bytes.len();
+                    let handled =
+                        shared
+                            .service
+                            .handle(session, number, &frame, &mut answers.bytes);
+                    runtime.block_on(handled);
+                    answers.framed(start);
+                    // Pipelined requests share a write: sent when no further one is waiting.
+                    match reader.buffer().is_empty() || answers.bytes.len() >= WRITE_BYTES {
+                        true => answers.send(shared),
+                        false => Ok(()),
+                    }
                 }
-                let session = &shared.session;
-                runtime.block_on(shared.service.handle(session, number, &frame, &mut out));
-                // Pipelined requests share a write: flush when no further one is waiting.
-                let sent = shared.output.send(&mut out, reader.buffer().is_empty());
-                shared.running.fetch_sub(1, Ordering::SeqCst);
-                sent
             }
             Ok(Frame::Closed) => {
                 shared.drain();
@@ -167,7 +179,7 @@ fn serve_local<S: Store>(
                 return ExitCode::SUCCESS;
             }
             Ok(Frame::TooLarge) => {
-                let session = &shared.session;
+                let (session, mut out) = (&shared.session, vec![0; 4]);
                 shared
                     .service
                     .frame_too_large(session, &mut out, number, max_frame_bytes, None);
@@ -185,6 +197,46 @@ fn serve_local<S: Store>(
             return write_failed(error);
         }
     }
+}
+
+/// Answers written with the in-memory table and not sent yet, each after its length.
+#[derive(Default)]
+struct Answers {
+    bytes: Vec<u8>,
+    count: usize,
+}
+
+/// Answers written past this many bytes are sent without waiting for the input to run out.
+const WRITE_BYTES: usize = 64 * 1024;
+
+impl Answers {
+    /// Puts its length before the answer written from `start` on.
+    fn framed(&mut self, start: usize) {
+        length_prefixed(&mut self.bytes, start);
+        self.count += 1;
+    }
+
+    /// Sends them, settled ([`Service::settle`]); their requests then stop running.
+    fn send<S: Store>(&mut self, shared: &Shared<S>) -> io::Result<()> {
+        if self.count == 0 {
+            return Ok(());
+        }
+        let session = &shared.session;
+        let bytes = &mut self.bytes;
+        shared
+            .service
+            .settle(session, bytes, |answer| length_prefixed(answer, 0));
+        let sent = shared.output.send_framed(bytes);
+        bytes.clear();
+        shared.running.fetch_sub(self.count, Ordering::SeqCst);
+        self.count = 0;
+        sent
+    }
+}
+
+fn length_prefixed(out: &mut Vec<u8>, start: usize) {
+    let length = (out.len() - start) as u32;
+    out.splice(start..start, length.to_be_bytes());
 }
 
 /// How the daemon stops after a failed write to stdout.

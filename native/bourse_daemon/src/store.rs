@@ -9,7 +9,7 @@ use crate::fingerprint;
 
 use bourse_core::{
     BackoffScope, Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode, MonotonicClock,
-    Outcome, PauseTarget, Stats, Table,
+    Outcome, PauseTarget, Receipt, Stats, Table,
 };
 
 /// A key as answers show it: the credential only by its fingerprint
@@ -86,6 +86,24 @@ pub trait Store: Send + Sync + 'static {
         mode: Mode,
         last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send;
+
+    /// Runs a check as [`Store::check_rates`] does, at once, with what it paid, for
+    /// [`Store::give_back`]; `None` from a store that takes back a late check's payment
+    /// itself (Redis), whose checks run as usual.
+    fn check_receipted(
+        &self,
+        _owner: u64,
+        _checks: &[Check<'_>],
+        _mode: Mode,
+    ) -> Option<StoreResult<(Outcome, Receipt)>> {
+        None
+    }
+
+    /// Takes back what a check paid ([`Store::check_receipted`]) from each of its buckets
+    /// nothing changed since; returns how many.
+    fn give_back(&self, _receipt: &Receipt) -> usize {
+        0
+    }
 
     fn record_request(
         &self,
@@ -215,6 +233,20 @@ impl<C: Clock> Store for Memory<C> {
                 .check_rates(owner, checks, mode)
                 .map_err(StoreError::Invalid),
         )
+    }
+
+    fn check_receipted(
+        &self,
+        owner: u64,
+        checks: &[Check<'_>],
+        mode: Mode,
+    ) -> Option<StoreResult<(Outcome, Receipt)>> {
+        let checked = self.table.check_rates_receipted(owner, checks, mode);
+        Some(checked.map_err(StoreError::Invalid))
+    }
+
+    fn give_back(&self, receipt: &Receipt) -> usize {
+        self.table.give_back(receipt)
     }
 
     fn record_request(

@@ -9,6 +9,7 @@
 mod answer;
 mod etf;
 mod etf_check;
+mod owed;
 mod repeated_names;
 mod request;
 
@@ -17,7 +18,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
-use bourse_core::{rules, InvalidInput, Outcome};
+use bourse_core::{rules, InvalidInput, Outcome, Receipt};
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::Sha256;
@@ -107,6 +108,7 @@ pub struct Session {
     authenticated: AtomicBool,
     idle_timeout_ms: Option<u64>,
     frames: AtomicU64,
+    owed: owed::Owed,
 }
 
 impl Session {
@@ -218,6 +220,7 @@ impl<S: Store> Service<S> {
             authenticated: AtomicBool::new(!prove),
             idle_timeout_ms,
             frames: AtomicU64::new(0),
+            owed: owed::Owed::default(),
         }
     }
 
@@ -278,9 +281,20 @@ impl<S: Store> Service<S> {
             }
             Ok((request, last_run_us)) => {
                 let last_run = last_run_us.and_then(|us| self.instant(us));
-                match self.execute(session, number, request, last_run).await {
-                    // In the codec chosen by a first `hello`, if it chose one.
-                    Ok(answer) => return encode(out, session.codec(), to, answer),
+                let mut receipt = None;
+                match self
+                    .execute(session, number, request, last_run, &mut receipt)
+                    .await
+                {
+                    Ok(answer) => {
+                        let start = out.len();
+                        // In the codec chosen by a first `hello`, if it chose one.
+                        encode(out, session.codec(), to, answer);
+                        if let (Some(receipt), Some(last_run)) = (receipt, last_run) {
+                            session.owed.note(start..out.len(), last_run, receipt, to);
+                        }
+                        return;
+                    }
                     Err(failure) => failure,
                 }
             }
@@ -371,6 +385,7 @@ impl<S: Store> Service<S> {
         number: u64,
         request: Request<'_>,
         last_run: LastRun,
+        receipt: &mut Option<Receipt>,
     ) -> Result<Answer, Failure> {
         let store = &self.store;
         Ok(match request {
@@ -390,6 +405,13 @@ impl<S: Store> Service<S> {
             } => {
                 let owner = self.owner(session, owner);
                 let connection = session.default_owner;
+                // With a deadline, what it pays is noted, should its answer be sent too late.
+                let receipted = last_run.and_then(|_| store.check_receipted(owner, &checks, mode));
+                if let Some(checked) = receipted {
+                    let (outcome, paid) = checked?;
+                    *receipt = (!paid.is_empty()).then_some(paid);
+                    return Ok(Answer::Outcome(outcome));
+                }
                 Answer::Outcome(match checks.as_slice() {
                     [] => Outcome::Admitted,
                     [check] => {

@@ -621,7 +621,7 @@ where
                                 Err(_) => {
                                     let sent = send_until(
                                         &mut stream,
-                                        &mut out,
+                                        settled(&service, &session, &mut out),
                                         &slot,
                                         auth_deadline,
                                         idle,
@@ -643,7 +643,13 @@ where
                         }
                     }
                     if out.len() >= WRITE_CHUNK {
-                        let sent = send_until(&mut stream, &mut out, &slot, auth_deadline, idle);
+                        let sent = send_until(
+                            &mut stream,
+                            settled(&service, &session, &mut out),
+                            &slot,
+                            auth_deadline,
+                            idle,
+                        );
                         if sent.await.is_err() {
                             return;
                         }
@@ -664,7 +670,14 @@ where
                         running -= 1;
                         out.extend_from_slice(&answer);
                     }
-                    let _ = send_until(&mut stream, &mut out, &slot, auth_deadline, idle).await;
+                    let _ = send_until(
+                        &mut stream,
+                        settled(&service, &session, &mut out),
+                        &slot,
+                        auth_deadline,
+                        idle,
+                    )
+                    .await;
                     let _ = stream.shutdown().await;
                     // A connection that has not proved the secret closes at once: lingering
                     // would hold its descriptor outside the bounds of its queue.
@@ -677,9 +690,15 @@ where
             }
         }
         if !out.is_empty() {
-            if send_until(&mut stream, &mut out, &slot, auth_deadline, idle)
-                .await
-                .is_err()
+            if send_until(
+                &mut stream,
+                settled(&service, &session, &mut out),
+                &slot,
+                auth_deadline,
+                idle,
+            )
+            .await
+            .is_err()
             {
                 return;
             }
@@ -835,6 +854,16 @@ async fn linger<S: AsyncRead + Unpin>(stream: &mut S, patience: Duration) {
         }
     })
     .await;
+}
+
+/// `out`, a session's framed answers, once settled for sending ([`Service::settle`]).
+fn settled<'o, S: Store>(
+    service: &Service<S>,
+    session: &Session,
+    out: &'o mut Vec<u8>,
+) -> &'o mut Vec<u8> {
+    service.settle(session, out, |answer| framed(answer, 0, session.codec()));
+    out
 }
 
 /// Writes `out` and empties it, unless a write makes no progress until [`write_ends`]

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::runtime::{Builder, Runtime};
 
 use super::frames::{framed, Frames, Framing, Next};
-use super::{read_since, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE};
+use super::{
+    read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE,
+};
 use crate::protocol::{Codec, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
@@ -128,7 +130,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                         input.length_prefixed();
                     }
                     if out.len() >= WRITE_CHUNK {
-                        if send(&stream, &mut out, idle).is_err() {
+                        if send(&stream, settled(&service, &session, &mut out), idle).is_err() {
                             return;
                         }
                         // Its client reads: it is not idle.
@@ -141,7 +143,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                     let line = input.partial_line();
                     service.frame_too_large(&session, &mut out, number, input.max(), line);
                     framed(&mut out, start, session.codec());
-                    let _ = send(&stream, &mut out, idle);
+                    let _ = send(&stream, settled(&service, &session, &mut out), idle);
                     let _ = stream.shutdown(Shutdown::Write);
                     linger(&stream, Duration::from_secs(1));
                     return;
@@ -150,7 +152,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
             }
         }
         if !out.is_empty() {
-            if send(&stream, &mut out, idle).is_err() {
+            if send(&stream, settled(&service, &session, &mut out), idle).is_err() {
                 return;
             }
             active = Instant::now();

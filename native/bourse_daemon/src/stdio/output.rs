@@ -36,6 +36,13 @@ impl<W: Write + Send + 'static> Output<W> {
         Ok(())
     }
 
+    /// Writes answers already framed, and flushes.
+    pub fn send_framed(&self, answers: &[u8]) -> io::Result<()> {
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        writer.write_all(answers)?;
+        writer.flush()
+    }
+
     /// Writes the answer of a task (must run inside a Tokio runtime). The tasks that one
     /// turn of the runtime runs (those one reply of the store woke) share a write: the
     /// first spawns the flush, which runs behind them. A failed write is left to the

@@ -1,0 +1,279 @@
+//! Answers of checks that paid, written but not sent yet. A transport settles them right
+//! before it sends ([`Service::settle`]): one sent past its check's last moment to run (the
+//! daemon was stopped or starved between running the check and sending) could reach a
+//! caller who stopped waiting, and who was told `unavailable`. Its payment is taken back
+//! and its answer becomes `unavailable`, so that such a caller never pays.
+
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
+
+use bourse_core::{rules, InvalidInput, Receipt};
+use serde_json::Value;
+
+use super::answer::{error, To};
+use super::{Service, Session};
+use crate::store::Store;
+
+/// The answers a session owes, in the order written.
+#[derive(Default)]
+pub struct Owed(Mutex<Vec<Unsent>>);
+
+struct Unsent {
+    /// Where it was written in the transport's buffer, before framing.
+    bytes: Range<usize>,
+    last_run: Instant,
+    receipt: Receipt,
+    id: Option<Value>,
+}
+
+impl Owed {
+    pub fn note(&self, bytes: Range<usize>, last_run: Instant, receipt: Receipt, to: To) {
+        let id = match to {
+            To::Id(id) => id.cloned(),
+            To::Frame(_) => None,
+        };
+        self.lock().push(Unsent {
+            bytes,
+            last_run,
+            receipt,
+            id,
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Unsent>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<S: Store> Service<S> {
+    /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
+    /// it was written) is sent whole: an answer of a check past its last moment to run is
+    /// taken back and rewritten as `unavailable`, unless nothing could be taken back (its
+    /// buckets moved since: it stays as true as it was). The latest answers are settled
+    /// first, so that checks of one bucket are taken back in turn.
+    pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
+        let mut owed = session.owed.lock();
+        if owed.is_empty() {
+            return;
+        }
+        // Framing adds as many bytes to every answer: a line's end, or a length before it.
+        let mut framing = Vec::new();
+        frame(&mut framing);
+        let now = Instant::now();
+        for answer in owed.drain(..).rev() {
+            let Some(late) = now.checked_duration_since(answer.last_run) else {
+                continue;
+            };
+            let framed = answer.bytes.start..answer.bytes.end + framing.len();
+            if framed.end > out.len() || self.store.give_back(&answer.receipt) == 0 {
+                continue;
+            }
+            let mut rewritten = Vec::new();
+            let to = To::Id(answer.id.as_ref());
+            let message = InvalidInput::new(rules::answered_too_late(late.as_micros() as u64));
+            error(&mut rewritten, session.codec(), to, "unavailable", &message);
+            frame(&mut rewritten);
+            out.splice(framed, rewritten);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+    use std::time::Duration;
+
+    use bourse_core::{Config, Table};
+    use serde_json::{json, Value};
+
+    use super::super::{etf, Codec, Service, Session};
+    use crate::store::Memory;
+
+    /// A transport's buffer: answers written and framed, not sent yet.
+    struct Batch<'s> {
+        service: &'s Service<Memory>,
+        session: Session,
+        out: Vec<u8>,
+        /// Each answer after its length (a term), or ended by a newline (JSON).
+        prefixed: bool,
+    }
+
+    impl<'s> Batch<'s> {
+        fn new(service: &'s Service<Memory>, etf: bool) -> Self {
+            let session = service.session(false, None);
+            let mut batch = Self {
+                service,
+                session,
+                out: Vec::new(),
+                prefixed: etf,
+            };
+            if etf {
+                batch.write(&json!({"op": "hello", "codec": "etf"}));
+                assert_eq!(batch.session.codec(), Codec::Etf);
+                batch.out.clear();
+            }
+            batch
+        }
+
+        fn frame(&self, answer: &mut Vec<u8>, start: usize) {
+            match self.prefixed {
+                true => {
+                    let length = (answer.len() - start) as u32;
+                    answer.splice(start..start, length.to_be_bytes());
+                }
+                false => answer.push(b'\n'),
+            }
+        }
+
+        fn write(&mut self, request: &Value) {
+            let frame = match (self.session.codec(), request) {
+                (Codec::Etf, Value::Object(fields)) => {
+                    let mut frame = Vec::new();
+                    etf::encode_map(&mut frame, 0, |_| {}, fields);
+                    frame
+                }
+                _ => request.to_string().into_bytes(),
+            };
+            let mut out = std::mem::take(&mut self.out);
+            let start = out.len();
+            let number = self.session.next_frame();
+            {
+                let handled = pin!(self.service.handle(&self.session, number, &frame, &mut out));
+                let polled = handled.poll(&mut Context::from_waker(Waker::noop()));
+                assert!(polled.is_ready(), "the in-memory store made a request wait");
+            }
+            self.frame(&mut out, start);
+            self.out = out;
+        }
+
+        /// Settles the batch, then reads its answers back.
+        fn settle(mut self) -> Vec<Value> {
+            let prefixed = self.prefixed;
+            let frame = |answer: &mut Vec<u8>| match prefixed {
+                true => {
+                    let length = answer.len() as u32;
+                    answer.splice(0..0, length.to_be_bytes());
+                }
+                false => answer.push(b'\n'),
+            };
+            self.service.settle(&self.session, &mut self.out, frame);
+            let mut answers = Vec::new();
+            let mut rest = &self.out[..];
+            while !rest.is_empty() {
+                let (answer, next) = match prefixed {
+                    true => {
+                        let length = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+                        let answer = etf::decode(&rest[4..4 + length]).unwrap();
+                        (answer, &rest[4 + length..])
+                    }
+                    false => {
+                        let end = rest.iter().position(|&b| b == b'\n').unwrap();
+                        (
+                            serde_json::from_slice(&rest[..end]).unwrap(),
+                            &rest[end + 1..],
+                        )
+                    }
+                };
+                answers.push(answer);
+                rest = next;
+            }
+            answers
+        }
+    }
+
+    fn clock_us(service: &Service<Memory>) -> u64 {
+        let mut batch = Batch::new(service, false);
+        batch.write(&json!({"op": "hello"}));
+        batch.settle()[0]["clock_us"].as_u64().unwrap()
+    }
+
+    /// A check of one token of `axis`, whose last moment to run is `last_run_us`.
+    fn check(id: u64, axis: &str, last_run_us: u64) -> Value {
+        json!({
+            "op": "check", "id": id,
+            "key": {"exchange": "binance", "credential": "k1", "axis": axis},
+            "limit": {"capacity": 5, "refill_per_sec": 0.0001},
+            "deadline_us": last_run_us + 250_000, "timeout_ms": 1000,
+        })
+    }
+
+    fn borrowed(service: &Service<Memory>, axis: &str) -> f64 {
+        let mut batch = Batch::new(service, false);
+        let key = json!({"exchange": "binance", "credential": "k1", "axis": axis});
+        batch.write(&json!({"op": "get_cost", "key": key}));
+        batch.settle()[0]["borrowed"].as_f64().unwrap()
+    }
+
+    fn service() -> Service<Memory> {
+        Service::new(Memory::new(Table::new(Config::default())), 65_536, None)
+    }
+
+    /// Lets every check written with a last moment to run 300 ms from `now` pass it.
+    fn held_past(now: u64, service: &Service<Memory>) {
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(clock_us(service) > now + 300_000);
+    }
+
+    #[test]
+    fn answers_sent_past_their_last_moment_are_given_back_and_unavailable() {
+        for etf in [false, true] {
+            let service = service();
+            let now = clock_us(&service);
+            let mut batch = Batch::new(&service, etf);
+            batch.write(&check(1, "late", now + 300_000));
+            batch.write(&check(2, "in_time", now + 60_000_000));
+            batch.write(&check(3, "late", now + 300_000));
+            held_past(now, &service);
+            let answers = batch.settle();
+            assert_eq!(answers.len(), 3);
+            for (answer, id) in [(&answers[0], 1), (&answers[2], 3)] {
+                assert_eq!(
+                    (&answer["ok"], &answer["error"]["type"], &answer["id"]),
+                    (&json!(false), &json!("unavailable"), &json!(id)),
+                    "{answer}"
+                );
+                let message = answer["error"]["message"].as_str().unwrap();
+                assert!(message.contains("what it paid was given back"), "{message}");
+            }
+            assert_eq!(
+                (&answers[1]["result"], &answers[1]["id"]),
+                (&json!("admitted"), &json!(2))
+            );
+            assert_eq!(borrowed(&service, "late"), 0.0);
+            assert!((borrowed(&service, "in_time") - 1.0).abs() < 1e-3);
+        }
+    }
+
+    #[test]
+    fn a_late_answer_whose_bucket_moved_since_stays_as_it_was() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 300_000));
+        // Paid after it, with no deadline: nothing to settle.
+        let mut other = check(2, "a", 0);
+        let fields = other.as_object_mut().unwrap();
+        fields.remove("deadline_us");
+        fields.remove("timeout_ms");
+        batch.write(&other);
+        held_past(now, &service);
+        let answers = batch.settle();
+        assert_eq!(answers[0]["result"], "admitted", "{}", answers[0]);
+        assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
+        assert!((borrowed(&service, "a") - 2.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn answers_sent_in_time_stay_paid() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 60_000_000));
+        let answers = batch.settle();
+        assert_eq!(answers[0]["result"], "admitted");
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+    }
+}
