@@ -366,9 +366,10 @@ defmodule Bourse.RateLimiter.Feedback do
   defp record(exchange_id, credential, {status, body, found}, {axes, _, _, ip} = counters, name) do
     synced = sync_all(exchange_id, credential, found, counters, name)
     signal = BodySignal.find(exchange_id, status, body, found, System.os_time(:millisecond))
-    found = if status == 429, do: Map.put(found, :reset_ms, reset_named(found, axes)), else: found
+    # The waits its headers name: `Retry-After`, and for a 429 a limit family's reset.
+    waits = {found["retry-after"], if(status == 429, do: reset_named(found, axes))}
 
-    case react(exchange_id, credential, status, found, signal, ip, name) do
+    case react(exchange_id, credential, status, waits, signal, ip, name) do
       :ok -> synced
       reacted -> reacted
     end
@@ -485,7 +486,7 @@ defmodule Bourse.RateLimiter.Feedback do
 
   ## 429, 418, body signals and backoff
 
-  defp react(exchange_id, credential, status, found, signal, ip, name) do
+  defp react(exchange_id, credential, status, waits, signal, ip, name) do
     # A 429 that names no limit may be the credential's or the IP's: with `ip:` it holds
     # both, as requests sent through an IP during its Retry-After earn an IP ban.
     unnamed = if ip == credential, do: :credential, else: {:credential, ip}
@@ -498,7 +499,7 @@ defmodule Bourse.RateLimiter.Feedback do
         :ok
 
       limited ->
-        limit(exchange_id, credential, status, found, limited, name)
+        limit(exchange_id, credential, status, waits, limited, name)
     end
   end
 
@@ -513,9 +514,9 @@ defmodule Bourse.RateLimiter.Feedback do
   defp limited(_status, signal, _unnamed),
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 
-  defp limit(exchange_id, credential, status, found, {scope, stop, named_ms, reason}, name) do
-    named_ms = named_ms || found[:reset_ms]
-    asked = found["retry-after"] |> asked(named_ms) |> at_least_a_ban(stop)
+  defp limit(exchange_id, credential, status, waits, {scope, stop, named_ms, reason}, name) do
+    {retry_after, reset_ms} = waits
+    asked = retry_after |> asked(named_ms || reset_ms) |> at_least_a_ban(stop)
 
     case hold(asked, {exchange_id, credential}, scope, name) do
       {:ok, wait, why} ->
