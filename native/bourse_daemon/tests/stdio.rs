@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use serde_json::json;
 
 use common::{StdioDaemon, Transport};
@@ -282,4 +284,48 @@ fn a_refused_configuration_without_a_hello_exits() {
         .status()
         .expect("run");
     assert_eq!(status.code(), Some(2));
+}
+
+/// A port stopped while it runs pipelined checks: an answer it could send only past its
+/// check's last moment to run is not `admitted` (what the check paid is given back), so
+/// the checks paid are exactly those whose `admitted` answers came before their deadline.
+#[test]
+fn checks_answered_past_their_last_moment_to_run_are_given_back() {
+    let mut daemon = StdioDaemon::start(&[]);
+    let k = json!({"exchange": "e", "credential": "stopped"});
+    let limit = json!({"capacity": 1e9, "refill_per_sec": 1e-9});
+    let (mut in_time, mut late) = (0u32, 0u32);
+    for round in 0..20u64 {
+        let now_us = daemon.call(json!({"op": "hello"}))["clock_us"]
+            .as_u64()
+            .unwrap();
+        // Its caller waits 400 ms: the checks may run for 300 ms, and their answers have
+        // 100 ms to be read.
+        let deadline = Instant::now() + Duration::from_millis(400);
+        let mut batch = Vec::new();
+        for id in 0..2_000 {
+            let request = json!({"id": id, "op": "check", "key": k, "limit": limit,
+                                 "deadline_us": now_us + 400_000, "timeout_ms": 400});
+            batch.extend(common::frame(&serde_json::to_vec(&request).unwrap()));
+        }
+        daemon.send_raw(&batch);
+        // Stopped at some point of the batch, for longer than its callers wait.
+        std::thread::sleep(Duration::from_micros(round * 300));
+        common::signal(&daemon.child, "STOP");
+        std::thread::sleep(Duration::from_millis(500));
+        common::signal(&daemon.child, "CONT");
+        for _ in 0..2_000 {
+            let (read_at, answer) = daemon.recv_read().expect("an answer");
+            let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+            match (answer["result"] == "admitted", read_at <= deadline) {
+                (true, true) => in_time += 1,
+                (true, false) => late += 1,
+                (false, _) => assert_eq!(answer["error"]["type"], "unavailable", "{answer}"),
+            }
+        }
+    }
+    let paid = common::borrowed(&mut daemon, &k);
+    println!("{in_time} admitted in time, {late} admitted late, {paid} paid");
+    assert_eq!(late, 0, "answers admitted after their caller's deadline");
+    assert!((paid - f64::from(in_time)).abs() < 1e-3, "{paid} paid");
 }

@@ -420,7 +420,8 @@ impl<S: Stream> Transport for LineClient<S> {
 pub struct StdioDaemon {
     pub child: Child,
     pub stdin: Option<ChildStdin>,
-    frames: mpsc::Receiver<Vec<u8>>,
+    /// Each answer, with when it was read.
+    frames: mpsc::Receiver<(Instant, Vec<u8>)>,
 }
 
 impl StdioDaemon {
@@ -435,7 +436,9 @@ impl StdioDaemon {
                 return;
             }
             let mut frame = vec![0; u32::from_be_bytes(header) as usize];
-            if stdout.read_exact(&mut frame).is_err() || sender.send(frame).is_err() {
+            if stdout.read_exact(&mut frame).is_err()
+                || sender.send((Instant::now(), frame)).is_err()
+            {
                 return;
             }
         });
@@ -466,8 +469,13 @@ impl StdioDaemon {
 
     /// The next answer frame's bytes, or `None` once stdout closed.
     pub fn recv_bytes(&mut self) -> Option<Vec<u8>> {
+        self.recv_read().map(|(_, frame)| frame)
+    }
+
+    /// The next answer frame's bytes and when it was read, or `None` once stdout closed.
+    pub fn recv_read(&mut self) -> Option<(Instant, Vec<u8>)> {
         match self.frames.recv_timeout(PATIENCE) {
-            Ok(frame) => Some(frame),
+            Ok(read) => Some(read),
             Err(mpsc::RecvTimeoutError::Disconnected) => None,
             Err(mpsc::RecvTimeoutError::Timeout) => panic!("no answer within {PATIENCE:?}"),
         }
