@@ -184,18 +184,15 @@ impl Bucket {
         })
     }
 
-    /// Puts back `before` (a balance without bookings) when the bucket is still at `after`,
-    /// the balance one payment left it with: it then holds what it would hold had that
-    /// payment never been made. Returns whether it did.
-    pub fn take_back(&mut self, before: &Balance, after: &Balance) -> bool {
-        if before.holds_booking() || self.balance().as_ref() != Some(after) {
-            return false;
-        }
+    /// Puts back `before`, a balance without bookings, on a bucket still at the balance
+    /// one payment left it with (nothing paid, debited, lowered or redefined it since): it
+    /// then holds what it would hold had that payment never been made.
+    pub fn put_back(&mut self, before: &Balance) {
+        debug_assert!(!before.holds_booking());
         self.limit = before.limit;
         self.base = before.base;
         self.base_at = before.base_at;
         self.bookings.clear();
-        true
     }
 
     /// Takes back the definition a check gave the key and then paid nothing under: a

@@ -4,12 +4,14 @@
 use crate::bucket::{Balance, Bucket};
 use crate::key::Key;
 
-/// The buckets a check paid on, each with its balance before and after the payment. Only
-/// buckets that held no booking before are kept: a payment beside other bookings moves
-/// their refunds, which cannot be put back exactly.
+/// The buckets a check paid on, each with its balance before and after the payment. A
+/// payment beside other bookings moves their refunds, which cannot be put back exactly: a
+/// check that paid on such a bucket is kept whole or not at all, and its receipt is
+/// partial.
 #[derive(Debug, Default)]
 pub struct Receipt {
     paid: Vec<Paid>,
+    partial: bool,
 }
 
 #[derive(Debug)]
@@ -23,16 +25,14 @@ pub(crate) struct Paid {
 impl Receipt {
     /// Notes the payment on `bucket`, whose balance was `before` (if it had one).
     pub(crate) fn note(&mut self, bucket: &Bucket, before: Option<Balance>) {
-        let (Some(before), Some(after)) = (before, bucket.balance()) else {
-            return;
-        };
-        if !before.holds_booking() {
-            self.paid.push(Paid {
+        match (before, bucket.balance()) {
+            (Some(before), Some(after)) if !before.holds_booking() => self.paid.push(Paid {
                 key: bucket.key.clone(),
                 hash: bucket.hash,
                 before,
                 after,
-            });
+            }),
+            _ => self.partial = true,
         }
     }
 
@@ -40,15 +40,20 @@ impl Receipt {
         &self.paid
     }
 
-    /// Whether no bucket can be given anything back.
-    pub fn is_empty(&self) -> bool {
-        self.paid.is_empty()
+    /// Whether the check can be taken back: it paid, on buckets that held no other booking.
+    pub fn can_give_back(&self) -> bool {
+        !self.partial && !self.paid.is_empty()
     }
 }
 
 impl Paid {
-    /// Takes the payment back from `bucket`, if nothing changed it since.
-    pub(crate) fn take_back(&self, bucket: &mut Bucket) -> bool {
-        bucket.take_back(&self.before, &self.after)
+    /// Whether `bucket` is still at the balance the payment left it with.
+    pub(crate) fn unmoved(&self, bucket: &Bucket) -> bool {
+        bucket.balance().as_ref() == Some(&self.after)
+    }
+
+    /// Takes the payment back from `bucket`, which is [`Paid::unmoved`].
+    pub(crate) fn take_back(&self, bucket: &mut Bucket) {
+        bucket.put_back(&self.before);
     }
 }

@@ -18,7 +18,7 @@ use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
-use crate::receipt::Receipt;
+use crate::receipt::{Paid, Receipt};
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 use crate::walk::Walk;
@@ -300,17 +300,45 @@ impl<C: Clock> Table<C> {
         Ok((outcome, receipt))
     }
 
-    /// Takes back what a check paid ([`Table::check_rates_receipted`]) from each of its
-    /// buckets that nothing paid, debited, lowered, redefined or dropped since; the others
-    /// keep it. Returns how many buckets got their payment back.
-    pub fn give_back(&self, receipt: &Receipt) -> usize {
-        let mut given = 0;
-        for paid in receipt.paid() {
-            let mut shard = self.lock(paid.hash);
-            let found = shard.buckets.find_mut(paid.hash, Sought::Packed(&paid.key));
-            given += usize::from(found.is_some_and(|bucket| paid.take_back(bucket)));
+    /// Takes back what a check paid ([`Table::check_rates_receipted`]), on all its buckets
+    /// or none: only when nothing paid, debited, lowered, redefined or dropped any of them
+    /// since. Returns whether it did.
+    pub fn give_back(&self, receipt: &Receipt) -> bool {
+        if !receipt.can_give_back() {
+            return false;
         }
-        given
+        // Shards in ascending order, as a check locks them.
+        let mut paid: SmallVec<[&Paid; INLINE_CHECKS]> = receipt.paid().iter().collect();
+        paid.sort_by_key(|paid| Self::shard_index(paid.hash));
+        let mut guards: SmallVec<[(usize, MutexGuard<Shard>); INLINE_CHECKS]> = SmallVec::new();
+        for paid in &paid {
+            let index = Self::shard_index(paid.hash);
+            if guards.last().is_none_or(|(locked, _)| *locked != index) {
+                guards.push((index, self.shards[index].0.lock()));
+            }
+        }
+        let unmoved = |paid: &&Paid| {
+            Self::paid_bucket(&mut guards, paid).is_some_and(|bucket| paid.unmoved(bucket))
+        };
+        if !paid.iter().all(unmoved) {
+            return false;
+        }
+        for paid in &paid {
+            if let Some(bucket) = Self::paid_bucket(&mut guards, paid) {
+                paid.take_back(bucket);
+            }
+        }
+        true
+    }
+
+    /// The bucket `paid` was paid on, in its locked shard among `guards`.
+    fn paid_bucket<'g>(
+        guards: &'g mut [(usize, MutexGuard<Shard>)],
+        paid: &Paid,
+    ) -> Option<&'g mut Bucket> {
+        let index = Self::shard_index(paid.hash);
+        let (_, shard) = guards.iter_mut().find(|(locked, _)| *locked == index)?;
+        shard.buckets.find_mut(paid.hash, Sought::Packed(&paid.key))
     }
 
     fn check_item(

@@ -1,5 +1,6 @@
-//! A check whose caller never learnt of its payment is taken back exactly, only while
-//! nothing else changed its buckets, and never lets more out than P1 allows.
+//! A check whose caller never learnt of its payment is taken back exactly, on all its
+//! buckets or none, only while nothing else changed them, and never lets more out than P1
+//! allows.
 
 use bourse_core::{Check, Clock, Config, KeyRef, Limit, ManualClock, Mode, Outcome, Table};
 use proptest::prelude::*;
@@ -46,10 +47,10 @@ fn an_admitted_check_given_back_leaves_the_bucket_as_if_never_paid() {
     assert_eq!(outcome, Outcome::Admitted);
     assert!((tokens(&table, b"a") - 3.5).abs() < 1e-9);
     clock.advance_ms(200);
-    assert_eq!(table.give_back(&receipt), 1);
+    assert!(table.give_back(&receipt));
     assert!((tokens(&table, b"a") - 6.7).abs() < 1e-9);
     // Once only.
-    assert_eq!(table.give_back(&receipt), 0);
+    assert!(!table.give_back(&receipt));
     assert!((tokens(&table, b"a") - 6.7).abs() < 1e-9);
 }
 
@@ -66,9 +67,8 @@ fn checks_given_back_last_first_are_all_taken_back() {
         })
         .collect();
     // The first, while later ones paid after it, keeps its payment.
-    assert_eq!(table.give_back(&receipts[0]), 0);
-    let given: usize = receipts.iter().rev().map(|r| table.give_back(r)).sum();
-    assert_eq!(given, 5);
+    assert!(!table.give_back(&receipts[0]));
+    assert!(receipts.iter().rev().all(|r| table.give_back(r)));
     assert!(full(&table, b"a"));
 }
 
@@ -110,9 +110,8 @@ fn nothing_is_given_back_once_something_else_changed_the_bucket() {
         (b"paid_again", paid_again),
     ] {
         let before = table.inspect(key(axis));
-        assert_eq!(
-            table.give_back(&receipt),
-            0,
+        assert!(
+            !table.give_back(&receipt),
             "{}",
             String::from_utf8_lossy(axis)
         );
@@ -128,7 +127,7 @@ fn a_booking_given_back_is_gone_and_its_cost_with_it() {
         .check_rates_receipted(7, &[check(b"a", 3.0)], WAIT)
         .unwrap();
     assert_eq!(outcome, Outcome::Booked(3_000));
-    assert_eq!(table.give_back(&receipt), 1);
+    assert!(table.give_back(&receipt));
     let info = table.inspect(key(b"a")).unwrap();
     assert_eq!((info.bookings, info.tokens.abs() < 1e-9), (0, true));
     // Its owner coming back books anew: there is nothing to claim.
@@ -149,23 +148,42 @@ fn a_booking_beside_others_stays_paid() {
         .check_rates_receipted(2, &[check(b"a", 1.0)], WAIT)
         .unwrap();
     assert!(matches!(outcome, Outcome::Booked(_)));
-    assert!(receipt.is_empty());
-    assert_eq!(table.give_back(&receipt), 0);
+    assert!(!receipt.can_give_back());
+    assert!(!table.give_back(&receipt));
     assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 2);
 }
 
 #[test]
-fn a_check_over_several_buckets_is_taken_back_where_nothing_moved_since() {
+fn a_check_over_several_buckets_is_taken_back_on_all_or_none() {
     let (clock, table) = set_up();
-    let (outcome, receipt) = table
-        .check_rates_receipted(1, &[check(b"a", 2.0), check(b"b", 5.0)], Mode::Probe)
-        .unwrap();
+    let both = [check(b"a", 2.0), check(b"b", 5.0)];
+    let (outcome, receipt) = table.check_rates_receipted(1, &both, Mode::Probe).unwrap();
     assert_eq!(outcome, Outcome::Admitted);
+    assert!(table.give_back(&receipt));
+    assert!(full(&table, b"a") && full(&table, b"b"));
+
+    // One bucket moved since: both keep the payment.
+    let both = [check(b"c", 2.0), check(b"d", 5.0)];
+    let (_, receipt) = table.check_rates_receipted(1, &both, Mode::Probe).unwrap();
     clock.advance(1);
-    table.check_rate(2, check(b"b", 1.0), Mode::Probe);
-    assert_eq!(table.give_back(&receipt), 1);
-    assert!((tokens(&table, b"b") - 4.0).abs() < 1e-6);
-    assert!(full(&table, b"a"));
+    table.check_rate(2, check(b"d", 1.0), Mode::Probe);
+    assert!(!table.give_back(&receipt));
+    assert!((tokens(&table, b"c") - 8.0).abs() < 1e-6);
+    assert!((tokens(&table, b"d") - 4.0).abs() < 1e-6);
+}
+
+#[test]
+fn a_check_that_paid_beside_another_booking_is_not_taken_back_at_all() {
+    let (_clock, table) = set_up();
+    table.check_rate(1, check(b"b", 10.0), Mode::Probe);
+    table.check_rate(9, check(b"b", 1.0), WAIT);
+    let both = [check(b"a", 2.0), check(b"b", 1.0)];
+    let (outcome, receipt) = table.check_rates_receipted(1, &both, WAIT).unwrap();
+    assert!(matches!(outcome, Outcome::Booked(_)));
+    assert!(!receipt.can_give_back());
+    assert!(!table.give_back(&receipt));
+    assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 1);
+    assert_eq!(table.inspect(key(b"b")).unwrap().bookings, 2);
 }
 
 #[test]
@@ -175,7 +193,7 @@ fn a_refused_check_has_nothing_to_give_back() {
         .check_rates_receipted(1, &[check(b"a", 11.0)], Mode::Probe)
         .unwrap();
     assert!(matches!(outcome, Outcome::Delay(_)));
-    assert!(receipt.is_empty());
+    assert!(!receipt.can_give_back());
 }
 
 #[derive(Debug, Clone)]
@@ -215,7 +233,7 @@ proptest! {
                 Op::GiveBack(back) => {
                     if let Some(at) = paid.len().checked_sub(back + 1) {
                         let (_, _, receipt) = &paid[at];
-                        if table.give_back(receipt) == 1 {
+                        if table.give_back(receipt) {
                             paid.remove(at);
                         }
                     }

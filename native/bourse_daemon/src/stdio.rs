@@ -162,8 +162,8 @@ fn serve_local<S: Store>(
                             .handle(session, number, &frame, &mut answers.bytes);
                     runtime.block_on(handled);
                     answers.framed(start);
-                    // Pipelined requests share a write: sent when no further one is waiting.
-                    match reader.buffer().is_empty() || answers.bytes.len() >= WRITE_BYTES {
+                    // Pipelined requests share a write: sent before a read that may wait.
+                    match !holds_frame(reader.buffer()) || answers.bytes.len() >= WRITE_BYTES {
                         true => answers.send(shared),
                         false => Ok(()),
                     }
@@ -232,6 +232,13 @@ impl Answers {
         self.count = 0;
         sent
     }
+}
+
+/// Whether `buffer` starts with a whole frame, which can be read without waiting.
+fn holds_frame(buffer: &[u8]) -> bool {
+    buffer
+        .first_chunk::<4>()
+        .is_some_and(|header| buffer.len() - 4 >= u32::from_be_bytes(*header) as usize)
 }
 
 fn length_prefixed(out: &mut Vec<u8>, start: usize) {

@@ -99,10 +99,10 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Takes back what a check paid ([`Store::check_receipted`]) from each of its buckets
-    /// nothing changed since; returns how many.
-    fn give_back(&self, _receipt: &Receipt) -> usize {
-        0
+    /// Takes back what a check paid ([`Store::check_receipted`]), on all its buckets or
+    /// none (when something changed one since); returns whether it did.
+    fn give_back(&self, _receipt: &Receipt) -> bool {
+        false
     }
 
     fn record_request(
@@ -245,7 +245,7 @@ impl<C: Clock> Store for Memory<C> {
         Some(checked.map_err(StoreError::Invalid))
     }
 
-    fn give_back(&self, receipt: &Receipt) -> usize {
+    fn give_back(&self, receipt: &Receipt) -> bool {
         self.table.give_back(receipt)
     }
 

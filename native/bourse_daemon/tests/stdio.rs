@@ -329,3 +329,21 @@ fn checks_answered_past_their_last_moment_to_run_are_given_back() {
     assert_eq!(late, 0, "answers admitted after their caller's deadline");
     assert!((paid - f64::from(in_time)).abs() < 1e-3, "{paid} paid");
 }
+
+/// A request's answer is sent before the port waits for the rest of the next frame.
+#[test]
+fn an_answer_does_not_wait_for_the_next_frame_to_arrive_whole() {
+    let mut daemon = StdioDaemon::start(&[]);
+    let k = json!({"exchange": "e", "credential": "partial"});
+    let limit = json!({"capacity": 10, "refill_per_sec": 1});
+    let (first, second) = (
+        common::check_frame(1, &k, &limit),
+        common::check_frame(2, &k, &limit),
+    );
+    let mut bytes = first;
+    bytes.extend_from_slice(&second[..6]);
+    daemon.send_raw(&bytes);
+    assert_eq!(daemon.recv_frame().unwrap()["id"], 1);
+    daemon.send_raw(&second[6..]);
+    assert_eq!(daemon.recv_frame().unwrap()["id"], 2);
+}

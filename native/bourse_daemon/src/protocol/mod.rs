@@ -409,7 +409,7 @@ impl<S: Store> Service<S> {
                 let receipted = last_run.and_then(|_| store.check_receipted(owner, &checks, mode));
                 if let Some(checked) = receipted {
                     let (outcome, paid) = checked?;
-                    *receipt = (!paid.is_empty()).then_some(paid);
+                    *receipt = paid.can_give_back().then_some(paid);
                     return Ok(Answer::Outcome(outcome));
                 }
                 Answer::Outcome(match checks.as_slice() {

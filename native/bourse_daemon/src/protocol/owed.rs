@@ -49,8 +49,8 @@ impl Owed {
 impl<S: Store> Service<S> {
     /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
     /// it was written) is sent whole: an answer of a check past its last moment to run is
-    /// taken back and rewritten as `unavailable`, unless nothing could be taken back (its
-    /// buckets moved since: it stays as true as it was). The latest answers are settled
+    /// taken back and rewritten as `unavailable`, unless it cannot be taken back whole (one
+    /// of its buckets moved since, or held another booking: it stays as true as it was). The latest answers are settled
     /// first, so that checks of one bucket are taken back in turn.
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
         let mut owed = session.owed.lock();
@@ -66,7 +66,7 @@ impl<S: Store> Service<S> {
                 continue;
             };
             let framed = answer.bytes.start..answer.bytes.end + framing.len();
-            if framed.end > out.len() || self.store.give_back(&answer.receipt) == 0 {
+            if framed.end > out.len() || !self.store.give_back(&answer.receipt) {
                 continue;
             }
             let mut rewritten = Vec::new();
@@ -264,6 +264,47 @@ mod tests {
         assert_eq!(answers[0]["result"], "admitted", "{}", answers[0]);
         assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
         assert!((borrowed(&service, "a") - 2.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn a_late_check_of_several_buckets_is_given_back_on_all_or_stays_as_it_was() {
+        let service = service();
+        let now = clock_us(&service);
+        let many = |id: u64, axes: [&str; 2]| {
+            let mut many = check(id, axes[0], now + 300_000);
+            let checks: Vec<Value> = axes
+                .iter()
+                .map(|axis| {
+                    let mut one = check(id, axis, 0);
+                    for field in ["op", "id", "deadline_us", "timeout_ms"] {
+                        one.as_object_mut().unwrap().remove(field);
+                    }
+                    one
+                })
+                .collect();
+            let fields = many.as_object_mut().unwrap();
+            fields.remove("key");
+            fields.remove("limit");
+            fields.insert("op".into(), json!("check_many"));
+            fields.insert("checks".into(), json!(checks));
+            many
+        };
+        let mut batch = Batch::new(&service, false);
+        batch.write(&many(1, ["a", "b"]));
+        batch.write(&many(2, ["c", "d"]));
+        // Paid on `d` after it, with no deadline: nothing to settle.
+        let mut other = check(3, "d", 0);
+        let fields = other.as_object_mut().unwrap();
+        fields.remove("deadline_us");
+        fields.remove("timeout_ms");
+        batch.write(&other);
+        held_past(now, &service);
+        let answers = batch.settle();
+        assert_eq!(answers[0]["error"]["type"], "unavailable", "{}", answers[0]);
+        assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
+        for (axis, paid) in [("a", 0.0), ("b", 0.0), ("c", 1.0), ("d", 2.0)] {
+            assert!((borrowed(&service, axis) - paid).abs() < 1e-3, "{axis}");
+        }
     }
 
     #[test]
