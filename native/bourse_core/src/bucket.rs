@@ -41,13 +41,16 @@ pub(crate) struct Previous {
 }
 
 /// What a payment changes in a bucket holding at most one booking: its definition, its
-/// tokens and that booking. Two equal balances of one bucket mean that nothing paid,
-/// debited, lowered or redefined it in between.
+/// tokens, when it was last seen and told, and that booking. Every check, debit or sync
+/// moves it (a sync that lowers nothing still marks when it was seen): a bucket found at
+/// the balance a payment left it with was not touched since, but by what was taken back.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Balance {
     limit: Option<Limit>,
     base: f64,
     base_at: u64,
+    seen_at: u64,
+    told_until: u64,
     /// The owner, signature and place of its one booking.
     booking: Option<(u64, u64, u64)>,
 }
@@ -180,18 +183,22 @@ impl Bucket {
             limit: self.limit,
             base: self.base,
             base_at: self.base_at,
+            seen_at: self.seen_at,
+            told_until: self.told_until,
             booking,
         })
     }
 
     /// Puts back `before`, a balance without bookings, on a bucket still at the balance
-    /// one payment left it with (nothing paid, debited, lowered or redefined it since): it
-    /// then holds what it would hold had that payment never been made.
+    /// one payment left it with: it then is as it would be had that payment never been
+    /// made.
     pub fn put_back(&mut self, before: &Balance) {
         debug_assert!(!before.holds_booking());
         self.limit = before.limit;
         self.base = before.base;
         self.base_at = before.base_at;
+        self.seen_at = before.seen_at;
+        self.told_until = before.told_until;
         self.bookings.clear();
     }
 
@@ -429,9 +436,11 @@ impl Bucket {
     }
 
     /// Lowers the tokens to at most `max_tokens` (possibly below zero); never raises them.
-    /// The bucket without the bookings holds at most `max_tokens` as well.
+    /// The bucket without the bookings holds at most `max_tokens` as well. Seen now either
+    /// way: a payment made before is not given back past what the exchange allows.
     pub fn lower_to(&mut self, max_tokens: f64, now: u64) {
         let Some(limit) = self.limit else { return };
+        self.seen_at = now;
         let ceiling = limit.capacity().min(max_tokens);
         self.limit_refunds(ceiling - self.accrued(&limit, now), now);
         if max_tokens < self.tokens(now) {

@@ -6,8 +6,7 @@ use crate::key::Key;
 
 /// The buckets a check paid on, each with its balance before and after the payment. A
 /// payment beside other bookings moves their refunds, which cannot be put back exactly: a
-/// check that paid on such a bucket is kept whole or not at all, and its receipt is
-/// partial.
+/// check that paid on such a bucket is never given back (its receipt is partial).
 #[derive(Debug, Default)]
 pub struct Receipt {
     paid: Vec<Paid>,

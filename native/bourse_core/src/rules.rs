@@ -579,8 +579,8 @@ pub fn last_run_us(deadline_us: u64, timeout_ms: u64) -> u64 {
     deadline_us.saturating_sub(timeout_ms.saturating_mul(1000) / 4)
 }
 
-/// What a check is told whose answer was ready `late_us` after [`last_run_us`] (its daemon
-/// was stopped or starved before it could send it): what it paid was given back.
+/// What a check is told whose answer was about to be sent `late_us` after [`last_run_us`]
+/// (its daemon was stopped or starved meanwhile): what it paid was given back.
 pub fn answered_too_late(late_us: u64) -> String {
     format!(
         "the daemon could send the answer only {} ms past the last moment the check could \

@@ -301,8 +301,8 @@ impl<C: Clock> Table<C> {
     }
 
     /// Takes back what a check paid ([`Table::check_rates_receipted`]), on all its buckets
-    /// or none: only when nothing paid, debited, lowered, redefined or dropped any of them
-    /// since. Returns whether it did.
+    /// or none: only when nothing checked, debited, synced, redefined or dropped any of them
+    /// since (but payments taken back). Returns whether it did.
     pub fn give_back(&self, receipt: &Receipt) -> bool {
         if !receipt.can_give_back() {
             return false;

@@ -90,6 +90,14 @@ fn nothing_is_given_back_once_something_else_changed_the_bucket() {
     table.record_request(key(b"debited"), 1.0);
     let lowered = paid(b"lowered");
     table.sync(key(b"lowered"), 3.0, 0);
+    // A sync that lowers nothing (the exchange allows 9 of the 8 the payment left, and the
+    // payment never reached it): given back, the bucket would hold 10.
+    let synced = paid(b"synced");
+    clock.advance(1);
+    assert_eq!(table.sync(key(b"synced"), 9.0, 0), 0.0);
+    let refused = paid(b"refused");
+    clock.advance(1);
+    table.check_rate(2, check(b"refused", 9.0), Mode::Probe);
     let redefined = paid(b"redefined");
     let other = Limit::new(20.0, 1.0).unwrap();
     let changed = Check {
@@ -105,6 +113,8 @@ fn nothing_is_given_back_once_something_else_changed_the_bucket() {
     for (axis, receipt) in [
         (&b"debited"[..], debited),
         (b"lowered", lowered),
+        (b"synced", synced),
+        (b"refused", refused),
         (b"redefined", redefined),
         (b"reset", reset),
         (b"paid_again", paid_again),

@@ -241,6 +241,7 @@ fn holds_frame(buffer: &[u8]) -> bool {
         .is_some_and(|header| buffer.len() - 4 >= u32::from_be_bytes(*header) as usize)
 }
 
+/// Frames the answer written from `start` on as the port's frames are: after its length.
 fn length_prefixed(out: &mut Vec<u8>, start: usize) {
     let length = (out.len() - start) as u32;
     out.splice(start..start, length.to_be_bytes());

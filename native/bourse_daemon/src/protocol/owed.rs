@@ -5,7 +5,7 @@
 //! and its answer becomes `unavailable`, so that such a caller never pays.
 
 use std::ops::Range;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use bourse_core::{rules, InvalidInput, Receipt};
@@ -24,24 +24,39 @@ struct Unsent {
     bytes: Range<usize>,
     last_run: Instant,
     receipt: Receipt,
-    id: Option<Value>,
+    to: Recipient,
+}
+
+/// Whom an answer names ([`To`]), kept past the request's frame.
+enum Recipient {
+    Id(Option<Value>),
+    Frame(u64),
+}
+
+impl Recipient {
+    fn to(&self) -> To<'_> {
+        match self {
+            Recipient::Id(id) => To::Id(id.as_ref()),
+            Recipient::Frame(number) => To::Frame(*number),
+        }
+    }
 }
 
 impl Owed {
     pub fn note(&self, bytes: Range<usize>, last_run: Instant, receipt: Receipt, to: To) {
-        let id = match to {
-            To::Id(id) => id.cloned(),
-            To::Frame(_) => None,
+        let to = match to {
+            To::Id(id) => Recipient::Id(id.cloned()),
+            To::Frame(number) => Recipient::Frame(number),
         };
         self.lock().push(Unsent {
             bytes,
             last_run,
             receipt,
-            id,
+            to,
         });
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Unsent>> {
+    fn lock(&self) -> MutexGuard<'_, Vec<Unsent>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -49,9 +64,10 @@ impl Owed {
 impl<S: Store> Service<S> {
     /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
     /// it was written) is sent whole: an answer of a check past its last moment to run is
-    /// taken back and rewritten as `unavailable`, unless it cannot be taken back whole (one
-    /// of its buckets moved since, or held another booking: it stays as true as it was). The latest answers are settled
-    /// first, so that checks of one bucket are taken back in turn.
+    /// taken back and rewritten as `unavailable`, unless it cannot be taken back whole
+    /// (one of its buckets moved since, or held another booking: it stays as true as it
+    /// was). The latest answers are settled first, so that checks of one bucket are taken
+    /// back in turn.
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
         let mut owed = session.owed.lock();
         if owed.is_empty() {
@@ -70,7 +86,7 @@ impl<S: Store> Service<S> {
                 continue;
             }
             let mut rewritten = Vec::new();
-            let to = To::Id(answer.id.as_ref());
+            let to = answer.to.to();
             let message = InvalidInput::new(rules::answered_too_late(late.as_micros() as u64));
             error(&mut rewritten, session.codec(), to, "unavailable", &message);
             frame(&mut rewritten);
