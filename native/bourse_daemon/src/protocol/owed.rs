@@ -216,6 +216,13 @@ mod tests {
         })
     }
 
+    fn without_deadline(mut request: Value) -> Value {
+        let fields = request.as_object_mut().unwrap();
+        fields.remove("deadline_us");
+        fields.remove("timeout_ms");
+        request
+    }
+
     fn borrowed(service: &Service<Memory>, axis: &str) -> f64 {
         let mut batch = Batch::new(service, false);
         let key = json!({"exchange": "binance", "credential": "k1", "axis": axis});
@@ -270,11 +277,7 @@ mod tests {
         let mut batch = Batch::new(&service, false);
         batch.write(&check(1, "a", now + 300_000));
         // Paid after it, with no deadline: nothing to settle.
-        let mut other = check(2, "a", 0);
-        let fields = other.as_object_mut().unwrap();
-        fields.remove("deadline_us");
-        fields.remove("timeout_ms");
-        batch.write(&other);
+        batch.write(&without_deadline(check(2, "a", 0)));
         held_past(now, &service);
         let answers = batch.settle();
         assert_eq!(answers[0]["result"], "admitted", "{}", answers[0]);
@@ -291,10 +294,10 @@ mod tests {
             let checks: Vec<Value> = axes
                 .iter()
                 .map(|axis| {
-                    let mut one = check(id, axis, 0);
-                    for field in ["op", "id", "deadline_us", "timeout_ms"] {
-                        one.as_object_mut().unwrap().remove(field);
-                    }
+                    let mut one = without_deadline(check(id, axis, 0));
+                    let fields = one.as_object_mut().unwrap();
+                    fields.remove("op");
+                    fields.remove("id");
                     one
                 })
                 .collect();
@@ -309,11 +312,7 @@ mod tests {
         batch.write(&many(1, ["a", "b"]));
         batch.write(&many(2, ["c", "d"]));
         // Paid on `d` after it, with no deadline: nothing to settle.
-        let mut other = check(3, "d", 0);
-        let fields = other.as_object_mut().unwrap();
-        fields.remove("deadline_us");
-        fields.remove("timeout_ms");
-        batch.write(&other);
+        batch.write(&without_deadline(check(3, "d", 0)));
         held_past(now, &service);
         let answers = batch.settle();
         assert_eq!(answers[0]["error"]["type"], "unavailable", "{}", answers[0]);
