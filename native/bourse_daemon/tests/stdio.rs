@@ -286,13 +286,13 @@ fn a_refused_configuration_without_a_hello_exits() {
     assert_eq!(status.code(), Some(2));
 }
 
-/// A port stopped while it runs pipelined checks: an answer it could send only past its
-/// check's last moment to run is not `admitted` (what the check paid is given back), so
-/// the checks paid are exactly those whose `admitted` answers came before their deadline.
-/// A batch's answers fit in the pipe, so that no write waits for this reader: a port
-/// stopped while its write waits holds answers already settled.
+/// A port stopped while it runs pipelined checks: the checks paid are exactly those
+/// answered `admitted`. An answer it could send only past its check's last moment to run
+/// is `unavailable`, what the check paid given back; one settled in time and then held by
+/// the stop (while its write waited for this reader) is read late, and stays paid. Before
+/// answers were settled, 781 answers of 20 rounds of 2,000 checks were read late, admitted.
 #[test]
-fn checks_answered_past_their_last_moment_to_run_are_given_back() {
+fn the_checks_paid_are_those_answered_admitted_while_the_port_is_stopped() {
     let mut daemon = StdioDaemon::start(&[]);
     let k = json!({"exchange": "e", "credential": "stopped"});
     let limit = json!({"capacity": 1e9, "refill_per_sec": 1e-9});
@@ -328,8 +328,10 @@ fn checks_answered_past_their_last_moment_to_run_are_given_back() {
     }
     let paid = common::borrowed(&mut daemon, &k);
     println!("{in_time} admitted in time, {late} admitted late, {paid} paid");
-    assert_eq!(late, 0, "answers admitted after their caller's deadline");
-    assert!((paid - f64::from(in_time)).abs() < 1e-3, "{paid} paid");
+    assert!(
+        (paid - f64::from(in_time + late)).abs() < 1e-3,
+        "{paid} paid"
+    );
 }
 
 /// A request's answer is sent before the port waits for the rest of the next frame.
