@@ -26,6 +26,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 
 use crate::protocol::{self, Codec, Service, Session};
+use crate::server::length_prefixed;
 use crate::spin::{Spin, Waited};
 use crate::store::{Store, MAX_RUNNING};
 use crate::sweeper;
@@ -239,12 +240,6 @@ fn holds_frame(buffer: &[u8]) -> bool {
     buffer
         .first_chunk::<4>()
         .is_some_and(|header| buffer.len() - 4 >= u32::from_be_bytes(*header) as usize)
-}
-
-/// Frames the answer written from `start` on as the port's frames are: after its length.
-fn length_prefixed(out: &mut Vec<u8>, start: usize) {
-    let length = (out.len() - start) as u32;
-    out.splice(start..start, length.to_be_bytes());
 }
 
 /// How the daemon stops after a failed write to stdout.

@@ -14,11 +14,15 @@ use crate::protocol::Codec;
 pub fn framed(out: &mut Vec<u8>, start: usize, codec: Codec) {
     match codec {
         Codec::Json => out.push(b'\n'),
-        Codec::Etf => {
-            let length = (out.len() - start) as u32;
-            out.splice(start..start, length.to_be_bytes());
-        }
+        Codec::Etf => length_prefixed(out, start),
     }
+}
+
+/// Puts the 4-byte big-endian length of the answer written from `start` on before it:
+/// a term's frame on a socket, and every frame of a port.
+pub fn length_prefixed(out: &mut Vec<u8>, start: usize) {
+    let length = (out.len() - start) as u32;
+    out.splice(start..start, length.to_be_bytes());
 }
 
 /// How input bytes are split into frames.

@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 mod frames;
 mod thread;
 
+pub use self::frames::length_prefixed;
 use self::frames::{framed, Frames, Framing, Next};
 use crate::protocol::{self, Codec, Service, Session};
 use crate::spin::{Spin, Waited};
