@@ -200,13 +200,30 @@ impl<C: Clock> Table<C> {
         mode: Mode,
         max_bookings: usize,
     ) -> Result<Option<Outcome>, InvalidInput> {
+        self.check_keys(owner, checks, mode, max_bookings, None)
+    }
+
+    /// Checks keys and limits, noting what they paid on `receipt` if given.
+    fn check_keys(
+        &self,
+        owner: u64,
+        checks: &[Check],
+        mode: Mode,
+        max_bookings: usize,
+        receipt: Option<&mut Receipt>,
+    ) -> Result<Option<Outcome>, InvalidInput> {
         match checks {
             [] => Ok(Some(Outcome::Admitted)),
-            [single] => Ok(Some(self.check_rate(owner, *single, mode))),
+            [single] => Ok(Some(self.check_item(
+                owner,
+                self.item(*single),
+                mode,
+                receipt,
+            ))),
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.item(c)));
-                self.check_items(owner, &mut items, mode, max_bookings, None)
+                self.check_items(owner, &mut items, mode, max_bookings, receipt)
             }
         }
     }
@@ -286,18 +303,8 @@ impl<C: Clock> Table<C> {
         mode: Mode,
     ) -> Result<(Outcome, Receipt), InvalidInput> {
         let mut receipt = Receipt::default();
-        let outcome = match checks {
-            [] => Outcome::Admitted,
-            [single] => self.check_item(owner, self.item(*single), mode, Some(&mut receipt)),
-            _ => {
-                let mut items = Items::new();
-                items.extend(checks.iter().map(|&c| self.item(c)));
-                let checked =
-                    self.check_items(owner, &mut items, mode, usize::MAX, Some(&mut receipt));
-                unbounded(checked)?
-            }
-        };
-        Ok((outcome, receipt))
+        let checked = self.check_keys(owner, checks, mode, usize::MAX, Some(&mut receipt));
+        Ok((unbounded(checked)?, receipt))
     }
 
     /// Takes back what a check paid ([`Table::check_rates_receipted`]), on all its buckets
