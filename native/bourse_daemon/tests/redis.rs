@@ -2588,6 +2588,11 @@ fn requests_pipelined_behind_a_first_check_are_answered_within_the_timeout() {
         key("first", None),
         json!({"capacity": 20, "refill_per_sec": 1}),
     );
+    // Stopped before a daemon asked it at start, Redis would hold that daemon's first
+    // answer a second longer (the start's wait, then the timeout).
+    eventually("both daemons asked redis at start", || {
+        calls_of(&redis, "fcall") >= 2
+    });
     kill("STOP", redis.child.id());
     let stdio_answers = burst(4, &k, &limit, &mut stdio);
     let unix_answers = burst(4, &k, &limit, &mut unix);
