@@ -1544,6 +1544,47 @@ fn a_redis_that_asks_for_a_password_is_named_as_such() {
     require_password(&mut admin, "");
 }
 
+/// A Redis that changes its password and drops the daemon's connection: the daemon's
+/// reconnection is refused, and its calls are answered `unavailable` saying so; once the
+/// password is put back, it serves again. Before, the refused reconnection was kept (the
+/// `redis` crate connects again only after an I/O error) and every call was refused for
+/// good.
+#[test]
+fn a_daemon_refused_its_password_serves_again_once_redis_takes_it() {
+    let Some(redis) = Redis::start() else { return };
+    let mut admin = redis.connection().unwrap();
+    require_password(&mut admin, "sesame");
+    let password_file = common::temp_path("changed-password");
+    std::fs::write(&password_file, "sesame").unwrap();
+    let url = redis.url();
+    let server = Server::tcp(&[
+        "--redis",
+        &url,
+        "--redis-password-file",
+        password_file.to_str().unwrap(),
+        "--redis-timeout-ms",
+        "300",
+    ]);
+    std::fs::remove_file(&password_file).unwrap();
+    let mut t = server.connect();
+    let (k, limit) = (key("repass", None), json!({"requests": 1000}));
+    assert_eq!(t.call(check(&k, limit.clone(), 1.0))["result"], "admitted");
+    require_password(&mut admin, "another");
+    let _: () = ::redis::cmd("CLIENT")
+        .arg(&["KILL", "SKIPME", "yes"])
+        .query(&mut admin)
+        .unwrap();
+    eventually("a call refused for its password", || {
+        let answer = t.call(check(&k, limit.clone(), 1.0));
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        message.contains("it refused the password given")
+    });
+    require_password(&mut admin, "sesame");
+    eventually("the daemon serves again", || {
+        t.call(check(&k, limit.clone(), 1.0))["result"] == "admitted"
+    });
+}
+
 /// Another server at the Redis address (HTTP here): the error says so, and where.
 #[test]
 fn another_server_at_the_redis_address_is_named_as_such() {

@@ -459,6 +459,10 @@ impl Client {
         match &answer {
             Ok(Ok(_)) => self.link.answered(slot),
             Ok(Err(error)) if error.code() == Some("LATE") => self.link.answered(slot),
+            // A connection whose authentication Redis refused is never opened again by the
+            // `redis` crate (only after an I/O error): opened here as a silent one is, it
+            // is taken once Redis takes the password again.
+            Ok(Err(error)) if unauthenticated(error) => self.link.unanswered(slot),
             Ok(Err(_)) => {}
             Err(_) => self.link.unanswered(slot),
         }
@@ -493,11 +497,7 @@ impl Client {
 pub(super) fn password_refusal(error: &RedisError, password_given: bool) -> Option<String> {
     let text = error.to_string();
     let first_line = text.lines().next().unwrap_or_default();
-    let unauthenticated = error.kind() == ErrorKind::AuthenticationFailed
-        || error.code() == Some("NOAUTH")
-        // Redis 7's protocol error for a long command from a client that has not authenticated.
-        || text.contains("unauthenticated");
-    match (unauthenticated, password_given) {
+    match (unauthenticated(error), password_given) {
         (false, _) => None,
         (true, true) => Some(format!(
             "it refused the password given ({first_line}): is it this Redis's? (a Redis \
@@ -509,6 +509,14 @@ pub(super) fn password_refusal(error: &RedisError, password_given: bool) -> Opti
              --redis-password-file or BOURSE_REDIS_PASSWORD"
         )),
     }
+}
+
+/// Whether Redis refused a call for want of authentication: a password refused or asked for.
+fn unauthenticated(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::AuthenticationFailed
+        || error.code() == Some("NOAUTH")
+        // Redis 7's protocol error for a long command from a client that has not authenticated.
+        || error.to_string().contains("unauthenticated")
 }
 
 /// What a call that Redis ran past its deadline is told.

@@ -13,6 +13,10 @@
 //! answers. On a cluster the new one may answer through another master and replace the old
 //! one while a master stays stopped; the other masters' calls go on either way.
 //!
+//! A connection whose authentication Redis refused (its password changed, then the
+//! connection was cut) is opened again the same way, so that it is taken once Redis takes
+//! the password again.
+//!
 //! While the same silence goes on (nothing answered there since the last reopening), each
 //! further reopening waits twice as long as the one before, up to [`MAX_BACKOFF`] timeouts:
 //! a master stopped for a minute does not make every daemon open a connection to every
@@ -70,8 +74,8 @@ impl Link {
         self.silence.answered(slot, self.now_ms());
     }
 
-    /// A call in `slot` got no answer within the timeout: opens the connection again when
-    /// [`Silence`] says so.
+    /// A call in `slot` got no answer within the timeout, or was refused for want of
+    /// authentication: opens the connection again when [`Silence`] says so.
     pub fn unanswered(&self, slot: Option<u16>) {
         if !self.silence.reopens(slot, self.now_ms()) {
             return;
