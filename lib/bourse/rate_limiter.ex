@@ -84,9 +84,10 @@ defmodule Bourse.RateLimiter do
   as `GenServer.call/2` would; malformed input is answered as malformed all the same.
 
   Every error carries the `:exchange` of the call's key when it can be read (for
-  `check_rates/3`, when its checks name one exchange). Messages describe a bad value by
-  its type and size and never show an API key; a wait over the budget reads
-  `"okx: waiting 1000 ms exceeds max_wait_ms 40"`.
+  `check_rates/3`: the exchange of the check a malformed input error is about, or the one
+  exchange every check names; `nil` when they name several, or one cannot be read).
+  Messages describe a bad value by its type and size and never show an API key; a wait
+  over the budget reads `"okx: waiting 1000 ms exceeds max_wait_ms 40"`.
   """
 
   alias Bourse.Error
@@ -625,7 +626,7 @@ defmodule Bourse.RateLimiter do
   # The exchanges of checks that name several, as a message lists them: the first three,
   # then how many more.
   defp several_exchanges({:checks, checks}) do
-    case checks |> checks_exchanges() |> Enum.split(3) do
+    case checks |> checks_exchanges() |> Enum.reject(&is_nil/1) |> Enum.split(3) do
       {[_, _ | _] = named, []} -> Enum.join(named, ", ")
       {named, [_ | _] = more} -> "#{Enum.join(named, ", ")} and #{length(more)} more"
       _one_or_none -> nil
@@ -640,11 +641,11 @@ defmodule Bourse.RateLimiter do
   defp budget(max_wait), do: "max_wait_ms #{max_wait}"
 
   # The exchange id an answer is about: `nil` when it cannot be read, or when the checks
-  # of one call name several exchanges.
+  # of one call do not all name one exchange (an error about one check names its own).
   defp exchange({:checks, checks}) do
     case checks_exchanges(checks) do
       [exchange] -> exchange
-      _none_or_several -> nil
+      _none_several_or_unread -> nil
     end
   end
 
@@ -657,19 +658,18 @@ defmodule Bourse.RateLimiter do
 
   defp exchange(_source), do: nil
 
-  # The exchanges the checks of one call name, as they can be read, each once, in order;
-  # a malformed tail is not walked.
+  # The exchanges the checks of one call name, each once, in order: `nil` for a check
+  # whose exchange cannot be read, and for a malformed tail, which is not walked.
   defp checks_exchanges(checks),
     do: checks |> unprepared() |> checks_exchanges([], Bourse.Native.bound(:max_checks))
 
-  defp checks_exchanges([{key, _limit, _cost} | rest], found, left) when left > 0 do
-    case exchange({:key, key}) do
-      nil -> checks_exchanges(rest, found, left - 1)
-      exchange -> checks_exchanges(rest, [exchange | found], left - 1)
-    end
-  end
+  defp checks_exchanges([], found, _left), do: found |> Enum.reverse() |> Enum.uniq()
+  defp checks_exchanges(_longer, found, 0), do: checks_exchanges([], found, 0)
 
-  defp checks_exchanges(_rest, found, _left), do: found |> Enum.reverse() |> Enum.uniq()
+  defp checks_exchanges([{key, _limit, _cost} | rest], found, left),
+    do: checks_exchanges(rest, [exchange({:key, key}) | found], left - 1)
+
+  defp checks_exchanges(_malformed, found, left), do: checks_exchanges([], [nil | found], left)
 
   # Checks with every `{bucket, cost}` as `{key, limit, cost}`: the first `:max_checks` + 1
   # elements (a longer list is refused as it is), a malformed tail left as it is.

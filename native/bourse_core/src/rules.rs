@@ -605,10 +605,11 @@ pub fn not_a_check_list(given: Shape) -> InvalidInput {
     ))
 }
 
-/// One element of the checks list must be `{key, limit, cost}`.
+/// One element of the checks list must be `{key, limit, cost}`, or `{bucket, cost}` with a
+/// bucket of `Bourse.RateLimiter.bucket/3`.
 pub fn not_a_check(given: Shape) -> InvalidInput {
     InvalidInput::new(format!(
-        "each check must be {{key, limit, cost}}, got {given}"
+        "each check must be {{key, limit, cost}} or {{bucket, cost}}, got {given}"
     ))
 }
 

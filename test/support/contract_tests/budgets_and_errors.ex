@@ -116,6 +116,28 @@ defmodule Bourse.ContractTests.BudgetsAndErrors do
           assert {:error, %Bourse.Error{exchange: nil}} = check_rate({1, "k"}, limit, 1, name)
         end
 
+        test "check_rates errors name the exchange of the check at fault, or of every check",
+             %{name: name} do
+          limit = %{capacity: 5, refill_per_sec: 0.001}
+          bad_limit = %{capacity: 0, refill_per_sec: 1}
+
+          for {checks, exchange} <- [
+                # The check at fault names its exchange.
+                {[{{"okx", "k"}, limit, 1}, {{"bybit", "k"}, limit, -1}], "bybit"},
+                # It names none that can be read: neither does the error.
+                {[{{:okx, "k"}, limit, 1}, {{"bybit", "k"}, bad_limit, 1}], nil},
+                {[{{"okx", "k"}, limit, 1}, {{"bybit", "k"}, limit}], nil},
+                # An error about the whole call: the one exchange of every check.
+                {List.duplicate({{"okx", "k"}, limit, 1}, 1025), "okx"},
+                {[{{"okx", "k"}, limit, 1} | :tail], nil}
+              ] do
+            assert {:error, %Bourse.Error{type: :invalid_parameters, exchange: ^exchange}} =
+                     check_rates(checks, name)
+          end
+
+          assert get_cost({"okx", "k"}, 1, name) == 0
+        end
+
         test "over the budget: the message names the exchange, the wait and the budget",
              %{name: name} do
           # A fresh key of capacity 1 at 1/s: cost 2 waits exactly 1000 ms.

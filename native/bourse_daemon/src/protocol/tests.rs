@@ -794,7 +794,7 @@ fn malformed_cases() -> Vec<(String, &'static str)> {
         ),
         (
             r#"{"op":"check_many","checks":[1]}"#.into(),
-            "each check must be {key, limit, cost}, got 1",
+            "each check must be {key, limit, cost} or {bucket, cost}, got 1",
         ),
         (
             format!(

@@ -88,7 +88,7 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
              "got an improper list"
 
     assert invalid(NIF.check_rates(t, self(), [{@key, @limit}], nil)).message ==
-             "each check must be {key, limit, cost}, got a tuple of 2 elements"
+             "each check must be {key, limit, cost} or {bucket, cost}, got a tuple of 2 elements"
 
     assert :ok = NIF.check_rates(t, self(), List.duplicate({@key, @limit, 0}, 1024), nil)
   end
@@ -123,7 +123,7 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
 
     test "what is not a bucket is refused, never trusted", %{table: t} do
       assert invalid(NIF.check_rates(t, self(), [{%{prepared: make_ref()}, 1}], nil)).message ==
-               "each check must be {key, limit, cost}, got a tuple of 2 elements"
+               "each check must be {key, limit, cost} or {bucket, cost}, got a tuple of 2 elements"
 
       forged =
         struct!(Bourse.RateLimiter.Bucket, name: nil, key: :k, limit: nil, route: nil, prepared: t)
