@@ -92,6 +92,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # An answer this late is slow: meanwhile the caller judges its input (`request/3`), and
   # an `:unavailable` one answers the later requests of its call (`CallDeadline`).
   @slow_ms 50
+  # The daemon's `:unavailable` answers (its store could not answer) are logged at most
+  # once in this long.
+  @store_warning_every_ms 10_000
   @owner_key {__MODULE__, :owner}
 
   # `%{"id" => id, "ok" => true, "result" => "admitted"}` as the daemon writes it: a map of
@@ -324,6 +327,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   def answer(answer, _id), do: answer
 
+  @doc """
+  Notes that the daemon answered a call `:unavailable` with `message` (its store, Redis,
+  could not answer in time): the connection logs it as a warning, at most once every
+  #{div(@store_warning_every_ms, 1000)} s.
+  """
+  @spec store_unavailable(t(), String.t()) :: :ok
+  def store_unavailable(%__MODULE__{pid: pid}, message) do
+    send(pid, {:store_unavailable, message})
+    :ok
+  end
+
   defp not_protocol,
     do: "the daemon sent something that is not a protocol #{@protocol_version} answer term"
 
@@ -443,6 +457,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       orphan_timer: nil,
       silence_probe: nil,
       clock_offset_us: nil,
+      store_warned_at: nil,
       env: Keyword.get(extra, :env, []),
       secret: Keyword.get(extra, :secret),
       restart: Keyword.get(extra, :restart, false),
@@ -585,6 +600,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   def handle_info(:orphaned, %{limiter: nil} = state), do: {:stop, :normal, state}
+
+  def handle_info({:store_unavailable, message}, state) do
+    now = System.monotonic_time(:millisecond)
+
+    if state.store_warned_at == nil or now - state.store_warned_at >= @store_warning_every_ms do
+      Logger.warning("#{describe(state)}: #{message}")
+      {:noreply, %{state | store_warned_at: now}}
+    else
+      {:noreply, state}
+    end
+  end
 
   # The routes of callers killed between noting them and writing: no answer comes for them.
   # And the rows of callers killed as they wrote or read the socket themselves.

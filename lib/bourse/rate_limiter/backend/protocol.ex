@@ -299,6 +299,7 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
         end
 
       %{"ok" => false, "error" => %{"type" => "unavailable", "message" => message}} ->
+        Connection.store_unavailable(handle, message)
         {:error, Error.unavailable(message)}
 
       %{"ok" => false, "error" => %{"type" => "invalid_parameters", "message" => message} = error}

@@ -10,6 +10,8 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
   alias Bourse.{Error, OsSignal, RateLimiter}
   alias Bourse.RateLimiter.Backend.{Daemon, NIF}
 
+  require Logger
+
   @moduletag :capture_log
 
   @limit %{capacity: 10, refill_per_sec: 1}
@@ -145,6 +147,30 @@ defmodule Bourse.RateLimiter.Backend.UnreachableTest do
     name = start_limiter({:redis, "redis://127.0.0.1:1", redis_timeout_ms: 200})
     nif = start_limiter(:nif)
     assert_public_calls(name, nif)
+  end
+
+  test "Redis down: calls answer :unavailable, and a warning says why, once in a while" do
+    address = "127.0.0.1:#{Bourse.Loopback.free_port()}"
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        name = start_limiter({:redis, "redis://#{address}", redis_timeout_ms: 200})
+
+        for _ <- 1..5 do
+          assert {:error, %Error{type: :unavailable, message: message}} =
+                   RateLimiter.check_rate(@key, @limit, 1, name)
+
+          assert message =~ "redis at #{address}"
+        end
+
+        # The connection logs them: once it handled them all, the log has them.
+        :sys.get_state(handle(name).pid)
+        Logger.flush()
+      end)
+
+    warnings = for line <- String.split(log, "\n"), line =~ "[warning]", do: line
+    assert [warning] = Enum.filter(warnings, &(&1 =~ "redis at #{address}")), log
+    refute warning =~ "api-key"
   end
 
   test "a request too large for the daemon's frames is judged by the core" do
