@@ -22,6 +22,16 @@ defmodule Bourse.ContractTests.CheckRates do
           assert_about(get_cost({"ex", "c"}, 1, name), 1, 0.01)
         end
 
+        test "the largest call taken: 1024 checks of the longest keys, on every backend",
+             %{name: name} do
+          part = &String.pad_trailing(&1, 1024, ".")
+          {exchange, credential} = {part.("ex"), part.("k")}
+          checks = for i <- 1..1024, do: {{exchange, credential, part.("a#{i}")}, @still, 1}
+
+          assert :ok = check_rates(checks, name)
+          assert_about(get_cost({exchange, credential, part.("a1024")}, 1, name), 1, 0.01)
+        end
+
         test "the delay is the longest wait", %{name: name} do
           drain({"ex", "slow"}, %{@still | capacity: 1}, 1, name)
           drain({"ex", "fast"}, %{capacity: 1, refill_per_sec: 10}, 1, name)

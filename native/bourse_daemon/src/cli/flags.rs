@@ -4,10 +4,16 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use bourse_core::rules::{DEFAULT_BOOKING_SLACK_MS, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS};
+use bourse_core::rules::{
+    DEFAULT_BOOKING_SLACK_MS, MAX_CHECKS, MAX_KEY_PART_BYTES, MAX_SETTING_MS, MAX_STORE_TIMEOUT_MS,
+};
 
 /// Bounds of the numeric options.
 const FRAME_BYTES: (u64, u64) = (64, 64 * 1024 * 1024);
+/// The default largest request frame: room for the largest `check_many` a limiter accepts
+/// (its most checks, each of three key parts of the most bytes, and 1 KiB for the rest), so
+/// that a shared daemon takes every call the other backends take (4 MiB).
+pub const DEFAULT_MAX_FRAME_BYTES: usize = MAX_CHECKS * (3 * MAX_KEY_PART_BYTES + 1024);
 
 /// Every flag as given, or its default.
 pub struct Flags {
@@ -43,7 +49,7 @@ impl Default for Flags {
             assume_busy_at_start: false,
             booking_slack_ms: DEFAULT_BOOKING_SLACK_MS,
             sweep_interval_ms: 1000,
-            max_frame_bytes: 65536,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             redis_url: None,
             cluster_seeds: Vec::new(),
             redis_prefix: None,

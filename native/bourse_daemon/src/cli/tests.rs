@@ -214,7 +214,7 @@ fn defaults_and_values() {
     assert_eq!(o.transport, Transport::Stdio);
     assert_eq!(
         (o.booking_slack_ms, o.sweep_interval_ms, o.max_frame_bytes),
-        (250, 1000, 65536)
+        (250, 1000, 4 * 1024 * 1024)
     );
     assert!(!o.assume_busy_at_start);
     let o = options(&[

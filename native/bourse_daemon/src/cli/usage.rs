@@ -70,9 +70,9 @@ Options:
                             (default 250, at most 86400000).
   --sweep-interval-ms N     How often idle full buckets are dropped (default 1000,
                             1..=86400000).
-  --max-frame-bytes N       Largest request frame (default 65536, 64..=67108864); a larger
-                            one is answered with a frame_too_large error, then the
-                            connection is closed.
+  --max-frame-bytes N       Largest request frame (default 4194304: room for any call a
+                            limiter accepts; 64..=67108864); a larger one is answered with
+                            a frame_too_large error, then the connection is closed.
   -h, --help                Print this text.
   -V, --version             Print the version and the protocol version.
 

@@ -9,6 +9,9 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use super::NonBlocking;
 use crate::protocol::Codec;
 
+/// The input buffer a connection keeps between frames, at most.
+const KEPT_BYTES: usize = 64 * 1024;
+
 /// Frames the answer written from `start` on as the connection's codec wants: a JSON line,
 /// or an external term after its 4-byte big-endian length.
 pub fn framed(out: &mut Vec<u8>, start: usize, codec: Codec) {
@@ -141,12 +144,16 @@ impl Frames {
         reader.try_read_buf(&mut self.buf)
     }
 
-    /// Drops the answered bytes; leaves room to read more.
+    /// Drops the answered bytes; leaves room to read more. A buffer grown for a large frame
+    /// is given back once it holds little, so that an idle connection holds little.
     fn make_room(&mut self) {
         if self.start > 0 {
             self.buf.drain(..self.start);
             self.scanned -= self.start;
             self.start = 0;
+        }
+        if self.buf.capacity() > KEPT_BYTES && self.buf.len() < KEPT_BYTES / 2 {
+            self.buf.shrink_to(KEPT_BYTES);
         }
         self.buf.reserve(16 * 1024);
     }
@@ -165,5 +172,41 @@ impl Frames {
             Framing::Lines => !self.buf[self.start..].iter().all(u8::is_ascii_whitespace),
             Framing::LengthPrefixed => self.start < self.buf.len(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+
+    /// Input that gives its bytes in one read, then would block.
+    struct Input(RefCell<Vec<u8>>);
+
+    impl NonBlocking for Input {
+        fn try_read_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+            let bytes = self.0.take();
+            if bytes.is_empty() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let read = bytes.len().min(buf.capacity() - buf.len());
+            buf.extend_from_slice(&bytes[..read]);
+            self.0.replace(bytes[read..].to_vec());
+            Ok(read)
+        }
+    }
+
+    #[test]
+    fn a_buffer_grown_for_a_large_frame_is_given_back_once_it_is_answered() {
+        let line = [vec![b'x'; 1 << 20], b"\n".to_vec()].concat();
+        let input = Input(RefCell::new(line));
+        let mut frames = Frames::new(4 << 20);
+        while !matches!(frames.next(), Next::Frame(_)) {
+            frames.try_fill(&input).unwrap();
+        }
+        assert!(frames.buf.capacity() > 1 << 20);
+        assert!(frames.try_fill(&input).is_err());
+        assert!(frames.buf.capacity() <= KEPT_BYTES + 16 * 1024);
     }
 }

@@ -553,7 +553,7 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     assert_eq!(
         hello,
         json!({"ok": true, "protocol": 1, "server": concat!("bourse_daemon ", env!("CARGO_PKG_VERSION")),
-               "assume_busy_at_start": false, "max_frame_bytes": 65_536, "id": 1})
+               "assume_busy_at_start": false, "max_frame_bytes": 4_194_304, "id": 1})
     );
     let check = json!({"op": "check", "key": k, "limit": slow, "id": "c"});
     assert_eq!(
