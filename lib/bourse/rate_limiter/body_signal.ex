@@ -23,11 +23,12 @@ defmodule Bourse.RateLimiter.BodySignal do
   | Bybit | `"retCode"` 10006: too many visits, the per-UID API limit | credential | as a 429; the wait is `X-Bapi-Limit-Reset-Timestamp` when no `Retry-After` |
   | Bybit | `"retCode"` 10018: the IP rate limit | exchange (the IP) | as a 429, for every credential |
   | Bybit | `"retCode"` 10009: IP banned; HTTP 403: access too frequent | exchange (the IP) | stop; 403 waits 10 minutes, as documented |
-  | OKX | `"code"` 50011: rate limit reached; 50061: sub-account rate limit reached; either as an order's `"sCode"` in `"data"` when the batch failed (`"code"` 1 or 2) | credential | as a 429 |
+  | OKX | `"code"` 50011: rate limit reached (the user's limit or the IP's); either as an order's `"sCode"` in `"data"` when the batch failed (`"code"` 1 or 2) | credential, and with `ip:` the IP's buckets too | as a 429 |
+  | OKX | `"code"` 50061: sub-account rate limit reached; as `"sCode"` as above | credential | as a 429 |
   | Kraken | `"error"` holds `EAPI:Rate limit exceeded` (the REST call counter) or `EOrder:Rate limit exceeded` (the trading counter) | credential | as a 429 |
   | Kraken | `"error"` holds `EService:Throttled: <unix time>` (too many concurrent requests) | credential | as a 429, until that time |
   | Kraken | `"error"` holds `EGeneral:Temporary lockout` (the counter was exceeded; requests sent meanwhile prolong it) | credential | 15 minutes, as the lockout typically lasts; stop |
-  | Coinbase | `"errors"` holds `%{"id" => "rate_limit_exceeded"}`, or `"error"` is `"rate_limit_exceeded"` | credential | as a 429 |
+  | Coinbase | `"errors"` holds `%{"id" => "rate_limit_exceeded"}`, or `"error"` is `"rate_limit_exceeded"` (the key's limit or the IP's) | credential, and with `ip:` the IP's buckets too | as a 429 |
 
   Codes may be numbers or strings (OKX sends `"50011"`). A `Retry-After` header, when
   usable, sets the wait before any time named in the body.
@@ -70,12 +71,13 @@ defmodule Bourse.RateLimiter.BodySignal do
 
   @typedoc """
   A signal found: which buckets to pause (`:credential`: every bucket of the credential;
-  `:exchange`: every bucket of the exchange; `{:axis, axis}`: the credential's bucket of
-  that axis), whether to stop, the wait the reply names
+  `:unnamed`: a limit that may be the credential's or the IP's, paused as a 429 that
+  names none; `:exchange`: every bucket of the exchange; `{:axis, axis}`: the
+  credential's bucket of that axis), whether to stop, the wait the reply names
   (ms, `nil` if none) and a description for the error message.
   """
   @type t :: %{
-          scope: :credential | :exchange | {:axis, String.t()},
+          scope: :credential | :unnamed | :exchange | {:axis, String.t()},
           stop: boolean(),
           wait_ms: non_neg_integer() | nil,
           reason: String.t()
@@ -230,13 +232,13 @@ defmodule Bourse.RateLimiter.BodySignal do
     ids = [get(body, "error") | body |> get("errors") |> items() |> Enum.map(&get(&1, "id"))]
 
     if "rate_limit_exceeded" in ids,
-      do: signal(:credential, false, nil, "Coinbase rate_limit_exceeded")
+      do: signal(:unnamed, false, nil, "Coinbase rate_limit_exceeded")
   end
 
   defp okx_code(code, field) do
     case code(code) do
       50011 ->
-        signal(:credential, false, nil, "OKX #{field} 50011 (rate limit reached)")
+        signal(:unnamed, false, nil, "OKX #{field} 50011 (rate limit reached)")
 
       50061 ->
         signal(:credential, false, nil, "OKX #{field} 50061 (sub-account rate limit reached)")

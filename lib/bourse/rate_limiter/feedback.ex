@@ -511,6 +511,9 @@ defmodule Bourse.RateLimiter.Feedback do
   defp limited(429, nil, unnamed), do: {unnamed, false, nil, nil}
   defp limited(_status, nil, _unnamed), do: nil
 
+  defp limited(_status, %{scope: :unnamed} = signal, unnamed),
+    do: {unnamed, signal.stop, signal.wait_ms, signal.reason}
+
   defp limited(_status, signal, _unnamed),
     do: {signal.scope, signal.stop, signal.wait_ms, signal.reason}
 

@@ -37,14 +37,15 @@ defmodule Bourse.RateLimiter.BodySignalTest do
              false},
             {"bybit", 200, %{"retCode" => "10009"}, :exchange, true},
             {"bybit", 403, "access too frequent", :exchange, true},
-            {"okx", 429, ~s({"code":"50011","data":[],"msg":"Rate limit reached."}), :credential,
+            # A limit that may be the user's or the IP's.
+            {"okx", 429, ~s({"code":"50011","data":[],"msg":"Rate limit reached."}), :unnamed,
              false},
             {"okx", 200, %{"code" => "50061", "msg" => "Sub-account rate limit reached"},
              :credential, false},
             # A batch that failed, in whole or in part: each order's sCode.
             {"okx", 200,
              ~s({"code":"1","data":[{"ordId":"","sCode":"50011","sMsg":"Rate limit reached"}],"msg":"All operations failed"}),
-             :credential, false},
+             :unnamed, false},
             {"okx", 200, %{"code" => "2", "data" => [%{"sCode" => "0"}, %{"sCode" => "50061"}]},
              :credential, false},
             {"kraken", 200, ~s({"error":["EAPI:Rate limit exceeded"],"result":{}}), :credential,
@@ -60,8 +61,8 @@ defmodule Bourse.RateLimiter.BodySignalTest do
              }, {:axis, "orders_1d"}, true},
             {"coinbase", 429,
              ~s({"errors":[{"id":"rate_limit_exceeded","message":"Too many requests"}]}),
-             :credential, false},
-            {"coinbase", 200, %{"error" => "rate_limit_exceeded"}, :credential, false},
+             :unnamed, false},
+            {"coinbase", 200, %{"error" => "rate_limit_exceeded"}, :unnamed, false},
             # Ids that extend a known one.
             {"binance_usdm", 429, %{"code" => -1003}, :exchange, false},
             {"bybit-testnet", 200, %{"retCode" => 10006}, :credential, false}

@@ -285,6 +285,19 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert {:error, _} = RateLimiter.observe_response("binance", "key-a", 429, [], name, opts)
       assert {:delay, _} = RateLimiter.check_rates(checks.("key-b"), name)
 
+      # A limit that may be the key's or the IP's (OKX's 50011, Coinbase's
+      # rate_limit_exceeded): the IP's buckets are held with the key's.
+      for {exchange, body} <- [
+            {"okx", ~s({"code":"50011","msg":"Rate limit reached."})},
+            {"coinbase", ~s({"errors":[{"id":"rate_limit_exceeded"}]})}
+          ] do
+        opts = [ip: :public, body: body]
+        assert {:error, _} = RateLimiter.observe_response(exchange, "key-a", 200, [], name, opts)
+        assert {:delay, _} = RateLimiter.check_rate({exchange, :public, "ip"}, @binance, 1, name)
+        assert {:delay, _} = RateLimiter.check_rate({exchange, "key-a", "ip"}, @binance, 1, name)
+        assert :ok = RateLimiter.check_rate({exchange, "key-b", "ip"}, @binance, 1, name)
+      end
+
       # A 429 that names no limit (a proxy's page) may be the IP's: it holds the key and the
       # IP's bucket, for Retry-After or for the key's backoff; other keys' own buckets run.
       key_b_orders = {{"binance", "key-b", "orders_10s"}, orders, 1}
