@@ -204,6 +204,7 @@ defmodule Bourse.RateLimiter.Feedback do
   @unnamed_ban_ms 120_000
   @max_ban_ms 3 * 86_400_000
   @max_window_ms 86_400_000
+  @beyond_any_count 1.0e15
 
   @used_counters %{
     "x-mbx-used-weight-1m" => {"ip", 60_000},
@@ -244,7 +245,8 @@ defmodule Bourse.RateLimiter.Feedback do
                 })
 
   @typedoc "Reply headers: `{name, value}` pairs, or a map of name to value or values."
-  @type headers :: [{String.t() | charlist(), String.t() | charlist()}] | map()
+  @type headers ::
+          [{String.t() | charlist(), String.t() | charlist() | non_neg_integer()}] | map()
 
   @doc """
   Sets the exchange's own limits per window for the used counters of `exchange_id`:
@@ -775,9 +777,12 @@ defmodule Bourse.RateLimiter.Feedback do
     left |> round() |> max(0) |> min(max)
   end
 
-  # Counts and times as exchanges send them: unsigned decimals of bounded length.
+  # Counts and times as exchanges send them: unsigned decimals; one of more than 15 digits
+  # is beyond any count or time an exchange sends (and parsing it whole would cost), so
+  # taken as 1.0e15, which holds a bucket as long as the largest does.
   defp number(text) when is_binary(text) do
-    case Regex.run(~r/\A\s*(\d{1,15})(\.\d{1,9})?\s*\z/, text) do
+    case Regex.run(~r/\A\s*(\d+)(\.\d{1,9})?\s*\z/, text) do
+      [_, int | _frac] when byte_size(int) > 15 -> {:ok, @beyond_any_count}
       [_, int] -> {:ok, String.to_integer(int)}
       [_, int, frac] -> {:ok, String.to_float(int <> frac)}
       nil -> :error
@@ -877,7 +882,8 @@ defmodule Bourse.RateLimiter.Feedback do
   defp bad_header(header),
     do:
       invalid(
-        "headers must be {name, value} binaries or charlists, got #{Error.describe(header)}"
+        "headers must be {name, value}: binaries or charlists, a value also a non-negative " <>
+          "integer, got #{Error.describe(header)}"
       )
 
   # A value, or a list of values (the first counts); charlists as :httpc returns them.
@@ -887,6 +893,8 @@ defmodule Bourse.RateLimiter.Feedback do
     if texts?(rest), do: text(first), else: :error
   end
 
+  # A count or a number of seconds as an integer, as a decoder may give it.
+  defp value(value) when is_integer(value) and value >= 0, do: {:ok, Integer.to_string(value)}
   defp value(value), do: text(value)
 
   defp texts?([]), do: true

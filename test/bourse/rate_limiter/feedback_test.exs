@@ -185,19 +185,24 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert tokens(key, name) < drained + 72 * 0.2
     end
 
-    test "names are case-insensitive; names and values may be charlists; maps of values",
+    test "names are case-insensitive; values may be charlists, integers, lists; maps of values",
          %{name: name} do
-      for {headers, axis} <- [
-            {[{~c"X-MBX-USED-WEIGHT-1M", ~c"9999999"}], "ip"},
-            {%{"X-Sapi-Used-Ip-Weight-1m" => ["9999999", "0"]}, "sapi_ip"},
-            {%{"x-sapi-used-uid-weight-1m" => ~c" 9999999 "}, "sapi_uid"},
-            {[{"x-mbx-order-count-10s", "9999999"}], "orders_10s"},
-            {[{"x-mbx-order-count-1d", "9999999"}], "orders_1d"}
-          ] do
-        key = {"binance", "k", axis}
+      cases = [
+        {[{~c"X-MBX-USED-WEIGHT-1M", ~c"9999999"}], "ip"},
+        # A count of more digits than any exchange sends holds the bucket all the same.
+        {[{"x-mbx-used-weight-1m", String.duplicate("9", 40)}], "ip"},
+        {[{"x-mbx-used-weight-1m", 9_999_999}], "ip"},
+        {%{"X-Sapi-Used-Ip-Weight-1m" => ["9999999", "0"]}, "sapi_ip"},
+        {%{"x-sapi-used-uid-weight-1m" => ~c" 9999999 "}, "sapi_uid"},
+        {[{"x-mbx-order-count-10s", "9999999"}], "orders_10s"},
+        {[{"x-mbx-order-count-1d", "9999999"}], "orders_1d"}
+      ]
+
+      for {{headers, axis}, i} <- Enum.with_index(cases) do
+        key = {"binance", "k#{i}", axis}
         assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
         Bourse.Window.clear_of_edges([60_000, 10_000, 86_400_000])
-        assert :ok = observe(200, headers, name)
+        assert :ok = observe(200, headers, name, "k#{i}")
         # At or above B nothing more may go before the window ends.
         assert tokens(key, name) <= 0, "#{axis}: #{tokens(key, name)}"
       end
@@ -209,7 +214,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
       before = tokens(key, name)
 
-      for value <- ["-5", "1e400", "nan", "", "12abc", String.duplicate("9", 40)] do
+      for value <- ["-5", "1e400", "nan", "", "12abc", String.duplicate("9", 40) <> "x"] do
         assert :ok = observe(200, [{"x-mbx-used-weight-1m", value}], name)
       end
 
@@ -655,6 +660,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
   test "a header it does not read is not judged: the 429 is acted on", %{name: name} do
     for {headers, credential} <- [
           {[{"retry-after", "30"}, {"content-length", 123}], "k1"},
+          {[{"retry-after", 30}], "k3"},
           {%{"Retry-After" => "30", "x-trace" => nil, "x-list" => [1, 2]}, "k2"}
         ] do
       assert {:error, %Error{type: :rate_limit_exceeded, retry_after: 30_000}} =
@@ -679,7 +685,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
     for headers <- [
           :none,
           "retry-after: 5",
-          [{"retry-after", 5}],
+          [{"retry-after", -5}],
           [{:"retry-after", "5"}],
           [{"retry-after", "5", "x"}],
           ["retry-after"],
@@ -687,7 +693,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
           [{"retry-after", ["5" | :tail]}],
           [{"retry-after", [1 | 2]}],
           [{"retry-after", [-1]}],
-          %{"retry-after" => 5},
+          %{"retry-after" => 5.0},
           %{"retry-after" => ["5", 5]}
         ] do
       assert_invalid(observe(429, headers, name))
