@@ -158,9 +158,10 @@ defmodule Bourse.RateLimiter.Exchange do
   @options [:share, :burst, :tier]
 
   defp check_options(opts) do
-    with {:error, message} <-
-           Options.known_options(opts, "option", @options, "one of #{inspect(@options)}"),
-         do: invalid(message)
+    case Options.known_options(opts, "option", @options, "one of #{inspect(@options)}") do
+      :ok -> Limits.check_sizing(opts)
+      {:error, message} -> invalid(message)
+    end
   end
 
   defp size_counters(counters, opts) do
@@ -181,15 +182,11 @@ defmodule Bourse.RateLimiter.Exchange do
          do: {:ok, axis, bucket}
   end
 
+  # (The options were checked by `check_options/1`.)
   defp bucket(%{axis: axis, kind: :decaying, max: max, decay_per_sec: decay}, opts)
        when is_binary(axis) and is_number(max) and max > 0 and is_number(decay) and decay > 0 do
     share = share(opts)
-
-    if is_number(share) and share > 0 and share <= 1,
-      do:
-        {:ok, axis,
-         %{capacity: max(share * max, 1.0 * min(max, 1)), refill_per_sec: share * decay}},
-      else: invalid("share must be in (0, 1], got #{Error.describe(share)}")
+    {:ok, axis, %{capacity: max(share * max, 1.0 * min(max, 1)), refill_per_sec: share * decay}}
   end
 
   defp bucket(counter, _opts),

@@ -51,15 +51,34 @@ defmodule Bourse.RateLimiter.Limits do
   """
   @spec size(number(), number(), keyword()) :: {:ok, limit()} | {:error, Error.t()}
   def size(limit, window_ms, opts \\ []) do
-    with :ok <- known_options(opts, @size_options) do
-      size_checked(
-        limit,
-        window_ms,
-        Keyword.get(opts, :share, 0.8),
-        Keyword.get(opts, :burst, 0.1)
-      )
+    with :ok <- known_options(opts, @size_options),
+         :ok <- check_sizing(opts) do
+      size_checked(limit, window_ms, share(opts), burst(opts))
     end
   end
+
+  @doc """
+  Checks the `:share` and `:burst` of `opts` as `size/3` takes them: `:ok`, or the error
+  `size/3` answers. Other options are left alone.
+  """
+  @spec check_sizing(keyword()) :: :ok | {:error, Error.t()}
+  def check_sizing(opts) do
+    {share, burst} = {share(opts), burst(opts)}
+
+    cond do
+      not (is_number(share) and share > 0 and share <= 1) ->
+        invalid("share must be in (0, 1], got #{Error.describe(share)}")
+
+      not (is_number(burst) and burst > 0 and burst < 1) ->
+        invalid("burst must be in (0, 1), got #{Error.describe(burst)}")
+
+      true ->
+        :ok
+    end
+  end
+
+  defp share(opts), do: Keyword.get(opts, :share, 0.8)
+  defp burst(opts), do: Keyword.get(opts, :burst, 0.1)
 
   defp size_checked(limit, window_ms, share, burst) do
     cond do
@@ -71,12 +90,6 @@ defmodule Bourse.RateLimiter.Limits do
 
       not (is_number(window_ms) and window_ms >= 1 and window_ms <= @max_window_ms) ->
         invalid("window_ms must be a number >= 1, got #{Error.describe(window_ms)}")
-
-      not (is_number(share) and share > 0 and share <= 1) ->
-        invalid("share must be in (0, 1], got #{Error.describe(share)}")
-
-      not (is_number(burst) and burst > 0 and burst < 1) ->
-        invalid("burst must be in (0, 1), got #{Error.describe(burst)}")
 
       true ->
         do_size(share * limit, burst, window_ms / 1000)

@@ -103,6 +103,10 @@ defmodule Bourse.RateLimiter.ExchangeTest do
             {:binance_spot, [tier: :pro]},
             {:binance_spot, [share: 0]},
             {:kraken_spot, [share: 2]},
+            # Refused on every profile, whatever its counters use.
+            {:binance_spot, [burst: 2]},
+            {:kraken_spot, [burst: 2]},
+            {%{counters: [%{axis: "x", kind: :decaying, max: 1, decay_per_sec: 1}]}, [burst: 0]},
             {%{counters: [%{axis: "x", kind: :fixed}]}, []},
             {%{counters: [%{axis: "x", kind: :decaying, max: -1, decay_per_sec: 1}]}, []},
             {"binance", []},
