@@ -127,8 +127,13 @@ defmodule Bourse.RateLimiter.Router do
       _ -> :noproc
     end
   rescue
-    # `{:via, NotAModule, _}`, or a registry that does not know the name's shape.
-    _ -> invalid(name)
+    # `{:via, NotAModule, _}`, a registry that is not running, or one that does not know
+    # the name's shape: named by the exception's module alone (its message may show the
+    # name's terms).
+    exception ->
+      {:invalid,
+       "not a limiter name: #{describe(name)} (looking it up raised " <>
+         "#{inspect(exception.__struct__)})"}
   end
 
   # A process of this node: a running limiter's published entry, so that its caller
