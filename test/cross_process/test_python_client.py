@@ -354,7 +354,9 @@ class BourseClientFailureTest(unittest.TestCase):
         self.assertEqual(raised.exception.message,
                          "credential_key must be :public or a UTF-8 binary of at most 1024 bytes, "
                          "got a binary of 1048576 bytes")
-        many = [(key("binance", "k%d" % i), SLOW, 1) for i in range(500)]
+        # Valid, but larger than the daemon's frames once JSON escapes its control characters.
+        escaped = "\x01" * 1024
+        many = [(key(escaped, escaped), SLOW, 1)] * 1024
         with self.assertRaises(BourseError) as raised:
             self.client.check_many(many)
         self.assertEqual(raised.exception.type, "invalid_parameters")
