@@ -26,7 +26,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 
 use crate::protocol::{self, Codec, Service, Session};
-use crate::server::length_prefixed;
+use crate::server::{length_prefixed, prefixed_length};
 use crate::spin::{Spin, Waited};
 use crate::store::{Store, MAX_RUNNING};
 use crate::sweeper;
@@ -237,9 +237,7 @@ impl Answers {
 
 /// Whether `buffer` starts with a whole frame, which can be read without waiting.
 fn holds_frame(buffer: &[u8]) -> bool {
-    buffer
-        .first_chunk::<4>()
-        .is_some_and(|header| buffer.len() - 4 >= u32::from_be_bytes(*header) as usize)
+    prefixed_length(buffer).is_some_and(|length| buffer.len() - 4 >= length)
 }
 
 /// How the daemon stops after a failed write to stdout.
@@ -269,9 +267,8 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
     let mut start = 0;
     loop {
         let rest = &input[start..];
-        let whole = match rest.first_chunk::<4>() {
-            Some(header) => {
-                let length = u32::from_be_bytes(*header) as usize;
+        let whole = match prefixed_length(rest) {
+            Some(length) => {
                 if length > max_frame_bytes {
                     let mut out = vec![0; 4];
                     let number = shared.session.next_frame();

@@ -28,6 +28,13 @@ pub fn length_prefixed(out: &mut Vec<u8>, start: usize) {
     out.splice(start..start, length.to_be_bytes());
 }
 
+/// The length a frame starting `bytes` declares in its 4-byte big-endian prefix, once the
+/// prefix is there.
+pub fn prefixed_length(bytes: &[u8]) -> Option<usize> {
+    let header = bytes.first_chunk::<4>()?;
+    Some(u32::from_be_bytes(*header) as usize)
+}
+
 /// How input bytes are split into frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {
@@ -116,10 +123,9 @@ impl Frames {
     }
 
     fn next_prefixed(&mut self) -> Next {
-        let Some(header) = self.buf.get(self.start..self.start + 4) else {
+        let Some(length) = prefixed_length(&self.buf[self.start..]) else {
             return Next::Pending;
         };
-        let length = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
         if length > self.max {
             return Next::TooLarge;
         }

@@ -26,8 +26,8 @@ use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 mod frames;
 mod thread;
 
-pub use self::frames::length_prefixed;
 use self::frames::{framed, Frames, Framing, Next};
+pub use self::frames::{length_prefixed, prefixed_length};
 use crate::protocol::{self, Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::{Store, MAX_RUNNING};
