@@ -143,13 +143,13 @@ defmodule Bourse.RateLimiter.Exchange do
   def buckets(name_or_profile, opts \\ [])
 
   def buckets(name, opts) when is_atom(name) do
-    with :ok <- check_options(opts),
+    with {:ok, _sizing} <- check_options(opts),
          {:ok, profile} <- profile(name, Keyword.drop(opts, [:share, :burst])),
          do: buckets(profile, opts)
   end
 
   def buckets(%{counters: counters}, opts) when is_list(counters) do
-    with :ok <- check_options(opts), do: size_counters(counters, opts)
+    with {:ok, sizing} <- check_options(opts), do: size_counters(counters, sizing)
   end
 
   def buckets(other, _opts),
@@ -157,42 +157,40 @@ defmodule Bourse.RateLimiter.Exchange do
 
   @options [:share, :burst, :tier]
 
+  # The share and burst of known options (`Limits.sizing/1`).
   defp check_options(opts) do
     case Options.known_options(opts, "option", @options, "one of #{inspect(@options)}") do
-      :ok -> Limits.check_sizing(opts)
+      :ok -> Limits.sizing(opts)
       {:error, message} -> invalid(message)
     end
   end
 
-  defp size_counters(counters, opts) do
+  defp size_counters(counters, sizing) do
     Enum.reduce_while(counters, {:ok, %{}}, fn counter, {:ok, buckets} ->
-      case bucket(counter, opts) do
+      case bucket(counter, sizing) do
         {:ok, axis, bucket} -> {:cont, {:ok, Map.put(buckets, axis, bucket)}}
         error -> {:halt, error}
       end
     end)
   end
 
-  defp bucket(%{axis: axis, kind: kind, limit: limit, window_ms: window_ms} = counter, opts)
+  defp bucket(%{axis: axis, kind: kind, limit: limit, window_ms: window_ms} = counter, sizing)
        when is_binary(axis) and kind in [:fixed, :rolling] do
     # The counter's own burst is a floor: a larger `:burst` option applies.
-    burst = max(Map.get(counter, :burst, 0), Keyword.get(opts, :burst, 0.1))
+    burst = max(Map.get(counter, :burst, 0), sizing.burst)
 
-    with {:ok, bucket} <- Limits.size(limit, window_ms, share: share(opts), burst: burst),
+    with {:ok, bucket} <- Limits.size(limit, window_ms, share: sizing.share, burst: burst),
          do: {:ok, axis, bucket}
   end
 
-  # (The options were checked by `check_options/1`.)
-  defp bucket(%{axis: axis, kind: :decaying, max: max, decay_per_sec: decay}, opts)
-       when is_binary(axis) and is_number(max) and max > 0 and is_number(decay) and decay > 0 do
-    share = share(opts)
-    {:ok, axis, %{capacity: max(share * max, 1.0 * min(max, 1)), refill_per_sec: share * decay}}
-  end
+  defp bucket(%{axis: axis, kind: :decaying, max: max, decay_per_sec: decay}, %{share: share})
+       when is_binary(axis) and is_number(max) and max > 0 and is_number(decay) and decay > 0,
+       do:
+         {:ok, axis,
+          %{capacity: max(share * max, 1.0 * min(max, 1)), refill_per_sec: share * decay}}
 
-  defp bucket(counter, _opts),
+  defp bucket(counter, _sizing),
     do: invalid("malformed counter in the profile: #{Error.describe(counter)}")
-
-  defp share(opts), do: Keyword.get(opts, :share, 0.8)
 
   @doc """
   Records the limits of the profile's counters that a reply header reports as the

@@ -52,18 +52,18 @@ defmodule Bourse.RateLimiter.Limits do
   @spec size(number(), number(), keyword()) :: {:ok, limit()} | {:error, Error.t()}
   def size(limit, window_ms, opts \\ []) do
     with :ok <- known_options(opts, @size_options),
-         :ok <- check_sizing(opts) do
-      size_checked(limit, window_ms, share(opts), burst(opts))
+         {:ok, %{share: share, burst: burst}} <- sizing(opts) do
+      size_checked(limit, window_ms, share, burst)
     end
   end
 
   @doc """
-  Checks the `:share` and `:burst` of `opts` as `size/3` takes them: `:ok`, or the error
-  `size/3` answers. Other options are left alone.
+  The `:share` and `:burst` of `opts` as `size/3` takes them, their defaults filled in, or
+  the error `size/3` answers. Other options are left alone.
   """
-  @spec check_sizing(keyword()) :: :ok | {:error, Error.t()}
-  def check_sizing(opts) do
-    {share, burst} = {share(opts), burst(opts)}
+  @spec sizing(keyword()) :: {:ok, %{share: number(), burst: number()}} | {:error, Error.t()}
+  def sizing(opts) do
+    {share, burst} = {Keyword.get(opts, :share, 0.8), Keyword.get(opts, :burst, 0.1)}
 
     cond do
       not (is_number(share) and share > 0 and share <= 1) ->
@@ -73,12 +73,9 @@ defmodule Bourse.RateLimiter.Limits do
         invalid("burst must be in (0, 1), got #{Error.describe(burst)}")
 
       true ->
-        :ok
+        {:ok, %{share: share, burst: burst}}
     end
   end
-
-  defp share(opts), do: Keyword.get(opts, :share, 0.8)
-  defp burst(opts), do: Keyword.get(opts, :burst, 0.1)
 
   defp size_checked(limit, window_ms, share, burst) do
     cond do
