@@ -130,10 +130,7 @@ defmodule Bourse.RateLimiter.Router do
     # `{:via, NotAModule, _}`, a registry that is not running, or one that does not know
     # the name's shape: named by the exception's module alone (its message may show the
     # name's terms).
-    exception ->
-      {:invalid,
-       "not a limiter name: #{describe(name)} (looking it up raised " <>
-         "#{inspect(exception.__struct__)})"}
+    exception -> invalid(name, " (looking it up raised #{inspect(exception.__struct__)})")
   end
 
   # A process of this node: a running limiter's published entry, so that its caller
@@ -176,7 +173,7 @@ defmodule Bourse.RateLimiter.Router do
     :error, {:exception, :undef, _} -> invalid(name)
   end
 
-  defp invalid(name), do: {:invalid, "not a limiter name: #{describe(name)}"}
+  defp invalid(name, why \\ ""), do: {:invalid, "not a limiter name: #{describe(name)}#{why}"}
 
   @doc """
   Runs the call `fun` of `Bourse.RateLimiter` with `args` for the limiter process `pid` (a
