@@ -5,7 +5,9 @@ defmodule Bourse.RateLimiter.Bucket do
   of a key and its limit. Its fields are private to `Bourse.RateLimiter`.
 
   Inspecting a bucket shows its key with the credential as its fingerprint
-  (`Bourse.Fingerprint`), never the API key itself.
+  (`Bourse.Fingerprint`), never the API key itself. Its raw fields hold the key as given:
+  a print that skips `Inspect` (`inspect(bucket, structs: false)`, Erlang's `~p`) shows
+  the API key.
   """
 
   @enforce_keys [:name, :key, :limit, :route, :prepared]
