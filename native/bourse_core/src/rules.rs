@@ -73,9 +73,9 @@ const MAX_AMOUNT_TEXT: &str = "1.0e12";
 /// A value as an adapter found it: its kind and size, and a number's value.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Shape {
-    /// An integer that fits 64 bits.
+    /// An integer that fits a signed 64-bit integer.
     Integer(i64),
-    /// An integer beyond 64 bits.
+    /// An integer outside the signed 64-bit range.
     BigInteger,
     /// A float.
     Float(f64),
@@ -149,7 +149,7 @@ impl fmt::Display for Shape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Self::Integer(value) => write!(f, "{value}"),
-            Self::BigInteger => f.write_str("an integer of more than 64 bits"),
+            Self::BigInteger => f.write_str("an integer outside the signed 64-bit range"),
             Self::Float(value) => f.write_str(&elixir_float(value)),
             Self::Binary { len: 0 } => f.write_str("an empty binary"),
             Self::Binary { len } => write!(f, "a binary of {}", plural(len, "byte", "bytes")),
@@ -668,7 +668,10 @@ mod tests {
             (Shape::Nil, "nil"),
             (Shape::Boolean(true), "true"),
             (Shape::Integer(-1), "-1"),
-            (Shape::BigInteger, "an integer of more than 64 bits"),
+            (
+                Shape::BigInteger,
+                "an integer outside the signed 64-bit range",
+            ),
             (Shape::Float(-0.5), "-0.5"),
             (Shape::List { len: Some(0) }, "an empty list"),
             (Shape::List { len: Some(2) }, "a list of 2 elements"),

@@ -4067,3 +4067,51 @@ fn a_waiter_failing_on_a_bookings_key_books_nothing() {
     assert_eq!(load::classify(&failed), "unavailable", "{failed}");
     assert!(borrowed(&mut t, &ip) <= before, "{failed}");
 }
+
+/// A script answering a word where `OK` is due (a Redis whose library was replaced, or a
+/// server in its place): a debit, a pause or a reset is `unavailable`, never taken as done.
+#[test]
+fn a_script_answer_other_than_ok_is_no_success() {
+    let Some(redis) = Redis::with_functions() else {
+        return;
+    };
+    let server = daemon(&redis, &[]);
+    let mut t = server.connect();
+    let k = key("ok", Some("k"));
+    assert_eq!(
+        t.call(check(&k, json!({"requests": 5}), 1.0))["result"],
+        "admitted"
+    );
+    let libraries: Vec<Vec<::redis::Value>> = redis.query(::redis::cmd("FUNCTION").arg("LIST"));
+    let fields = &libraries[0];
+    let at = fields
+        .iter()
+        .position(|field| matches!(field, ::redis::Value::BulkString(b) if b == b"library_name"))
+        .expect("a library_name field");
+    let ::redis::Value::BulkString(name) = &fields[at + 1] else {
+        panic!("{fields:?}")
+    };
+    let name = String::from_utf8(name.clone()).unwrap();
+    let admitted = "function() return 'admitted' end";
+    let library = format!(
+        "#!lua name={name}\nredis.register_function('{name}', {admitted})\n\
+         redis.register_function{{function_name='{name}_ro', callback={admitted}, \
+         flags={{'no-writes'}}}}"
+    );
+    let _: String = redis.query(
+        ::redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg("REPLACE")
+            .arg(library),
+    );
+    for request in [
+        json!({"op": "record", "key": k, "cost": 1}),
+        json!({"op": "reset", "key": k}),
+        json!({"op": "pause", "target": {"exchange": "okx", "credential": "k"}, "ms": 100}),
+    ] {
+        let answer = t.call(request);
+        assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains("8 bytes where OK was due"), "{message}");
+    }
+}

@@ -1350,7 +1350,21 @@ fn a_term_the_protocol_cannot_read_is_answered_with_its_id() {
     assert!(answer["error"]["message"]
         .as_str()
         .unwrap()
-        .contains("an integer of more than 64 bits"));
+        .contains("an integer outside the signed 64-bit range"));
+}
+
+#[test]
+fn an_unsigned_64_bit_integer_is_described_as_outside_the_signed_range() {
+    let f = Fixture::new();
+    let answer = f.call(&format!(
+        r#"{{"op":"check","key":{{"exchange":"b","credential":null}},"limit":{{"requests":1}},"cost":{}}}"#,
+        u64::MAX
+    ));
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.ends_with("got an integer outside the signed 64-bit range"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -56,6 +56,18 @@ pub fn outcome(result: &str, ms: u64) -> StoreResult<Outcome> {
     }
 }
 
+/// The answer of a call that answers only `OK`.
+pub fn done(result: &str) -> StoreResult<()> {
+    if result == "OK" {
+        Ok(())
+    } else {
+        Err(StoreError::Unavailable(format!(
+            "the Redis script answered {} bytes where OK was due",
+            result.len()
+        )))
+    }
+}
+
 pub fn number(text: &str) -> StoreResult<f64> {
     text.parse().map_err(|_| {
         StoreError::Unavailable(format!(

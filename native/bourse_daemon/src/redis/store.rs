@@ -308,7 +308,7 @@ impl Store for RedisStore {
             .arg(cost)
             .arg(shown);
         self.checks.once(&mut call);
-        let _: String = self.client.invoke(&call, last_run).await?;
+        answer::done(&self.client.invoke::<String>(&call, last_run).await?)?;
         self.counters.debited();
         Ok(())
     }
@@ -360,8 +360,7 @@ impl Store for RedisStore {
             .key(names.pauses)
             .arg("reset")
             .arg(names.key_pause);
-        let _: String = self.client.invoke(&call, last_run).await?;
-        Ok(())
+        answer::done(&self.client.invoke::<String>(&call, last_run).await?)
     }
 
     async fn reset_exchange(&self, exchange: &[u8], last_run: LastRun) -> StoreResult<()> {
@@ -390,8 +389,7 @@ impl Store for RedisStore {
             .arg("pause")
             .arg(field)
             .arg(ms);
-        let _: String = self.client.invoke(&call, last_run).await?;
-        Ok(())
+        answer::done(&self.client.invoke::<String>(&call, last_run).await?)
     }
 
     async fn back_off(
@@ -434,8 +432,7 @@ impl Store for RedisStore {
         call.key(names.backoff)
             .key(names::exchange_backoff_name(&self.prefix, exchange))
             .arg("reset_backoff");
-        let _: String = self.client.invoke(&call, last_run).await?;
-        Ok(())
+        answer::done(&self.client.invoke::<String>(&call, last_run).await?)
     }
 
     async fn stats(&self, last_run: LastRun) -> StoreResult<Stats> {
