@@ -64,6 +64,65 @@ defmodule Bourse.ContractTests.Supervision do
         end
       end
 
+      describe "end of the limiter process (P6)" do
+        # A supervisor restarts a limiter with its siblings by stopping it (`:shutdown`); a
+        # limiter may also be stopped and started again. Within 5 s the new one takes over.
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :crash)
+        test "restarted with its siblings: spent budget and pauses stay",
+             %{limiter_opts: opts} do
+          name = unique_name()
+          sibling = :"#{name}_sibling"
+
+          children = [
+            {Bourse.RateLimiter, Keyword.put(opts, :name, name)},
+            %{id: :sibling, start: {Agent, :start_link, [fn -> 0 end, [name: sibling]]}}
+          ]
+
+          supervisor =
+            start_supervised!(%{
+              id: :supervisor,
+              start: {Supervisor, :start_link, [children, [strategy: :one_for_all]]},
+              type: :supervisor
+            })
+
+          ended_with_pauses(name, fn -> Process.exit(Process.whereis(sibling), :kill) end)
+          assert Process.alive?(supervisor)
+        end
+
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :crash)
+        test "stopped and started again within 5 s: spent budget and pauses stay",
+             %{limiter_opts: opts} do
+          opts = Keyword.put(opts, :name, unique_name())
+          {:ok, _} = Bourse.RateLimiter.start_link(opts)
+
+          ended_with_pauses(opts[:name], fn ->
+            GenServer.stop(opts[:name])
+            {:ok, _} = Bourse.RateLimiter.start_link(opts)
+          end)
+
+          GenServer.stop(opts[:name])
+        end
+      end
+
+      # Spends and pauses through `name`, runs `restart`, and finds both held by the limiter
+      # running under `name` since.
+      defp ended_with_pauses(name, restart) do
+        limit = %{@still | capacity: 5}
+        drain({"ex", "k"}, limit, 5, name)
+        assert :ok = pause({"ex", "paused"}, 60_000, name)
+        assert :ok = pause("banned", 60_000, name)
+        before = limiter_pid(name)
+
+        restart.()
+
+        eventually(fn -> limiter_pid(name) not in [nil, before] end)
+        assert_delay(check_rate({"ex", "k"}, limit, 1, name), 990_000..@one_token_ms)
+        assert_about(get_cost({"ex", "k"}, 1, name), 5, 0.01)
+        assert_delay(check_rate({"ex", "paused"}, limit, 1, name), 50_000..60_000)
+        assert_delay(check_rate({"banned", "k"}, limit, 1, name), 50_000..60_000)
+        assert :ok = check_rate({"ex", "fresh"}, limit, 1, name)
+      end
+
       describe "child_spec/1 and start_link/1" do
         test "the child id is the name", %{backend: backend} do
           assert %{id: :some_limiter, start: {Bourse.RateLimiter, :start_link, [opts]}} =

@@ -43,10 +43,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       admits no more than a fresh limiter that assumed every bucket busy at start);
     * a socket is reconnected with backoff (50 ms, doubling up to 2 s).
 
-  The process is linked to its limiter. It stops with the limiter; when the limiter
-  crashes, it keeps serving for a grace period until the restarted limiter adopts it
-  (`attach/3` with the previous handle), so the port's table survives a crash of the
-  limiter process as the NIF table does.
+  The process is linked to its limiter. When the limiter ends (a crash, or a stop, as
+  when its supervisor restarts it with its siblings), it keeps serving for a grace period
+  of 5 s, for a limiter started again under that name to adopt it (`attach/3` with the
+  previous handle), then stops: the port's table, and the pauses it holds, survive the
+  end of the limiter process as the NIF table does.
   """
 
   use GenServer
@@ -552,13 +553,10 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       )
 
   @impl true
-  def handle_info({:EXIT, limiter, reason}, %{limiter: limiter} = state) do
-    case reason do
-      shutdown when shutdown in [:normal, :shutdown] -> {:stop, shutdown, state}
-      {:shutdown, _} -> {:stop, reason, state}
-      _crash -> {:noreply, orphaned(state)}
-    end
-  end
+  # Crashed or stopped (a supervisor restarts a limiter with its siblings by stopping it):
+  # a limiter started again under its name may adopt the connection within the grace.
+  def handle_info({:EXIT, limiter, _reason}, %{limiter: limiter} = state),
+    do: {:noreply, orphaned(state)}
 
   def handle_info(:reopen, %{stream: nil} = state), do: {:noreply, reopen(state)}
 

@@ -16,10 +16,12 @@ defmodule Bourse.RateLimiter.Backend.Port do
   If the daemon dies (even `kill -9`), callers in flight get
   `{:error, %Bourse.Error{type: :unavailable}}` at once and the daemon is restarted with
   `--assume-busy-at-start`, so the new table admits no more than a fresh limiter that
-  assumed every bucket busy at start (docs/CONTRACT.md, P6). If the limiter process crashes, the port
-  lives on and the restarted limiter takes it over: spent tokens stay spent. A limiter
-  started within 5 s of the end of one of the same name whose port is gone (stopped, or
-  not taken over in time) starts its daemon with `--assume-busy-at-start` too: the
+  assumed every bucket busy at start (docs/CONTRACT.md, P6). When the limiter process ends
+  (a crash, or a stop, as when its supervisor restarts it with its siblings), the port
+  lives on for 5 s, and a limiter started under that name meanwhile takes it over: spent
+  tokens stay spent and pauses stay. A limiter started within 5 s of the end of one of
+  the same name whose port is gone (its daemon died, or the new limiter's options change
+  the daemon's command line) starts its daemon with `--assume-busy-at-start` too: the
   exchange may still count what the previous one spent.
 
   The limiter's `:assume_busy_at_start`, `:booking_slack_ms` and `:sweep_interval_ms`
