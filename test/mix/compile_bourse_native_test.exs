@@ -6,7 +6,8 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
   alias Mix.Tasks.Bourse.Native.Package
   alias Mix.Tasks.Compile.BourseNative
 
-  @vars ~w(PATH CARGO_TARGET_DIR RUSTFLAGS BOURSE_NATIVE_PREBUILT_DIR)
+  @vars ~w(PATH CARGO_TARGET_DIR CARGO_BUILD_TARGET_DIR CARGO_BUILD_TARGET RUSTFLAGS
+           BOURSE_NATIVE_PREBUILT_DIR)
 
   setup do
     dir = Bourse.TempPath.new("bourse_native_test")
@@ -43,7 +44,7 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
     end
     """)
 
-    System.delete_env("RUSTFLAGS")
+    Enum.each(~w(RUSTFLAGS CARGO_BUILD_TARGET_DIR CARGO_BUILD_TARGET), &System.delete_env/1)
     System.delete_env("BOURSE_NATIVE_PREBUILT_DIR")
     Application.delete_env(:bourse, :native_prebuilt_dir)
     System.put_env("PATH", bin)
@@ -100,12 +101,38 @@ defmodule Mix.Tasks.Compile.BourseNativeTest do
       assert compile(ctx) == {:ok, []}
 
       assert File.read!(Path.join(ctx.dir, "cargo.log")) ==
-               "build --release --locked -p bourse_nif -p bourse_daemon\n"
+               "build --release --locked -p bourse_nif -p bourse_daemon " <>
+                 "--target-dir #{Path.join(ctx.dir, "target")}\n"
 
       assert File.read!(priv(ctx, "libbourse_nif.so")) == "nif v1"
       assert File.read!(priv(ctx, "bourse_daemon")) == "daemon v1"
       assert Bitwise.band(File.stat!(priv(ctx, "bourse_daemon")).mode, 0o777) == 0o755
       assert_received {:mix_shell, :info, ["Installed priv/native/libbourse_nif.so"]}
+    end
+
+    # Cargo is told where to build, so the artifacts are copied from where it built them.
+    test "honours CARGO_BUILD_TARGET_DIR and CARGO_BUILD_TARGET", ctx do
+      fake_cargo(ctx, 0)
+      System.delete_env("CARGO_TARGET_DIR")
+      elsewhere = Path.join(ctx.dir, "elsewhere")
+      System.put_env("CARGO_BUILD_TARGET_DIR", elsewhere)
+
+      for {triple, release, version} <- [
+            {nil, Path.join(elsewhere, "release"), "v2"},
+            {"x86_64-unknown-linux-gnu",
+             Path.join([elsewhere, "x86_64-unknown-linux-gnu", "release"]), "v3"}
+          ] do
+        if triple, do: System.put_env("CARGO_BUILD_TARGET", triple)
+        File.mkdir_p!(release)
+        File.write!(Path.join(release, "libbourse_nif.so"), "nif #{version}")
+        File.write!(Path.join(release, "bourse_daemon"), "daemon #{version}")
+
+        assert compile(ctx) == {:ok, []}
+        assert File.read!(priv(ctx, "libbourse_nif.so")) == "nif #{version}"
+        assert File.read!(priv(ctx, "bourse_daemon")) == "daemon #{version}"
+      end
+
+      assert File.read!(Path.join(ctx.dir, "cargo.log")) =~ "--target-dir #{elsewhere}\n"
     end
 
     test "runs no cargo and prints nothing while no build input changed", ctx do

@@ -17,7 +17,9 @@ defmodule Mix.Tasks.Compile.BourseNative do
 
       cargo build --release --locked -p bourse_nif -p bourse_daemon
 
-  and copies the artifacts from cargo's `target/release` (`CARGO_TARGET_DIR` is honoured).
+  with `--target-dir` set to `CARGO_TARGET_DIR`, else `CARGO_BUILD_TARGET_DIR`, else the
+  root's `target/` (a `build.target-dir` of a cargo configuration file is overridden), and
+  copies the artifacts from its `release/` (`<triple>/release/` with `CARGO_BUILD_TARGET`).
   Cargo runs only when something it builds from has changed since the last build in this
   build directory: a file of `native/` (outside the crates' `tests/`, `benches/` and
   `examples/`), `Cargo.toml`, `Cargo.lock`, the cargo configuration, a cargo setting in the
@@ -110,16 +112,18 @@ defmodule Mix.Tasks.Compile.BourseNative do
             "`mix help compile.bourse_native`)"
         )
 
-    case System.cmd(cargo, @cargo_args,
+    args = @cargo_args ++ ["--target-dir", target_dir(root)]
+
+    case System.cmd(cargo, args,
            cd: root,
            into: IO.stream(:stdio, :line),
            stderr_to_stdout: true
          ) do
       {_, 0} -> :ok
-      {_, status} -> Mix.raise("cargo #{Enum.join(@cargo_args, " ")} failed (exit #{status})")
+      {_, status} -> Mix.raise("cargo #{Enum.join(args, " ")} failed (exit #{status})")
     end
 
-    release = Path.join(target_dir(root), "release")
+    release = release_dir(root)
 
     paths = %{
       "libbourse_nif.so" => Path.join(release, nif_file()),
@@ -249,9 +253,24 @@ defmodule Mix.Tasks.Compile.BourseNative do
   end
 
   defp target_dir(root) do
-    case System.get_env("CARGO_TARGET_DIR") do
-      dir when dir in [nil, ""] -> Path.join(root, "target")
+    case Enum.find_value(~w(CARGO_TARGET_DIR CARGO_BUILD_TARGET_DIR), &set_env/1) do
+      nil -> Path.join(root, "target")
       dir -> Path.expand(dir, root)
+    end
+  end
+
+  defp release_dir(root) do
+    case set_env("CARGO_BUILD_TARGET") do
+      nil -> Path.join(target_dir(root), "release")
+      triple -> Path.join([target_dir(root), triple, "release"])
+    end
+  end
+
+  # An environment variable's value; nil when unset or empty.
+  defp set_env(name) do
+    case System.get_env(name) do
+      "" -> nil
+      value -> value
     end
   end
 

@@ -37,7 +37,9 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
           "with sync #{with_sync.bot} / #{with_sync.other}"
       )
 
-      assert without.bot >= 1
+      # Without sync the two ask for more than a window holds, unless a loaded machine
+      # slowed them below it.
+      assert without.bot >= 1 or without.asked_per_s < 10.5, "#{inspect(without)}"
       assert with_sync.bot == 0
     end
   end
@@ -47,12 +49,15 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
     :ok = RateLimiter.reset_all(name)
     {:ok, mock} = MockExchange.start(limit: 10, window_ms: 1000)
     url = mock.url <> "/api/v3/ping"
+    started_at = System.monotonic_time(:millisecond)
     other = start_other(url)
     bot = Enum.sum(for _ <- 1..30, do: bot_call(url, name, sync?, 0))
     send(other, {:stop, self()})
     other = receive(do: ({:other, limited} -> limited))
+    seconds = (System.monotonic_time(:millisecond) - started_at) / 1000
+    %{served: served} = MockExchange.stats(mock)
     MockExchange.stop(mock)
-    %{bot: bot, other: other}
+    %{bot: bot, other: other, asked_per_s: Float.round(served / seconds, 1)}
   end
 
   # One call, retried until it passes: returns the 429s drawn. Without sync the bot does
@@ -123,8 +128,8 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
       headers = [{"x-ratelimit-limit", "10"}, {"x-ratelimit-remaining", "5"}]
 
       # Unknown window: the allowance is the 5 remaining, above the 2 tokens held.
-      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       Bourse.Window.clear_of_edges(60_000)
+      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, 2, 0.1
 
@@ -147,8 +152,8 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
 
       # Configured: 2,400 a minute, 400 more until the minute ends.
       Application.put_env(:bourse, :header_limits, %{"X-MBX-USED-WEIGHT-1M" => 2400})
-      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       Bourse.Window.clear_of_edges(60_000)
+      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       expected = min(6000, 400 - 100 * window_left.() / 1000)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20
@@ -157,8 +162,8 @@ defmodule Bourse.RateLimiter.HeaderSyncTest do
       # while more than 40 s of the minute are left.
       Application.put_env(:bourse, :header_limits, %{"x-mbx-used-weight-1m" => nil})
       assert :ok = RateLimiter.reset(key, name)
-      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       Bourse.Window.clear_of_edges(60_000)
+      assert :ok = RateLimiter.check_rate(key, limit, 0, name)
       assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
       expected = min(6000, 10_000 - 100 * window_left.() / 1000)
       assert_in_delta RateLimiter.inspect_key(key, name).tokens, expected, 20

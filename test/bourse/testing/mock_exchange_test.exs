@@ -12,6 +12,22 @@ defmodule Bourse.Testing.MockExchangeTest do
     Process.sleep(window_ms - rem(System.os_time(:millisecond), window_ms) + 20)
   end
 
+  # Runs `attempt` from the start of a window of `window_ms`, with the mock's counts
+  # reset, until a run ends in the window it began in (a loaded machine may spill into
+  # the next): returns that run's result.
+  defp in_one_window(mock, window_ms, attempt, tries \\ 5) do
+    align(window_ms)
+    :ok = MockExchange.reset_stats(mock)
+    window = div(System.os_time(:millisecond), window_ms)
+    result = attempt.()
+
+    cond do
+      div(System.os_time(:millisecond), window_ms) == window -> result
+      tries > 1 -> in_one_window(mock, window_ms, attempt, tries - 1)
+      true -> flunk("no attempt ran within one window of #{window_ms} ms")
+    end
+  end
+
   describe "fixed_window mode" do
     # The mock is linked to the test process, and stops with it.
     setup tags do
@@ -20,12 +36,12 @@ defmodule Bourse.Testing.MockExchangeTest do
     end
 
     test "15 requests at once in one window: 10 pass, 5 get 429 with Retry-After", %{mock: mock} do
-      align(1000)
-
       replies =
-        1..15
-        |> Task.async_stream(fn _ -> get(mock) end, max_concurrency: 15)
-        |> Enum.map(fn {:ok, {:ok, status, headers, body}} -> {status, headers, body} end)
+        in_one_window(mock, 1_000, fn ->
+          1..15
+          |> Task.async_stream(fn _ -> get(mock) end, max_concurrency: 15, timeout: 30_000)
+          |> Enum.map(fn {:ok, {:ok, status, headers, body}} -> {status, headers, body} end)
+        end)
 
       {ok, limited} = Enum.split_with(replies, &(elem(&1, 0) == 200))
       assert length(ok) == 10
@@ -54,28 +70,40 @@ defmodule Bourse.Testing.MockExchangeTest do
     end
 
     test "weights, and separate counters per client IP", %{mock: mock} do
-      align(1000)
-      assert {:ok, 200, headers, ~s({"ok":true,"usedWeight":4})} = get(mock, [{"x-weight", "4"}])
-      assert header(headers, "x-mbx-used-weight-1m") == "4"
-      assert {:ok, 200, headers, _} = get(mock, [{"x-weight", "6"}])
-      assert header(headers, "x-used-weight") == "10"
-      assert {:ok, 429, _, _} = get(mock)
-      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "0"}])
+      requests = [
+        [{"x-weight", "4"}],
+        [{"x-weight", "6"}],
+        [],
+        [{"x-weight", "0"}],
+        [{"x-client-ip", "10.0.0.2"}, {"x-weight", "10"}],
+        [{"x-client-ip", "10.0.0.2"}],
+        [{"x-weight", "-1"}],
+        [{"x-weight", "heavy"}]
+      ]
 
-      assert {:ok, 200, headers, _} = get(mock, [{"x-client-ip", "10.0.0.2"}, {"x-weight", "10"}])
-      assert header(headers, "x-used-weight") == "10"
-      assert {:ok, 429, _, _} = get(mock, [{"x-client-ip", "10.0.0.2"}])
+      replies = in_one_window(mock, 1_000, fn -> Enum.map(requests, &get(mock, &1)) end)
 
-      assert {:ok, 400, _, _} = get(mock, [{"x-weight", "-1"}])
-      assert {:ok, 400, _, _} = get(mock, [{"x-weight", "heavy"}])
+      assert [
+               {:ok, 200, four, ~s({"ok":true,"usedWeight":4})},
+               {:ok, 200, ten, _},
+               {:ok, 429, _, _},
+               {:ok, 200, _, _},
+               {:ok, 200, other_ip, _},
+               {:ok, 429, _, _},
+               {:ok, 400, _, _},
+               {:ok, 400, _, _}
+             ] = replies
+
+      assert header(four, "x-mbx-used-weight-1m") == "4"
+      assert header(ten, "x-used-weight") == "10"
+      assert header(other_ip, "x-used-weight") == "10"
       assert MockExchange.stats(mock) == %{accepted: 4, rejected: 2, served: 6}
     end
 
     @tag mock: [limit: 2, window_ms: 1_000]
     test "a new window starts a new count", %{mock: mock} do
-      align(1_000)
-      assert {:ok, 200, _, _} = get(mock, [{"x-weight", "2"}])
-      assert {:ok, 429, headers, _} = get(mock)
+      replies = in_one_window(mock, 1_000, fn -> [get(mock, [{"x-weight", "2"}]), get(mock)] end)
+      assert [{:ok, 200, _, _}, {:ok, 429, headers, _}] = replies
       assert header(headers, "retry-after") == "1"
       align(1_000)
       assert {:ok, 200, headers, _} = get(mock)

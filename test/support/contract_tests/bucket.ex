@@ -83,12 +83,18 @@ defmodule Bourse.ContractTests.Bucket do
 
           assert {:delay, 500} = check_rate(key, limit, 3, name)
           Process.sleep(550)
+          paid_at = System.monotonic_time(:millisecond)
           assert :ok = check_rate(key, limit, 3, name)
 
-          # Paying left the bucket at zero: at most the capacity is borrowed, not the cost.
+          # Paying left the bucket at zero: at most the capacity is borrowed, not the cost,
+          # less what refilled since (2 a second: a loaded machine may be slow).
           borrowed = get_cost(key, 1, name)
-          assert borrowed <= 2.0 and borrowed > 1.0, "borrowed #{borrowed}"
-          assert_delay(check_rate(key, limit, 2, name), 1..1_000)
+          elapsed = System.monotonic_time(:millisecond) - paid_at
+
+          assert borrowed <= 2.0 and borrowed >= 2.0 - 2 * elapsed / 1000 - 0.01,
+                 "borrowed #{borrowed} #{elapsed} ms after paying"
+
+          if elapsed < 900, do: assert_delay(check_rate(key, limit, 2, name), 1..1_000)
         end
 
         @tag limiter_opts: [sweep_interval_ms: 10]
@@ -131,9 +137,16 @@ defmodule Bourse.ContractTests.Bucket do
           assert {:delay, 500} = check_rate(key, limit, 4, name)
           Process.sleep(600)
           # ... but a cheap request finds only the capacity, and spends all of it.
+          emptied_at = System.monotonic_time(:millisecond)
           assert :ok = check_rate(key, limit, 2, name)
-          assert_delay(check_rate(key, limit, 2, name), 1..500)
-          assert_delay(check_rate(key, limit, 4, name), 501..1_000)
+          cheap = check_rate(key, limit, 2, name)
+          heavy = check_rate(key, limit, 4, name)
+
+          # Unless a loaded machine took so long that the bucket refilled in between.
+          if System.monotonic_time(:millisecond) - emptied_at < 400 do
+            assert_delay(cheap, 1..500)
+            assert_delay(heavy, 501..1_000)
+          end
         end
 
         test "binance: %{requests: 1200, period: 60_000} admits 300 of cost 4, then delays",
