@@ -99,7 +99,10 @@ impl<'a> Request<'a> {
         };
         let fields = |allowed: &[&str], what: &str| {
             let allowed = [allowed, DEADLINE_FIELDS.as_slice()].concat();
-            only(request, &allowed, what)
+            only(request, &allowed, what).map_err(|error| match named_exchange(request) {
+                Some(exchange) => error.for_exchange(exchange),
+                None => error,
+            })
         };
         let key_field = || key(required(request, "key")?);
         Ok(match op {
@@ -140,12 +143,11 @@ impl<'a> Request<'a> {
                     "a check_many request",
                 )?;
                 let options = || Ok((mode(request)?, owner(request)?));
-                let (mode, owner) = options().map_err(|error: InvalidInput| {
-                    match request.get("checks").and_then(one_exchange) {
+                let (mode, owner) =
+                    options().map_err(|error: InvalidInput| match named_exchange(request) {
                         Some(exchange) => error.for_exchange(exchange),
                         None => error,
-                    }
-                })?;
+                    })?;
                 Self::Check {
                     checks: checks(required(request, "checks")?)?,
                     owner,
@@ -417,11 +419,26 @@ fn one_exchange(checks: &Value) -> Option<&[u8]> {
     let mut named = items
         .iter()
         .take(MAX_CHECKS)
-        .filter_map(|item| item.get("key")?.get("exchange")?.as_str());
-    let first = named.next()?;
+        .map(|item| item.get("key")?.get("exchange"));
+    let first = named.next()??;
     named
-        .all(|other| other == first)
-        .then_some(first.as_bytes())
+        .all(|other| other == Some(first))
+        .then(|| part(first, KeyPart::Exchange).ok())
+        .flatten()
+}
+
+/// The exchange a request names, for an error found before its fields are read: that of
+/// its key, of its checks when they name one, or its `exchange`, pause target's or
+/// backoff credential's; `None` when none is a valid exchange id.
+fn named_exchange(request: &Map<String, Value>) -> Option<&[u8]> {
+    if let Some(checks) = request.get("checks") {
+        return one_exchange(checks);
+    }
+    let named = ["key", "target", "credential"]
+        .iter()
+        .find_map(|field| request.get(*field)?.get("exchange"))
+        .or_else(|| request.get("exchange"))?;
+    part(named, KeyPart::Exchange).ok()
 }
 
 /// The request's `owner`: a string or an integer.

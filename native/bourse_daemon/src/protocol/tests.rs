@@ -1438,3 +1438,45 @@ fn only_a_first_frame_that_may_set_up_the_session_is_answered_before_the_next() 
     let check = br#"{"op":"check","key":{"exchange":"x","axis":"a"},"cost":1}"#;
     assert!(!may_set_up(check));
 }
+
+/// An unknown field is refused before the fields are read; the error still names the
+/// request's exchange when one can be read, as every other error of the request does.
+#[test]
+fn an_unknown_field_names_the_requests_exchange() {
+    let f = Fixture::new();
+    let key = r#"{"exchange":"binance","credential":null}"#;
+    for (request, exchange) in [
+        (
+            format!(r#"{{"op":"check","key":{key},"limit":{{"requests":1}},"max_wait":5}}"#),
+            json!("binance"),
+        ),
+        (
+            format!(r#"{{"op":"record","key":{key},"cost":1,"x":1}}"#),
+            json!("binance"),
+        ),
+        (
+            r#"{"op":"reset_exchange","exchange":"okx","x":1}"#.to_string(),
+            json!("okx"),
+        ),
+        (
+            r#"{"op":"pause","target":{"exchange":"okx"},"ms":1,"x":1}"#.to_string(),
+            json!("okx"),
+        ),
+        (
+            format!(r#"{{"op":"check_many","checks":[{{"key":{key}}},{{"key":1}}],"x":1}}"#),
+            Value::Null,
+        ),
+        (
+            format!(
+                r#"{{"op":"check","key":{{"exchange":"{}"}},"x":1}}"#,
+                "e".repeat(1025)
+            ),
+            Value::Null,
+        ),
+    ] {
+        let answer = f.call(&request);
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("unknown field"), "{message}");
+        assert_eq!(answer["error"]["exchange"], exchange, "{request}");
+    }
+}
