@@ -18,6 +18,21 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     %{name: name, handle: handle(name)}
   end
 
+  # A stopped limiter's daemon waits 5 s for a limiter started under its name, then ends:
+  # a limiter stopped for good leaves no OS process behind.
+  test "a stopped limiter's daemon ends 5 s after the stop when no limiter takes it over",
+       %{name: name, handle: handle} do
+    os_pid = port_os_pid(handle)
+    connection = Process.monitor(handle.pid)
+    stopped_at = now_ms()
+    :ok = stop_supervised(name)
+    assert File.exists?("/proc/#{os_pid}")
+    assert_receive {:DOWN, ^connection, :process, _, :normal}, 10_000
+    assert now_ms() - stopped_at >= 5_000
+    eventually(fn -> not File.exists?("/proc/#{os_pid}") end, 5_000)
+    assert {:noproc, _} = catch_exit(RateLimiter.inspect_key({"ex", "k"}, name))
+  end
+
   test "an unknown cast or call to the connection process is ignored, the limiter goes on",
        %{name: name, handle: handle} do
     connection = handle.pid
