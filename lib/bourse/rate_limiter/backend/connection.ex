@@ -120,11 +120,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
+    # Read first: a connection that cannot be adopted ends, and its tables with it.
+    pauses = remembered_pauses(previous)
+
     if adopt(pid, target) == :ok do
       {:ok, previous}
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
-      attach(nil, target, Keyword.merge(opts, assume_busy_at_start: busy, restart: true))
+      # The pauses asked of the previous daemon are asked of the new one, as of a daemon
+      # restarted under the same connection.
+      opts = Keyword.merge(opts, assume_busy_at_start: busy, restart: true, pauses: pauses)
+      attach(nil, target, opts)
     end
   end
 
@@ -133,7 +139,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     init_arg =
       {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
-       Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon])}
+       Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon, :pauses])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {table, pauses} = GenServer.call(pid, :tables)
@@ -156,6 +162,13 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # connections, hosts and reused OS pids). It stays with the connection, through its
   # streams opened again: a booking in Redis is claimed through a daemon started again.
   defp owner_prefix, do: "#{System.pid()}.#{Base.url_encode64(:rand.bytes(6))}."
+
+  # The pauses a connection remembers (`remember_pause/3`); none once it is gone.
+  defp remembered_pauses(%__MODULE__{pauses: table}) do
+    :ets.tab2list(table)
+  rescue
+    ArgumentError -> []
+  end
 
   defp adopt(pid, target) do
     GenServer.call(pid, {:adopt, self(), target})
@@ -442,7 +455,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       transport: transport(target),
       timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
-      pauses: :ets.new(__MODULE__, [:public, write_concurrency: true]),
+      pauses: remembering(Keyword.get(extra, :pauses, [])),
+      # Pauses inherited from a connection this one replaces, to ask of its first daemon.
+      inherited_pauses: Keyword.get(extra, :pauses, []) != [],
       assume_busy: assume_busy,
       stream: nil,
       partial: [],
@@ -1029,12 +1044,21 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           :ok
       end
 
-      new_table? = state.connected_before and hello["table"] not in [nil, state.daemon_table]
+      new_table? =
+        (state.connected_before or state.inherited_pauses) and
+          hello["table"] not in [nil, state.daemon_table]
+
       state = connected(state, stream, hello)
       state = if new_table?, do: state |> note_store_lost() |> pauses_again(), else: state
       publish(state, stream, hello["max_frame_bytes"])
       {:ok, keepalive(state, hello["idle_timeout_ms"])}
     end
+  end
+
+  defp remembering(pauses) do
+    table = :ets.new(__MODULE__, [:public, write_concurrency: true])
+    :ets.insert(table, pauses)
+    table
   end
 
   # The pauses in force asked of the previous table, asked again of the new one before any

@@ -33,6 +33,29 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert {:noproc, _} = catch_exit(RateLimiter.inspect_key({"ex", "k"}, name))
   end
 
+  # Other options make another daemon command line: the new limiter's daemon is a new one,
+  # which assumes every bucket busy and is asked for the pauses the previous one held.
+  test "restarted within 5 s with other options: pauses and bans stay, spent tokens stay spent",
+       %{name: name} do
+    limit = %{capacity: 5, refill_per_sec: 0.001}
+    for _ <- 1..5, do: assert(:ok = RateLimiter.check_rate({"ex", "k"}, limit, 1, name))
+    assert :ok = RateLimiter.pause({"ex", "paused"}, 60_000, name)
+
+    assert {:error, %Error{stop: true}} =
+             RateLimiter.observe_response("banned", "k", 418, [{"retry-after", "600"}], name)
+
+    :ok = stop_supervised(name)
+    start_supervised!({RateLimiter, name: name, backend: :port, booking_slack_ms: 300})
+
+    assert {:delay, _} = RateLimiter.check_rate({"ex", "k"}, limit, 1, name)
+    # Buckets that refill at once: only a pause holds them.
+    fast = %{capacity: 5, refill_per_sec: 1_000}
+    assert {:delay, ms} = RateLimiter.check_rate({"ex", "paused"}, fast, 1, name)
+    assert ms in 50_000..60_000
+    assert {:delay, ms} = RateLimiter.check_rate({"banned", "k"}, fast, 1, name)
+    assert ms in 590_000..600_000
+  end
+
   test "an unknown cast or call to the connection process is ignored, the limiter goes on",
        %{name: name, handle: handle} do
     connection = handle.pid
