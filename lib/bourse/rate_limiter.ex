@@ -943,9 +943,14 @@ defmodule Bourse.RateLimiter do
 
   The bucket table outlives the limiter's process: a limiter started under the same name
   within 5 s (its supervisor's restart, after a crash or with its siblings) re-attaches to
-  it, so spent tokens stay spent. Once the process has ended, calls exit with `:noproc`,
-  as for a limiter never started; 5 s later the table is dropped, and a limiter started
-  under that name then begins with a new one.
+  it, so spent tokens stay spent and pauses stay. A NIF table taken over keeps the
+  `:booking_slack_ms` it was made with; a port whose daemon's command line the new
+  options change starts a new daemon, which assumes every bucket busy and is asked for
+  the pauses the previous one held. A limiter of another backend
+  started within those 5 s begins with a table of its own that assumes every bucket busy;
+  the previous table's pauses do not reach it. Once the process has ended, calls exit
+  with `:noproc`, as for a limiter never started; 5 s later the table is dropped, and a
+  limiter started under that name then begins with a new one.
   """
   @spec start_link(keyword()) :: GenServer.on_start() | error()
   def start_link(opts \\ []) do

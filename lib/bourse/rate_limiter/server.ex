@@ -83,10 +83,18 @@ defmodule Bourse.RateLimiter.Server do
 
   @impl true
   def init({config, starter, ref}) do
-    {previous, previous_events} =
+    {previous, previous_events, config} =
       case Router.published(config.name) do
-        {backend, handle, events, _pid} when backend == config.backend -> {handle, events}
-        _ -> {nil, nil}
+        {backend, handle, events, _pid} when backend == config.backend ->
+          {handle, events, config}
+
+        # Within 5 s of a limiter of another backend: its table cannot be taken over, and
+        # the exchange still counts what it spent.
+        {_backend, _handle, _events, _pid} ->
+          {nil, nil, %{config | assume_busy_at_start: true}}
+
+        nil ->
+          {nil, nil, config}
       end
 
     case attach(config, previous) do

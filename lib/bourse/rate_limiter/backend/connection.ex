@@ -123,8 +123,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     # Read first: a connection that cannot be adopted ends, and its tables with it.
     pauses = remembered_pauses(previous)
 
-    if adopt(pid, target) == :ok do
-      {:ok, previous}
+    timeout = Keyword.fetch!(opts, :timeout)
+
+    if adopt(pid, target, timeout) == :ok do
+      {:ok,
+       %{previous | timeout: timeout, booking_slack_ms: Keyword.get(opts, :booking_slack_ms)}}
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
       # The pauses asked of the previous daemon are asked of the new one, as of a daemon
@@ -170,8 +173,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> []
   end
 
-  defp adopt(pid, target) do
-    GenServer.call(pid, {:adopt, self(), target})
+  defp adopt(pid, target, timeout) do
+    GenServer.call(pid, {:adopt, self(), target, timeout})
   catch
     :exit, _ -> :gone
   end
@@ -535,17 +538,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @impl true
   def handle_call(:tables, _from, state), do: {:reply, {state.table, state.pauses}, state}
 
-  def handle_call({:adopt, limiter, target}, _from, %{target: target} = state) do
+  def handle_call({:adopt, limiter, target, timeout}, _from, %{target: target} = state) do
     Process.link(limiter)
     if state.orphan_timer, do: Process.cancel_timer(state.orphan_timer)
-    {:reply, :ok, %{state | limiter: limiter, orphan_timer: nil}}
+    {:reply, :ok, %{state | limiter: limiter, orphan_timer: nil, timeout: timeout}}
   end
 
-  def handle_call({:adopt, _limiter, _target}, _from, %{limiter: nil} = state) do
+  def handle_call({:adopt, _limiter, _target, _timeout}, _from, %{limiter: nil} = state) do
     {:stop, :normal, :other_target, state}
   end
 
-  def handle_call({:adopt, _limiter, _target}, _from, state),
+  def handle_call({:adopt, _limiter, _target, _timeout}, _from, state),
     do: {:reply, :other_target, state}
 
   # Any process can call or cast to this one: what is not its own is ignored, as the

@@ -194,6 +194,31 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert_received {^hasty, _key, {:delay, _}}
   end
 
+  test "a limiter restarted within 5 s with other options takes over the connection with them" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0", "--booking-slack-ms", "0"])
+    name = :"restarted_#{System.unique_integer([:positive])}"
+    opts = [name: name, backend: {:daemon, daemon.tcp, timeout: 300}, booking_slack_ms: 0]
+    {:ok, _} = RateLimiter.start_link(opts)
+    connection = handle(name).pid
+    GenServer.stop(name)
+
+    opts = [name: name, backend: {:daemon, daemon.tcp, timeout: 3_000}, booking_slack_ms: 5_000]
+    {:ok, _} = RateLimiter.start_link(opts)
+    on_exit(fn -> catch_exit(GenServer.stop(name)) end)
+    assert handle(name).pid == connection
+    assert :sys.get_state(connection).timeout == 3_000
+
+    # Woken 300 ms late: within the new slack, past the old one.
+    still = %{capacity: 1, refill_per_sec: 1}
+    assert :ok = RateLimiter.check_rate({"ex", "k"}, still, 1, name)
+
+    assert {:delay, ms} =
+             RateLimiter.check_rates([{{"ex", "k"}, still, 1}], name, max_wait_ms: 5_000)
+
+    Process.sleep(ms + 300)
+    assert :ok = RateLimiter.check_rates([{{"ex", "k"}, still, 1}], name)
+  end
+
   test "a waiter whose claim is answered :unavailable only after its booking slack is refused" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 

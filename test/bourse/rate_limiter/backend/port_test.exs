@@ -56,6 +56,16 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert ms in 590_000..600_000
   end
 
+  test "a limiter of another backend started within 5 s assumes every bucket busy",
+       %{name: name} do
+    limit = %{capacity: 5, refill_per_sec: 0.001}
+    for _ <- 1..5, do: assert(:ok = RateLimiter.check_rate({"ex", "k"}, limit, 1, name))
+    :ok = stop_supervised(name)
+    start_supervised!({RateLimiter, name: name, backend: :nif})
+    assert {:delay, _} = RateLimiter.check_rate({"ex", "k"}, limit, 1, name)
+    assert {:delay, _} = RateLimiter.check_rate({"ex", "other"}, limit, 1, name)
+  end
+
   test "an unknown cast or call to the connection process is ignored, the limiter goes on",
        %{name: name, handle: handle} do
     connection = handle.pid
