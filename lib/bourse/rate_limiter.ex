@@ -736,8 +736,9 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   Counters since the limiter's bucket table was created (they survive a restart of the
-  limiter's process; a port's daemon restarted after it died has a new table, and
-  counts from zero), and what it holds now. A limiter on a shared daemon, or on Redis,
+  limiter's process; a port's daemon restarted after it died, or replaced for a limiter
+  started with other options, has a new table, and counts from zero), and what it holds
+  now. A limiter on a shared daemon, or on Redis,
   reads its daemon's counters: the answers to every client of that daemon.
 
     * `:admitted` – checks paid at once;
