@@ -738,8 +738,8 @@ defmodule Bourse.RateLimiter do
   Counters since the limiter's bucket table was created (they survive a restart of the
   limiter's process; a port's daemon restarted after it died, or replaced for a limiter
   started with other options, has a new table, and counts from zero), and what it holds
-  now. A limiter on a shared daemon, or on Redis,
-  reads its daemon's counters: the answers to every client of that daemon.
+  now. A limiter on a shared daemon, or on Redis, reads its daemon's counters: the
+  answers to every client of that daemon.
 
     * `:admitted` – checks paid at once;
     * `:claimed` – waiters admitted against their booking;
@@ -947,11 +947,11 @@ defmodule Bourse.RateLimiter do
   it, so spent tokens stay spent and pauses stay. A NIF table taken over keeps the
   `:booking_slack_ms` it was made with; a port whose daemon's command line the new
   options change starts a new daemon, which assumes every bucket busy and is asked for
-  the pauses the previous one held. A limiter of another backend
-  started within those 5 s begins with a table of its own that assumes every bucket busy;
-  the previous table's pauses do not reach it. Once the process has ended, calls exit
-  with `:noproc`, as for a limiter never started; 5 s later the table is dropped, and a
-  limiter started under that name then begins with a new one.
+  the pauses the previous one held. A limiter of another backend started within those
+  5 s begins with a table of its own that assumes every bucket busy; the previous table's
+  pauses do not reach it. Once the process has ended, calls exit with `:noproc`, as for a
+  limiter never started; 5 s later the table is dropped, and a limiter started under
+  that name then begins with a new one.
   """
   @spec start_link(keyword()) :: GenServer.on_start() | error()
   def start_link(opts \\ []) do

@@ -99,10 +99,7 @@ impl<'a> Request<'a> {
         };
         let fields = |allowed: &[&str], what: &str| {
             let allowed = [allowed, DEADLINE_FIELDS.as_slice()].concat();
-            only(request, &allowed, what).map_err(|error| match named_exchange(request) {
-                Some(exchange) => error.for_exchange(exchange),
-                None => error,
-            })
+            only(request, &allowed, what).map_err(|error| naming_exchange(error, request))
         };
         let key_field = || key(required(request, "key")?);
         Ok(match op {
@@ -143,11 +140,7 @@ impl<'a> Request<'a> {
                     "a check_many request",
                 )?;
                 let options = || Ok((mode(request)?, owner(request)?));
-                let (mode, owner) =
-                    options().map_err(|error: InvalidInput| match named_exchange(request) {
-                        Some(exchange) => error.for_exchange(exchange),
-                        None => error,
-                    })?;
+                let (mode, owner) = options().map_err(|error| naming_exchange(error, request))?;
                 Self::Check {
                     checks: checks(required(request, "checks")?)?,
                     owner,
@@ -425,6 +418,14 @@ fn one_exchange(checks: &Value) -> Option<&[u8]> {
         .all(|other| other == Some(first))
         .then(|| part(first, KeyPart::Exchange).ok())
         .flatten()
+}
+
+/// `error`, naming the request's exchange ([`named_exchange`]) unless it names one.
+fn naming_exchange(error: InvalidInput, request: &Map<String, Value>) -> InvalidInput {
+    match named_exchange(request) {
+        Some(exchange) => error.for_exchange(exchange),
+        None => error,
+    }
 }
 
 /// The exchange a request names, for an error found before its fields are read: that of
