@@ -459,8 +459,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       pauses: remembering(Keyword.get(extra, :pauses, [])),
-      # Pauses inherited from a connection this one replaces, to ask of its first daemon.
-      inherited_pauses: Keyword.get(extra, :pauses, []) != [],
       assume_busy: assume_busy,
       stream: nil,
       partial: [],
@@ -1047,8 +1045,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           :ok
       end
 
+      # A connection that replaces another meets a new table at its first hello too.
       new_table? =
-        (state.connected_before or state.inherited_pauses) and
+        (state.connected_before or state.restart) and
           hello["table"] not in [nil, state.daemon_table]
 
       state = connected(state, stream, hello)
