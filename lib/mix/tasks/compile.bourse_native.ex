@@ -112,7 +112,8 @@ defmodule Mix.Tasks.Compile.BourseNative do
             "`mix help compile.bourse_native`)"
         )
 
-    args = @cargo_args ++ ["--target-dir", target_dir(root)]
+    target_dir = target_dir(root)
+    args = @cargo_args ++ ["--target-dir", target_dir]
 
     case System.cmd(cargo, args,
            cd: root,
@@ -123,7 +124,7 @@ defmodule Mix.Tasks.Compile.BourseNative do
       {_, status} -> Mix.raise("cargo #{Enum.join(args, " ")} failed (exit #{status})")
     end
 
-    release = release_dir(root)
+    release = release_dir(target_dir)
 
     paths = %{
       "libbourse_nif.so" => Path.join(release, nif_file()),
@@ -253,21 +254,21 @@ defmodule Mix.Tasks.Compile.BourseNative do
   end
 
   defp target_dir(root) do
-    case Enum.find_value(~w(CARGO_TARGET_DIR CARGO_BUILD_TARGET_DIR), &set_env/1) do
+    case Enum.find_value(~w(CARGO_TARGET_DIR CARGO_BUILD_TARGET_DIR), &env_value/1) do
       nil -> Path.join(root, "target")
       dir -> Path.expand(dir, root)
     end
   end
 
-  defp release_dir(root) do
-    case set_env("CARGO_BUILD_TARGET") do
-      nil -> Path.join(target_dir(root), "release")
-      triple -> Path.join([target_dir(root), triple, "release"])
+  defp release_dir(target_dir) do
+    case env_value("CARGO_BUILD_TARGET") do
+      nil -> Path.join(target_dir, "release")
+      triple -> Path.join([target_dir, triple, "release"])
     end
   end
 
   # An environment variable's value; nil when unset or empty.
-  defp set_env(name) do
+  defp env_value(name) do
     case System.get_env(name) do
       "" -> nil
       value -> value
