@@ -53,6 +53,9 @@ pub(crate) struct Balance {
     told_until: u64,
     /// The owner, signature and place of its one booking.
     booking: Option<(u64, u64, u64)>,
+    era: u64,
+    rewrites: u32,
+    refunded: f64,
 }
 
 impl Balance {
@@ -83,6 +86,15 @@ pub(crate) struct Bucket {
     /// past it.
     told_until: u64,
     pub bookings: Vec<Booking>,
+    /// Tells the key's buckets apart: each one made (first, or after a reset or a sweep)
+    /// has its own.
+    era: u64,
+    /// How many times its tokens were set otherwise than lowered by a payment or a debit
+    /// (a definition or its taking back, a sync, a booking, bookings paid again): between
+    /// two such moments, the tokens only grow by the refill and by refunds.
+    rewrites: u32,
+    /// All tokens given back by refunds ([`Bucket::refund`]).
+    refunded: f64,
 }
 
 fn secs(from: u64, to: u64) -> f64 {
@@ -114,8 +126,9 @@ fn room_without(limit: &Limit, accrued: f64, others: f64, gone: &Booking) -> f64
 }
 
 impl Bucket {
-    /// A key first seen by a check at `now`, without a definition until one is paid.
-    pub fn seen(key: Key, hash: u64, now: u64) -> Self {
+    /// A key first seen by a check at `now`, without a definition until one is paid; `era`
+    /// is the shard's next.
+    pub fn seen(key: Key, hash: u64, now: u64, era: u64) -> Self {
         Self {
             key,
             hash,
@@ -125,16 +138,23 @@ impl Bucket {
             seen_at: now,
             told_until: 0,
             bookings: Vec::new(),
+            era,
+            rewrites: 0,
+            refunded: 0.0,
         }
     }
 
-    pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64) -> Self {
+    pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64, era: u64) -> Self {
         Self {
             // From +0.0: no debt reads 0.0, not -0.0.
             base: 0.0 - debt,
             base_at: UNSEEN,
-            ..Self::seen(key, hash, now)
+            ..Self::seen(key, hash, now, era)
         }
+    }
+
+    fn rewritten(&mut self) {
+        self.rewrites = self.rewrites.wrapping_add(1);
     }
 
     /// When a check under `limit` finds the key as new, the instant from which it holds
@@ -169,6 +189,7 @@ impl Bucket {
         };
         self.base_at = from;
         self.limit = Some(limit);
+        self.rewritten();
         previous
     }
 
@@ -186,6 +207,9 @@ impl Bucket {
             seen_at: self.seen_at,
             told_until: self.told_until,
             booking,
+            era: self.era,
+            rewrites: self.rewrites,
+            refunded: self.refunded,
         })
     }
 
@@ -199,13 +223,41 @@ impl Bucket {
         self.base_at = before.base_at;
         self.seen_at = before.seen_at;
         self.told_until = before.told_until;
+        self.rewrites = before.rewrites;
+        self.refunded = before.refunded;
         self.bookings.clear();
+    }
+
+    /// What may be given back of `cost`, paid at `after`'s last payment, if payments,
+    /// debits, refusals and refunds alone moved the bucket since (same era, no rewrite,
+    /// same definition, no booking): no more than the bucket without that payment would
+    /// hold more now. The tokens never grew but by the refill and the refunds after it, so
+    /// until now the bucket without it held at most `after`'s tokens, those and `cost`; the
+    /// cap took no more than what that sum passes the capacity by.
+    pub fn refundable(&self, after: &Balance, cost: f64, now: u64) -> Option<f64> {
+        let limit = self.limit?;
+        let unchanged = self.era == after.era
+            && self.rewrites == after.rewrites
+            && after.limit == Some(limit)
+            && after.booking.is_none()
+            && self.bookings.is_empty();
+        let grown =
+            limit.refill_per_sec() * secs(after.base_at, now) + self.refunded - after.refunded;
+        let given = cost.min(limit.capacity() - (after.base + grown));
+        (unchanged && given > 0.0).then_some(given)
+    }
+
+    /// Gives back `tokens` ([`Bucket::refundable`]).
+    pub fn refund(&mut self, tokens: f64) {
+        self.base += tokens;
+        self.refunded += tokens;
     }
 
     /// Takes back the definition a check gave the key and then paid nothing under: a
     /// refused call does not change a key's definition. What it saw stays: the accrual of a
     /// key without a definition starts when a check first saw it.
     pub fn restore(&mut self, previous: Previous, now: u64) {
+        self.rewritten();
         self.limit = previous.limit;
         self.base = previous.base;
         self.base_at = match previous.base_at {
@@ -273,12 +325,15 @@ impl Bucket {
     pub fn pay(&mut self, limit: Limit, cost: f64, start: f64, now: u64, at: u64) {
         let cap = limit.capacity().max(cost);
         let lead = if at > now {
+            // What the cap takes until `at` may pass what it would take by now.
+            self.rewritten();
             limit.refill_per_sec() * secs(now, at)
         } else {
             0.0
         };
         if let Some(current) = self.limit.filter(|current| *current != limit) {
             self.limit_refunds(current.capacity().min(limit.capacity()) - start, now);
+            self.rewritten();
         }
         let after = (start.min(cap) + lead).min(cap) - cost;
         self.base = after - lead;
@@ -397,6 +452,7 @@ impl Bucket {
             .map(|(i, b)| (b.booked_at, b.made, i))
             .collect();
         order.sort_unstable();
+        self.rewritten();
         for booking in &self.bookings {
             self.base += booking.refund;
         }
@@ -441,6 +497,8 @@ impl Bucket {
     pub fn lower_to(&mut self, max_tokens: f64, now: u64) {
         let Some(limit) = self.limit else { return };
         self.seen_at = now;
+        // Even raising nothing, it can lower the bucket without a payment made before.
+        self.rewritten();
         let ceiling = limit.capacity().min(max_tokens);
         self.limit_refunds(ceiling - self.accrued(&limit, now), now);
         if max_tokens < self.tokens(now) {

@@ -367,7 +367,7 @@ mod tests {
     fn bucket(hasher: &foldhash::fast::RandomState, i: usize) -> Bucket {
         let credential = format!("key-{i}");
         let key = KeyRef::new(b"ex", Some(credential.as_bytes()), b"request");
-        Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0)
+        Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0, 0)
     }
 
     fn sought(credential: &str) -> (KeyRef<'_>, Sought<'_>) {
@@ -672,7 +672,7 @@ mod tests {
         for i in 0..2_000 {
             let credential = long(i);
             let key = KeyRef::new(b"ex", Some(credential.as_bytes()), b"request");
-            buckets.insert(Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0));
+            buckets.insert(Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0, 0));
             give_wanted(&mut buckets);
         }
         let (mut at, mut visited, mut most) = (Pass::default(), 0, 0);

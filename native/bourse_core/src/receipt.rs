@@ -4,9 +4,10 @@
 use crate::bucket::{Balance, Bucket};
 use crate::key::Key;
 
-/// The buckets a check paid on, each with its balance before and after the payment. A
-/// payment beside other bookings moves their refunds, which cannot be put back exactly: a
-/// check that paid on such a bucket is never given back (its receipt is partial).
+/// The buckets a check paid on, each with its balance before and after the payment and
+/// the cost paid. A payment beside other bookings moves their refunds, which cannot be put
+/// back exactly: a check that paid on such a bucket is never given back (its receipt is
+/// partial).
 #[derive(Debug, Default)]
 pub struct Receipt {
     paid: Vec<Paid>,
@@ -19,17 +20,19 @@ pub(crate) struct Paid {
     pub hash: u64,
     before: Balance,
     after: Balance,
+    cost: f64,
 }
 
 impl Receipt {
-    /// Notes the payment on `bucket`, whose balance was `before` (if it had one).
-    pub(crate) fn note(&mut self, bucket: &Bucket, before: Option<Balance>) {
+    /// Notes the payment of `cost` on `bucket`, whose balance was `before` (if it had one).
+    pub(crate) fn note(&mut self, bucket: &Bucket, before: Option<Balance>, cost: f64) {
         match (before, bucket.balance()) {
             (Some(before), Some(after)) if !before.holds_booking() => self.paid.push(Paid {
                 key: bucket.key.clone(),
                 hash: bucket.hash,
                 before,
                 after,
+                cost,
             }),
             _ => self.partial = true,
         }
@@ -45,14 +48,39 @@ impl Receipt {
     }
 }
 
+/// How a payment is taken back from its bucket.
+pub(crate) enum TakeBack {
+    /// Nothing moved the bucket since: it is put back as it was.
+    Whole,
+    /// Payments, debits or refusals alone moved it since: these tokens are given back
+    /// ([`Bucket::refundable`]).
+    Refund(f64),
+}
+
 impl Paid {
-    /// Whether `bucket` is still at the balance the payment left it with.
-    pub(crate) fn unmoved(&self, bucket: &Bucket) -> bool {
-        bucket.balance().as_ref() == Some(&self.after)
+    /// How the payment can be taken back from `bucket` at `now`, if it can: whole, else if
+    /// `refund`, refunded.
+    pub(crate) fn take_back_from(
+        &self,
+        bucket: &Bucket,
+        refund: bool,
+        now: u64,
+    ) -> Option<TakeBack> {
+        if bucket.balance().as_ref() == Some(&self.after) {
+            return Some(TakeBack::Whole);
+        }
+        if !refund {
+            return None;
+        }
+        let tokens = bucket.refundable(&self.after, self.cost, now)?;
+        Some(TakeBack::Refund(tokens))
     }
 
-    /// Takes the payment back from `bucket`, which is [`Paid::unmoved`].
-    pub(crate) fn take_back(&self, bucket: &mut Bucket) {
-        bucket.put_back(&self.before);
+    /// Takes the payment back from `bucket` as [`Paid::take_back_from`] found it could.
+    pub(crate) fn take_back(&self, bucket: &mut Bucket, how: TakeBack) {
+        match how {
+            TakeBack::Whole => bucket.put_back(&self.before),
+            TakeBack::Refund(tokens) => bucket.refund(tokens),
+        }
     }
 }

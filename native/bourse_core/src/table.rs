@@ -18,7 +18,7 @@ use crate::key::{Key, KeyRef, Sought};
 use crate::limit::Limit;
 use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
-use crate::receipt::{Paid, Receipt};
+use crate::receipt::{Paid, Receipt, TakeBack};
 use crate::rules::{self, InvalidInput};
 use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
 use crate::walk::Walk;
@@ -41,6 +41,14 @@ static NEXT_TABLE_ID: AtomicU64 = AtomicU64::new(0);
 struct Shard {
     buckets: Buckets,
     stats: Stats,
+    /// The era of the next bucket made ([`Bucket::seen`]).
+    next_era: u64,
+}
+
+/// The era for a bucket a shard makes now, from its `next_era`.
+fn new_era(next_era: &mut u64) -> u64 {
+    *next_era += 1;
+    *next_era
 }
 
 #[repr(align(128))]
@@ -307,10 +315,28 @@ impl<C: Clock> Table<C> {
         Ok((unbounded(checked)?, receipt))
     }
 
-    /// Takes back what a check paid ([`Table::check_rates_receipted`]), on all its buckets
-    /// or none: only when nothing checked, debited, synced, redefined or dropped any of them
-    /// since (but payments taken back). Returns whether it did.
-    pub fn give_back(&self, receipt: &Receipt) -> bool {
+    /// Takes back what checks paid ([`Table::check_rates_receipted`]), given in the order
+    /// they were paid; returns which it took back, each on all its buckets or none. First,
+    /// latest first, those whose buckets nothing moved since (but payments taken back):
+    /// each is put back as it was. Then, first paid first, those whose buckets payments,
+    /// debits, refusals and refunds alone moved: each gives back as far as the buckets
+    /// without it would hold it now ([`Bucket::refundable`]; a refund of an earlier payment
+    /// counts, so these go first). Never once anything else (a sync, a redefinition, a
+    /// booking, a reset) moved a bucket.
+    pub fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
+        let mut given = vec![false; receipts.len()];
+        for (receipt, given) in receipts.iter().zip(&mut given).rev() {
+            *given = self.take_back(receipt, false);
+        }
+        for (receipt, given) in receipts.iter().zip(&mut given) {
+            *given = *given || self.take_back(receipt, true);
+        }
+        given
+    }
+
+    /// Takes back `receipt`'s payment on all its buckets, or none: whole where nothing moved
+    /// them, else (if `refund`) as far as [`Bucket::refundable`] allows.
+    fn take_back(&self, receipt: &Receipt, refund: bool) -> bool {
         if !receipt.can_give_back() {
             return false;
         }
@@ -324,15 +350,18 @@ impl<C: Clock> Table<C> {
                 guards.push((index, self.shards[index].0.lock()));
             }
         }
-        let unmoved = |paid: &&Paid| {
-            Self::paid_bucket(&mut guards, paid).is_some_and(|bucket| paid.unmoved(bucket))
-        };
-        if !paid.iter().all(unmoved) {
-            return false;
-        }
+        let now = self.clock.now();
+        let mut ways: SmallVec<[TakeBack; INLINE_CHECKS]> = SmallVec::new();
         for paid in &paid {
+            let bucket = Self::paid_bucket(&mut guards, paid);
+            match bucket.and_then(|bucket| paid.take_back_from(bucket, refund, now)) {
+                Some(how) => ways.push(how),
+                None => return false,
+            }
+        }
+        for (paid, how) in paid.iter().zip(ways) {
             if let Some(bucket) = Self::paid_bucket(&mut guards, paid) {
-                paid.take_back(bucket);
+                paid.take_back(bucket, how);
             }
         }
         true
@@ -358,7 +387,7 @@ impl<C: Clock> Table<C> {
         let mut guard = self.lock(item.hash);
         let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
         let shard = &mut *guard;
-        let bucket = self.bucket(&mut shard.buckets, &item, request.now);
+        let bucket = self.bucket(&mut shard.buckets, &mut shard.next_era, &item, request.now);
         let before = receipt.as_ref().and_then(|_| bucket.balance());
         let items = std::slice::from_ref(&item);
         let mut buckets = [bucket];
@@ -373,7 +402,7 @@ impl<C: Clock> Table<C> {
         });
         let outcome = outcome.expect("a single check is always decided");
         if let Some(receipt) = receipt.filter(|_| outcome.paid()) {
-            receipt.note(buckets[0], before);
+            receipt.note(buckets[0], before, item.check.cost);
         }
         Self::unlock(guard);
         outcome
@@ -443,7 +472,10 @@ impl<C: Clock> Table<C> {
         if found.len() < items.len() {
             // First seen: created first, then looked up again (creating may move others).
             for item in items.iter() {
-                self.bucket(&mut guards[item.slot].buckets, item, request.now);
+                let Shard {
+                    buckets, next_era, ..
+                } = &mut *guards[item.slot];
+                self.bucket(buckets, next_era, item, request.now);
             }
             found = Self::find_buckets(&mut guards, items);
         }
@@ -466,8 +498,8 @@ impl<C: Clock> Table<C> {
                 .then(|| engine::decide(buckets, items, stats, request, &pauses))
         });
         if let Some(receipt) = receipt.filter(|_| outcome.is_some_and(Outcome::paid)) {
-            for (bucket, before) in buckets.iter().zip(before) {
-                receipt.note(bucket, before);
+            for ((bucket, before), item) in buckets.iter().zip(before).zip(items.iter()) {
+                receipt.note(bucket, before, item.check.cost);
             }
         }
         // Every lock released before any table is allocated.
@@ -524,9 +556,16 @@ impl<C: Clock> Table<C> {
     }
 
     /// The bucket of `item`, created (seen now, without a definition) if needed.
-    fn bucket<'s>(&self, buckets: &'s mut Buckets, item: &Item, now: u64) -> &'s mut Bucket {
+    fn bucket<'s>(
+        &self,
+        buckets: &'s mut Buckets,
+        next_era: &mut u64,
+        item: &Item,
+        now: u64,
+    ) -> &'s mut Bucket {
         buckets.get_or_insert_with(item.hash, item.sought(), || {
-            Bucket::seen(item.check.key.to_owned_key(), item.hash, now)
+            let era = new_era(next_era);
+            Bucket::seen(item.check.key.to_owned_key(), item.hash, now, era)
         })
     }
 
@@ -549,9 +588,9 @@ impl<C: Clock> Table<C> {
         match shard.buckets.find_mut(hash, Sought::Parts(key)) {
             Some(bucket) => bucket.debit(cost, now),
             None => {
-                shard
-                    .buckets
-                    .insert(Bucket::debt_only(key.to_owned_key(), hash, cost, now));
+                let era = new_era(&mut shard.next_era);
+                let bucket = Bucket::debt_only(key.to_owned_key(), hash, cost, now, era);
+                shard.buckets.insert(bucket);
             }
         }
         Self::unlock(shard);
@@ -639,7 +678,7 @@ impl<C: Clock> Table<C> {
             loop {
                 let mut guard = shard.0.lock();
                 let now = self.clock.now();
-                let Shard { buckets, stats } = &mut *guard;
+                let Shard { buckets, stats, .. } = &mut *guard;
                 let before = buckets.len();
                 let step = buckets.retain_step(&mut pass, |bucket| walk.visit(bucket, now, stats));
                 dropped += before - buckets.len();

@@ -99,10 +99,11 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Takes back what a check paid ([`Store::check_receipted`]), on all its buckets or
-    /// none (when something changed one since); returns whether it did.
-    fn give_back(&self, _receipt: &Receipt) -> bool {
-        false
+    /// Takes back what checks paid ([`Store::check_receipted`]), given in the order they
+    /// were paid, each on all its buckets or none (as [`Table::give_back`] does); returns
+    /// which it took back.
+    fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
+        vec![false; receipts.len()]
     }
 
     fn record_request(
@@ -245,8 +246,8 @@ impl<C: Clock> Store for Memory<C> {
         Some(checked.map_err(StoreError::Invalid))
     }
 
-    fn give_back(&self, receipt: &Receipt) -> bool {
-        self.table.give_back(receipt)
+    fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
+        self.table.give_back(receipts)
     }
 
     fn record_request(

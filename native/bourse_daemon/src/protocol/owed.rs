@@ -63,11 +63,10 @@ impl Owed {
 
 impl<S: Store> Service<S> {
     /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
-    /// it was written) is sent whole: an answer of a check past its last moment to run is
-    /// taken back and rewritten as `unavailable`, unless it cannot be taken back whole
-    /// (one of its buckets moved since, or held another booking: it stays as true as it
-    /// was). The latest answers are settled first, so that checks of one bucket are taken
-    /// back in turn.
+    /// it was written) is sent whole: the answers of checks past their last moment to run
+    /// are taken back ([`Store::give_back`]) and rewritten as `unavailable`; one that
+    /// cannot be taken back (its buckets moved since otherwise than by payments, debits,
+    /// refusals and refunds, or held another booking) stays as true as it was.
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
         let mut owed = session.owed.lock();
         if owed.is_empty() {
@@ -77,18 +76,32 @@ impl<S: Store> Service<S> {
         let mut framing = Vec::new();
         frame(&mut framing);
         let now = Instant::now();
-        for answer in owed.drain(..).rev() {
-            let Some(late) = now.checked_duration_since(answer.last_run) else {
-                continue;
-            };
+        let (mut late, mut receipts) = (Vec::new(), Vec::new());
+        for answer in owed.drain(..) {
             let framed = answer.bytes.start..answer.bytes.end + framing.len();
-            if framed.end > out.len() || !self.store.give_back(&answer.receipt) {
-                continue;
+            if let (Some(late_by), true) = (
+                now.checked_duration_since(answer.last_run),
+                framed.end <= out.len(),
+            ) {
+                late.push((framed, late_by, answer.to));
+                receipts.push(answer.receipt);
             }
+        }
+        if late.is_empty() {
+            return;
+        }
+        let given = self.store.give_back(receipts);
+        // Last first, so that the bytes of those before stay where they were written.
+        for ((framed, late_by, to), _) in late.into_iter().zip(given).rev().filter(|(_, g)| *g) {
             let mut rewritten = Vec::new();
-            let to = answer.to.to();
-            let message = InvalidInput::new(rules::answered_too_late(late.as_micros() as u64));
-            error(&mut rewritten, session.codec(), to, "unavailable", &message);
+            let message = InvalidInput::new(rules::answered_too_late(late_by.as_micros() as u64));
+            error(
+                &mut rewritten,
+                session.codec(),
+                to.to(),
+                "unavailable",
+                &message,
+            );
             frame(&mut rewritten);
             out.splice(framed, rewritten);
         }
@@ -270,19 +283,38 @@ mod tests {
         }
     }
 
+    /// A sync of `axis` to an allowance of `allowance`, with no deadline.
+    fn sync(axis: &str, allowance: f64) -> Value {
+        let key = json!({"exchange": "binance", "credential": "k1", "axis": axis});
+        json!({"op": "sync", "key": key, "allowance": allowance, "window_left_ms": 0})
+    }
+
     #[test]
-    fn a_late_answer_whose_bucket_moved_since_stays_as_it_was() {
+    fn a_late_answer_is_given_back_past_a_later_payment() {
         let service = service();
         let now = clock_us(&service);
         let mut batch = Batch::new(&service, false);
         batch.write(&check(1, "a", now + 300_000));
-        // Paid after it, with no deadline: nothing to settle.
+        // Its caller's retry, paid after it with no deadline: nothing to settle.
         batch.write(&without_deadline(check(2, "a", 0)));
         held_past(now, &service);
         let answers = batch.settle();
-        assert_eq!(answers[0]["result"], "admitted", "{}", answers[0]);
+        assert_eq!(answers[0]["error"]["type"], "unavailable", "{}", answers[0]);
         assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
-        assert!((borrowed(&service, "a") - 2.0).abs() < 1e-3);
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn a_late_answer_whose_bucket_was_synced_since_stays_as_it_was() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 300_000));
+        batch.write(&sync("a", 4.5));
+        held_past(now, &service);
+        let answers = batch.settle();
+        assert_eq!(answers[0]["result"], "admitted", "{}", answers[0]);
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
     }
 
     #[test]
@@ -311,13 +343,13 @@ mod tests {
         let mut batch = Batch::new(&service, false);
         batch.write(&many(1, ["a", "b"]));
         batch.write(&many(2, ["c", "d"]));
-        // Paid on `d` after it, with no deadline: nothing to settle.
-        batch.write(&without_deadline(check(3, "d", 0)));
+        // `d` synced after it.
+        batch.write(&sync("d", 4.5));
         held_past(now, &service);
         let answers = batch.settle();
         assert_eq!(answers[0]["error"]["type"], "unavailable", "{}", answers[0]);
         assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
-        for (axis, paid) in [("a", 0.0), ("b", 0.0), ("c", 1.0), ("d", 2.0)] {
+        for (axis, paid) in [("a", 0.0), ("b", 0.0), ("c", 1.0), ("d", 1.0)] {
             assert!((borrowed(&service, axis) - paid).abs() < 1e-3, "{axis}");
         }
     }
