@@ -53,7 +53,7 @@ pub(crate) struct Balance {
     told_until: u64,
     /// The owner, signature and place of its one booking.
     booking: Option<(u64, u64, u64)>,
-    era: u64,
+    era: u32,
     rewrites: u32,
     refunded: f64,
 }
@@ -88,7 +88,7 @@ pub(crate) struct Bucket {
     pub bookings: Vec<Booking>,
     /// Tells the key's buckets apart: each one made (first, or after a reset or a sweep)
     /// has its own.
-    era: u64,
+    era: u32,
     /// How many times its tokens were set otherwise than lowered by a payment or a debit
     /// (a definition or its taking back, a sync, a booking, bookings paid again): between
     /// two such moments, the tokens only grow by the refill and by refunds.
@@ -128,7 +128,7 @@ fn room_without(limit: &Limit, accrued: f64, others: f64, gone: &Booking) -> f64
 impl Bucket {
     /// A key first seen by a check at `now`, without a definition until one is paid; `era`
     /// is the shard's next.
-    pub fn seen(key: Key, hash: u64, now: u64, era: u64) -> Self {
+    pub fn seen(key: Key, hash: u64, now: u64, era: u32) -> Self {
         Self {
             key,
             hash,
@@ -144,7 +144,7 @@ impl Bucket {
         }
     }
 
-    pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64, era: u64) -> Self {
+    pub fn debt_only(key: Key, hash: u64, debt: f64, now: u64, era: u32) -> Self {
         Self {
             // From +0.0: no debt reads 0.0, not -0.0.
             base: 0.0 - debt,

@@ -41,13 +41,14 @@ static NEXT_TABLE_ID: AtomicU64 = AtomicU64::new(0);
 struct Shard {
     buckets: Buckets,
     stats: Stats,
-    /// The era of the next bucket made ([`Bucket::seen`]).
-    next_era: u64,
+    /// The era of the last bucket made ([`Bucket::seen`]).
+    next_era: u32,
 }
 
-/// The era for a bucket a shard makes now, from its `next_era`.
-fn new_era(next_era: &mut u64) -> u64 {
-    *next_era += 1;
+/// The era for a bucket a shard makes now, from its `next_era`. It wraps after 2^32
+/// buckets made in one shard: long after any receipt of the earlier bucket was settled.
+fn new_era(next_era: &mut u32) -> u32 {
+    *next_era = next_era.wrapping_add(1);
     *next_era
 }
 
@@ -559,7 +560,7 @@ impl<C: Clock> Table<C> {
     fn bucket<'s>(
         &self,
         buckets: &'s mut Buckets,
-        next_era: &mut u64,
+        next_era: &mut u32,
         item: &Item,
         now: u64,
     ) -> &'s mut Bucket {
