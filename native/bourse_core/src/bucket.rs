@@ -228,23 +228,47 @@ impl Bucket {
         self.bookings.clear();
     }
 
-    /// What may be given back of `cost`, paid at `after`'s last payment, if payments,
-    /// debits, refusals and refunds alone moved the bucket since (same era, no rewrite,
-    /// same definition, no booking): no more than the bucket without that payment would
-    /// hold more now. The tokens never grew but by the refill and the refunds after it, so
-    /// until now the bucket without it held at most `after`'s tokens, those and `cost`; the
-    /// cap took no more than what that sum passes the capacity by.
-    pub fn refundable(&self, after: &Balance, cost: f64, now: u64) -> Option<f64> {
+    /// What may be given back of `cost`, paid by the payment that took the bucket from
+    /// `before` to `after`, if that payment kept its definition and payments, debits,
+    /// refusals and refunds alone moved the bucket since (no rewrite, same definition, no
+    /// booking): no more than the bucket without that payment would hold more now, 0 when
+    /// the cap may have taken it all; 0 on a bucket made anew since. The tokens never grew but by the
+    /// refill and the refunds after it, so until now the bucket without it held at most
+    /// `after`'s tokens, those and `cost`; the cap took no more than what that sum passes
+    /// the capacity by.
+    pub fn refundable(
+        &self,
+        before: &Balance,
+        after: &Balance,
+        cost: f64,
+        now: u64,
+    ) -> Option<f64> {
+        if self.era != after.era {
+            // Made anew (after a sweep, which drops only full buckets, or a reset): nothing
+            // of the payment is left on it.
+            return Some(0.0);
+        }
         let limit = self.limit?;
-        let unchanged = self.era == after.era
-            && self.rewrites == after.rewrites
+        let unchanged = self.rewrites == after.rewrites
+            && before.limit == Some(limit)
             && after.limit == Some(limit)
             && after.booking.is_none()
             && self.bookings.is_empty();
         let grown =
             limit.refill_per_sec() * secs(after.base_at, now) + self.refunded - after.refunded;
         let given = cost.min(limit.capacity() - (after.base + grown));
-        (unchanged && given > 0.0).then_some(given)
+        unchanged.then_some(given.max(0.0))
+    }
+
+    /// Leaves `base` tokens at `now` after a payment or debit. One that leaves no trace (a
+    /// cost of 0, or below the tokens' precision, at the instant of the last) counts as a
+    /// rewrite, so that no payment before it is put back over it.
+    fn paid_to(&mut self, base: f64, now: u64) {
+        if base == self.base && now == self.base_at {
+            self.rewritten();
+        }
+        self.base = base;
+        self.base_at = now;
     }
 
     /// Gives back `tokens` ([`Bucket::refundable`]).
@@ -335,9 +359,8 @@ impl Bucket {
             self.limit_refunds(current.capacity().min(limit.capacity()) - start, now);
             self.rewritten();
         }
-        let after = (start.min(cap) + lead).min(cap) - cost;
-        self.base = after - lead;
-        self.base_at = now;
+        let after = (start.min(cap) + lead).min(cap) - cost - lead;
+        self.paid_to(after, now);
         self.limit = Some(limit);
     }
 
@@ -480,8 +503,7 @@ impl Bucket {
         match self.limit {
             Some(limit) => {
                 self.limit_refunds(limit.capacity() - self.accrued(&limit, now), now);
-                self.base = self.tokens(now) - cost;
-                self.base_at = now;
+                self.paid_to(self.tokens(now) - cost, now);
                 self.touch(now, 0);
             }
             None => {

@@ -52,7 +52,8 @@ impl Receipt {
 pub(crate) enum TakeBack {
     /// Nothing moved the bucket since: it is put back as it was.
     Whole,
-    /// Payments, debits or refusals alone moved it since: these tokens are given back
+    /// Payments, debits, refusals or refunds alone moved it since: these tokens (maybe
+    /// none, when the cap may have taken them all) are given back
     /// ([`Bucket::refundable`]).
     Refund(f64),
 }
@@ -72,7 +73,7 @@ impl Paid {
         if !refund {
             return None;
         }
-        let tokens = bucket.refundable(&self.after, self.cost, now)?;
+        let tokens = bucket.refundable(&self.before, &self.after, self.cost, now)?;
         Some(TakeBack::Refund(tokens))
     }
 

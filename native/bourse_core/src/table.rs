@@ -322,8 +322,8 @@ impl<C: Clock> Table<C> {
     /// each is put back as it was. Then, first paid first, those whose buckets payments,
     /// debits, refusals and refunds alone moved: each gives back as far as the buckets
     /// without it would hold it now ([`Bucket::refundable`]; a refund of an earlier payment
-    /// counts, so these go first). Never once anything else (a sync, a redefinition, a
-    /// booking, a reset) moved a bucket.
+    /// counts, so these go first), nothing on a bucket swept or reset since. Never once
+    /// anything else (a sync, a redefinition, a booking) moved a bucket.
     pub fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
         let mut given = vec![false; receipts.len()];
         for (receipt, given) in receipts.iter().zip(&mut given).rev() {
@@ -354,8 +354,12 @@ impl<C: Clock> Table<C> {
         let now = self.clock.now();
         let mut ways: SmallVec<[TakeBack; INLINE_CHECKS]> = SmallVec::new();
         for paid in &paid {
-            let bucket = Self::paid_bucket(&mut guards, paid);
-            match bucket.and_then(|bucket| paid.take_back_from(bucket, refund, now)) {
+            let how = match Self::paid_bucket(&mut guards, paid) {
+                Some(bucket) => paid.take_back_from(bucket, refund, now),
+                // Swept (it was full) or reset since: nothing of the payment is left.
+                None => refund.then_some(TakeBack::Refund(0.0)),
+            };
+            match how {
                 Some(how) => ways.push(how),
                 None => return false,
             }
@@ -582,12 +586,30 @@ impl<C: Clock> Table<C> {
     /// Debits `cost` from `key` without checking (usage spent elsewhere). On a key without
     /// a definition the debt waits for its first check.
     pub fn record_request(&self, key: KeyRef, cost: f64) {
+        self.debit(key, cost, None);
+    }
+
+    /// [`Table::record_request`], noting what it debited, for [`Table::give_back`] (nothing
+    /// on a key no check or debit made before).
+    pub fn record_request_receipted(&self, key: KeyRef, cost: f64) -> Receipt {
+        let mut receipt = Receipt::default();
+        self.debit(key, cost, Some(&mut receipt));
+        receipt
+    }
+
+    fn debit(&self, key: KeyRef, cost: f64, receipt: Option<&mut Receipt>) {
         let hash = self.hash(&key);
         let mut shard = self.lock(hash);
         let now = self.clock.now();
         shard.stats.debited += 1;
         match shard.buckets.find_mut(hash, Sought::Parts(key)) {
-            Some(bucket) => bucket.debit(cost, now),
+            Some(bucket) => {
+                let before = receipt.as_ref().and_then(|_| bucket.balance());
+                bucket.debit(cost, now);
+                if let Some(receipt) = receipt {
+                    receipt.note(bucket, before, cost);
+                }
+            }
             None => {
                 let era = new_era(&mut shard.next_era);
                 let bucket = Bucket::debt_only(key.to_owned_key(), hash, cost, now, era);

@@ -99,7 +99,14 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Takes back what checks paid ([`Store::check_receipted`]), given in the order they
+    /// Debits as [`Store::record_request`] does, at once, with what it debited, for
+    /// [`Store::give_back`]; `None` from a store that does not take back debits.
+    fn record_receipted(&self, _key: KeyRef<'_>, _cost: f64) -> Option<Receipt> {
+        None
+    }
+
+    /// Takes back what checks and debits paid ([`Store::check_receipted`],
+    /// [`Store::record_receipted`]), given in the order they
     /// were paid, each on all its buckets or none (as [`Table::give_back`] does); returns
     /// which it took back.
     fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
@@ -244,6 +251,10 @@ impl<C: Clock> Store for Memory<C> {
     ) -> Option<StoreResult<(Outcome, Receipt)>> {
         let checked = self.table.check_rates_receipted(owner, checks, mode);
         Some(checked.map_err(StoreError::Invalid))
+    }
+
+    fn record_receipted(&self, key: KeyRef<'_>, cost: f64) -> Option<Receipt> {
+        Some(self.table.record_request_receipted(key, cost))
     }
 
     fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {

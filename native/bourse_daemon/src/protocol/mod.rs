@@ -427,7 +427,12 @@ impl<S: Store> Service<S> {
                 })
             }
             Request::Record { key, cost } => {
-                Box::pin(store.record_request(key, cost, last_run)).await?;
+                // With a deadline, what it debits is noted, as a check's payment is.
+                let receipted = last_run.and_then(|_| store.record_receipted(key, cost));
+                match receipted {
+                    Some(debited) => *receipt = debited.can_give_back().then_some(debited),
+                    None => Box::pin(store.record_request(key, cost, last_run)).await?,
+                }
                 Answer::Done
             }
             Request::GetCost { key } => {

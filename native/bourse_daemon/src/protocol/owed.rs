@@ -294,13 +294,33 @@ mod tests {
         let service = service();
         let now = clock_us(&service);
         let mut batch = Batch::new(&service, false);
-        batch.write(&check(1, "a", now + 300_000));
+        // The key's definition, given before: a check that gave it is given back only whole.
+        batch.write(&without_deadline(check(1, "a", 0)));
+        batch.write(&check(2, "a", now + 300_000));
         // Its caller's retry, paid after it with no deadline: nothing to settle.
-        batch.write(&without_deadline(check(2, "a", 0)));
+        batch.write(&without_deadline(check(3, "a", 0)));
         held_past(now, &service);
         let answers = batch.settle();
-        assert_eq!(answers[0]["error"]["type"], "unavailable", "{}", answers[0]);
-        assert_eq!(answers[1]["result"], "admitted", "{}", answers[1]);
+        assert_eq!(answers[1]["error"]["type"], "unavailable", "{}", answers[1]);
+        assert_eq!(answers[2]["result"], "admitted", "{}", answers[2]);
+        assert!((borrowed(&service, "a") - 2.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn a_late_debit_is_given_back_and_unavailable() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&without_deadline(check(1, "a", 0)));
+        let mut record = check(2, "a", now + 300_000);
+        let fields = record.as_object_mut().unwrap();
+        fields.remove("limit");
+        fields.insert("op".into(), json!("record"));
+        fields.insert("cost".into(), json!(2));
+        batch.write(&record);
+        held_past(now, &service);
+        let answers = batch.settle();
+        assert_eq!(answers[1]["error"]["type"], "unavailable", "{}", answers[1]);
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
     }
 

@@ -6,7 +6,9 @@ defmodule Bourse.RateLimiter.Backend.StoppedDaemonTest do
   # or another connection's check, on that bucket before the late answer went out.
   # Before answers were settled, 12 to 14 of the 640 callers told :unavailable had paid;
   # before a late answer was given back past later payments, up to 15 (a key per caller)
-  # and 8 (one key over two connections).
+  # and 8 (one key over two connections); before a bucket with nothing left to give back
+  # (refilled past its capacity) let the others be given back, up to 21; before debits
+  # were given back, up to 18.
   use ExUnit.Case, async: false
 
   import Bourse.BackendCase, only: [start_daemon: 1, start_limiter: 1]
@@ -42,6 +44,45 @@ defmodule Bourse.RateLimiter.Backend.StoppedDaemonTest do
     assert_nothing_paid_for_unavailable(counts, paid, "one key, two connections")
   end
 
+  test "checks of a fast bucket beside a slow one never paid the slow one for :unavailable" do
+    {daemon, socket} = stopped_daemon()
+    names = [limiter(socket), limiter(socket)]
+    # Refilled past its capacity within any stop: nothing of it is left to give back.
+    fast = %{capacity: 1000, refill_per_sec: 1.0e6}
+
+    callers =
+      for i <- 1..@callers do
+        checks = [{{"stopped", "fast"}, fast, 1}, {{"stopped", "k#{i}"}, @limit, 1}]
+        {checks, Enum.at(names, rem(i, 2))}
+      end
+
+    for i <- 1..@callers,
+        do: :ok = RateLimiter.check_rate({"stopped", "k#{i}"}, @limit, 0, hd(names))
+
+    counts = check_through_stops(daemon, callers)
+
+    paid =
+      Enum.sum(
+        for i <- 1..@callers, do: RateLimiter.get_cost({"stopped", "k#{i}"}, nil, hd(names))
+      )
+
+    assert_nothing_paid_for_unavailable(counts, paid, "fast and slow bucket, two connections")
+  end
+
+  test "debits told :unavailable were not debited" do
+    {daemon, socket} = stopped_daemon()
+    names = [limiter(socket), limiter(socket)]
+    keys = for i <- 1..@callers, do: {"stopped", "k#{i}"}
+    for key <- keys, do: :ok = RateLimiter.check_rate(key, @limit, 0, hd(names))
+
+    callers =
+      for {key, i} <- Enum.with_index(keys), do: {{:debit, key}, Enum.at(names, rem(i, 2))}
+
+    counts = check_through_stops(daemon, callers)
+    paid = keys |> Enum.map(&RateLimiter.get_cost(&1, nil, hd(names))) |> Enum.sum()
+    assert_nothing_paid_for_unavailable(counts, paid, "debits, two connections")
+  end
+
   defp stopped_daemon do
     socket =
       Path.join(System.tmp_dir!(), "bourse_stopped_#{System.unique_integer([:positive])}.sock")
@@ -58,8 +99,9 @@ defmodule Bourse.RateLimiter.Backend.StoppedDaemonTest do
     name
   end
 
-  # Runs a caller per `{key, limiter}` until the daemon was stopped and resumed @stops
-  # times; returns each caller's admitted and :unavailable counts.
+  # Runs a caller per `{what, limiter}` (a key to check, `{:debit, key}` or a list of
+  # checks for `check_rates/2`) until the daemon was stopped and resumed @stops times;
+  # returns each caller's admitted and :unavailable counts.
   defp check_through_stops(daemon, callers) do
     running = :atomics.new(1, [])
     :atomics.put(running, 1, 1)
@@ -98,17 +140,21 @@ defmodule Bourse.RateLimiter.Backend.StoppedDaemonTest do
     assert paid - admitted <= missed_by_load + 0.01
   end
 
-  defp check_until_stopped(key, name, running, {admitted, unavailable} = counts) do
+  defp check_until_stopped(what, name, running, {admitted, unavailable} = counts) do
     if :atomics.get(running, 1) == 0 do
       counts
     else
-      case RateLimiter.check_rate(key, @limit, 1, name) do
+      case call(what, name) do
         :ok ->
-          check_until_stopped(key, name, running, {admitted + 1, unavailable})
+          check_until_stopped(what, name, running, {admitted + 1, unavailable})
 
         {:error, %Error{type: :unavailable}} ->
-          check_until_stopped(key, name, running, {admitted, unavailable + 1})
+          check_until_stopped(what, name, running, {admitted, unavailable + 1})
       end
     end
   end
+
+  defp call({:debit, key}, name), do: RateLimiter.record_request(key, 1, name)
+  defp call(checks, name) when is_list(checks), do: RateLimiter.check_rates(checks, name)
+  defp call(key, name), do: RateLimiter.check_rate(key, @limit, 1, name)
 end
