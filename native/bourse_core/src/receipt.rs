@@ -4,8 +4,8 @@
 use crate::bucket::{Balance, Bucket};
 use crate::key::Key;
 
-/// The buckets a check paid on, each with its balance before and after the payment and
-/// the cost paid. A payment beside other bookings moves their refunds, which cannot be put
+/// The buckets a check (or a debit) paid on, each with its balance before and after the
+/// payment and the cost paid. A payment beside other bookings moves their refunds, which cannot be put
 /// back exactly: a check that paid on such a bucket is never given back (its receipt is
 /// partial).
 #[derive(Debug, Default)]

@@ -316,8 +316,9 @@ impl<C: Clock> Table<C> {
         Ok((unbounded(checked)?, receipt))
     }
 
-    /// Takes back what checks paid ([`Table::check_rates_receipted`]), given in the order
-    /// they were paid; returns which it took back, each on all its buckets or none. First,
+    /// Takes back what checks and debits paid ([`Table::check_rates_receipted`],
+    /// [`Table::record_request_receipted`]), given in the order they were paid; returns
+    /// which it took back, each on all its buckets or none. First,
     /// latest first, those whose buckets nothing moved since (but payments taken back):
     /// each is put back as it was. Then, first paid first, those whose buckets payments,
     /// debits, refusals and refunds alone moved: each gives back as far as the buckets
