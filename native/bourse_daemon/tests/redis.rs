@@ -933,20 +933,22 @@ fn several_daemons_share_one_bucket() {
 #[test]
 fn checks_pipelined_by_other_connections_do_not_hold_a_client_past_its_timeout() {
     let Some(redis) = Redis::start() else { return };
-    let server = daemon(&redis, &["--redis-timeout-ms", "1000"]);
+    // A timeout that a loaded machine's own delays stay well within, and floods of more
+    // work than it: behind them all, the other client's checks would still be refused.
+    let server = daemon(&redis, &["--redis-timeout-ms", "2000"]);
     let roomy = json!({"capacity": 1e9, "refill_per_sec": 1e9});
-    // Four connections, each 300 calls of 200 buckets: seconds of Redis work.
+    // Four connections, each 600 calls of 200 buckets: about 5 s of Redis work.
     let floods: Vec<_> = (0..4)
         .map(|flooder| {
             let checks: Vec<Value> = (0..200)
                 .map(|i| json!({"key": key("flood", Some(&format!("{flooder}-{i}"))), "limit": roomy}))
                 .collect();
             let mut frames = Vec::new();
-            for id in 0..300 {
+            for id in 0..600 {
                 frames.extend(serde_json::to_vec(&json!({"id": id, "op": "check_many", "checks": checks})).unwrap());
                 frames.push(b'\n');
             }
-            pipelined(&server, frames, 300)
+            pipelined(&server, frames, 600)
         })
         .collect();
     another_client_is_served(&server, &roomy, floods);

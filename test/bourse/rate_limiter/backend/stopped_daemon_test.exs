@@ -21,9 +21,11 @@ defmodule Bourse.RateLimiter.Backend.StoppedDaemonTest do
   @moduletag timeout: 120_000
 
   @callers 16
-  # Each stop may also fall between a batch's settling and its writing, which no daemon
-  # can settle (docs/PROTOCOL.md, "Deadlines"): one of 160 stops over two connections did
-  # in one run (8 paid). The counts below were measured with 40 stops per test.
+  # A stop may also fall between a batch's settling and its writing, or the load may keep
+  # a connection from reading answers sent in time, as in one run of 160 stops (8 paid:
+  # one connection's callers, no :unavailable beyond the stops'); neither can the daemon
+  # settle (docs/CONTRACT.md, "Stores"). Fewer stops make it rarer. The counts below were
+  # measured with 40 stops per test.
   @stops 24
   # Nothing refills within the test's tolerance: what a bucket lent is what it paid.
   @limit %{capacity: 1.0e6, refill_per_sec: 1.0e-6}
