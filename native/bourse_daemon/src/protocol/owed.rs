@@ -1,4 +1,4 @@
-//! Answers of checks that paid, written but not sent yet. A transport settles them right
+//! Answers of checks and debits that paid, written but not sent yet. A transport settles them right
 //! before it sends ([`Service::settle`]): one sent past its check's last moment to run (the
 //! daemon was stopped or starved between running the check and sending) could reach a
 //! caller who stopped waiting, and who was told `unavailable`. Its payment is taken back
@@ -63,8 +63,9 @@ impl Owed {
 
 impl<S: Store> Service<S> {
     /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
-    /// it was written) is sent whole: the answers of checks past their last moment to run
-    /// are taken back ([`Store::give_back`]) and rewritten as `unavailable`; one that
+    /// it was written) is sent whole: the answers of checks and debits past their last
+    /// moment to run are taken back ([`Store::give_back`]) and rewritten as `unavailable`;
+    /// one that
     /// cannot be taken back (its buckets moved since otherwise than by payments, debits,
     /// refusals and refunds, or held another booking) stays as true as it was.
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
