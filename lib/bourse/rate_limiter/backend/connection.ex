@@ -24,10 +24,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   Whoever takes a route from the table answers its caller: this process with the answer or
   the failure of the stream, or the caller itself when it gives up at its deadline. A caller
-  that gave up deactivates its alias first, so an answer that comes later goes nowhere; the
-  route of a caller that died goes with its answer, or, if it died before its request was
-  written, with the routes this process drops once past their caller's deadline (it looks
-  every timeout, or every 100 ms when the timeout is shorter).
+  giving up whose route this process took already takes the answer sent right after (it
+  may have paid); one that took its route itself deactivates its alias, so an answer that
+  comes later goes nowhere. Such an answer, if it paid, is asked back of the daemon
+  (`give_back`, docs/PROTOCOL.md, "Deadlines"): the daemon gives back what it sent past
+  the request's last moment to run. The route of a caller that died goes with its answer,
+  or, if it died before its request was written, with the routes this process drops a
+  second past their caller's deadline (it looks every timeout, or every 100 ms when the
+  timeout is shorter).
 
   Each request carries its caller's deadline on the daemon's clock (docs/PROTOCOL.md,
   "Deadlines"), placed with the offset between that clock and this one that the hellos
@@ -37,7 +41,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   When the stream breaks, every caller waiting gets
   `{:error, %Bourse.Error{type: :unavailable}}` at once, and so does every call until the
-  stream is back; a caller waits at most its timeout, never longer:
+  stream is back; a caller waits at most its timeout, never longer (unless the connection
+  was handing it its answer at that moment: then it takes that answer, sent right after):
 
     * a port is reopened at once, with `--assume-busy-at-start` (docs/CONTRACT.md, P6: the new table
       admits no more than a fresh limiter that assumed every bucket busy at start);
@@ -58,7 +63,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   alias Bourse.RateLimiter.CallDeadline
   alias Bourse.RateLimiter.Backend.Connection.{PortStream, SocketStream}
 
-  @enforce_keys [:pid, :table, :pauses, :owner_prefix, :timeout]
+  @enforce_keys [:pid, :table, :pauses, :owner_prefix, :timeout, :config]
   defstruct @enforce_keys ++ [booking_slack_ms: nil, daemon: "bourse_daemon"]
 
   @typedoc """
@@ -67,7 +72,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   their own, so that the table of requests tells a caller alone in flight), the prefix
   that makes booking owners unique among every client of
   the daemon, how long a caller waits for an answer, the booking slack its waiters name
-  (`nil`: the daemon's own), and which daemon it is, for messages.
+  (`nil`: the daemon's own), which daemon it is, for messages, and a digest of its target
+  and secrets (a limiter started again under the name adopts the connection only with the
+  same ones).
   """
   @type t :: %__MODULE__{
           pid: pid(),
@@ -76,7 +83,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
           owner_prefix: String.t(),
           timeout: pos_integer(),
           booking_slack_ms: non_neg_integer() | nil,
-          daemon: String.t()
+          daemon: String.t(),
+          config: binary()
         }
 
   @typedoc "What to connect to: the daemon binary with its arguments, or a server address."
@@ -90,6 +98,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
   @min_route_sweep_ms 100
+  # A route still there this long past its caller's deadline is a dead caller's.
+  @dead_route_ms 1_000
+  # A caller whose route the connection took as it gave up waits this long at most for the
+  # answer the connection sends right after.
+  @handover_ms 100
   # An answer this late is slow: meanwhile the caller judges its input (`request/3`), and
   # an `:unavailable` one answers the later requests of its call (`CallDeadline`).
   @slow_ms 50
@@ -105,8 +118,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   @doc """
   Returns a handle on a connection to `target` for the calling limiter process: the
-  `previous` handle if its connection is alive and connected to the same target (it is
-  adopted: linked to the caller), else a new connection.
+  `previous` handle if its connection is alive and connected to the same target with the
+  same secrets (it is adopted: linked to the caller), else a new connection.
 
   Options: `:timeout` (ms a caller waits for an answer), `:assume_busy_at_start` (a
   port's daemon is started with `--assume-busy-at-start`; always when it replaces a
@@ -124,25 +137,30 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     pauses = remembered_pauses(previous)
 
     timeout = Keyword.fetch!(opts, :timeout)
+    config = config_digest(target, opts)
 
-    if adopt(pid, target, timeout) == :ok do
+    if adopt(pid, config, timeout) == :ok do
       {:ok,
        %{previous | timeout: timeout, booking_slack_ms: Keyword.get(opts, :booking_slack_ms)}}
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
       # The pauses asked of the previous daemon are asked of the new one, as of a daemon
-      # restarted under the same connection.
-      opts = Keyword.merge(opts, assume_busy_at_start: busy, restart: true, pauses: pauses)
+      # restarted under the same connection. Only the same target and secrets make a
+      # restart: other ones are a new configuration, refused at start if wrong.
+      restart = previous.config == config
+      opts = Keyword.merge(opts, assume_busy_at_start: busy, restart: restart, pauses: pauses)
       attach(nil, target, opts)
     end
   end
 
   def attach(nil, target, opts) do
     timeout = Keyword.fetch!(opts, :timeout)
+    config = config_digest(target, opts)
 
     init_arg =
       {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
-       Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon, :pauses])}
+       [config: config] ++
+         Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon, :pauses])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {table, pauses} = GenServer.call(pid, :tables)
@@ -155,7 +173,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
          owner_prefix: owner_prefix(),
          timeout: timeout,
          booking_slack_ms: Keyword.get(opts, :booking_slack_ms),
-         daemon: transport(target).describe(target)
+         daemon: transport(target).describe(target),
+         config: config
        }}
     end
   end
@@ -173,11 +192,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     ArgumentError -> []
   end
 
-  defp adopt(pid, target, timeout) do
-    GenServer.call(pid, {:adopt, self(), target, timeout})
+  defp adopt(pid, config, timeout) do
+    GenServer.call(pid, {:adopt, self(), config, timeout})
   catch
     :exit, _ -> :gone
   end
+
+  # What a connection is to and with: its target and its secrets (`:env`, `:secret`), as a
+  # SHA-256 digest, so that no secret travels in a message or stays in a handle.
+  defp config_digest(target, opts),
+    do: :crypto.hash(:sha256, :erlang.term_to_binary({target, opts[:env], opts[:secret]}))
 
   @doc """
   Sends one request (a map, see `encode/2`) and returns the daemon's answer, decoded, or
@@ -309,15 +333,25 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  # An answer (or a failure) sent before the alias went away still counts; else `error`.
+  # The caller stops waiting, with `error` as its answer, unless the connection took its
+  # route first: then the answer (or the stream's failure) is sent right after, and is
+  # taken, for it may have paid. An answer that comes once the alias is gone goes nowhere.
   defp give_up(handle, {id, reply_to, _deadline}, error) do
+    wait = if :ets.take(handle.table, id) == [], do: @handover_ms, else: 0
+
+    answer =
+      receive do
+        {^reply_to, answer} -> answer
+      after
+        wait -> error
+      end
+
     :erlang.unalias(reply_to)
-    :ets.delete(handle.table, id)
 
     receive do
       {^reply_to, answer} -> answer
     after
-      0 -> error
+      0 -> answer
     end
   end
 
@@ -455,6 +489,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
     state = %{
       target: target,
+      config: Keyword.fetch!(extra, :config),
       transport: transport(target),
       timeout: timeout,
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
@@ -536,17 +571,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @impl true
   def handle_call(:tables, _from, state), do: {:reply, {state.table, state.pauses}, state}
 
-  def handle_call({:adopt, limiter, target, timeout}, _from, %{target: target} = state) do
+  def handle_call({:adopt, limiter, config, timeout}, _from, %{config: config} = state) do
     Process.link(limiter)
     if state.orphan_timer, do: Process.cancel_timer(state.orphan_timer)
     {:reply, :ok, %{state | limiter: limiter, orphan_timer: nil, timeout: timeout}}
   end
 
-  def handle_call({:adopt, _limiter, _target, _timeout}, _from, %{limiter: nil} = state) do
+  def handle_call({:adopt, _limiter, _config, _timeout}, _from, %{limiter: nil} = state) do
     {:stop, :normal, :other_target, state}
   end
 
-  def handle_call({:adopt, _limiter, _target, _timeout}, _from, state),
+  def handle_call({:adopt, _limiter, _config, _timeout}, _from, state),
     do: {:reply, :other_target, state}
 
   # Any process can call or cast to this one: what is not its own is ignored, as the
@@ -627,10 +662,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # The routes of callers killed between noting them and writing: no answer comes for them.
-  # And the rows of callers killed as they wrote or read the socket themselves.
+  # (A live caller takes its own route at its deadline.) And the rows of callers killed as
+  # they wrote or read the socket themselves.
   def handle_info(:drop_late_routes, state) do
     now = System.monotonic_time(:millisecond)
-    late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", now}], [true]}]
+    dead_by = now - @dead_route_ms
+    late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", dead_by}], [true]}]
     :ets.select_delete(state.table, late)
     :ets.select_delete(state.pauses, [{{:_, :"$1"}, [{:>, :"$1", -now}], [true]}])
 
@@ -837,11 +874,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       {:ok, id, answer} ->
         case :ets.take(state.table, id) do
-          [{^id, {reply_to, _deadline}}] -> send(reply_to, {reply_to, answer})
-          [] -> dropped(state)
-        end
+          [{^id, {reply_to, _deadline}}] ->
+            send(reply_to, {reply_to, answer})
+            {:ok, state}
 
-        {:ok, state}
+          [] ->
+            dropped(state)
+            {:ok, ask_back(state, id, answer)}
+        end
 
       # Without an id, about the connection: the daemon refuses it (past its
       # --max-connections) and closes it next. Its callers learn why.
@@ -862,6 +902,23 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # answers hold keys, and keys hold API keys.
   defp dropped(state),
     do: Logger.debug("#{describe(state)}: dropped an answer no caller waits for")
+
+  # What a request whose caller gave up (and was told `:unavailable`) paid is asked back:
+  # the daemon gives it back if it sent the answer past the request's last moment to run.
+  # Its answer (id 0, as a keepalive's hello) tells nothing the caller needs.
+  defp ask_back(state, id, answer) when id > 0 do
+    case answer(answer, id) do
+      %{"ok" => true} ->
+        give_back = encode(0, %{op: "give_back", of: id})
+        frame = {0, PortStream.frame(give_back, byte_size(give_back))}
+        write_pending(%{state | pending: [frame | state.pending]})
+
+      _unpaid ->
+        state
+    end
+  end
+
+  defp ask_back(state, _id, _answer), do: state
 
   # The daemon read `clock_us` on its clock before this moment: its clock is at least that
   # far ahead of this one. The tightest such bound since the stream opened is kept, so a

@@ -36,7 +36,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   own; a trailing newline is ignored; a TCP daemon's secret is 16 to 4096 bytes) or else
   from the environment variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that
   answers at start and refuses that secret (or asks for one when none was given) fails
-  its first start with `:invalid_parameters`. Answers never hold an API key: `busiest`
+  its start with `:invalid_parameters`, unless it is a restart with the same address and
+  secret (a limiter restarted by its supervisor then answers `:unavailable`). Answers never hold an API key: `busiest`
   shows fingerprints (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined

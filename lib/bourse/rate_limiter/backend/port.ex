@@ -72,7 +72,9 @@ defmodule Bourse.RateLimiter.Backend.Port do
         env: Keyword.get(opts, :env, [])
       )
     else
-      {:error, "bourse_daemon not found at #{executable}: run mix compile"}
+      {:error,
+       "bourse_daemon not found at #{executable}: `mix compile` builds it into :bourse's " <>
+         "priv/native, and `mix release` copies it from there"}
     end
   end
 

@@ -30,7 +30,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   `?p%61ssword=`, a `pass` or `password` field in another letter case such as `?PASS=`,
   any `unix://` userinfo), a user name without a password
   (`redis://NAME@host` or `redis://NAME:@host`, which authenticate nothing: most often a
-  password missing its colon, or with the colon on the wrong side), spaces or control
+  password missing its colon, or with the colon on the wrong side) unless `:password_file`
+  gives its password, spaces or control
   characters, a fragment, an `@` after the host (percent-encode `/`, `?` and `#` in a
   password), no `//` after the scheme. TLS (`rediss://`) is not supported: reach a Redis
   that requires it through a local TLS tunnel. Redis key names hold keyed fingerprints of credentials, never API keys
@@ -45,7 +46,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
       told `:unavailable` by then pays nothing. Callers wait for the daemon itself at most
       four times this, and at least 5 s;
     * `:password_file` – a file holding the Redis password (a trailing newline is not part
-      of it), instead of one in the URL: the daemon reads it at each start
+      of it), instead of one in the URL (the URL may name its ACL user,
+      `redis://USER@host:port`): the daemon reads it at each start
       (`--redis-password-file`), so neither the limiter's options nor its state hold the
       password. A file it cannot read, or that holds nothing or no UTF-8 text, fails the
       start with `:invalid_parameters`, naming the file.
@@ -226,7 +228,7 @@ defmodule Bourse.RateLimiter.Backend.Redis do
          {:ok, prefix} <- prefix(Keyword.get(opts, :prefix, @default_prefix)),
          {:ok, timeout} <-
            redis_timeout(Keyword.get(opts, :redis_timeout_ms, @default_redis_timeout_ms)),
-         :ok <- no_bare_user(url),
+         :ok <- no_bare_user(url, Keyword.has_key?(opts, :password_file)),
          {url, password} = without_password(url),
          :ok <- no_password_left(url),
          :ok <- utf8_password(password),
@@ -285,22 +287,25 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   # after it) authenticates nothing (a client sends AUTH only with a password) and would
   # go on the command line: most often a password without its colon, or with the colon on
   # the wrong side, so it is refused, and not shown.
-  defp no_bare_user(seeds) when is_list(seeds),
-    do: seeds |> Enum.map(&no_bare_user/1) |> Enum.find(:ok, &(&1 != :ok))
+  # A user alone (`NAME@`) takes its password from the password file, if one is given.
+  defp no_bare_user(seeds, password_file?) when is_list(seeds),
+    do: seeds |> Enum.map(&no_bare_user(&1, password_file?)) |> Enum.find(:ok, &(&1 != :ok))
 
-  defp no_bare_user(url) do
+  defp no_bare_user(url, password_file?) do
+    bare = if password_file?, do: [[""]], else: [[], [""]]
     [scheme, rest] = String.split(url, "://", parts: 2)
     {authority, _tail} = split_at_first(rest, ["/", "?", "#"])
 
     with "redis" <- String.downcase(scheme),
          [_ | _] = ats <- :binary.matches(authority, "@"),
          {at, 1} = List.last(ats),
-         [user | password] when user != "" and password in [[], [""]] <-
-           String.split(binary_part(authority, 0, at), ":", parts: 2) do
+         [user | password] when user != "" <-
+           String.split(binary_part(authority, 0, at), ":", parts: 2),
+         true <- password in bare do
       {:error,
        "the Redis URL names a user without a password (not shown): a password is " <>
          "written after a colon, redis://:PASSWORD@host:port or " <>
-         "redis://USER:PASSWORD@host:port"}
+         "redis://USER:PASSWORD@host:port, or given in password_file:"}
     else
       _ -> :ok
     end

@@ -24,6 +24,8 @@ pub enum Answer {
     Proved(Option<String>),
     Swept(usize),
     Busiest(Vec<(ShownKey, KeyInfo)>),
+    /// Whether a `give_back` found what it names and gave it back.
+    GivenBack(bool),
 }
 
 /// What a `hello` tells the client.
@@ -117,6 +119,7 @@ pub fn encode(out: &mut Vec<u8>, codec: Codec, to: To, answer: Answer) {
         Answer::Proved(None) => json!({"ok": true}),
         Answer::Proved(Some(proof)) => json!({"ok": true, "proof": proof}),
         Answer::Swept(dropped) => json!({"ok": true, "dropped": dropped}),
+        Answer::GivenBack(given) => json!({"ok": true, "given_back": given}),
         Answer::Busiest(rows) => json!({
             "ok": true,
             "keys": rows

@@ -481,6 +481,7 @@ impl<S: Store> Service<S> {
             }
             Request::Stats => Answer::Stats(Box::pin(store.stats(last_run)).await?),
             Request::Sweep => Answer::Swept(store.sweep()),
+            Request::GiveBack { of } => Answer::GivenBack(self.give_back_overdue(session, of)),
         })
     }
 

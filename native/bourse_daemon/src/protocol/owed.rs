@@ -3,10 +3,16 @@
 //! daemon was stopped or starved between running the check and sending) could reach a
 //! caller who stopped waiting, and who was told `unavailable`. Its payment is taken back
 //! and its answer becomes `unavailable`, so that such a caller never pays.
+//!
+//! One settled in time may still be sent late: the daemon was stopped after settling and
+//! before the bytes left. Such answers are kept for a while ([`OVERDUE_KEPT`]), and the
+//! client, which alone knows its caller stopped waiting, may ask for one back by its id
+//! (`give_back`, [`Service::give_back_overdue`]).
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bourse_core::{rules, InvalidInput, Receipt};
 use serde_json::Value;
@@ -15,9 +21,55 @@ use super::answer::{error, To};
 use super::{Service, Session};
 use crate::store::Store;
 
-/// The answers a session owes, in the order written.
+/// How long an answer sent past its last moment to run may be asked back.
+pub const OVERDUE_KEPT: Duration = Duration::from_secs(10);
+
+/// At most this many such answers are kept per connection, the oldest dropped first.
+pub const MAX_OVERDUE: usize = 4096;
+
+/// The answers a session owes, in the order written, and those it sent.
 #[derive(Default)]
-pub struct Owed(Mutex<Vec<Unsent>>);
+pub struct Owed(Mutex<Ledger>);
+
+#[derive(Default)]
+struct Ledger {
+    unsent: Vec<Unsent>,
+    /// Settled in time at the last settling and sent since.
+    sent: Vec<Unsent>,
+    /// Sent past their last moment to run, by id.
+    overdue: VecDeque<Overdue>,
+}
+
+struct Overdue {
+    id: Value,
+    receipt: Receipt,
+    kept_until: Instant,
+}
+
+impl Ledger {
+    /// Keeps, of the answers sent by `now`, those past their last moment to run. Sent at
+    /// some moment before `now`, an answer may be kept that went out in time: its caller
+    /// took it, and will not ask for it back.
+    fn note_sent(&mut self, now: Instant) {
+        for answer in self.sent.drain(..) {
+            if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
+                self.overdue.push_back(Overdue {
+                    id,
+                    receipt: answer.receipt,
+                    kept_until: answer.last_run + OVERDUE_KEPT,
+                });
+            }
+        }
+        while self.overdue.len() > MAX_OVERDUE
+            || self
+                .overdue
+                .front()
+                .is_some_and(|kept| kept.kept_until < now)
+        {
+            self.overdue.pop_front();
+        }
+    }
+}
 
 struct Unsent {
     /// Where it was written in the transport's buffer, before framing.
@@ -48,7 +100,7 @@ impl Owed {
             To::Id(id) => Recipient::Id(id.cloned()),
             To::Frame(number) => Recipient::Frame(number),
         };
-        self.lock().push(Unsent {
+        self.lock().unsent.push(Unsent {
             bytes,
             last_run,
             receipt,
@@ -56,12 +108,26 @@ impl Owed {
         });
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Unsent>> {
+    fn lock(&self) -> MutexGuard<'_, Ledger> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl<S: Store> Service<S> {
+    /// Gives back what the request `of` paid, if its answer was sent on `session` past its
+    /// last moment to run, within [`OVERDUE_KEPT`], and not asked back already. Only its
+    /// client may ask: the caller stopped waiting before the answer came, and was told
+    /// `unavailable`. True if it was given back.
+    pub fn give_back_overdue(&self, session: &Session, of: &Value) -> bool {
+        let receipt = {
+            let mut ledger = session.owed.lock();
+            ledger.note_sent(Instant::now());
+            let found = ledger.overdue.iter().position(|kept| kept.id == *of);
+            found.and_then(|at| ledger.overdue.remove(at))
+        };
+        receipt.is_some_and(|kept| self.store.give_back(vec![kept.receipt]) == [true])
+    }
+
     /// Settles what `session` owes before `out` (its answers, each framed by `frame` after
     /// it was written) is sent whole: the answers of checks and debits past their last
     /// moment to run are taken back ([`Store::give_back`]) and rewritten as `unavailable`;
@@ -69,25 +135,31 @@ impl<S: Store> Service<S> {
     /// cannot be taken back (its buckets moved since otherwise than by payments, debits,
     /// refusals and refunds, or held another booking) stays as true as it was.
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
-        let mut owed = session.owed.lock();
-        if owed.is_empty() {
+        let mut guard = session.owed.lock();
+        let ledger = &mut *guard;
+        if ledger.unsent.is_empty() && ledger.sent.is_empty() {
             return;
         }
+        let now = Instant::now();
+        ledger.note_sent(now);
         // Framing adds as many bytes to every answer: a line's end, or a length before it.
         let mut framing = Vec::new();
         frame(&mut framing);
-        let now = Instant::now();
         let (mut late, mut receipts) = (Vec::new(), Vec::new());
-        for answer in owed.drain(..) {
+        for answer in ledger.unsent.drain(..) {
             let framed = answer.bytes.start..answer.bytes.end + framing.len();
-            if let (Some(late_by), true) = (
-                now.checked_duration_since(answer.last_run),
-                framed.end <= out.len(),
-            ) {
-                late.push((framed, late_by, answer.to));
-                receipts.push(answer.receipt);
+            if framed.end > out.len() {
+                continue;
+            }
+            match now.checked_duration_since(answer.last_run) {
+                Some(late_by) => {
+                    late.push((framed, late_by, answer.to));
+                    receipts.push(answer.receipt);
+                }
+                None => ledger.sent.push(answer),
             }
         }
+        drop(guard);
         if late.is_empty() {
             return;
         }
@@ -179,8 +251,8 @@ mod tests {
             self.out = out;
         }
 
-        /// Settles the batch, then reads its answers back.
-        fn settle(mut self) -> Vec<Value> {
+        /// Settles the batch, then reads its answers back (the batch is then sent).
+        fn settle(&mut self) -> Vec<Value> {
             let prefixed = self.prefixed;
             let frame = |answer: &mut Vec<u8>| match prefixed {
                 true => {
@@ -210,6 +282,7 @@ mod tests {
                 answers.push(answer);
                 rest = next;
             }
+            self.out.clear();
             answers
         }
     }
@@ -373,6 +446,50 @@ mod tests {
         for (axis, paid) in [("a", 0.0), ("b", 0.0), ("c", 1.0), ("d", 1.0)] {
             assert!((borrowed(&service, axis) - paid).abs() < 1e-3, "{axis}");
         }
+    }
+
+    #[test]
+    fn an_answer_sent_past_its_last_moment_is_given_back_once_when_its_client_asks() {
+        for etf in [false, true] {
+            let service = service();
+            let now = clock_us(&service);
+            let mut batch = Batch::new(&service, etf);
+            batch.write(&check(1, "a", now + 300_000));
+            batch.write(&check(2, "b", now + 60_000_000));
+            let answers = batch.settle();
+            assert_eq!(
+                (&answers[0]["result"], &answers[1]["result"]),
+                (&json!("admitted"), &json!("admitted"))
+            );
+            // Stopped after settling, before the bytes left: sent past the last moment.
+            held_past(now, &service);
+            for (of, given) in [(1, true), (1, false), (2, false), (77, false)] {
+                batch.write(&json!({"op": "give_back", "id": 9, "of": of}));
+                let answer = &batch.settle()[0];
+                assert_eq!(
+                    (&answer["given_back"], &answer["id"]),
+                    (&json!(given), &json!(9)),
+                    "{of}"
+                );
+            }
+            assert_eq!(borrowed(&service, "a"), 0.0);
+            assert!((borrowed(&service, "b") - 1.0).abs() < 1e-3);
+        }
+    }
+
+    #[test]
+    fn an_answer_asked_back_before_its_last_moment_went_out_in_time_and_stays_paid() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 300_000));
+        batch.settle();
+        batch.write(&json!({"op": "give_back", "id": 9, "of": 1}));
+        assert_eq!(batch.settle()[0]["given_back"], json!(false));
+        held_past(now, &service);
+        batch.write(&json!({"op": "give_back", "id": 9, "of": 1}));
+        assert_eq!(batch.settle()[0]["given_back"], json!(false));
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
     }
 
     #[test]

@@ -82,6 +82,11 @@ pub enum Request<'a> {
     },
     Stats,
     Sweep,
+    /// Asks back what an earlier request on the connection paid, whose answer came after
+    /// its caller stopped waiting: `of` is that request's id.
+    GiveBack {
+        of: &'a Value,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -241,6 +246,12 @@ impl<'a> Request<'a> {
                 fields(&[], "a sweep request")?;
                 Self::Sweep
             }
+            "give_back" => {
+                fields(&["of"], "a give_back request")?;
+                Self::GiveBack {
+                    of: required(request, "of")?,
+                }
+            }
             "hello" => {
                 fields(&["codec"], "a hello request")?;
                 let codec = match request.get("codec") {
@@ -277,7 +288,7 @@ impl<'a> Request<'a> {
                 return Err(envelope(format!(
                     "unknown op {}; expected one of check, check_many, record, get_cost, sync, \
                      reset, reset_exchange, reset_all, pause, back_off, reset_backoff, inspect, \
-                     busiest, stats, sweep, hello, auth",
+                     busiest, stats, sweep, give_back, hello, auth",
                     name_of(op)
                 )))
             }

@@ -87,7 +87,14 @@ defmodule Bourse.RateLimiter.Backend.ConnectionAnswersTest do
 
   test "each handle's owner in the calling process carries that handle's prefix" do
     handle = fn prefix ->
-      %Connection{pid: self(), table: nil, pauses: nil, owner_prefix: prefix, timeout: 1}
+      %Connection{
+        pid: self(),
+        table: nil,
+        pauses: nil,
+        owner_prefix: prefix,
+        timeout: 1,
+        config: ""
+      }
     end
 
     me = List.to_string(:erlang.pid_to_list(self()))

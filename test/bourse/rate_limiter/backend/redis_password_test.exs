@@ -115,6 +115,25 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute_password_shown(line)
   end
 
+  test "a user named in the URL takes its password from the password_file" do
+    redis = start_redis()
+    {:ok, socket} = :gen_tcp.connect(~c"127.0.0.1", redis.port, [:binary, active: false])
+
+    :ok =
+      :gen_tcp.send(socket, "AUTH #{@password}\r\nACL SETUSER alice on >alice-pw ~* +@all\r\n")
+
+    assert {:ok, "+OK\r\n+OK\r\n"} = :gen_tcp.recv(socket, 10, 2_000)
+    :gen_tcp.close(socket)
+
+    url = "redis://alice@127.0.0.1:#{redis.port}"
+    name = start_limiter({:redis, url, password_file: password_file("alice-pw\n")})
+    assert :ok = RateLimiter.check_rate({"binance", "alice"}, @limit, 1, name)
+    assert_start_refused(url, password_file(@password), "it refused the password given")
+
+    assert {:error, message} = RateLimiter.Backend.Redis.options(url, [])
+    assert message =~ "names a user without a password"
+  end
+
   test "a password_file that cannot be read, holds nothing, or holds a password Redis refuses fails the start, naming the file and not the password" do
     redis = start_redis()
     url = "redis://127.0.0.1:#{redis.port}"
