@@ -128,8 +128,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   in Redis: a daemon started again finds them, and is started as the first one was),
   `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
   secrets never go on its command line), `:secret` (what a socket proves when the
-  daemon asks) and `:restart` (it replaces a previous connection: a daemon that refuses
-  the secret does not fail it, as it fails a first start).
+  daemon asks), `:restart` (it replaces a previous connection) and `:retry_refusals` (it
+  replaces one of the same target and secrets: a daemon that refuses the secret does not
+  fail it, as it fails a first start).
   """
   @spec attach(t() | nil, target(), keyword()) :: {:ok, t()} | {:error, term()}
   def attach(%__MODULE__{pid: pid} = previous, target, opts) do
@@ -145,10 +146,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
       # The pauses asked of the previous daemon are asked of the new one, as of a daemon
-      # restarted under the same connection. Only the same target and secrets make a
-      # restart: other ones are a new configuration, refused at start if wrong.
-      restart = previous.config == config
-      opts = Keyword.merge(opts, assume_busy_at_start: busy, restart: restart, pauses: pauses)
+      # restarted under the same connection. Only with the same target and secrets does it
+      # keep trying a store that refuses it: other ones are a new configuration, refused at
+      # start if wrong.
+      opts =
+        Keyword.merge(opts,
+          assume_busy_at_start: busy,
+          restart: true,
+          retry_refusals: previous.config == config,
+          pauses: pauses
+        )
+
       attach(nil, target, opts)
     end
   end
@@ -160,7 +168,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     init_arg =
       {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
        [config: config] ++
-         Keyword.take(opts, [:env, :secret, :restart, :table_outlives_daemon, :pauses])}
+         Keyword.take(opts, [
+           :env,
+           :secret,
+           :restart,
+           :retry_refusals,
+           :table_outlives_daemon,
+           :pauses
+         ])}
 
     with {:ok, pid} <- GenServer.start(__MODULE__, init_arg) do
       {table, pauses} = GenServer.call(pid, :tables)
@@ -513,6 +528,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       env: Keyword.get(extra, :env, []),
       secret: Keyword.get(extra, :secret),
       restart: Keyword.get(extra, :restart, false),
+      retry_refusals: Keyword.get(extra, :retry_refusals, false),
       table_outlives_daemon: table_outlives_daemon?(extra)
     }
 
@@ -526,13 +542,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       # A daemon that refuses this limiter's configuration (its secret) at its first start
       # will not take it later either; a port that cannot start is a configuration error.
-      # A restart (after a crash: a secret or a Redis password changed since, say) retries,
-      # as a connection that breaks does, rather than fail its supervisor.
-      {:error, {:misconfigured, _message} = reason} when not state.restart ->
+      # A restart with the same configuration (after a crash: a secret or a Redis password
+      # changed since, say) retries, as a connection that breaks does, rather than fail
+      # its supervisor.
+      {:error, {:misconfigured, _message} = reason} when not state.retry_refusals ->
         {:stop, reason}
 
       {:error, reason} ->
-        if state.restart or state.transport.start_without_it?() do
+        if state.retry_refusals or state.transport.start_without_it?() do
           Logger.warning("#{describe(state)}: #{reason_text(reason)}; retrying")
           Process.link(limiter)
           {:ok, down(state, reason)}
