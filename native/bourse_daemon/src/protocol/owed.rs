@@ -448,6 +448,12 @@ mod tests {
         }
     }
 
+    /// The answer to a `give_back` of request `of`, sent on `batch`'s session.
+    fn asked_back(batch: &mut Batch, of: u64) -> Value {
+        batch.write(&json!({"op": "give_back", "id": 9, "of": of}));
+        batch.settle().remove(0)
+    }
+
     #[test]
     fn an_answer_sent_past_its_last_moment_is_given_back_once_when_its_client_asks() {
         for etf in [false, true] {
@@ -457,20 +463,14 @@ mod tests {
             batch.write(&check(1, "a", now + 300_000));
             batch.write(&check(2, "b", now + 60_000_000));
             let answers = batch.settle();
-            assert_eq!(
-                (&answers[0]["result"], &answers[1]["result"]),
-                (&json!("admitted"), &json!("admitted"))
-            );
+            assert_eq!(answers[0]["result"], "admitted");
+            assert_eq!(answers[1]["result"], "admitted");
             // Stopped after settling, before the bytes left: sent past the last moment.
             held_past(now, &service);
             for (of, given) in [(1, true), (1, false), (2, false), (77, false)] {
-                batch.write(&json!({"op": "give_back", "id": 9, "of": of}));
-                let answer = &batch.settle()[0];
-                assert_eq!(
-                    (&answer["given_back"], &answer["id"]),
-                    (&json!(given), &json!(9)),
-                    "{of}"
-                );
+                let answer = asked_back(&mut batch, of);
+                assert_eq!(answer["given_back"], json!(given), "{of}: {answer}");
+                assert_eq!(answer["id"], json!(9));
             }
             assert_eq!(borrowed(&service, "a"), 0.0);
             assert!((borrowed(&service, "b") - 1.0).abs() < 1e-3);
@@ -484,11 +484,9 @@ mod tests {
         let mut batch = Batch::new(&service, false);
         batch.write(&check(1, "a", now + 300_000));
         batch.settle();
-        batch.write(&json!({"op": "give_back", "id": 9, "of": 1}));
-        assert_eq!(batch.settle()[0]["given_back"], json!(false));
+        assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         held_past(now, &service);
-        batch.write(&json!({"op": "give_back", "id": 9, "of": 1}));
-        assert_eq!(batch.settle()[0]["given_back"], json!(false));
+        assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
     }
 
