@@ -2,8 +2,9 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
   # The port's daemon connects to a Unix socket in a private directory under the system's
   # temporary directory, whose path may be too long for a socket's (107 bytes): then the
   # directory goes under /tmp. The directory is kept only once it is private and empty
-  # (another OS user may put entries in it before its mode is set). Not async: it sets
-  # TMPDIR, which every test reads.
+  # (another OS user may put entries in it before its mode is set); under a runtime
+  # directory only this user may enter ($XDG_RUNTIME_DIR), no one can. Not async: it sets
+  # TMPDIR and XDG_RUNTIME_DIR, which every test reads.
   use ExUnit.Case, async: false
 
   alias Bourse.RateLimiter
@@ -12,17 +13,45 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
   @wide %{capacity: 1.0e9, refill_per_sec: 1.0e9}
 
   setup do
-    previous = System.get_env("TMPDIR")
+    previous = for name <- ["TMPDIR", "XDG_RUNTIME_DIR"], do: {name, System.get_env(name)}
+    System.delete_env("XDG_RUNTIME_DIR")
 
     root =
       Path.join("/tmp", "bourse-tmpdir-#{System.pid()}-#{System.unique_integer([:positive])}")
 
-    on_exit(fn -> restore(previous) && File.rm_rf!(root) end)
+    on_exit(fn ->
+      Enum.each(previous, &restore/1)
+      File.rm_rf!(root)
+    end)
+
     %{root: root}
   end
 
-  defp restore(nil), do: System.delete_env("TMPDIR")
-  defp restore(previous), do: System.put_env("TMPDIR", previous)
+  defp restore({name, nil}), do: System.delete_env(name)
+  defp restore({name, previous}), do: System.put_env(name, previous)
+
+  test "a private runtime directory holds the socket's directory; one open to others does not",
+       %{root: root} do
+    for {mode, chosen?} <- [{0o700, true}, {0o755, false}] do
+      runtime = Path.join(root, "run#{mode}")
+      File.mkdir_p!(runtime)
+      File.chmod!(runtime, mode)
+      System.put_env("XDG_RUNTIME_DIR", runtime)
+      name = :"port_runtime_dir_#{mode}"
+      {:ok, pid} = RateLimiter.start_link(name: name, backend: :port)
+      assert :ok = RateLimiter.check_rate({"ex", "k"}, @wide, 1, name)
+      assert daemon_command_lines(runtime) != [] == chosen?, inspect(mode, base: :octal)
+      GenServer.stop(pid)
+    end
+  end
+
+  # The command lines of this user's bourse_daemon processes that name `needle`.
+  defp daemon_command_lines(needle) do
+    for dir <- Path.wildcard("/proc/[0-9]*"),
+        {:ok, line} <- [File.read(Path.join(dir, "cmdline"))],
+        line =~ "bourse_daemon" and line =~ needle,
+        do: line
+  end
 
   test "a temporary directory of any length: the port starts, and leaves nothing behind", %{
     root: root

@@ -63,9 +63,24 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   end
 
   # The system's temporary directory, or /tmp if its path is too long for a socket's.
+  # A runtime directory only this OS user may enter (a login session's, a service's) leaves
+  # no moment for another user to put entries in the socket's directory before it is made
+  # private; else the temporary directory.
   defp socket_base do
-    base = System.tmp_dir() || "/tmp"
+    base = private_runtime_dir() || System.tmp_dir() || "/tmp"
     if byte_size(base) + @added_bytes > @max_socket_path_bytes, do: "/tmp", else: base
+  end
+
+  # Listing a directory of mode 0700 proves this OS user owns it (or is root).
+  defp private_runtime_dir do
+    with dir when is_binary(dir) and dir != "" <- System.get_env("XDG_RUNTIME_DIR"),
+         {:ok, %File.Stat{type: :directory, mode: mode}} <- File.lstat(dir),
+         0o700 <- Bitwise.band(mode, 0o777),
+         {:ok, _entries} <- File.ls(dir) do
+      dir
+    else
+      _ -> nil
+    end
   end
 
   defp listen(path) do

@@ -4,7 +4,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PrivateDir do
   # create a directory with a mode: it is created under the umask, then set to 0700, and in
   # between another OS user may put entries in it (with umask 000). So it is kept only if,
   # once set to 0700, it is a directory of that mode holding nothing; otherwise what can be
-  # removed of it is removed and another name is tried.
+  # removed of it is removed and another name is tried. (Under a base only this user may
+  # enter, `$XDG_RUNTIME_DIR` when private, no one else can.)
 
   @attempts 3
 
@@ -16,7 +17,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PrivateDir do
     do:
       {:error,
        "cannot create a private directory in #{base} for the daemon's socket " <>
-         "(#{@attempts} tries, the last: #{reason})"}
+         "(#{@attempts} tries, the last: #{reason}); XDG_RUNTIME_DIR or TMPDIR naming a " <>
+         "directory only this OS user may enter avoids the race"}
 
   defp create(base, attempts, _reason) do
     dir = Path.join(base, "bourse-" <> Base.url_encode64(:crypto.strong_rand_bytes(12)))
