@@ -217,7 +217,8 @@ impl Answers {
         self.count += 1;
     }
 
-    /// Sends them, settled ([`Service::settle`]); their requests then stop running.
+    /// Sends them, settled ([`Service::settle`]), and notes when ([`Service::sent`]); their
+    /// requests then stop running.
     fn send<S: Store>(&mut self, shared: &Shared<S>) -> io::Result<()> {
         if self.count == 0 {
             return Ok(());
@@ -228,6 +229,7 @@ impl Answers {
             .service
             .settle(session, bytes, |answer| length_prefixed(answer, 0));
         let sent = shared.output.send_framed(bytes);
+        shared.service.sent(session);
         bytes.clear();
         shared.running.fetch_sub(self.count, Ordering::SeqCst);
         self.count = 0;

@@ -5,9 +5,10 @@
 //! and its answer becomes `unavailable`, so that such a caller never pays.
 //!
 //! One settled in time may still be sent late: the daemon was stopped after settling and
-//! before the bytes left. Such answers are kept for a while ([`OVERDUE_KEPT`]), and the
-//! client, which alone knows its caller stopped waiting, may ask for one back by its id
-//! (`give_back`, [`Service::give_back_overdue`]).
+//! before the bytes left. A transport that tells when its write ended ([`Service::sent`])
+//! has such answers kept for a while ([`OVERDUE_KEPT`]), and the client, which alone knows
+//! its caller stopped waiting, may ask for one back by its id (`give_back`,
+//! [`Service::give_back_overdue`]).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -27,6 +28,9 @@ pub const OVERDUE_KEPT: Duration = Duration::from_secs(10);
 /// At most this many such answers are kept per connection, the oldest dropped first.
 pub const MAX_OVERDUE: usize = 4096;
 
+/// Only answers whose id is a number, or a string of at most this many bytes, are kept.
+pub const MAX_KEPT_ID_BYTES: usize = 256;
+
 /// The answers a session owes, in the order written, and those it sent.
 #[derive(Default)]
 pub struct Owed(Mutex<Ledger>);
@@ -34,7 +38,7 @@ pub struct Owed(Mutex<Ledger>);
 #[derive(Default)]
 struct Ledger {
     unsent: Vec<Unsent>,
-    /// Settled in time at the last settling and sent since.
+    /// Settled in time at the last settling, being sent.
     sent: Vec<Unsent>,
     /// Sent past their last moment to run, by id.
     overdue: VecDeque<Overdue>,
@@ -47,17 +51,18 @@ struct Overdue {
 }
 
 impl Ledger {
-    /// Keeps, of the answers sent by `now`, those past their last moment to run. Sent at
-    /// some moment before `now`, an answer may be kept that went out in time: its caller
-    /// took it, and will not ask for it back.
+    /// Keeps, of the answers whose sending ended at `now`, those past their last moment to
+    /// run.
     fn note_sent(&mut self, now: Instant) {
         for answer in self.sent.drain(..) {
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
-                self.overdue.push_back(Overdue {
-                    id,
-                    receipt: answer.receipt,
-                    kept_until: answer.last_run + OVERDUE_KEPT,
-                });
+                if kept_id(&id) {
+                    self.overdue.push_back(Overdue {
+                        id,
+                        receipt: answer.receipt,
+                        kept_until: answer.last_run + OVERDUE_KEPT,
+                    });
+                }
             }
         }
         while self.overdue.len() > MAX_OVERDUE
@@ -94,6 +99,15 @@ impl Recipient {
     }
 }
 
+/// Whether an answer with this id may be kept: ids are held, and compared, whole.
+fn kept_id(id: &Value) -> bool {
+    match id {
+        Value::Number(_) => true,
+        Value::String(text) => text.len() <= MAX_KEPT_ID_BYTES,
+        _ => false,
+    }
+}
+
 impl Owed {
     pub fn note(&self, bytes: Range<usize>, last_run: Instant, receipt: Receipt, to: To) {
         let to = match to {
@@ -114,15 +128,27 @@ impl Owed {
 }
 
 impl<S: Store> Service<S> {
+    /// Notes that the answers last settled on `session` were sent, as of now: those past
+    /// their last moment to run may be asked back ([`Self::give_back_overdue`]).
+    pub fn sent(&self, session: &Session) {
+        let mut ledger = session.owed.lock();
+        if !ledger.sent.is_empty() {
+            ledger.note_sent(Instant::now());
+        }
+    }
+
     /// Gives back what the request `of` paid, if its answer was sent on `session` past its
     /// last moment to run, within [`OVERDUE_KEPT`], and not asked back already. Only its
     /// client may ask: the caller stopped waiting before the answer came, and was told
     /// `unavailable`. True if it was given back.
     pub fn give_back_overdue(&self, session: &Session, of: &Value) -> bool {
+        let now = Instant::now();
         let receipt = {
             let mut ledger = session.owed.lock();
-            ledger.note_sent(Instant::now());
-            let found = ledger.overdue.iter().position(|kept| kept.id == *of);
+            let found = ledger
+                .overdue
+                .iter()
+                .position(|kept| kept.id == *of && kept.kept_until >= now);
             found.and_then(|at| ledger.overdue.remove(at))
         };
         receipt.is_some_and(|kept| self.store.give_back(vec![kept.receipt]) == [true])
@@ -140,8 +166,9 @@ impl<S: Store> Service<S> {
         if ledger.unsent.is_empty() && ledger.sent.is_empty() {
             return;
         }
+        // Those of a sending that did not say when it ended (it failed) are not kept.
+        ledger.sent.clear();
         let now = Instant::now();
-        ledger.note_sent(now);
         // Framing adds as many bytes to every answer: a line's end, or a length before it.
         let mut framing = Vec::new();
         frame(&mut framing);
@@ -251,8 +278,15 @@ mod tests {
             self.out = out;
         }
 
-        /// Settles the batch, then reads its answers back (the batch is then sent).
+        /// Settles the batch, reads its answers back, and sends them at once.
         fn settle(&mut self) -> Vec<Value> {
+            let answers = self.settle_unsent();
+            self.service.sent(&self.session);
+            answers
+        }
+
+        /// Settles the batch and reads its answers back; they are sent later ([`Service::sent`]).
+        fn settle_unsent(&mut self) -> Vec<Value> {
             let prefixed = self.prefixed;
             let frame = |answer: &mut Vec<u8>| match prefixed {
                 true => {
@@ -462,11 +496,12 @@ mod tests {
             let mut batch = Batch::new(&service, etf);
             batch.write(&check(1, "a", now + 300_000));
             batch.write(&check(2, "b", now + 60_000_000));
-            let answers = batch.settle();
+            let answers = batch.settle_unsent();
             assert_eq!(answers[0]["result"], "admitted");
             assert_eq!(answers[1]["result"], "admitted");
             // Stopped after settling, before the bytes left: sent past the last moment.
             held_past(now, &service);
+            service.sent(&batch.session);
             for (of, given) in [(1, true), (1, false), (2, false), (77, false)] {
                 let answer = asked_back(&mut batch, of);
                 assert_eq!(answer["given_back"], json!(given), "{of}: {answer}");
@@ -488,6 +523,47 @@ mod tests {
         held_past(now, &service);
         assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn an_answer_sent_in_time_and_asked_back_past_its_last_moment_stays_paid() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 300_000));
+        batch.settle();
+        // The connection idle past the last moment: the answer had left in time.
+        held_past(now, &service);
+        assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn a_late_answer_is_kept_only_under_a_number_or_a_short_string() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        let long = "i".repeat(super::MAX_KEPT_ID_BYTES + 1);
+        let short = "i".repeat(super::MAX_KEPT_ID_BYTES);
+        for (n, id) in [json!(long), json!([1]), json!(short)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut request = check(0, &format!("k{n}"), now + 300_000);
+            request["id"] = id;
+            batch.write(&request);
+        }
+        batch.settle_unsent();
+        held_past(now, &service);
+        service.sent(&batch.session);
+        for (id, given) in [
+            (json!(long), false),
+            (json!([1]), false),
+            (json!(short), true),
+        ] {
+            batch.write(&json!({"op": "give_back", "id": 9, "of": id}));
+            assert_eq!(batch.settle()[0]["given_back"], json!(given));
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::frames::{framed, Frames, Framing, Next};
 use super::{
     read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE,
 };
-use crate::protocol::{Codec, Session};
+use crate::protocol::{Codec, Service, Session};
 use crate::spin::{Spin, Waited};
 use crate::store::Store;
 
@@ -130,7 +130,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                         input.length_prefixed();
                     }
                     if out.len() >= WRITE_CHUNK {
-                        if send(&stream, settled(&service, &session, &mut out), idle).is_err() {
+                        if send_settled(&stream, &service, &session, &mut out, idle).is_err() {
                             return;
                         }
                         // Its client reads: it is not idle.
@@ -143,7 +143,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                     let line = input.partial_line();
                     service.frame_too_large(&session, &mut out, number, input.max(), line);
                     framed(&mut out, start, session.codec());
-                    let _ = send(&stream, settled(&service, &session, &mut out), idle);
+                    let _ = send_settled(&stream, &service, &session, &mut out, idle);
                     let _ = stream.shutdown(Shutdown::Write);
                     linger(&stream, Duration::from_secs(1));
                     return;
@@ -152,7 +152,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
             }
         }
         if !out.is_empty() {
-            if send(&stream, settled(&service, &session, &mut out), idle).is_err() {
+            if send_settled(&stream, &service, &session, &mut out, idle).is_err() {
                 return;
             }
             active = Instant::now();
@@ -283,6 +283,19 @@ impl NonBlocking for Socket {
         unsafe { buf.set_len(buf.len() + read) };
         Ok(read)
     }
+}
+
+/// Sends `out`, settled ([`settled`]), and notes when it was sent ([`Service::sent`]).
+fn send_settled<S: Store>(
+    stream: &Socket,
+    service: &Service<S>,
+    session: &Session,
+    out: &mut Vec<u8>,
+    idle: Option<Duration>,
+) -> io::Result<()> {
+    let sent = send(stream, settled(service, session, out), idle);
+    service.sent(session);
+    sent
 }
 
 /// Writes `out` and empties it, unless the client read none of what the socket holds for
