@@ -29,9 +29,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   comes later goes nowhere. Such an answer, if it paid, is asked back of the daemon
   (`give_back`, docs/PROTOCOL.md, "Deadlines"): the daemon gives back what it sent past
   the request's last moment to run. The route of a caller that died goes with its answer,
-  or, if it died before its request was written, with the routes this process drops a
-  second past their caller's deadline (it looks every timeout, or every 100 ms when the
-  timeout is shorter).
+  or, if it died before its request was written, with the routes this process answers
+  `:unavailable` a second past their caller's deadline (it looks every timeout, or every
+  100 ms when the timeout is shorter).
 
   Each request carries its caller's deadline on the daemon's clock (docs/PROTOCOL.md,
   "Deadlines"), placed with the offset between that clock and this one that the hellos
@@ -110,6 +110,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # once in this long.
   @store_warning_every_ms 10_000
   @owner_key {__MODULE__, :owner}
+  @digest_key {__MODULE__, :digest_key}
 
   # `%{"id" => id, "ok" => true, "result" => "admitted"}` as the daemon writes it: a map of
   # three keys, the id first, then binaries and the atom `true` (SMALL_ATOM_UTF8_EXT).
@@ -213,10 +214,27 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     :exit, _ -> :gone
   end
 
-  # What a connection is to and with: its target and its secrets (`:env`, `:secret`), as a
-  # SHA-256 digest, so that no secret travels in a message or stays in a handle.
-  defp config_digest(target, opts),
-    do: :crypto.hash(:sha256, :erlang.term_to_binary({target, opts[:env], opts[:secret]}))
+  # What a connection is to and with: its target and its secrets (`:env`, `:secret`), as
+  # an HMAC-SHA256 under a key of this VM's, so that no secret travels in a message or
+  # stays in a handle, nor can be guessed from it.
+  defp config_digest(target, opts) do
+    data = :erlang.term_to_binary({target, opts[:env], opts[:secret]})
+    :crypto.mac(:hmac, :sha256, digest_key(), data)
+  end
+
+  # Made once per VM. Two limiters making it at once may each use their own: a connection
+  # so described is not adopted, and is replaced, as one of another configuration is.
+  defp digest_key do
+    case :persistent_term.get(@digest_key, nil) do
+      nil ->
+        key = :crypto.strong_rand_bytes(32)
+        :persistent_term.put(@digest_key, key)
+        key
+
+      key ->
+        key
+    end
+  end
 
   @doc """
   Sends one request (a map, see `encode/2`) and returns the daemon's answer, decoded, or
@@ -246,7 +264,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         {:error, Error.unavailable(down)}
 
       [{:stream, _stream, _transport, _max, _down, _offset}] when deadline <= now_ms ->
-        {:error, Error.unavailable(did_not_answer(handle))}
+        {:error, Error.unavailable(did_not_answer(handle.daemon, handle.timeout))}
 
       [{:stream, stream, transport, max, _down, offset}] ->
         payload = encode(id, with_deadline(request, deadline - now_ms, now_us, offset))
@@ -338,7 +356,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   defp waited(handle, route, nil) do
     send(handle.pid, :unanswered)
-    give_up(handle, route, {:error, Error.unavailable(did_not_answer(handle))})
+
+    give_up(
+      handle,
+      route,
+      {:error, Error.unavailable(did_not_answer(handle.daemon, handle.timeout))}
+    )
   end
 
   defp waited(handle, route, judge) do
@@ -370,8 +393,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
-  defp did_not_answer(handle),
-    do: "#{handle.daemon} did not answer within #{handle.timeout} ms"
+  defp did_not_answer(daemon, timeout), do: "#{daemon} did not answer within #{timeout} ms"
 
   @doc false
   # The answer to request `id` as the caller got it: as the daemon wrote it, unless the
@@ -513,6 +535,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       partial: [],
       pending: [],
+      # The ids of paid answers read with no caller waiting, to ask back (`ask_back/2`).
+      unclaimed: [],
       unsent: nil,
       retry_timer: nil,
       down_reason: "not connected yet",
@@ -679,13 +703,20 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # The routes of callers killed between noting them and writing: no answer comes for them.
-  # (A live caller takes its own route at its deadline.) And the rows of callers killed as
-  # they wrote or read the socket themselves.
+  # (A live caller takes its own route at its deadline; one that found it taken waits for
+  # what this process sends there.) And the rows of callers killed as they wrote or read
+  # the socket themselves.
   def handle_info(:drop_late_routes, state) do
     now = System.monotonic_time(:millisecond)
     dead_by = now - @dead_route_ms
-    late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", dead_by}], [true]}]
-    :ets.select_delete(state.table, late)
+    late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", dead_by}], [:"$1"]}]
+    error = {:error, Error.unavailable(did_not_answer(describe(state), state.timeout))}
+
+    # Whoever takes a route answers it: a caller that finds its route gone waits for that.
+    for id <- :ets.select(state.table, late),
+        {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
+        do: send(reply_to, {reply_to, error})
+
     :ets.select_delete(state.pauses, [{{:_, :"$1"}, [{:>, :"$1", -now}], [true]}])
 
     for {solo, pid} <- :ets.match_object(state.table, {{:solo, :_}, :_}),
@@ -730,7 +761,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
           {answers, partial} ->
             {:noreply, state} = incoming(answers, %{state | partial: partial})
-            {:noreply, settled(state, stream, length(answers))}
+            {:noreply, state |> settled(stream, length(answers)) |> ask_back(stream)}
         end
 
       {:down, reason} ->
@@ -844,9 +875,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp withdraw_late(state) do
-    pending = Enum.filter(state.pending, fn {id, _frame} -> :ets.member(state.table, id) end)
+    pending =
+      Enum.filter(state.pending, &(not callers?(&1) or :ets.member(state.table, elem(&1, 0))))
+
     retry_later(%{state | pending: pending})
   end
+
+  # A caller's frame, rather than this process's own (a hello, a pause asked again, a
+  # give_back), which stays until written.
+  defp callers?({id, _frame}), do: is_integer(id) and id > 0
 
   defp retry_later(state) do
     timer = Process.send_after(self(), {:write_pending, state.stream}, 1)
@@ -897,7 +934,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
           [] ->
             dropped(state)
-            {:ok, ask_back(state, id, answer)}
+            {:ok, unclaimed(state, id, answer)}
         end
 
       # Without an id, about the connection: the daemon refuses it (past its
@@ -920,22 +957,32 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp dropped(state),
     do: Logger.debug("#{describe(state)}: dropped an answer no caller waits for")
 
-  # What a request whose caller gave up (and was told `:unavailable`) paid is asked back:
-  # the daemon gives it back if it sent the answer past the request's last moment to run.
-  # Its answer (id 0, as a keepalive's hello) tells nothing the caller needs.
-  defp ask_back(state, id, answer) when id > 0 do
+  # A request whose caller gave up (and was told `:unavailable`) may have paid: it is to be
+  # asked back once the answers read with it are handled (`ask_back/2`).
+  defp unclaimed(state, id, answer) when id > 0 do
     case answer(answer, id) do
-      %{"ok" => true} ->
-        give_back = encode(0, %{op: "give_back", of: id})
-        frame = {0, PortStream.frame(give_back, byte_size(give_back))}
-        write_pending(%{state | pending: [frame | state.pending]})
-
-      _unpaid ->
-        state
+      %{"ok" => true} -> %{state | unclaimed: [id | state.unclaimed]}
+      _unpaid -> state
     end
   end
 
-  defp ask_back(state, _id, _answer), do: state
+  defp unclaimed(state, _id, _answer), do: state
+
+  # What the unclaimed answers read from `stream` paid is asked back, in one write: the
+  # daemon gives it back if it sent the answer past the request's last moment to run.
+  # Their answers (id 0, as a keepalive's hello) tell nothing a caller needs. A stream
+  # broken since took the daemon's memory of them with it.
+  defp ask_back(%{stream: stream, unclaimed: [_ | _] = ids} = state, stream) do
+    frames =
+      for id <- Enum.reverse(ids) do
+        give_back = encode(0, %{op: "give_back", of: id})
+        {{:give_back, id}, PortStream.frame(give_back, byte_size(give_back))}
+      end
+
+    write_pending(%{state | unclaimed: [], pending: frames ++ state.pending})
+  end
+
+  defp ask_back(state, _stream), do: %{state | unclaimed: []}
 
   # The daemon read `clock_us` on its clock before this moment: its clock is at least that
   # far ahead of this one. The tightest such bound since the stream opened is kept, so a
@@ -1025,6 +1072,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       | stream: nil,
         partial: [],
         pending: [],
+        unclaimed: [],
         unsent: nil,
         retry_timer: nil,
         silence_probe: nil

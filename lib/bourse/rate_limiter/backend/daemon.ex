@@ -36,8 +36,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   own; a trailing newline is ignored; a TCP daemon's secret is 16 to 4096 bytes) or else
   from the environment variable `BOURSE_DAEMON_SECRET`, when it connects; a daemon that
   answers at start and refuses that secret (or asks for one when none was given) fails
-  its start with `:invalid_parameters`, unless it is a restart with the same address and
-  secret (a limiter restarted by its supervisor then answers `:unavailable`). Answers never hold an API key: `busiest`
+  its start with `:invalid_parameters`, unless it is a restart within 5 s with the same
+  address and secret (a limiter restarted by its supervisor then answers `:unavailable`). Answers never hold an API key: `busiest`
   shows fingerprints (`Bourse.Fingerprint`).
 
   One connection per limiter carries the requests of every calling process, pipelined
@@ -49,7 +49,8 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   Calls made while the connection is down, and calls in flight when it breaks, answer
   `{:error, %Bourse.Error{type: :unavailable}}` at once: nothing is admitted without the
-  shared table, and nothing hangs (a call waits at most its timeout). The connection is
+  shared table, and nothing hangs (a call waits at most its timeout, or, handed its answer
+  at that moment, until it comes). The connection is
   retried with backoff (50 ms doubling to 2 s) and calls work again as soon as it is back.
   A connection that goes silent without closing (a proxy or firewall that lost the flow)
   is found out: once a call got no answer within its timeout, a `hello` goes out, and if

@@ -52,11 +52,13 @@ struct Overdue {
 
 impl Ledger {
     /// Keeps, of the answers whose sending ended at `now`, those past their last moment to
-    /// run.
+    /// run. An id kept twice names neither: the client could not say which it means.
     fn note_sent(&mut self, now: Instant) {
         for answer in self.sent.drain(..) {
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
-                if kept_id(&id) {
+                let before = self.overdue.len();
+                self.overdue.retain(|kept| kept.id != id);
+                if kept_id(&id) && self.overdue.len() == before {
                     self.overdue.push_back(Overdue {
                         id,
                         receipt: answer.receipt,
@@ -166,7 +168,7 @@ impl<S: Store> Service<S> {
         if ledger.unsent.is_empty() && ledger.sent.is_empty() {
             return;
         }
-        // Those of a sending that did not say when it ended (it failed) are not kept.
+        // Those no transport noted as sent are not kept.
         ledger.sent.clear();
         let now = Instant::now();
         // Framing adds as many bytes to every answer: a line's end, or a length before it.
@@ -564,6 +566,21 @@ mod tests {
             batch.write(&json!({"op": "give_back", "id": 9, "of": id}));
             assert_eq!(batch.settle()[0]["given_back"], json!(given));
         }
+    }
+
+    #[test]
+    fn an_id_kept_twice_names_neither_answer() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, false);
+        batch.write(&check(1, "a", now + 300_000));
+        batch.write(&check(1, "b", now + 300_000));
+        batch.settle_unsent();
+        held_past(now, &service);
+        service.sent(&batch.session);
+        assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
+        assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+        assert!((borrowed(&service, "b") - 1.0).abs() < 1e-3);
     }
 
     #[test]

@@ -654,6 +654,7 @@ where
                         if sent.await.is_err() {
                             return;
                         }
+                        service.sent(&session);
                         // Its client reads: it is not idle.
                         active = Instant::now();
                     }
@@ -703,6 +704,7 @@ where
             {
                 return;
             }
+            service.sent(&session);
             // Its client reads: it is not idle.
             active = Instant::now();
         }

@@ -45,6 +45,21 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
     end
   end
 
+  test "root does not use a private runtime directory another user owns", %{root: root} do
+    runtime = Path.join(root, "run-other")
+    File.mkdir_p!(runtime)
+    File.chmod!(runtime, 0o700)
+
+    if File.chown(runtime, 65_534) == :ok do
+      System.put_env("XDG_RUNTIME_DIR", runtime)
+      {:ok, pid} = RateLimiter.start_link(name: :port_runtime_dir_other, backend: :port)
+      assert :ok = RateLimiter.check_rate({"ex", "k"}, @wide, 1, :port_runtime_dir_other)
+      assert daemon_command_lines(runtime) == []
+      assert File.ls!(runtime) == []
+      GenServer.stop(pid)
+    end
+  end
+
   # The command lines of this user's bourse_daemon processes that name `needle`.
   defp daemon_command_lines(needle) do
     for dir <- Path.wildcard("/proc/[0-9]*"),

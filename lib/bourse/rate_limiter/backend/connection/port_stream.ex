@@ -27,7 +27,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   def open({:port, executable, args}, settings) do
     flags = if settings.assume_busy, do: ["--assume-busy-at-start" | args], else: args
 
-    with {:ok, dir} <- PrivateDir.create(socket_base()) do
+    with {:ok, dir} <- socket_dir() do
       path = Path.join(dir, "d.sock")
 
       try do
@@ -62,26 +62,48 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
-  # The system's temporary directory, or /tmp if its path is too long for a socket's.
-  # A runtime directory only this OS user may enter (a login session's, a service's) leaves
-  # no moment for another user to put entries in the socket's directory before it is made
-  # private; else the temporary directory.
-  defp socket_base do
-    base = private_runtime_dir() || System.tmp_dir() || "/tmp"
-    if byte_size(base) + @added_bytes > @max_socket_path_bytes, do: "/tmp", else: base
+  # The socket's private directory. A runtime directory only this OS user may enter (a
+  # login session's, a service's) leaves no moment for another user to put entries in it
+  # before it is made private; else it goes in the temporary directory.
+  defp socket_dir do
+    with runtime when is_binary(runtime) <- private_runtime_dir(),
+         {:ok, dir} <- PrivateDir.create(runtime),
+         :ok <- same_owner(runtime, dir) do
+      {:ok, dir}
+    else
+      _none -> PrivateDir.create(fits("/tmp", System.tmp_dir() || "/tmp"))
+    end
   end
 
-  # Listing a directory of mode 0700 proves this OS user owns it (or is root).
+  # `$XDG_RUNTIME_DIR`, if it is a directory of mode 0700 whose path leaves room for the
+  # socket's.
   defp private_runtime_dir do
     with dir when is_binary(dir) and dir != "" <- System.get_env("XDG_RUNTIME_DIR"),
+         ^dir <- fits(nil, dir),
          {:ok, %File.Stat{type: :directory, mode: mode}} <- File.lstat(dir),
-         0o700 <- Bitwise.band(mode, 0o777),
-         {:ok, _entries} <- File.ls(dir) do
+         0o700 <- Bitwise.band(mode, 0o777) do
       dir
     else
       _ -> nil
     end
   end
+
+  # The directory made is this OS user's: the runtime directory must be too (root may
+  # inherit another user's).
+  defp same_owner(runtime, dir) do
+    case {File.lstat(runtime), File.lstat(dir)} do
+      {{:ok, %File.Stat{uid: uid}}, {:ok, %File.Stat{uid: uid}}} ->
+        :ok
+
+      _other ->
+        PrivateDir.discard(dir)
+        :error
+    end
+  end
+
+  # `base`, if a socket's path under it is short enough, else `otherwise`.
+  defp fits(otherwise, base),
+    do: if(byte_size(base) + @added_bytes > @max_socket_path_bytes, do: otherwise, else: base)
 
   defp listen(path) do
     with {:ok, listener} <- :socket.open(:local, :stream, :default),

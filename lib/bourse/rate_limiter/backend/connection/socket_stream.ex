@@ -347,8 +347,15 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  # No other caller waits: the table holds the stream and this caller's route alone.
-  defp alone?(table), do: :ets.info(table, :size) <= 2
+  # No other caller waits: the table holds the stream and this caller's route alone (and
+  # when the store was last lost, once it was).
+  defp alone?(table) do
+    case :ets.info(table, :size) do
+      size when size <= 2 -> true
+      3 -> :ets.member(table, :store_lost_at)
+      _more -> false
+    end
+  end
 
   defp poll?(counters) do
     :atomics.get(counters, @misses) < @max_misses or
