@@ -122,6 +122,15 @@ defmodule Bourse.BackendCase do
     %{daemon: daemon, redis: redis}
   end
 
+  @doc "The command lines of the `bourse_daemon` processes this user may read that name `needle`."
+  @spec daemon_command_lines(String.t()) :: [binary()]
+  def daemon_command_lines(needle) do
+    for dir <- Path.wildcard("/proc/[0-9]*"),
+        {:ok, line} <- [File.read(Path.join(dir, "cmdline"))],
+        line =~ "bourse_daemon" and line =~ needle,
+        do: line
+  end
+
   @doc "Whether `answer` is `{:error, %Bourse.Error{type: :unavailable}}`."
   def unavailable?(answer), do: match?({:error, %Error{type: :unavailable}}, answer)
 end

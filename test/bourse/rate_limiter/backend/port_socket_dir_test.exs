@@ -7,6 +7,8 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
   # TMPDIR and XDG_RUNTIME_DIR, which every test reads.
   use ExUnit.Case, async: false
 
+  import Bourse.BackendCase, only: [daemon_command_lines: 1]
+
   alias Bourse.RateLimiter
   alias Bourse.RateLimiter.Backend.Connection.PrivateDir
 
@@ -58,14 +60,6 @@ defmodule Bourse.RateLimiter.Backend.PortSocketDirTest do
       assert File.ls!(runtime) == []
       GenServer.stop(pid)
     end
-  end
-
-  # The command lines of this user's bourse_daemon processes that name `needle`.
-  defp daemon_command_lines(needle) do
-    for dir <- Path.wildcard("/proc/[0-9]*"),
-        {:ok, line} <- [File.read(Path.join(dir, "cmdline"))],
-        line =~ "bourse_daemon" and line =~ needle,
-        do: line
   end
 
   test "a temporary directory of any length: the port starts, and leaves nothing behind", %{

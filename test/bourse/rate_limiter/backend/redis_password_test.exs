@@ -6,7 +6,7 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
 
   @moduletag :capture_log
 
-  import Bourse.BackendCase, only: [start_limiter: 1]
+  import Bourse.BackendCase, only: [daemon_command_lines: 1, start_limiter: 1]
 
   alias Bourse.{Loopback, RateLimiter, RedisServer}
 
@@ -73,14 +73,6 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
         piece = binary_part(form, i, 3),
         piece =~ ~r/[^A-Za-z0-9_-]/,
         do: piece
-  end
-
-  # The command lines of this user's bourse_daemon processes that name `needle`.
-  defp daemon_command_lines(needle) do
-    for dir <- Path.wildcard("/proc/[0-9]*"),
-        {:ok, line} <- [File.read(Path.join(dir, "cmdline"))],
-        line =~ "bourse_daemon" and line =~ needle,
-        do: line
   end
 
   test "a password in a redis:// URL is Redis's password, and never on the daemon's command line" do
