@@ -42,6 +42,11 @@ impl Receipt {
         &self.paid
     }
 
+    /// How many buckets it paid on.
+    pub fn buckets(&self) -> usize {
+        self.paid.len()
+    }
+
     /// Whether the check can be taken back: it paid, on buckets that held no other booking.
     pub fn can_give_back(&self) -> bool {
         !self.partial && !self.paid.is_empty()

@@ -25,8 +25,9 @@ use crate::store::Store;
 /// How long an answer sent past its last moment to run may be asked back.
 pub const OVERDUE_KEPT: Duration = Duration::from_secs(10);
 
-/// At most this many such answers are kept per connection, the oldest dropped first.
-pub const MAX_OVERDUE: usize = 4096;
+/// Such answers are kept per connection for at most this many buckets' payments in all,
+/// the oldest dropped first.
+pub const MAX_OVERDUE_BUCKETS: usize = 4096;
 
 /// Only answers whose id is a number, or a string of at most this many bytes, are kept.
 pub const MAX_KEPT_ID_BYTES: usize = 256;
@@ -42,6 +43,8 @@ struct Ledger {
     sent: Vec<Unsent>,
     /// Sent past their last moment to run, by id.
     overdue: VecDeque<Overdue>,
+    /// The buckets their receipts name, in all.
+    overdue_buckets: usize,
 }
 
 struct Overdue {
@@ -58,7 +61,9 @@ impl Ledger {
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
                 let before = self.overdue.len();
                 self.overdue.retain(|kept| kept.id != id);
+                self.overdue_buckets = self.overdue.iter().map(Overdue::buckets).sum();
                 if kept_id(&id) && self.overdue.len() == before {
+                    self.overdue_buckets += answer.receipt.buckets();
                     self.overdue.push_back(Overdue {
                         id,
                         receipt: answer.receipt,
@@ -67,14 +72,33 @@ impl Ledger {
                 }
             }
         }
-        while self.overdue.len() > MAX_OVERDUE
+        while self.overdue_buckets > MAX_OVERDUE_BUCKETS
             || self
                 .overdue
                 .front()
                 .is_some_and(|kept| kept.kept_until < now)
         {
-            self.overdue.pop_front();
+            if let Some(dropped) = self.overdue.pop_front() {
+                self.overdue_buckets -= dropped.buckets();
+            }
         }
+    }
+
+    /// Takes out the answer kept under `of` until `now` or later.
+    fn take_overdue(&mut self, of: &Value, now: Instant) -> Option<Overdue> {
+        let at = self
+            .overdue
+            .iter()
+            .position(|kept| kept.id == *of && kept.kept_until >= now)?;
+        let taken = self.overdue.remove(at)?;
+        self.overdue_buckets -= taken.buckets();
+        Some(taken)
+    }
+}
+
+impl Overdue {
+    fn buckets(&self) -> usize {
+        self.receipt.buckets()
     }
 }
 
@@ -145,14 +169,7 @@ impl<S: Store> Service<S> {
     /// `unavailable`. True if it was given back.
     pub fn give_back_overdue(&self, session: &Session, of: &Value) -> bool {
         let now = Instant::now();
-        let receipt = {
-            let mut ledger = session.owed.lock();
-            let found = ledger
-                .overdue
-                .iter()
-                .position(|kept| kept.id == *of && kept.kept_until >= now);
-            found.and_then(|at| ledger.overdue.remove(at))
-        };
+        let receipt = session.owed.lock().take_overdue(of, now);
         receipt.is_some_and(|kept| self.store.give_back(vec![kept.receipt]) == [true])
     }
 
@@ -581,6 +598,23 @@ mod tests {
         assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
         assert!((borrowed(&service, "b") - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn the_oldest_late_answers_go_past_the_buckets_a_connection_keeps() {
+        let service = service();
+        let now = clock_us(&service);
+        let mut batch = Batch::new(&service, true);
+        let last = super::MAX_OVERDUE_BUCKETS as u64 + 1;
+        for id in 1..=last {
+            batch.write(&check(id, &format!("k{id}"), now + 300_000));
+        }
+        batch.settle_unsent();
+        held_past(now, &service);
+        service.sent(&batch.session);
+        assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
+        assert_eq!(asked_back(&mut batch, 2)["given_back"], json!(true));
+        assert_eq!(asked_back(&mut batch, last)["given_back"], json!(true));
     }
 
     #[test]
