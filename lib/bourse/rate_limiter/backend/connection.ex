@@ -712,10 +712,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     late = [{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}, {:<, :"$2", dead_by}], [:"$1"]}]
     error = {:error, Error.unavailable(did_not_answer(describe(state), state.timeout))}
 
-    # Whoever takes a route answers it: a caller that finds its route gone waits for that.
-    for id <- :ets.select(state.table, late),
-        {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
-        do: send(reply_to, {reply_to, error})
+    answer_routes(state.table, :ets.select(state.table, late), error)
 
     :ets.select_delete(state.pauses, [{{:_, :"$1"}, [{:>, :"$1", -now}], [true]}])
 
@@ -738,9 +735,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # A frame for a stream that broke since: its caller is told at once.
   def handle_info({:write, _stream, id, _frame}, state) do
-    for {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
-        do: send(reply_to, {reply_to, {:error, Error.unavailable(unavailable(state))}})
-
+    answer_routes(state.table, [id], {:error, Error.unavailable(unavailable(state))})
     {:noreply, state}
   end
 
@@ -952,6 +947,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
+  # Takes the routes of `ids` still in `table` and sends each caller `answer`: whoever takes
+  # a route answers it, so a caller that finds its route gone waits for what comes.
+  defp answer_routes(table, ids, answer) do
+    for id <- ids,
+        {^id, {reply_to, _deadline}} <- :ets.take(table, id),
+        do: send(reply_to, {reply_to, answer})
+
+    :ok
+  end
+
   # An answer to a caller that gave up already, or an error without an id. Not shown:
   # answers hold keys, and keys hold API keys.
   defp dropped(state),
@@ -1061,9 +1066,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     error = {:error, Error.unavailable(publish(state, nil, nil))}
     state.transport.close(state.stream)
 
-    for id <- :ets.select(state.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [:"$1"]}]),
-        {^id, {reply_to, _deadline}} <- :ets.take(state.table, id),
-        do: send(reply_to, {reply_to, error})
+    routes = :ets.select(state.table, [{{:"$1", :_}, [{:is_integer, :"$1"}], [:"$1"]}])
+    answer_routes(state.table, routes, error)
 
     if is_reference(state.retry_timer), do: Process.cancel_timer(state.retry_timer)
 

@@ -59,16 +59,22 @@ impl Ledger {
     fn note_sent(&mut self, now: Instant) {
         for answer in self.sent.drain(..) {
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
-                let before = self.overdue.len();
-                self.overdue.retain(|kept| kept.id != id);
-                self.overdue_buckets = self.overdue.iter().map(Overdue::buckets).sum();
-                if kept_id(&id) && self.overdue.len() == before {
-                    self.overdue_buckets += answer.receipt.buckets();
-                    self.overdue.push_back(Overdue {
-                        id,
-                        receipt: answer.receipt,
-                        kept_until: answer.last_run + OVERDUE_KEPT,
-                    });
+                // Ids kept are unique: a twin is dropped, and the answer not kept.
+                match self.overdue.iter().position(|kept| kept.id == id) {
+                    Some(at) => {
+                        if let Some(twin) = self.overdue.remove(at) {
+                            self.overdue_buckets -= twin.buckets();
+                        }
+                    }
+                    None if kept_id(&id) => {
+                        self.overdue_buckets += answer.receipt.buckets();
+                        self.overdue.push_back(Overdue {
+                            id,
+                            receipt: answer.receipt,
+                            kept_until: answer.last_run + OVERDUE_KEPT,
+                        });
+                    }
+                    None => {}
                 }
             }
         }
@@ -304,6 +310,16 @@ mod tests {
             answers
         }
 
+        /// Settles the batch and reads its answers back, then sends them only once every
+        /// check written with a last moment to run 300 ms from `now` passed it (the daemon
+        /// was stopped between settling and sending).
+        fn settle_then_send_late(&mut self, now: u64) -> Vec<Value> {
+            let answers = self.settle_unsent();
+            held_past(now, self.service);
+            self.service.sent(&self.session);
+            answers
+        }
+
         /// Settles the batch and reads its answers back; they are sent later ([`Service::sent`]).
         fn settle_unsent(&mut self) -> Vec<Value> {
             let prefixed = self.prefixed;
@@ -515,12 +531,10 @@ mod tests {
             let mut batch = Batch::new(&service, etf);
             batch.write(&check(1, "a", now + 300_000));
             batch.write(&check(2, "b", now + 60_000_000));
-            let answers = batch.settle_unsent();
+            // Stopped after settling, before the bytes left: sent past the last moment.
+            let answers = batch.settle_then_send_late(now);
             assert_eq!(answers[0]["result"], "admitted");
             assert_eq!(answers[1]["result"], "admitted");
-            // Stopped after settling, before the bytes left: sent past the last moment.
-            held_past(now, &service);
-            service.sent(&batch.session);
             for (of, given) in [(1, true), (1, false), (2, false), (77, false)] {
                 let answer = asked_back(&mut batch, of);
                 assert_eq!(answer["given_back"], json!(given), "{of}: {answer}");
@@ -572,9 +586,7 @@ mod tests {
             request["id"] = id;
             batch.write(&request);
         }
-        batch.settle_unsent();
-        held_past(now, &service);
-        service.sent(&batch.session);
+        batch.settle_then_send_late(now);
         for (id, given) in [
             (json!(long), false),
             (json!([1]), false),
@@ -592,9 +604,7 @@ mod tests {
         let mut batch = Batch::new(&service, false);
         batch.write(&check(1, "a", now + 300_000));
         batch.write(&check(1, "b", now + 300_000));
-        batch.settle_unsent();
-        held_past(now, &service);
-        service.sent(&batch.session);
+        batch.settle_then_send_late(now);
         assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
         assert!((borrowed(&service, "b") - 1.0).abs() < 1e-3);
@@ -609,9 +619,7 @@ mod tests {
         for id in 1..=last {
             batch.write(&check(id, &format!("k{id}"), now + 300_000));
         }
-        batch.settle_unsent();
-        held_past(now, &service);
-        service.sent(&batch.session);
+        batch.settle_then_send_late(now);
         assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert_eq!(asked_back(&mut batch, 2)["given_back"], json!(true));
         assert_eq!(asked_back(&mut batch, last)["given_back"], json!(true));

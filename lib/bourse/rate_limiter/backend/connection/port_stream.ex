@@ -71,7 +71,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
          :ok <- same_owner(runtime, dir) do
       {:ok, dir}
     else
-      _none -> PrivateDir.create(fits("/tmp", System.tmp_dir() || "/tmp"))
+      _none -> PrivateDir.create(temporary_base())
     end
   end
 
@@ -79,7 +79,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
   # socket's.
   defp private_runtime_dir do
     with dir when is_binary(dir) and dir != "" <- System.get_env("XDG_RUNTIME_DIR"),
-         ^dir <- fits(nil, dir),
+         true <- fits?(dir),
          {:ok, %File.Stat{type: :directory, mode: mode}} <- File.lstat(dir),
          0o700 <- Bitwise.band(mode, 0o777) do
       dir
@@ -101,9 +101,14 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     end
   end
 
-  # `base`, if a socket's path under it is short enough, else `otherwise`.
-  defp fits(otherwise, base),
-    do: if(byte_size(base) + @added_bytes > @max_socket_path_bytes, do: otherwise, else: base)
+  # The system's temporary directory, or /tmp if its path is too long for a socket's.
+  defp temporary_base do
+    base = System.tmp_dir() || "/tmp"
+    if fits?(base), do: base, else: "/tmp"
+  end
+
+  # Whether a socket's path under `base` is short enough.
+  defp fits?(base), do: byte_size(base) + @added_bytes <= @max_socket_path_bytes
 
   defp listen(path) do
     with {:ok, listener} <- :socket.open(:local, :stream, :default),
