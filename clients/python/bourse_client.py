@@ -44,9 +44,12 @@ One client holds one connection and sends one request at a time (a lock makes it
 share between threads; give each busy thread its own client for throughput). A client is
 not shared across fork(): in a child process it raises ConnectionError (open a new one
 there). Opening a client where no daemon listens raises the socket's own OSError
-(ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within ``timeout`` (TimeoutError); a call that failed while its answer
-was on its way (timeout, interrupt, lost connection) closes the client, and a request the
-daemon reads after its caller stopped waiting is not run. Bookings
+(ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within ``timeout`` (TimeoutError) and the client goes on: the answer of a
+call that timed out is read before the next one's, and what it paid is asked back
+(``give_back``), which the daemon grants when it wrote that answer past the call's
+deadline. A request the daemon reads after its caller stopped waiting is not run. A call
+that failed otherwise while its answer was on its way (an interrupt, a lost connection, a
+request only partly sent) closes the client. Bookings
 belong to an owner: by default wait() uses a fresh owner per call; check() with
 max_wait_ms and no owner uses the connection. The wire protocol is docs/PROTOCOL.md
 (version 1, newline-delimited JSON).
@@ -174,6 +177,11 @@ class BourseClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        # Requests sent whose callers timed out, by id: True when what the answer paid is
+        # to be asked back. Their answers come before the next ones (_answer).
+        self._late: dict = {}
+        # Ids of late answers that paid, asked back with the next request sent.
+        self._asks: list = []
         # The process that connected: after fork() parent and child would share one
         # connection (and one sequence of ids) and read each other's answers.
         self._pid = os.getpid()
@@ -260,12 +268,15 @@ class BourseClient:
         The whole call (sending included) ends within the client's ``timeout``; the request
         carries that moment (``deadline_us``, ``timeout_ms``), so a daemon that reads it too
         late (it was stopped) does not run it. Any failure between sending and reading the
-        whole answer closes the client: its next answer could not be paired with its request.
+        whole answer closes the client (its next answer could not be paired with its
+        request), but a timeout once the request was sent: its answer is read with the next
+        call's, and what it paid asked back.
         """
         self._usable()
         with self._lock:
             self._usable()
-            self._next_id += 1
+            # The give_backs sent with it (_give_backs) take the ids before its own.
+            self._next_id += 1 + len(self._asks)
             request_id = self._next_id
             # The id first: the daemon attributes even a malformed frame by it.
             body = {"id": request_id, "op": op, **fields}
@@ -287,25 +298,24 @@ class BourseClient:
                                   f"the request is {len(line)} bytes encoded, more than the daemon "
                                   f"accepts ({self._max_frame_bytes}, its --max-frame-bytes)",
                                   _exchange_of(fields))
+            sent = False
             try:
-                self._send(line + b"\n", deadline)
-                raw = self._read_line(deadline)
-                read_us = _us(time.monotonic())
-                if not raw:
-                    raise ConnectionError("bourse_daemon closed the connection")
-                try:
-                    answer = json.loads(raw)
-                except ValueError:
-                    answer = None
-                if not isinstance(answer, dict):
-                    raise BourseError("protocol", f"not an answer of bourse_daemon "
-                                                  f"({len(raw)} bytes that are not a JSON object)")
-                if answer.get("id") != request_id and not ("id" not in answer and not answer.get("ok")):
-                    raise BourseError("protocol",
-                                      f"answer for id {answer.get('id')!r}, expected {request_id}")
+                self._send(self._give_backs() + line + b"\n", deadline)
+                sent = True
+                for asked in range(request_id - len(self._asks), request_id):
+                    self._late[asked] = False
+                self._asks.clear()
+                answer, read_us = self._answer(request_id, deadline)
+            except TimeoutError:
+                if not sent or len(self._late) >= _MAX_LATE:
+                    # A frame sent in part, or a daemon that answers nothing any more.
+                    self.close()
+                else:
+                    self._late[request_id] = op not in ("hello", "auth", "give_back")
+                raise
             except BaseException:
-                # A timeout, an interrupt (KeyboardInterrupt, a signal handler's exception)
-                # or a stray answer: the next answer read would belong to another request.
+                # An interrupt (KeyboardInterrupt, a signal handler's exception) or a stray
+                # answer: the next answer read would belong to another request.
                 self.close()
                 raise
             if not answer.get("ok"):
@@ -321,6 +331,38 @@ class BourseClient:
                 if self._offset_us is None or offset > self._offset_us:
                     self._offset_us = offset
             return answer
+
+    def _answer(self, request_id: int, deadline: Optional[float]) -> Tuple[dict, int]:
+        """The answer to ``request_id`` and when it was read (µs), read within ``deadline``;
+        the answers of requests whose callers timed out, read before it, are dropped, and
+        what a paid one paid is asked back with the next request."""
+        while True:
+            raw = self._read_line(deadline)
+            read_us = _us(time.monotonic())
+            if not raw:
+                raise ConnectionError("bourse_daemon closed the connection")
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                raise BourseError("protocol", f"not an answer of bourse_daemon "
+                                              f"({len(raw)} bytes that are not a JSON object)")
+            late = answer.get("id")
+            if late != request_id and isinstance(late, int) and late in self._late:
+                if self._late.pop(late) and answer.get("ok") is True:
+                    self._asks.append(late)
+                continue
+            if late != request_id and not ("id" not in answer and not answer.get("ok")):
+                raise BourseError("protocol", f"answer for id {late!r}, expected {request_id}")
+            return answer, read_us
+
+    def _give_backs(self) -> bytes:
+        """The requests asking back what the late answers read since the last request paid,
+        under the ids just before the next request's (their answers are dropped)."""
+        first = self._next_id - len(self._asks)
+        return b"".join(json.dumps({"id": first + n, "op": "give_back", "of": late}).encode()
+                        + b"\n" for n, late in enumerate(self._asks))
 
     def _usable(self) -> None:
         if self._closed:
@@ -507,6 +549,9 @@ class BourseClient:
 
 # The longest answer line read (busiest(10000) answers a few MB).
 _MAX_ANSWER_BYTES = 64 << 20
+# Answers of timed-out calls still to come past which the daemon is taken for stuck and
+# the client closes.
+_MAX_LATE = 64
 
 
 def _us(seconds: float) -> int:

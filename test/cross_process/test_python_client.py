@@ -286,17 +286,31 @@ class BourseClientFailureTest(unittest.TestCase):
         with self.assertRaises(ConnectionError):
             self.client.check("binance", "c", None)
 
-    def test_a_call_that_timed_out_is_not_run_when_the_daemon_resumes(self):
+    def test_a_call_that_timed_out_is_not_run_when_the_daemon_resumes_and_the_client_goes_on(self):
+        limit = {"capacity": 5, "refill_per_sec": 0.001}
         client = BourseClient(self.daemon.socket, timeout=0.5)
         stop(self.daemon.process.pid)
         started = time.monotonic()
         with self.assertRaises(TimeoutError):
-            client.check("stopped", "k", {"capacity": 5, "refill_per_sec": 0.001}, cost=5)
+            client.check("stopped", "k", limit, cost=5)
         self.assertLess(time.monotonic() - started, 1.5)
         os.kill(self.daemon.process.pid, signal.SIGCONT)
         time.sleep(0.2)
         self.assertEqual(self.client.get_cost("stopped", "k"), 0)
-        with self.assertRaises(ConnectionError):
+        # Its answer (an error: read too late to run) is read and dropped first.
+        self.assertTrue(client.check("stopped", "k", limit, cost=5).admitted)
+        self.assertAlmostEqual(client.get_cost("stopped", "k"), 5, places=2)
+        client.close()
+
+    def test_a_daemon_stopped_for_good_closes_the_client_after_64_timeouts(self):
+        client = BourseClient(self.daemon.socket, timeout=0.01)
+        stop(self.daemon.process.pid)
+        for _ in range(64):
+            with self.assertRaises(TimeoutError):
+                client.check("stopped", "k", None)
+        with self.assertRaises(TimeoutError):
+            client.check("stopped", "k", None)
+        with self.assertRaisesRegex(ConnectionError, "closed"):
             client.check("stopped", "k", None)
 
     def test_the_budget_of_wait_covers_a_pause_begun_after_booking(self):
@@ -533,6 +547,55 @@ class ImpostorTest(unittest.TestCase):
         first.join()
         self.assertEqual(set(errors), {"a", "b"})
         self.assertIn("nonce is not 64 hex digits", errors["b"].message)
+
+    def test_what_a_late_answer_paid_is_asked_back_and_its_answers_are_dropped(self):
+        # A daemon that answers two checks past the client's timeout: one admitted, one an
+        # error. The calls after read both and get their own answers; the admitted one
+        # alone is asked back, with the request sent next, and its answer dropped.
+        path = os.path.join(tempfile.mkdtemp(), "late.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        self.addCleanup(listener.close)
+        read = []
+
+        def serve():
+            connection, _ = listener.accept()
+            with connection, connection.makefile("rb") as lines:
+                for line in lines:
+                    request = json.loads(line)
+                    read.append(request)
+                    credential = request.get("key", {}).get("credential")
+                    if request["op"] == "hello":
+                        answer = {"ok": True, "protocol": 1, "server": "bourse_daemon 0",
+                                  "clock_us": 1, "max_frame_bytes": 65536}
+                    elif request["op"] == "give_back":
+                        answer = {"ok": True, "given_back": True}
+                    elif credential == "refused":
+                        time.sleep(0.5)
+                        answer = {"ok": False, "error": {"type": "unavailable", "message": "late"}}
+                    else:
+                        time.sleep(0.5 if credential == "paid" else 0)
+                        answer = {"ok": True, "result": "admitted"}
+                    connection.sendall(json.dumps({"id": request["id"], **answer}).encode() + b"\n")
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+
+        client = BourseClient(path, timeout=0.2)
+        for credential in ("paid", "refused"):
+            with self.assertRaises(TimeoutError):
+                client.check("x", credential, None)
+        time.sleep(0.8)
+        for credential in ("next", "after", "last"):
+            self.assertTrue(client.check("x", credential, None).admitted)
+        client.close()
+        server.join(5)
+        checks = [request["key"]["credential"] for request in read if request["op"] == "check"]
+        self.assertEqual(checks, ["paid", "refused", "next", "after", "last"])
+        ops = [request["op"] for request in read]
+        give_backs = [request["of"] for request in read if request["op"] == "give_back"]
+        self.assertEqual(give_backs, [read[1]["id"]])
+        self.assertLess(ops.index("give_back"), len(ops) - 1)
 
     def test_an_answer_that_is_not_json_is_a_bourse_error(self):
         address = self.serve(lambda connection: connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"))
