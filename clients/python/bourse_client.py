@@ -44,15 +44,16 @@ One client holds one connection and sends one request at a time (a lock makes it
 share between threads; give each busy thread its own client for throughput). A client is
 not shared across fork(): in a child process it raises ConnectionError (open a new one
 there). Opening a client where no daemon listens raises the socket's own OSError
-(ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within ``timeout`` (TimeoutError) and the client goes on: the answer of a
-call that timed out is read before the next one's, and what it paid is asked back
-(``give_back``), which the daemon grants when it wrote that answer past the call's
-deadline. A request the daemon reads after its caller stopped waiting is not run. A call
-that failed otherwise while its answer was on its way (an interrupt, a lost connection, a
-request only partly sent) closes the client. Bookings
-belong to an owner: by default wait() uses a fresh owner per call; check() with
-max_wait_ms and no owner uses the connection. The wire protocol is docs/PROTOCOL.md
-(version 1, newline-delimited JSON).
+(ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within
+``timeout`` (TimeoutError) and the client goes on: the answer of a call that timed out is
+read before the next one's, and what it paid is asked back (``give_back``) with the next
+request, which the daemon grants when it wrote that answer past the call's deadline. A
+request the daemon reads after its caller stopped waiting is not run. A call that failed
+otherwise while its answer was on its way (an interrupt, a lost connection, a request
+only partly sent) closes the client, and so does a 65th call timed out whose answers are
+all still to come. Bookings belong to an owner: by default wait() uses a fresh owner per
+call; check() with max_wait_ms and no owner uses the connection. The wire protocol is
+docs/PROTOCOL.md (version 1, newline-delimited JSON).
 """
 
 from __future__ import annotations
@@ -349,7 +350,7 @@ class BourseClient:
                 raise BourseError("protocol", f"not an answer of bourse_daemon "
                                               f"({len(raw)} bytes that are not a JSON object)")
             late = answer.get("id")
-            if late != request_id and isinstance(late, int) and late in self._late:
+            if late != request_id and type(late) is int and late in self._late:
                 if self._late.pop(late) and answer.get("ok") is True:
                     self._asks.append(late)
                 continue
