@@ -444,12 +444,17 @@ class ImpostorTest(unittest.TestCase):
             hello["auth"] = {"scheme": "hmac-sha256", "nonce": nonce}
         connection.sendall(json.dumps(hello).encode() + b"\n")
 
-    def test_a_unix_socket_served_by_another_user_is_refused_and_sent_nothing(self):
+    def unix_listener(self):
+        """A Unix socket this process listens on, and its path."""
         path = os.path.join(tempfile.mkdtemp(), "impostor.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
         self.addCleanup(listener.close)
+        return listener, path
+
+    def test_a_unix_socket_served_by_another_user_is_refused_and_sent_nothing(self):
+        listener, path = self.unix_listener()
         received = []
 
         def accept():
@@ -552,11 +557,7 @@ class ImpostorTest(unittest.TestCase):
         # A daemon that answers two checks past the client's timeout: one admitted, one an
         # error. The calls after read both and get their own answers; the admitted one
         # alone is asked back, with the request sent next, and its answer dropped.
-        path = os.path.join(tempfile.mkdtemp(), "late.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(1)
-        self.addCleanup(listener.close)
+        listener, path = self.unix_listener()
         read = []
 
         def serve():
