@@ -29,7 +29,8 @@ pub const OVERDUE_KEPT: Duration = Duration::from_secs(10);
 /// the oldest dropped first.
 pub const MAX_OVERDUE_BUCKETS: usize = 4096;
 
-/// Only answers whose id is a number, or a string of at most this many bytes, are kept.
+/// Only answers whose id is a number or a string of at most this many bytes (a number as
+/// written) are kept.
 pub const MAX_KEPT_ID_BYTES: usize = 256;
 
 /// The answers a session owes, in the order written, and those it sent.
@@ -134,7 +135,7 @@ impl Recipient {
 /// Whether an answer with this id may be kept: ids are held, and compared, whole.
 fn kept_id(id: &Value) -> bool {
     match id {
-        Value::Number(_) => true,
+        Value::Number(number) => number.as_str().len() <= MAX_KEPT_ID_BYTES,
         Value::String(text) => text.len() <= MAX_KEPT_ID_BYTES,
         _ => false,
     }
@@ -572,16 +573,23 @@ mod tests {
     }
 
     #[test]
-    fn a_late_answer_is_kept_only_under_a_number_or_a_short_string() {
+    fn a_late_answer_is_kept_only_under_a_short_number_or_string() {
         let service = service();
         let now = clock_us(&service);
         let mut batch = Batch::new(&service, false);
         let long = "i".repeat(super::MAX_KEPT_ID_BYTES + 1);
         let short = "i".repeat(super::MAX_KEPT_ID_BYTES);
-        for (n, id) in [json!(long), json!([1]), json!(short)]
-            .into_iter()
-            .enumerate()
-        {
+        let number = |digits| serde_json::from_str::<Value>(&"7".repeat(digits)).unwrap();
+        let long_number = number(super::MAX_KEPT_ID_BYTES + 1);
+        let short_number = number(super::MAX_KEPT_ID_BYTES);
+        let ids = [
+            json!(long),
+            json!([1]),
+            long_number.clone(),
+            json!(short),
+            short_number.clone(),
+        ];
+        for (n, id) in ids.into_iter().enumerate() {
             let mut request = check(0, &format!("k{n}"), now + 300_000);
             request["id"] = id;
             batch.write(&request);
@@ -590,7 +598,9 @@ mod tests {
         for (id, given) in [
             (json!(long), false),
             (json!([1]), false),
+            (long_number, false),
             (json!(short), true),
+            (short_number, true),
         ] {
             batch.write(&json!({"op": "give_back", "id": 9, "of": id}));
             assert_eq!(batch.settle()[0]["given_back"], json!(given));
