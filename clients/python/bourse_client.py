@@ -45,15 +45,15 @@ share between threads; give each busy thread its own client for throughput). A c
 not shared across fork(): in a child process it raises ConnectionError (open a new one
 there). Opening a client where no daemon listens raises the socket's own OSError
 (ConnectionRefusedError, FileNotFoundError, PermissionError). A call ends within
-``timeout`` (TimeoutError) and the client goes on: the answer of a call that timed out is
-read before the next one's, and what it paid is asked back (``give_back``) with the next
-request, which the daemon grants when it wrote that answer past the call's deadline. A
-request the daemon reads after its caller stopped waiting is not run. A call that failed
-otherwise while its answer was on its way (an interrupt, a lost connection, a request
-only partly sent) closes the client, and so does a 65th call timed out whose answers are
-all still to come. Bookings belong to an owner: by default wait() uses a fresh owner per
-call; check() with max_wait_ms and no owner uses the connection. The wire protocol is
-docs/PROTOCOL.md (version 1, newline-delimited JSON).
+``timeout`` (TimeoutError), waiting for another thread's call on the client included, and
+the client goes on: the answer of a call that timed out is read before a later call's,
+and what it paid is asked back (``give_back``) then, which the daemon grants when it wrote
+that answer past the call's deadline. A request the daemon reads after its caller stopped
+waiting is not run. A call that failed otherwise while its answer was on its way (an
+interrupt, a lost connection, a request only partly sent) closes the client, and so does
+a 65th call timed out whose answers are all still to come. Bookings belong to an owner:
+by default wait() uses a fresh owner per call; check() with max_wait_ms and no owner uses
+the connection. The wire protocol is docs/PROTOCOL.md (version 1, newline-delimited JSON).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class BourseClient:
         # Requests sent whose callers timed out, by id: True when what the answer paid is
         # to be asked back. Their answers come before the next ones (_answer).
         self._late: dict = {}
-        # Ids of late answers that paid, asked back with the next request sent.
+        # Ids of late answers that paid, to ask back (_ask_back_now).
         self._asks: list = []
         # The process that connected: after fork() parent and child would share one
         # connection (and one sequence of ids) and read each other's answers.
@@ -266,23 +266,27 @@ class BourseClient:
     def request(self, op: str, **fields: Any) -> dict:
         """Sends one request and returns its answer; raises BourseError on an error answer.
 
-        The whole call (sending included) ends within the client's ``timeout``; the request
-        carries that moment (``deadline_us``, ``timeout_ms``), so a daemon that reads it too
-        late (it was stopped) does not run it. Any failure between sending and reading the
-        whole answer closes the client (its next answer could not be paired with its
-        request), but a timeout once the request was sent: its answer is read with the next
-        call's, and what it paid asked back.
+        The whole call (waiting for another thread's call on this client and sending
+        included) ends within the client's ``timeout``; the request carries that moment
+        (``deadline_us``, ``timeout_ms``), so a daemon that reads it too late (it was
+        stopped) does not run it. A timeout before any byte of it went, or once it was sent
+        whole, leaves the client usable: the answer is read with a later call's, and what it
+        paid asked back. Any other failure between sending and reading the whole answer
+        closes the client: its next answer could not be paired with its request.
         """
         self._usable()
-        with self._lock:
+        started = time.monotonic()
+        deadline = None if self._timeout is None else started + self._timeout
+        if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, _left(deadline))):
+            raise TimeoutError("another thread's call on this BourseClient held it past the "
+                               "client's timeout")
+        try:
             self._usable()
-            # The give_backs sent with it (_give_backs) take the ids before its own.
-            self._next_id += 1 + len(self._asks)
+            asks, asked = self._asking_back()
+            self._next_id += 1
             request_id = self._next_id
             # The id first: the daemon attributes even a malformed frame by it.
             body = {"id": request_id, "op": op, **fields}
-            started = time.monotonic()
-            deadline = None if self._timeout is None else started + self._timeout
             if deadline is not None and self._offset_us is not None and op not in ("hello", "auth"):
                 body["deadline_us"] = max(0, _us(started) + self._offset_us + int(self._timeout * 1e6))
                 body["timeout_ms"] = max(1, int(self._timeout * 1000))
@@ -299,44 +303,43 @@ class BourseClient:
                                   f"the request is {len(line)} bytes encoded, more than the daemon "
                                   f"accepts ({self._max_frame_bytes}, its --max-frame-bytes)",
                                   _exchange_of(fields))
-            sent = False
+            self._send(asks + line + b"\n", deadline)
+            self._asked(asked)
             try:
-                self._send(self._give_backs() + line + b"\n", deadline)
-                sent = True
-                for asked in range(request_id - len(self._asks), request_id):
-                    self._late[asked] = False
-                self._asks.clear()
                 answer, read_us = self._answer(request_id, deadline)
             except TimeoutError:
-                if not sent or len(self._late) >= _MAX_LATE:
-                    # A frame sent in part, or a daemon that answers nothing any more.
+                if len(self._late) >= _MAX_LATE:
+                    # A daemon that answers nothing any more.
                     self.close()
                 else:
-                    self._late[request_id] = op not in ("hello", "auth", "give_back")
+                    self._late[request_id] = op not in ("hello", "auth")
                 raise
             except BaseException:
                 # An interrupt (KeyboardInterrupt, a signal handler's exception) or a stray
                 # answer: the next answer read would belong to another request.
                 self.close()
                 raise
-            if not answer.get("ok"):
-                if "id" not in answer:
-                    # frame_too_large (and any error the daemon could not attribute) ends
-                    # the connection on the daemon's side.
-                    self.close()
-                error = answer.get("error") or {}
-                raise BourseError(error.get("type", "unknown"), error.get("message", repr(answer)),
-                                  error.get("exchange"))
-            if op == "hello" and isinstance(answer.get("clock_us"), int):
-                offset = answer["clock_us"] - read_us
-                if self._offset_us is None or offset > self._offset_us:
-                    self._offset_us = offset
-            return answer
+            self._ask_back_now(deadline)
+        finally:
+            self._lock.release()
+        if not answer.get("ok"):
+            if "id" not in answer:
+                # frame_too_large (and any error the daemon could not attribute) ends the
+                # connection on the daemon's side.
+                self.close()
+            error = answer.get("error") or {}
+            raise BourseError(error.get("type", "unknown"), error.get("message", repr(answer)),
+                              error.get("exchange"))
+        if op == "hello" and isinstance(answer.get("clock_us"), int):
+            offset = answer["clock_us"] - read_us
+            if self._offset_us is None or offset > self._offset_us:
+                self._offset_us = offset
+        return answer
 
     def _answer(self, request_id: int, deadline: Optional[float]) -> Tuple[dict, int]:
         """The answer to ``request_id`` and when it was read (µs), read within ``deadline``;
         the answers of requests whose callers timed out, read before it, are dropped, and
-        what a paid one paid is asked back with the next request."""
+        what a paid one paid is to be asked back (``_asks``)."""
         while True:
             raw = self._read_line(deadline)
             read_us = _us(time.monotonic())
@@ -349,21 +352,45 @@ class BourseClient:
             if not isinstance(answer, dict):
                 raise BourseError("protocol", f"not an answer of bourse_daemon "
                                               f"({len(raw)} bytes that are not a JSON object)")
-            late = answer.get("id")
-            if late != request_id and type(late) is int and late in self._late:
-                if self._late.pop(late) and answer.get("ok") is True:
-                    self._asks.append(late)
+            answer_id = answer.get("id")
+            if answer_id != request_id and type(answer_id) is int and answer_id in self._late:
+                if self._late.pop(answer_id) and answer.get("ok") is True:
+                    self._asks.append(answer_id)
                 continue
-            if late != request_id and not ("id" not in answer and not answer.get("ok")):
-                raise BourseError("protocol", f"answer for id {late!r}, expected {request_id}")
+            # An error without an id (frame_too_large) is this request's only while no
+            # earlier one's answer is still to come.
+            if answer_id != request_id and not ("id" not in answer and not answer.get("ok")
+                                                and not self._late):
+                raise BourseError("protocol", f"answer for id {answer_id!r}, expected {request_id}")
             return answer, read_us
 
-    def _give_backs(self) -> bytes:
-        """The requests asking back what the late answers read since the last request paid,
-        under the ids just before the next request's (their answers are dropped)."""
-        first = self._next_id - len(self._asks)
-        return b"".join(json.dumps({"id": first + n, "op": "give_back", "of": late}).encode()
-                        + b"\n" for n, late in enumerate(self._asks))
+    def _asking_back(self) -> Tuple[bytes, list]:
+        """The requests asking back what the late answers read so far paid, and their ids."""
+        lines, ids = [], []
+        for late in self._asks:
+            self._next_id += 1
+            ids.append(self._next_id)
+            lines.append(json.dumps({"id": self._next_id, "op": "give_back", "of": late}).encode()
+                         + b"\n")
+        return b"".join(lines), ids
+
+    def _asked(self, ids: list) -> None:
+        """The give_backs sent under ``ids``: their answers, to come, are dropped."""
+        for asked in ids:
+            self._late[asked] = False
+        del self._asks[:len(ids)]
+
+    def _ask_back_now(self, deadline: Optional[float]) -> None:
+        """Sends the give_backs of the late answers this call read, if its time allows (else
+        they go with the next request); the call's own answer stands whatever happens."""
+        if not self._asks:
+            return
+        asks, asked = self._asking_back()
+        try:
+            self._send(asks, deadline)
+        except OSError:
+            return
+        self._asked(asked)
 
     def _usable(self) -> None:
         if self._closed:
@@ -373,8 +400,21 @@ class BourseClient:
                                   "after fork() open a new BourseClient in each process")
 
     def _send(self, data: bytes, deadline: Optional[float]) -> None:
-        self._sock.settimeout(_left(deadline))
-        self._sock.sendall(data)
+        """Sends ``data`` whole within ``deadline``. A failure once part of it went closes
+        the client (the stream would be cut in a frame); a timeout before any went does
+        not."""
+        view, sent = memoryview(data), 0
+        try:
+            while sent < len(data):
+                self._sock.settimeout(_left(deadline))
+                sent += self._sock.send(view[sent:])
+        except TimeoutError:
+            if sent:
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
 
     def _read_line(self, deadline: Optional[float]) -> bytes:
         """One answer line (b"" when the daemon closed the connection), read within

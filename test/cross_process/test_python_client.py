@@ -302,6 +302,28 @@ class BourseClientFailureTest(unittest.TestCase):
         self.assertAlmostEqual(client.get_cost("stopped", "k"), 5, places=2)
         client.close()
 
+    def test_threads_sharing_a_client_each_end_within_its_timeout(self):
+        client = BourseClient(self.daemon.socket, timeout=0.3)
+        stop(self.daemon.process.pid)
+        took = []
+
+        def call():
+            started = time.monotonic()
+            with self.assertRaises(TimeoutError):
+                client.check("stopped", "k", None)
+            took.append(time.monotonic() - started)
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # Waiting in turn for the client, the last would take 8 timeouts (2.4 s).
+        self.assertEqual(len(took), 8)
+        self.assertLess(max(took), 1.2)
+        os.kill(self.daemon.process.pid, signal.SIGCONT)
+        self.assertTrue(client.check("resumed", "k", None).admitted)
+        client.close()
+
     def test_a_daemon_stopped_for_good_closes_the_client_after_64_timeouts(self):
         client = BourseClient(self.daemon.socket, timeout=0.01)
         stop(self.daemon.process.pid)
@@ -553,10 +575,10 @@ class ImpostorTest(unittest.TestCase):
         self.assertEqual(set(errors), {"a", "b"})
         self.assertIn("nonce is not 64 hex digits", errors["b"].message)
 
-    def test_what_a_late_answer_paid_is_asked_back_and_its_answers_are_dropped(self):
-        # A daemon that answers two checks past the client's timeout: one admitted, one an
-        # error. The calls after read both and get their own answers; the admitted one
-        # alone is asked back, with the request sent next, and its answer dropped.
+    def fake_daemon(self, respond):
+        """A daemon on a Unix socket that answers each request as ``respond`` (the request,
+        to an answer without its id, or None for no answer) says, after a hello; returns
+        its path, the requests it read, and its thread."""
         listener, path = self.unix_listener()
         read = []
 
@@ -566,37 +588,68 @@ class ImpostorTest(unittest.TestCase):
                 for line in lines:
                     request = json.loads(line)
                     read.append(request)
-                    credential = request.get("key", {}).get("credential")
                     if request["op"] == "hello":
                         answer = {"ok": True, "protocol": 1, "server": "bourse_daemon 0",
-                                  "clock_us": 1, "max_frame_bytes": 65536}
-                    elif request["op"] == "give_back":
-                        answer = {"ok": True, "given_back": True}
-                    elif credential == "refused":
-                        time.sleep(0.5)
-                        answer = {"ok": False, "error": {"type": "unavailable", "message": "late"}}
+                                  "clock_us": 1, "max_frame_bytes": 65536, "id": request["id"]}
                     else:
-                        time.sleep(0.5 if credential == "paid" else 0)
-                        answer = {"ok": True, "result": "admitted"}
-                    connection.sendall(json.dumps({"id": request["id"], **answer}).encode() + b"\n")
+                        answer = respond(request)
+                    if answer is not None:
+                        connection.sendall(json.dumps(answer).encode() + b"\n")
         server = threading.Thread(target=serve, daemon=True)
         server.start()
+        return path, read, server
+
+    def test_what_a_late_answer_paid_is_asked_back_and_its_answers_are_dropped(self):
+        # A daemon that answers two checks past the client's timeout: one admitted, one an
+        # error. The call that reads both gets its own answer, then asks back the admitted
+        # one alone; the answer to that is dropped by the next call.
+        def respond(request):
+            credential = request.get("key", {}).get("credential")
+            if request["op"] == "give_back":
+                return {"id": request["id"], "ok": True, "given_back": True}
+            time.sleep(0.5 if credential in ("paid", "refused") else 0)
+            if credential == "refused":
+                return {"id": request["id"], "ok": False,
+                        "error": {"type": "unavailable", "message": "late"}}
+            return {"id": request["id"], "ok": True, "result": "admitted"}
+        path, read, server = self.fake_daemon(respond)
 
         client = BourseClient(path, timeout=0.2)
         for credential in ("paid", "refused"):
             with self.assertRaises(TimeoutError):
                 client.check("x", credential, None)
         time.sleep(0.8)
-        for credential in ("next", "after", "last"):
-            self.assertTrue(client.check("x", credential, None).admitted)
+        self.assertTrue(client.check("x", "next", None).admitted)
+        # Asked back at once, not with the next call, which may be late or never come.
+        deadline = time.monotonic() + 5
+        while len(read) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(read[-1]["op"], "give_back")
+        self.assertTrue(client.check("x", "after", None).admitted)
         client.close()
         server.join(5)
-        checks = [request["key"]["credential"] for request in read if request["op"] == "check"]
-        self.assertEqual(checks, ["paid", "refused", "next", "after", "last"])
-        ops = [request["op"] for request in read]
-        give_backs = [request["of"] for request in read if request["op"] == "give_back"]
-        self.assertEqual(give_backs, [read[1]["id"]])
-        self.assertLess(ops.index("give_back"), len(ops) - 1)
+        requests = [(request["op"], request.get("key", {}).get("credential"), request.get("of"))
+                    for request in read]
+        self.assertEqual(requests, [("hello", None, None), ("check", "paid", None),
+                                    ("check", "refused", None), ("check", "next", None),
+                                    ("give_back", None, read[1]["id"]), ("check", "after", None)])
+
+    def test_an_error_without_an_id_while_a_late_answer_is_to_come_closes_the_client(self):
+        # Whose it is cannot be told: the late call's, or the next one's.
+        def respond(request):
+            if request["key"]["credential"] == "late":
+                time.sleep(0.4)
+            return {"ok": False, "error": {"type": "unavailable", "message": "no id"}}
+        path, _read, server = self.fake_daemon(respond)
+        client = BourseClient(path, timeout=0.2)
+        with self.assertRaises(TimeoutError):
+            client.check("x", "late", None)
+        with self.assertRaises(BourseError) as raised:
+            client.check("x", "next", None)
+        self.assertEqual(raised.exception.type, "protocol")
+        with self.assertRaisesRegex(ConnectionError, "closed"):
+            client.check("x", "after", None)
+        server.join(5)
 
     def test_an_answer_that_is_not_json_is_a_bourse_error(self):
         address = self.serve(lambda connection: connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"))
