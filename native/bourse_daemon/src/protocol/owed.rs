@@ -5,10 +5,10 @@
 //! and its answer becomes `unavailable`, so that such a caller never pays.
 //!
 //! One settled in time may still be sent late: the daemon was stopped after settling and
-//! before the bytes left. A transport that tells when its write ended ([`Service::sent`])
-//! has such answers kept for a while ([`OVERDUE_KEPT`]), and the client, which alone knows
-//! its caller stopped waiting, may ask for one back by its id (`give_back`,
-//! [`Service::give_back_overdue`]).
+//! before the bytes left. A transport that tells when each answer's last byte went
+//! ([`Service::written`], [`Service::sent`]) has such answers kept for a while
+//! ([`OVERDUE_KEPT`]), and the client, which alone knows its caller stopped waiting, may
+//! ask for one back by its id (`give_back`, [`Service::give_back_overdue`]).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -40,8 +40,8 @@ pub struct Owed(Mutex<Ledger>);
 #[derive(Default)]
 struct Ledger {
     unsent: Vec<Unsent>,
-    /// Settled in time at the last settling, being sent.
-    sent: Vec<Unsent>,
+    /// Settled in time at the last settling, being sent, in the order of their bytes.
+    sending: VecDeque<Sending>,
     /// Sent past their last moment to run, by id.
     overdue: VecDeque<Overdue>,
     /// The buckets their receipts name, in all.
@@ -54,11 +54,20 @@ struct Overdue {
     kept_until: Instant,
 }
 
+/// An answer settled in time, and where its framed bytes end in the transport's buffer.
+struct Sending {
+    end: usize,
+    answer: Unsent,
+}
+
 impl Ledger {
-    /// Keeps, of the answers whose sending ended at `now`, those past their last moment to
-    /// run. An id kept twice names neither: the client could not say which it means.
-    fn note_sent(&mut self, now: Instant) {
-        for answer in self.sent.drain(..) {
+    /// Keeps, of the answers whose bytes up to `through` (all: `usize::MAX`) are sent as
+    /// of `now`, those past their last moment to run. An id kept twice names neither: the
+    /// client could not say which it means.
+    fn note_sent(&mut self, through: usize, now: Instant) {
+        while let Some(Sending { answer, .. }) =
+            self.sending.pop_front_if(|sending| sending.end <= through)
+        {
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
                 // Ids kept are unique: a twin is dropped, and the answer not kept.
                 match self.overdue.iter().position(|kept| kept.id == id) {
@@ -164,9 +173,21 @@ impl<S: Store> Service<S> {
     /// Notes that the answers last settled on `session` were sent, as of now: those past
     /// their last moment to run may be asked back ([`Self::give_back_overdue`]).
     pub fn sent(&self, session: &Session) {
+        self.written(session, usize::MAX);
+    }
+
+    /// Notes that the first `through` bytes of the buffer last settled on `session` were
+    /// sent, as of now: the answers they end are noted as [`Self::sent`] notes them. A
+    /// transport that writes a buffer in parts says so after each part, so that an answer
+    /// whose bytes went in time is not taken for late because those after it went late.
+    pub fn written(&self, session: &Session, through: usize) {
         let mut ledger = session.owed.lock();
-        if !ledger.sent.is_empty() {
-            ledger.note_sent(Instant::now());
+        if ledger
+            .sending
+            .front()
+            .is_some_and(|sending| sending.end <= through)
+        {
+            ledger.note_sent(through, Instant::now());
         }
     }
 
@@ -189,11 +210,11 @@ impl<S: Store> Service<S> {
     pub fn settle(&self, session: &Session, out: &mut Vec<u8>, frame: impl Fn(&mut Vec<u8>)) {
         let mut guard = session.owed.lock();
         let ledger = &mut *guard;
-        if ledger.unsent.is_empty() && ledger.sent.is_empty() {
+        if ledger.unsent.is_empty() && ledger.sending.is_empty() {
             return;
         }
         // Those no transport noted as sent are not kept.
-        ledger.sent.clear();
+        ledger.sending.clear();
         let now = Instant::now();
         // Framing adds as many bytes to every answer: a line's end, or a length before it.
         let mut framing = Vec::new();
@@ -209,7 +230,10 @@ impl<S: Store> Service<S> {
                     late.push((framed, late_by, answer.to));
                     receipts.push(answer.receipt);
                 }
-                None => ledger.sent.push(answer),
+                None => ledger.sending.push_back(Sending {
+                    end: framed.end,
+                    answer,
+                }),
             }
         }
         drop(guard);
@@ -217,6 +241,8 @@ impl<S: Store> Service<S> {
             return;
         }
         let given = self.store.give_back(receipts);
+        // Each rewritten answer moves the bytes after it by the change in its length.
+        let mut moves = Vec::new();
         // Last first, so that the bytes of those before stay where they were written.
         for ((framed, late_by, to), _) in late.into_iter().zip(given).rev().filter(|(_, g)| *g) {
             let mut rewritten = Vec::new();
@@ -229,7 +255,21 @@ impl<S: Store> Service<S> {
                 &message,
             );
             frame(&mut rewritten);
+            moves.push((framed.end, rewritten.len() as isize - framed.len() as isize));
             out.splice(framed, rewritten);
+        }
+        if moves.is_empty() {
+            return;
+        }
+        // Both in the order of their bytes: each answer moves by those rewritten before it.
+        moves.reverse();
+        let (mut moves, mut moved) = (moves.into_iter().peekable(), 0isize);
+        let mut ledger = session.owed.lock();
+        for sending in &mut ledger.sending {
+            while let Some((_, by)) = moves.next_if(|(end, _)| *end <= sending.end) {
+                moved += by;
+            }
+            sending.end = sending.end.saturating_add_signed(moved);
         }
     }
 }
@@ -254,6 +294,8 @@ mod tests {
         out: Vec<u8>,
         /// Each answer after its length (a term), or ended by a newline (JSON).
         prefixed: bool,
+        /// Where each answer last settled ended in `out`.
+        ends: Vec<usize>,
     }
 
     impl<'s> Batch<'s> {
@@ -264,6 +306,7 @@ mod tests {
                 session,
                 out: Vec::new(),
                 prefixed: etf,
+                ends: Vec::new(),
             };
             if etf {
                 batch.write(&json!({"op": "hello", "codec": "etf"}));
@@ -333,6 +376,7 @@ mod tests {
             };
             self.service.settle(&self.session, &mut self.out, frame);
             let mut answers = Vec::new();
+            self.ends.clear();
             let mut rest = &self.out[..];
             while !rest.is_empty() {
                 let (answer, next) = match prefixed {
@@ -351,6 +395,7 @@ mod tests {
                 };
                 answers.push(answer);
                 rest = next;
+                self.ends.push(self.out.len() - rest.len());
             }
             self.out.clear();
             answers
@@ -570,6 +615,31 @@ mod tests {
         held_past(now, &service);
         assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
         assert!((borrowed(&service, "a") - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn an_answer_whose_bytes_went_in_time_stays_paid_though_those_after_it_went_late() {
+        for etf in [false, true] {
+            let service = service();
+            let first = clock_us(&service);
+            let mut batch = Batch::new(&service, etf);
+            // Rewritten as unavailable, longer: the answers after it move.
+            batch.write(&check(0, "rewritten", first + 300_000));
+            held_past(first, &service);
+            let now = clock_us(&service);
+            batch.write(&check(1, "in_time", now + 300_000));
+            batch.write(&check(2, "late", now + 300_000));
+            let answers = batch.settle_unsent();
+            assert_eq!(answers[0]["error"]["type"], json!("unavailable"));
+            // The first two went at once, the last once the daemon was resumed.
+            service.written(&batch.session, batch.ends[1]);
+            held_past(now, &service);
+            service.sent(&batch.session);
+            assert_eq!(asked_back(&mut batch, 1)["given_back"], json!(false));
+            assert_eq!(asked_back(&mut batch, 2)["given_back"], json!(true));
+            assert!((borrowed(&service, "in_time") - 1.0).abs() < 1e-3);
+            assert!(borrowed(&service, "late").abs() < 1e-3);
+        }
     }
 
     #[test]

@@ -626,6 +626,7 @@ where
                                         &slot,
                                         auth_deadline,
                                         idle,
+                                        |through| service.written(&session, through),
                                     );
                                     if sent.await.is_err() {
                                         return;
@@ -650,11 +651,11 @@ where
                             &slot,
                             auth_deadline,
                             idle,
+                            |through| service.written(&session, through),
                         );
                         if sent.await.is_err() {
                             return;
                         }
-                        service.sent(&session);
                         // Its client reads: it is not idle.
                         active = Instant::now();
                     }
@@ -678,6 +679,7 @@ where
                         &slot,
                         auth_deadline,
                         idle,
+                        |through| service.written(&session, through),
                     )
                     .await;
                     let _ = stream.shutdown().await;
@@ -698,13 +700,13 @@ where
                 &slot,
                 auth_deadline,
                 idle,
+                |through| service.written(&session, through),
             )
             .await
             .is_err()
             {
                 return;
             }
-            service.sent(&session);
             // Its client reads: it is not idle.
             active = Instant::now();
         }
@@ -870,13 +872,15 @@ fn settled<'o, S: Store>(
 }
 
 /// Writes `out` and empties it, unless a write makes no progress until [`write_ends`]
-/// (then the connection is to close): each part the socket takes starts the wait again.
+/// (then the connection is to close): each part the socket takes starts the wait again,
+/// and `written` is told how far it went.
 async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
     stream: &mut S,
     out: &mut Vec<u8>,
     slot: &Slot,
     auth_deadline: Instant,
     idle: Option<Duration>,
+    written: impl Fn(usize),
 ) -> io::Result<()> {
     let mut sent = 0;
     let fd = stream.as_raw_fd();
@@ -886,7 +890,10 @@ async fn send_until<S: AsyncWrite + AsRawFd + Unpin>(
             biased;
             wrote = stream.write(&out[sent..out.len().min(sent + WRITE_PIECE)]) => match wrote? {
                 0 => return Err(ErrorKind::WriteZero.into()),
-                wrote => sent += wrote,
+                wrote => {
+                    sent += wrote;
+                    written(sent);
+                }
             },
             () = write_ends(slot, auth_deadline, idle, fd) => return Err(ErrorKind::TimedOut.into()),
         }

@@ -293,20 +293,27 @@ fn send_settled<S: Store>(
     out: &mut Vec<u8>,
     idle: Option<Duration>,
 ) -> io::Result<()> {
-    let sent = send(stream, settled(service, session, out), idle);
-    service.sent(session);
-    sent
+    let written = |through| service.written(session, through);
+    send(stream, settled(service, session, out), idle, written)
 }
 
 /// Writes `out` and empties it, unless the client read none of what the socket holds for
 /// it for `idle` while the socket had no room (it stopped reading; the connection is to
-/// close). A slow reader makes progress though the socket may take no more until it read
-/// much more.
-fn send(stream: &Socket, out: &mut Vec<u8>, idle: Option<Duration>) -> io::Result<()> {
+/// close); `written` is told how far it went after each part. A slow reader makes progress
+/// though the socket may take no more until it read much more.
+fn send(
+    stream: &Socket,
+    out: &mut Vec<u8>,
+    idle: Option<Duration>,
+    written: impl Fn(usize),
+) -> io::Result<()> {
     let mut sent = 0;
     while sent < out.len() {
         match stream.try_write(&out[sent..out.len().min(sent + WRITE_PIECE)]) {
-            Ok(wrote) => sent += wrote,
+            Ok(wrote) => {
+                sent += wrote;
+                written(sent);
+            }
             Err(error) if error.kind() == ErrorKind::WouldBlock => room(stream, idle)?,
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
             Err(error) => return Err(error),
