@@ -620,19 +620,18 @@ class ImpostorTest(unittest.TestCase):
                 client.check("x", credential, None)
         time.sleep(0.8)
         self.assertTrue(client.check("x", "next", None).admitted)
-        # Asked back at once, not with the next call, which may be late or never come.
+        # Asked back once read, not with a later call, which may be late or never come.
         deadline = time.monotonic() + 5
-        while len(read) < 5 and time.monotonic() < deadline:
+        while "give_back" not in [r["op"] for r in read] and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertEqual(read[-1]["op"], "give_back")
+        self.assertIn("give_back", [r["op"] for r in read])
         self.assertTrue(client.check("x", "after", None).admitted)
         client.close()
         server.join(5)
-        requests = [(request["op"], request.get("key", {}).get("credential"), request.get("of"))
-                    for request in read]
-        self.assertEqual(requests, [("hello", None, None), ("check", "paid", None),
-                                    ("check", "refused", None), ("check", "next", None),
-                                    ("give_back", None, read[1]["id"]), ("check", "after", None)])
+        checks = [request["key"]["credential"] for request in read if request["op"] == "check"]
+        self.assertEqual(checks, ["paid", "refused", "next", "after"])
+        give_backs = [request["of"] for request in read if request["op"] == "give_back"]
+        self.assertEqual(give_backs, [read[1]["id"]])
 
     def test_an_error_without_an_id_while_a_late_answer_is_to_come_closes_the_client(self):
         # Whose it is cannot be told: the late call's, or the next one's.
