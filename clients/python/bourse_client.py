@@ -178,8 +178,9 @@ class BourseClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
-        # Requests sent whose callers timed out, by id: True when what the answer paid is
-        # to be asked back. Their answers come before the next ones (_answer).
+        # Requests sent whose answers are to be dropped, by id: True for a call that timed
+        # out whose answer's payment is to be asked back, False for one that paid nothing
+        # (hello, auth), None for a give_back. Their answers come before the next ones.
         self._late: dict = {}
         # Ids of late answers that paid, to ask back (_ask_back_now).
         self._asks: list = []
@@ -308,7 +309,7 @@ class BourseClient:
             try:
                 answer, read_us = self._answer(request_id, deadline)
             except TimeoutError:
-                if len(self._late) >= _MAX_LATE:
+                if sum(kind is not None for kind in self._late.values()) >= _MAX_LATE:
                     # A daemon that answers nothing any more.
                     self.close()
                 else:
@@ -319,14 +320,15 @@ class BourseClient:
                 # answer: the next answer read would belong to another request.
                 self.close()
                 raise
-            self._ask_back_now(deadline)
-        finally:
-            self._lock.release()
-        if not answer.get("ok"):
-            if "id" not in answer:
+            if not answer.get("ok") and "id" not in answer:
                 # frame_too_large (and any error the daemon could not attribute) ends the
                 # connection on the daemon's side.
                 self.close()
+            else:
+                self._ask_back_now(deadline)
+        finally:
+            self._lock.release()
+        if not answer.get("ok"):
             error = answer.get("error") or {}
             raise BourseError(error.get("type", "unknown"), error.get("message", repr(answer)),
                               error.get("exchange"))
@@ -377,7 +379,7 @@ class BourseClient:
     def _asked(self, ids: list) -> None:
         """The give_backs sent under ``ids``: their answers, to come, are dropped."""
         for asked in ids:
-            self._late[asked] = False
+            self._late[asked] = None
         del self._asks[:len(ids)]
 
     def _ask_back_now(self, deadline: Optional[float]) -> None:
@@ -408,10 +410,11 @@ class BourseClient:
             while sent < len(data):
                 self._sock.settimeout(_left(deadline))
                 sent += self._sock.send(view[sent:])
-        except TimeoutError:
+        except _TIMEOUTS:
             if sent:
                 self.close()
-            raise
+            raise TimeoutError("bourse_daemon did not take the request within the client's "
+                               "timeout") from None
         except BaseException:
             self.close()
             raise
@@ -430,7 +433,11 @@ class BourseClient:
             if scanned > _MAX_ANSWER_BYTES:
                 raise BourseError("protocol", f"an answer longer than {_MAX_ANSWER_BYTES} bytes")
             self._sock.settimeout(_left(deadline))
-            chunk = self._sock.recv(65536)
+            try:
+                chunk = self._sock.recv(65536)
+            except _TIMEOUTS:
+                raise TimeoutError("bourse_daemon did not answer within the client's "
+                                   "timeout") from None
             if not chunk:
                 return b""
             self._buffer += chunk
@@ -593,6 +600,8 @@ _MAX_ANSWER_BYTES = 64 << 20
 # Answers of timed-out calls still to come past which the daemon is taken for stuck and
 # the client closes.
 _MAX_LATE = 64
+# A socket's timeout: socket.timeout is TimeoutError from Python 3.10 on, not before.
+_TIMEOUTS = (TimeoutError, socket.timeout)
 
 
 def _us(seconds: float) -> int:

@@ -65,9 +65,14 @@ impl Ledger {
     /// of `now`, those past their last moment to run. An id kept twice names neither: the
     /// client could not say which it means.
     fn note_sent(&mut self, through: usize, now: Instant) {
-        while let Some(Sending { answer, .. }) =
-            self.sending.pop_front_if(|sending| sending.end <= through)
+        while self
+            .sending
+            .front()
+            .is_some_and(|sending| sending.end <= through)
         {
+            let Some(Sending { answer, .. }) = self.sending.pop_front() else {
+                break;
+            };
             if let (true, Recipient::Id(Some(id))) = (answer.last_run < now, answer.to) {
                 // Ids kept are unique: a twin is dropped, and the answer not kept.
                 match self.overdue.iter().position(|kept| kept.id == id) {
