@@ -575,10 +575,11 @@ class ImpostorTest(unittest.TestCase):
         self.assertEqual(set(errors), {"a", "b"})
         self.assertIn("nonce is not 64 hex digits", errors["b"].message)
 
-    def fake_daemon(self, respond):
+    def fake_daemon(self, respond, before=None):
         """A daemon on a Unix socket that answers each request as ``respond`` (the request,
-        to an answer without its id, or None for no answer) says, after a hello; returns
-        its path, the requests it read, and its thread."""
+        to an answer, or None for no answer) says, after a hello, each answer after those
+        ``respond`` put in ``before``; returns its path, the requests it read, and its
+        thread."""
         listener, path = self.unix_listener()
         read = []
 
@@ -593,6 +594,10 @@ class ImpostorTest(unittest.TestCase):
                                   "clock_us": 1, "max_frame_bytes": 65536, "id": request["id"]}
                     else:
                         answer = respond(request)
+                    for earlier in before or []:
+                        connection.sendall(json.dumps(earlier).encode() + b"\n")
+                    if before:
+                        before.clear()
                     if answer is not None:
                         connection.sendall(json.dumps(answer).encode() + b"\n")
         server = threading.Thread(target=serve, daemon=True)
@@ -632,6 +637,34 @@ class ImpostorTest(unittest.TestCase):
         self.assertEqual(checks, ["paid", "refused", "next", "after"])
         give_backs = [request["of"] for request in read if request["op"] == "give_back"]
         self.assertEqual(give_backs, [read[1]["id"]])
+
+    def test_give_backs_in_flight_do_not_count_toward_the_64_timed_out_calls(self):
+        # Ten checks answered late, all at once, then nothing: their ten give_backs are
+        # never answered, and 64 more calls time out before the client closes.
+        held, release = [], []
+
+        def respond(request):
+            credential = request.get("key", {}).get("credential")
+            if credential == "late":
+                held.append(request["id"])
+            elif credential == "release":
+                release.extend({"id": late, "ok": True, "result": "admitted"} for late in held)
+                return {"id": request["id"], "ok": True, "result": "admitted"}
+            return None
+        path, read, _server = self.fake_daemon(respond, before=release)
+        client = BourseClient(path, timeout=0.05)
+        for _ in range(10):
+            with self.assertRaises(TimeoutError):
+                client.check("x", "late", None)
+        self.assertTrue(client.check("x", "release", None).admitted)
+        for _ in range(64):
+            with self.assertRaises(TimeoutError):
+                client.check("x", "stalled", None)
+        with self.assertRaises(TimeoutError):
+            client.check("x", "stalled", None)
+        with self.assertRaisesRegex(ConnectionError, "closed"):
+            client.check("x", "stalled", None)
+        self.assertEqual(len([r for r in read if r["op"] == "give_back"]), 10)
 
     def test_an_error_without_an_id_while_a_late_answer_is_to_come_closes_the_client(self):
         # Whose it is cannot be told: the late call's, or the next one's.
