@@ -620,13 +620,14 @@ where
                                     }
                                 }
                                 Err(_) => {
-                                    let sent = send_until(
+                                    let sent = send_settled(
                                         &mut stream,
-                                        settled(&service, &session, &mut out),
+                                        &service,
+                                        &session,
+                                        &mut out,
                                         &slot,
                                         auth_deadline,
                                         idle,
-                                        |through| service.written(&session, through),
                                     );
                                     if sent.await.is_err() {
                                         return;
@@ -645,13 +646,14 @@ where
                         }
                     }
                     if out.len() >= WRITE_CHUNK {
-                        let sent = send_until(
+                        let sent = send_settled(
                             &mut stream,
-                            settled(&service, &session, &mut out),
+                            &service,
+                            &session,
+                            &mut out,
                             &slot,
                             auth_deadline,
                             idle,
-                            |through| service.written(&session, through),
                         );
                         if sent.await.is_err() {
                             return;
@@ -673,13 +675,14 @@ where
                         running -= 1;
                         out.extend_from_slice(&answer);
                     }
-                    let _ = send_until(
+                    let _ = send_settled(
                         &mut stream,
-                        settled(&service, &session, &mut out),
+                        &service,
+                        &session,
+                        &mut out,
                         &slot,
                         auth_deadline,
                         idle,
-                        |through| service.written(&session, through),
                     )
                     .await;
                     let _ = stream.shutdown().await;
@@ -694,13 +697,14 @@ where
             }
         }
         if !out.is_empty() {
-            if send_until(
+            if send_settled(
                 &mut stream,
-                settled(&service, &session, &mut out),
+                &service,
+                &session,
+                &mut out,
                 &slot,
                 auth_deadline,
                 idle,
-                |through| service.written(&session, through),
             )
             .await
             .is_err()
@@ -869,6 +873,22 @@ fn settled<'o, S: Store>(
 ) -> &'o mut Vec<u8> {
     service.settle(session, out, |answer| framed(answer, 0, session.codec()));
     out
+}
+
+/// Writes `session`'s answers in `out`, settled ([`settled`]), noting how far each part
+/// went ([`Service::written`]), as [`send_until`] writes.
+async fn send_settled<T: AsyncWrite + AsRawFd + Unpin, S: Store>(
+    stream: &mut T,
+    service: &Service<S>,
+    session: &Session,
+    out: &mut Vec<u8>,
+    slot: &Slot,
+    auth_deadline: Instant,
+    idle: Option<Duration>,
+) -> io::Result<()> {
+    let out = settled(service, session, out);
+    let written = |through| service.written(session, through);
+    send_until(stream, out, slot, auth_deadline, idle, written).await
 }
 
 /// Writes `out` and empties it, unless a write makes no progress until [`write_ends`]
