@@ -37,6 +37,15 @@ from bourse_client import BourseClient, BourseError, RateLimitExceeded, key  # n
 SLOW = {"capacity": 30, "refill_per_sec": 0.001}  # nothing refills during a test
 
 
+def closes_at_the_65th_timeout(test, call):
+    """64 calls time out and leave the client usable; the 65th closes it."""
+    for _ in range(65):
+        with test.assertRaises(TimeoutError):
+            call()
+    with test.assertRaisesRegex(ConnectionError, "closed"):
+        call()
+
+
 def daemon_binary() -> str:
     if os.environ.get("BOURSE_DAEMON"):
         return os.environ["BOURSE_DAEMON"]
@@ -327,13 +336,7 @@ class BourseClientFailureTest(unittest.TestCase):
     def test_a_daemon_stopped_for_good_closes_the_client_after_64_timeouts(self):
         client = BourseClient(self.daemon.socket, timeout=0.01)
         stop(self.daemon.process.pid)
-        for _ in range(64):
-            with self.assertRaises(TimeoutError):
-                client.check("stopped", "k", None)
-        with self.assertRaises(TimeoutError):
-            client.check("stopped", "k", None)
-        with self.assertRaisesRegex(ConnectionError, "closed"):
-            client.check("stopped", "k", None)
+        closes_at_the_65th_timeout(self, lambda: client.check("stopped", "k", None))
 
     def test_the_budget_of_wait_covers_a_pause_begun_after_booking(self):
         # Booked for 2 s from now: the pause begins long before, even on a loaded machine.
@@ -657,13 +660,7 @@ class ImpostorTest(unittest.TestCase):
             with self.assertRaises(TimeoutError):
                 client.check("x", "late", None)
         self.assertTrue(client.check("x", "release", None).admitted)
-        for _ in range(64):
-            with self.assertRaises(TimeoutError):
-                client.check("x", "stalled", None)
-        with self.assertRaises(TimeoutError):
-            client.check("x", "stalled", None)
-        with self.assertRaisesRegex(ConnectionError, "closed"):
-            client.check("x", "stalled", None)
+        closes_at_the_65th_timeout(self, lambda: client.check("x", "stalled", None))
         self.assertEqual(len([r for r in read if r["op"] == "give_back"]), 10)
 
     def test_an_error_without_an_id_while_a_late_answer_is_to_come_closes_the_client(self):
