@@ -471,7 +471,9 @@ class ImpostorTest(unittest.TestCase):
 
     def unix_listener(self):
         """A Unix socket this process listens on, and its path."""
-        path = os.path.join(tempfile.mkdtemp(), "impostor.sock")
+        directory = tempfile.TemporaryDirectory()
+        self.addCleanup(directory.cleanup)
+        path = os.path.join(directory.name, "impostor.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)

@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use common::{authenticate, daemon_binary, key, LineClient, Transport, SECRET};
+use common::{authenticate, daemon_binary, key, LineClient, TempDir, Transport, SECRET};
 
 /// A daemon started by `sh` with a shell prelude (`umask 000`, `ulimit -n 256`); killed when
 /// dropped.
@@ -111,10 +111,8 @@ fn a_live_socket_another_user_cannot_reach_is_not_replaced() {
 }
 
 /// A directory every user may enter, for a socket another user tries to reach.
-fn open_dir(name: &str) -> PathBuf {
-    let dir = common::temp_path(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir(&dir).unwrap();
+fn open_dir(name: &str) -> TempDir {
+    let dir = TempDir::new(name);
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     dir
 }
@@ -145,7 +143,6 @@ fn the_socket_is_owner_only_whatever_the_umask_or_shared_with_a_group() {
             assert_eq!(client.call(json!({"op": "stats"}))["ok"], true);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Gives `dir` a default ACL letting everyone read, write and search what is created in
@@ -281,7 +278,6 @@ fn another_user_cannot_reach_the_socket_nor_use_tcp_without_the_secret() {
         .as_str()
         .unwrap()
         .starts_with("key:"));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Up to `count` connections to `addr` that each sent a `hello` (and read nothing).

@@ -8,7 +8,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::net::UnixListener;
 use std::process::{Command, Output};
 
-use common::{Server, DAEMON};
+use common::{Server, TempDir, DAEMON};
 
 fn run(args: &[&str]) -> Output {
     Command::new(DAEMON)
@@ -96,9 +96,8 @@ fn an_argument_that_is_not_utf8_is_refused_by_its_place() {
 /// to its lossy text) and serves it.
 #[test]
 fn a_stdio_socket_path_that_is_not_utf8_is_served() {
-    let dir = common::temp_path("raw-dir");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut raw = dir.into_os_string().into_vec();
+    let dir = TempDir::new("raw-dir");
+    let mut raw = dir.as_os_str().to_owned().into_vec();
     raw.extend_from_slice(b"/s\xff.sock");
     let path = std::path::PathBuf::from(std::ffi::OsString::from_vec(raw));
     let listener = UnixListener::bind(&path).unwrap();
@@ -122,7 +121,6 @@ fn a_stdio_socket_path_that_is_not_utf8_is_served() {
     assert_eq!(answer["ok"], true, "{answer}");
     drop(stream);
     assert!(daemon.wait().unwrap().success());
-    let _ = std::fs::remove_file(&path);
 }
 
 /// A secret in the environment is bytes, as in a file: one that is not UTF-8 (random

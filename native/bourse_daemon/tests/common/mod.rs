@@ -4,8 +4,9 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::ops::Deref;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -30,6 +31,38 @@ pub const PATIENCE: Duration = Duration::from_secs(30);
 /// A unique path in the temporary directory.
 pub fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("bourse-test-{}-{name}", std::process::id()))
+}
+
+/// A new, empty directory at [`temp_path`], removed with what it holds when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let path = temp_path(name);
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir(&path).unwrap();
+        TempDir(path)
+    }
+}
+
+impl Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Sends `signal` (`TERM`, `INT`) with the system's `kill` command.
