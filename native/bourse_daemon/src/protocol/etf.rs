@@ -9,10 +9,13 @@
 //! (atoms are read as their names). Terms JSON cannot hold are read as their shape alone,
 //! `{"$term": KIND, ...}`, as a JSON client would send them; lists longer than
 //! [`MAX_CHECKS`] and maps of more than [`MAX_MAP_KEYS`] keys are read as their shape too,
-//! their elements checked and dropped.
+//! their elements checked and dropped. A term holding more than [`MAX_VALUES`] terms is
+//! refused.
 
 use bourse_core::rules::MAX_CHECKS;
 use serde_json::{json, Map, Number, Value};
+
+use super::values::{self, MAX_VALUES};
 
 /// The version byte every external term starts with.
 pub const VERSION: u8 = 131;
@@ -70,14 +73,21 @@ pub fn decode(frame: &[u8]) -> Result<Value, Unreadable> {
 /// map, if it is one with an `id` named by an atom or binary (also when the map is read
 /// as its shape).
 pub fn decode_with_id(frame: &[u8]) -> Result<(Value, Option<Value>), Unreadable> {
-    let mut reader = Reader {
-        bytes: frame,
-        at: 0,
-        id: None,
-    };
-    let value = reader.whole().map_err(|message| Unreadable {
-        message: format!("malformed external term ({message})"),
-        id: reader.id.take(),
+    let mut reader = Reader::new(frame, false);
+    let value = reader.whole().map_err(|message| {
+        if reader.values <= MAX_VALUES {
+            return Unreadable {
+                message: format!("malformed external term ({message})"),
+                id: reader.id.take(),
+            };
+        }
+        // Read again for its id alone, keeping nothing else.
+        let mut skimmer = Reader::new(frame, true);
+        let _ = skimmer.whole();
+        Unreadable {
+            message: values::too_many(),
+            id: skimmer.id.or(reader.id.take()),
+        }
     })?;
     Ok((value, reader.id))
 }
@@ -87,6 +97,11 @@ struct Reader<'a> {
     at: usize,
     /// The top-level map's `id`, once read.
     id: Option<Value>,
+    /// The terms read so far.
+    values: usize,
+    /// Whether the terms are read for the top-level map's `id` alone: lists and maps read
+    /// as their shape whatever their size, and no bound on how many terms.
+    skim: bool,
 }
 
 type Read<T> = Result<T, String>;
@@ -98,6 +113,16 @@ enum Key {
 }
 
 impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8], skim: bool) -> Self {
+        Reader {
+            bytes,
+            at: 0,
+            id: None,
+            values: 0,
+            skim,
+        }
+    }
+
     fn whole(&mut self) -> Read<Value> {
         match self.u8()? {
             VERSION => {}
@@ -173,6 +198,10 @@ impl<'a> Reader<'a> {
         let deeper = || Err(format!("nesting deeper than {MAX_DEPTH}"));
         if depth > MAX_DEPTH {
             return deeper();
+        }
+        self.values += 1;
+        if self.values > MAX_VALUES && !self.skim {
+            return Err(values::too_many());
         }
         let tag = self.u8()?;
         let value = match tag {
@@ -360,7 +389,7 @@ impl<'a> Reader<'a> {
 
     /// `n` elements and a tail: an array when proper and short enough, else its shape.
     fn list(&mut self, n: usize, depth: usize) -> Read<Value> {
-        let keep = n <= MAX_CHECKS;
+        let keep = n <= MAX_CHECKS && !self.skim;
         let mut items = Vec::with_capacity(if keep { n } else { 0 });
         for _ in 0..n {
             let item = self.term(depth + 1, false)?;
@@ -389,7 +418,7 @@ impl<'a> Reader<'a> {
     /// as its shape.
     fn map(&mut self, n: usize, depth: usize, top: bool) -> Read<Value> {
         let mut object = Map::new();
-        let mut named = n <= MAX_MAP_KEYS;
+        let mut named = n <= MAX_MAP_KEYS && !self.skim;
         for _ in 0..n {
             let key = self.key(depth + 1)?;
             let value = self.term(depth + 1, false)?;

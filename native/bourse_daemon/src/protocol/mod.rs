@@ -12,6 +12,7 @@ mod etf_check;
 mod owed;
 mod repeated_names;
 mod request;
+mod values;
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -599,6 +600,10 @@ type Unread = (Option<Value>, InvalidInput);
 
 /// A JSON frame's request object.
 fn read_json(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
+    if values::too_many_in_json(frame) {
+        let id = id_alone(frame).or_else(|| leading_id(frame));
+        return Err((id, InvalidInput::new(values::too_many())));
+    }
     match serde_json::from_slice::<Value>(frame) {
         Ok(Value::Object(fields)) => match repeated_names::find(frame) {
             None => Ok(fields),
@@ -629,6 +634,16 @@ fn read_etf(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
         }
         Err(unreadable) => Err((unreadable.id, InvalidInput::new(unreadable.message))),
     }
+}
+
+/// The `id` of a JSON object, read alone: every other member is skipped, nothing of it
+/// built. `None` for text that is not such an object.
+fn id_alone(frame: &[u8]) -> Option<Value> {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: Option<Value>,
+    }
+    serde_json::from_slice::<Id>(frame).ok()?.id
 }
 
 /// Describes a frame that is not JSON, without quoting it.

@@ -76,8 +76,8 @@ pub fn find(text: &[u8]) -> Option<&'static str> {
     None
 }
 
-/// Where the string opened at `start` closes.
-fn string_end(text: &[u8], start: usize) -> usize {
+/// Where the string opened at `start` closes (the text's last byte if it does not).
+pub(super) fn string_end(text: &[u8], start: usize) -> usize {
     let mut at = start + 1;
     while at < text.len() {
         match text[at] {

@@ -1,7 +1,7 @@
 //! The protocol against the in-memory table on a manual clock.
 
 use super::*;
-use bourse_core::rules::MAX_KEY_PART_BYTES;
+use bourse_core::rules::{MAX_CHECKS, MAX_KEY_PART_BYTES};
 use serde_json::json;
 use std::future::Future;
 use std::pin::pin;
@@ -1039,6 +1039,27 @@ fn one_call_checks_at_most_1024_buckets() {
         f.call(&format!(r#"{{"op":"get_cost","key":{KEY}}}"#))["borrowed"],
         1024.0
     );
+}
+
+#[test]
+fn a_request_of_too_many_values_is_refused_with_its_id_in_either_codec() {
+    let f = Fixture::new();
+    let session = f.etf_session();
+    // The largest request, every field given, binary keys in its term: admitted.
+    let check = json!({"key": {"exchange": "binance", "credential": "k1", "axis": "orders"},
+        "limit": {"capacity": 5000, "refill_per_sec": 50}, "cost": 1});
+    let largest = json!({"id": 3, "op": "check_many", "checks": vec![check; MAX_CHECKS]});
+    assert_eq!(f.call(&largest.to_string())["result"], "admitted");
+    assert_eq!(f.call_etf(&session, &largest)["result"], "admitted");
+    // Small values by the tens of thousands, in few bytes.
+    let objects = vec![json!({"a": {"b": 0}}); values::MAX_VALUES / 3 + 1];
+    for (id, many) in [(7, json!(vec![0; values::MAX_VALUES])), (8, json!(objects))] {
+        let request = json!({"id": id, "op": "check_many", "checks": many});
+        for answer in [f.call(&request.to_string()), f.call_etf(&session, &request)] {
+            assert_eq!(answer["id"], id, "{answer}");
+            assert_eq!(answer["error"]["message"], values::too_many(), "{answer}");
+        }
+    }
 }
 
 #[test]
