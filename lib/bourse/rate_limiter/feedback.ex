@@ -48,7 +48,8 @@ defmodule Bourse.RateLimiter.Feedback do
       paused for that whole time (a 418 with `Retry-After: 600` pauses the exchange for
       600 s), up to 3 days, Binance's longest IP ban: a request sent during a ban only
       extends it. A longer wait still pauses for 3 days; `retry_after` keeps the time
-      asked, up to 4,294,967,295 ms (what `Process.sleep/1` takes).
+      asked, up to 4,294,967,295 ms (what `Process.sleep/1` takes; the message then says
+      "or more").
       `reset_exchange/2` lifts the pause;
     * any 418, Binance's 403 and Bybit's IP bans: a ban calls for an alert, not a retry
       loop.
@@ -635,7 +636,13 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp describe(:retry_after, ms), do: "Retry-After #{ms} ms"
-  defp describe(:ban, ms), do: "asked to wait #{ms} ms, longer than the #{@cap_ms} ms cap"
+
+  defp describe(:ban, ms) do
+    # `ms` is the time asked, as far as `retry_after` holds it.
+    asked = if ms < Native.bound(:max_ms), do: "#{ms} ms", else: "#{ms} ms or more"
+    "asked to wait #{asked}, longer than the #{@cap_ms} ms cap"
+  end
+
   defp describe(:backoff, ms), do: "no usable Retry-After: backing off #{ms} ms"
   defp describe(:named, ms), do: "the reply asks to wait #{ms} ms"
 

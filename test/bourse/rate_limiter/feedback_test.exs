@@ -557,8 +557,10 @@ defmodule Bourse.RateLimiter.FeedbackTest do
 
     test "a wait above the 300 s cap: stop, and the pause lasts the whole time asked",
          %{name: name} do
-      assert {:error, %Error{http_status: 429, retry_after: 86_400_000, stop: true}} =
+      assert {:error, %Error{http_status: 429, retry_after: 86_400_000, stop: true} = error} =
                observe(429, [{"retry-after", "86400"}], name)
+
+      assert error.message =~ "asked to wait 86400000 ms, longer"
 
       assert_paused({"binance", "k", "ip"}, name, 86_000_000..86_400_000)
 
@@ -567,6 +569,7 @@ defmodule Bourse.RateLimiter.FeedbackTest do
                observe(429, [{"retry-after", "1e308"}], name, "k2")
 
       assert byte_size(message) < 200
+      assert message =~ "asked to wait 4294967295 ms or more"
       # The operator can lift it.
       assert :ok = RateLimiter.reset_exchange("binance", name)
       assert :ok = RateLimiter.check_rate({"binance", "k", "ip"}, @slow, 1, name)

@@ -31,7 +31,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   the request's last moment to run. The route of a caller that died goes with its answer,
   or, if it died before its request was written, with the routes this process answers
   `:unavailable` a second past their caller's deadline (it looks every timeout, or every
-  100 ms when the timeout is shorter).
+  100 ms when the timeout is shorter). A caller still waiting looks every 200 ms
+  whether this process lives: if it was killed, the caller answers `:unavailable` then.
 
   Each request carries its caller's deadline on the daemon's clock (docs/PROTOCOL.md,
   "Deadlines"), placed with the offset between that clock and this one that the hellos
@@ -106,6 +107,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # An answer this late is slow: meanwhile the caller judges its input (`request/3`), and
   # an `:unavailable` one answers the later requests of its call (`CallDeadline`).
   @slow_ms 50
+  # A caller still waiting looks this often whether the connection lives: one killed
+  # leaves its callers' routes to no one.
+  @liveness_ms 200
   # The daemon's `:unavailable` answers (its store could not answer) are logged at most
   # once in this long.
   @store_warning_every_ms 10_000
@@ -350,18 +354,32 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     receive do
       {^reply_to, answer} -> answer
     after
-      if(judge, do: min(@slow_ms, left), else: left) -> waited(handle, route, judge)
+      min(if(judge, do: @slow_ms, else: @liveness_ms), left) -> waited(handle, route, judge)
     end
   end
 
-  defp waited(handle, route, nil) do
-    send(handle.pid, :unanswered)
+  defp waited(handle, {_id, reply_to, deadline} = route, nil) do
+    cond do
+      System.monotonic_time(:millisecond) >= deadline ->
+        send(handle.pid, :unanswered)
 
-    give_up(
-      handle,
-      route,
-      {:error, Error.unavailable(did_not_answer(handle.daemon, handle.timeout))}
-    )
+        give_up(
+          handle,
+          route,
+          {:error, Error.unavailable(did_not_answer(handle.daemon, handle.timeout))}
+        )
+
+      Process.alive?(handle.pid) ->
+        await(handle, route, nil)
+
+      # Whatever it sent before it ended has arrived.
+      true ->
+        receive do
+          {^reply_to, answer} -> answer
+        after
+          0 -> {:error, gone()}
+        end
+    end
   end
 
   defp waited(handle, route, judge) do

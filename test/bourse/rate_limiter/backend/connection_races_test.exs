@@ -111,6 +111,34 @@ defmodule Bourse.RateLimiter.Backend.ConnectionRacesTest do
       eventually(fn -> routes(handle(name)) == 0 end)
     end
 
+    test "the connection process killed while its callers wait: they are answered :unavailable at once, not at their timeout" do
+      timeout = 20_000
+      {daemon, name} = start_connected_daemon(timeout: timeout)
+      handle = handle(name)
+      DaemonServer.signal(daemon, "STOP")
+
+      callers =
+        for i <- 1..16 do
+          Task.async(fn ->
+            answer = RateLimiter.check_rate({"ex", "k#{i}"}, @wide, 1, name)
+            {answer, now_ms()}
+          end)
+        end
+
+      eventually(fn -> routes(handle) == 16 end)
+      killed_at = now_ms()
+      Process.exit(handle.pid, :kill)
+
+      for {answer, answered_at} <- Task.await_many(callers, 2 * timeout) do
+        assert {:error, %Error{type: :unavailable}} = answer
+        # Generous: 2 cores shared by many builds; their timeout is 20 s.
+        assert answered_at - killed_at < 5_000, "answered #{answered_at - killed_at} ms after"
+      end
+
+      DaemonServer.signal(daemon, "CONT")
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+
     test "the connection process killed: callers get :unavailable, the limiter comes back with a port that assumes every bucket busy" do
       name = start_limiter(:port)
       handle = handle(name)
