@@ -53,7 +53,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   when its supervisor restarts it with its siblings), it keeps serving for a grace period
   of 5 s, for a limiter started again under that name to adopt it (`attach/3` with the
   previous handle), then stops: the port's table, and the pauses it holds, survive the
-  end of the limiter process as the NIF table does.
+  end of the limiter process as the NIF table does. The pauses also outlive this process
+  by the grace period, should it be killed.
   """
 
   use GenServer
@@ -1201,10 +1202,26 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     end
   end
 
+  # The table outlives this process by the grace period, killed or not: a limiter started
+  # again meanwhile asks its pauses of its new daemon (`attach/3`).
   defp remembering(pauses) do
-    table = :ets.new(__MODULE__, [:public, write_concurrency: true])
+    table = :ets.new(__MODULE__, [:public, {:write_concurrency, true}, {:heir, keeper(), nil}])
     :ets.insert(table, pauses)
     table
+  end
+
+  # Inherits this process's tables (the pauses) when it ends, and keeps them for the grace
+  # period.
+  defp keeper do
+    connection = self()
+
+    spawn(fn ->
+      ref = Process.monitor(connection)
+
+      receive do
+        {:DOWN, ^ref, :process, _pid, _reason} -> Process.sleep(@orphan_grace_ms)
+      end
+    end)
   end
 
   # The pauses in force asked of the previous table, asked again of the new one before any

@@ -182,6 +182,27 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
     assert :ok = RateLimiter.check_rate({"other", "k"}, %{limit | refill_per_sec: 1.0e6}, 1, name)
   end
 
+  test "the connection process killed: the pauses in force hold in the restarted limiter's daemon",
+       %{name: name, handle: handle} do
+    fast = %{capacity: 5, refill_per_sec: 1_000}
+    assert :ok = RateLimiter.pause({"ex", "paused"}, 60_000, name)
+
+    assert {:error, %Error{retry_after: 30_000}} =
+             RateLimiter.observe_response("ex", "k", 429, [{"retry-after", "30"}], name)
+
+    Process.exit(handle.pid, :kill)
+
+    eventually(fn ->
+      match?(%{pid: pid} when pid != handle.pid, handle(name)) and
+        RateLimiter.check_rate({"other", "k"}, %{fast | refill_per_sec: 1.0e6}, 1, name) == :ok
+    end)
+
+    assert {:delay, ms} = RateLimiter.check_rate({"ex", "paused"}, fast, 1, name)
+    assert ms in 50_000..60_000
+    assert {:delay, ms} = RateLimiter.check_rate({"ex", "k", "ip"}, fast, 1, name)
+    assert ms in 25_000..30_000
+  end
+
   # A caller alone in flight reads its own answer only while the table of requests holds
   # nothing but the stream and its own route.
   test "a remembered pause leaves the table of requests as it was", %{name: name} do
