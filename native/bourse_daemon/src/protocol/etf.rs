@@ -81,12 +81,15 @@ pub fn decode_with_id(frame: &[u8]) -> Result<(Value, Option<Value>), Unreadable
                 id: reader.id.take(),
             };
         }
-        // Read again for its id alone, keeping nothing else.
-        let mut skimmer = Reader::new(frame, true);
-        let _ = skimmer.whole();
+        // The id as read, or else read again for it alone, keeping nothing else.
+        let id = reader.id.take().or_else(|| {
+            let mut skimmer = Reader::new(frame, true);
+            let _ = skimmer.whole();
+            skimmer.id
+        });
         Unreadable {
             message: values::too_many(),
-            id: skimmer.id.or(reader.id.take()),
+            id,
         }
     })?;
     Ok((value, reader.id))
@@ -193,16 +196,22 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Counts `n` more values read, up to [`MAX_VALUES`] unless skimming.
+    fn count_values(&mut self, n: usize) -> Read<()> {
+        self.values += n;
+        if self.values > MAX_VALUES && !self.skim {
+            return Err(values::too_many());
+        }
+        Ok(())
+    }
+
     /// One term at nesting `depth` (the frame's own term, `top`, whose `id` is kept, is at 0).
     fn term(&mut self, depth: usize, top: bool) -> Read<Value> {
         let deeper = || Err(format!("nesting deeper than {MAX_DEPTH}"));
         if depth > MAX_DEPTH {
             return deeper();
         }
-        self.values += 1;
-        if self.values > MAX_VALUES && !self.skim {
-            return Err(values::too_many());
-        }
+        self.count_values(1)?;
         let tag = self.u8()?;
         let value = match tag {
             SMALL_INTEGER => Value::from(self.u8()?),
@@ -264,6 +273,7 @@ impl<'a> Reader<'a> {
                 if n > MAX_CHECKS {
                     json!({"$term": "list"})
                 } else {
+                    self.count_values(n)?;
                     Value::Array(bytes.iter().map(|&b| Value::from(b)).collect())
                 }
             }

@@ -601,8 +601,7 @@ type Unread = (Option<Value>, InvalidInput);
 /// A JSON frame's request object.
 fn read_json(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
     if values::too_many_in_json(frame) {
-        let id = id_alone(frame).or_else(|| leading_id(frame));
-        return Err((id, InvalidInput::new(values::too_many())));
+        return Err((id_alone(frame), InvalidInput::new(values::too_many())));
     }
     match serde_json::from_slice::<Value>(frame) {
         Ok(Value::Object(fields)) => match repeated_names::find(frame) {
@@ -636,14 +635,61 @@ fn read_etf(frame: &[u8]) -> Result<Map<String, Value>, Unread> {
     }
 }
 
-/// The `id` of a JSON object, read alone: every other member is skipped, nothing of it
-/// built. `None` for text that is not such an object.
+/// The `id` of a JSON object too large to read, found without reading the rest: its
+/// first top-level member named `"id"`, when that is a number or a string of at most
+/// [`owed::MAX_KEPT_ID_BYTES`] bytes as written.
 fn id_alone(frame: &[u8]) -> Option<Value> {
-    #[derive(serde::Deserialize)]
-    struct Id {
-        id: Option<Value>,
+    let start = frame.iter().position(|b| !b.is_ascii_whitespace())?;
+    if frame[start] != b'{' {
+        return None;
     }
-    serde_json::from_slice::<Id>(frame).ok()?.id
+    let mut depth = 0usize;
+    let mut name_next = false;
+    let mut at = start;
+    while at < frame.len() {
+        match frame[at] {
+            b'{' | b'[' => {
+                depth += 1;
+                name_next = depth == 1;
+            }
+            b'}' | b']' => depth = depth.checked_sub(1).filter(|&depth| depth > 0)?,
+            b',' => name_next = depth == 1,
+            b'"' => {
+                let end = repeated_names::string_end(frame, at);
+                if name_next && &frame[at..=end] == b"\"id\"" {
+                    return short_scalar(&frame[end + 1..]);
+                }
+                name_next = false;
+                at = end;
+            }
+            _ => {}
+        }
+        at += 1;
+    }
+    None
+}
+
+/// The value after a member's name in `rest`, when it is a number or a string of at most
+/// [`owed::MAX_KEPT_ID_BYTES`] bytes as written.
+fn short_scalar(rest: &[u8]) -> Option<Value> {
+    let rest = rest
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
+    let end = match rest.first()? {
+        b'"' => repeated_names::string_end(rest, 0) + 1,
+        b'-' | b'0'..=b'9' => rest
+            .iter()
+            .position(|&b| matches!(b, b',' | b'}') || b.is_ascii_whitespace())
+            .unwrap_or(rest.len()),
+        _ => return None,
+    };
+    let token = &rest[..end];
+    let quotes = if token[0] == b'"' { 2 } else { 0 };
+    if token.len() > owed::MAX_KEPT_ID_BYTES + quotes {
+        return None;
+    }
+    serde_json::from_slice(token).ok()
 }
 
 /// Describes a frame that is not JSON, without quoting it.

@@ -969,6 +969,7 @@ fn every_answer_names_its_request() {
     assert_eq!(answer["id"], 42);
     assert_eq!(answer["error"]["type"], "invalid_parameters");
     // Frames that are not JSON: the id when it comes first, else the frame's number.
+    // (Those that hold too many values are refused before: see `values`.)
     let deep = "[".repeat(100_000);
     for (frame, to) in [
         (
@@ -985,9 +986,10 @@ fn every_answer_names_its_request() {
             json!({"id": 123456789012345678901234567890u128}),
         ),
         ("{\"id\":8,\"op\":\"\u{0}".into(), json!({"id": 8})),
+        // Refused for the values it holds before it is read: its id is found anywhere.
         (
             format!(r#"{{"op":"check","id":9,"key":{deep}"#),
-            json!({"frame": 0}),
+            json!({"id": 9}),
         ),
         ("[1,2]".into(), json!({"frame": 0})),
         // A value that only begins like an integer is no id.
@@ -1051,15 +1053,45 @@ fn a_request_of_too_many_values_is_refused_with_its_id_in_either_codec() {
     let largest = json!({"id": 3, "op": "check_many", "checks": vec![check; MAX_CHECKS]});
     assert_eq!(f.call(&largest.to_string())["result"], "admitted");
     assert_eq!(f.call_etf(&session, &largest)["result"], "admitted");
-    // Small values by the tens of thousands, in few bytes.
-    let objects = vec![json!({"a": {"b": 0}}); values::MAX_VALUES / 3 + 1];
-    for (id, many) in [(7, json!(vec![0; values::MAX_VALUES])), (8, json!(objects))] {
+    // Small values by the tens of thousands, in few bytes; in the id too.
+    let objects = json!(vec![json!({"a": {"b": 0}}); values::MAX_VALUES / 3 + 1]);
+    let numbers = json!(vec![0; values::MAX_VALUES]);
+    let short = "i".repeat(owed::MAX_KEPT_ID_BYTES);
+    for (id, many, echoed) in [
+        (json!(7), &numbers, json!(7)),
+        (json!(short), &objects, json!(short)),
+        (objects.clone(), &numbers, Value::Null),
+        (
+            json!("i".repeat(owed::MAX_KEPT_ID_BYTES + 1)),
+            &numbers,
+            Value::Null,
+        ),
+    ] {
         let request = json!({"id": id, "op": "check_many", "checks": many});
-        for answer in [f.call(&request.to_string()), f.call_etf(&session, &request)] {
-            assert_eq!(answer["id"], id, "{answer}");
-            assert_eq!(answer["error"]["message"], values::too_many(), "{answer}");
-        }
+        let answer = f.call(&request.to_string());
+        assert_eq!(answer["error"]["message"], values::too_many());
+        assert_eq!(answer["id"], echoed);
+        assert!(answer.to_string().len() < 1000);
+        // A term's id, scalar, is echoed too.
+        let answer = f.call_etf(&session, &request);
+        assert_eq!(answer["error"]["message"], values::too_many());
+        assert!(echoed.is_null() || answer["id"] == echoed);
     }
+    // A list of bytes (STRING_EXT) counts each of its elements.
+    let mut bytes = vec![etf::VERSION, b't', 0, 0, 0, 2];
+    etf::write_binary(&mut bytes, b"id");
+    bytes.extend_from_slice(&[b'a', 9]);
+    etf::write_binary(&mut bytes, b"x");
+    let lists = values::MAX_VALUES / MAX_CHECKS + 1;
+    bytes.extend_from_slice(&[b'l', 0, 0, 0, lists as u8]);
+    for _ in 0..lists {
+        bytes.extend_from_slice(&[b'k', 4, 0]);
+        bytes.extend_from_slice(&[b'a'; MAX_CHECKS]);
+    }
+    bytes.push(b'j');
+    let answer = etf::decode(&f.call_bytes(&session, &bytes)).unwrap();
+    assert_eq!(answer["error"]["message"], values::too_many());
+    assert_eq!(answer["id"], 9);
 }
 
 #[test]

@@ -9,7 +9,7 @@
 use super::repeated_names::string_end;
 
 /// Values (objects, arrays, strings, numbers, literals; in the external term format every
-/// term, keys too) a request may hold.
+/// term, binary keys too, and each byte of a list of bytes) a request may hold.
 pub const MAX_VALUES: usize = 32_768;
 
 /// Why a request holding more than [`MAX_VALUES`] values is refused.
