@@ -499,12 +499,24 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @doc """
-  Forgets the remembered pauses whose target (as a request names it) matches `pattern`,
-  an ETS pattern (a map pattern matches the maps that hold its keys); `:ok`.
+  Forgets the remembered pauses a reset ended: every one (`:all`), those of every target
+  of an exchange (`{:exchange, exchange}`: the exchange, its credentials and their keys),
+  or that of one target, as a request names it; `:ok`.
   """
-  @spec forget_pauses(t(), term()) :: :ok
-  def forget_pauses(%__MODULE__{pauses: table}, pattern) do
-    :ets.match_delete(table, {pattern, :_})
+  @spec forget_pauses(t(), :all | {:exchange, term()} | map()) :: :ok
+  def forget_pauses(%__MODULE__{pauses: table}, ended) do
+    case ended do
+      :all ->
+        :ets.delete_all_objects(table)
+
+      {:exchange, exchange} ->
+        of_exchange = [{:==, {:map_get, :exchange, :"$1"}, exchange}]
+        :ets.select_delete(table, [{{:"$1", :_}, of_exchange, [true]}])
+
+      target ->
+        :ets.delete(table, target)
+    end
+
     :ok
   rescue
     ArgumentError -> :ok

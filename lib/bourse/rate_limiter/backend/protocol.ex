@@ -179,13 +179,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
 
     %{op: "reset_exchange", exchange: sent}
     |> run(handle, &done/1, {:reset_exchange, [exchange]})
-    |> forgetting(handle, %{exchange: sent})
+    |> forgetting(handle, {:exchange, sent})
   end
 
   @doc "`reset_all/1`."
   @spec reset_all(handle()) :: :ok | error()
   def reset_all(handle),
-    do: %{op: "reset_all"} |> run(handle, &done/1) |> forgetting(handle, :_)
+    do: %{op: "reset_all"} |> run(handle, &done/1) |> forgetting(handle, :all)
 
   @doc "Counts a limited reply for `{exchange_id, credential_key}` and pauses `scope` for the backoff."
   @spec back_off(handle(), term(), term()) :: pos_integer() | error()
@@ -217,8 +217,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
     |> remembered(handle, target, ms)
   end
 
-  # The pauses a reset ended (their targets match `ended`, as requests name them) are not
-  # asked again of a new table.
+  # The pauses a reset ended (`Connection.forget_pauses/2`) are not asked again of a new
+  # table.
   defp forgetting(:ok, handle, ended), do: Connection.forget_pauses(handle, ended)
   defp forgetting(answer, _handle, _ended), do: answer
 

@@ -216,12 +216,20 @@ defmodule Bourse.RateLimiter.Backend.PortTest do
        %{name: name} do
     fast = %{capacity: 1, refill_per_sec: 1.0e6}
 
-    for {target, reset} <- [
-          {"ex", &RateLimiter.reset_exchange("ex", &1)},
-          {{"ex", "k", "ip"}, &RateLimiter.reset({"ex", "k", "ip"}, &1)},
-          {{"ex", "k"}, &RateLimiter.reset_all/1}
+    pause = fn target -> &RateLimiter.pause(target, 30_000, &1) end
+    limited = &RateLimiter.observe_response("ex", "k", 429, [{"retry-after", "30"}], &1)
+    reset_exchange = &RateLimiter.reset_exchange("ex", &1)
+
+    for {paused, reset} <- [
+          {pause.("ex"), reset_exchange},
+          {pause.({"ex", "k"}), reset_exchange},
+          {pause.({"ex", "k", "ip"}), reset_exchange},
+          {limited, reset_exchange},
+          {pause.({"ex", "k", "ip"}), &RateLimiter.reset({"ex", "k", "ip"}, &1)},
+          {pause.({"ex", "k"}), &RateLimiter.reset_all/1}
         ] do
-      assert :ok = RateLimiter.pause(target, 30_000, name)
+      paused.(name)
+      assert {:delay, _} = RateLimiter.check_rate({"ex", "k", "ip"}, fast, 1, name)
       assert :ok = reset.(name)
       os_pid = port_os_pid(handle(name))
       OsSignal.send(os_pid, "KILL")
