@@ -117,16 +117,22 @@ defmodule Bourse.ContractTests.Bucket do
 
           # Empty, then told 2 s for a cost of 4; a cheap probe 100 ms on is told 400 ms (less
           # when a loaded machine wakes it late).
+          emptied_at = System.monotonic_time(:millisecond)
           assert :ok = check_rate(key, limit, 1, name)
           assert {:delay, heavy} = check_rate(key, limit, 4, name)
           told = System.monotonic_time(:millisecond)
           assert heavy in 1_500..2_000
           Process.sleep(100)
-          assert {:delay, cheap} = check_rate(key, limit, 1, name)
-          assert cheap in 1..400
-          # Back 20 ms late: past the cheap probe's wait and fill time by more than 1 s.
-          Process.sleep(max(told + heavy + 20 - System.monotonic_time(:millisecond), 0))
-          assert :ok = check_rate(key, limit, 4, name)
+          cheap = check_rate(key, limit, 1, name)
+
+          # Unless a loaded machine took so long that a token refilled meanwhile (500 ms).
+          if System.monotonic_time(:millisecond) - emptied_at < 500 do
+            assert {:delay, cheap} = cheap
+            assert cheap in 1..400
+            # Back 20 ms late: past the cheap probe's wait and fill time by more than 1 s.
+            Process.sleep(max(told + heavy + 20 - System.monotonic_time(:millisecond), 0))
+            assert :ok = check_rate(key, limit, 4, name)
+          end
         end
 
         test "cheap traffic never sees more than the capacity", %{name: name} do
