@@ -1002,10 +1002,12 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
 #[test]
 fn a_long_walk_does_not_keep_another_from_its_turn() {
     let Some(redis) = Redis::start() else { return };
-    let server = daemon(&redis, &["--redis-timeout-ms", "300"]);
+    // A walk of 40,000 buckets takes about 900 ms on a quiet 2-core machine; a page's turn
+    // a few ms, which a loaded one can stretch to hundreds.
+    let server = daemon(&redis, &["--redis-timeout-ms", "600"]);
     fill(
         &server,
-        20_000,
+        40_000,
         &json!({"capacity": 10, "refill_per_sec": 0.001}),
     );
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
