@@ -67,10 +67,13 @@ defmodule Bourse.DaemonServer do
   @spec signal(t(), String.t()) :: :ok
   def signal(%__MODULE__{os_pid: os_pid}, signal), do: Bourse.OsSignal.send(os_pid, signal)
 
-  @doc "Stops the daemon (SIGTERM) and waits until it is gone."
+  @doc """
+  Stops the daemon (SIGCONT, as a test that failed may have left it stopped, then SIGTERM)
+  and waits until it is gone.
+  """
   @spec stop(t()) :: :ok
   def stop(daemon) do
-    if alive?(daemon), do: signal(daemon, "TERM")
+    if alive?(daemon), do: Enum.each(["CONT", "TERM"], &signal(daemon, &1))
     wait_gone(daemon, 300)
   end
 

@@ -40,9 +40,13 @@ defmodule Bourse.RedisServer do
     redis
   end
 
-  @doc "Stops the server without saving (its data is lost) and waits until it is gone."
+  @doc """
+  Stops the server without saving (its data is lost) and waits until it is gone; one a
+  test that failed left stopped (SIGSTOP) is continued first.
+  """
   @spec stop(t()) :: :ok
   def stop(redis) do
+    System.cmd("kill", ["-CONT", Integer.to_string(redis.os_pid)], stderr_to_stdout: true)
     command(redis, "SHUTDOWN NOSAVE")
     wait_until(fn -> not File.exists?("/proc/#{redis.os_pid}") end, "redis-server exits")
   end
