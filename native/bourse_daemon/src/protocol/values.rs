@@ -1,8 +1,9 @@
 //! How many values a request may hold, whatever its codec. A value read into a tree costs
 //! up to a hundred times the bytes that wrote it (an object of one member, `{"a":0}`, is a
 //! node of several hundred bytes), so a request of many small values is refused: a JSON
-//! text before it is read, a term as it is read. The largest request, a `check_many` of [`MAX_CHECKS`] checks, holds fewer than
-//! 12,000 values in JSON and 22,000 terms as a term with binary keys.
+//! text before it is read, a term as it is read. The largest request, a `check_many` of
+//! [`MAX_CHECKS`] checks, holds fewer than 12,000 values in JSON and 22,000 terms as a
+//! term with binary keys.
 //!
 //! [`MAX_CHECKS`]: bourse_core::rules::MAX_CHECKS
 
