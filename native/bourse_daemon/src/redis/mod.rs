@@ -28,6 +28,7 @@
 //! - `scan`: table-wide `SCAN` of every node;
 //! - `start`: Redis asked at start, the daemon refused when Redis refuses it;
 //! - `counters`: the statistics of this daemon's answers;
+//! - `timer_anchor`: a timer kept due sooner than a call's, so that theirs wake no thread;
 //! - `urls`: the passwords in Redis URLs, found and hidden.
 
 mod answer;
@@ -43,6 +44,7 @@ mod scan;
 mod script;
 mod start;
 mod store;
+mod timer_anchor;
 mod urls;
 
 pub use connection::Servers;

@@ -21,6 +21,7 @@ use super::link::Link;
 use super::names::{self, CredentialNames, KeyNames, KeyParts};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
+use super::timer_anchor::TimerAnchor;
 use crate::store::{LastRun, ShownKey, Store, StoreError, StoreResult};
 
 /// How to reach Redis and name the keys.
@@ -45,6 +46,7 @@ pub struct RedisStore {
     prefix: Vec<u8>,
     config: Config,
     counters: Counters,
+    _timer_anchor: TimerAnchor,
 }
 
 impl RedisStore {
@@ -72,6 +74,7 @@ impl RedisStore {
             prefix,
             config: options.config,
             counters: Counters::default(),
+            _timer_anchor: TimerAnchor::start(options.timeout),
         })
     }
 
