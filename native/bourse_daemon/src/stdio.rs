@@ -343,11 +343,16 @@ async fn serve_remote<S: Store>(shared: Arc<Shared<S>>, max_frame_bytes: usize) 
 /// Bytes asked of one read of stdin.
 const READ_BYTES: usize = 64 * 1024;
 
-/// stdin as the remote store's runtime reads it: watched by the runtime (a pipe, a socket,
+/// stdin as the remote store's runtime reads it: watched by the runtime (a socket, a pipe,
 /// a terminal), or, where it cannot be watched (a regular file, `/dev/null`: reading those
 /// never waits), read at once.
 enum Input {
-    Watched(AsyncFd<Stdin>),
+    /// A socket (`--stdio-socket`, or a socket pair given as stdin): read without waiting
+    /// by each call (`MSG_DONTWAIT`), so that one call both reads and finds it empty.
+    Socket(AsyncFd<Stdin>),
+    /// A pipe or terminal, which stays blocking, since it may be shared: read only once
+    /// `poll` finds input (or its end) ready.
+    Blocking(AsyncFd<Stdin>),
     Plain,
 }
 
@@ -364,7 +369,8 @@ impl Input {
     fn open() -> io::Result<Self> {
         // SAFETY: fd 0 is open for the life of the process and never closed (see `Stdin`).
         match unsafe { AsyncFd::register_with_interest(Stdin, Interest::READABLE) } {
-            Ok(stdin) => Ok(Input::Watched(stdin)),
+            Ok(stdin) if stdin_is_socket() => Ok(Input::Socket(stdin)),
+            Ok(stdin) => Ok(Input::Blocking(stdin)),
             Err(refused) => match refused.into_parts().1 {
                 error if error.raw_os_error() == Some(libc::EPERM) => Ok(Input::Plain),
                 error => Err(error),
@@ -372,36 +378,71 @@ impl Input {
         }
     }
 
-    /// Appends what one read finds to `input`; 0 bytes when stdin closed. The read blocks
-    /// only when stdin has input (or its end) ready: stdin stays blocking, since it may be
-    /// shared (a terminal).
+    /// Appends what one read finds to `input`; 0 bytes when stdin closed. Waits only while
+    /// stdin has neither input nor its end.
     async fn read_into(&mut self, input: &mut Vec<u8>) -> io::Result<usize> {
         input.reserve(READ_BYTES);
         loop {
-            if let Input::Watched(stdin) = self {
-                let mut ready = stdin.readable().await?;
-                if !stdin_ready(0) {
-                    ready.clear_ready();
-                    continue;
+            let read = match self {
+                Input::Socket(stdin) => {
+                    let mut ready = stdin.readable().await?;
+                    let read = read_stdin(input, libc::MSG_DONTWAIT);
+                    if read.as_ref().is_err_and(would_block) {
+                        ready.clear_ready();
+                    }
+                    read
                 }
-            }
-            let spare = input.spare_capacity_mut();
-            // SAFETY: read writes at most `spare.len()` bytes, into memory `input` owns.
-            let read =
-                unsafe { libc::read(libc::STDIN_FILENO, spare.as_mut_ptr().cast(), spare.len()) };
-            if read < 0 {
-                let error = io::Error::last_os_error();
-                if error.kind() == ErrorKind::Interrupted {
-                    continue;
+                Input::Blocking(stdin) => {
+                    let mut ready = stdin.readable().await?;
+                    if !stdin_ready(0) {
+                        ready.clear_ready();
+                        continue;
+                    }
+                    read_stdin(input, 0)
                 }
-                return Err(error);
+                Input::Plain => read_stdin(input, 0),
+            };
+            match read {
+                Err(error) if would_block(&error) || error.kind() == ErrorKind::Interrupted => {}
+                read => return read,
             }
-            let read = read as usize;
-            // SAFETY: the read initialised these `read` bytes.
-            unsafe { input.set_len(input.len() + read) };
-            return Ok(read);
         }
     }
+}
+
+/// The error of a read that found nothing to read.
+fn would_block(error: &io::Error) -> bool {
+    error.kind() == ErrorKind::WouldBlock
+}
+
+/// Whether fd 0 is a socket.
+fn stdin_is_socket() -> bool {
+    // SAFETY: a stat is plain data, for which zero bytes are a valid value.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes only the stat it is given.
+    let found = unsafe { libc::fstat(libc::STDIN_FILENO, &mut stat) } == 0;
+    found && stat.st_mode & libc::S_IFMT == libc::S_IFSOCK
+}
+
+/// Appends what one read of stdin finds to `input`, within its spare capacity: `recv` with
+/// `flags` when they are set (a socket), `read` otherwise.
+fn read_stdin(input: &mut Vec<u8>, flags: libc::c_int) -> io::Result<usize> {
+    let spare = input.spare_capacity_mut();
+    let (buffer, length) = (spare.as_mut_ptr().cast(), spare.len());
+    // SAFETY: both write at most `length` bytes, into memory `input` owns.
+    let read = unsafe {
+        match flags {
+            0 => libc::read(libc::STDIN_FILENO, buffer, length),
+            flags => libc::recv(libc::STDIN_FILENO, buffer, length, flags),
+        }
+    };
+    if read < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let read = read as usize;
+    // SAFETY: the read initialised these `read` bytes.
+    unsafe { input.set_len(input.len() + read) };
+    Ok(read)
 }
 
 /// Runs one request on the remote store as a task; its answer is written when ready.
