@@ -578,6 +578,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       limiter: limiter,
       orphan_timer: nil,
       silence_probe: nil,
+      # The stream and its frame limit while it is silent (`silenced/2`).
+      silenced: nil,
       clock_offset_us: nil,
       store_warned_at: nil,
       env: Keyword.get(extra, :env, []),
@@ -703,10 +705,24 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     {:noreply, write_hello(%{state | silence_probe: probe})}
   end
 
-  # Only the probe still unanswered counts: an earlier one's hello was answered.
+  # Only the probe still unanswered counts: an earlier one's hello was answered. The
+  # connection is made again once no caller waits on it: a stopped daemon that resumes may
+  # still run a request written on it until its last moment to run, so its caller waits
+  # for the answer (or, past its deadline, the connection asks it back) as it would have.
+  # New calls meanwhile are answered `:unavailable`, unwritten.
   def handle_info({:silence_probe, probe}, %{silence_probe: probe} = state) do
     reason = "the daemon answered nothing, not even a hello, for #{silence_wait_ms(state)} ms"
-    {:noreply, reconnect(broken(%{state | silence_probe: nil}, reason))}
+
+    now = System.monotonic_time(:millisecond)
+
+    case last_deadline(state.table) do
+      deadline when is_integer(deadline) and deadline >= now ->
+        Process.send_after(self(), {:silence_probe, probe}, deadline - now + 1)
+        {:noreply, silenced(state, reason)}
+
+      _none_waits ->
+        {:noreply, reconnect(broken(%{state | silence_probe: nil}, reason))}
+    end
   end
 
   # A caller's frame that the socket took in part: the rest goes first.
@@ -940,7 +956,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   # Any answer shows the connection is not silent.
   defp incoming([answer | answers], state) do
-    case answered(%{state | silence_probe: nil}, answer) do
+    case answered(heard(state), answer) do
       {:ok, state} -> incoming(answers, state)
       {:error, reason} -> {:noreply, reopen_later(broken(state, reason))}
     end
@@ -976,6 +992,32 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       :error ->
         {:error, not_protocol()}
     end
+  end
+
+  # The stream, hidden from new callers while it is silent (`silenced/2`).
+  defp silenced(%{silenced: nil} = state, reason) do
+    [{:stream, stream, _transport, max_frame_bytes, _down, _offset}] =
+      :ets.lookup(state.table, :stream)
+
+    state = %{state | down_reason: reason, silenced: {stream, max_frame_bytes}}
+    publish(state, nil, nil)
+    state
+  end
+
+  defp silenced(state, _reason), do: state
+
+  defp heard(%{silenced: {stream, max_frame_bytes}} = state) do
+    :ets.update_element(state.table, :stream, [{2, stream}, {4, max_frame_bytes}])
+    %{state | silence_probe: nil, silenced: nil}
+  end
+
+  defp heard(state), do: %{state | silence_probe: nil}
+
+  # The latest deadline of the callers waiting, if any wait.
+  defp last_deadline(table) do
+    table
+    |> :ets.select([{{:"$1", {:_, :"$2"}}, [{:is_integer, :"$1"}], [:"$2"]}])
+    |> Enum.max(fn -> nil end)
   end
 
   # Takes the routes of `ids` still in `table` and sends each caller `answer`: whoever takes
@@ -1110,7 +1152,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         unclaimed: [],
         unsent: nil,
         retry_timer: nil,
-        silence_probe: nil
+        silence_probe: nil,
+        silenced: nil
     }
   end
 

@@ -874,6 +874,42 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
+  # With a timeout of 1 s: a first call unanswered at 1 s makes the connection send a hello;
+  # unanswered in turn, at 2 s the connection is found silent. Calls written at 1.5 s may
+  # still run until their last moment to run, 2.25 s: they are answered at their deadline,
+  # 2.5 s, not when the silence is found (they were, and a daemon resumed at once then ran
+  # them: the 429 was recorded and the check paid, both answered `:unavailable`).
+  test "calls written on a connection found silent wait for their deadline: a resumed daemon runs none of them" do
+    {daemon, name} = start_connected_daemon(timeout: 1_000)
+    limit = %{capacity: 10, refill_per_sec: 0.001}
+    key = {"ex", "silent-caller"}
+
+    DaemonServer.signal(daemon, "STOP")
+    on_exit(fn -> DaemonServer.signal(daemon, "CONT") end)
+    assert unavailable?(RateLimiter.check_rate({"ex", "first"}, limit, 1, name))
+    Process.sleep(500)
+    started = System.monotonic_time(:millisecond)
+
+    callers = [
+      Task.async(fn -> RateLimiter.check_rate(key, limit, 1, name) end),
+      Task.async(fn -> RateLimiter.observe_response("ex", "silent-caller", 429, [], name) end)
+    ]
+
+    for answer <- Task.await_many(callers, 10_000), do: assert(unavailable?(answer))
+    waited = System.monotonic_time(:millisecond) - started
+    DaemonServer.signal(daemon, "CONT")
+
+    assert waited >= 900, "answered after #{waited} ms, before the deadline"
+
+    wide = %{capacity: 1.0e9, refill_per_sec: 1.0e9}
+    eventually(fn -> RateLimiter.check_rate({"ex", "warm"}, wide, 1, name) == :ok end, 10_000)
+
+    case RateLimiter.inspect_key(key, name) do
+      nil -> :ok
+      info -> assert {info.tokens, info.pause_ms} == {10.0, nil}
+    end
+  end
+
   test "an answer that comes after its caller gave up is dropped, never left in the caller's mailbox" do
     {daemon, name} = start_connected_daemon(timeout: 200)
 
