@@ -54,7 +54,9 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
   retried with backoff (50 ms doubling to 2 s) and calls work again as soon as it is back.
   A connection that goes silent without closing (a proxy or firewall that lost the flow)
   is found out: once a call got no answer within its timeout, a `hello` goes out, and if
-  nothing is answered for another timeout (at least 1 s), the connection is made again.
+  nothing is answered for another timeout (at least 1 s), new calls answer `:unavailable`
+  at once, unsent, and the connection is made again once the calls written on it have
+  reached their deadlines (a stopped daemon that resumes may still run those).
   If the daemon is not up when the limiter starts, the limiter starts anyway and connects
   when it can; connecting and the daemon's hello take at most the `timeout:` option, or
   1 s when that is shorter (a daemon that accepts and never answers, a stopped one, holds
