@@ -1409,7 +1409,9 @@ fn busiest_holds_the_rows_asked_not_every_busy_key() {
         let borrowed = answer["keys"][0]["info"]["borrowed"].as_f64().unwrap();
         assert!(borrowed > 6.9, "busiest borrowed {borrowed}");
     }
-    let grown = status_kb(pid, "VmHWM") - before;
+    // The kernel counts a thread's resident pages in batches, so a later read can be a few
+    // pages lower (128 kB lower in one CI run).
+    let grown = status_kb(pid, "VmHWM").saturating_sub(before);
     assert!(
         grown < 30_000,
         "busiest raised the daemon's peak by {grown} kB"
