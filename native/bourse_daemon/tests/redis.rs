@@ -1014,12 +1014,13 @@ fn a_burst_of_stats_does_not_hold_checks_past_their_timeout() {
 #[test]
 fn a_long_walk_does_not_keep_another_from_its_turn() {
     let Some(redis) = Redis::start() else { return };
-    // A walk of 40,000 buckets takes about 900 ms on a quiet 2-core machine; a page's turn
-    // a few ms, which a loaded one can stretch to hundreds.
+    // A walk of 80,000 buckets takes about 1.2 s on a quiet 2-core machine (40,000 took
+    // 597 ms once, under the timeout); a page's turn a few ms, which a loaded one can
+    // stretch to hundreds.
     let server = daemon(&redis, &["--redis-timeout-ms", "600"]);
     fill(
         &server,
-        40_000,
+        80_000,
         &json!({"capacity": 10, "refill_per_sec": 0.001}),
     );
     // A walk alone outlasts the timeout: one that held its turn to the end would fail the
