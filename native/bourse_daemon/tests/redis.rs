@@ -2721,6 +2721,95 @@ fn a_check_answered_by_redis_after_its_last_moment_to_run_is_given_back() {
     });
 }
 
+/// Sends `record` of `cost` on `k` while the relay holds Redis's answers: Redis runs it,
+/// and its caller is told `unavailable` at the daemon's timeout.
+fn late_record(relay: &AnswerHold, t: &mut impl common::Transport, k: &Value, cost: f64) {
+    relay.hold(true);
+    let answer = t.call(json!({"op": "record", "key": k, "cost": cost}));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    relay.hold(false);
+}
+
+/// A `record` that Redis ran but answered after its caller was told `unavailable` (Redis
+/// stopped before writing the answer) is given back when the answer comes, as a check is:
+/// on a defined bucket, on a key holding only debt, and when the request's own deadline,
+/// not the daemon's timeout, ended the wait. A key that got a definition since keeps the
+/// debt: its first check took it in. Before, every one of these debits stayed.
+#[test]
+fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "1000"]);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let (defined, debt_only) = (key("late-debit", Some("a")), key("late-debit", Some("b")));
+    assert_eq!(
+        t.call(check(&defined, slow.clone(), 1.0))["result"],
+        "admitted"
+    );
+    late_record(&relay, &mut t, &defined, 5.0);
+    eventually("the defined bucket's debit is given back", || {
+        borrows(&mut t, &defined, 1.0)
+    });
+
+    assert_eq!(
+        t.call(json!({"op": "record", "key": debt_only, "cost": 2}))["ok"],
+        true
+    );
+    late_record(&relay, &mut t, &debt_only, 3.0);
+    eventually("the debt is given back", || {
+        borrows(&mut t, &debt_only, 2.0)
+    });
+
+    // Its caller waits 1 s (the request may run until 0.75 s from now); Redis's answer
+    // comes at 1.5 s, long before the daemon's timeout of 8 s.
+    let patient = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "8000"]);
+    let mut p = patient.connect();
+    assert!(borrows(&mut p, &defined, 1.0));
+    let clock_us = p.call(json!({"op": "hello"}))["clock_us"].as_u64().unwrap();
+    let held = Arc::clone(&relay.held);
+    let releasing = thread::spawn(move || {
+        sleep_ms(1_500);
+        held.store(false, Ordering::SeqCst);
+    });
+    let started = Instant::now();
+    relay.hold(true);
+    let answer = p.call(json!({
+        "op": "record", "key": defined, "cost": 4,
+        "deadline_us": clock_us + 1_000_000, "timeout_ms": 1000,
+    }));
+    assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(1_000),
+        "answered after {took:?}"
+    );
+    releasing.join().unwrap();
+    eventually("the debit past its deadline is given back", || {
+        borrows(&mut p, &defined, 1.0)
+    });
+
+    // The key gets its definition from another daemon while the debit's answer is held:
+    // that check takes in the debt of 5, the late debit included, and keeps it.
+    let direct = daemon(&redis, &[]);
+    let mut d = direct.connect();
+    relay.hold(true);
+    let mut request = json!({"op": "record", "key": debt_only, "cost": 3});
+    request["id"] = json!(1);
+    t.send(&request);
+    sleep_ms(300);
+    assert_eq!(d.call(check(&debt_only, slow, 1.0))["result"], "admitted");
+    assert!(borrows(&mut d, &debt_only, 6.0));
+    assert_eq!(t.recv()["error"]["type"], "unavailable");
+    relay.hold(false);
+    sleep_ms(500);
+    assert!(
+        borrows(&mut t, &debt_only, 6.0),
+        "the debit was given back to a new definition"
+    );
+}
+
 /// A shared daemon whose Redis timeout is longer than its client's: a request whose own
 /// deadline passed while Redis was stopped is not run when Redis resumes, alone or sharing
 /// a call with checks that may still run (which pay).
@@ -4097,8 +4186,8 @@ fn a_waiter_failing_on_a_bookings_key_books_nothing() {
     assert!(borrowed(&mut t, &ip) <= before, "{failed}");
 }
 
-/// A script answering a word where `OK` is due (a Redis whose library was replaced, or a
-/// server in its place): a debit, a pause or a reset is `unavailable`, never taken as done.
+/// A script answering a word where `OK` (or a debit's answer) is due (a Redis whose library
+/// was replaced, or a server in its place): a debit, a pause or a reset is `unavailable`, never taken as done.
 #[test]
 fn a_script_answer_other_than_ok_is_no_success() {
     let Some(redis) = Redis::with_functions() else {
@@ -4141,6 +4230,6 @@ fn a_script_answer_other_than_ok_is_no_success() {
         let answer = t.call(request);
         assert_eq!(answer["error"]["type"], "unavailable", "{answer}");
         let message = answer["error"]["message"].as_str().unwrap();
-        assert!(message.contains("8 bytes where OK was due"), "{message}");
+        assert!(message.contains("answered 8 bytes where"), "{message}");
     }
 }

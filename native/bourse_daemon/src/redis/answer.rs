@@ -56,6 +56,31 @@ pub fn outcome(result: &str, ms: u64) -> StoreResult<Outcome> {
     }
 }
 
+/// What a `record` call answered: the Redis time (µs) it ran, and its bucket's definition
+/// time `n` (`-` for none), which a refund of the debit names.
+pub struct Recorded<'a> {
+    pub at: u64,
+    pub definition: &'a str,
+}
+
+/// The answer of a `record` call: "recorded <at> <definition>".
+pub fn recorded(text: &str) -> StoreResult<Recorded<'_>> {
+    let mut fields = text.split(' ');
+    let at = fields.nth(1).and_then(|at| at.parse().ok());
+    match (
+        text.starts_with("recorded "),
+        at,
+        fields.next(),
+        fields.next(),
+    ) {
+        (true, Some(at), Some(definition), None) => Ok(Recorded { at, definition }),
+        _ => Err(StoreError::Unavailable(format!(
+            "the Redis script answered {} bytes where a debit was due",
+            text.len()
+        ))),
+    }
+}
+
 /// The answer of a call that answers only `OK`.
 pub fn done(result: &str) -> StoreResult<()> {
     if result == "OK" {

@@ -35,6 +35,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::answer::{self, CheckAnswer};
 use super::client::{self, Client};
 use super::connection::{self, hash_tag};
+use super::debit;
 use super::names;
 use super::script::{self, Call};
 use crate::store::{LastRun, StoreError, StoreResult};
@@ -124,11 +125,17 @@ impl Batcher {
         }
     }
 
-    /// Ends `call` (a `record` or `back_off`, see bucket.lua) with a run marker of its slot
+    /// Ends `call` (a `back_off`, see bucket.lua) with a run marker of its slot
     /// and the marker's lifetime, as a `checks` call has: sent again after a lost
     /// connection, it does not run twice.
     pub fn once(&self, call: &mut Call) {
         self.runs.once(call, self.client.marker_lifetime());
+    }
+
+    /// Runs one `record` call (its keys and arguments, see bucket.lua) once, within the
+    /// timeout and not past `last_run`; a debit answered late is given back (`debit`).
+    pub async fn record(&self, call: Call, last_run: LastRun) -> StoreResult<()> {
+        debit::record(self.client.clone(), self.runs.clone(), call, last_run).await
     }
 
     /// Runs one check (its keys and arguments, see bucket.lua) that came on `connection`,
@@ -214,7 +221,7 @@ impl Batcher {
 }
 
 /// Names every call's run marker uniquely: this process's random number and a count.
-struct Runs {
+pub struct Runs {
     prefix: Vec<u8>,
     process: u64,
     next: AtomicU64,
@@ -222,7 +229,7 @@ struct Runs {
 
 impl Runs {
     /// Ends `call` with a run marker of its first key's slot and the marker's `lifetime`.
-    fn once(&self, call: &mut Call, lifetime: Duration) {
+    pub fn once(&self, call: &mut Call, lifetime: Duration) {
         let marker = self.marker(hash_tag(call.first_key()));
         call.key(marker).arg(lifetime.as_millis() as u64);
     }
@@ -444,11 +451,11 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
     }
 }
 
-/// Gives back what the checks `paid` paid in a call that ran at `paid_at` (Redis clock),
-/// their callers having had no answer. Run once, until the end of the answer window: Redis
+/// Gives back what the checks `paid` paid (or a debit, `debit`) in a call that ran at
+/// `paid_at` (Redis clock), their callers having had no answer. Run once, until the end of the answer window: Redis
 /// may run it late (still working through what piled up while it was stopped), and it is
 /// right then too.
-async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
+pub async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
     let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
     let mut call = script::refunds(paid_at, client.passed(), &paid);
     runs.once(&mut call, client.answer_window());

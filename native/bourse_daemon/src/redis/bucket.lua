@@ -1237,7 +1237,9 @@ end
 
 -- record: KEYS = bucket, bookings; ARGV = 'record', cost, shown fingerprint. Debits without
 -- checking; a key without a definition keeps the debt for its first check, and what
--- accrued since a check saw it (so its life is never shortened).
+-- accrued since a check saw it (so its life is never shortened). Returns 'recorded <now>
+-- <n>': the Redis time it ran and the bucket's definition time `n` ('-' for none), which
+-- a `refunds` call of the debit names.
 local function record(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local cost = tonumber(ARGV[2])
@@ -1255,7 +1257,7 @@ local function record(now)
   item.bucket = bucket
   save(item.key, bucket)
   keep(item, now, 0, not bucket.c)
-  return 'OK'
+  return 'recorded ' .. fmt_time(now) .. ' ' .. (bucket.c and bucket.n_text or '-')
 end
 
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
@@ -1287,15 +1289,17 @@ local function sync(now)
   return fmt(before - tokens(bucket, now))
 end
 
--- refunds: gives back what checks of one `checks` call paid, whose callers were told
--- Redis was unavailable before its answer came (docs/CONTRACT.md, "Stores": such a call
--- never pays). KEYS = each check's keys, as `checks` had them; ARGV = 'refunds', the Redis
--- time (µs) the `checks` call ran, a Redis time the clock had passed when this call was
--- sent unless it was set back since (0: unknown), the count of checks, then per check its
--- answer ('booked', or 'admitted' and the definition time `n` of each bucket it paid, as
--- `checks` answered), its count of keys and of arguments, and those arguments. Runs once
--- (see `once`). Returns how many buckets got something back: none when the clock is
--- behind that time (it was set back).
+-- refunds: gives back what checks of one `checks` call paid, or what one `record` call
+-- debited, whose callers were told Redis was unavailable before its answer came
+-- (docs/CONTRACT.md, "Stores": such a call never pays). KEYS = each check's keys, as
+-- `checks` had them (a debit: its bucket and bookings keys); ARGV = 'refunds', the Redis
+-- time (µs) the call ran, a Redis time the clock had passed when this call was sent unless
+-- it was set back since (0: unknown), the count of checks, then per check its answer
+-- ('booked', or 'admitted' and the definition time `n` of each bucket it paid, as `checks`
+-- answered; a debit: 'recorded' and the `n` its `record` answered), its count of keys and
+-- of arguments, and those arguments (a debit: its cost). Runs once (see `once`). Returns
+-- how many buckets got something back: none when the clock is behind that time (it was
+-- set back).
 --
 -- Never more than each bucket would hold had the check not paid. A booking is taken back
 -- as `replan` takes bookings back, with what its refund gives, while it is held. An
@@ -1306,11 +1310,15 @@ end
 -- bookings included: none is held, and those gone were due by now). Not at all where the
 -- bucket was lowered by other means since (`z`), or holds bookings, or is not the bucket
 -- it paid: its definition time `n` is not `defined`, the one the check paid under
--- (redefined, or dropped and made anew, also under a clock set back).
+-- (redefined, or dropped and made anew, also under a clock set back). `c_text` and
+-- `r_text`: the definition the check named (nil for a debit, which names none).
 local function give_back_payment(key, wkey, c_text, r_text, cost, defined, paid_at, now)
   local v = call('HMGET', key, 'c', 'r', 'b', 't', 'z', 'n')
   local c, r, b, t = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
-  if not (c and r and b and t) or c ~= tonumber(c_text) or r ~= tonumber(r_text) then
+  if not (c and r and b and t) then
+    return false
+  end
+  if c_text and (c ~= tonumber(c_text) or r ~= tonumber(r_text)) then
     return false
   end
   local lowered = tonumber(v[5]) or 0
@@ -1358,6 +1366,23 @@ local function give_back_booking(key, wkey, id, now)
   return true
 end
 
+-- Takes back a debit of `cost` made at `paid_at` on the bucket `key` under the definition
+-- time `defined`: on a defined bucket as `give_back_payment` takes back a payment; on a
+-- key holding only debt ('-'), the cost off its debt while it still has no definition
+-- and was not made anew since (its time is not after the debit's).
+local function give_back_debit(key, wkey, cost, defined, paid_at, now)
+  if defined ~= '-' then
+    return give_back_payment(key, wkey, nil, nil, cost, defined, paid_at, now)
+  end
+  local v = call('HMGET', key, 'c', 'b', 't')
+  local b, t = tonumber(v[2]), tonumber(v[3])
+  if v[1] or not (b and t) or t > paid_at then
+    return false
+  end
+  call('HSET', key, 'b', fmt(math.max(b, math.min(b + cost, 0))))
+  return true
+end
+
 local function refunds(now)
   local paid_at, passed, given = tonumber(ARGV[2]), tonumber(ARGV[3]), 0
   if now < passed then
@@ -1366,19 +1391,25 @@ local function refunds(now)
   local k, a = 0, 5
   for _ = 1, tonumber(ARGV[4]) do
     local result, at = ARGV[a], a + 2
-    local id, n = ARGV[at + 1], parse(ARGV[at + 5])
     local defined = string.gmatch(result, ' (%S+)')
-    for i = 1, n do
-      local key, wkey = KEYS[k + 2 * i - 1], KEYS[k + 2 * i]
-      local item = item_at(at, i)
-      local done
-      if result == 'booked' then
-        done = give_back_booking(key, wkey, id, now)
-      else
-        local cost, c, r = tonumber(ARGV[item + 3]), ARGV[item + 1], ARGV[item + 2]
-        done = give_back_payment(key, wkey, c, r, cost, defined(), paid_at, now)
-      end
+    if result:sub(1, 9) == 'recorded ' then
+      local cost = tonumber(ARGV[at + 1])
+      local done = give_back_debit(KEYS[k + 1], KEYS[k + 2], cost, defined(), paid_at, now)
       given = given + (done and 1 or 0)
+    else
+      local id, n = ARGV[at + 1], parse(ARGV[at + 5])
+      for i = 1, n do
+        local key, wkey = KEYS[k + 2 * i - 1], KEYS[k + 2 * i]
+        local item = item_at(at, i)
+        local done
+        if result == 'booked' then
+          done = give_back_booking(key, wkey, id, now)
+        else
+          local cost, c, r = tonumber(ARGV[item + 3]), ARGV[item + 1], ARGV[item + 2]
+          done = give_back_payment(key, wkey, c, r, cost, defined(), paid_at, now)
+        end
+        given = given + (done and 1 or 0)
+      end
     end
     k, a = next_check(k, a)
   end

@@ -138,7 +138,18 @@ impl Client {
         call: &Call,
         last_run: LastRun,
     ) -> StoreResult<T> {
-        self.send(call, Some(last_run)).await
+        self.send(call, Some(last_run), self.timeout).await
+    }
+
+    /// [`Self::invoke`], its answer awaited until the end of the answer window
+    /// ([`Self::answer_window`]): a `record` call, whose debit is given back when its
+    /// answer comes after its caller stopped waiting.
+    pub async fn invoke_read_late<T: FromRedisValue>(
+        &self,
+        call: &Call,
+        last_run: LastRun,
+    ) -> StoreResult<T> {
+        self.send(call, Some(last_run), self.answer_window()).await
     }
 
     /// Runs the script until the end of the answer window ([`Self::answer_window`]), not
@@ -148,21 +159,19 @@ impl Client {
     /// is never sent.) Its run marker must live as long (a copy sent again on a new
     /// connection may run that much later than the first).
     pub async fn invoke_in_window<T: FromRedisValue>(&self, call: &Call) -> StoreResult<T> {
-        self.send(call, None).await
+        self.send(call, None, self.answer_window()).await
     }
 
-    /// [`Self::invoke`], or [`Self::invoke_in_window`] when `last_run` is `None`.
+    /// Runs the script, its answer awaited `within`: not past `last_run` and the timeout,
+    /// or when `last_run` is `None`, until the end of the answer window.
     async fn send<T: FromRedisValue>(
         &self,
         call: &Call,
         last_run: Option<LastRun>,
+        within: Duration,
     ) -> StoreResult<T> {
         let started = Instant::now();
         let mut connection = self.link.connection();
-        let within = match last_run {
-            Some(_) => self.timeout,
-            None => self.answer_window(),
-        };
         // The latest Redis time the script may run at: by the timeout and the request's
         // last moment, or the end of the answer window.
         let deadline = |clock: &ServerClock| match last_run {
@@ -172,14 +181,25 @@ impl Client {
         let answer = self
             .bounded_within(within, self.slot_of(call), async {
                 // Never closed: acquiring only waits.
-                let _turn = self.in_flight.acquire().await;
-                let deadline = self.on_redis_clock(deadline, &mut connection).await?;
-                self.run(
-                    |script: Script<'_>| call.command(script, deadline),
-                    call.is_read_only(),
-                    &mut connection,
-                )
-                .await
+                let turn = self.in_flight.acquire().await;
+                let running = async {
+                    let deadline = self.on_redis_clock(deadline, &mut connection).await?;
+                    self.run(
+                        |script: Script<'_>| call.command(script, deadline),
+                        call.is_read_only(),
+                        &mut connection,
+                    )
+                    .await
+                };
+                tokio::pin!(running);
+                // A call whose answer is read past the timeout gives its turn up then.
+                match tokio::time::timeout(self.timeout, &mut running).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        drop(turn);
+                        running.await
+                    }
+                }
             })
             .await;
         self.late(answer, started)

@@ -17,6 +17,7 @@
 //!
 //! - `store`: [`RedisStore`], each operation as script calls;
 //! - `batch`: concurrent checks gathered into shared calls;
+//! - `debit`: `record` calls, a late one's debit given back;
 //! - `script`: one call of `bucket.lua`, as `FCALL`, `EVALSHA` or `EVAL`;
 //! - `client`: sends calls and commands within the timeout and the script's deadline;
 //! - `clock`: the Redis clock as seen from here, to place deadlines on it;
@@ -37,6 +38,7 @@ mod client;
 mod clock;
 mod connection;
 mod counters;
+mod debit;
 mod fingerprints;
 mod link;
 mod names;

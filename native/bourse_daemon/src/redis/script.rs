@@ -293,6 +293,17 @@ pub fn refunds(paid_at: u64, passed: u64, paid: &[(&str, &Call)]) -> Call {
     call
 }
 
+/// The part of a `refunds` call that gives back what the `record` call `record` debited
+/// (see bucket.lua): its bucket and bookings keys, and its cost.
+pub fn debit_of(record: &Call) -> Call {
+    let mut part = Call::default();
+    for key in &record.keys[..2] {
+        part.key_with(|out| out.extend_from_slice(&record.data[key.clone()]));
+    }
+    part.arg_with(|out| out.extend_from_slice(&record.data[record.args[1].clone()]));
+    part
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

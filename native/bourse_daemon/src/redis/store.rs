@@ -310,8 +310,7 @@ impl Store for RedisStore {
             .arg("record")
             .arg(cost)
             .arg(shown);
-        self.checks.once(&mut call);
-        answer::done(&self.client.invoke::<String>(&call, last_run).await?)?;
+        self.checks.record(call, last_run).await?;
         self.counters.debited();
         Ok(())
     }

@@ -7,8 +7,9 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
   @moduletag :capture_log
 
   import Bourse.BackendCase, only: [start_daemon: 1, start_limiter: 1]
+  import Bourse.ContractCase, only: [eventually: 1]
 
-  alias Bourse.{Error, OsSignal, RateLimiter, RedisServer}
+  alias Bourse.{AnswerHold, Error, OsSignal, RateLimiter, RedisServer}
 
   unless RedisServer.installed?(), do: @moduletag(skip: "no redis-server (make deps installs it)")
 
@@ -59,6 +60,35 @@ defmodule Bourse.RateLimiter.Backend.RedisTimeoutTest do
     Process.sleep(1_000)
     info = RateLimiter.inspect_key(key, name)
     assert info.tokens > 18.99, "a check told :unavailable paid: #{inspect(info)}"
+  end
+
+  test "a debit or check that Redis ran but answered after the Redis timeout is given back" do
+    redis = RedisServer.start()
+    on_exit(fn -> RedisServer.stop(redis) end)
+    relay = AnswerHold.start(redis.port)
+    name = start_limiter({:redis, "redis://127.0.0.1:#{relay.port}", redis_timeout_ms: 300})
+    limit = %{capacity: 20, refill_per_sec: 0.001}
+    {defined, debt_only} = {{"late_answer", "a"}, {"late_answer", "b"}}
+    assert :ok = RateLimiter.check_rate(defined, limit, 1, name)
+
+    # Redis runs each call; its answer comes after the caller was told :unavailable.
+    late = [
+      fn -> RateLimiter.record_request(defined, 5, name) end,
+      fn -> RateLimiter.check_rate(defined, limit, 2, name) end,
+      fn -> RateLimiter.record_request(debt_only, 3, name) end
+    ]
+
+    for call <- late do
+      AnswerHold.hold(relay, true)
+      assert {:error, %Error{type: :unavailable}} = call.()
+      AnswerHold.hold(relay, false)
+    end
+
+    # Before debits were given back, the bucket lent 6 and the other key held a debt of 3.
+    eventually(fn ->
+      abs(RateLimiter.get_cost(defined, nil, name) - 1) < 0.01 and
+        abs(RateLimiter.get_cost(debt_only, nil, name)) < 0.01
+    end)
   end
 
   test "observe_response answers within one Redis timeout when Redis stops: its later round trips do not wait again" do
