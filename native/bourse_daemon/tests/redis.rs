@@ -1095,8 +1095,7 @@ fn walks_on_a_stopped_redis_answer_within_one_timeout() {
 fn a_reset_on_a_slow_redis_stops_at_its_callers_deadline() {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", &url, "--redis-timeout-ms", "2000"]);
+    let server = relay.daemon(2000);
     fill(
         &server,
         5_000,
@@ -2135,6 +2134,13 @@ impl AnswerHold {
         }
     }
 
+    /// A daemon on Redis through this relay, with a Redis timeout of `timeout_ms`.
+    fn daemon(&self, timeout_ms: u64) -> Server {
+        let url = format!("redis://127.0.0.1:{}", self.port);
+        let timeout_ms = timeout_ms.to_string();
+        Server::tcp(&["--redis", &url, "--redis-timeout-ms", &timeout_ms])
+    }
+
     fn hold(&self, held: bool) {
         self.held.store(held, Ordering::SeqCst);
     }
@@ -2220,8 +2226,7 @@ fn pass_on(mut from: TcpStream, mut to: TcpStream, held: Arc<AtomicBool>) {
 fn checks_whose_answers_came_after_their_callers_were_told_unavailable_pay_nothing() {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "500"]);
+    let server = relay.daemon(500);
     let mut t = server.connect();
     let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
     let (a, b, ip) = (
@@ -2281,8 +2286,7 @@ fn late_check(
     cost: f64,
 ) -> (AnswerHold, Server, LineClient<TcpStream>) {
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "1000"]);
+    let server = relay.daemon(1000);
     let mut t = server.connect();
     let slow = json!({"capacity": capacity, "refill_per_sec": 0.001});
     assert_eq!(t.call(check(k, slow.clone(), 1.0))["result"], "admitted");
@@ -2493,8 +2497,7 @@ fn late_checks_given_back(order: [usize; 5]) {
 fn a_late_check_sent_again_is_given_back_as_of_when_it_ran() {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "1000"]);
+    let server = relay.daemon(1000);
     let mut t = server.connect();
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
@@ -2689,8 +2692,7 @@ fn unavailable_within(name: &str, answers: &[(Value, Duration)], within: Duratio
 fn a_check_answered_by_redis_after_its_last_moment_to_run_is_given_back() {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "8000"]);
+    let server = relay.daemon(8000);
     let mut t = server.connect();
     let limit = json!({"capacity": 20, "refill_per_sec": 0.001});
     let k = key("dl", Some("late"));
@@ -2739,8 +2741,7 @@ fn late_record(relay: &AnswerHold, t: &mut impl common::Transport, k: &Value, co
 fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
     let Some(redis) = Redis::start() else { return };
     let relay = AnswerHold::start(redis.port);
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let server = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "1000"]);
+    let server = relay.daemon(1000);
     let mut t = server.connect();
     let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
     let (defined, debt_only) = (key("late-debit", Some("a")), key("late-debit", Some("b")));
@@ -2764,7 +2765,7 @@ fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
 
     // Its caller waits 1 s (the request may run until 0.75 s from now); Redis's answer
     // comes at 1.5 s, long before the daemon's timeout of 8 s.
-    let patient = Server::tcp(&["--redis", url.as_str(), "--redis-timeout-ms", "8000"]);
+    let patient = relay.daemon(8000);
     let mut p = patient.connect();
     assert!(borrows(&mut p, &defined, 1.0));
     let clock_us = p.call(json!({"op": "hello"}))["clock_us"].as_u64().unwrap();
