@@ -2734,9 +2734,10 @@ fn late_record(relay: &AnswerHold, t: &mut impl common::Transport, k: &Value, co
 
 /// A `record` that Redis ran but answered after its caller was told `unavailable` (Redis
 /// stopped before writing the answer) is given back when the answer comes, as a check is:
-/// on a defined bucket, on a key holding only debt, and when the request's own deadline,
-/// not the daemon's timeout, ended the wait. A key that got a definition since keeps the
-/// debt: its first check took it in. Before, every one of these debits stayed.
+/// on a defined bucket, on a key holding only debt (also one a refused check saw
+/// meanwhile), and when the request's own deadline, not the daemon's timeout, ended the
+/// wait. A key that got a definition since keeps the debt: its first check took it in.
+/// Before, every one of these debits stayed.
 #[test]
 fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
     let Some(redis) = Redis::start() else { return };
@@ -2754,11 +2755,26 @@ fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
         borrows(&mut t, &defined, 1.0)
     });
 
+    // On a key holding only debt; another daemon's check, refused, sees the key meanwhile
+    // (its accrual starts then). Each case has a daemon of its own: a connection the relay
+    // saw opened while it held answers is never held.
+    let direct = daemon(&redis, &[]);
+    let mut d = direct.connect();
+    let server = relay.daemon(1000);
+    let mut t = server.connect();
     assert_eq!(
         t.call(json!({"op": "record", "key": debt_only, "cost": 2}))["ok"],
         true
     );
-    late_record(&relay, &mut t, &debt_only, 3.0);
+    relay.hold(true);
+    t.send(&json!({"op": "record", "key": debt_only, "cost": 3, "id": 1}));
+    sleep_ms(300);
+    assert_eq!(
+        d.call(check(&debt_only, slow.clone(), 9.0))["result"],
+        "delay"
+    );
+    assert_eq!(t.recv()["error"]["type"], "unavailable");
+    relay.hold(false);
     eventually("the debt is given back", || {
         borrows(&mut t, &debt_only, 2.0)
     });
@@ -2793,12 +2809,11 @@ fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
 
     // The key gets its definition from another daemon while the debit's answer is held:
     // that check takes in the debt of 5, the late debit included, and keeps it.
-    let direct = daemon(&redis, &[]);
-    let mut d = direct.connect();
+    let server = relay.daemon(1000);
+    let mut t = server.connect();
+    assert!(borrows(&mut t, &debt_only, 2.0));
     relay.hold(true);
-    let mut request = json!({"op": "record", "key": debt_only, "cost": 3});
-    request["id"] = json!(1);
-    t.send(&request);
+    t.send(&json!({"op": "record", "key": debt_only, "cost": 3, "id": 2}));
     sleep_ms(300);
     assert_eq!(d.call(check(&debt_only, slow, 1.0))["result"], "admitted");
     assert!(borrows(&mut d, &debt_only, 6.0));
@@ -2809,6 +2824,27 @@ fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
         borrows(&mut t, &debt_only, 6.0),
         "the debit was given back to a new definition"
     );
+}
+
+/// More debits answered late at once than the 64 calls read late before: each is given
+/// back. Before, all but 64 of 200 stayed debited.
+#[test]
+fn many_debits_answered_late_at_once_are_each_given_back() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let server = relay.daemon(1000);
+    let mut t = server.connect();
+    let k = key("late-debits", Some("k"));
+    assert!(borrows(&mut t, &k, 0.0));
+    relay.hold(true);
+    for id in 0..200 {
+        t.send(&json!({"op": "record", "key": k, "cost": 1, "id": id}));
+    }
+    for _ in 0..200 {
+        assert_eq!(t.recv()["error"]["type"], "unavailable");
+    }
+    relay.hold(false);
+    eventually("every debit is given back", || borrows(&mut t, &k, 0.0));
 }
 
 /// A shared daemon whose Redis timeout is longer than its client's: a request whose own

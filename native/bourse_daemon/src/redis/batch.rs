@@ -409,7 +409,8 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
             Ok(answer) => answer,
             Err(_) => {
                 drop(turn);
-                match client.late_place() {
+                let bytes = checks.iter().map(|w| w.part.bytes()).sum();
+                match client.late_place(bytes) {
                     Some(_place) => call.await,
                     None => Err(client.no_answer()),
                 }

@@ -33,8 +33,9 @@
 --                        and found no bookings: the key had none then and expires no
 --                        earlier than <expiry> (ms, Redis clock); any later write of t
 --                        (by every version of this script) outdates it;
---                        n: when its definition was last written (new or changed): a
---                        refund gives back only to the bucket of the `n` it paid under;
+--                        n: when its definition was last written (new or changed), or
+--                        on a key holding only debt, when its debt was first recorded:
+--                        a refund gives back only to the bucket of the `n` it paid under;
 --                        z: when the bucket was last lowered by other than payments and
 --                        its cap: its definition changed, a `sync`, or its time taken
 --                        back to a Redis clock set back (then the time it had); see
@@ -1238,8 +1239,9 @@ end
 -- record: KEYS = bucket, bookings; ARGV = 'record', cost, shown fingerprint. Debits without
 -- checking; a key without a definition keeps the debt for its first check, and what
 -- accrued since a check saw it (so its life is never shortened). Returns 'recorded <now>
--- <n>': the Redis time it ran and the bucket's definition time `n` ('-' for none), which
--- a `refunds` call of the debit names.
+-- <n>': the Redis time it ran and the bucket's `n` (written now on a key holding only debt
+-- that has none; '-' for a defined bucket without one), which a `refunds` call of the
+-- debit names.
 local function record(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local cost = tonumber(ARGV[2])
@@ -1256,8 +1258,13 @@ local function record(now)
   end
   item.bucket = bucket
   save(item.key, bucket)
+  local n = bucket.n_text
+  if not bucket.c and not n then
+    n = fmt_time(now)
+    call('HSET', item.key, 'n', n)
+  end
   keep(item, now, 0, not bucket.c)
-  return 'recorded ' .. fmt_time(now) .. ' ' .. (bucket.c and bucket.n_text or '-')
+  return 'recorded ' .. fmt_time(now) .. ' ' .. (n or '-')
 end
 
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
@@ -1366,17 +1373,17 @@ local function give_back_booking(key, wkey, id, now)
   return true
 end
 
--- Takes back a debit of `cost` made at `paid_at` on the bucket `key` under the definition
--- time `defined`: on a defined bucket as `give_back_payment` takes back a payment; on a
--- key holding only debt ('-'), the cost off its debt while it still has no definition
--- and was not made anew since (its time is not after the debit's).
+-- Takes back a debit of `cost` made at `paid_at` on the bucket `key` whose `n` was then
+-- `defined`: on a defined bucket as `give_back_payment` takes back a payment; on a key
+-- holding only debt, the cost off its debt while it still holds only debt under that `n`
+-- (not reset and made anew, nor defined, since).
 local function give_back_debit(key, wkey, cost, defined, paid_at, now)
-  if defined ~= '-' then
+  local v = call('HMGET', key, 'c', 'b', 'n')
+  if v[1] then
     return give_back_payment(key, wkey, nil, nil, cost, defined, paid_at, now)
   end
-  local v = call('HMGET', key, 'c', 'b', 't')
-  local b, t = tonumber(v[2]), tonumber(v[3])
-  if v[1] or not (b and t) or t > paid_at then
+  local b = tonumber(v[2])
+  if not b or v[3] ~= defined then
     return false
   end
   call('HSET', key, 'b', fmt(math.max(b, math.min(b + cost, 0))))

@@ -7,10 +7,11 @@
 //! Redis server's own clock ([`ServerClock`]), the earlier of the timeout's and the
 //! request's own ([`LastRun`]), and refuses to run past it, so a Redis that was stopped and
 //! resumes does not run the work of callers already told it was unavailable, by this
-//! daemon or by their own timeout. A `checks` call that ran in time but whose answer came
-//! late (Redis stopped before it wrote the answer) is still read, for [`late_wait`] past
-//! the timeout, so that what it paid for callers who stopped waiting is given back, by a
-//! call that may run until the end of that window ([`Client::invoke_in_window`]).
+//! daemon or by their own timeout. A `checks` or `record` call that ran in time but whose
+//! answer came late (Redis stopped before it wrote the answer) is still read, for
+//! [`late_wait`] past the timeout, so that what it paid for callers who stopped waiting is
+//! given back, by a call that may run until the end of that window
+//! ([`Client::invoke_in_window`]).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,14 +38,15 @@ const MAX_IN_FLIGHT: usize = 64;
 /// waits for one to end (within the timeout), so that a burst of them fails fast instead
 /// of crawling on together.
 const MAX_WALKS: usize = 4;
-/// `checks` calls read past their timeout at once; a further one is dropped unread.
-const MAX_LATE: usize = 64;
+/// Calls read past their timeout (`checks` and `record` calls) hold at most this many KiB
+/// of their keys and arguments at once, each at least 1 KiB (16,384 lone checks or debits);
+/// a further one is dropped unread.
+const LATE_KIB: usize = 16 * 1024;
 
-/// How long past the timeout a `checks` call's answer is still read, on one server: 100
-/// timeouts, at most 30 s. (A cluster's calls end with their timeout: its client sends
-/// nothing more on a connection that stalled.) The connection waits for answers as long,
-/// so a stopped Redis leaves at most about 100 calls a timeout given up on it, each a few
-/// hundred bytes, waiting for their answers.
+/// How long past the timeout a `checks` or `record` call's answer is still read, on one
+/// server: 100 timeouts, at most 30 s. (A cluster's calls end with their timeout: its
+/// client sends nothing more on a connection that stalled.) The connection waits for
+/// answers as long; the calls waiting so hold at most [`LATE_KIB`].
 pub fn late_wait(timeout: Duration) -> Duration {
     (timeout * 100).min(Duration::from_secs(30))
 }
@@ -81,7 +83,7 @@ impl Client {
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             walks: Arc::new(Semaphore::new(MAX_WALKS)),
             pages: Arc::new(Semaphore::new(1)),
-            late: Arc::new(Semaphore::new(MAX_LATE)),
+            late: Arc::new(Semaphore::new(LATE_KIB)),
             timeout,
         }
     }
@@ -90,10 +92,11 @@ impl Client {
         self.timeout
     }
 
-    /// A place among the `checks` calls read past their timeout, held until dropped; none
-    /// when all are taken.
-    pub fn late_place(&self) -> Option<OwnedSemaphorePermit> {
-        self.late.clone().try_acquire_owned().ok()
+    /// A place among the calls read past their timeout for one of `bytes` keys and
+    /// arguments, held until dropped; none when too few are left.
+    pub fn late_place(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        let kib = u32::try_from(bytes / 1024 + 1).unwrap_or(u32::MAX);
+        self.late.clone().try_acquire_many_owned(kib).ok()
     }
 
     pub fn is_cluster(&self) -> bool {

@@ -23,6 +23,7 @@ pub async fn record(
     runs.once(&mut call, client.marker_lifetime());
     let timeout = Instant::now() + client.timeout();
     let until = last_run.map_or(timeout, |last| last.min(timeout));
+    let bytes = call.bytes();
     let reading = Arc::clone(&client);
     let mut answer = Box::pin(async move {
         let answer = reading.invoke_read_late::<String>(&call, last_run).await;
@@ -41,7 +42,7 @@ pub async fn record(
                 ),
                 false => client.no_answer(),
             };
-            if let Some(place) = client.late_place() {
+            if let Some(place) = client.late_place(bytes) {
                 tokio::spawn(async move {
                     let _place = place;
                     if let (Ok(text), call) = answer.await {

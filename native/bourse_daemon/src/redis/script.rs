@@ -218,7 +218,7 @@ impl Call {
         self.keys.first().map_or(&[], |key| &self.data[key.clone()])
     }
 
-    fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.data.len()
     }
 
