@@ -42,6 +42,20 @@ fn tuple<const N: usize>(term: Term) -> Option<[Term; N]> {
     }))
 }
 
+/// The exchange id of a tuple whose first element is a key with a valid one (a malformed
+/// check that still names its key), for its error.
+fn exchange_of_first(term: Term<'_>) -> Option<&[u8]> {
+    let env = term.get_env();
+    // SAFETY: as in `tuple`.
+    let elements = unsafe { rustler::wrapper::tuple::get_tuple(env.as_c_arg(), term.as_c_arg()) };
+    let first = unsafe { Term::new(env, *elements.ok()?.first()?) };
+    let exchange = match (tuple::<2>(first), tuple::<3>(first)) {
+        (Some([exchange, _]), _) | (_, Some([exchange, _, _])) => exchange,
+        _ => return None,
+    };
+    key_part(exchange, KeyPart::Exchange).ok()
+}
+
 fn is_atom(term: Term, atom: Atom) -> bool {
     // Atoms are immediate terms: equal atoms are equal words, no call into the VM needed.
     term.as_c_arg() == atom.as_c_arg()

@@ -8,7 +8,8 @@ use smallvec::SmallVec;
 
 use crate::entry::in_place_nif;
 use crate::handle::{self, Handle};
-use crate::{answer, atoms, check_parts, cost, is_atom, key, limit, max_wait, naming, outcome};
+use crate::{answer, atoms, check_parts, cost, exchange_of_first, is_atom, key, limit, max_wait};
+use crate::{naming, outcome};
 use crate::{owner, rules, shape, tuple, Decoded};
 
 mod names {
@@ -87,7 +88,11 @@ fn entry(term: Term) -> Decoded<Option<Entry>> {
         }
     }
     let Some([key, limit, cost]) = tuple(term) else {
-        return Err(rules::not_a_check(shape(term)));
+        let error = rules::not_a_check(shape(term));
+        return Err(match exchange_of_first(term) {
+            Some(exchange) => error.for_exchange(exchange),
+            None => error,
+        });
     };
     Ok(check_parts(key, limit, cost)?.map(Entry::Plain))
 }

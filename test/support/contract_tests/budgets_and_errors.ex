@@ -122,11 +122,15 @@ defmodule Bourse.ContractTests.BudgetsAndErrors do
           bad_limit = %{capacity: 0, refill_per_sec: 1}
 
           for {checks, exchange} <- [
-                # The check at fault names its exchange.
+                # The check at fault names its exchange, also one that is no check but
+                # starts with a key.
                 {[{{"okx", "k"}, limit, 1}, {{"bybit", "k"}, limit, -1}], "bybit"},
+                {[{{"okx", "k"}, limit, 1}, {{"bybit", "k"}, limit}], "bybit"},
+                {[{{"okx", "k", "ip"}, limit, 1, 2}], "okx"},
                 # It names none that can be read: neither does the error.
                 {[{{:okx, "k"}, limit, 1}, {{"bybit", "k"}, bad_limit, 1}], nil},
-                {[{{"okx", "k"}, limit, 1}, {{"bybit", "k"}, limit}], nil},
+                {[{{"okx", "k"}, limit, 1}, {"bybit", limit}], nil},
+                {[{{"okx", "k"}, limit, 1}, {{<<255>>, "k"}, limit}], nil},
                 # An error about the whole call: the one exchange of every check.
                 {List.duplicate({{"okx", "k"}, limit, 1}, 1025), "okx"},
                 {[{{"okx", "k"}, limit, 1} | :tail], nil}

@@ -485,6 +485,13 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
   defp checks(other), do: value(other)
 
   defp check({key, limit, cost}), do: %{key: key(key), limit: limit(limit), cost: value(cost)}
+
+  # Another tuple that starts with a key: its shape, and the key's exchange for the error.
+  defp check(other)
+       when tuple_size(other) > 0 and is_tuple(elem(other, 0)) and
+              tuple_size(elem(other, 0)) in [2, 3],
+       do: Map.put(value(other), :exchange, value(elem(elem(other, 0), 0)))
+
   defp check(other), do: value(other)
 
   defp pause_target(exchange) when is_binary(exchange), do: %{exchange: value(exchange)}

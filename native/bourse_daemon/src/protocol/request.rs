@@ -395,7 +395,14 @@ fn checks(value: &Value) -> Result<Vec<Check<'_>>> {
             return Err(rules::not_a_check(shape(item)));
         };
         if fields.contains_key("$term") {
-            return Err(rules::not_a_check(shape(item)));
+            // A term other than `{key, limit, cost}`; a tuple that starts with a key names
+            // its exchange (`exchange`), which the error names too.
+            let error = rules::not_a_check(shape(item));
+            let exchange = fields.get("exchange").map(|e| part(e, KeyPart::Exchange));
+            return Err(match exchange {
+                Some(Ok(exchange)) => error.for_exchange(exchange),
+                _ => error,
+            });
         }
         only(fields, &["key", "limit", "cost"], "a check")?;
         let key = key(required(fields, "key")?)?;

@@ -562,6 +562,7 @@ fn an_error_names_the_exchange_whenever_it_could_be_read() {
         r#"{"op":"pause","target":{"exchange":"binance","foo":1},"ms":5}"#.to_string(),
         r#"{"op":"back_off","credential":{"exchange":"binance"},"scope":"credential"}"#.to_string(),
         r#"{"op":"back_off","credential":{"exchange":"binance","credential":null,"x":1},"scope":"credential"}"#.to_string(),
+        format!(r#"{{"op":"check_many","checks":[{{"key":{{"exchange":"okx","credential":"k"}},{limit}}},{{"$term":"tuple","arity":2,"exchange":"binance"}}]}}"#),
     ] {
         let answer = f.call(&request);
         assert_eq!(answer["error"]["type"], "invalid_parameters", "{request}");
