@@ -4224,7 +4224,8 @@ fn a_waiter_failing_on_a_bookings_key_books_nothing() {
 }
 
 /// A script answering a word where `OK` (or a debit's answer) is due (a Redis whose library
-/// was replaced, or a server in its place): a debit, a pause or a reset is `unavailable`, never taken as done.
+/// was replaced, or a server in its place): a debit, a pause or a reset is `unavailable`,
+/// never taken as done.
 #[test]
 fn a_script_answer_other_than_ok_is_no_success() {
     let Some(redis) = Redis::with_functions() else {

@@ -56,8 +56,9 @@ pub fn outcome(result: &str, ms: u64) -> StoreResult<Outcome> {
     }
 }
 
-/// What a `record` call answered: the Redis time (µs) it ran, and its bucket's definition
-/// time `n` (`-` for none), which a refund of the debit names.
+/// What a `record` call answered: the Redis time (µs) it ran, and its bucket's `n` (its
+/// definition time, or on a key holding only debt when that debt was first recorded; `-`
+/// for none), which a refund of the debit names.
 pub struct Recorded<'a> {
     pub at: u64,
     pub definition: &'a str,

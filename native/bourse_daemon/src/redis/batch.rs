@@ -453,9 +453,9 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
 }
 
 /// Gives back what the checks `paid` paid (or a debit, `debit`) in a call that ran at
-/// `paid_at` (Redis clock), their callers having had no answer. Run once, until the end of the answer window: Redis
-/// may run it late (still working through what piled up while it was stopped), and it is
-/// right then too.
+/// `paid_at` (Redis clock), their callers having had no answer. Run once, until the end of
+/// the answer window: Redis may run it late (still working through what piled up while it
+/// was stopped), and it is right then too.
 pub async fn give_back(client: &Client, runs: &Runs, paid_at: u64, paid: &[(String, Call)]) {
     let paid: Vec<(&str, &Call)> = paid.iter().map(|(r, call)| (r.as_str(), call)).collect();
     let mut call = script::refunds(paid_at, client.passed(), &paid);
