@@ -2826,6 +2826,36 @@ fn a_debit_answered_after_its_caller_gave_up_is_given_back() {
     );
 }
 
+/// A check and a debit that Redis ran, whose answers were then lost with their connection
+/// more than twice the timeout later (a proxy that dropped it while Redis stalled): sent
+/// again on a new connection, each answers what it did, and what it paid is given back.
+/// Before, their run markers had expired by then (twice the timeout): sent again, each
+/// was refused as late, and both stayed paid.
+#[test]
+fn late_calls_whose_connection_is_lost_late_are_still_given_back() {
+    let Some(redis) = Redis::start() else { return };
+    let relay = AnswerHold::start(redis.port);
+    let server = relay.daemon(500);
+    let mut t = server.connect();
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let k = key("lost-late", Some("k"));
+    assert_eq!(t.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    relay.hold(true);
+    t.send(&json!({"op": "record", "key": k, "cost": 5, "id": 1}));
+    let mut late_check = check(&k, slow, 2.0);
+    late_check["id"] = json!(2);
+    t.send(&late_check);
+    for _ in 0..2 {
+        assert_eq!(t.recv()["error"]["type"], "unavailable");
+    }
+    sleep_ms(1_500);
+    relay.cut();
+    relay.hold(false);
+    eventually("what the late calls paid is given back", || {
+        borrows(&mut t, &k, 1.0)
+    });
+}
+
 /// More debits answered late at once than the 64 calls read late before: each is given
 /// back. Before, all but 64 of 200 stayed debited.
 #[test]

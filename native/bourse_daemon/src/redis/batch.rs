@@ -411,7 +411,11 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
                 drop(turn);
                 let bytes = checks.iter().map(|w| w.part.bytes()).sum();
                 match client.late_place(bytes) {
-                    Some(_place) => call.await,
+                    Some(_place) => {
+                        let (keeping, marker) = (client.clone(), marker.clone());
+                        tokio::spawn(async move { keeping.keep_marker(&marker).await });
+                        call.await
+                    }
                     None => Err(client.no_answer()),
                 }
             }

@@ -352,6 +352,24 @@ impl Client {
         Ok(())
     }
 
+    /// Keeps the run marker `marker` of a call whose answer is read past its timeout for
+    /// the rest of the answer window: sent again that late on a new connection (the first
+    /// lost), the call answers what it did rather than being refused as late. Sent after
+    /// the call, on one server only (a cluster's calls end with their timeout); a marker
+    /// the call has not written yet is left to its own lifetime.
+    pub async fn keep_marker(&self, marker: &[u8]) {
+        if self.is_cluster() {
+            return;
+        }
+        let mut connection = self.link.connection();
+        let mut command = ::redis::cmd("PEXPIRE");
+        command
+            .arg(marker)
+            .arg(self.answer_window().as_millis() as u64);
+        let keeping = command.query_async::<::redis::Value>(&mut connection);
+        let _ = tokio::time::timeout(self.answer_window(), keeping).await;
+    }
+
     /// Sends one command, bounded by the timeout, once more if the connection was lost.
     pub async fn command<T: FromRedisValue>(&self, command: &Cmd) -> StoreResult<T> {
         self.command_within(command, self.timeout).await

@@ -24,6 +24,7 @@ pub async fn record(
     let timeout = Instant::now() + client.timeout();
     let until = last_run.map_or(timeout, |last| last.min(timeout));
     let bytes = call.bytes();
+    let marker = call.last_key().to_vec();
     let reading = Arc::clone(&client);
     let mut answer = Box::pin(async move {
         let answer = reading.invoke_read_late::<String>(&call, last_run).await;
@@ -43,6 +44,8 @@ pub async fn record(
                 false => client.no_answer(),
             };
             if let Some(place) = client.late_place(bytes) {
+                let keeping = Arc::clone(&client);
+                tokio::spawn(async move { keeping.keep_marker(&marker).await });
                 tokio::spawn(async move {
                     let _place = place;
                     if let (Ok(text), call) = answer.await {

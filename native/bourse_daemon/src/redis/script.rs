@@ -213,6 +213,11 @@ impl Call {
         self.keys.len()
     }
 
+    /// The last key: a call's run marker, once it has one (`Runs::once`).
+    pub fn last_key(&self) -> &[u8] {
+        self.keys.last().map_or(&[], |key| &self.data[key.clone()])
+    }
+
     /// The first key, which names the slot of the call on a cluster.
     pub fn first_key(&self) -> &[u8] {
         self.keys.first().map_or(&[], |key| &self.data[key.clone()])
