@@ -50,7 +50,8 @@
 --   P:{E}:r:<n>  string  the answers of the `checks`, `record`, `back_off` or `refunds` call
 --                        numbered n (by its daemon), as it returned them, written when it
 --                        ran (a `checks` call's after the time it ran, µs, and a space);
---                        lives twice the daemon's Redis timeout
+--                        lives twice the daemon's Redis timeout (a `checks` or `record`
+--                        call whose answer is read late: until the end of that window)
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
