@@ -49,10 +49,7 @@ fn exchange_of_first(term: Term<'_>) -> Option<&[u8]> {
     // SAFETY: as in `tuple`.
     let elements = unsafe { rustler::wrapper::tuple::get_tuple(env.as_c_arg(), term.as_c_arg()) };
     let first = unsafe { Term::new(env, *elements.ok()?.first()?) };
-    let exchange = match (tuple::<2>(first), tuple::<3>(first)) {
-        (Some([exchange, _]), _) | (_, Some([exchange, _, _])) => exchange,
-        _ => return None,
-    };
+    let (exchange, _, _) = key_terms(first)?;
     key_part(exchange, KeyPart::Exchange).ok()
 }
 
@@ -174,11 +171,7 @@ fn credential<'a>(term: Term<'a>) -> Decoded<Option<&'a [u8]>> {
 /// `{exchange_id, credential_key, bucket_axis}`, or `{exchange_id, credential_key}` for
 /// the `"request"` axis. Errors after the exchange id name it.
 fn key(term: Term) -> Decoded<KeyRef> {
-    let (exchange, cred, axis) = if let Some([exchange, cred, axis]) = tuple(term) {
-        (exchange, cred, Some(axis))
-    } else if let Some([exchange, cred]) = tuple(term) {
-        (exchange, cred, None)
-    } else {
+    let Some((exchange, cred, axis)) = key_terms(term) else {
         return Err(rules::not_a_key(shape(term)));
     };
     let exchange = key_part(exchange, KeyPart::Exchange)?;
@@ -190,6 +183,15 @@ fn key(term: Term) -> Decoded<KeyRef> {
         };
         Ok(KeyRef::new(exchange, credential, axis))
     })
+}
+
+/// A key's elements: exchange id, credential and axis (`None` in a key of two).
+fn key_terms(term: Term) -> Option<(Term, Term, Option<Term>)> {
+    if let Some([exchange, cred, axis]) = tuple(term) {
+        return Some((exchange, cred, Some(axis)));
+    }
+    let [exchange, cred] = tuple(term)?;
+    Some((exchange, cred, None))
 }
 
 /// What `read` decodes after an exchange id was read: its errors name that exchange.

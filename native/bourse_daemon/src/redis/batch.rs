@@ -410,12 +410,8 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
             Err(_) => {
                 drop(turn);
                 let bytes = checks.iter().map(|w| w.part.bytes()).sum();
-                match client.late_place(bytes) {
-                    Some(_place) => {
-                        let (keeping, marker) = (client.clone(), marker.clone());
-                        tokio::spawn(async move { keeping.keep_marker(&marker).await });
-                        call.await
-                    }
+                match client.late_place(bytes, &marker) {
+                    Some(_place) => call.await,
                     None => Err(client.no_answer()),
                 }
             }

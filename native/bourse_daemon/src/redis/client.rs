@@ -93,10 +93,19 @@ impl Client {
     }
 
     /// A place among the calls read past their timeout for one of `bytes` keys and
-    /// arguments, held until dropped; none when too few are left.
-    pub fn late_place(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+    /// arguments whose run marker is `marker`, held until dropped; none when too few are
+    /// left. With a place, the marker is kept as long as the answer is read
+    /// ([`Self::keep_marker`]).
+    pub fn late_place(
+        self: &Arc<Self>,
+        bytes: usize,
+        marker: &[u8],
+    ) -> Option<OwnedSemaphorePermit> {
         let kib = u32::try_from(bytes / 1024 + 1).unwrap_or(u32::MAX);
-        self.late.clone().try_acquire_many_owned(kib).ok()
+        let place = self.late.clone().try_acquire_many_owned(kib).ok()?;
+        let (client, marker) = (Arc::clone(self), marker.to_vec());
+        tokio::spawn(async move { client.keep_marker(&marker).await });
+        Some(place)
     }
 
     pub fn is_cluster(&self) -> bool {
@@ -195,6 +204,9 @@ impl Client {
                     .await
                 };
                 tokio::pin!(running);
+                if within <= self.timeout {
+                    return running.await;
+                }
                 // A call whose answer is read past the timeout gives its turn up then.
                 match tokio::time::timeout(self.timeout, &mut running).await {
                     Ok(answer) => answer,
@@ -357,7 +369,7 @@ impl Client {
     /// lost), the call answers what it did rather than being refused as late. Sent after
     /// the call, on one server only (a cluster's calls end with their timeout); a marker
     /// the call has not written yet is left to its own lifetime.
-    pub async fn keep_marker(&self, marker: &[u8]) {
+    async fn keep_marker(&self, marker: &[u8]) {
         if self.is_cluster() {
             return;
         }

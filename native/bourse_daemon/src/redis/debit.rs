@@ -43,9 +43,7 @@ pub async fn record(
                 ),
                 false => client.no_answer(),
             };
-            if let Some(place) = client.late_place(bytes) {
-                let keeping = Arc::clone(&client);
-                tokio::spawn(async move { keeping.keep_marker(&marker).await });
+            if let Some(place) = client.late_place(bytes, &marker) {
                 tokio::spawn(async move {
                     let _place = place;
                     if let (Ok(text), call) = answer.await {
