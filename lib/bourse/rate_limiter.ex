@@ -923,10 +923,9 @@ defmodule Bourse.RateLimiter do
         machine using that server; `{:redis, [url, ...]}` (seed nodes) in a Redis Cluster
         (`Bourse.RateLimiter.Backend.Redis`);
     * `:assume_busy_at_start` – buckets first seen within their fill time after start
-      begin as if they had been empty at start (default `false`); on a shared daemon the
-      daemon's `--assume-busy-at-start` decides (a warning is logged when the limiter asks
-      for it and the daemon runs without), on Redis the start of the exchange's state in
-      Redis;
+      begin as if they had been empty at start (default `false`); on a shared daemon or
+      Redis, buckets new to the store, from the limiter's start or the store's own if later
+      (the daemon's `--assume-busy-at-start`, the start of the exchange's state in Redis);
     * `:booking_slack_ms` – how long a booking may be claimed after its ready time, 0 to
       86_400_000 ms (default `Bourse.Defaults.booking_slack_ms/0`); keep it above the
       waiters' scheduling delay, or they find their bookings lapsed (and paid) when they

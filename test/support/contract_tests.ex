@@ -16,8 +16,7 @@ defmodule Bourse.ContractTests do
       (default 20_000);
     * `:skip` – groups of tests that do not apply to the backend, each skipped with a
       reason: `:crash` (P6 by killing the limiter process), `:concurrency`, `:names`,
-      `:assume_busy_at_start` (counted from the limiter's start: a shared daemon takes it
-      from its own command line, Redis from its exchange's state), `:own_table` (every
+      `:own_table` (every
       limiter has buckets of its own: limiters on one daemon share them),
       `:several_exchanges` (one check over buckets of several exchanges: a Redis Cluster
       refuses it).

@@ -42,6 +42,8 @@ pub(crate) struct Request {
     pub pause_until: u64,
     /// How long past its ready time a booking may be claimed, in nanoseconds.
     pub slack_ns: u64,
+    /// Buckets new to the table start as if empty this long (ns) before `now`, if at all.
+    pub busy_for: Option<u64>,
 }
 
 /// The end of the pause covering each item of a check (0 for none), or nothing when no
@@ -132,6 +134,7 @@ pub(crate) fn decide(
         slack_ns,
         now,
         pause_until,
+        ..
     } = request;
     // When could every bucket pay, and does each hold a booking?
     let mut ready = now;

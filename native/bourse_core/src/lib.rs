@@ -40,4 +40,4 @@ pub use prepared::{PreparedBucket, PreparedCheck};
 pub use receipt::Receipt;
 pub use rules::{InvalidInput, Shape};
 pub use table::Table;
-pub use types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
+pub use types::{BackoffScope, Caller, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};

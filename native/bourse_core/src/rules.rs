@@ -567,6 +567,12 @@ pub fn deadline_us(given: Shape) -> Result<u64, InvalidInput> {
     integer_in("deadline_us", given, 0, i64::MAX as u64)
 }
 
+/// How long before its hello a client's own start was, when it assumes buckets busy from
+/// it: an integer of microseconds from 0 to `i64::MAX`.
+pub fn busy_since_us_ago(given: Shape) -> Result<u64, InvalidInput> {
+    integer_in("busy_since_us_ago", given, 0, i64::MAX as u64)
+}
+
 /// How long the caller of a request with a deadline waits in all: an integer of
 /// milliseconds from 1 to [`MAX_MS`].
 pub fn timeout_ms(given: Shape) -> Result<u64, InvalidInput> {

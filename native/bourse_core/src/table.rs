@@ -20,7 +20,9 @@ use crate::pauses::{Pause, Pauses, TAKE_STEP};
 use crate::prepared::{PreparedBucket, PreparedCheck};
 use crate::receipt::{Paid, Receipt, TakeBack};
 use crate::rules::{self, InvalidInput};
-use crate::types::{BackoffScope, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats};
+use crate::types::{
+    BackoffScope, Caller, Check, Config, KeyInfo, Mode, Outcome, PauseTarget, Stats,
+};
 use crate::walk::Walk;
 
 const SHARDS: usize = 64;
@@ -146,13 +148,25 @@ impl<C: Clock> Table<C> {
         }
     }
 
-    /// Tokens a new bucket starts with.
-    fn initial_tokens(&self, limit: &Limit, now: u64) -> f64 {
-        if self.config.assume_busy_at_start {
-            let since_start = now.saturating_sub(self.started_at) as f64 / NANOS_PER_SEC;
-            (limit.refill_per_sec() * since_start).min(limit.capacity())
-        } else {
-            limit.capacity()
+    /// How long before `now` a check by `caller` assumes the buckets new to it busy from:
+    /// since the later of the table's start (with `assume_busy_at_start`) and the caller's.
+    fn busy_for(&self, caller: Caller, now: u64) -> Option<u64> {
+        let table = (self.config.assume_busy_at_start).then(|| now.saturating_sub(self.started_at));
+        match (table, caller.busy_for) {
+            (Some(table), Some(own)) => Some(table.min(own)),
+            (table, own) => table.or(own),
+        }
+    }
+
+    /// Tokens a bucket new at `from` starts with: full, or as if empty `busy_for` before
+    /// `now`.
+    fn initial_tokens(limit: &Limit, from: u64, now: u64, busy_for: Option<u64>) -> f64 {
+        match busy_for {
+            Some(busy_for) => {
+                let busy_then = busy_for.saturating_sub(now.saturating_sub(from));
+                (limit.refill_per_sec() * (busy_then as f64 / NANOS_PER_SEC)).min(limit.capacity())
+            }
+            None => limit.capacity(),
         }
     }
 
@@ -166,21 +180,21 @@ impl<C: Clock> Table<C> {
         }
     }
 
-    /// Checks one bucket. `owner` identifies the caller, for its bookings.
-    pub fn check_rate(&self, owner: u64, check: Check, mode: Mode) -> Outcome {
-        self.check_item(owner, self.item(check), mode, None)
+    /// Checks one bucket for `caller` (its owner id, for its bookings, or a [`Caller`]).
+    pub fn check_rate(&self, caller: impl Into<Caller>, check: Check, mode: Mode) -> Outcome {
+        self.check_item(caller.into(), self.item(check), mode, None)
     }
 
     /// Checks one prepared bucket, as [`Table::check_rate`] checks its key and limit.
     pub fn check_prepared(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         bucket: &PreparedBucket,
         cost: f64,
         mode: Mode,
     ) -> Outcome {
         self.check_item(
-            owner,
+            caller.into(),
             self.prepared_item(PreparedCheck { bucket, cost }),
             mode,
             None,
@@ -191,11 +205,11 @@ impl<C: Clock> Table<C> {
     /// cost; the same key with two definitions is an error and pays nothing.
     pub fn check_rates(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         checks: &[Check],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
-        unbounded(self.check_rates_within(owner, checks, mode, usize::MAX))
+        unbounded(self.check_rates_within(caller, checks, mode, usize::MAX))
     }
 
     /// [`Table::check_rates`], left undone (`Ok(None)`, nothing changed but the keys seen,
@@ -204,18 +218,18 @@ impl<C: Clock> Table<C> {
     /// caller on a scheduler that must not be held long runs elsewhere.
     pub fn check_rates_within(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         checks: &[Check],
         mode: Mode,
         max_bookings: usize,
     ) -> Result<Option<Outcome>, InvalidInput> {
-        self.check_keys(owner, checks, mode, max_bookings, None)
+        self.check_keys(caller.into(), checks, mode, max_bookings, None)
     }
 
     /// Checks keys and limits, noting what they paid on `receipt` if given.
     fn check_keys(
         &self,
-        owner: u64,
+        caller: Caller,
         checks: &[Check],
         mode: Mode,
         max_bookings: usize,
@@ -224,7 +238,7 @@ impl<C: Clock> Table<C> {
         match checks {
             [] => Ok(Some(Outcome::Admitted)),
             [single] => Ok(Some(self.check_item(
-                owner,
+                caller,
                 self.item(*single),
                 mode,
                 receipt,
@@ -232,7 +246,7 @@ impl<C: Clock> Table<C> {
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.item(c)));
-                self.check_items(owner, &mut items, mode, max_bookings, receipt)
+                self.check_items(caller, &mut items, mode, max_bookings, receipt)
             }
         }
     }
@@ -241,26 +255,27 @@ impl<C: Clock> Table<C> {
     /// limits.
     pub fn check_prepared_all(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         checks: &[PreparedCheck],
         mode: Mode,
     ) -> Result<Outcome, InvalidInput> {
-        unbounded(self.check_prepared_all_within(owner, checks, mode, usize::MAX))
+        unbounded(self.check_prepared_all_within(caller, checks, mode, usize::MAX))
     }
 
     /// [`Table::check_prepared_all`], left undone as [`Table::check_rates_within`] leaves
     /// a check.
     pub fn check_prepared_all_within(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         checks: &[PreparedCheck],
         mode: Mode,
         max_bookings: usize,
     ) -> Result<Option<Outcome>, InvalidInput> {
+        let caller = caller.into();
         match checks {
             [] => Ok(Some(Outcome::Admitted)),
             [single] => Ok(Some(self.check_item(
-                owner,
+                caller,
                 self.prepared_item(*single),
                 mode,
                 None,
@@ -268,7 +283,7 @@ impl<C: Clock> Table<C> {
             _ => {
                 let mut items = Items::new();
                 items.extend(checks.iter().map(|&c| self.prepared_item(c)));
-                self.check_items(owner, &mut items, mode, max_bookings, None)
+                self.check_items(caller, &mut items, mode, max_bookings, None)
             }
         }
     }
@@ -307,12 +322,12 @@ impl<C: Clock> Table<C> {
     /// [`Table::give_back`].
     pub fn check_rates_receipted(
         &self,
-        owner: u64,
+        caller: impl Into<Caller>,
         checks: &[Check],
         mode: Mode,
     ) -> Result<(Outcome, Receipt), InvalidInput> {
         let mut receipt = Receipt::default();
-        let checked = self.check_keys(owner, checks, mode, usize::MAX, Some(&mut receipt));
+        let checked = self.check_keys(caller.into(), checks, mode, usize::MAX, Some(&mut receipt));
         Ok((unbounded(checked)?, receipt))
     }
 
@@ -385,19 +400,19 @@ impl<C: Clock> Table<C> {
 
     fn check_item(
         &self,
-        owner: u64,
+        caller: Caller,
         item: Item,
         mode: Mode,
         receipt: Option<&mut Receipt>,
     ) -> Outcome {
         let mut guard = self.lock(item.hash);
-        let (request, pauses) = self.request(std::slice::from_ref(&item), owner, mode);
+        let (request, pauses) = self.request(std::slice::from_ref(&item), caller, mode);
         let shard = &mut *guard;
         let bucket = self.bucket(&mut shard.buckets, &mut shard.next_era, &item, request.now);
         let before = receipt.as_ref().and_then(|_| bucket.balance());
         let items = std::slice::from_ref(&item);
         let mut buckets = [bucket];
-        let outcome = self.defining(&mut buckets, items, request.now, |buckets| {
+        let outcome = Self::defining(&mut buckets, items, &request, |buckets| {
             Some(engine::decide(
                 buckets,
                 items,
@@ -419,10 +434,9 @@ impl<C: Clock> Table<C> {
     /// check, and their own back if it pays nothing (or is not decided): a refused call
     /// changes no key's definition.
     fn defining(
-        &self,
         buckets: &mut [&mut Bucket],
         items: &[Item],
-        now: u64,
+        request: &Request,
         decide: impl FnOnce(&mut [&mut Bucket]) -> Option<Outcome>,
     ) -> Option<Outcome> {
         // What each bucket given a definition had (usually none is).
@@ -430,12 +444,12 @@ impl<C: Clock> Table<C> {
             .iter_mut()
             .zip(items)
             .enumerate()
-            .filter_map(|(at, (bucket, item))| Some((at, self.define(bucket, item, now)?)))
+            .filter_map(|(at, (bucket, item))| Some((at, Self::define(bucket, item, request)?)))
             .collect();
         let outcome = decide(buckets);
         if !outcome.is_some_and(Outcome::paid) {
             for (at, previous) in previous {
-                buckets[at].restore(previous, now);
+                buckets[at].restore(previous, request.now);
             }
         }
         outcome
@@ -444,7 +458,7 @@ impl<C: Clock> Table<C> {
     /// The multi-bucket check; left undone when its buckets hold more than `max_bookings`.
     fn check_items(
         &self,
-        owner: u64,
+        caller: Caller,
         items: &mut [Item],
         mode: Mode,
         max_bookings: usize,
@@ -473,7 +487,7 @@ impl<C: Clock> Table<C> {
             }
             item.slot = guards.len() - 1;
         }
-        let (request, pauses) = self.request(items, owner, mode);
+        let (request, pauses) = self.request(items, caller, mode);
         let mut found = Self::find_buckets(&mut guards, items);
         if found.len() < items.len() {
             // First seen: created first, then looked up again (creating may move others).
@@ -498,7 +512,7 @@ impl<C: Clock> Table<C> {
             None => SmallVec::new(),
         };
         let stats = &mut guards[0].stats;
-        let outcome = self.defining(&mut buckets, items, request.now, |buckets| {
+        let outcome = Self::defining(&mut buckets, items, &request, |buckets| {
             let bookings: usize = buckets.iter().map(|bucket| bucket.bookings.len()).sum();
             (bookings <= max_bookings)
                 .then(|| engine::decide(buckets, items, stats, request, &pauses))
@@ -541,13 +555,14 @@ impl<C: Clock> Table<C> {
     /// pause covering each item (none when no pause lasts past now). Called with the
     /// buckets' shards locked: a caller preempted before the lock reads the time after it,
     /// so no bucket is ever paid as of an instant before its last payment.
-    fn request(&self, items: &[Item], owner: u64, mode: Mode) -> (Request, ItemPauses) {
+    fn request(&self, items: &[Item], caller: Caller, mode: Mode) -> (Request, ItemPauses) {
         let now = self.clock.now();
         let pauses = self.pauses_of(items, now);
         let request = Request {
-            owner,
+            owner: caller.owner,
             mode,
             now,
+            busy_for: self.busy_for(caller, now),
             pause_until: pauses.iter().copied().max().unwrap_or(0),
             slack_ns: match mode {
                 Mode::Wait {
@@ -578,9 +593,13 @@ impl<C: Clock> Table<C> {
     /// Gives a bucket that starts as new under the item's definition that definition, for
     /// the check (taken back if it pays nothing): the tokens a new bucket starts with, from
     /// [`Bucket::starts_new`], less the debt.
-    fn define(&self, bucket: &mut Bucket, item: &Item, now: u64) -> Option<Previous> {
-        let from = bucket.starts_new(&item.check.limit, now)?;
-        let tokens = self.initial_tokens(&item.check.limit, from);
+    fn define(bucket: &mut Bucket, item: &Item, request: &Request) -> Option<Previous> {
+        let mut from = bucket.starts_new(&item.check.limit, request.now)?;
+        if let Some(busy_for) = request.busy_for {
+            // New before the busy start (seen by another caller): as new at that start.
+            from = from.max(request.now.saturating_sub(busy_for));
+        }
+        let tokens = Self::initial_tokens(&item.check.limit, from, request.now, request.busy_for);
         Some(bucket.define(item.check.limit, tokens, from))
     }
 

@@ -23,6 +23,29 @@ impl Default for Config {
     }
 }
 
+/// Who checks: the owner of its bookings and, for a client that assumes buckets busy at
+/// its own start, that start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// Identifies the caller's bookings.
+    pub owner: u64,
+    /// Nanoseconds since the caller's busy start, as of the check: buckets first seen
+    /// within their fill time after it begin as if empty then, as
+    /// [`Config::assume_busy_at_start`] makes them from the table's start (the later start
+    /// applies).
+    pub busy_for: Option<u64>,
+}
+
+impl From<u64> for Caller {
+    /// A caller that assumes nothing at its start.
+    fn from(owner: u64) -> Self {
+        Self {
+            owner,
+            busy_for: None,
+        }
+    }
+}
+
 /// One bucket of a check: `cost` tokens from `key`'s bucket defined by `limit`.
 #[derive(Debug, Clone, Copy)]
 pub struct Check<'a> {

@@ -4,7 +4,8 @@ use bourse_core::rules::{
     BACKOFF_LAPSE_MS, DEBT_KEEP_MS, KEEP_MARGIN_MS, MAX_BOOKINGS, MAX_PAUSES,
 };
 use bourse_core::{
-    BackoffScope, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
+    BackoffScope, Caller, Check, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget,
+    Table,
 };
 
 const ME: u64 = 1;
@@ -734,6 +735,69 @@ fn assume_busy_at_start_starts_buckets_as_if_empty_at_start() {
     assert_eq!(probe(&t, "request", l, 1.0), Outcome::Delay(100));
     clock.advance_ms(5_000);
     assert_eq!(probe(&t, "ip", l, 10.0), Outcome::Admitted);
+}
+
+#[test]
+fn a_caller_busy_since_its_own_start_sees_new_buckets_as_if_empty_then() {
+    let (t, clock) = table();
+    let l = limit(10.0, 10.0);
+    clock.advance_ms(1_000);
+    // Another caller sees "seen" first (refused, it stays without a definition).
+    assert_eq!(
+        probe(&t, "seen", limit(10.0, 10.0), 11.0),
+        Outcome::Delay(100)
+    );
+    assert_eq!(probe(&t, "old", l, 1.0), Outcome::Admitted);
+    clock.advance_ms(1_300);
+    let busy = Caller {
+        owner: ME,
+        busy_for: Some(300 * 1_000_000),
+    };
+    let ask = |axis, cost| t.check_rate(busy, check(key(axis), l, cost), Mode::Probe);
+    // New: 3 tokens accrued since the caller's start.
+    for _ in 0..3 {
+        assert_eq!(ask("new", 1.0), Outcome::Admitted);
+    }
+    assert_eq!(ask("new", 1.0), Outcome::Delay(100));
+    // Seen before the caller's start: as new at that start, not at the sighting.
+    assert_eq!(ask("seen", 4.0), Outcome::Delay(100));
+    assert_eq!(ask("seen", 3.0), Outcome::Admitted);
+    // A bucket the table already held is left as it is.
+    assert_eq!(ask("old", 9.0), Outcome::Admitted);
+    // Other callers still see new buckets full, and past the fill time so does this one.
+    assert_eq!(probe(&t, "other", l, 10.0), Outcome::Admitted);
+    let after = Caller {
+        owner: ME,
+        busy_for: Some(1_300 * 1_000_000),
+    };
+    assert_eq!(
+        t.check_rate(after, check(key("late"), l, 10.0), Mode::Probe),
+        Outcome::Admitted
+    );
+}
+
+#[test]
+fn the_later_of_the_table_start_and_the_caller_start_applies() {
+    let (t, clock) = table_with(Config {
+        assume_busy_at_start: true,
+        ..Config::default()
+    });
+    let l = limit(10.0, 10.0);
+    clock.advance_ms(500);
+    let busy_for = |ms: u64| Caller {
+        owner: ME,
+        busy_for: Some(ms * 1_000_000),
+    };
+    // Started before the table: counted from the table's start.
+    let early = busy_for(900);
+    let late = busy_for(200);
+    let ask = |caller, axis, cost| t.check_rate(caller, check(key(axis), l, cost), Mode::Probe);
+    // From the table's start (500 ms ago), not the earlier caller's.
+    assert_eq!(ask(early, "a", 5.0), Outcome::Admitted);
+    assert_eq!(ask(early, "b", 6.0), Outcome::Delay(100));
+    // From the later caller's start (200 ms ago), not the table's.
+    assert_eq!(ask(late, "c", 3.0), Outcome::Delay(100));
+    assert_eq!(ask(late, "c", 2.0), Outcome::Admitted);
 }
 
 #[test]

@@ -3,13 +3,13 @@
 //! daemons (`crate::redis`).
 
 use std::future::{ready, Future};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::fingerprint;
 
 use bourse_core::{
-    BackoffScope, Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode, MonotonicClock,
-    Outcome, PauseTarget, Receipt, Stats, Table,
+    BackoffScope, Caller, Check, Clock, Config, InvalidInput, KeyInfo, KeyRef, Mode,
+    MonotonicClock, Outcome, PauseTarget, Receipt, Stats, Table,
 };
 
 /// A key as answers show it: the credential only by its fingerprint
@@ -29,6 +29,16 @@ impl ShownKey {
             axis: key.axis.to_vec(),
         }
     }
+}
+
+/// Who sent a check: the owner of its bookings, the connection it came on (a shared server
+/// serves connections in turn) and, for a client that assumes buckets busy at its own start
+/// (its hello's `busy_since_us_ago`), how long ago that start was.
+#[derive(Debug, Clone, Copy)]
+pub struct Requester {
+    pub owner: u64,
+    pub connection: u64,
+    pub busy_for: Option<Duration>,
 }
 
 /// Why a store did not carry out a request.
@@ -65,12 +75,10 @@ pub trait Store: Send + Sync + 'static {
 
     fn config(&self) -> Config;
 
-    /// Checks one bucket; `owner` identifies the caller's bookings, `connection` the
-    /// connection the request came on (a shared server serves connections in turn).
+    /// Checks one bucket for `requester`.
     fn check_rate(
         &self,
-        owner: u64,
-        connection: u64,
+        requester: Requester,
         check: Check<'_>,
         mode: Mode,
         last_run: LastRun,
@@ -80,8 +88,7 @@ pub trait Store: Send + Sync + 'static {
     /// definitions is [`StoreError::Invalid`].
     fn check_rates(
         &self,
-        owner: u64,
-        connection: u64,
+        requester: Requester,
         checks: &[Check<'_>],
         mode: Mode,
         last_run: LastRun,
@@ -92,7 +99,7 @@ pub trait Store: Send + Sync + 'static {
     /// itself (Redis), whose checks run as usual.
     fn check_receipted(
         &self,
-        _owner: u64,
+        _requester: Requester,
         _checks: &[Check<'_>],
         _mode: Mode,
     ) -> Option<StoreResult<(Outcome, Receipt)>> {
@@ -208,6 +215,15 @@ impl<C: Clock> Memory<C> {
     pub fn new(table: Table<C>) -> Self {
         Self { table }
     }
+
+    /// The table's caller for `requester`.
+    fn caller(requester: Requester) -> Caller {
+        let nanos = |busy_for: Duration| u64::try_from(busy_for.as_nanos()).unwrap_or(u64::MAX);
+        Caller {
+            owner: requester.owner,
+            busy_for: requester.busy_for.map(nanos),
+        }
+    }
 }
 
 impl<C: Clock> Store for Memory<C> {
@@ -219,37 +235,41 @@ impl<C: Clock> Store for Memory<C> {
 
     fn check_rate(
         &self,
-        owner: u64,
-        _connection: u64,
+        requester: Requester,
         check: Check<'_>,
         mode: Mode,
         _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
-        ready(Ok(self.table.check_rate(owner, check, mode)))
+        ready(Ok(self.table.check_rate(
+            Self::caller(requester),
+            check,
+            mode,
+        )))
     }
 
     fn check_rates(
         &self,
-        owner: u64,
-        _connection: u64,
+        requester: Requester,
         checks: &[Check<'_>],
         mode: Mode,
         _last_run: LastRun,
     ) -> impl Future<Output = StoreResult<Outcome>> + Send {
         ready(
             self.table
-                .check_rates(owner, checks, mode)
+                .check_rates(Self::caller(requester), checks, mode)
                 .map_err(StoreError::Invalid),
         )
     }
 
     fn check_receipted(
         &self,
-        owner: u64,
+        requester: Requester,
         checks: &[Check<'_>],
         mode: Mode,
     ) -> Option<StoreResult<(Outcome, Receipt)>> {
-        let checked = self.table.check_rates_receipted(owner, checks, mode);
+        let checked = self
+            .table
+            .check_rates_receipted(Self::caller(requester), checks, mode);
         Some(checked.map_err(StoreError::Invalid))
     }
 

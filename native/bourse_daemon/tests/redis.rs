@@ -1215,6 +1215,45 @@ fn a_redis_restart_admits_nothing_while_down_and_recovers() {
     assert!(admitted <= 5, "admitted {admitted}");
 }
 
+/// A connection's own busy start (its hello's `busy_since_us_ago`) holds through Redis as in
+/// memory, also beside --assume-busy-at-start, whose start is older here.
+#[test]
+fn a_connection_assumes_buckets_busy_from_the_start_its_hello_names() {
+    let Some(redis) = Redis::start() else { return };
+    let plain = daemon(&redis, &[]);
+    common::assert_busy_start_of_a_connection(
+        &mut plain.connect(),
+        &mut plain.connect(),
+        "busyhello",
+    );
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let mut b = busy.connect();
+    // The exchange's state begins now; the connection's start, 4 s ago, is the earlier.
+    let early = key("busyboth", Some("early"));
+    let first = b.call(check(
+        &early,
+        json!({"capacity": 10, "refill_per_sec": 1}),
+        1.0,
+    ));
+    assert_eq!(first["result"], "delay", "{first}");
+    sleep_ms(500);
+    assert_eq!(
+        b.call(json!({"op": "hello", "busy_since_us_ago": 4_000_000}))["ok"],
+        true
+    );
+    let fresh = key("busyboth", Some("fresh"));
+    let later = b.call(check(
+        &fresh,
+        json!({"capacity": 10, "refill_per_sec": 1}),
+        1.0,
+    ));
+    about(
+        ms(&later),
+        500,
+        "as if empty when the state began, the later start",
+    );
+}
+
 /// With --assume-busy-at-start, a key that only refused checks saw before its exchange's
 /// state began again (Redis restarted from a snapshot, a failover) accrued nothing before
 /// then, as a key with a definition.

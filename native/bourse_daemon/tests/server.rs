@@ -35,6 +35,16 @@ fn every_op_over_tcp_and_unix() {
 }
 
 #[test]
+fn a_connection_assumes_buckets_busy_from_the_start_its_hello_names() {
+    let server = Server::tcp(&[]);
+    common::assert_busy_start_of_a_connection(
+        &mut server.connect(),
+        &mut server.connect(),
+        "binance",
+    );
+}
+
+#[test]
 fn bad_requests_are_answered_and_the_connection_goes_on() {
     let server = Server::tcp(&[]);
     let mut client = server.connect();

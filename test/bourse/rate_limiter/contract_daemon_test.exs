@@ -3,12 +3,12 @@ defmodule Bourse.RateLimiter.ContractDaemonTest do
   # bourse_daemon server on loopback TCP. Every limiter of the module connects to it, so
   # the tests run one at a time on a table cleared before each. It runs with the default
   # booking slack (each limiter's waiters name their own) and sweeps as often as the
-  # limiters of the sweep tests do; the tests of assume_busy_at_start counted from a
-  # limiter's start, or of limiters with buckets of their own, do not apply.
+  # limiters of the sweep tests do; the tests of limiters with buckets of their own do not
+  # apply.
   use Bourse.ContractTests,
     backend: {:daemon, "set in setup_all"},
     async: false,
-    skip: [:assume_busy_at_start, :own_table]
+    skip: [:own_table]
 
   alias Bourse.DaemonServer
 

@@ -2,13 +2,13 @@ defmodule Bourse.RateLimiter.ContractRedisClusterTest do
   # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in a
   # Redis Cluster (three masters, three replicas) started here: `backend: {:redis, seeds}`.
   # As with one Redis server, the limiters share the buckets, so the tests run one at a
-  # time on a cluster cleared before each, and the tests of per-limiter table options do
-  # not apply. Fewer random malformed calls than elsewhere: the same daemon as on one
+  # time on a cluster cleared before each, and the tests of limiters with buckets of their
+  # own do not apply. Fewer random malformed calls than elsewhere: the same daemon as on one
   # Redis server answers them.
   use Bourse.ContractTests,
     backend: {:redis, ["set in setup_all"]},
     async: false,
-    skip: [:assume_busy_at_start, :own_table, :several_exchanges],
+    skip: [:own_table, :several_exchanges],
     fuzz_calls: 5_000
 
   alias Bourse.RedisCluster

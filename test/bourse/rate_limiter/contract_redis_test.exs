@@ -2,12 +2,11 @@ defmodule Bourse.RateLimiter.ContractRedisTest do
   # The whole contract (docs/CONTRACT.md) through the public API, with the buckets in Redis: each
   # limiter runs its own `bourse_daemon --stdio --redis URL`, all on one redis-server
   # started here, so the tests run one at a time on a Redis cleared before each. The tests
-  # that set table options per limiter (assume_busy_at_start follows the Redis state, not
-  # the limiter's start), or need limiters with buckets of their own, do not apply.
+  # that need limiters with buckets of their own do not apply.
   use Bourse.ContractTests,
     backend: {:redis, "set in setup_all"},
     async: false,
-    skip: [:assume_busy_at_start, :own_table]
+    skip: [:own_table]
 
   alias Bourse.RedisServer
 

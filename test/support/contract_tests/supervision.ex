@@ -7,7 +7,6 @@ defmodule Bourse.ContractTests.Supervision do
     quote location: :keep do
       describe "start options" do
         @tag limiter_opts: [assume_busy_at_start: true]
-        @tag skip: Bourse.ContractTests.skip(@contract_skip, :assume_busy_at_start)
         test "assume_busy_at_start: a bucket seen within its fill time starts as if empty at start",
              %{name: name} do
           # Fill time 100 s: first seen right after the start, the bucket is about empty.

@@ -129,8 +129,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   Options: `:timeout` (ms a caller waits for an answer), `:assume_busy_at_start` (a
   port's daemon is started with `--assume-busy-at-start`; always when it replaces a
-  previous one, unless `:table_outlives_daemon`; a socket's daemon is expected to run
-  with it), `:table_outlives_daemon` (the daemon's buckets live
+  previous one, unless `:table_outlives_daemon`), `:busy_start` (each hello names how long
+  ago the connection started, and the daemon counts the buckets new to it as busy since;
+  default: `:assume_busy_at_start` as given), `:table_outlives_daemon` (the daemon's buckets live
   in Redis: a daemon started again finds them, and is started as the first one was),
   `:booking_slack_ms` (sent with every waiting check), `:env` (the port's environment:
   secrets never go on its command line), `:secret` (what a socket proves when the
@@ -151,6 +152,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
        %{previous | timeout: timeout, booking_slack_ms: Keyword.get(opts, :booking_slack_ms)}}
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
+      busy_start = Keyword.get(opts, :busy_start, opts[:assume_busy_at_start] == true)
       # The pauses asked of the previous daemon are asked of the new one, as of a daemon
       # restarted under the same connection. Only with the same target and secrets does it
       # keep trying a store that refuses it: other ones are a new configuration, refused at
@@ -158,6 +160,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       opts =
         Keyword.merge(opts,
           assume_busy_at_start: busy,
+          busy_start: busy_start,
           restart: true,
           retry_refusals: previous.config == config,
           pauses: pauses
@@ -171,9 +174,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     timeout = Keyword.fetch!(opts, :timeout)
     config = config_digest(target, opts)
 
+    busy = Keyword.get(opts, :assume_busy_at_start, false)
+
     init_arg =
-      {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
-       [config: config] ++
+      {target, self(), busy, timeout,
+       [config: config, busy_start: Keyword.get(opts, :busy_start, busy == true)] ++
          Keyword.take(opts, [
            :env,
            :secret,
@@ -563,6 +568,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       table: :ets.new(__MODULE__, [:public, read_concurrency: true, write_concurrency: true]),
       pauses: remembering(Keyword.get(extra, :pauses, [])),
       assume_busy: assume_busy,
+      # With the limiter's assume_busy_at_start: its start (monotonic µs), which each hello
+      # names, so that the daemon counts the buckets new to it as busy since then.
+      busy_start: if(Keyword.get(extra, :busy_start), do: System.monotonic_time(:microsecond)),
       stream: nil,
       partial: [],
       pending: [],
@@ -1219,20 +1227,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   defp reason_text(reason), do: reason
 
   defp open(state) do
-    settings = Map.take(state, [:assume_busy, :env, :secret, :timeout])
+    settings = Map.take(state, [:assume_busy, :busy_start, :env, :secret, :timeout])
 
     with {:ok, stream, hello} <- state.transport.open(state.target, settings) do
       cond do
-        hello["assume_busy_at_start"] != false ->
+        hello["assume_busy_at_start"] != false or not state.connected_before ->
           :ok
-
-        not state.connected_before ->
-          if state.assume_busy && !state.restart do
-            Logger.warning(
-              "#{describe(state)}: the daemon runs without --assume-busy-at-start, so the " <>
-                "limiter's assume_busy_at_start: true does not hold for its buckets"
-            )
-          end
 
         hello["table"] != state.daemon_table ->
           Logger.warning(
@@ -1333,9 +1333,15 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   @doc false
   # The first frame of a stream, in JSON (every connection starts so): its answer and every
-  # frame after it are in the external term format.
-  @spec hello_request() :: binary()
-  def hello_request, do: ~s({"id":0,"op":"hello","codec":"etf"})
+  # frame after it are in the external term format. With the limiter's busy start
+  # (monotonic µs), it names how long ago that was.
+  @spec hello_request(integer() | nil) :: binary()
+  def hello_request(nil), do: ~s({"id":0,"op":"hello","codec":"etf"})
+
+  def hello_request(busy_start) do
+    ago = max(System.monotonic_time(:microsecond) - busy_start, 0)
+    ~s({"id":0,"op":"hello","codec":"etf","busy_since_us_ago":#{ago}})
+  end
 
   @doc false
   # The daemon's hello answer, if it speaks this protocol; or why it refused to start

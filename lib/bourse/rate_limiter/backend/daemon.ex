@@ -70,9 +70,11 @@ defmodule Bourse.RateLimiter.Backend.Daemon do
 
   The limiter's `:booking_slack_ms` goes with each of its waiting checks, so its bookings
   lapse by its own slack (the daemon's `--booking-slack-ms` is the slack of clients that
-  name none). Sweeps and `--assume-busy-at-start` are the daemon's: a limiter started
-  with `assume_busy_at_start: true` logs a warning when its daemon runs without the flag,
-  and its `:sweep_interval_ms` does not apply.
+  name none). With `assume_busy_at_start: true`, each connection's hello names the
+  limiter's start: a bucket new to the daemon starts as if empty then (or at the daemon's
+  own start with `--assume-busy-at-start`, if later); a bucket the daemon already held is
+  left as it is. Sweeps are the daemon's: the limiter's `:sweep_interval_ms` does not
+  apply.
   """
 
   use Bourse.RateLimiter.Backend.Protocol

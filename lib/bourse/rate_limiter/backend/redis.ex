@@ -54,9 +54,9 @@ defmodule Bourse.RateLimiter.Backend.Redis do
 
   The limiter's `:booking_slack_ms` applies to its daemon (`:sweep_interval_ms` does not:
   keys expire by their TTL, see docs/PROTOCOL.md); with
-  `:assume_busy_at_start`, a bucket first seen within its fill time after its exchange's
-  state began in Redis starts as if empty then, so a Redis that lost its data never hands
-  out a fresh burst.
+  `:assume_busy_at_start`, a bucket new to Redis within its fill time after the limiter
+  started, or after its exchange's state began in Redis if later, starts as if empty then,
+  so a Redis that lost its data never hands out a fresh burst.
 
   ## When Redis is down
 

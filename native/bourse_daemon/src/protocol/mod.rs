@@ -16,7 +16,7 @@ mod values;
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use bourse_core::{rules, InvalidInput, Outcome, Receipt};
@@ -24,7 +24,7 @@ use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::Sha256;
 
-use crate::store::{LastRun, Memory, Store, StoreError};
+use crate::store::{LastRun, Memory, Requester, Store, StoreError};
 use answer::{encode, error, refused, Answer, Hello, To};
 use request::{Owner, Request};
 
@@ -110,7 +110,13 @@ pub struct Session {
     idle_timeout_ms: Option<u64>,
     frames: AtomicU64,
     owed: owed::Owed,
+    /// From its hello's `busy_since_us_ago`: the client's busy start on the daemon's clock
+    /// (µs, [`Server::clock_us`]; before the daemon's start, negative), or [`NOT_BUSY`].
+    busy_since_us: AtomicI64,
 }
+
+/// A session whose client assumes no buckets busy at its start.
+const NOT_BUSY: i64 = i64::MIN;
 
 impl Session {
     /// Numbers the next frame read on this connection (from 1).
@@ -222,6 +228,7 @@ impl<S: Store> Service<S> {
             idle_timeout_ms,
             frames: AtomicU64::new(0),
             owed: owed::Owed::default(),
+            busy_since_us: AtomicI64::new(NOT_BUSY),
         }
     }
 
@@ -390,9 +397,17 @@ impl<S: Store> Service<S> {
     ) -> Result<Answer, Failure> {
         let store = &self.store;
         Ok(match request {
-            Request::Hello { codec } => {
+            Request::Hello {
+                codec,
+                busy_since_us_ago,
+            } => {
                 if let Some(codec) = codec {
                     session.choose_codec(number, codec)?;
+                }
+                if let Some(ago) = busy_since_us_ago {
+                    // Both at most i64::MAX: the difference fits.
+                    let since = self.clock_us() as i64 - ago as i64;
+                    session.busy_since_us.store(since, Ordering::Relaxed);
                 }
                 self.hello(session)
             }
@@ -404,10 +419,10 @@ impl<S: Store> Service<S> {
                 owner,
                 mode,
             } => {
-                let owner = self.owner(session, owner);
-                let connection = session.default_owner;
+                let requester = self.requester(session, owner);
                 // With a deadline, what it pays is noted, should its answer be sent too late.
-                let receipted = last_run.and_then(|_| store.check_receipted(owner, &checks, mode));
+                let receipted =
+                    last_run.and_then(|_| store.check_receipted(requester, &checks, mode));
                 if let Some(checked) = receipted {
                     let (outcome, paid) = checked?;
                     *receipt = paid.can_give_back().then_some(paid);
@@ -415,16 +430,8 @@ impl<S: Store> Service<S> {
                 }
                 Answer::Outcome(match checks.as_slice() {
                     [] => Outcome::Admitted,
-                    [check] => {
-                        store
-                            .check_rate(owner, connection, *check, mode, last_run)
-                            .await?
-                    }
-                    checks => {
-                        store
-                            .check_rates(owner, connection, checks, mode, last_run)
-                            .await?
-                    }
+                    [check] => store.check_rate(requester, *check, mode, last_run).await?,
+                    checks => store.check_rates(requester, checks, mode, last_run).await?,
                 })
             }
             Request::Record { key, cost } => {
@@ -544,6 +551,19 @@ impl<S: Store> Service<S> {
                 Some(crate::fingerprint::hex(&daemon.finalize().into_bytes()))
             }
         })
+    }
+
+    /// Who sent a check on `session`, naming `owner`.
+    fn requester(&self, session: &Session, owner: Owner) -> Requester {
+        let since = session.busy_since_us.load(Ordering::Relaxed);
+        Requester {
+            owner: self.owner(session, owner),
+            connection: session.default_owner,
+            busy_for: (since != NOT_BUSY).then(|| {
+                let busy_for = (self.clock_us() as i64).saturating_sub(since);
+                Duration::from_micros(busy_for as u64)
+            }),
+        }
     }
 
     /// The booking owner: the connection's own, or a named one. A named owner's id is the

@@ -25,9 +25,11 @@ pub enum Owner<'a> {
 
 /// One valid request; keys borrow from the parsed frame.
 pub enum Request<'a> {
-    /// With `codec`: the codec the connection speaks from its answer on.
+    /// With `codec`: the codec the connection speaks from its answer on; with
+    /// `busy_since_us_ago`, the client's checks assume buckets busy from that long before.
     Hello {
         codec: Option<Codec>,
+        busy_since_us_ago: Option<u64>,
     },
     /// Proves the connection's secret: the HMAC of the hello's nonce, in hex; with a
     /// `challenge`, asks the daemon to prove it too.
@@ -253,7 +255,7 @@ impl<'a> Request<'a> {
                 }
             }
             "hello" => {
-                fields(&["codec"], "a hello request")?;
+                fields(&["codec", "busy_since_us_ago"], "a hello request")?;
                 let codec = match request.get("codec") {
                     None => None,
                     Some(Value::String(name)) if name == "json" => Some(Codec::Json),
@@ -265,7 +267,14 @@ impl<'a> Request<'a> {
                         )))
                     }
                 };
-                Self::Hello { codec }
+                let busy_since_us_ago = match request.get("busy_since_us_ago") {
+                    None => None,
+                    Some(ago) => Some(rules::busy_since_us_ago(number(ago))?),
+                };
+                Self::Hello {
+                    codec,
+                    busy_since_us_ago,
+                }
             }
             "auth" => {
                 fields(&["proof", "challenge"], "an auth request")?;

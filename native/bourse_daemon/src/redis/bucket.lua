@@ -367,11 +367,21 @@ local function write_marker(marker, value)
   call('SET', marker, value, 'PX', int((MARKER_TTL + MARKER_SLACK) / 1000))
 end
 
--- Tokens a new bucket starts with: full, or with assume_busy_at_start as if it had been
--- empty when this exchange's state began.
-local function initial_tokens(c, r, now, began, busy)
-  if busy then
-    return math.min(c, r * (math.max(now - began, 0) / 1e6))
+-- Since when a check assumes the buckets new to it busy: the later of when its exchange's
+-- state began (with assume_busy_at_start, `busy`) and its caller's own busy start
+-- (`started`); nil for neither.
+local function busy_since(began, busy, started)
+  if busy and started then
+    return math.max(began, started)
+  end
+  return busy and began or started
+end
+
+-- Tokens a bucket new at `from` starts with: full, or as if it had been empty at `since`
+-- (`busy_since`).
+local function initial_tokens(c, r, from, since)
+  if since then
+    return math.min(c, r * (math.max(from - since, 0) / 1e6))
   end
   return c
 end
@@ -884,7 +894,8 @@ end
 -- deadline (µs, 0 for none), its count of keys and of arguments, and those arguments.
 -- A check's keys are per item its bucket and bookings keys, then per exchange group its
 -- pauses and marker keys; its arguments the booking id, max_wait_ms (0: a probe), slack
--- (µs), assume busy ('1'/'0'), item count, then per item c, r, cost, group, credential
+-- (µs), assume busy ('1'/'0', then a space and the µs since the caller's own busy start
+-- if it has one), item count, then per item c, r, cost, group, credential
 -- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
 -- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`;
 -- 'admitted' goes on with the definition time `n` of each bucket it paid, which names the
@@ -1004,8 +1015,9 @@ local function checks(now, late)
   return { now, text }
 end
 
--- The common check, decided without `decide`'s tables: one key, by a limiter without
--- assume_busy_at_start, whose bucket (its fields `read`) holds the request's definition,
+-- The common check, decided without `decide`'s tables: one key, by a daemon without
+-- assume_busy_at_start (a caller's own busy start plays no part: the bucket is not new),
+-- whose bucket (its fields `read`) holds the request's definition,
 -- was paid without bookings (its `k` holds) and covers the cost, not held by a pause.
 -- Pays and keeps it as `decide` would (`spend`, `save_unbooked`); returns the answer, the
 -- exchange's marker and the ms the bucket is kept. Any other check: nil, having written
@@ -1013,7 +1025,7 @@ end
 local function admit_plain(now, k, at, read, max_wait)
   local a = item_at(at, 1)
   local c_text, r_text = ARGV[a + 1], ARGV[a + 2]
-  if ARGV[at + 4] ~= '0' or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
+  if string.byte(ARGV[at + 4]) ~= 48 or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
     or read[2] ~= r_text then
     return nil
   end
@@ -1062,7 +1074,11 @@ decide = function(now, k, at)
     return false, line, marker, kept
   end
   local waits = max_wait > 0
-  local busy, n = ARGV[at + 4] == '1', parse(ARGV[at + 5])
+  -- '1' with assume_busy_at_start, else '0'; then, for a caller with a busy start of its
+  -- own, a space and the µs since it.
+  local busy_text, n = ARGV[at + 4], parse(ARGV[at + 5])
+  local busy = string.byte(busy_text) == 49
+  local started = #busy_text > 2 and now - tonumber(string.sub(busy_text, 3)) or nil
   local items, began, markers = {}, {}, {}
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
@@ -1111,21 +1127,22 @@ decide = function(now, k, at)
     if busy and bucket and bucket.c and bucket.t < since then
       empty_since(bucket, since)
     end
+    local assumed = busy_since(since, busy, started)
     if not bucket or not bucket.c then
       -- A new key (no bookings: they are fields of its hash), or one without a definition,
       -- takes this one for the check (taken back if it pays nothing): the tokens a new
       -- bucket starts with when a check first saw the key (now if none has), less the debt.
       local from = bucket and bucket.seen and bucket.t or now
-      -- With assume_busy_at_start, nothing accrued before this exchange's state began.
-      if busy and from < since then
-        from = since
+      -- Nothing accrued before the busy start (a key seen before it is as new then).
+      if assumed and from < assumed then
+        from = math.min(assumed, now)
       end
       local debt_b = bucket and bucket.b or 0
       item.undefined = { b = debt_b, t = from }
       bucket = {
         c = item.c,
         r = item.r,
-        b = debt_b + initial_tokens(item.c, item.r, from, since, busy),
+        b = debt_b + initial_tokens(item.c, item.r, from, assumed),
         t = from,
         dirty = true,
         defined = true,
@@ -1144,8 +1161,11 @@ decide = function(now, k, at)
         lowered = bucket.lowered,
       }
       bucket.t = math.min(bucket.t + accrual(math.max(bucket.c - bucket.b, 0), bucket.r), now)
+      if assumed and bucket.t < assumed then
+        bucket.t = math.min(assumed, now)
+      end
       bucket.c, bucket.r = item.c, item.r
-      bucket.b = initial_tokens(item.c, item.r, bucket.t, since, busy)
+      bucket.b = initial_tokens(item.c, item.r, bucket.t, assumed)
       bucket.dirty, bucket.defined = true, true
       bucket.lowered = math.max(bucket.lowered or 0, now)
     end

@@ -22,7 +22,7 @@ use super::names::{self, CredentialNames, KeyNames, KeyParts};
 use super::scan::{unlink_matching, Scan};
 use super::script::Call;
 use super::timer_anchor::TimerAnchor;
-use crate::store::{LastRun, ShownKey, Store, StoreError, StoreResult};
+use crate::store::{LastRun, Requester, ShownKey, Store, StoreError, StoreResult};
 
 /// How to reach Redis and name the keys.
 #[derive(Debug, Clone)]
@@ -206,20 +206,17 @@ impl Store for RedisStore {
 
     async fn check_rate(
         &self,
-        owner: u64,
-        connection: u64,
+        requester: Requester,
         check: Check<'_>,
         mode: Mode,
         last_run: LastRun,
     ) -> StoreResult<Outcome> {
-        self.check_rates(owner, connection, &[check], mode, last_run)
-            .await
+        self.check_rates(requester, &[check], mode, last_run).await
     }
 
     async fn check_rates(
         &self,
-        owner: u64,
-        connection: u64,
+        requester: Requester,
         checks: &[Check<'_>],
         mode: Mode,
         last_run: LastRun,
@@ -244,7 +241,7 @@ impl Store for RedisStore {
             Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
         call.arg_with(|out| {
             // Writing to a Vec cannot fail.
-            let _ = write!(out, "{owner}:{}", signature(&items));
+            let _ = write!(out, "{}:{}", requester.owner, signature(&items));
         })
         .arg(max_wait)
         .arg(
@@ -252,10 +249,17 @@ impl Store for RedisStore {
                 .unwrap_or(self.config.booking_slack_ms)
                 .saturating_mul(1000),
         )
-        .arg(if self.config.assume_busy_at_start {
-            "1"
-        } else {
-            "0"
+        .arg_with(|out| {
+            // `assume_busy_at_start` (1: from when the exchange's state began), then the
+            // µs since the requester's own busy start, if it has one.
+            out.push(if self.config.assume_busy_at_start {
+                b'1'
+            } else {
+                b'0'
+            });
+            if let Some(busy_for) = requester.busy_for {
+                let _ = write!(out, " {}", busy_for.as_micros());
+            }
         })
         .arg(items.len());
         // Items are sorted by exchange: each run of one exchange is a group sharing its
@@ -291,7 +295,10 @@ impl Store for RedisStore {
             call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
                 .key_with(|out| names::write_marker(out, &self.prefix, exchange));
         }
-        let (result, ms, paused, lapsed) = self.checks.check(call, connection, last_run).await?;
+        let (result, ms, paused, lapsed) = self
+            .checks
+            .check(call, requester.connection, last_run)
+            .await?;
         let outcome = answer::outcome(&result, ms)?;
         self.counters.outcome(outcome, mode, paused > 0, lapsed);
         Ok(outcome)

@@ -703,3 +703,50 @@ pub fn exercise_bad_requests(t: &mut impl Transport) {
     assert_eq!(stats["buckets"], 0);
     assert_eq!(t.call(json!({"op": "hello"}))["ok"], true);
 }
+
+/// A connection whose hello carries `busy_since_us_ago` sees the buckets new to the store as
+/// if empty that long before the hello; buckets the store held, and other connections, are
+/// left alone. Keys of `exchange` only.
+pub fn assert_busy_start_of_a_connection(
+    busy: &mut dyn Transport,
+    plain: &mut dyn Transport,
+    exchange: &str,
+) {
+    let limit = json!({"capacity": 10, "refill_per_sec": 1});
+    let check_of = |t: &mut dyn Transport, credential: &str, cost: f64| {
+        t.call(check(&key(exchange, Some(credential)), limit.clone(), cost))
+    };
+    let delay = |answer: Value| {
+        assert_eq!(answer["result"], "delay", "{answer}");
+        answer["ms"].as_u64().unwrap()
+    };
+    assert_eq!(check_of(plain, "held", 1.0)["result"], "admitted");
+    for bad in [
+        json!(-1),
+        json!(1.5),
+        json!("1"),
+        json!(9_223_372_036_854_775_808u64),
+    ] {
+        let answer = busy.call(json!({"op": "hello", "busy_since_us_ago": bad, "id": 2}));
+        assert_eq!(answer["error"]["type"], "invalid_parameters", "{answer}");
+        assert_eq!(answer["id"], 2, "{answer}");
+    }
+    let hello = busy.call(json!({"op": "hello", "busy_since_us_ago": 4_000_000}));
+    assert_eq!(hello["ok"], true, "{hello}");
+    // Started 4 s ago: 4 tokens of 10 accrued since.
+    assert_eq!(check_of(busy, "new", 4.0)["result"], "admitted");
+    let ms = delay(check_of(busy, "new", 1.0));
+    assert!((600..=1_000).contains(&ms), "{ms} ms");
+    // Held by the store before: as it was (9 tokens).
+    assert_eq!(check_of(busy, "held", 9.0)["result"], "admitted");
+    // Another connection sees new buckets full.
+    assert_eq!(check_of(plain, "other", 10.0)["result"], "admitted");
+    // A hello without the field keeps the start; one with 0 starts it now.
+    assert_eq!(busy.call(json!({"op": "hello"}))["ok"], true);
+    assert_eq!(check_of(busy, "kept", 4.0)["result"], "admitted");
+    assert_eq!(
+        busy.call(json!({"op": "hello", "busy_since_us_ago": 0}))["ok"],
+        true
+    );
+    assert!(delay(check_of(busy, "now", 1.0)) > 600);
+}

@@ -261,6 +261,10 @@ local function random_call(step)
     local definition = definitions[math.random() < 0.85 and 1 + step % 2 or math.random(1, 4)]
     local max_wait = math.random() < 0.3 and tostring(math.random(1, 5000)) or '0'
     local busy = math.random() < 0.1 and '1' or '0'
+    if math.random() < 0.2 then
+      -- A caller's own busy start, up to 10 s before the call.
+      busy = busy .. ' ' .. tostring(math.random(0, 10000000))
+    end
     local id = (math.random() < 0.3 and 'again' or tostring(step)) .. ':' .. j
     add(args, '0', tostring(2 * items + 2), tostring(5 + 7 * items))
     add(args, id, max_wait, '250000', busy, tostring(items))

@@ -48,7 +48,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   end
 
   test "a port that cannot run or is no bourse_daemon: the error names why" do
-    settings = %{assume_busy: false, env: [], secret: nil, timeout: 1_000}
+    settings = %{assume_busy: false, busy_start: nil, env: [], secret: nil, timeout: 1_000}
     missing = Path.join(System.tmp_dir!(), "no-such-bourse_daemon")
 
     assert PortStream.open({:port, missing, []}, settings) ==
@@ -98,7 +98,7 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
   # A daemon blocked before it reads (opening a file, say) does not notice its socket or
   # its stdin closing: it is killed, or it would outlive the VM.
   test "a port that connects and never answers its hello, or never connects, is killed" do
-    settings = %{assume_busy: false, env: [], secret: nil, timeout: 1_000}
+    settings = %{assume_busy: false, busy_start: nil, env: [], secret: nil, timeout: 1_000}
     pid_file = Bourse.TempPath.new("bourse-silent-pid")
     silent = Bourse.TempPath.new("bourse-silent")
     on_exit(fn -> Enum.each([silent, pid_file], &File.rm/1) end)
@@ -133,7 +133,15 @@ defmodule Bourse.RateLimiter.Backend.CodecTest do
     args = ["--socket", socket, "--listen", "127.0.0.1:0", "--max-connections", "1"]
     daemon = DaemonServer.start(args)
     on_exit(fn -> DaemonServer.stop(daemon) end)
-    settings = %{assume_busy: false, env: [], secret: DaemonServer.secret(), timeout: 1_000}
+
+    settings = %{
+      assume_busy: false,
+      busy_start: nil,
+      env: [],
+      secret: DaemonServer.secret(),
+      timeout: 1_000
+    }
+
     unix = {:socket, {:unix, daemon.unix, nil}}
     assert {:ok, first, _hello} = SocketStream.open(unix, settings)
 

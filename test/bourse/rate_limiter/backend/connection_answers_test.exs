@@ -7,7 +7,7 @@ defmodule Bourse.RateLimiter.Backend.ConnectionAnswersTest do
   alias Bourse.RateLimiter.Backend.Connection
   alias Bourse.RateLimiter.Backend.Connection.PortStream
 
-  @settings %{assume_busy: false, env: [], secret: nil, timeout: 5_000}
+  @settings %{assume_busy: false, busy_start: nil, env: [], secret: nil, timeout: 5_000}
   @limit %{"capacity" => 1, "refill_per_sec" => 0.001}
 
   setup do

@@ -401,24 +401,25 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     end
   end
 
-  test "a limiter asking for assume_busy_at_start warns when its daemon runs without it" do
+  test "a limiter's assume_busy_at_start holds on a daemon without the flag, and only for it" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    # Fill time 100 s: a bucket new to the daemon right after the limiter started is empty.
+    slow = %{capacity: 10, refill_per_sec: 0.1}
 
     log =
       capture_log(fn ->
-        name = start_limiter({:daemon, daemon.tcp}, "busy", assume_busy_at_start: true)
-        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
+        busy = start_limiter({:daemon, daemon.tcp}, "busy", assume_busy_at_start: true)
+        assert {:delay, ms} = RateLimiter.check_rate({"ex", "new"}, slow, 1, busy)
+        assert ms in 9_000..10_000
+
+        plain = start_limiter({:daemon, daemon.tcp})
+        assert :ok = RateLimiter.check_rate({"ex", "other"}, slow, 10, plain)
+        # A bucket the daemon held before is left as it was, for the busy limiter too.
+        assert :ok = RateLimiter.check_rate({"ex", "held"}, slow, 1, plain)
+        assert :ok = RateLimiter.check_rate({"ex", "held"}, slow, 9, busy)
       end)
 
-    assert log =~ "assume_busy_at_start: true does not hold"
-
-    log =
-      capture_log(fn ->
-        name = start_limiter({:daemon, daemon.tcp})
-        eventually(fn -> RateLimiter.check_rate({"ex", "k"}, @limit, 1, name) == :ok end)
-      end)
-
-    refute log =~ "assume-busy-at-start"
+    refute log =~ "assume"
 
     # Nor a limiter that did not ask, restarted with a connection of its own.
     name = :"busy_restarted_#{System.unique_integer([:positive])}"

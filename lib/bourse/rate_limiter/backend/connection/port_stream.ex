@@ -31,17 +31,17 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
       path = Path.join(dir, "d.sock")
 
       try do
-        start(executable, flags ++ ["--stdio-socket", path], settings.env, path)
+        start(executable, flags ++ ["--stdio-socket", path], path, settings)
       after
         PrivateDir.discard(dir)
       end
     end
   end
 
-  defp start(executable, flags, env, path) do
+  defp start(executable, flags, path, settings) do
     with {:ok, listener} <- listen(path) do
       accepted =
-        with {:ok, port} <- spawn_daemon(executable, flags, env),
+        with {:ok, port} <- spawn_daemon(executable, flags, settings.env),
              do: accept(listener, port, executable)
 
       :socket.close(listener)
@@ -49,7 +49,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
       with {:ok, socket, port} <- accepted do
         stream = SocketStream.stream(socket, port)
 
-        case hello(socket, port) do
+        case hello(socket, port, settings.busy_start) do
           {:ok, hello} ->
             {:ok, stream, hello}
 
@@ -182,8 +182,8 @@ defmodule Bourse.RateLimiter.Backend.Connection.PortStream do
     do: "#{executable} exited with status #{status} before it connected"
 
   # The daemon writes nothing before its hello's answer and nothing after it unasked.
-  defp hello(socket, port) do
-    hello = Connection.hello_request()
+  defp hello(socket, port, busy_start) do
+    hello = Connection.hello_request(busy_start)
 
     with :ok <- :socket.send(socket, frame(hello, byte_size(hello)), @handshake_timeout),
          {:ok, <<size::32>>} when size <= @max_answer_bytes <-

@@ -88,7 +88,7 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     deadline = System.monotonic_time(:millisecond) + max(settings.timeout, @min_handshake_ms)
 
     with {:ok, socket} <- connect(address, deadline) do
-      case handshake(socket, address, settings.secret, deadline) do
+      case handshake(socket, address, settings, deadline) do
         {:ok, hello} ->
           {:ok, stream(socket, nil), hello}
 
@@ -183,11 +183,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
     end
   end
 
-  defp handshake(socket, address, secret, deadline) do
-    with :ok <- send_all(socket, [Connection.hello_request(), ?\n], deadline),
+  defp handshake(socket, address, settings, deadline) do
+    hello = Connection.hello_request(settings.busy_start)
+
+    with :ok <- send_all(socket, [hello, ?\n], deadline),
          {:ok, frame} <- recv_frame(socket, "no hello", deadline),
          {:ok, hello} <- Connection.hello(frame),
-         :ok <- prove(socket, Map.get(hello, "auth"), secret, address, deadline),
+         :ok <- prove(socket, Map.get(hello, "auth"), settings.secret, address, deadline),
          do: {:ok, hello}
   end
 

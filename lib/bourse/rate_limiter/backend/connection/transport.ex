@@ -9,9 +9,13 @@ defmodule Bourse.RateLimiter.Backend.Connection.Transport do
   @typedoc "An open stream."
   @type stream :: port() | Bourse.RateLimiter.Backend.Connection.SocketStream.t()
 
-  @typedoc "What `open/2` may use: the port's flags and environment, a socket's secret."
+  @typedoc """
+  What `open/2` may use: the port's flags and environment, a socket's secret, and the
+  limiter's busy start (monotonic µs) that the hello names, if it assumes one.
+  """
   @type settings :: %{
           assume_busy: boolean(),
+          busy_start: integer() | nil,
           env: [{charlist(), charlist()}],
           secret: String.t() | nil,
           timeout: pos_integer()
