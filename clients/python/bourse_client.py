@@ -36,6 +36,10 @@ process's user), so that another user listening at that path first is refused
 (BourseError "unauthorized", naming its uid), never sent a key. Answers never hold an API
 key: busiest() shows fingerprints.
 
+A program that restarts while the exchange still counts its previous run's requests
+passes busy_since=time.monotonic() as of its own start (the limiter's assume_busy_at_start):
+buckets new to the daemon then start as if they had been empty at that moment, not full.
+
 Keys are (exchange, credential, axis): credential None is the exchange's public pool, axis
 defaults to "request". Limits are {"capacity": c, "refill_per_sec": r},
 {"requests": n, "period": ms}, {"requests": n} (period 1000 ms) or None (no limit).
@@ -158,7 +162,8 @@ class BourseClient:
     """One connection to a bourse_daemon server (TCP (host, port) or a Unix socket path)."""
 
     def __init__(self, address: Address, timeout: Optional[float] = 30.0,
-                 secret: Optional[bytes] = None, daemon_uid: Optional[int] = None):
+                 secret: Optional[bytes] = None, daemon_uid: Optional[int] = None,
+                 busy_since: Optional[float] = None):
         if isinstance(address, str):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -191,7 +196,7 @@ class BourseClient:
         # The tightest lower bound of (daemon clock - our clock) in µs the hellos proved.
         self._offset_us: Optional[int] = None
         try:
-            hello = self.hello()
+            hello = self._first_hello(busy_since)
         except BaseException:
             self.close()
             raise
@@ -458,6 +463,12 @@ class BourseClient:
 
     def hello(self) -> dict:
         return self.request("hello")
+
+    def _first_hello(self, busy_since: Optional[float]) -> dict:
+        if busy_since is None:
+            return self.hello()
+        ago = max(_us(time.monotonic() - busy_since), 0)
+        return self.request("hello", busy_since_us_ago=ago)
 
     def check(self, exchange: str, credential: Optional[str], limit: Limit, cost: float = 1,
               axis: str = "request", owner: Union[str, int, None] = None,

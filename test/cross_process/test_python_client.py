@@ -120,6 +120,17 @@ class BourseClientTest(unittest.TestCase):
         self.assertAlmostEqual(self.client.get_cost("binance", "k"), 2.0, places=2)
         self.assertTrue(self.client.check("binance", "k", None, cost=100).admitted)
 
+    def test_busy_since_starts_new_buckets_as_if_empty_then(self):
+        limit = {"capacity": 10, "refill_per_sec": 1}
+        self.assertTrue(self.client.check("binance", "held", limit).admitted)
+        since = time.monotonic() - 4
+        with BourseClient(self.daemon.tcp, secret=SECRET, busy_since=since) as busy:
+            # 4 of 10 tokens accrued since its start; a bucket the daemon held is as it was.
+            self.assertTrue(busy.check("binance", "new", limit, cost=4).admitted)
+            self.assertEqual(busy.check("binance", "new", limit).result, "delay")
+            self.assertTrue(busy.check("binance", "held", limit, cost=9).admitted)
+        self.assertTrue(self.client.check("binance", "other", limit, cost=10).admitted)
+
     def test_wait_books_sleeps_and_claims(self):
         limit = {"capacity": 1, "refill_per_sec": 20}
         self.assertTrue(self.client.check("binance", None, limit).admitted)
