@@ -689,7 +689,12 @@ defmodule Bourse.RateLimiter do
   """
   @spec get_cost(key(), term(), GenServer.name()) :: number() | error()
   def get_cost(key, _period, name \\ @default),
-    do: name |> run(:get_cost, [key]) |> failed({:key, key})
+    do: name |> run(:get_cost, [key]) |> failed({:key, key}) |> nothing_as_zero()
+
+  # Nothing borrowed is `0`, as the contract writes it for an unknown key; any other amount
+  # is the float the store answered.
+  defp nothing_as_zero(borrowed) when borrowed == 0, do: 0
+  defp nothing_as_zero(answer), do: answer
 
   @doc """
   Debits `cost` without checking: usage spent elsewhere. The bucket may go into debt; on

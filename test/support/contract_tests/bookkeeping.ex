@@ -7,9 +7,10 @@ defmodule Bourse.ContractTests.Bookkeeping do
     quote location: :keep do
       describe "record_request and get_cost" do
         test "get_cost is 0 for an unknown key and ignores the period", %{name: name} do
-          assert get_cost({"ex", "k"}, 1_000, name) == 0
-          assert get_cost({"ex", "k"}, nil, name) == 0
-          assert get_cost({"ex", "k", "ip"}, :whatever, name) == 0
+          # The integer 0, as written: `0 = get_cost(...)` matches.
+          assert get_cost({"ex", "k"}, 1_000, name) === 0
+          assert get_cost({"ex", "k"}, nil, name) === 0
+          assert get_cost({"ex", "k", "ip"}, :whatever, name) === 0
         end
 
         test "get_cost is what is borrowed: capacity - tokens", %{name: name} do
@@ -21,7 +22,7 @@ defmodule Bourse.ContractTests.Bookkeeping do
           fast = %{capacity: 2, refill_per_sec: 100}
           drain({"ex", "f"}, fast, 2, name)
           Process.sleep(100)
-          assert get_cost({"ex", "f"}, 1, name) == 0
+          assert get_cost({"ex", "f"}, 1, name) === 0
         end
 
         test "record_request debits without checking; the bucket may go into debt",
