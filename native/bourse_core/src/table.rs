@@ -151,7 +151,10 @@ impl<C: Clock> Table<C> {
     /// How long before `now` a check by `caller` assumes the buckets new to it busy from:
     /// since the later of the table's start (with `assume_busy_at_start`) and the caller's.
     fn busy_for(&self, caller: Caller, now: u64) -> Option<u64> {
-        let table = (self.config.assume_busy_at_start).then(|| now.saturating_sub(self.started_at));
+        let table = self
+            .config
+            .assume_busy_at_start
+            .then(|| now.saturating_sub(self.started_at));
         match (table, caller.busy_for) {
             (Some(table), Some(own)) => Some(table.min(own)),
             (table, own) => table.or(own),

@@ -1254,6 +1254,35 @@ fn a_connection_assumes_buckets_busy_from_the_start_its_hello_names() {
     );
 }
 
+/// A daemon with --assume-busy-at-start takes an exchange's marker written by daemons
+/// without the flag (it names no node) as its node's: the buckets they paid are left as
+/// they are, not emptied as after a failover, and the marker then names the node.
+#[test]
+fn a_busy_daemon_leaves_the_buckets_of_plain_daemons_as_they_are() {
+    let Some(redis) = Redis::start() else { return };
+    let plain = daemon(&redis, &[]);
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let (mut p, mut b) = (plain.connect(), busy.connect());
+    let k = key("plainfirst", Some("k"));
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.1});
+    assert_eq!(p.call(check(&k, slow.clone(), 1.0))["result"], "admitted");
+    sleep_ms(300);
+    let busy_answer = b.call(check(&k, slow.clone(), 9.0));
+    assert_eq!(busy_answer["result"], "admitted", "{busy_answer}");
+    let marker: String = redis.query(::redis::cmd("GET").arg("bourse:e{10:plainfirst}"));
+    assert_eq!(marker.split(' ').count(), 2, "{marker}");
+    // A function library reads the node's run_id once, not at every check (one `INFO`
+    // here is the count's own).
+    if major_version(&redis) >= 7 {
+        let before = calls_of(&redis, "info");
+        let other = key("plainfirst", Some("other"));
+        for _ in 0..20 {
+            assert_eq!(b.call(check(&other, slow.clone(), 0.0))["result"], "admitted");
+        }
+        assert_eq!(calls_of(&redis, "info") - before, 1);
+    }
+}
+
 /// With --assume-busy-at-start, a key that only refused checks saw before its exchange's
 /// state began again (Redis restarted from a snapshot, a failover) accrued nothing before
 /// then, as a key with a definition.
@@ -2454,7 +2483,6 @@ fn late_checks_given_back(order: [usize; 5]) {
     let mut t = server.connect();
     let other = daemon(&redis, &[]);
     let mut direct = other.connect();
-    // Its exchange's marker has no run_id: for this daemon the state began again.
     let busy = daemon(&redis, &["--assume-busy-at-start"]);
     // Nothing refills within the test's tolerance of 0.01 token for 100 s.
     let slow = |capacity: u64| json!({"capacity": capacity, "refill_per_sec": 0.0001});
@@ -2506,6 +2534,8 @@ fn late_checks_given_back(order: [usize; 5]) {
         direct.call(check(&reset, slow(10), 4.0))["result"],
         "admitted"
     );
+    // Another node's marker (a failover): for the busy daemon the state begins again.
+    let _: () = redis.query(::redis::cmd("SET").arg("bourse:e{4:gate}").arg("1 0ther"));
     let mut busy = busy.connect();
     assert_eq!(
         busy.call(check(&emptied, slow(10), 0.0))["result"],

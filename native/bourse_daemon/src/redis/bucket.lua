@@ -339,24 +339,36 @@ local function borrowed(bucket, now)
   return -bucket.b
 end
 
+-- This node's run_id, read once: a function library keeps it from call to call, and a
+-- node's run_id changes only with its process, which loads the library anew.
+local run_id
+local function node_id()
+  run_id = run_id or string.match(call('INFO', 'server'), 'run_id:(%x+)')
+  return run_id
+end
+
 -- When this exchange's state began on this Redis node. The marker holds the time and, once
 -- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
 -- under another run_id lies next to buckets that may lack that node's last payments (a
 -- replica that took over after a failover lacks what was not yet replicated; a restarted
 -- node lacks what was not yet saved; a slot moved to another master is the safe side): for
--- such a limiter the state began again now. Other limiters only create a missing marker.
--- Reads only: returns the time, and the marker's new value when it is to be written
--- (`write_marker`).
+-- such a limiter the state began again now. A marker without a run_id (written by other
+-- limiters, which only create a missing one) is taken as this node's: such a limiter
+-- names the node in it, the time kept. Reads only: returns the time, and the marker's new
+-- value when it is to be written (`write_marker`).
 local function state_began(marker, now, busy)
-  local node = busy and string.match(call('INFO', 'server'), 'run_id:(%x+)') or nil
+  local node = busy and node_id() or nil
   local value = call('GET', marker)
   local began, by
   if value then
     began, by = string.match(value, '^(%S+) ?(%S*)$')
     began = tonumber(began)
   end
-  if not began or (node and by ~= node) then
+  if not began or (node and by ~= '' and by ~= node) then
     return now, fmt(now) .. (node and ' ' .. node or '')
+  end
+  if node and by == '' then
+    return began, fmt(began) .. ' ' .. node
   end
   return began, nil
 end
