@@ -1277,7 +1277,10 @@ fn a_busy_daemon_leaves_the_buckets_of_plain_daemons_as_they_are() {
         let before = calls_of(&redis, "info");
         let other = key("plainfirst", Some("other"));
         for _ in 0..20 {
-            assert_eq!(b.call(check(&other, slow.clone(), 0.0))["result"], "admitted");
+            assert_eq!(
+                b.call(check(&other, slow.clone(), 0.0))["result"],
+                "admitted"
+            );
         }
         assert_eq!(calls_of(&redis, "info") - before, 1);
     }
