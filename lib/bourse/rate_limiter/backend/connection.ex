@@ -74,9 +74,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   their own, so that the table of requests tells a caller alone in flight), the prefix
   that makes booking owners unique among every client of
   the daemon, how long a caller waits for an answer, the booking slack its waiters name
-  (`nil`: the daemon's own), which daemon it is, for messages, and a digest of its target
-  and secrets (a limiter started again under the name adopts the connection only with the
-  same ones).
+  (`nil`: the daemon's own), which daemon it is, for messages, and a digest of its target,
+  secrets and whether its hellos name its start (a limiter started again under the name
+  adopts the connection only with the same ones).
   """
   @type t :: %__MODULE__{
           pid: pid(),
@@ -152,7 +152,6 @@ defmodule Bourse.RateLimiter.Backend.Connection do
        %{previous | timeout: timeout, booking_slack_ms: Keyword.get(opts, :booking_slack_ms)}}
     else
       busy = opts[:assume_busy_at_start] == true or not table_outlives_daemon?(opts)
-      busy_start = Keyword.get(opts, :busy_start, opts[:assume_busy_at_start] == true)
       # The pauses asked of the previous daemon are asked of the new one, as of a daemon
       # restarted under the same connection. Only with the same target and secrets does it
       # keep trying a store that refuses it: other ones are a new configuration, refused at
@@ -160,7 +159,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       opts =
         Keyword.merge(opts,
           assume_busy_at_start: busy,
-          busy_start: busy_start,
+          busy_start: busy_start?(opts),
           restart: true,
           retry_refusals: previous.config == config,
           pauses: pauses
@@ -174,11 +173,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     timeout = Keyword.fetch!(opts, :timeout)
     config = config_digest(target, opts)
 
-    busy = Keyword.get(opts, :assume_busy_at_start, false)
-
     init_arg =
-      {target, self(), busy, timeout,
-       [config: config, busy_start: Keyword.get(opts, :busy_start, busy == true)] ++
+      {target, self(), Keyword.get(opts, :assume_busy_at_start, false), timeout,
+       [config: config, busy_start: busy_start?(opts)] ++
          Keyword.take(opts, [
            :env,
            :secret,
@@ -224,11 +221,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     :exit, _ -> :gone
   end
 
-  # What a connection is to and with: its target and its secrets (`:env`, `:secret`), as
-  # an HMAC-SHA256 under a key of this VM's, so that no secret travels in a message or
-  # stays in a handle, nor can be guessed from it.
+  # What a connection is to and with: its target, its secrets (`:env`, `:secret`) and
+  # whether its hellos name its start (`busy_start?/1`), as an HMAC-SHA256 under a key of
+  # this VM's, so that no secret travels in a message or stays in a handle, nor can be
+  # guessed from it.
   defp config_digest(target, opts) do
-    data = :erlang.term_to_binary({target, opts[:env], opts[:secret]})
+    data = :erlang.term_to_binary({target, opts[:env], opts[:secret], busy_start?(opts)})
     :crypto.mac(:hmac, :sha256, digest_key(), data)
   end
 
@@ -1330,6 +1328,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   defp table_outlives_daemon?(opts), do: Keyword.get(opts, :table_outlives_daemon, false) == true
+
+  # Whether the hellos name the connection's start: `:busy_start`, by default the limiter's
+  # `:assume_busy_at_start`.
+  defp busy_start?(opts),
+    do: Keyword.get(opts, :busy_start, Keyword.get(opts, :assume_busy_at_start) == true)
 
   @doc false
   # The first frame of a stream, in JSON (every connection starts so): its answer and every

@@ -261,6 +261,41 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert handle(name).pid == connection
   end
 
+  test "a limiter started again with assume_busy_at_start does not adopt a connection without it" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = :"busy_again_#{System.unique_integer([:positive])}"
+    on_exit(fn -> catch_exit(GenServer.stop(name)) end)
+    slow = %{capacity: 10, refill_per_sec: 0.1}
+
+    {:ok, _} = RateLimiter.start_link(name: name, backend: {:daemon, daemon.tcp})
+    connection = handle(name).pid
+    GenServer.stop(name)
+
+    {:ok, _} =
+      RateLimiter.start_link(
+        name: name,
+        backend: {:daemon, daemon.tcp},
+        assume_busy_at_start: true
+      )
+
+    assert handle(name).pid != connection
+    assert {:delay, ms} = RateLimiter.check_rate({"ex", "new"}, slow, 1, name)
+    assert ms in 9_000..10_000
+
+    # Started again as it was, it adopts the connection, and its start with it.
+    busy_connection = handle(name).pid
+    GenServer.stop(name)
+
+    {:ok, _} =
+      RateLimiter.start_link(
+        name: name,
+        backend: {:daemon, daemon.tcp},
+        assume_busy_at_start: true
+      )
+
+    assert handle(name).pid == busy_connection
+  end
+
   test "a waiter whose claim is answered :unavailable only after its booking slack is refused" do
     daemon = start_daemon(["--listen", "127.0.0.1:0"])
 
