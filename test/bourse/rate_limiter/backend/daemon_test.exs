@@ -267,33 +267,21 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     on_exit(fn -> catch_exit(GenServer.stop(name)) end)
     slow = %{capacity: 10, refill_per_sec: 0.1}
 
-    {:ok, _} = RateLimiter.start_link(name: name, backend: {:daemon, daemon.tcp})
-    connection = handle(name).pid
-    GenServer.stop(name)
+    # Starts the limiter (stopping the one running): its connection.
+    start = fn opts ->
+      if Process.whereis(name), do: GenServer.stop(name)
+      {:ok, _} = RateLimiter.start_link([name: name, backend: {:daemon, daemon.tcp}] ++ opts)
+      handle(name).pid
+    end
 
-    {:ok, _} =
-      RateLimiter.start_link(
-        name: name,
-        backend: {:daemon, daemon.tcp},
-        assume_busy_at_start: true
-      )
-
-    assert handle(name).pid != connection
+    plain = start.([])
+    busy = start.(assume_busy_at_start: true)
+    assert busy != plain
     assert {:delay, ms} = RateLimiter.check_rate({"ex", "new"}, slow, 1, name)
     assert ms in 9_000..10_000
 
     # Started again as it was, it adopts the connection, and its start with it.
-    busy_connection = handle(name).pid
-    GenServer.stop(name)
-
-    {:ok, _} =
-      RateLimiter.start_link(
-        name: name,
-        backend: {:daemon, daemon.tcp},
-        assume_busy_at_start: true
-      )
-
-    assert handle(name).pid == busy_connection
+    assert start.(assume_busy_at_start: true) == busy
   end
 
   test "a waiter whose claim is answered :unavailable only after its booking slack is refused" do
