@@ -116,6 +116,8 @@ fn a_cluster_serves_every_op_shares_buckets_and_keeps_checks_atomic() {
             .contains("one exchange"),
         "{spanning}"
     );
+    // Named: the first check of another exchange.
+    assert_eq!(spanning["error"]["exchange"], "exchange2", "{spanning}");
     assert!((borrowed(&mut t, &a) - 2.0).abs() < 0.01);
 
     // Scripts flushed from every node (as after a restart): loaded again, nothing refused.

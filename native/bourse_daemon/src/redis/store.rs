@@ -186,14 +186,19 @@ impl RedisStore {
     /// be atomic.
     fn one_slot(&self, items: &[Check]) -> StoreResult<()> {
         let exchange = items[0].key.exchange;
-        if !self.client.is_cluster() || items.iter().all(|i| i.key.exchange == exchange) {
+        let other = items.iter().find(|i| i.key.exchange != exchange);
+        let Some(other) = other.filter(|_| self.client.is_cluster()) else {
             return Ok(());
-        }
+        };
         self.count_invalid();
-        Err(StoreError::Invalid(InvalidInput::new(
-            "on a Redis Cluster the buckets of one check must all be of one exchange \
-             (its keys share one hash tag, so one slot)",
-        )))
+        // Named: the first check of another exchange than the first's.
+        Err(StoreError::Invalid(
+            InvalidInput::new(
+                "on a Redis Cluster the buckets of one check must all be of one exchange \
+                 (its keys share one hash tag, so one slot)",
+            )
+            .for_exchange(other.key.exchange),
+        ))
     }
 }
 
