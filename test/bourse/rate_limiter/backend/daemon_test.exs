@@ -490,6 +490,38 @@ defmodule Bourse.RateLimiter.Backend.DaemonTest do
     assert message =~ "bourse_daemon at unix:#{inspect(path)} is unavailable"
   end
 
+  test "a daemon that refuses the hello (an older one) fails the start, naming why" do
+    path = Bourse.TempPath.new("bourse", ".sock")
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, ifaddr: {:local, path}, active: false])
+    on_exit(fn -> File.rm(path) end)
+
+    refusal =
+      ~s({"error":{"message":"unknown field \\"busy_since_us_ago\\" in a hello request ) <>
+        ~s[(known fields: codec, deadline_us, timeout_ms)","type":"invalid_parameters"},] <>
+        ~s("ok":false,"id":0}\n)
+
+    server =
+      spawn_link(fn ->
+        for _ <- 1..10 do
+          {:ok, socket} = :gen_tcp.accept(listener)
+          {:ok, _hello} = :gen_tcp.recv(socket, 0)
+          :gen_tcp.send(socket, refusal)
+        end
+      end)
+
+    assert {:error, %Error{type: :invalid_parameters, message: message}} =
+             RateLimiter.start_link(
+               name: :"refused_hello_#{System.unique_integer([:positive])}",
+               backend: {:daemon, {:unix, path}},
+               assume_busy_at_start: true
+             )
+
+    assert message =~ "busy_since_us_ago"
+    assert message =~ "older than this library"
+    unlink_and_kill(server)
+    :gen_tcp.close(listener)
+  end
+
   test "another server at the address (Redis, HTTP): the error says it is not a bourse_daemon" do
     for greeting <- ["-ERR unknown command\r\n", "HTTP/1.1 400 Bad Request\r\n\r\n"] do
       {:ok, listener} = :gen_tcp.listen(0, [:binary, ip: {127, 0, 0, 1}, active: false])

@@ -309,12 +309,23 @@ defmodule Bourse.RateLimiter.Backend.Connection.SocketStream do
   defp json_line(socket, what, line, deadline) do
     cond do
       String.contains?(line, "\n") or byte_size(line) > 1024 ->
-        {:error, "the daemon answered in JSON: #{String.slice(line, 0, 300)}"}
+        {:error, json_refusal(line)}
 
       true ->
         with {:ok, more} <- recv(socket, 0, what, deadline),
              do: json_line(socket, what, line <> more, deadline)
     end
+  end
+
+  # A daemon that finds the hello invalid (an older one, which lacks a field this limiter
+  # sends) refuses the limiter's configuration; any other refusal (its connection limit) is
+  # retried.
+  defp json_refusal(line) do
+    message = "the daemon answered in JSON: #{line |> String.slice(0, 300) |> String.trim()}"
+
+    if String.contains?(line, ~s("type":"invalid_parameters")),
+      do: {:misconfigured, message <> " (a bourse_daemon older than this library?)"},
+      else: message
   end
 
   defp recv(socket, size, what, deadline),
