@@ -389,6 +389,15 @@ local function busy_since(began, busy, started)
   return busy and began or started
 end
 
+-- When a bucket new at `from` starts: not before the busy start `since` (`busy_since`; a
+-- key seen before it is as new then), nor after now.
+local function start_time(from, since, now)
+  if since and from < since then
+    return math.min(since, now)
+  end
+  return from
+end
+
 -- Tokens a bucket new at `from` starts with: full, or as if it had been empty at `since`
 -- (`busy_since`).
 local function initial_tokens(c, r, from, since)
@@ -1144,11 +1153,7 @@ decide = function(now, k, at)
       -- A new key (no bookings: they are fields of its hash), or one without a definition,
       -- takes this one for the check (taken back if it pays nothing): the tokens a new
       -- bucket starts with when a check first saw the key (now if none has), less the debt.
-      local from = bucket and bucket.seen and bucket.t or now
-      -- Nothing accrued before the busy start (a key seen before it is as new then).
-      if assumed and from < assumed then
-        from = math.min(assumed, now)
-      end
+      local from = start_time(bucket and bucket.seen and bucket.t or now, assumed, now)
       local debt_b = bucket and bucket.b or 0
       item.undefined = { b = debt_b, t = from }
       bucket = {
@@ -1172,10 +1177,8 @@ decide = function(now, k, at)
         dirty = bucket.dirty,
         lowered = bucket.lowered,
       }
-      bucket.t = math.min(bucket.t + accrual(math.max(bucket.c - bucket.b, 0), bucket.r), now)
-      if assumed and bucket.t < assumed then
-        bucket.t = math.min(assumed, now)
-      end
+      local full_at = bucket.t + accrual(math.max(bucket.c - bucket.b, 0), bucket.r)
+      bucket.t = start_time(math.min(full_at, now), assumed, now)
       bucket.c, bucket.r = item.c, item.r
       bucket.b = initial_tokens(item.c, item.r, bucket.t, assumed)
       bucket.dirty, bucket.defined = true, true
