@@ -1311,6 +1311,50 @@ fn a_key_seen_only_by_refusals_accrues_nothing_before_its_state_began_again() {
     about(ms(&again), 300, "as if empty when the state began again");
 }
 
+/// With --assume-busy-at-start on one server, an exchange new to Redis is as old as the
+/// server's data, which the daemon notes at its start: its buckets seen after their fill
+/// time start full, as on the NIF. A record naming another node (Redis restarted) or none
+/// (data lost) begins it at the next check.
+#[test]
+fn a_new_exchange_on_one_server_is_as_old_as_its_data() {
+    let Some(redis) = Redis::start() else { return };
+    let busy = daemon(&redis, &["--assume-busy-at-start"]);
+    let mut b = busy.connect();
+    let limit = json!({"capacity": 5, "refill_per_sec": 50});
+    sleep_ms(300);
+    // The first check on this Redis, after the bucket's fill time (100 ms): full.
+    let later = key("later", Some("k"));
+    for _ in 0..5 {
+        let answer = b.call(check(&later, limit.clone(), 1.0));
+        assert_eq!(answer["result"], "admitted", "{answer}");
+    }
+    let record: String = redis.query(::redis::cmd("GET").arg("bourse:data"));
+    let ttl: i64 = redis.query(::redis::cmd("PTTL").arg("bourse:data"));
+    assert!(ttl > 86_400_000, "{record} kept {ttl} ms");
+    // Written by a server since restarted, or lost: the exchange's state begins now.
+    let _: () = redis.query(::redis::cmd("SET").arg("bourse:data").arg("1 0ther"));
+    let restarted = b.call(check(&key("restarted", Some("k")), limit.clone(), 5.0));
+    assert_eq!(restarted["result"], "delay", "{restarted}");
+    let _: () = redis.query(::redis::cmd("DEL").arg("bourse:data"));
+    let lost = b.call(check(&key("lost", Some("k")), limit.clone(), 5.0));
+    assert_eq!(lost["result"], "delay", "{lost}");
+    let rewritten: String = redis.query(::redis::cmd("GET").arg("bourse:data"));
+    assert_eq!(
+        rewritten.split(' ').nth(1),
+        record.split(' ').nth(1),
+        "{rewritten}"
+    );
+    // A daemon without the flag neither reads nor writes the record.
+    let _: () = redis.query(::redis::cmd("DEL").arg("bourse:data"));
+    let plain = daemon(&redis, &[]);
+    let answer = plain
+        .connect()
+        .call(check(&key("plain", Some("k")), limit, 1.0));
+    assert_eq!(answer["result"], "admitted", "{answer}");
+    let exists: i64 = redis.query(::redis::cmd("EXISTS").arg("bourse:data"));
+    assert_eq!(exists, 0);
+}
+
 /// With --assume-busy-at-start, a bucket as new under another definition starts as a new
 /// key would under it: as if empty when the exchange's state began, not from its own tokens.
 #[test]

@@ -24,6 +24,16 @@ defmodule Bourse.ContractTests.Supervision do
           drain({"ex", "f"}, fast, 5, name)
         end
 
+        @tag limiter_opts: [assume_busy_at_start: true]
+        @tag skip: Bourse.ContractTests.skip(@contract_skip, :new_exchange_when_busy)
+        test "assume_busy_at_start: a new exchange's bucket seen after its fill time starts full",
+             %{name: name} do
+          # Fill time 10 ms; on a shared store the exchange is new to it too.
+          Process.sleep(50)
+          exchange = "new#{System.unique_integer([:positive])}"
+          drain({exchange, "f"}, %{capacity: 5, refill_per_sec: 500}, 5, name)
+        end
+
         test "without assume_busy_at_start the same bucket starts full", %{name: name} do
           drain({"ex", "k"}, %{capacity: 10, refill_per_sec: 1}, 10, name)
         end

@@ -55,6 +55,10 @@
 --   P:e{E}       string  "<began> [<run_id>]": when this exchange's state began (for
 --                        assume_busy_at_start), and on which node (see state_began); not
 --                        dropped by resets, so a reset never looks like lost state
+--   P:data       string  "<since> <run_id>": since when this Redis server's data is whole
+--                        (`data_since`); on one server only (a cluster's nodes have no
+--                        key of their own), kept by limiters with assume_busy_at_start
+--                        as long as the markers their checks keep
 --
 -- Everything expires: buckets by themselves (PEXPIRE on every write, except a payment on a
 -- bucket without bookings that `k` shows kept long enough) once they would behave as new
@@ -62,7 +66,8 @@
 -- without bookings up to KEEP_AHEAD later);
 -- bookings with their bucket; pauses after their last end; a backoff count its lapse after
 -- the last reply that counted into it; an exchange's marker a day
--- after its last check, or after its longest-lived bucket if later.
+-- after its last check, or after its longest-lived bucket if later; P:data as the
+-- longest-lived marker kept by a check that sent it.
 --
 -- ARGV[1] is the operation, the last ARGV the deadline: the latest time (µs, Redis clock) at
 -- which the caller still waits for the answer, 0 for none (taken off the end by `run`, so
@@ -347,6 +352,17 @@ local function node_id()
   return run_id
 end
 
+-- Since when the data of this Redis server (`node`) is whole, by its `record`: the time
+-- in it when it names this node; else now (the server restarted, or lost its data with
+-- the record), with the record's new value.
+local function data_since(record, now, node)
+  local since, by = string.match(call('GET', record) or '', '^(%d+) (%x+)$')
+  if by == node then
+    return math.min(tonumber(since), now), nil
+  end
+  return now, fmt(now) .. ' ' .. node
+end
+
 -- When this exchange's state began on this Redis node. The marker holds the time and, once
 -- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
 -- under another run_id lies next to buckets that may lack that node's last payments (a
@@ -354,15 +370,21 @@ end
 -- node lacks what was not yet saved; a slot moved to another master is the safe side): for
 -- such a limiter the state began again now. A marker without a run_id (written by other
 -- limiters, which only create a missing one) is taken as this node's: such a limiter
--- names the node in it, the time kept. Reads only: returns the time, and the marker's new
--- value when it is to be written (`write_marker`).
-local function state_began(marker, now, busy)
+-- names the node in it, the time kept. No marker: the exchange has no state here, so its
+-- state began when the server's data did (`data_since`, given the server's `record`),
+-- else now. Reads only: returns the time, the marker's new value when it is to be written
+-- (`write_marker`), and the record's.
+local function state_began(marker, now, busy, record)
   local node = busy and node_id() or nil
   local value = call('GET', marker)
   local began, by
   if value then
     began, by = string.match(value, '^(%S+) ?(%S*)$')
     began = tonumber(began)
+  end
+  if not began and record then
+    local since, rewritten = data_since(record, now, node)
+    return since, fmt(since) .. ' ' .. node, rewritten
   end
   if not began or (node and by ~= '' and by ~= node) then
     return now, fmt(now) .. (node and ' ' .. node or '')
@@ -914,10 +936,11 @@ end
 -- ARGV = 'checks', the marker's lifetime (ms), the count of checks, then per check its
 -- deadline (µs, 0 for none), its count of keys and of arguments, and those arguments.
 -- A check's keys are per item its bucket and bookings keys, then per exchange group its
--- pauses and marker keys; its arguments the booking id, max_wait_ms (0: a probe), slack
--- (µs), assume busy ('1'/'0', then a space and the µs since the caller's own busy start
--- if it has one), item count, then per item c, r, cost, group, credential
--- pause field, key pause field, shown fingerprint. Items are distinct keys (the caller
+-- pauses and marker keys, then on one server P:data when the check assumes busy; its
+-- arguments the booking id, max_wait_ms (0: a probe), slack (µs), assume busy ('1', '2'
+-- with P:data, or '0'; then a space and the µs since the caller's own busy start if it
+-- has one), item count, then per item c, r, cost, group, credential pause field, key
+-- pause field, shown fingerprint. Items are distinct keys (the caller
 -- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`;
 -- 'admitted' goes on with the definition time `n` of each bucket it paid, which names the
 -- bucket for a refund), 'late' for a check past its deadline (it did nothing),
@@ -1019,6 +1042,9 @@ local function checks(now, late)
         if items then
           for _, item in ipairs(items) do
             markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
+            if item.record then
+              markers[item.record] = math.max(markers[item.record] or 0, item.kept or 0)
+            end
           end
         else
           markers[marker] = math.max(markers[marker] or 0, kept)
@@ -1095,12 +1121,14 @@ decide = function(now, k, at)
     return false, line, marker, kept
   end
   local waits = max_wait > 0
-  -- '1' with assume_busy_at_start, else '0'; then, for a caller with a busy start of its
-  -- own, a space and the µs since it.
+  -- '1' with assume_busy_at_start ('2': and the check's last key is the server's P:data),
+  -- else '0'; then, for a caller with a busy start of its own, a space and the µs since it.
   local busy_text, n = ARGV[at + 4], parse(ARGV[at + 5])
-  local busy = string.byte(busy_text) == 49
+  local flag = string.byte(busy_text)
+  local busy = flag ~= 48
+  local record = flag == 50 and KEYS[k + parse(ARGV[at - 1])] or nil
   local started = #busy_text > 2 and now - tonumber(string.sub(busy_text, 3)) or nil
-  local items, began, markers = {}, {}, {}
+  local items, began, markers, record_value = {}, {}, {}, nil
   local ready, pause_until, lapsed = now, 0, 0
   local claim_ready = 0
   -- First every read that can fail (a key of another type), so that a check that fails
@@ -1121,6 +1149,7 @@ decide = function(now, k, at)
       shown = ARGV[a + 7],
       group = group,
       marker = marker,
+      record = record,
       loaded = nil,
       found = nil,
       held_until = nil,
@@ -1134,7 +1163,9 @@ decide = function(now, k, at)
     }
     item.loaded, item.found = load(item.key, now, id, item, i == 1 and read or nil)
     if (busy or not (item.loaded and item.loaded.c)) and not began[group] then
-      began[group], markers[marker] = state_began(marker, now, busy)
+      local rewritten
+      began[group], markers[marker], rewritten = state_began(marker, now, busy, record)
+      record_value = record_value or rewritten
     end
     find_bookings(item, waits)
     item.held_until = pause_end(KEYS[k + 2 * n + 2 * group - 1], ARGV[a + 5], ARGV[a + 6])
@@ -1142,6 +1173,9 @@ decide = function(now, k, at)
   end
   for marker, value in pairs(markers) do
     write_marker(marker, value)
+  end
+  if record_value then
+    write_marker(record, record_value)
   end
   for _, item in ipairs(items) do
     local bucket, booking, since = item.loaded, item.found, began[item.group]
@@ -1587,6 +1621,18 @@ local function reset_backoff(now)
 end
 
 -- reset: KEYS = bucket, bookings, pauses; ARGV = 'reset', key pause field.
+-- data_since: KEYS = P:data. Writes the server's record of since when its data is whole
+-- when it names no server or another (`data_since`): a daemon with assume_busy_at_start
+-- asks at its start, so that on a server whose data it finds whole its new exchanges
+-- count from then.
+local function note_data_since(now)
+  local _, value = data_since(KEYS[1], now, node_id())
+  if value then
+    write_marker(KEYS[1], value)
+  end
+  return 'OK'
+end
+
 local function reset()
   call('DEL', KEYS[1], KEYS[2])
   call('HDEL', KEYS[3], ARGV[2])
@@ -1604,6 +1650,7 @@ local ops = {
   reset_backoff = reset_backoff,
   reset = reset,
   refunds = refunds,
+  data_since = note_data_since,
 }
 
 -- Ops that must not run twice: their calls end their keys with a run marker and their

@@ -70,6 +70,13 @@ pub fn write_marker(out: &mut Vec<u8>, prefix: &[u8], exchange: &[u8]) {
     out.push(b'}');
 }
 
+/// Appends the name of the record of since when a Redis server's data is whole (on one
+/// server only: it has no hash tag).
+pub fn write_data_since(out: &mut Vec<u8>, prefix: &[u8]) {
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(b":data");
+}
+
 /// Appends the name of the marker of the call numbered `run` (in hex, after `process`), in
 /// the slot of the hash tag `tag`.
 pub fn write_run_marker(out: &mut Vec<u8>, prefix: &[u8], tag: &[u8], process: u64, run: u64) {

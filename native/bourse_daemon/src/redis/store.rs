@@ -67,6 +67,9 @@ impl RedisStore {
         let password_given = options.password.is_some();
         let client = Arc::new(Client::new(link, peer, options.timeout, password_given));
         let prefix = options.prefix.into_bytes();
+        if options.config.assume_busy_at_start && matches!(options.servers, Servers::One(_)) {
+            note_data_since(client.clone(), &prefix);
+        }
         Ok(Self {
             checks: Batcher::start(client.clone(), prefix.clone(), options.timeout),
             client,
@@ -202,6 +205,18 @@ impl RedisStore {
     }
 }
 
+/// Has one server note since when its data is whole, if it has no such record (bucket.lua's
+/// `data_since`): from then on, new exchanges are as old as that. Left to the first check
+/// that assumes busy when Redis cannot be reached now.
+fn note_data_since(client: Arc<Client>, prefix: &[u8]) {
+    let mut call = Call::default();
+    call.key_with(|out| names::write_data_since(out, prefix))
+        .arg("data_since");
+    tokio::spawn(async move {
+        let _ = client.invoke::<String>(&call, None).await;
+    });
+}
+
 impl Store for RedisStore {
     const REMOTE: bool = true;
 
@@ -241,6 +256,10 @@ impl Store for RedisStore {
                 booking_slack_ms,
             } => (max_wait_ms, booking_slack_ms),
         };
+        // With `assume_busy_at_start`, a bucket new to a check is new from when its
+        // exchange's state began; on one server, no earlier than the server's data did (its
+        // record ends the check's keys).
+        let data_since = self.config.assume_busy_at_start && !self.client.is_cluster();
         // Each item's two keys, its group's two and its seven arguments, with their names.
         let mut call =
             Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
@@ -255,12 +274,12 @@ impl Store for RedisStore {
                 .saturating_mul(1000),
         )
         .arg_with(|out| {
-            // `assume_busy_at_start` (1: from when the exchange's state began), then the
-            // µs since the requester's own busy start, if it has one.
-            out.push(if self.config.assume_busy_at_start {
-                b'1'
-            } else {
-                b'0'
+            // `assume_busy_at_start` (1; 2 with the server's record), then the µs since the
+            // requester's own busy start, if it has one.
+            out.push(match (self.config.assume_busy_at_start, data_since) {
+                (true, true) => b'2',
+                (true, false) => b'1',
+                (false, _) => b'0',
             });
             if let Some(busy_for) = requester.busy_for {
                 let _ = write!(out, " {}", busy_for.as_micros());
@@ -299,6 +318,9 @@ impl Store for RedisStore {
         for exchange in groups {
             call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
                 .key_with(|out| names::write_marker(out, &self.prefix, exchange));
+        }
+        if data_since {
+            call.key_with(|out| names::write_data_since(out, &self.prefix));
         }
         let (result, ms, paused, lapsed) = self
             .checks

@@ -260,13 +260,15 @@ local function random_call(step)
     local items = math.random() < 0.8 and 1 or 2
     local definition = definitions[math.random() < 0.85 and 1 + step % 2 or math.random(1, 4)]
     local max_wait = math.random() < 0.3 and tostring(math.random(1, 5000)) or '0'
-    local busy = math.random() < 0.1 and '1' or '0'
+    -- Assume busy now and then, on one server ('2') with its record of its data.
+    local busy = ({ '0', '0', '0', '0', '0', '0', '0', '0', '1', '2' })[math.random(1, 10)]
     if math.random() < 0.2 then
       -- A caller's own busy start, up to 10 s before the call.
       busy = busy .. ' ' .. tostring(math.random(0, 10000000))
     end
     local id = (math.random() < 0.3 and 'again' or tostring(step)) .. ':' .. j
-    add(args, '0', tostring(2 * items + 2), tostring(5 + 7 * items))
+    local record = busy:sub(1, 1) == '2'
+    add(args, '0', tostring(2 * items + 2 + (record and 1 or 0)), tostring(5 + 7 * items))
     add(args, id, max_wait, '250000', busy, tostring(items))
     for i = 1, items do
       local c = credentials[i == 1 and math.random(1, 2) or 3]
@@ -277,6 +279,9 @@ local function random_call(step)
       add(args, definition[1], definition[2], cost, '1', 'c:h' .. c, 'k:' .. name, 'key:' .. c)
     end
     add(keys, P .. ':p', 'bourse:e{7:binance}')
+    if record then
+      add(keys, 'bourse:data')
+    end
   end
   args[#args + 1] = '0'
   return keys, args
@@ -304,6 +309,15 @@ for step = 1, steps do
     for _, db in ipairs({ db_a, db_b }) do
       db[P .. ':p'] = db[P .. ':p'] or {}
       db[P .. ':p'][field] = pause_end
+    end
+  end
+  if math.random() < 0.03 then
+    -- The exchange's marker expires, or the server's record of its data is lost or names
+    -- another node (a restart).
+    local gone = ({ 'bourse:e{7:binance}', 'bourse:data', 'bourse:data' })[math.random(1, 3)]
+    local value = gone == 'bourse:data' and math.random() < 0.5 and '1 0ther' or nil
+    for _, db in ipairs({ db_a, db_b }) do
+      db[gone] = value
     end
   end
   local bucket = P .. ':b:h' .. credentials[math.random(1, 3)] .. ':1:a'
