@@ -5,7 +5,9 @@ defmodule Bourse.Error do
   Fields:
 
     * `:type` – what went wrong:
-      * `:invalid_parameters` – a malformed key, limit, cost or option; nothing was paid;
+      * `:invalid_parameters` – a malformed key, limit, cost or option; nothing was paid
+        (malformed headers of a limited reply given to `observe_response/6`: the reply
+        still paused its buckets, and `:retry_after`, `:http_status` and `:stop` say so);
       * `:rate_limit_exceeded` – the wait would exceed the caller's budget, or the
         exchange answered 429/418; `:retry_after` says when to come back.
       * `:unavailable` – the limiter's bucket table could not be reached (the port

@@ -790,9 +790,13 @@ defmodule Bourse.RateLimiter do
   The one call an adapter makes after every response from `exchange_id` made with
   `credential_key`. `headers` are `{name, value}` pairs or a map of name to value or list
   of values; names are case-insensitive; names and values may be binaries or charlists
-  (as `:httpc` returns them), a value also a non-negative integer (a count or seconds, as
-  a decoder may give it; a count of more than 15 digits is beyond any limit and holds the
-  bucket as the largest would); the values of headers it does not read are not judged.
+  (as `:httpc` returns them), a value also a number (a count or seconds, as a decoder may
+  give it, read as its text; a count of more than 15 digits is beyond any limit and holds
+  the bucket as the largest would); the values of headers it does not read are not judged.
+  A repeated header is read the most cautious way (the largest count used, the smallest
+  remaining, the longest `Retry-After`). Malformed headers are `:invalid_parameters` and
+  sync nothing, but a limited reply is acted on all the same (the error then has its
+  `http_status`, `retry_after` and `stop`).
   Options: `body:` the reply's body, a binary or the decoded JSON (map or list), for the
   rate-limit signals exchanges put there
   (`Bourse.RateLimiter.BodySignal`); `limits:` the credential's bucket definitions by

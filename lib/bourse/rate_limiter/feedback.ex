@@ -174,6 +174,22 @@ defmodule Bourse.RateLimiter.Feedback do
   its window when known, as above); else the backoff. A 418, a ban, is never shortened
   by one.
 
+  ## Repeated and malformed headers
+
+  A header given more than once (or as a list of values) is read the most cautious way:
+  the longest `Retry-After`, the largest count used or limit, the smallest remaining, the
+  latest reset or `Date`; a value it cannot use counts only when no other is usable. A
+  number value (as a decoder may give it) is read as its text: `2.5` as `"2.5"`, `-2` as
+  `"-2"` (for `Retry-After`, the 1 s floor).
+
+  Malformed headers (not a list or map, an improper list, an entry that is not a
+  `{name, value}` pair, a name that is not text, a value of a header read that is not
+  text, a number or a list of them) answer `{:error, %Bourse.Error{type:
+  :invalid_parameters}}` naming the first, and nothing is synced or started again. A
+  limited reply (429, 418, a signal in the body) is still acted on, from the well-formed
+  entries: its buckets are paused as above, and that error keeps the reply's
+  `http_status`, `retry_after` and `stop`. Values of headers not read are not judged.
+
   ## Configuration
 
   The axis and window of each header can be changed, and used counters added, in the
@@ -229,6 +245,12 @@ defmodule Bourse.RateLimiter.Feedback do
       {"gw-ratelimit-limit", "gw-ratelimit-remaining", "gw-ratelimit-reset", :ms_left}
   }
 
+  # Of a repeated header, the smallest remaining and the latest reset are the cautious reading.
+  @remaining_names for {_family, {_limit, remaining, _reset, _kind}} <- @families, do: remaining
+  @reset_kinds Map.new(@families, fn {_family, {_limit, _remaining, reset, kind}} ->
+                 {reset, kind}
+               end)
+
   # The exchange's limit per window of each used counter: see the moduledoc.
   @default_header_limits %{
     "x-mbx-used-weight-1m" => 6_000,
@@ -246,8 +268,7 @@ defmodule Bourse.RateLimiter.Feedback do
                 })
 
   @typedoc "Reply headers: `{name, value}` pairs, or a map of name to value or values."
-  @type headers ::
-          [{String.t() | charlist(), String.t() | charlist() | non_neg_integer()}] | map()
+  @type headers :: [{String.t() | charlist(), String.t() | charlist() | number()}] | map()
 
   @doc """
   Sets the exchange's own limits per window for the used counters of `exchange_id`:
@@ -349,13 +370,13 @@ defmodule Bourse.RateLimiter.Feedback do
          {:ok, axes} <- axes(),
          axes = endpoint_axis(axes, given.endpoint),
          {:ok, limits} <- exchange_limits(exchange_id),
-         {:ok, found} <- collect(headers, wanted(axes)),
+         {found, malformed} = collect(headers, wanted(axes)),
          :ok <- running(running, name),
-         reply = {status, given.body, found},
+         reply = {status, given.body, cautious(found)},
          counters = {axes, limits, given.definitions, given.ip},
          :ok <-
            CallDeadline.shared(fn ->
-             record(exchange_id, credential_key, reply, counters, name)
+             record(exchange_id, credential_key, reply, counters, malformed, name)
            end) do
       :ok
     else
@@ -365,18 +386,53 @@ defmodule Bourse.RateLimiter.Feedback do
 
   # The reply's effects on the table; with a daemon or Redis, within one timeout. A limited
   # reply is acted on whatever became of the sync (a store down: its answer still says the
-  # wait asked, and the pause is noted), and answers first.
-  defp record(exchange_id, credential, {status, body, found}, {axes, _, _, ip} = counters, name) do
-    synced = sync_all(exchange_id, credential, found, counters, name)
+  # wait asked, and the pause is noted), and answers first. With malformed headers
+  # (`malformed`, their description) nothing is synced or started again, but a limited
+  # reply is still acted on, from the well-formed entries: the answer is then
+  # `:invalid_parameters` (P5), with what the reply asked.
+  defp record(exchange_id, credential, {status, body, found}, counters, malformed, name) do
+    {axes, _limits, _definitions, ip} = counters
+
+    synced =
+      if malformed,
+        do: invalid(malformed),
+        else: sync_all(exchange_id, credential, found, counters, name)
+
     signal = BodySignal.find(exchange_id, status, body, found, System.os_time(:millisecond))
     # The waits its headers name: `Retry-After`, and for a 429 a limit family's reset.
     waits = {found["retry-after"], if(status == 429, do: reset_named(found, axes))}
+    # A 429 that names no limit may be the credential's or the IP's: with `ip:` it holds
+    # both, as requests sent through an IP during its Retry-After earn an IP ban.
+    unnamed = if ip == credential, do: :credential, else: {:credential, ip}
 
-    case react(exchange_id, credential, status, waits, signal, ip, name) do
-      :ok -> synced
-      reacted -> reacted
+    case limited(status, signal, unnamed) do
+      nil when status in 200..299 and is_nil(malformed) ->
+        reset = &RateLimiter.reset_backoff({exchange_id, &1}, name)
+        with :ok <- each(Enum.uniq([credential, ip]), reset), do: synced
+
+      nil ->
+        synced
+
+      limited ->
+        exchange_id
+        |> limit(credential, status, waits, limited, name)
+        |> despite(malformed)
     end
   end
+
+  # A limited reply acted on despite malformed headers: `:invalid_parameters`, keeping
+  # the wait, status and stop of the answer.
+  defp despite({:error, %Error{type: :rate_limit_exceeded} = error}, malformed)
+       when is_binary(malformed),
+       do:
+         {:error,
+          %{
+            error
+            | type: :invalid_parameters,
+              message: "#{malformed}; acted on: #{error.message}"
+          }}
+
+  defp despite(answer, _malformed), do: answer
 
   defp options(opts, exchange_id, credential) do
     with :ok <-
@@ -488,23 +544,6 @@ defmodule Bourse.RateLimiter.Feedback do
     do: invalid("status must be an HTTP status code (100..599), got #{Error.describe(status)}")
 
   ## 429, 418, body signals and backoff
-
-  defp react(exchange_id, credential, status, waits, signal, ip, name) do
-    # A 429 that names no limit may be the credential's or the IP's: with `ip:` it holds
-    # both, as requests sent through an IP during its Retry-After earn an IP ban.
-    unnamed = if ip == credential, do: :credential, else: {:credential, ip}
-
-    case limited(status, signal, unnamed) do
-      nil when status in 200..299 ->
-        each([credential, ip] |> Enum.uniq(), &RateLimiter.reset_backoff({exchange_id, &1}, name))
-
-      nil ->
-        :ok
-
-      limited ->
-        limit(exchange_id, credential, status, waits, limited, name)
-    end
-  end
 
   # What a reply asks: `{scope, stop, wait named in the body, reason}`, or `nil`; `unnamed`
   # is the scope of a 429 that names no limit.
@@ -858,55 +897,106 @@ defmodule Bourse.RateLimiter.Feedback do
     end)
   end
 
-  # `%{lower-case name => first value}` of the wanted headers.
+  # `{%{lower-case name => [value]}, malformed}` of the wanted headers: every value of a
+  # repeated header, and the first malformed entry described (`nil` for none). A malformed
+  # entry is left out and the others read, up to an improper tail.
   defp collect(headers, wanted) when is_map(headers),
-    do: pairs(Map.to_list(headers), wanted, %{})
+    do: pairs(Map.to_list(headers), wanted, %{}, nil)
 
-  defp collect(headers, wanted) when is_list(headers), do: pairs(headers, wanted, %{})
+  defp collect(headers, wanted) when is_list(headers), do: pairs(headers, wanted, %{}, nil)
 
   defp collect(headers, _wanted),
-    do:
-      invalid("headers must be a list of {name, value} or a map, got #{Error.describe(headers)}")
+    do: {%{}, "headers must be a list of {name, value} or a map, got #{Error.describe(headers)}"}
 
-  defp pairs([], _wanted, found), do: {:ok, found}
+  defp pairs([], _wanted, found, malformed), do: {found, malformed}
 
-  # A header that is not read is not judged: an odd one (an integer value, say) must not
-  # keep the reply's status from being acted on.
-  defp pairs([{name, value} = header | rest], wanted, found) do
+  # The value of a header that is not read is not judged (a map, say); a malformed entry
+  # is described and left out, so that the reply's status is acted on all the same.
+  defp pairs([{name, value} = header | rest], wanted, found, malformed) do
     with {:ok, name} <- text(name),
          name = String.downcase(name),
-         {:ok, value} <- if(MapSet.member?(wanted, name), do: value(value), else: {:ok, nil}) do
-      found = if value, do: Map.put_new(found, name, value), else: found
-      pairs(rest, wanted, found)
+         {:ok, values} <- if(MapSet.member?(wanted, name), do: values(value), else: {:ok, []}) do
+      found = Enum.reduce(values, found, fn value, found -> add(found, name, value) end)
+      pairs(rest, wanted, found, malformed)
     else
-      :error -> bad_header(header)
+      :error -> pairs(rest, wanted, found, malformed || bad_header(header))
     end
   end
 
-  defp pairs([other | _rest], _wanted, _found), do: bad_header(other)
-  defp pairs(_improper, _wanted, _found), do: invalid("headers must be a proper list")
+  defp pairs([other | rest], wanted, found, malformed),
+    do: pairs(rest, wanted, found, malformed || bad_header(other))
 
-  defp bad_header(header),
-    do:
-      invalid(
-        "headers must be {name, value}: binaries or charlists, a value also a non-negative " <>
-          "integer, got #{Error.describe(header)}"
-      )
+  defp pairs(_improper, _wanted, found, malformed),
+    do: {found, malformed || "headers must be a proper list"}
 
-  # A value, or a list of values (the first counts); charlists as :httpc returns them.
-  defp value([]), do: {:ok, nil}
+  defp add(found, name, value), do: Map.update(found, name, [value], &[value | &1])
 
-  defp value([first | rest]) when is_binary(first) or is_list(first) do
-    if texts?(rest), do: text(first), else: :error
+  defp bad_header(header) do
+    got =
+      case header do
+        {name, value} -> "{#{Error.describe(name)}, #{Error.describe(value)}}"
+        other -> Error.describe(other)
+      end
+
+    "headers must be {name, value}: binaries or charlists, a value also a number " <>
+      "or a list of them, got #{got}"
   end
 
-  # A count or a number of seconds as an integer, as a decoder may give it.
-  defp value(value) when is_integer(value) and value >= 0, do: {:ok, Integer.to_string(value)}
+  # A value, or a list of values; charlists as :httpc returns them.
+  defp values([first | _] = values) when is_binary(first) or is_list(first),
+    do: values(values, [])
+
+  defp values(value) do
+    with {:ok, text} <- value(value), do: {:ok, [text]}
+  end
+
+  defp values([], texts), do: {:ok, texts}
+
+  defp values([value | rest], texts) do
+    with {:ok, text} <- value(value), do: values(rest, [text | texts])
+  end
+
+  defp values(_improper, _texts), do: :error
+
+  # A count or a number of seconds as a decoder may give it is read as its text would be.
+  defp value(value) when is_integer(value), do: {:ok, Integer.to_string(value)}
+  defp value(value) when is_float(value), do: {:ok, Float.to_string(value)}
   defp value(value), do: text(value)
 
-  defp texts?([]), do: true
-  defp texts?([value | rest]) when is_binary(value) or is_list(value), do: texts?(rest)
-  defp texts?(_other), do: false
+  # One value per header: of a repeated one's, the most cautious reading (the longest
+  # Retry-After, the latest Date, the largest count used or limit, the smallest remaining,
+  # the latest reset), an unusable value only when no other is usable.
+  defp cautious(found),
+    do: Map.new(found, fn {name, values} -> {name, cautious(name, values)} end)
+
+  defp cautious(_name, [value]), do: value
+  defp cautious(name, values), do: Enum.max_by(values, &caution(name, &1))
+
+  # `{1, rank}` of a usable value, the most cautious ranking highest; `{0, 0}` otherwise.
+  defp caution("retry-after", value) do
+    case RetryAfter.parse(value) do
+      {_ok_or_stop, ms} -> {1, ms}
+      :error -> {0, 0}
+    end
+  end
+
+  defp caution("date", value) do
+    case RetryAfter.http_date_ms(value) do
+      {:ok, ms} -> {1, ms}
+      :error -> {0, 0}
+    end
+  end
+
+  defp caution(name, value) when is_map_key(@reset_kinds, name),
+    do: {1, reset_left(value, @reset_kinds[name], @max_window_ms)}
+
+  defp caution(name, value) do
+    case number(value) do
+      {:ok, n} when name in @remaining_names -> {1, -n}
+      {:ok, n} -> {1, n}
+      :error -> {0, 0}
+    end
+  end
 
   defp text(text) when is_binary(text), do: {:ok, String.trim(text)}
 

@@ -55,7 +55,11 @@ defmodule Bourse.FeedbackScenario do
             {"okx_#{run}", 429, [], ~s({"code":"50011","msg":"Rate limit reached."})},
             {"coinbase_#{run}", 200, [], %{"errors" => [%{"id" => "rate_limit_exceeded"}]}},
             {binance, 403, [], "<html></html>"},
-            {"bybit-x#{run}", 200, [{"retry-after", "600"}], %{"retCode" => 10006}}
+            {"bybit-x#{run}", 200, [{"retry-after", "600"}], %{"retCode" => 10006}},
+            # Repeated headers: the longest wait; a malformed entry: acted on all the same.
+            {"ex_#{run}", 429, [{"retry-after", "1"}, {"retry-after", 2.5}], nil},
+            {"ex2_#{run}", 429, [{:"retry-after", "2"}, {"retry-after", "3"}], nil},
+            {"ex3_#{run}", 200, [{"retry-after", "3", "x"}], nil}
           ] do
         RateLimiter.observe_response(exchange, "k", status, headers, name, body: body)
       end

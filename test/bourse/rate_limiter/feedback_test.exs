@@ -675,6 +675,161 @@ defmodule Bourse.RateLimiter.FeedbackTest do
     end
   end
 
+  @malformed_headers [
+    :none,
+    "retry-after: 5",
+    [{:"retry-after", "5"}],
+    [{"retry-after", "5", "x"}],
+    ["retry-after"],
+    [{"retry-after", "5"} | :tail],
+    [{"retry-after", ["5" | :tail]}],
+    [{"retry-after", [1 | 2]}],
+    [{"retry-after", [-1]}],
+    [{"retry-after", :soon}],
+    %{"retry-after" => nil},
+    %{"retry-after" => ["5", :soon]}
+  ]
+
+  describe "repeated headers: the most cautious reading" do
+    test "the largest count used, in either order, also as a map's list of values",
+         %{name: name} do
+      for {headers, i} <-
+            Enum.with_index([
+              [{"x-mbx-used-weight-1m", "10"}, {"x-mbx-used-weight-1m", "5000"}],
+              [{"x-mbx-used-weight-1m", "5000"}, {"x-mbx-used-weight-1m", "10"}],
+              %{"x-mbx-used-weight-1m" => ["10", "5000"]},
+              [{"x-mbx-used-weight-1m", "garbage"}, {"X-MBX-USED-WEIGHT-1M", 5000}]
+            ]) do
+        key = {"binance", "k#{i}", "ip"}
+        clear_of_window_edges(60_000)
+        assert :ok = RateLimiter.check_rate(key, @binance, 1, name)
+        # B = 4800 a minute, 5000 used: nothing more until the minute ends.
+        assert :ok = observe(200, headers, name, "k#{i}")
+        assert tokens(key, name) <= 0, inspect(headers)
+      end
+    end
+
+    test "the longest Retry-After", %{name: name} do
+      date =
+        "#{Calendar.strftime(DateTime.add(DateTime.utc_now(), 9), "%a, %d %b %Y %H:%M:%S")} GMT"
+
+      for {headers, range} <- [
+            {[{"retry-after", "1"}, {"retry-after", "6"}], 6_000..6_000},
+            {[{"retry-after", "6"}, {"Retry-After", "1"}], 6_000..6_000},
+            {%{"retry-after" => ["6", "garbage"]}, 6_000..6_000},
+            {[{"retry-after", "garbage"}, {"retry-after", 2}], 2_000..2_000},
+            {[{"retry-after", "1"}, {"retry-after", date}], 7_000..9_000}
+          ] do
+        credential = "k#{System.unique_integer([:positive])}"
+
+        assert {:error, %Error{type: :rate_limit_exceeded, retry_after: ms}} =
+                 observe(429, headers, name, credential)
+
+        assert ms in range, "#{inspect(headers)}: #{ms} ms"
+        assert_paused({"binance", credential}, name, (range.first - 2_000)..range.last)
+      end
+    end
+
+    test "the smallest remaining, the largest limit, the latest reset", %{name: name} do
+      # Generic headers (window unknown): the allowance is what remains.
+      key = {"ex", "k", "request"}
+      limit = %{capacity: 50, refill_per_sec: 1}
+
+      for remaining <- [["90", "3"], ["3", "90"]] do
+        assert :ok = RateLimiter.reset(key, name)
+        assert :ok = RateLimiter.check_rate(key, limit, 1, name)
+        set_at = System.monotonic_time(:millisecond)
+
+        headers = [
+          {"x-ratelimit-limit", "100"} | for(r <- remaining, do: {"x-ratelimit-remaining", r})
+        ]
+
+        assert :ok = RateLimiter.observe_response("ex", "k", 200, headers, name)
+        assert_tokens_since(key, name, 3, limit.refill_per_sec, set_at)
+      end
+
+      # Bybit's 1 s window, B = 20: of limits 20 and 100 with 15 remaining, 100 says 85
+      # were used, more than B.
+      key = {"bybit", "k", "request"}
+
+      for limits <- [["20", "100"], ["100", "20"]] do
+        assert :ok = RateLimiter.reset(key, name)
+        assert :ok = RateLimiter.check_rate(key, %{capacity: 10, refill_per_sec: 10}, 1, name)
+        now = System.os_time(:millisecond)
+
+        headers =
+          for(l <- limits, do: {"x-bapi-limit", l}) ++
+            [{"x-bapi-limit-status", "15"}, {"x-bapi-limit-reset-timestamp", "#{now}"}]
+
+        assert :ok = RateLimiter.observe_response("bybit", "k", 200, headers, name)
+        assert tokens(key, name) <= 1, inspect(limits)
+      end
+
+      # A 429 without Retry-After waits for the latest reset named.
+      for resets <- [["2", "7"], ["7", "2"]] do
+        headers = for reset <- resets, do: {"x-ratelimit-reset", reset}
+        credential = "reset-#{Enum.join(resets)}"
+
+        assert {:error, %Error{retry_after: 7_000}} =
+                 RateLimiter.observe_response("ex", credential, 429, headers, name)
+      end
+    end
+  end
+
+  describe "odd and malformed headers: a limited reply is never lost" do
+    test "a number value is read as its text: a float or negative Retry-After",
+         %{name: name} do
+      for {value, expected} <- [{2.5, 2_500}, {-2, 1_000}, {-2.5, 1_000}, {2, 2_000}] do
+        credential = "k#{System.unique_integer([:positive])}"
+
+        assert {:error, %Error{type: :rate_limit_exceeded, retry_after: ^expected}} =
+                 observe(429, [{"retry-after", value}], name, credential)
+
+        assert_paused({"binance", credential}, name, 1..expected)
+      end
+
+      # An unusable value is no Retry-After: the backoff.
+      assert {:error, %Error{type: :rate_limit_exceeded, retry_after: 1_000, message: message}} =
+               observe(429, [{"retry-after", "garbage"}], name, "garbage")
+
+      assert message =~ "no usable Retry-After"
+    end
+
+    test "a 429 or 418 is acted on, from the well-formed entries, and answered invalid_parameters",
+         %{name: name} do
+      for headers <- @malformed_headers do
+        credential = "k#{System.unique_integer([:positive])}"
+
+        assert {:error,
+                %Error{
+                  type: :invalid_parameters,
+                  http_status: 429,
+                  retry_after: ms,
+                  stop: false,
+                  exchange: "binance",
+                  message: "headers must be " <> _ = message
+                }} = observe(429, headers, name, credential)
+
+        assert message =~ "acted on: binance: HTTP 429"
+        assert byte_size(message) < 400
+        # A well-formed Retry-After beside the odd entry is read; else the backoff.
+        assert ms in [1_000, 5_000], inspect(headers)
+        assert_paused({"binance", credential, "ip"}, name, 1..ms)
+      end
+
+      assert {:error, %Error{type: :invalid_parameters, http_status: 429, retry_after: 2_000}} =
+               observe(429, [{"retry-after", "2", "x"}, {"retry-after", "2"}], name, "both")
+
+      # The ban pauses the whole exchange.
+      exchange = "binance_ban_#{System.unique_integer([:positive])}"
+
+      assert {:error, %Error{type: :invalid_parameters, http_status: 418, stop: true}} =
+               RateLimiter.observe_response(exchange, "k", 418, [{:"retry-after", "2"}], name)
+
+      assert {:delay, _} = RateLimiter.check_rate({exchange, "other"}, @slow, 1, name)
+    end
+  end
+
   test "bad arguments are invalid_parameters, and touch nothing", %{name: name} do
     ok_headers = [{"retry-after", "5"}]
 
@@ -686,23 +841,24 @@ defmodule Bourse.RateLimiter.FeedbackTest do
       assert_invalid(observe(status, ok_headers, name))
     end
 
-    for headers <- [
-          :none,
-          "retry-after: 5",
-          [{"retry-after", -5}],
-          [{:"retry-after", "5"}],
-          [{"retry-after", "5", "x"}],
-          ["retry-after"],
-          [{"retry-after", "5"} | :tail],
-          [{"retry-after", ["5" | :tail]}],
-          [{"retry-after", [1 | 2]}],
-          [{"retry-after", [-1]}],
-          %{"retry-after" => 5.0},
-          %{"retry-after" => ["5", 5]}
-        ] do
-      assert_invalid(observe(429, headers, name))
+    # Malformed headers on a reply that is not limited: nothing synced, even from the
+    # well-formed entries.
+    ip = {"binance", "k", "ip"}
+    clear_of_window_edges(60_000)
+    assert :ok = RateLimiter.check_rate(ip, @binance, 1, name)
+
+    for headers <- @malformed_headers do
+      headers =
+        case headers do
+          headers when is_map(headers) -> Map.put(headers, "x-mbx-used-weight-1m", "5000")
+          headers when is_list(headers) -> [{"x-mbx-used-weight-1m", "5000"} | headers]
+          headers -> headers
+        end
+
+      assert_invalid(observe(200, headers, name))
     end
 
+    assert tokens(ip, name) >= 479
     assert :ok = RateLimiter.check_rate({"binance", "k"}, @slow, 5, name)
     assert RateLimiter.inspect_key({"binance", "k", "bourse:backoff"}, name) == nil
 

@@ -92,6 +92,40 @@ defmodule Bourse.ContractTests.Backoff do
                    )
         end
 
+        test "malformed headers: a 429 is still acted on, answered invalid_parameters; a 2xx starts nothing again",
+             %{name: name} do
+          for headers <- [[{:"retry-after", "5"}], [{"retry-after", "5", "x"}], :none] do
+            assert {:error,
+                    %Bourse.Error{
+                      type: :invalid_parameters,
+                      http_status: 429,
+                      retry_after: 1000,
+                      stop: false
+                    }} = observe_response("ex", "k", 429, headers, name)
+          end
+
+          assert_delay(check_rate({"ex", "k", "ip"}, @still, 1, name), 1..1_000)
+          Process.sleep(1_000)
+          # Not judged a success: the count stays.
+          assert {:error, %Bourse.Error{type: :invalid_parameters, http_status: nil}} =
+                   observe_response("ex", "k", 200, [{"retry-after", :soon}], name)
+
+          assert {:error, %{retry_after: 2000}} = limited_reply("k", 429, name)
+
+          # Repeated headers read the longest wait; a number value is read as its text.
+          assert {:error, %{type: :rate_limit_exceeded, retry_after: 6000}} =
+                   observe_response(
+                     "ex",
+                     "k2",
+                     429,
+                     [{"retry-after", "1"}, {"retry-after", "6"}],
+                     name
+                   )
+
+          assert {:error, %{type: :rate_limit_exceeded, retry_after: 2500}} =
+                   observe_response("ex", "k3", 429, [{"retry-after", 2.5}], name)
+        end
+
         test "the count is no bucket, and resets forget it with the pauses", %{name: name} do
           %{buckets: buckets, debited: debited} = stats(name)
           for _ <- 1..3, do: limited_reply("k", 429, name)
