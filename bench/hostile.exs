@@ -9,7 +9,8 @@
 #      call's time, and the longest stretch its process ran on a normal scheduler (from
 #      tracing its scheduling): a long list continues on a dirty scheduler.
 #   3. The slowest hot-key check_rate/4 while another process checks 1,000,000 new keys,
-#      and while the limiter's sweep drops them again.
+#      while the limiter's sweep drops them again, and while reset_all drops 1,000,000
+#      busy ones (with another process checking new keys meanwhile, whose table grows).
 
 defmodule Bench.Hostile do
   alias Bourse.RateLimiter
@@ -133,7 +134,8 @@ defmodule Bench.Hostile do
 
   defp growth_and_sweep do
     parent = self()
-    hot = spawn_link(fn -> hot_loop(parent, :inserting, %{inserting: [], sweeping: []}) end)
+    phases = %{inserting: [], sweeping: [], filling: [], resetting: []}
+    hot = spawn_link(fn -> hot_loop(parent, :inserting, phases) end)
 
     # Capacity 1 refilled in a microsecond: each key can be swept right after its check.
     quick = %{capacity: 1, refill_per_sec: 1_000_000}
@@ -141,7 +143,19 @@ defmodule Bench.Hostile do
     Task.await(inserter, :infinity)
     send(hot, {:phase, :sweeping})
     wait_for_sweep()
+    send(hot, {:phase, :filling})
+    busy = %{capacity: 10, refill_per_sec: 0.001}
+    Task.await(Task.async(fn -> touch(busy, 0) end), :infinity)
+    send(hot, {:phase, :resetting})
+    fresh = spawn_link(fn -> fresh_loop(parent, 0, []) end)
+    :ok = RateLimiter.reset_all(@limiter)
+    send(fresh, :stop)
     send(hot, :stop)
+
+    fresh_latencies =
+      receive do
+        {:fresh, latencies} -> latencies
+      end
 
     latencies =
       receive do
@@ -150,14 +164,34 @@ defmodule Bench.Hostile do
 
     IO.puts("## Hot-key check_rate/4 while another process works on the same table (µs)\n")
 
-    for phase <- [:inserting, :sweeping] do
-      sorted = Enum.sort(latencies[phase])
+    rows = [
+      {"inserting #{@keys} keys", latencies.inserting},
+      {"sweeping #{@keys} keys", latencies.sweeping},
+      {"reset_all of #{@keys} busy keys", latencies.resetting},
+      {"the same, a new key per check", fresh_latencies}
+    ]
+
+    for {label, times} <- rows do
+      sorted = Enum.sort(times)
       at = fn q -> Enum.at(sorted, round((length(sorted) - 1) * q)) end
 
       IO.puts(
-        "#{phase} #{@keys} keys: slowest #{at.(1.0)}, p99.99 #{at.(0.9999)}, " <>
+        "#{label}: slowest #{at.(1.0)}, p99.99 #{at.(0.9999)}, " <>
           "median #{at.(0.5)} (#{length(sorted)} checks)"
       )
+    end
+  end
+
+  # Checks a new key at a time until told to stop, then sends the latencies.
+  defp fresh_loop(parent, i, latencies) do
+    receive do
+      :stop -> send(parent, {:fresh, latencies})
+    after
+      0 ->
+        started = System.monotonic_time(:microsecond)
+        RateLimiter.check_rate({"okx", "fresh-#{i}", "request"}, @limit, 1, @limiter)
+        took = System.monotonic_time(:microsecond) - started
+        fresh_loop(parent, i + 1, [took | latencies])
     end
   end
 
