@@ -180,7 +180,8 @@ defmodule Bourse.RateLimiter.Feedback do
   the longest `Retry-After`, the largest count used or limit, the smallest remaining, the
   latest reset or `Date`; a value it cannot use counts only when no other is usable. A
   number value (as a decoder may give it) is read as its text: `2.5` as `"2.5"`, `-2` as
-  `"-2"` (for `Retry-After`, the 1 s floor).
+  `"-2"` (for `Retry-After`, the 1 s floor). A list value is a list of values, but for
+  character codes alone: a charlist, one value (as `:httpc` gives them).
 
   Malformed headers (not a list or map, an improper list, an entry that is not a
   `{name, value}` pair, a name that is not text, a value of a header read that is not
@@ -942,11 +943,15 @@ defmodule Bourse.RateLimiter.Feedback do
       "or a list of them, got #{got}"
   end
 
-  # A value, or a list of values; charlists as :httpc returns them.
-  defp values([first | _] = values) when is_binary(first) or is_list(first),
-    do: values(values, [])
+  # A list of values, but for a charlist (character codes alone), one value: :httpc gives
+  # values as charlists.
+  defp values(values) when is_list(values) do
+    if charlist?(values), do: one_value(values), else: values(values, [])
+  end
 
-  defp values(value) do
+  defp values(value), do: one_value(value)
+
+  defp one_value(value) do
     with {:ok, text} <- value(value), do: {:ok, [text]}
   end
 
@@ -957,6 +962,10 @@ defmodule Bourse.RateLimiter.Feedback do
   end
 
   defp values(_improper, _texts), do: :error
+
+  defp charlist?([]), do: true
+  defp charlist?([code | rest]) when is_integer(code) and code in 0..0x10FFFF, do: charlist?(rest)
+  defp charlist?(_other), do: false
 
   # A count or a number of seconds as a decoder may give it is read as its text would be.
   defp value(value) when is_integer(value), do: {:ok, Integer.to_string(value)}

@@ -57,8 +57,7 @@
 --                        dropped by resets, so a reset never looks like lost state
 --   P:data       string  "<since> <run_id>": since when this Redis server's data is whole
 --                        (`data_since`); on one server only (a cluster's nodes have no
---                        key of their own), kept by limiters with assume_busy_at_start
---                        as long as the markers their checks keep
+--                        key of their own); one key, which never expires
 --
 -- Everything expires: buckets by themselves (PEXPIRE on every write, except a payment on a
 -- bucket without bookings that `k` shows kept long enough) once they would behave as new
@@ -66,8 +65,7 @@
 -- without bookings up to KEEP_AHEAD later);
 -- bookings with their bucket; pauses after their last end; a backoff count its lapse after
 -- the last reply that counted into it; an exchange's marker a day
--- after its last check, or after its longest-lived bucket if later; P:data as the
--- longest-lived marker kept by a check that sent it.
+-- after its last check, or after its longest-lived bucket if later; P:data, one key, never.
 --
 -- ARGV[1] is the operation, the last ARGV the deadline: the latest time (µs, Redis clock) at
 -- which the caller still waits for the answer, 0 for none (taken off the end by `run`, so
@@ -354,7 +352,9 @@ end
 
 -- Since when the data of this Redis server (`node`) is whole, by its `record`: the time
 -- in it when it names this node; else now (the server restarted, or lost its data with
--- the record), with the record's new value.
+-- the record), with the record's new value. Every limiter on one server keeps the record
+-- (the first check of an exchange new to it writes it if need be), so a marker written
+-- since is not older than it.
 local function data_since(record, now, node)
   local since, by = string.match(call('GET', record) or '', '^(%d+) (%x+)$')
   if by == node then
@@ -364,35 +364,46 @@ local function data_since(record, now, node)
 end
 
 -- When this exchange's state began on this Redis node. The marker holds the time and, once
--- a limiter with assume_busy_at_start has seen it, the node's run_id. A marker written
--- under another run_id lies next to buckets that may lack that node's last payments (a
--- replica that took over after a failover lacks what was not yet replicated; a restarted
--- node lacks what was not yet saved; a slot moved to another master is the safe side): for
--- such a limiter the state began again now. A marker without a run_id (written by other
--- limiters, which only create a missing one) is taken as this node's: such a limiter
--- names the node in it, the time kept. No marker: the exchange has no state here, so its
--- state began when the server's data did (`data_since`, given the server's `record`),
--- else now. Reads only: returns the time, the marker's new value when it is to be written
--- (`write_marker`), and the record's.
+-- a limiter with assume_busy_at_start (`busy`) has seen it, the node's run_id. A marker
+-- written under another run_id lies next to buckets that may lack that node's last
+-- payments (a replica that took over after a failover lacks what was not yet replicated;
+-- a restarted node lacks what was not yet saved; a slot moved to another master is the
+-- safe side): for such a limiter the state began again now. A marker without a run_id
+-- (written by other limiters, which only create a missing one) is taken as this node's,
+-- from when the server's data is whole if later (`data_since`, on one server, given its
+-- `record`: a marker restored from a snapshot predates it); such a limiter names the node
+-- in it. No marker: the exchange has no state here, so its state began when the server's
+-- data did, or now without a record. Reads only: returns the time, the marker's new value
+-- when it is to be written (`write_marker`), and the record's.
 local function state_began(marker, now, busy, record)
-  local node = busy and node_id() or nil
   local value = call('GET', marker)
   local began, by
   if value then
     began, by = string.match(value, '^(%S+) ?(%S*)$')
     began = tonumber(began)
   end
-  if not began and record then
-    local since, rewritten = data_since(record, now, node)
-    return since, fmt(since) .. ' ' .. node, rewritten
+  local node = (busy or record and not began) and node_id() or nil
+  local named = busy and ' ' .. node or ''
+  if not began then
+    if record then
+      local since, rewritten = data_since(record, now, node)
+      return since, fmt(since) .. named, rewritten
+    end
+    return now, fmt(now) .. named
   end
-  if not began or (node and by ~= '' and by ~= node) then
-    return now, fmt(now) .. (node and ' ' .. node or '')
+  if not busy or by == node then
+    return began, nil
   end
-  if node and by == '' then
-    return began, fmt(began) .. ' ' .. node
+  if by ~= '' then
+    return now, fmt(now) .. named
   end
-  return began, nil
+  local rewritten
+  if record then
+    local since
+    since, rewritten = data_since(record, now, node)
+    began = math.max(began, since)
+  end
+  return began, fmt(began) .. named, rewritten
 end
 
 -- Writes an exchange's marker (`state_began`), living as `keep_markers` keeps it, so that
@@ -936,10 +947,10 @@ end
 -- ARGV = 'checks', the marker's lifetime (ms), the count of checks, then per check its
 -- deadline (µs, 0 for none), its count of keys and of arguments, and those arguments.
 -- A check's keys are per item its bucket and bookings keys, then per exchange group its
--- pauses and marker keys, then on one server P:data when the check assumes busy; its
--- arguments the booking id, max_wait_ms (0: a probe), slack (µs), assume busy ('1', '2'
--- with P:data, or '0'; then a space and the µs since the caller's own busy start if it
--- has one), item count, then per item c, r, cost, group, credential pause field, key
+-- pauses and marker keys, then on one server P:data; its arguments the booking id,
+-- max_wait_ms (0: a probe), slack (µs), assume busy ('1', or '2' with P:data) or not ('0',
+-- or '3' with P:data), then a space and the µs since the caller's own busy start if it
+-- has one, item count, then per item c, r, cost, group, credential pause field, key
 -- pause field, shown fingerprint. Items are distinct keys (the caller
 -- coalesced them). Returns {now, answers}: the answers one line per check (see `answer`;
 -- 'admitted' goes on with the definition time `n` of each bucket it paid, which names the
@@ -1042,9 +1053,6 @@ local function checks(now, late)
         if items then
           for _, item in ipairs(items) do
             markers[item.marker] = math.max(markers[item.marker] or 0, item.kept or 0)
-            if item.record then
-              markers[item.record] = math.max(markers[item.record] or 0, item.kept or 0)
-            end
           end
         else
           markers[marker] = math.max(markers[marker] or 0, kept)
@@ -1072,7 +1080,8 @@ end
 local function admit_plain(now, k, at, read, max_wait)
   local a = item_at(at, 1)
   local c_text, r_text = ARGV[a + 1], ARGV[a + 2]
-  if string.byte(ARGV[at + 4]) ~= 48 or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
+  local flag = string.byte(ARGV[at + 4])
+  if flag ~= 48 and flag ~= 51 or ARGV[at + 5] ~= '1' or read[9] or read[1] ~= c_text
     or read[2] ~= r_text then
     return nil
   end
@@ -1121,12 +1130,13 @@ decide = function(now, k, at)
     return false, line, marker, kept
   end
   local waits = max_wait > 0
-  -- '1' with assume_busy_at_start ('2': and the check's last key is the server's P:data),
-  -- else '0'; then, for a caller with a busy start of its own, a space and the µs since it.
+  -- '1' with assume_busy_at_start, else '0'; '2' and '3' alike, on one server, whose
+  -- P:data is then the check's last key; then, for a caller with a busy start of its own,
+  -- a space and the µs since it.
   local busy_text, n = ARGV[at + 4], parse(ARGV[at + 5])
   local flag = string.byte(busy_text)
-  local busy = flag ~= 48
-  local record = flag == 50 and KEYS[k + parse(ARGV[at - 1])] or nil
+  local busy = flag == 49 or flag == 50
+  local record = flag >= 50 and KEYS[k + parse(ARGV[at - 1])] or nil
   local started = #busy_text > 2 and now - tonumber(string.sub(busy_text, 3)) or nil
   local items, began, markers, record_value = {}, {}, {}, nil
   local ready, pause_until, lapsed = now, 0, 0
@@ -1149,7 +1159,6 @@ decide = function(now, k, at)
       shown = ARGV[a + 7],
       group = group,
       marker = marker,
-      record = record,
       loaded = nil,
       found = nil,
       held_until = nil,
@@ -1175,7 +1184,7 @@ decide = function(now, k, at)
     write_marker(marker, value)
   end
   if record_value then
-    write_marker(record, record_value)
+    call('SET', record, record_value)
   end
   for _, item in ipairs(items) do
     local bucket, booking, since = item.loaded, item.found, began[item.group]
@@ -1628,7 +1637,7 @@ end
 local function note_data_since(now)
   local _, value = data_since(KEYS[1], now, node_id())
   if value then
-    write_marker(KEYS[1], value)
+    call('SET', KEYS[1], value)
   end
   return 'OK'
 end

@@ -207,7 +207,7 @@ impl RedisStore {
 
 /// Has one server note since when its data is whole, if it has no such record (bucket.lua's
 /// `data_since`): from then on, new exchanges are as old as that. Left to the first check
-/// that assumes busy when Redis cannot be reached now.
+/// of an exchange new to the server when Redis cannot be reached now.
 fn note_data_since(client: Arc<Client>, prefix: &[u8]) {
     let mut call = Call::default();
     call.key_with(|out| names::write_data_since(out, prefix))
@@ -256,10 +256,10 @@ impl Store for RedisStore {
                 booking_slack_ms,
             } => (max_wait_ms, booking_slack_ms),
         };
-        // With `assume_busy_at_start`, a bucket new to a check is new from when its
-        // exchange's state began; on one server, no earlier than the server's data did (its
-        // record ends the check's keys).
-        let data_since = self.config.assume_busy_at_start && !self.client.is_cluster();
+        // On one server, the record of since when its data is whole ends the check's keys:
+        // with `assume_busy_at_start` no exchange's state began before it, and every
+        // limiter keeps it.
+        let data_since = !self.client.is_cluster();
         // Each item's two keys, its group's two and its seven arguments, with their names.
         let mut call =
             Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
@@ -274,12 +274,13 @@ impl Store for RedisStore {
                 .saturating_mul(1000),
         )
         .arg_with(|out| {
-            // `assume_busy_at_start` (1; 2 with the server's record), then the µs since the
-            // requester's own busy start, if it has one.
+            // `assume_busy_at_start` (1, or 2 with the server's record) or not (0, or 3),
+            // then the µs since the requester's own busy start, if it has one.
             out.push(match (self.config.assume_busy_at_start, data_since) {
-                (true, true) => b'2',
                 (true, false) => b'1',
-                (false, _) => b'0',
+                (true, true) => b'2',
+                (false, false) => b'0',
+                (false, true) => b'3',
             });
             if let Some(busy_for) = requester.busy_for {
                 let _ = write!(out, " {}", busy_for.as_micros());

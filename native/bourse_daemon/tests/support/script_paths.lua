@@ -260,14 +260,14 @@ local function random_call(step)
     local items = math.random() < 0.8 and 1 or 2
     local definition = definitions[math.random() < 0.85 and 1 + step % 2 or math.random(1, 4)]
     local max_wait = math.random() < 0.3 and tostring(math.random(1, 5000)) or '0'
-    -- Assume busy now and then, on one server ('2') with its record of its data.
-    local busy = ({ '0', '0', '0', '0', '0', '0', '0', '0', '1', '2' })[math.random(1, 10)]
+    -- Assume busy now and then; on one server ('2', or '3' not busy) with its record.
+    local busy = ({ '0', '0', '0', '0', '3', '3', '3', '3', '1', '2' })[math.random(1, 10)]
     if math.random() < 0.2 then
       -- A caller's own busy start, up to 10 s before the call.
       busy = busy .. ' ' .. tostring(math.random(0, 10000000))
     end
     local id = (math.random() < 0.3 and 'again' or tostring(step)) .. ':' .. j
-    local record = busy:sub(1, 1) == '2'
+    local record = busy:sub(1, 1) >= '2'
     add(args, '0', tostring(2 * items + 2 + (record and 1 or 0)), tostring(5 + 7 * items))
     add(args, id, max_wait, '250000', busy, tostring(items))
     for i = 1, items do
