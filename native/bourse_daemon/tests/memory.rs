@@ -1,6 +1,6 @@
-//! Memory follows the buckets held, not the keys ever seen (SPEC P7): once a reset or a
-//! sweep dropped them, the daemon hands their memory back to the OS, also while nobody
-//! sends it anything (its request threads asleep).
+//! Memory follows the buckets held, not the keys ever seen (docs/CONTRACT.md, P7): once a
+//! reset or a sweep dropped them, the daemon hands their memory back to the OS, also while
+//! nobody sends it anything (its request threads asleep).
 
 mod common;
 
