@@ -677,13 +677,14 @@ class ImpostorTest(unittest.TestCase):
         self.assertEqual(len([r for r in read if r["op"] == "give_back"]), 10)
 
     def test_an_error_without_an_id_while_a_late_answer_is_to_come_closes_the_client(self):
-        # Whose it is cannot be told: the late call's, or the next one's.
+        # Whose it is cannot be told: the late call's, or the next one's. The late answer
+        # comes 0.3 s after the first call timed out, half-way through the next call's wait.
         def respond(request):
             if request["key"]["credential"] == "late":
-                time.sleep(0.4)
+                time.sleep(0.9)
             return {"ok": False, "error": {"type": "unavailable", "message": "no id"}}
         path, _read, server = self.fake_daemon(respond)
-        client = BourseClient(path, timeout=0.2)
+        client = BourseClient(path, timeout=0.6)
         with self.assertRaises(TimeoutError):
             client.check("x", "late", None)
         with self.assertRaises(BourseError) as raised:
