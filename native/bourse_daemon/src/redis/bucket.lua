@@ -1629,7 +1629,6 @@ local function reset_backoff(now)
   return 'OK'
 end
 
--- reset: KEYS = bucket, bookings, pauses; ARGV = 'reset', key pause field.
 -- data_since: KEYS = P:data. Writes the server's record of since when its data is whole
 -- when it names no server or another (`data_since`): a daemon with assume_busy_at_start
 -- asks at its start, so that on a server whose data it finds whole its new exchanges
@@ -1642,6 +1641,7 @@ local function note_data_since(now)
   return 'OK'
 end
 
+-- reset: KEYS = bucket, bookings, pauses; ARGV = 'reset', key pause field.
 local function reset()
   call('DEL', KEYS[1], KEYS[2])
   call('HDEL', KEYS[3], ARGV[2])
