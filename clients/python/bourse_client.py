@@ -399,6 +399,26 @@ class BourseClient:
             return
         self._asked(asked)
 
+    def _unbook(self, checks: list, owner: Union[str, int]) -> None:
+        """Sends ``unbook`` for ``owner``'s booking of ``checks``, without a deadline (a
+        daemon that resumes after a stop still runs it) and without waiting: its answer
+        is dropped when a later call reads it. Not sent if the client cannot send now."""
+        if self._closed or not self._lock.acquire(timeout=-1 if self._timeout is None
+                                                  else self._timeout):
+            return
+        try:
+            self._next_id += 1
+            line = json.dumps({"id": self._next_id, "op": "unbook", "checks": checks,
+                               "owner": owner}, allow_nan=False).encode() + b"\n"
+            deadline = None if self._timeout is None else time.monotonic() + self._timeout
+            try:
+                self._send(line, deadline)
+            except (OSError, TimeoutError):
+                return
+            self._late[self._next_id] = None
+        finally:
+            self._lock.release()
+
     def _usable(self) -> None:
         if self._closed:
             raise ConnectionError("this BourseClient is closed; open a new one")
@@ -501,7 +521,8 @@ class BourseClient:
         whole call, as Elixir's wait_for_capacity/5: a pause that began after the booking
         and outlasts what is left of the budget raises RateLimitExceeded (the booking stays
         paid); a booking that lapsed (the caller woke too late) is made again only within
-        what is left."""
+        what is left. A call that times out or finds the daemon's store unavailable gives
+        back the booking it made or came to claim (``unbook``), then raises."""
         owner = uuid.uuid4().hex if owner is None else owner
         started = time.monotonic()
         slept_since: Optional[int] = None
@@ -516,7 +537,14 @@ class BourseClient:
                 # The first check sends the budget as given: the daemon judges it (None, 0,
                 # a float... are invalid_parameters, as from Elixir).
                 fields["max_wait_ms"] = left
-            decision = _decision(self.request("check", **fields))
+            try:
+                decision = _decision(self.request("check", **fields))
+            except (TimeoutError, BourseError) as error:
+                if isinstance(error, TimeoutError) or error.type == "unavailable":
+                    # A call that fails this way must not pay: the booking it made or came
+                    # to claim, if any, is given back.
+                    self._unbook([{"key": k, "limit": limit, "cost": cost}], owner)
+                raise
             if decision.admitted:
                 return time.monotonic() - started
             if decision.ms > left:

@@ -321,7 +321,8 @@ defmodule Bourse.RateLimiter do
   must come back after `ms`; a longer delay books nothing. A caller that holds a booking
   for these checks and comes back with a budget shorter than the booking's remaining
   wait gets `{:error, %Bourse.Error{type: :rate_limit_exceeded, retry_after: remaining}}`;
-  its booking stays and may still be claimed.
+  its booking stays and may still be claimed. A waiter's call answered `:unavailable`
+  gives back the booking it made or came to claim (docs/CONTRACT.md §8, "Stores").
   """
   @spec check_rates([bucket_check()], GenServer.name() | keyword(), keyword()) ::
           :ok | {:delay, pos_integer()} | error()
@@ -351,8 +352,15 @@ defmodule Bourse.RateLimiter do
           metadata = fn -> checks |> unprepared() |> Events.checks_metadata() end
 
           case observe(answer, route, max_wait, metadata) do
-            {:over_budget, ms} -> {:delay, ms}
-            other -> failed(other, {:checks, checks})
+            {:over_budget, ms} ->
+              {:delay, ms}
+
+            {:error, %Error{type: :unavailable}} = unavailable when max_wait != nil ->
+              unbook(route, [owner(), unprepared(checks)])
+              failed(unavailable, {:checks, checks})
+
+            other ->
+              failed(other, {:checks, checks})
           end
       end
     end
@@ -384,7 +392,9 @@ defmodule Bourse.RateLimiter do
   the store knows, so the call answers `:unavailable`. So it does when the connection to
   the limiter's daemon broke, or the daemon came back with a new table, since the caller
   asked: the booking may be gone, its refill given to others. Told later than the slack, its
-  booking has lapsed (as any late waiter's), and the call answers `:unavailable`.
+  booking has lapsed (as any late waiter's), and the call answers `:unavailable`. A call
+  answered `:unavailable` gives back the booking it made or came to claim: the store takes
+  it back when it reads the request, if it still holds it (docs/CONTRACT.md §8, "Stores").
   """
   @spec wait_for_capacity(
           key(),
@@ -440,12 +450,13 @@ defmodule Bourse.RateLimiter do
       :ok ->
         admitted_after_wait(route, since, metadata)
 
-      {:error, %Error{type: :unavailable}} = unavailable when since != nil ->
-        if on_time?(route, slept) and not paused_since?(route, slept) and
+      {:error, %Error{type: :unavailable}} = unavailable ->
+        if since != nil and on_time?(route, slept) and not paused_since?(route, slept) and
              not lost_since?(route, slept) do
           forfeit_bookings()
           admitted_after_wait(route, since, metadata)
         else
+          unbook(route, [owner, [{key, limit, cost}]])
           failed(unavailable, {:key, key})
         end
 
@@ -471,6 +482,17 @@ defmodule Bourse.RateLimiter do
 
   # The booking owner of the calling process: the process, until it forfeits its bookings.
   defp owner, do: Process.get(@owner_key, self())
+
+  # A waiter told `:unavailable` gives back the booking its check made or came to claim,
+  # if the store holds one, whenever the store reads this (a call answered `:unavailable`
+  # never pays): sent without waiting, also to a limiter on another node.
+  defp unbook({backend, handle, _events, _pid}, args),
+    do: apply(backend, :unbook, [handle | args])
+
+  defp unbook({:remote, pid}, args),
+    do: :erpc.cast(node(pid), Bourse.RateLimiter, :run_here, [pid, :unbook, args])
+
+  defp unbook(_gone, _args), do: :ok
 
   # A waiter admitted without its store's word (the limiter stopped, or the store did not
   # answer its claim) leaves its booking where the process's next check could claim it

@@ -322,6 +322,44 @@ class BourseClientFailureTest(unittest.TestCase):
         self.assertAlmostEqual(client.get_cost("stopped", "k"), 5, places=2)
         client.close()
 
+    def test_a_waiter_that_times_out_gives_its_booking_back_when_the_daemon_resumes(self):
+        # Its booking's slack (50 ms) ends before the client's timeout: the claim is refused
+        # as late, and the booking, lapsed, is given back (the daemon's docs/PROTOCOL.md,
+        # `unbook`). Before, the bucket stayed a token short.
+        daemon = Daemon("--booking-slack-ms", "50")
+        self.addCleanup(daemon.stop)
+        self.addCleanup(lambda: os.kill(daemon.process.pid, signal.SIGCONT))
+        client = BourseClient(daemon.socket, timeout=0.3)
+        self.addCleanup(client.close)
+        limit = {"capacity": 10, "refill_per_sec": 1}
+        self.assertTrue(client.check("unbook", "k", limit, cost=10).admitted)
+        drained = time.monotonic()
+        failed = []
+
+        def wait():
+            try:
+                client.wait("unbook", "k", limit, max_wait_ms=5000)
+            except TimeoutError as error:
+                failed.append(error)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.4)
+        stop(daemon.process.pid)
+        waiter.join(10)
+        self.assertEqual(len(failed), 1)
+        os.kill(daemon.process.pid, signal.SIGCONT)
+        checker = BourseClient(daemon.socket, timeout=5)
+        self.addCleanup(checker.close)
+        for _ in range(100):
+            refilled = time.monotonic() - drained
+            if 10 - checker.get_cost("unbook", "k") > refilled - 0.5:
+                break
+            time.sleep(0.02)
+        else:
+            self.fail(f"the booking was not given back: {checker.get_cost('unbook', 'k')} "
+                      f"borrowed {refilled:.2f} s after the drain")
+
     def test_threads_sharing_a_client_each_end_within_its_timeout(self):
         client = BourseClient(self.daemon.socket, timeout=0.3)
         stop(self.daemon.process.pid)

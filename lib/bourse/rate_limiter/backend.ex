@@ -50,6 +50,12 @@ defmodule Bourse.RateLimiter.Backend do
               check_answer() | error()
   @callback check_rates(handle(), owner(), checks :: term(), max_wait :: pos_integer() | nil) ::
               check_answer() | error()
+  @doc """
+  Gives back `owner`'s booking of `checks` (as `check_rates/4` takes them), without waiting
+  for the store: its caller, waiting, was told the store was unavailable. The store runs
+  it whenever it reads it, also past that caller's timeout.
+  """
+  @callback unbook(handle(), owner(), checks :: term()) :: :ok
   @callback record_request(handle(), key :: term(), cost :: term()) :: :ok | error()
   @callback get_cost(handle(), key :: term()) :: number() | error()
   @doc "Lowers the key's tokens so that they plus the refill over `window_left_ms` fit `allowance`; returns the tokens taken."

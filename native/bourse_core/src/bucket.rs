@@ -452,6 +452,26 @@ impl Bucket {
         }
     }
 
+    /// Takes back the booking at `position`, whose caller was told the store was unavailable
+    /// and will not claim it: the bucket gets what its refund gives, and the other bookings
+    /// are paid again ([`Bucket::replan`]), none earlier than it was due: one made after it
+    /// forfeited what the cap would take until its ready time, which the refund must not
+    /// hand out again. A lapsed booking only while nothing wrote the bucket since it lapsed
+    /// (its refund was last kept within the room then); otherwise it stays paid, as lapsed
+    /// bookings do. The others that lapsed are dropped. Returns whether it was taken back.
+    pub fn give_back_booking(&mut self, position: usize, now: u64) -> bool {
+        let lapse_at = self.bookings[position].lapse_at;
+        if lapse_at < now && self.seen_at > lapse_at {
+            return false;
+        }
+        let booking = self.bookings.swap_remove(position);
+        self.base += booking.refund;
+        // Lapsed ones stay paid, and are not paid again as if still held.
+        self.drop_lapsed(now);
+        self.replan(|b| b.ready_at, now);
+        true
+    }
+
     /// Gives back every booking's refund, then pays each again, in the order they were
     /// made, as of the latest of its `earliest` (when it may go out now, never before its
     /// ready time), when the bucket covers it and the booking before it; each keeps its

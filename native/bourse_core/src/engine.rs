@@ -115,7 +115,7 @@ pub(crate) fn merge_runs<'a, T>(
 }
 
 /// The signature a booking of `items` is claimed by.
-fn items_signature(items: &[Item]) -> u64 {
+pub(crate) fn items_signature(items: &[Item]) -> u64 {
     fold_signature(items.iter().map(|item| (item.hash, item.check.cost)))
 }
 
@@ -335,7 +335,7 @@ fn booking_position(bucket: &Bucket, owner: u64, signature: u64) -> usize {
 }
 
 /// Where `owner`'s booking of `signature` stands in `bucket`, if it holds one.
-fn find_booking(bucket: &Bucket, owner: u64, signature: u64) -> Option<usize> {
+pub(crate) fn find_booking(bucket: &Bucket, owner: u64, signature: u64) -> Option<usize> {
     bucket
         .bookings
         .iter()

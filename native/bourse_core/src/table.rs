@@ -467,18 +467,7 @@ impl<C: Clock> Table<C> {
         max_bookings: usize,
         receipt: Option<&mut Receipt>,
     ) -> Result<Option<Outcome>, InvalidInput> {
-        // Shards in ascending order: every multi-bucket check locks them in this order. A
-        // key's checks end up adjacent, first given first (the sort is stable).
-        items.sort_by(|a, b| {
-            (Self::shard_index(a.hash), a.hash, a.check.key).cmp(&(
-                Self::shard_index(b.hash),
-                b.hash,
-                b.check.key,
-            ))
-        });
-        let same_key = |a: &Item, b: &Item| a.hash == b.hash && a.check.key == b.check.key;
-        let kept = engine::merge_runs(items, |item| &mut item.check, same_key)
-            .inspect_err(|_| self.count_invalid())?;
+        let kept = self.in_lock_order(items)?;
         let items = &mut items[..kept];
         let mut guards: SmallVec<[MutexGuard<Shard>; INLINE_CHECKS]> = SmallVec::new();
         let mut locked = usize::MAX;
@@ -536,6 +525,60 @@ impl<C: Clock> Table<C> {
             Self::give_table(shard, capacity);
         }
         Ok(outcome)
+    }
+
+    /// Sorts `items` with their shards in ascending order, the order every multi-bucket
+    /// check locks them in, and coalesces each key's checks (adjacent, first given first:
+    /// the sort is stable) into the first `n` items; returns `n`.
+    fn in_lock_order(&self, items: &mut [Item]) -> Result<usize, InvalidInput> {
+        items.sort_by(|a, b| {
+            (Self::shard_index(a.hash), a.hash, a.check.key).cmp(&(
+                Self::shard_index(b.hash),
+                b.hash,
+                b.check.key,
+            ))
+        });
+        let same_key = |a: &Item, b: &Item| a.hash == b.hash && a.check.key == b.check.key;
+        engine::merge_runs(items, |item| &mut item.check, same_key)
+            .inspect_err(|_| self.count_invalid())
+    }
+
+    /// Takes back `caller`'s booking of `checks` (as [`Table::check_rates`] made it) on
+    /// each of their buckets that holds it, as [`Bucket::give_back_booking`] does: its
+    /// caller was told the store was unavailable and will not claim it. Returns whether
+    /// any bucket got it back.
+    pub fn unbook(
+        &self,
+        caller: impl Into<Caller>,
+        checks: &[Check],
+    ) -> Result<bool, InvalidInput> {
+        let owner = caller.into().owner;
+        let mut items = Items::new();
+        items.extend(checks.iter().map(|&c| self.item(c)));
+        let kept = self.in_lock_order(&mut items)?;
+        let items = &items[..kept];
+        let signature = engine::items_signature(items);
+        let mut given = false;
+        let mut locked: Option<(usize, MutexGuard<Shard>)> = None;
+        for item in items {
+            let index = Self::shard_index(item.hash);
+            if locked.as_ref().is_none_or(|(at, _)| *at != index) {
+                // Shards in ascending order, one at a time.
+                drop(locked.take());
+                locked = Some((index, self.shards[index].0.lock()));
+            }
+            let Some((_, shard)) = locked.as_mut() else {
+                continue;
+            };
+            let now = self.clock.now();
+            let Some(bucket) = shard.buckets.find_mut(item.hash, item.sought()) else {
+                continue;
+            };
+            if let Some(position) = engine::find_booking(bucket, owner, signature) {
+                given |= bucket.give_back_booking(position, now);
+            }
+        }
+        Ok(given)
     }
 
     /// The buckets of `items` that their shards hold; stops at the first missing one.

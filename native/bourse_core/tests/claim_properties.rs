@@ -5,7 +5,9 @@
 //! loses its booking, is never told a ready time earlier than before nor claimed before
 //! it, and is not delayed 30 times; P1 holds on every bucket, a claim counted as going
 //! out at its booking's ready time, which lies between the ready time its waiter was last
-//! told and the claim.
+//! told and the claim. In the `give_up` runs some waiters give their booking back
+//! ([`Table::unbook`]) instead of claiming it, on time or past its slack: nothing of
+//! theirs goes out, and P1 holds over what did.
 //! SEEDS, START, RESETS=1 (resets too) and SHRINK=1 (shrinks the first failure) in the
 //! environment.
 use bourse_core::{
@@ -71,6 +73,8 @@ struct Waiter {
     delays: u32,
     behaviour: u8,
     booked_at: u64,
+    /// Gives its booking back when due instead of claiming it.
+    gives_up: bool,
 }
 
 fn env(name: &str, default: u64) -> u64 {
@@ -130,18 +134,27 @@ fn gen(seed: u64) -> (u64, Vec<(f64, f64)>, Vec<Op>, u64) {
     (slack_ms, limits, ops, seed)
 }
 
-fn run(seed: u64, late: bool) -> Result<(), String> {
+/// How waiters come back: late (within or past the slack) or on time, and whether some
+/// give their booking back instead.
+#[derive(Clone, Copy)]
+struct Run {
+    late: bool,
+    give_up: bool,
+}
+
+fn run(seed: u64, how: Run) -> Result<(), String> {
     let (slack_ms, limits, ops, _) = gen(seed);
-    run_ops(slack_ms, &limits, &ops, late, seed)
+    run_ops(slack_ms, &limits, &ops, how, seed)
 }
 
 fn run_ops(
     slack_ms: u64,
     limits: &[(f64, f64)],
     ops: &[Op],
-    late: bool,
+    how: Run,
     seed: u64,
 ) -> Result<(), String> {
+    let late = how.late;
     let mut rng = Rng(seed.wrapping_mul(0x2545F4914F6CDD1D) | 1);
     let clock = ManualClock::new();
     let table = Table::with_clock(
@@ -195,6 +208,15 @@ fn run_ops(
                 };
                 clock.advance(w.due - clock.now());
                 let now = clock.now();
+                if w.gives_up {
+                    let given = table.unbook(w.owner, &checks(&w.set, w.cost)).unwrap();
+                    log.push(format!(
+                        "{now} waiter {} set {:?} cost {} told {} gives up -> {given}",
+                        w.owner, w.set, w.cost, w.told
+                    ));
+                    waiters.remove(0);
+                    continue;
+                }
                 let o = table
                     .check_rates(w.owner, &checks(&w.set, w.cost), mode_w)
                     .unwrap();
@@ -305,7 +327,9 @@ fn run_ops(
                 }
                 Outcome::Booked(ms) => {
                     let told = now + ms * 1_000_000;
+                    let gives_up = how.give_up && beh == 6;
                     let due = match beh {
+                        _ if gives_up => told + rng.below(2 * slack_ms * 1_000_000 + 1),
                         1 | 4.. if late => told + rng.below(slack_ms * 1_000_000 + 1),
                         2 if late => told + slack_ms * 1_000_000 + 1 + rng.below(100_000_000),
                         3 => now + (told - now) / 2 + 1,
@@ -322,6 +346,7 @@ fn run_ops(
                         delays: 0,
                         behaviour,
                         booked_at: now,
+                        gives_up,
                     });
                 }
                 Outcome::Claimed => return Err("claimed without booking".into()),
@@ -358,13 +383,20 @@ fn run_ops(
     Ok(())
 }
 
-fn fuzz(late: bool) {
-    let n = env("SEEDS", if late { 10_000 } else { 3_000 });
+fn fuzz(how: Run) {
+    let n = env(
+        "SEEDS",
+        if how.late && !how.give_up {
+            10_000
+        } else {
+            3_000
+        },
+    );
     let start = env("START", 0);
     let mut fails = 0;
     let mut first = None;
     for seed in start..start + n {
-        if let Err(e) = run(seed, late) {
+        if let Err(e) = run(seed, how) {
             fails += 1;
             if first.is_none() {
                 first = Some((seed, e));
@@ -390,7 +422,7 @@ fn fuzz(late: bool) {
                 while i < ops.len() {
                     let mut trial = ops.clone();
                     trial.remove(i);
-                    match run_ops(slack, &limits, &trial, late, seed) {
+                    match run_ops(slack, &limits, &trial, how, seed) {
                         Err(e2)
                             if kind(&e2).split_whitespace().next()
                                 == want.split_whitespace().next() =>
@@ -407,7 +439,7 @@ fn fuzz(late: bool) {
             }
             eprintln!(
                 "SHRUNK slack {slack} limits {limits:?}\nops {ops:#?}\n{}",
-                run_ops(slack, &limits, &ops, late, seed).unwrap_err()
+                run_ops(slack, &limits, &ops, how, seed).unwrap_err()
             );
         }
         panic!("{fails}/{n} failed; first seed {seed}: {e}");
@@ -416,10 +448,24 @@ fn fuzz(late: bool) {
 
 #[test]
 fn claims_of_waiters_back_on_time() {
-    fuzz(false);
+    fuzz(Run {
+        late: false,
+        give_up: false,
+    });
 }
 
 #[test]
 fn claims_of_waiters_back_late() {
-    fuzz(true);
+    fuzz(Run {
+        late: true,
+        give_up: false,
+    });
+}
+
+#[test]
+fn claims_beside_waiters_that_give_their_bookings_back() {
+    fuzz(Run {
+        late: true,
+        give_up: true,
+    });
 }

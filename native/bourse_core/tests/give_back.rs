@@ -366,6 +366,119 @@ fn a_booking_beside_others_stays_paid() {
 }
 
 #[test]
+fn a_booking_beside_others_is_unbooked_and_the_others_keep_their_turn() {
+    let (clock, table) = set_up();
+    table.check_rate(1, check(b"a", 10.0), Mode::Probe);
+    assert_eq!(
+        table.check_rate(1, check(b"a", 2.0), WAIT),
+        Outcome::Booked(2_000)
+    );
+    assert_eq!(
+        table.check_rate(2, check(b"a", 3.0), WAIT),
+        Outcome::Booked(5_000)
+    );
+    assert_eq!(
+        table.check_rate(3, check(b"a", 1.0), WAIT),
+        Outcome::Booked(6_000)
+    );
+    assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(true));
+    // Nothing left to give back: the booking is gone.
+    assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(false));
+    assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 2);
+    clock.advance_ms(2_000);
+    assert_eq!(
+        table.check_rate(1, check(b"a", 2.0), WAIT),
+        Outcome::Claimed
+    );
+    // The booking behind it keeps its ready time: no earlier, no later.
+    clock.advance_ms(3_999);
+    assert_eq!(
+        table.check_rate(3, check(b"a", 1.0), WAIT),
+        Outcome::Delay(1)
+    );
+    clock.advance_ms(1);
+    assert_eq!(
+        table.check_rate(3, check(b"a", 1.0), WAIT),
+        Outcome::Claimed
+    );
+    // The 3 tokens given back accrued meanwhile: 6 s of refill less the two claimed.
+    assert!((tokens(&table, b"a") - 3.0).abs() < 1e-9);
+}
+
+#[test]
+fn an_unbooked_booking_gives_back_nothing_a_later_one_forfeited() {
+    let (clock, table) = set_up();
+    table.check_rate(1, check(b"a", 7.0), Mode::Probe);
+    // 3 tokens left: the first books 3 at once... as of 1 s on; the second, over the
+    // capacity, takes all the bucket can hold at its ready time.
+    assert_eq!(
+        table.check_rate(1, check(b"a", 4.0), WAIT),
+        Outcome::Booked(1_000)
+    );
+    assert_eq!(
+        table.check_rate(2, check(b"a", 12.0), WAIT),
+        Outcome::Booked(13_000)
+    );
+    clock.advance_ms(500);
+    assert_eq!(table.unbook(1, &[check(b"a", 4.0)]), Ok(true));
+    // Paid again without it, the second is due no earlier than it was told, and nothing
+    // beyond the capacity is left beside it then.
+    clock.advance_ms(12_500);
+    assert_eq!(
+        table.check_rate(2, check(b"a", 12.0), WAIT),
+        Outcome::Claimed
+    );
+    assert!(tokens(&table, b"a") < 1e-9, "{}", tokens(&table, b"a"));
+}
+
+#[test]
+fn a_lapsed_booking_is_unbooked_only_while_nothing_wrote_its_bucket() {
+    let (clock, table) = set_up();
+    table.check_rate(1, check(b"a", 10.0), Mode::Probe);
+    assert_eq!(
+        table.check_rate(1, check(b"a", 2.0), WAIT),
+        Outcome::Booked(2_000)
+    );
+    clock.advance_ms(2_500);
+    assert_eq!(table.unbook(1, &[check(b"a", 2.0)]), Ok(true));
+    assert!((tokens(&table, b"a") - 2.5).abs() < 1e-9);
+
+    table.check_rate(1, check(b"b", 10.0), Mode::Probe);
+    assert_eq!(
+        table.check_rate(1, check(b"b", 2.0), WAIT),
+        Outcome::Booked(2_000)
+    );
+    clock.advance_ms(2_500);
+    table.record_request(key(b"b"), 0.5);
+    assert_eq!(table.unbook(1, &[check(b"b", 2.0)]), Ok(false));
+    assert!(tokens(&table, b"b").abs() < 1e-9);
+}
+
+#[test]
+fn unbook_names_the_booking_by_owner_and_checks() {
+    let (_clock, table) = set_up();
+    table.check_rate(1, check(b"a", 10.0), Mode::Probe);
+    let both = [check(b"a", 1.0), check(b"b", 1.0)];
+    assert!(matches!(
+        table.check_rates(4, &both, WAIT),
+        Ok(Outcome::Booked(_))
+    ));
+    assert_eq!(table.unbook(5, &both), Ok(false));
+    assert_eq!(table.unbook(4, &both[..1]), Ok(false));
+    assert_eq!(
+        table.unbook(4, &[check(b"a", 2.0), check(b"b", 1.0)]),
+        Ok(false)
+    );
+    // In any order, and coalesced as the check was.
+    let halves = [check(b"b", 1.0), check(b"a", 0.5), check(b"a", 0.5)];
+    assert_eq!(table.unbook(4, &halves), Ok(true));
+    assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 0);
+    assert_eq!(table.inspect(key(b"b")).unwrap().bookings, 0);
+    // Less what the cap would have taken until its ready time, a second away.
+    assert!((tokens(&table, b"b") - 9.0).abs() < 1e-9);
+}
+
+#[test]
 fn a_check_over_several_buckets_is_taken_back_on_all_or_none() {
     let (clock, table) = set_up();
     let both = [check(b"a", 2.0), check(b"b", 5.0)];

@@ -120,6 +120,16 @@ pub trait Store: Send + Sync + 'static {
         vec![false; receipts.len()]
     }
 
+    /// Takes back `requester`'s booking of `checks` on each of their buckets that holds it
+    /// ([`Table::unbook`]): its caller came to claim it and was told the store was
+    /// unavailable. Returns whether any bucket got it back.
+    fn unbook(
+        &self,
+        requester: Requester,
+        checks: &[Check<'_>],
+        last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
+
     fn record_request(
         &self,
         key: KeyRef<'_>,
@@ -279,6 +289,19 @@ impl<C: Clock> Store for Memory<C> {
 
     fn give_back(&self, receipts: Vec<Receipt>) -> Vec<bool> {
         self.table.give_back(receipts)
+    }
+
+    fn unbook(
+        &self,
+        requester: Requester,
+        checks: &[Check<'_>],
+        _last_run: LastRun,
+    ) -> impl Future<Output = StoreResult<bool>> + Send {
+        ready(
+            self.table
+                .unbook(Self::caller(requester), checks)
+                .map_err(StoreError::Invalid),
+        )
     }
 
     fn record_request(

@@ -501,6 +501,15 @@ fn waiters_book_claim_once_and_lapse() {
     assert_eq!(s.call(claim)["result"], "claimed");
 }
 
+/// As in the in-memory daemon: a lapsed booking is given back while nothing wrote its bucket
+/// since it lapsed (its `t` and `z`), not once a debit did.
+#[test]
+fn a_lapsed_booking_is_unbooked_only_while_nothing_wrote_its_bucket() {
+    let Some(redis) = Redis::start() else { return };
+    let server = daemon(&redis, &["--booking-slack-ms", "1"]);
+    common::assert_lapsed_bookings_unbooked_while_untouched(&mut server.connect());
+}
+
 /// A booking is its named owner's in every daemon on the Redis: claimed through a daemon
 /// started after the one that booked it was killed (a Redis limiter's own daemon is
 /// started again at once), and through another daemon, it is admitted without paying

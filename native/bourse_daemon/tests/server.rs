@@ -35,6 +35,12 @@ fn every_op_over_tcp_and_unix() {
 }
 
 #[test]
+fn a_lapsed_booking_is_unbooked_only_while_nothing_wrote_its_bucket() {
+    let server = Server::tcp(&["--booking-slack-ms", "1"]);
+    common::assert_lapsed_bookings_unbooked_while_untouched(&mut server.connect());
+}
+
+#[test]
 fn a_connection_assumes_buckets_busy_from_the_start_its_hello_names() {
     let server = Server::tcp(&[]);
     common::assert_busy_start_of_a_connection(

@@ -438,6 +438,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   def answer(answer, _id), do: answer
 
   @doc """
+  Sends `request` without a deadline and without waiting for its answer, which is dropped
+  (id 0): the daemon runs it whenever it reads it. Dropped when the stream is broken: the
+  daemon's memory of what the request is about went with it, or is a reconnection's to
+  deal with.
+  """
+  @spec send_later(t(), map()) :: :ok
+  def send_later(%__MODULE__{pid: pid}, request) do
+    GenServer.cast(pid, {:send_later, request})
+  end
+
+  @doc """
   Notes that the daemon answered a call `:unavailable` with `message` (its store, Redis,
   could not answer in time): the connection logs it as a warning, at most once every
   #{div(@store_warning_every_ms, 1000)} s.
@@ -672,6 +683,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @impl true
+  def handle_cast({:send_later, _request}, %{stream: nil} = state), do: {:noreply, state}
+
+  def handle_cast({:send_later, request}, state) do
+    frame = encode(0, request)
+    pending = [{:later, PortStream.frame(frame, byte_size(frame))} | state.pending]
+    {:noreply, write_pending(%{state | pending: pending})}
+  end
+
   def handle_cast(request, state) do
     unexpected("cast", request, state)
     {:noreply, state}
@@ -930,7 +949,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   # A caller's frame, rather than this process's own (a hello, a pause asked again, a
-  # give_back), which stays until written.
+  # give_back, a request sent later), which stays until written.
   defp callers?({id, _frame}), do: is_integer(id) and id > 0
 
   defp retry_later(state) do

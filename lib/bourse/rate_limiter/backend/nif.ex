@@ -96,6 +96,10 @@ defmodule Bourse.RateLimiter.Backend.NIF do
   @impl true
   defdelegate sweep(table), to: Native
 
+  # The table is the VM's own: its calls are never `:unavailable`.
+  @impl true
+  def unbook(_table, _owner, _checks), do: :ok
+
   # The table is the VM's own: it goes only with the VM.
   @impl true
   def store_lost_at(_table), do: nil

@@ -53,6 +53,8 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       @impl true
       defdelegate check_rates(handle, owner, checks, max_wait), to: Protocol
       @impl true
+      defdelegate unbook(handle, owner, checks), to: Protocol
+      @impl true
       defdelegate record_request(handle, key, cost), to: Protocol
       @impl true
       defdelegate get_cost(handle, key), to: Protocol
@@ -133,6 +135,22 @@ defmodule Bourse.RateLimiter.Backend.Protocol do
       |> waiting(max_wait, handle)
 
     run(request, handle, &outcome/1, {:check_rates, [owner, checks, max_wait]})
+  end
+
+  @doc """
+  Gives back `owner`'s booking of `checks` (`unbook`, docs/PROTOCOL.md): sent by the
+  connection without a deadline, its answer not awaited.
+  """
+  @spec unbook(handle(), Bourse.RateLimiter.Backend.owner(), term()) :: :ok
+  def unbook(handle, owner, checks) do
+    if limitless?(checks),
+      do: :ok,
+      else:
+        Connection.send_later(handle, %{
+          op: "unbook",
+          checks: checks(checks),
+          owner: Connection.owner(handle, owner)
+        })
   end
 
   @doc "`record_request/3`."

@@ -434,6 +434,10 @@ impl<S: Store> Service<S> {
                     checks => store.check_rates(requester, checks, mode, last_run).await?,
                 })
             }
+            Request::Unbook { checks, owner } => {
+                let requester = self.requester(session, owner);
+                Answer::GivenBack(Box::pin(store.unbook(requester, &checks, last_run)).await?)
+            }
             Request::Record { key, cost } => {
                 // With a deadline, what it debits is noted, as a check's payment is.
                 let receipted = last_run.and_then(|_| store.record_receipted(key, cost));

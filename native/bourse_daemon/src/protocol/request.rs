@@ -43,6 +43,12 @@ pub enum Request<'a> {
         owner: Owner<'a>,
         mode: Mode,
     },
+    /// `unbook`: gives back the owner's booking of a check (its checks as `check_many`
+    /// takes them), whose caller was told the store was unavailable.
+    Unbook {
+        checks: Vec<Check<'a>>,
+        owner: Owner<'a>,
+    },
     Record {
         key: KeyRef<'a>,
         cost: f64,
@@ -152,6 +158,14 @@ impl<'a> Request<'a> {
                     checks: checks(required(request, "checks")?)?,
                     owner,
                     mode,
+                }
+            }
+            "unbook" => {
+                fields(&["checks", "owner"], "an unbook request")?;
+                let owner = owner(request).map_err(|error| naming_exchange(error, request))?;
+                Self::Unbook {
+                    checks: checks(required(request, "checks")?)?,
+                    owner,
                 }
             }
             "record" => {

@@ -138,6 +138,11 @@ impl Batcher {
         debit::record(self.client.clone(), self.runs.clone(), call, last_run).await
     }
 
+    /// Gives back the booking of the check `check` (see [`unbook`]).
+    pub async fn unbook(&self, check: &Call) -> StoreResult<bool> {
+        unbook(&self.client, &self.runs, check).await
+    }
+
     /// Runs one check (its keys and arguments, see bucket.lua) that came on `connection`,
     /// within the timeout and not past `last_run`.
     pub async fn check(
@@ -450,6 +455,17 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
         Err(StoreError::Unavailable(message)) => fail(checks, &message),
         Err(StoreError::Invalid(error)) => fail(checks, &client.located(error.message())),
     }
+}
+
+/// Gives back the booking the check `check` (its keys and arguments) made, its caller
+/// having come to claim it and been told Redis was unavailable (`unbook`); returns whether
+/// any bucket got it back. Run once, within the answer window: it may wait behind the
+/// claim, which Redis may still be working through.
+pub async fn unbook(client: &Client, runs: &Runs, check: &Call) -> StoreResult<bool> {
+    let mut call = script::refunds(0, client.passed(), &[("booked", check)]);
+    runs.once(&mut call, client.answer_window());
+    let given: u64 = client.invoke_in_window(&call).await?;
+    Ok(given > 0)
 }
 
 /// Gives back what the checks `paid` paid (or a debit, `debit`) in a call that ran at

@@ -1388,7 +1388,8 @@ end
 -- set back).
 --
 -- Never more than each bucket would hold had the check not paid. A booking is taken back
--- as `replan` takes bookings back, with what its refund gives, while it is held. An
+-- as `give_back_booking` takes it back (also for a daemon's `unbook`: the caller who made it
+-- was told Redis was unavailable when it came to claim it). An
 -- admitted payment is given back in full while no later write moved the bucket's time
 -- (its tokens are those the call left it, plus the cost; a later payment at that same
 -- time was computed from tokens the cap did not touch); after later payments, less what
@@ -1429,26 +1430,40 @@ local function give_back_payment(key, wkey, c_text, r_text, cost, defined, paid_
   return true
 end
 
--- Takes back the booking `id` of the bucket `key` while it is held: the bucket gets what
--- its refund gives, and the other bookings' refunds keep only the room left below the cap.
+-- Takes back the booking `id` of the bucket `key`, whose caller was told Redis was
+-- unavailable and will not claim it: the bucket gets what its refund gives, the others that
+-- lapsed are dropped, and those held are paid again (`replan`), none earlier than it was
+-- due: one made after it forfeited what the cap would take until its ready time, which the
+-- refund must not hand out again (bourse_core's Bucket::give_back_booking). A lapsed one
+-- only while nothing wrote the bucket since it lapsed (its `t` and `z` no later): its
+-- refund was last kept within the room then; otherwise it stays paid, as lapsed ones do.
 local function give_back_booking(key, wkey, id, now)
   local bucket = load(key, now)
   if not bucket or not bucket.c then
     return false
   end
   local item = { key = key, wkey = wkey, bucket = bucket }
-  local list = bookings_of(item)
-  local gone = booking_in(list, id)
-  if not gone or gone.lapse < now then
+  local gone = booking_in(bookings_of(item), id)
+  if not gone then
     return false
   end
-  gone.removed = true
+  if gone.lapse < now then
+    local lowered = tonumber(call('HGET', key, 'z')) or 0
+    if bucket.t > gone.lapse or lowered > gone.lapse then
+      return false
+    end
+  end
   bucket.b = bucket.b + gone.refund
-  store_refunds(item, limit_refunds(list, now, bucket.c - accrued(bucket, now)))
-  know_refunds(item, list, now)
   call('HDEL', key, 'w:' .. id)
   call('ZREM', wkey, id)
+  drop_lapsed(item, now)
+  local list = bookings_of(item)
+  for _, b in ipairs(list) do
+    b.earliest = b.ready
+  end
+  replan(item, list, now)
   save(key, bucket)
+  keep(item, now, 0, true)
   return true
 end
 

@@ -203,6 +203,86 @@ impl RedisStore {
             .for_exchange(other.key.exchange),
         ))
     }
+
+    /// The keys and arguments of one check of `items` (coalesced, in one slot) for
+    /// `requester` (see bucket.lua's `checks`), which a `refunds` call repeats.
+    fn check_call(&self, requester: Requester, items: &[Check<'_>], mode: Mode) -> Call {
+        let (max_wait, slack_ms) = match mode {
+            Mode::Probe => (0, None),
+            Mode::Wait {
+                max_wait_ms,
+                booking_slack_ms,
+            } => (max_wait_ms, booking_slack_ms),
+        };
+        // On one server, the record of since when its data is whole ends the check's keys:
+        // with `assume_busy_at_start` no exchange's state began before it, and every
+        // limiter keeps it.
+        let data_since = !self.client.is_cluster();
+        // Each item's two keys, its group's two and its seven arguments, with their names.
+        let mut call =
+            Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
+        call.arg_with(|out| {
+            // Writing to a Vec cannot fail.
+            let _ = write!(out, "{}:{}", requester.owner, signature(items));
+        })
+        .arg(max_wait)
+        .arg(
+            slack_ms
+                .unwrap_or(self.config.booking_slack_ms)
+                .saturating_mul(1000),
+        )
+        .arg_with(|out| {
+            // `assume_busy_at_start` (1, or 2 with the server's record) or not (0, or 3),
+            // then the µs since the requester's own busy start, if it has one.
+            out.push(match (self.config.assume_busy_at_start, data_since) {
+                (true, false) => b'1',
+                (true, true) => b'2',
+                (false, false) => b'0',
+                (false, true) => b'3',
+            });
+            if let Some(busy_for) = requester.busy_for {
+                let _ = write!(out, " {}", busy_for.as_micros());
+            }
+        })
+        .arg(items.len());
+        // Items are sorted by exchange: each run of one exchange is a group sharing its
+        // pauses and state marker.
+        let mut groups: Vec<&[u8]> = Vec::new();
+        for item in items {
+            let exchange = item.key.exchange;
+            if groups.last() != Some(&exchange) {
+                groups.push(exchange);
+            }
+            let found = item
+                .key
+                .credential
+                .map(|credential| self.fingerprints.of(credential));
+            let key = KeyParts {
+                prefix: &self.prefix,
+                exchange,
+                credential: found.as_ref().map(|found| found.keyed.as_str()),
+                axis: item.key.axis,
+            };
+            let shown = found.as_ref().map_or("", |found| found.shown.as_str());
+            call.key_with(|out| key.bucket(out))
+                .key_with(|out| key.bookings(out))
+                .number(item.limit.capacity())
+                .number(item.limit.refill_per_sec())
+                .number(item.cost)
+                .arg(groups.len())
+                .arg_with(|out| key.credential_pause(out))
+                .arg_with(|out| key.key_pause(out))
+                .arg(shown);
+        }
+        for exchange in groups {
+            call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
+                .key_with(|out| names::write_marker(out, &self.prefix, exchange));
+        }
+        if data_since {
+            call.key_with(|out| names::write_data_since(out, &self.prefix));
+        }
+        call
+    }
 }
 
 /// Has one server note since when its data is whole, if it has no such record (bucket.lua's
@@ -249,80 +329,7 @@ impl Store for RedisStore {
             return Ok(Outcome::Admitted);
         }
         self.one_slot(&items)?;
-        let (max_wait, slack_ms) = match mode {
-            Mode::Probe => (0, None),
-            Mode::Wait {
-                max_wait_ms,
-                booking_slack_ms,
-            } => (max_wait_ms, booking_slack_ms),
-        };
-        // On one server, the record of since when its data is whole ends the check's keys:
-        // with `assume_busy_at_start` no exchange's state began before it, and every
-        // limiter keeps it.
-        let data_since = !self.client.is_cluster();
-        // Each item's two keys, its group's two and its seven arguments, with their names.
-        let mut call =
-            Call::with_capacity(4 * items.len(), 5 + 7 * items.len(), 64 + 384 * items.len());
-        call.arg_with(|out| {
-            // Writing to a Vec cannot fail.
-            let _ = write!(out, "{}:{}", requester.owner, signature(&items));
-        })
-        .arg(max_wait)
-        .arg(
-            slack_ms
-                .unwrap_or(self.config.booking_slack_ms)
-                .saturating_mul(1000),
-        )
-        .arg_with(|out| {
-            // `assume_busy_at_start` (1, or 2 with the server's record) or not (0, or 3),
-            // then the µs since the requester's own busy start, if it has one.
-            out.push(match (self.config.assume_busy_at_start, data_since) {
-                (true, false) => b'1',
-                (true, true) => b'2',
-                (false, false) => b'0',
-                (false, true) => b'3',
-            });
-            if let Some(busy_for) = requester.busy_for {
-                let _ = write!(out, " {}", busy_for.as_micros());
-            }
-        })
-        .arg(items.len());
-        // Items are sorted by exchange: each run of one exchange is a group sharing its
-        // pauses and state marker.
-        let mut groups: Vec<&[u8]> = Vec::new();
-        for item in &items {
-            let exchange = item.key.exchange;
-            if groups.last() != Some(&exchange) {
-                groups.push(exchange);
-            }
-            let found = item
-                .key
-                .credential
-                .map(|credential| self.fingerprints.of(credential));
-            let key = KeyParts {
-                prefix: &self.prefix,
-                exchange,
-                credential: found.as_ref().map(|found| found.keyed.as_str()),
-                axis: item.key.axis,
-            };
-            let shown = found.as_ref().map_or("", |found| found.shown.as_str());
-            call.key_with(|out| key.bucket(out))
-                .key_with(|out| key.bookings(out))
-                .number(item.limit.capacity())
-                .number(item.limit.refill_per_sec())
-                .number(item.cost)
-                .arg(groups.len())
-                .arg_with(|out| key.credential_pause(out))
-                .arg_with(|out| key.key_pause(out))
-                .arg(shown);
-        }
-        for exchange in groups {
-            call.key_with(|out| names::write_pauses(out, &self.prefix, exchange))
-                .key_with(|out| names::write_marker(out, &self.prefix, exchange));
-        }
-        if data_since {
-            call.key_with(|out| names::write_data_since(out, &self.prefix));
-        }
+        let call = self.check_call(requester, &items, mode);
         let (result, ms, paused, lapsed) = self
             .checks
             .check(call, requester.connection, last_run)
@@ -330,6 +337,24 @@ impl Store for RedisStore {
         let outcome = answer::outcome(&result, ms)?;
         self.counters.outcome(outcome, mode, paused > 0, lapsed);
         Ok(outcome)
+    }
+
+    async fn unbook(
+        &self,
+        requester: Requester,
+        checks: &[Check<'_>],
+        _last_run: LastRun,
+    ) -> StoreResult<bool> {
+        let items = coalesce(checks).map_err(|error| {
+            self.count_invalid();
+            StoreError::Invalid(error)
+        })?;
+        if items.is_empty() {
+            return Ok(false);
+        }
+        self.one_slot(&items)?;
+        let call = self.check_call(requester, &items, Mode::Probe);
+        self.checks.unbook(&call).await
     }
 
     async fn record_request(

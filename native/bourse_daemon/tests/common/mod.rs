@@ -669,6 +669,96 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     assert_eq!(t.call(json!({"op": "sweep"}))["ok"], true);
     assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
     assert_eq!(t.call(json!({"op": "stats"}))["stats"]["buckets"], 0);
+
+    exercise_unbook(t);
+    assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
+}
+
+/// `unbook` gives back a waiter's booking beside others, which keep their ready times,
+/// but nothing a booking made after it forfeited to the cap (refill 0.001/s: delays are in
+/// thousands of seconds, and nothing refills during a test).
+fn exercise_unbook(t: &mut impl Transport) {
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let waiter = |k: &Value, owner: u64, cost: f64| {
+        json!({"op": "check", "key": k, "limit": slow, "cost": cost, "owner": owner,
+               "max_wait_ms": 4_294_967_295u64})
+    };
+    let unbook = |k: &Value, owner: u64, cost: f64| {
+        json!({"op": "unbook", "checks": [{"key": k, "limit": slow, "cost": cost}],
+               "owner": owner, "id": 9})
+    };
+    let booked_ms = |answer: Value| {
+        assert_eq!(answer["result"], "booked", "{answer}");
+        answer["ms"].as_u64().unwrap()
+    };
+
+    // 2 left: 3 booked for 1,000 s from now, 1 more behind it for 2,000 s.
+    let k = key("unbook", Some("beside"));
+    assert_eq!(t.call(waiter(&k, 1, 8.0))["result"], "admitted");
+    assert_eq!(booked_ms(t.call(waiter(&k, 2, 3.0))), 1_000_000);
+    assert_eq!(booked_ms(t.call(waiter(&k, 3, 1.0))), 2_000_000);
+    let before = borrowed(t, &k);
+    assert_eq!(
+        t.call(unbook(&k, 2, 3.0)),
+        json!({"ok": true, "given_back": true, "id": 9})
+    );
+    assert!((before - borrowed(t, &k) - 3.0).abs() < 1e-3, "{before}");
+    assert_eq!(t.call(unbook(&k, 2, 3.0))["given_back"], false);
+    assert_eq!(t.call(unbook(&k, 3, 2.0))["given_back"], false);
+    let early = t.call(waiter(&k, 3, 1.0));
+    assert_eq!(early["result"], "delay");
+    assert!(
+        (1_999_000..=2_000_000).contains(&early["ms"].as_u64().unwrap()),
+        "{early}"
+    );
+
+    // 3 left: 4 booked for 1,000 s; 12, over the capacity, for 13,000 s takes everything
+    // the bucket can hold then. Without the first, it is still due then, and nothing beside it.
+    let k = key("unbook", Some("forfeited"));
+    assert_eq!(t.call(waiter(&k, 1, 7.0))["result"], "admitted");
+    assert_eq!(booked_ms(t.call(waiter(&k, 2, 4.0))), 1_000_000);
+    assert_eq!(booked_ms(t.call(waiter(&k, 3, 12.0))), 13_000_000);
+    let before = borrowed(t, &k);
+    assert_eq!(t.call(unbook(&k, 2, 4.0))["given_back"], true);
+    assert!((before - borrowed(t, &k)).abs() < 1e-3, "{before}");
+
+    let bad = t.call(json!({"op": "unbook", "checks": "all", "id": 10}));
+    assert_eq!(
+        (bad["error"]["type"].as_str(), bad["id"].as_u64()),
+        (Some("invalid_parameters"), Some(10))
+    );
+}
+
+/// A lapsed booking is given back (`unbook`) while nothing wrote its bucket since it
+/// lapsed, and not once a debit did. The daemon must run with `--booking-slack-ms 1`.
+pub fn assert_lapsed_bookings_unbooked_while_untouched(t: &mut impl Transport) {
+    let limit = json!({"capacity": 10, "refill_per_sec": 1});
+    let waiter = |k: &Value| {
+        json!({"op": "check", "key": k, "limit": limit, "cost": 1, "owner": 5,
+               "max_wait_ms": 60_000})
+    };
+    let unbook = |k: &Value| json!({"op": "unbook", "checks": [{"key": k, "limit": limit, "cost": 1}], "owner": 5});
+    let untouched = key("lapsed", Some("untouched"));
+    let debited = key("lapsed", Some("debited"));
+    for k in [&untouched, &debited] {
+        let drain = json!({"op": "check", "key": k, "limit": limit, "cost": 10});
+        assert_eq!(t.call(drain)["result"], "admitted");
+        assert_eq!(t.call(waiter(k))["result"], "booked");
+    }
+    // Both due in a second, lapsed a millisecond later.
+    std::thread::sleep(Duration::from_millis(1_300));
+    assert_eq!(
+        t.call(json!({"op": "record", "key": debited, "cost": 0.5}))["ok"],
+        true
+    );
+    let before = borrowed(t, &untouched);
+    assert_eq!(t.call(unbook(&untouched))["given_back"], true);
+    let given = before - borrowed(t, &untouched);
+    // And what refilled between the two readings.
+    assert!((0.95..=1.1).contains(&given), "{given} given back");
+    let before = borrowed(t, &debited);
+    assert_eq!(t.call(unbook(&debited))["given_back"], false);
+    assert!(borrowed(t, &debited) <= before, "given back past a debit");
 }
 
 /// Bad requests get errors naming the problem, echo their id, and the stream goes on.
