@@ -184,6 +184,20 @@ impl RedisStore {
             .collect()
     }
 
+    /// `checks` coalesced (repeated keys charged once at their combined cost), all in one
+    /// slot on a cluster; `None` for no check.
+    fn one_check<'a>(&self, checks: &[Check<'a>]) -> StoreResult<Option<Vec<Check<'a>>>> {
+        let items = coalesce(checks).map_err(|error| {
+            self.count_invalid();
+            StoreError::Invalid(error)
+        })?;
+        if items.is_empty() {
+            return Ok(None);
+        }
+        self.one_slot(&items)?;
+        Ok(Some(items))
+    }
+
     /// On a cluster a script runs on the one node serving its slot: a check over buckets of
     /// several exchanges (several hash tags) is refused rather than split, which would not
     /// be atomic.
@@ -321,14 +335,9 @@ impl Store for RedisStore {
         mode: Mode,
         last_run: LastRun,
     ) -> StoreResult<Outcome> {
-        let items = coalesce(checks).map_err(|error| {
-            self.count_invalid();
-            StoreError::Invalid(error)
-        })?;
-        if items.is_empty() {
+        let Some(items) = self.one_check(checks)? else {
             return Ok(Outcome::Admitted);
-        }
-        self.one_slot(&items)?;
+        };
         let call = self.check_call(requester, &items, mode);
         let (result, ms, paused, lapsed) = self
             .checks
@@ -345,14 +354,9 @@ impl Store for RedisStore {
         checks: &[Check<'_>],
         _last_run: LastRun,
     ) -> StoreResult<bool> {
-        let items = coalesce(checks).map_err(|error| {
-            self.count_invalid();
-            StoreError::Invalid(error)
-        })?;
-        if items.is_empty() {
+        let Some(items) = self.one_check(checks)? else {
             return Ok(false);
-        }
-        self.one_slot(&items)?;
+        };
         let call = self.check_call(requester, &items, Mode::Probe);
         self.checks.unbook(&call).await
     }
