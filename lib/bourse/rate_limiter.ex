@@ -394,7 +394,8 @@ defmodule Bourse.RateLimiter do
   asked: the booking may be gone, its refill given to others. Told later than the slack, its
   booking has lapsed (as any late waiter's), and the call answers `:unavailable`. A call
   answered `:unavailable` gives back the booking it made or came to claim: the store takes
-  it back when it reads the request, if it still holds it (docs/CONTRACT.md §8, "Stores").
+  it back when it reads the request, where it is still the latest booking held
+  (docs/CONTRACT.md §8, "Stores").
   """
   @spec wait_for_capacity(
           key(),

@@ -452,23 +452,33 @@ impl Bucket {
         }
     }
 
-    /// Takes back the booking at `position`, whose caller was told the store was unavailable
-    /// and will not claim it: the bucket gets what its refund gives, and the other bookings
-    /// are paid again ([`Bucket::replan`]), none earlier than it was due: one made after it
-    /// forfeited what the cap would take until its ready time, which the refund must not
-    /// hand out again. A lapsed booking only while nothing wrote the bucket since it lapsed
-    /// (its refund was last kept within the room then); otherwise it stays paid, as lapsed
-    /// bookings do. The others that lapsed are dropped. Returns whether it was taken back.
+    /// Takes back the booking at `position`, whose caller will not claim it (it was told
+    /// the store was unavailable, or one of the booking's other buckets was reset): the
+    /// bucket gets what its refund gives, and the others' refunds keep only the room left
+    /// below the cap. Only the latest booking the bucket holds: one made after it was paid
+    /// as of its own ready time, forfeiting what the cap would take until then, part of
+    /// which the refund would hand out again; and paying such bookings again would move
+    /// them, and those before them, later than their waiters were told. A lapsed one only
+    /// while nothing wrote the bucket since it lapsed (its refund was last kept within the
+    /// room then). Returns whether it was taken back; if not, it stays paid.
     pub fn give_back_booking(&mut self, position: usize, now: u64) -> bool {
-        let lapse_at = self.bookings[position].lapse_at;
-        if lapse_at < now && self.seen_at > lapse_at {
+        let booking = &self.bookings[position];
+        let lapsed_since = booking.lapse_at < now && self.seen_at > booking.lapse_at;
+        // Made at the same instant counts as after (Redis cannot tell their order).
+        let made_after = self
+            .bookings
+            .iter()
+            .enumerate()
+            .any(|(at, b)| at != position && b.booked_at >= booking.booked_at);
+        if lapsed_since || made_after {
             return false;
         }
         let booking = self.bookings.swap_remove(position);
+        self.rewritten();
         self.base += booking.refund;
-        // Lapsed ones stay paid, and are not paid again as if still held.
-        self.drop_lapsed(now);
-        self.replan(|b| b.ready_at, now);
+        if let Some(limit) = self.limit {
+            self.limit_refunds(limit.capacity() - self.accrued(&limit, now), now);
+        }
         true
     }
 

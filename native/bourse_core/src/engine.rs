@@ -136,28 +136,18 @@ pub(crate) fn decide(
         pause_until,
         ..
     } = request;
-    // When could every bucket pay, and does each hold a booking?
-    let mut ready = now;
-    let mut starts: SmallVec<[f64; INLINE_CHECKS]> = SmallVec::new();
-    let mut all_booked = true;
-    for (i, (bucket, item)) in buckets.iter_mut().zip(items).enumerate() {
+    // Does any bucket hold a booking?
+    let mut any_booked = false;
+    for (i, bucket) in buckets.iter_mut().enumerate() {
         stats.lapsed += bucket.drop_lapsed(now) as u64;
         match pauses.get(i) {
             Some(&held_until) if held_until > now => bucket.hold_bookings(held_until, now),
             _ => {}
         }
-        all_booked &= !bucket.bookings.is_empty();
-        let start = bucket.start_under(&item.check.limit, now);
-        starts.push(start);
-        ready = ready.max(Bucket::ready_at(
-            &item.check.limit,
-            item.check.cost,
-            start,
-            now,
-        ));
+        any_booked |= !bucket.bookings.is_empty();
     }
-    // Does the caller hold a booking for this check on every bucket?
-    if all_booked {
+    if any_booked {
+        // Does the caller hold a booking for this check on every bucket?
         let signature = items_signature(items);
         let claim_ready = buckets.iter().try_fold(0, |at, bucket| {
             bucket
@@ -169,6 +159,28 @@ pub(crate) fn decide(
         if let Some(booked_ready) = claim_ready {
             return claim(buckets, stats, request, signature, booked_ready);
         }
+        // On some only (the others were reset since): given back there where it can be, as
+        // its caller never used it, else left paid; the check pays anew on every bucket.
+        for bucket in buckets.iter_mut() {
+            if let Some(position) = find_booking(bucket, owner, signature) {
+                if !bucket.give_back_booking(position, now) {
+                    bucket.remove_booking(position, now);
+                }
+            }
+        }
+    }
+    // When could every bucket pay?
+    let mut ready = now;
+    let mut starts: SmallVec<[f64; INLINE_CHECKS]> = SmallVec::new();
+    for (bucket, item) in buckets.iter().zip(items) {
+        let start = bucket.start_under(&item.check.limit, now);
+        starts.push(start);
+        ready = ready.max(Bucket::ready_at(
+            &item.check.limit,
+            item.check.cost,
+            start,
+            now,
+        ));
     }
     stats.paused += u64::from(pause_until > ready);
     ready = ready.max(pause_until);
@@ -227,11 +239,6 @@ fn pay_all(
             bucket.touch(now, 0);
             continue;
         };
-        // The caller's earlier booking of this check, left on some buckets only (the
-        // others were reset), is replaced; its cost stays paid, as a lapsed one's.
-        if let Some(position) = find_booking(bucket, booking.owner, booking.signature) {
-            bucket.remove_booking(position, now);
-        }
         bucket.pay(item.check.limit, item.check.cost, start, now, at);
         bucket.touch(now, at - now);
         let made = bucket

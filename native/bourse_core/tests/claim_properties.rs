@@ -10,6 +10,8 @@
 //! theirs goes out, and P1 holds over what did.
 //! SEEDS, START, RESETS=1 (resets too) and SHRINK=1 (shrinks the first failure) in the
 //! environment.
+use std::collections::HashSet;
+
 use bourse_core::{
     Check, Clock, Config, KeyRef, Limit, ManualClock, Mode, Outcome, PauseTarget, Table,
 };
@@ -174,6 +176,7 @@ fn run_ops(
     };
     let mut out: Vec<Vec<(u64, u64, f64)>> = vec![Vec::new(); NB];
     let mut waiters: Vec<Waiter> = Vec::new();
+    let mut gave_up: HashSet<u64> = HashSet::new();
     let mut reset_at: u64 = 0;
     let mut log: Vec<String> = Vec::new();
     let checks = |set: &[usize], cost: f64| -> Vec<Check<'static>> {
@@ -210,6 +213,7 @@ fn run_ops(
                 let now = clock.now();
                 if w.gives_up {
                     let given = table.unbook(w.owner, &checks(&w.set, w.cost)).unwrap();
+                    gave_up.insert(w.owner);
                     log.push(format!(
                         "{now} waiter {} set {:?} cost {} told {} gives up -> {given}",
                         w.owner, w.set, w.cost, w.told
@@ -348,6 +352,13 @@ fn run_ops(
                         booked_at: now,
                         gives_up,
                     });
+                }
+                // A booking its owner gave up and the table kept paid (one made after it
+                // holds the bucket): claimed by the owner's next check, paid once.
+                Outcome::Claimed if gave_up.remove(&owner) => {
+                    for &b in &set {
+                        out[b].push((now, now, cost));
+                    }
                 }
                 Outcome::Claimed => return Err("claimed without booking".into()),
                 _ => {}

@@ -366,69 +366,111 @@ fn a_booking_beside_others_stays_paid() {
 }
 
 #[test]
-fn a_booking_beside_others_is_unbooked_and_the_others_keep_their_turn() {
+fn the_latest_booking_is_unbooked_and_the_others_keep_their_turn() {
     let (clock, table) = set_up();
     table.check_rate(1, check(b"a", 10.0), Mode::Probe);
     assert_eq!(
         table.check_rate(1, check(b"a", 2.0), WAIT),
         Outcome::Booked(2_000)
     );
+    clock.advance(1);
     assert_eq!(
         table.check_rate(2, check(b"a", 3.0), WAIT),
         Outcome::Booked(5_000)
     );
+    clock.advance(1);
     assert_eq!(
         table.check_rate(3, check(b"a", 1.0), WAIT),
         Outcome::Booked(6_000)
     );
-    assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(true));
-    // Nothing left to give back: the booking is gone.
+    // Not while a booking made after it holds the bucket: it stays paid.
     assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(false));
-    assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 2);
-    clock.advance_ms(2_000);
+    assert_eq!(table.unbook(3, &[check(b"a", 1.0)]), Ok(true));
+    assert_eq!(table.unbook(3, &[check(b"a", 1.0)]), Ok(false));
+    assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(true));
+    assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 1);
+    // The first keeps its ready time: no earlier, no later.
+    clock.advance(1_999_000_000 - 2);
     assert_eq!(
         table.check_rate(1, check(b"a", 2.0), WAIT),
-        Outcome::Claimed
-    );
-    // The booking behind it keeps its ready time: no earlier, no later.
-    clock.advance_ms(3_999);
-    assert_eq!(
-        table.check_rate(3, check(b"a", 1.0), WAIT),
         Outcome::Delay(1)
     );
     clock.advance_ms(1);
     assert_eq!(
-        table.check_rate(3, check(b"a", 1.0), WAIT),
+        table.check_rate(1, check(b"a", 2.0), WAIT),
         Outcome::Claimed
     );
-    // The 3 tokens given back accrued meanwhile: 6 s of refill less the two claimed.
-    assert!((tokens(&table, b"a") - 3.0).abs() < 1e-9);
+    // Its 2 paid from the 2 refilled, where the two others would have left 4 owed.
+    assert!(tokens(&table, b"a").abs() < 1e-9);
+}
+
+#[test]
+fn a_booking_made_after_another_keeps_that_one_from_moving() {
+    let (clock, table) = set_up();
+    table.check_rate(9, check(b"x", 10.0), Mode::Probe);
+    table.check_rate(9, check(b"y", 10.0), Mode::Probe);
+    assert_eq!(
+        table.check_rate(1, check(b"x", 2.0), WAIT),
+        Outcome::Booked(2_000)
+    );
+    clock.advance(1);
+    assert_eq!(
+        table.check_rate(2, check(b"x", 1.0), WAIT),
+        Outcome::Booked(3_000)
+    );
+    assert_eq!(
+        table.check_rate(4, check(b"y", 10.0), WAIT),
+        Outcome::Booked(10_000)
+    );
+    clock.advance(1);
+    // Due when y covers it, at 15 s: on x it forfeits what x would hold past its cap.
+    let both = [check(b"x", 5.0), check(b"y", 5.0)];
+    assert_eq!(
+        table.check_rates(3, &both, WAIT),
+        Ok(Outcome::Booked(15_000))
+    );
+    let before = tokens(&table, b"x");
+    assert_eq!(table.unbook(2, &[check(b"x", 1.0)]), Ok(false));
+    assert_eq!(tokens(&table, b"x"), before);
+    // The latest, on both its buckets.
+    assert_eq!(table.unbook(3, &both), Ok(true));
+    clock.advance_ms(2_000);
+    assert_eq!(
+        table.check_rate(1, check(b"x", 2.0), WAIT),
+        Outcome::Claimed
+    );
+    clock.advance_ms(1_000);
+    assert_eq!(
+        table.check_rate(2, check(b"x", 1.0), WAIT),
+        Outcome::Claimed
+    );
 }
 
 #[test]
 fn an_unbooked_booking_gives_back_nothing_a_later_one_forfeited() {
     let (clock, table) = set_up();
     table.check_rate(1, check(b"a", 7.0), Mode::Probe);
-    // 3 tokens left: the first books 3 at once... as of 1 s on; the second, over the
+    // 3 tokens left: the first books 4 for a second from now; the second, over the
     // capacity, takes all the bucket can hold at its ready time.
     assert_eq!(
         table.check_rate(1, check(b"a", 4.0), WAIT),
         Outcome::Booked(1_000)
     );
+    clock.advance(1);
     assert_eq!(
         table.check_rate(2, check(b"a", 12.0), WAIT),
         Outcome::Booked(13_000)
     );
     clock.advance_ms(500);
-    assert_eq!(table.unbook(1, &[check(b"a", 4.0)]), Ok(true));
-    // Paid again without it, the second is due no earlier than it was told, and nothing
-    // beyond the capacity is left beside it then.
+    assert_eq!(table.unbook(1, &[check(b"a", 4.0)]), Ok(false));
     clock.advance_ms(12_500);
     assert_eq!(
         table.check_rate(2, check(b"a", 12.0), WAIT),
         Outcome::Claimed
     );
-    assert!(tokens(&table, b"a") < 1e-9, "{}", tokens(&table, b"a"));
+    assert!(tokens(&table, b"a") < 1e-6, "{}", tokens(&table, b"a"));
+    // Lapsed, and dropped by that claim: paid.
+    assert_eq!(table.unbook(1, &[check(b"a", 4.0)]), Ok(false));
 }
 
 #[test]

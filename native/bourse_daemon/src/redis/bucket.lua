@@ -718,6 +718,38 @@ local function remove_stored_booking(item, id, now)
   end
 end
 
+-- Takes back `gone`, of `list` (the bookings of `item`, its bucket loaded and defined),
+-- whose caller will not claim it (told Redis was unavailable, or another of its buckets was
+-- reset): the bucket gets what its refund gives, and the others' refunds keep only the
+-- room left below the cap (bourse_core's Bucket::give_back_booking). Only the latest
+-- booking the bucket holds (one made at the same instant counts as later): a later one was
+-- paid as of its own ready time, forfeiting what the cap would take until then, part of
+-- which the refund would hand out again. A lapsed one only while nothing wrote the bucket
+-- since it lapsed (its `t` and `z` no later). Returns whether it was taken back; if not, it
+-- stays paid. The caller saves the bucket.
+local function give_back_held(item, list, gone, now)
+  local bucket = item.bucket
+  for _, b in ipairs(list) do
+    if b ~= gone and not b.removed and b.booked_at >= gone.booked_at then
+      return false
+    end
+  end
+  if gone.lapse < now then
+    local lowered = tonumber(call('HGET', item.key, 'z')) or 0
+    if bucket.t > gone.lapse or lowered > gone.lapse then
+      return false
+    end
+  end
+  gone.removed = true
+  bucket.b = bucket.b + gone.refund
+  bucket.dirty = true
+  store_refunds(item, limit_refunds(list, now, bucket.c - accrued(bucket, now)))
+  know_refunds(item, list, now)
+  call('HDEL', item.key, 'w:' .. gone.id)
+  call('ZREM', item.wkey, gone.id)
+  return true
+end
+
 -- Marks a key without bookings `unbooked` (known for a new key or from its `k`, else read
 -- with one ZRANGE), so that neither `drop_lapsed` nor `keep` reads its bookings. A waiter's
 -- check reads the bookings key of an unbooked one too (ZCARD), which it may book on: a key
@@ -1253,6 +1285,28 @@ decide = function(now, k, at)
   if claim_ready then
     return items, claim(items, id, now, claim_ready, pause_until, lapsed)
   end
+  -- The caller's booking of this check, left on some buckets only (the others were reset
+  -- since): given back there where it can be, as its caller never used it, else left paid
+  -- (bourse_core's engine::decide); the check pays anew on every bucket.
+  local gave_back = false
+  for _, item in ipairs(items) do
+    if item.booking then
+      local list = bookings_of(item)
+      local gone = booking_in(list, id)
+      if not (gone and give_back_held(item, list, gone, now)) then
+        remove_stored_booking(item, id, now)
+      end
+      item.booking = nil
+      gave_back = true
+    end
+  end
+  if gave_back then
+    ready = now
+    for _, item in ipairs(items) do
+      item.start = start_under(item.bucket, item.c, item.r, now)
+      ready = math.max(ready, ready_at(item, now))
+    end
+  end
   local paused = pause_until > ready and 1 or 0
   ready = math.max(ready, pause_until)
   if ready <= now then
@@ -1274,11 +1328,6 @@ decide = function(now, k, at)
   local slack = tonumber(ARGV[at + 3])
   if max_wait > 0 and ms <= max_wait and room_to_book(items) then
     for _, item in ipairs(items) do
-      -- The caller's earlier booking of this check, left on some buckets only (the others
-      -- were reset), is replaced; its cost stays paid, as a lapsed one's.
-      if item.booking then
-        remove_stored_booking(item, id, now)
-      end
       pay(item, now, ready)
       local bucket = item.bucket
       bucket.refunds_at_most = bucket.refunds_at_most and bucket.refunds_at_most + item.cost
@@ -1430,40 +1479,19 @@ local function give_back_payment(key, wkey, c_text, r_text, cost, defined, paid_
   return true
 end
 
--- Takes back the booking `id` of the bucket `key`, whose caller was told Redis was
--- unavailable and will not claim it: the bucket gets what its refund gives, the others that
--- lapsed are dropped, and those held are paid again (`replan`), none earlier than it was
--- due: one made after it forfeited what the cap would take until its ready time, which the
--- refund must not hand out again (bourse_core's Bucket::give_back_booking). A lapsed one
--- only while nothing wrote the bucket since it lapsed (its `t` and `z` no later): its
--- refund was last kept within the room then; otherwise it stays paid, as lapsed ones do.
+-- Takes back the booking `id` of the bucket `key` (see `give_back_held`).
 local function give_back_booking(key, wkey, id, now)
   local bucket = load(key, now)
   if not bucket or not bucket.c then
     return false
   end
   local item = { key = key, wkey = wkey, bucket = bucket }
-  local gone = booking_in(bookings_of(item), id)
-  if not gone then
+  local list = bookings_of(item)
+  local gone = booking_in(list, id)
+  if not (gone and give_back_held(item, list, gone, now)) then
     return false
   end
-  if gone.lapse < now then
-    local lowered = tonumber(call('HGET', key, 'z')) or 0
-    if bucket.t > gone.lapse or lowered > gone.lapse then
-      return false
-    end
-  end
-  bucket.b = bucket.b + gone.refund
-  call('HDEL', key, 'w:' .. id)
-  call('ZREM', wkey, id)
-  drop_lapsed(item, now)
-  local list = bookings_of(item)
-  for _, b in ipairs(list) do
-    b.earliest = b.ready
-  end
-  replan(item, list, now)
   save(key, bucket)
-  keep(item, now, 0, true)
   return true
 end
 

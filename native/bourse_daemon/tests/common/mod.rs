@@ -674,9 +674,11 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
 }
 
-/// `unbook` gives back a waiter's booking beside others, which keep their ready times,
-/// but nothing a booking made after it forfeited to the cap (refill 0.001/s: delays are in
-/// thousands of seconds, and nothing refills during a test).
+/// `unbook` gives back a waiter's booking when no booking made after it holds its bucket
+/// (else it stays paid), leaving the others' ready times; and a waiter whose booking one
+/// of its buckets lost to a reset gets it back on the others when it checks again, paying
+/// once (refill 0.001/s: delays are in thousands of seconds, and nothing refills during a
+/// test).
 fn exercise_unbook(t: &mut impl Transport) {
     let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
     let waiter = |k: &Value, owner: u64, cost: f64| {
@@ -693,34 +695,49 @@ fn exercise_unbook(t: &mut impl Transport) {
     };
 
     // 2 left: 3 booked for 1,000 s from now, 1 more behind it for 2,000 s.
-    let k = key("unbook", Some("beside"));
+    let k = key("unbook", Some("latest"));
     assert_eq!(t.call(waiter(&k, 1, 8.0))["result"], "admitted");
     assert_eq!(booked_ms(t.call(waiter(&k, 2, 3.0))), 1_000_000);
     assert_eq!(booked_ms(t.call(waiter(&k, 3, 1.0))), 2_000_000);
     let before = borrowed(t, &k);
     assert_eq!(
         t.call(unbook(&k, 2, 3.0)),
-        json!({"ok": true, "given_back": true, "id": 9})
+        json!({"ok": true, "given_back": false, "id": 9})
     );
-    assert!((before - borrowed(t, &k) - 3.0).abs() < 1e-3, "{before}");
-    assert_eq!(t.call(unbook(&k, 2, 3.0))["given_back"], false);
+    assert!((before - borrowed(t, &k)).abs() < 1e-3, "{before}");
     assert_eq!(t.call(unbook(&k, 3, 2.0))["given_back"], false);
-    let early = t.call(waiter(&k, 3, 1.0));
+    assert_eq!(t.call(unbook(&k, 3, 1.0))["given_back"], true);
+    assert!((before - borrowed(t, &k) - 1.0).abs() < 1e-3, "{before}");
+    assert_eq!(t.call(unbook(&k, 3, 1.0))["given_back"], false);
+    let early = t.call(waiter(&k, 2, 3.0));
     assert_eq!(early["result"], "delay");
     assert!(
-        (1_999_000..=2_000_000).contains(&early["ms"].as_u64().unwrap()),
+        (999_000..=1_000_000).contains(&early["ms"].as_u64().unwrap()),
         "{early}"
     );
+    assert_eq!(t.call(unbook(&k, 2, 3.0))["given_back"], true);
+    assert!((before - borrowed(t, &k) - 4.0).abs() < 1e-3, "{before}");
 
     // 3 left: 4 booked for 1,000 s; 12, over the capacity, for 13,000 s takes everything
-    // the bucket can hold then. Without the first, it is still due then, and nothing beside it.
+    // the bucket can hold then, the first's 4 with it.
     let k = key("unbook", Some("forfeited"));
     assert_eq!(t.call(waiter(&k, 1, 7.0))["result"], "admitted");
     assert_eq!(booked_ms(t.call(waiter(&k, 2, 4.0))), 1_000_000);
     assert_eq!(booked_ms(t.call(waiter(&k, 3, 12.0))), 13_000_000);
     let before = borrowed(t, &k);
-    assert_eq!(t.call(unbook(&k, 2, 4.0))["given_back"], true);
+    assert_eq!(t.call(unbook(&k, 2, 4.0))["given_back"], false);
     assert!((before - borrowed(t, &k)).abs() < 1e-3, "{before}");
+
+    // Booked on two buckets, one reset since: checked again, it pays the other once.
+    let (reset, kept) = (key("unbook", Some("reset")), key("unbook", Some("kept")));
+    assert_eq!(t.call(waiter(&reset, 1, 10.0))["result"], "admitted");
+    assert_eq!(t.call(waiter(&kept, 1, 5.0))["result"], "admitted");
+    let both = json!({"op": "check_many", "owner": 5, "max_wait_ms": 4_294_967_295u64,
+                      "checks": [{"key": reset, "limit": slow}, {"key": kept, "limit": slow}]});
+    assert_eq!(booked_ms(t.call(both.clone())), 1_000_000);
+    assert_eq!(t.call(json!({"op": "reset", "key": reset}))["ok"], true);
+    assert_eq!(t.call(both)["result"], "admitted");
+    assert!((borrowed(t, &kept) - 6.0).abs() < 1e-3);
 
     let bad = t.call(json!({"op": "unbook", "checks": "all", "id": 10}));
     assert_eq!(
