@@ -32,8 +32,8 @@ defmodule Bourse.RateLimiter do
   later callers queue behind it and cheap traffic cannot starve a heavy call. The same
   process coming back with the same checks at the ready time is admitted against its
   booking without a second charge (unless the process forfeited its bookings, on every
-  limiter, when a waiter of it was admitted without its store's word: see
-  `wait_for_capacity/5`). A booking not claimed within `:booking_slack_ms` of its
+  limiter, when a waiter of it was admitted without its store's word or told
+  `:unavailable`: see `wait_for_capacity/5`). A booking not claimed within `:booking_slack_ms` of its
   ready time lapses; its cost stays paid.
 
   ## Usage
@@ -395,7 +395,8 @@ defmodule Bourse.RateLimiter do
   booking has lapsed (as any late waiter's), and the call answers `:unavailable`. A call
   answered `:unavailable` gives back the booking it made or came to claim: the store takes
   it back when it reads the request, where it is still the latest booking held
-  (docs/CONTRACT.md §8, "Stores").
+  (docs/CONTRACT.md §8, "Stores"); the process books under a new owner from then on, as
+  the store may read that request after the process's next check.
   """
   @spec wait_for_capacity(
           key(),
@@ -457,7 +458,10 @@ defmodule Bourse.RateLimiter do
           forfeit_bookings()
           admitted_after_wait(route, since, metadata)
         else
+          # Under a new owner from now on: the store may read the unbook after this
+          # process's next check, whose booking it must not give back.
           unbook(route, [owner, [{key, limit, cost}]])
+          forfeit_bookings()
           failed(unavailable, {:key, key})
         end
 
