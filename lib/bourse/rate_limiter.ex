@@ -33,8 +33,8 @@ defmodule Bourse.RateLimiter do
   process coming back with the same checks at the ready time is admitted against its
   booking without a second charge (unless the process forfeited its bookings, on every
   limiter, when a waiter of it was admitted without its store's word or told
-  `:unavailable`: see `wait_for_capacity/5`). A booking not claimed within `:booking_slack_ms` of its
-  ready time lapses; its cost stays paid.
+  `:unavailable`: see `wait_for_capacity/5`). A booking not claimed within
+  `:booking_slack_ms` of its ready time lapses; its cost stays paid.
 
   ## Usage
 

@@ -544,9 +544,9 @@ impl<C: Clock> Table<C> {
     }
 
     /// Takes back `caller`'s booking of `checks` (as [`Table::check_rates`] made it) on
-    /// each of their buckets that holds it, as [`Bucket::give_back_booking`] does: its
-    /// caller was told the store was unavailable and will not claim it. Returns whether
-    /// any bucket got it back.
+    /// each of their buckets where it is the latest booking held, as
+    /// [`Bucket::give_back_booking`] does: its caller was told the store was unavailable
+    /// and will not claim it. Returns whether any bucket got it back.
     pub fn unbook(
         &self,
         caller: impl Into<Caller>,

@@ -120,8 +120,8 @@ pub trait Store: Send + Sync + 'static {
         vec![false; receipts.len()]
     }
 
-    /// Takes back `requester`'s booking of `checks` on each of their buckets that holds it
-    /// ([`Table::unbook`]): its caller came to claim it and was told the store was
+    /// Takes back `requester`'s booking of `checks` on each of their buckets where it is the
+    /// latest booking held ([`Table::unbook`]): its caller was told the store was
     /// unavailable. Returns whether any bucket got it back.
     fn unbook(
         &self,

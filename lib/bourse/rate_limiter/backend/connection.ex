@@ -439,9 +439,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   @doc """
   Sends `request` without a deadline and without waiting for its answer, which is dropped
-  (id 0): the daemon runs it whenever it reads it. Dropped when the stream is broken: the
-  daemon's memory of what the request is about went with it, or is a reconnection's to
-  deal with.
+  (id 0): the daemon runs it whenever it reads it. Dropped when the stream is down, or
+  breaks before it is written.
   """
   @spec send_later(t(), map()) :: :ok
   def send_later(%__MODULE__{pid: pid}, request) do

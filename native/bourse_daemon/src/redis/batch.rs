@@ -458,9 +458,9 @@ async fn run(client: Arc<Client>, runs: Arc<Runs>, checks: Vec<Waiting>, turn: T
 }
 
 /// Gives back the booking the check `check` (its keys and arguments) made, its caller
-/// having come to claim it and been told Redis was unavailable (`unbook`); returns whether
-/// any bucket got it back. Run once, within the answer window: it may wait behind the
-/// claim, which Redis may still be working through.
+/// having been told Redis was unavailable (`unbook`); returns whether any bucket got it
+/// back. Run once, within the answer window: it may wait behind the caller's last check,
+/// which Redis may still be working through.
 pub async fn unbook(client: &Client, runs: &Runs, check: &Call) -> StoreResult<bool> {
     let mut call = script::refunds(0, client.passed(), &[("booked", check)]);
     runs.once(&mut call, client.answer_window());
