@@ -365,24 +365,20 @@ fn a_booking_beside_others_stays_paid() {
     assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 2);
 }
 
+/// Books `check` for `owner`, which waits `ms`, then moves the clock a nanosecond on: the
+/// next booking is made after it.
+fn book(clock: &ManualClock, table: &Table<ManualClock>, owner: u64, check: Check, ms: u64) {
+    assert_eq!(table.check_rate(owner, check, WAIT), Outcome::Booked(ms));
+    clock.advance(1);
+}
+
 #[test]
 fn the_latest_booking_is_unbooked_and_the_others_keep_their_turn() {
     let (clock, table) = set_up();
     table.check_rate(1, check(b"a", 10.0), Mode::Probe);
-    assert_eq!(
-        table.check_rate(1, check(b"a", 2.0), WAIT),
-        Outcome::Booked(2_000)
-    );
-    clock.advance(1);
-    assert_eq!(
-        table.check_rate(2, check(b"a", 3.0), WAIT),
-        Outcome::Booked(5_000)
-    );
-    clock.advance(1);
-    assert_eq!(
-        table.check_rate(3, check(b"a", 1.0), WAIT),
-        Outcome::Booked(6_000)
-    );
+    book(&clock, &table, 1, check(b"a", 2.0), 2_000);
+    book(&clock, &table, 2, check(b"a", 3.0), 5_000);
+    book(&clock, &table, 3, check(b"a", 1.0), 6_000);
     // Not while a booking made after it holds the bucket: it stays paid.
     assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(false));
     assert_eq!(table.unbook(3, &[check(b"a", 1.0)]), Ok(true));
@@ -390,16 +386,11 @@ fn the_latest_booking_is_unbooked_and_the_others_keep_their_turn() {
     assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(true));
     assert_eq!(table.inspect(key(b"a")).unwrap().bookings, 1);
     // The first keeps its ready time: no earlier, no later.
-    clock.advance(1_999_000_000 - 2);
-    assert_eq!(
-        table.check_rate(1, check(b"a", 2.0), WAIT),
-        Outcome::Delay(1)
-    );
+    clock.advance(1_999_000_000 - 3);
+    let first = || table.check_rate(1, check(b"a", 2.0), WAIT);
+    assert_eq!(first(), Outcome::Delay(1));
     clock.advance_ms(1);
-    assert_eq!(
-        table.check_rate(1, check(b"a", 2.0), WAIT),
-        Outcome::Claimed
-    );
+    assert_eq!(first(), Outcome::Claimed);
     // Its 2 paid from the 2 refilled, where the two others would have left 4 owed.
     assert!(tokens(&table, b"a").abs() < 1e-9);
 }
@@ -409,20 +400,9 @@ fn a_booking_made_after_another_keeps_that_one_from_moving() {
     let (clock, table) = set_up();
     table.check_rate(9, check(b"x", 10.0), Mode::Probe);
     table.check_rate(9, check(b"y", 10.0), Mode::Probe);
-    assert_eq!(
-        table.check_rate(1, check(b"x", 2.0), WAIT),
-        Outcome::Booked(2_000)
-    );
-    clock.advance(1);
-    assert_eq!(
-        table.check_rate(2, check(b"x", 1.0), WAIT),
-        Outcome::Booked(3_000)
-    );
-    assert_eq!(
-        table.check_rate(4, check(b"y", 10.0), WAIT),
-        Outcome::Booked(10_000)
-    );
-    clock.advance(1);
+    book(&clock, &table, 1, check(b"x", 2.0), 2_000);
+    book(&clock, &table, 2, check(b"x", 1.0), 3_000);
+    book(&clock, &table, 4, check(b"y", 10.0), 10_000);
     // Due when y covers it, at 15 s: on x it forfeits what x would hold past its cap.
     let both = [check(b"x", 5.0), check(b"y", 5.0)];
     assert_eq!(
@@ -452,15 +432,8 @@ fn an_unbooked_booking_gives_back_nothing_a_later_one_forfeited() {
     table.check_rate(1, check(b"a", 7.0), Mode::Probe);
     // 3 tokens left: the first books 4 for a second from now; the second, over the
     // capacity, takes all the bucket can hold at its ready time.
-    assert_eq!(
-        table.check_rate(1, check(b"a", 4.0), WAIT),
-        Outcome::Booked(1_000)
-    );
-    clock.advance(1);
-    assert_eq!(
-        table.check_rate(2, check(b"a", 12.0), WAIT),
-        Outcome::Booked(13_000)
-    );
+    book(&clock, &table, 1, check(b"a", 4.0), 1_000);
+    book(&clock, &table, 2, check(b"a", 12.0), 13_000);
     clock.advance_ms(500);
     assert_eq!(table.unbook(1, &[check(b"a", 4.0)]), Ok(false));
     clock.advance_ms(12_500);
