@@ -99,6 +99,8 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @first_backoff_ms 50
   @max_backoff_ms 2_000
   @orphan_grace_ms 5_000
+  # Requests sent later (`send_later/2`) kept while the stream is down.
+  @max_later 10_000
   @min_route_sweep_ms 100
   # A route still there this long past its caller's deadline is a dead caller's.
   @dead_route_ms 1_000
@@ -439,8 +441,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
   @doc """
   Sends `request` without a deadline and without waiting for its answer, which is dropped
-  (id 0): the daemon runs it whenever it reads it. Dropped when the stream is down, or
-  breaks before it is written.
+  (id 0): the daemon runs it whenever it reads it. While the stream is down, or if it
+  breaks before the request is written, the request waits for the next stream (at most
+  #{@max_later} such requests wait; further ones are dropped).
   """
   @spec send_later(t(), map()) :: :ok
   def send_later(%__MODULE__{pid: pid}, request) do
@@ -582,6 +585,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       partial: [],
       pending: [],
+      # Requests sent later, newest first, that wait for the next stream, and their count.
+      later: [],
+      later_count: 0,
       # The ids of paid answers read with no caller waiting, to ask back (`ask_back/2`).
       unclaimed: [],
       unsent: nil,
@@ -648,12 +654,17 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       | secret: state.secret && "[redacted]",
         env: for({name, _value} <- state.env, do: {name, ~c"[redacted]"}),
         pending: "#{length(state.pending)} frames",
+        later: "#{state.later_count} frames",
         unsent: state.unsent && "[redacted]",
         partial: "[redacted]"
     }
   end
 
   defp redact_message({:write, stream, id, _frame}), do: {:write, stream, id, "[redacted]"}
+
+  defp redact_message({:"$gen_cast", {:send_later, _}}),
+    do: {:"$gen_cast", {:send_later, "[redacted]"}}
+
   defp redact_message({from, {:data, _data}}), do: {from, {:data, "[redacted]"}}
   defp redact_message({:tcp, socket, _data}), do: {:tcp, socket, "[redacted]"}
   defp redact_message(message), do: message
@@ -682,12 +693,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   end
 
   @impl true
-  def handle_cast({:send_later, _request}, %{stream: nil} = state), do: {:noreply, state}
-
   def handle_cast({:send_later, request}, state) do
     frame = encode(0, request)
-    pending = [{:later, PortStream.frame(frame, byte_size(frame))} | state.pending]
-    {:noreply, write_pending(%{state | pending: pending})}
+    later = {:later, PortStream.frame(frame, byte_size(frame))}
+
+    case state do
+      %{stream: nil} -> {:noreply, keep_later(state, [later])}
+      _up -> {:noreply, write_pending(%{state | pending: [later | state.pending]})}
+    end
   end
 
   def handle_cast(request, state) do
@@ -1167,6 +1180,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     answer_routes(state.table, routes, error)
 
     if is_reference(state.retry_timer), do: Process.cancel_timer(state.retry_timer)
+    state = keep_later(state, for({:later, _frame} = later <- state.pending, do: later))
 
     %{
       state
@@ -1179,6 +1193,18 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         silence_probe: nil,
         silenced: nil
     }
+  end
+
+  # Requests sent later that found no stream wait for the next one, up to @max_later.
+  defp keep_later(%{later_count: count} = state, frames) do
+    kept = Enum.take(frames, @max_later - count)
+    %{state | later: kept ++ state.later, later_count: count + length(kept)}
+  end
+
+  # Written to a new stream before callers can write theirs.
+  defp send_kept_later(state) do
+    pending = state.later ++ state.pending
+    write_pending(%{state | later: [], later_count: 0, pending: pending})
   end
 
   # What callers read before they write: the stream and the daemon's frame limit, or `nil`
@@ -1268,6 +1294,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       state = connected(state, stream, hello)
       state = if new_table?, do: state |> note_store_lost() |> pauses_again(), else: state
+      state = send_kept_later(state)
       publish(state, stream, hello["max_frame_bytes"])
       {:ok, keepalive(state, hello["idle_timeout_ms"])}
     end

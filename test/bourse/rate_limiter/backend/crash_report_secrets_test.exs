@@ -7,6 +7,7 @@ defmodule Bourse.RateLimiter.Backend.CrashReportSecretsTest do
 
   import ExUnit.CaptureLog
   import Bourse.BackendCase, only: [handle: 1, start_daemon: 1, start_limiter: 1]
+  import Bourse.ContractCase, only: [eventually: 1]
 
   alias Bourse.{DaemonServer, RedisServer}
 
@@ -46,6 +47,27 @@ defmodule Bourse.RateLimiter.Backend.CrashReportSecretsTest do
       refute log =~ DaemonServer.secret()
       refute log =~ @password
     end
+  end
+
+  test "a crashed connection's report shows no key of a request kept for the next stream" do
+    daemon = start_daemon(["--listen", "127.0.0.1:0"])
+    name = start_limiter({:daemon, daemon.tcp})
+    System.cmd("kill", ["-9", "#{daemon.os_pid}"])
+    handle = handle(name)
+    key = {"crash", "api-key-0123456789"}
+
+    eventually(fn ->
+      match?({:error, %{type: :unavailable}}, Bourse.RateLimiter.inspect_key(key, name))
+    end)
+
+    limit = %{capacity: 1, refill_per_sec: 1}
+    Bourse.RateLimiter.Backend.Protocol.unbook(handle, self(), [{key, limit, 1}])
+    assert :sys.get_state(handle.pid).later_count == 1
+    log = crash_report(fn -> :sys.terminate(handle.pid, :crash_report_test) end)
+    assert log =~ "terminating"
+    refute log =~ "api-key-0123456789"
+    # Nor an encoded request (a map in the external term format), shown as bytes.
+    refute log =~ "<<131, 116,"
   end
 
   test "a crashed limiter's report shows no Redis password", %{redis: redis} do

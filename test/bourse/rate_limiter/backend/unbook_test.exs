@@ -29,6 +29,31 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     end)
   end
 
+  test "a waiter told :unavailable while the connection to the daemon is down" do
+    socket = Bourse.TempPath.new("unbook", ".sock")
+    daemon = start_daemon(["--socket", socket])
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
+    name = start_limiter({:daemon, {:unix, socket}, timeout: 300}, "unbook", @slack)
+    key = {"unbook", "down"}
+    assert :ok = RateLimiter.check_rate(key, @limit, 10, name)
+    drained_at = System.monotonic_time(:millisecond)
+
+    # Books 3 tokens, due in 3 s.
+    waiter =
+      Task.async(fn -> RateLimiter.wait_for_capacity(key, @limit, 3, name, max_wait_ms: 5_000) end)
+
+    Process.sleep(200)
+    assert RateLimiter.inspect_key(key, name).bookings == 1
+    OsSignal.send(daemon.os_pid, "STOP")
+    # Unanswered: the connection probes the daemon, and gives the stream up 1 s later.
+    assert {:error, %Error{type: :unavailable}} = RateLimiter.inspect_key(key, name)
+    assert {:error, %Error{type: :unavailable}} = Task.await(waiter, 15_000)
+    # The connection tries again meanwhile, and finds no hello.
+    Process.sleep(1_000)
+    OsSignal.send(daemon.os_pid, "CONT")
+    assert_refilled(key, name, drained_at)
+  end
+
   test "a check_rates waiter over two buckets comes back to a stopped daemon" do
     socket = Bourse.TempPath.new("unbook", ".sock")
     daemon = start_daemon(["--socket", socket])
@@ -94,13 +119,20 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     stop.()
     assert {:error, %Error{type: :unavailable}} = Task.await(waiter, 15_000)
     resume.()
+    assert_refilled(key, name, drained_at)
+  end
 
+  # Waits for the bucket to hold all it refilled since `drained_at`.
+  defp assert_refilled(key, name, drained_at) do
     eventually(
       fn ->
         refilled = (System.monotonic_time(:millisecond) - drained_at) / 1000
-        info = RateLimiter.inspect_key(key, name)
-        # A paid booking would leave a token less: what refilled, less 1.
-        info.bookings == 0 and info.tokens > refilled - 0.5
+        # A paid booking would leave a token less: what refilled, less 1. (Unavailable
+        # while the connection is made again.)
+        case RateLimiter.inspect_key(key, name) do
+          %{bookings: 0, tokens: tokens} -> tokens > refilled - 0.5
+          _booked_or_unavailable -> false
+        end
       end,
       5_000
     )
