@@ -735,13 +735,22 @@ defmodule Bourse.RateLimiter.Feedback do
   # Another Binance market than spot whose limit of a used counter is Binance spot's
   # default, no profile, configuration or `put_header_limits/2` naming its own: said once
   # per header in the VM's life (a few terms kept, whatever the ids), as it may be higher
-  # than the market's own.
+  # than the market's own. The first replies read at once take a lock (on this node), so
+  # that only one of them says it.
   defp warn_if_defaulted("binance", _header), do: :ok
 
   defp warn_if_defaulted(exchange_id, header) do
     warned = {__MODULE__, :defaulted, header}
 
     unless :persistent_term.get(warned, false) or own_limit?(exchange_id, header) do
+      :global.trans({warned, self()}, fn -> warn_once(warned, exchange_id, header) end, [node()])
+    end
+
+    :ok
+  end
+
+  defp warn_once(warned, exchange_id, header) do
+    unless :persistent_term.get(warned, false) do
       :persistent_term.put(warned, true)
 
       Logger.warning(
@@ -751,8 +760,6 @@ defmodule Bourse.RateLimiter.Feedback do
           "#{inspect(exchange_id)}), use its profile's id, or set it (put_header_limits/2)"
       )
     end
-
-    :ok
   end
 
   defp own_limit?(exchange_id, header) do
