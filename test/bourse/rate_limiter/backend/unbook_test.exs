@@ -19,46 +19,34 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
   @slack [booking_slack_ms: 50]
 
   test "the shared in-memory daemon stopped while the waiter sleeps" do
-    socket = Bourse.TempPath.new("unbook", ".sock")
-    daemon = start_daemon(["--socket", socket])
-    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
-    name = start_limiter({:daemon, {:unix, socket}, timeout: 300}, "unbook", @slack)
+    {name, os_pid} = shared_daemon()
 
-    assert_booking_given_back(name, fn -> OsSignal.send(daemon.os_pid, "STOP") end, fn ->
-      OsSignal.send(daemon.os_pid, "CONT")
+    assert_booking_given_back(name, fn -> OsSignal.send(os_pid, "STOP") end, fn ->
+      OsSignal.send(os_pid, "CONT")
     end)
   end
 
   test "a waiter told :unavailable while the connection to the daemon is down" do
-    socket = Bourse.TempPath.new("unbook", ".sock")
-    daemon = start_daemon(["--socket", socket])
-    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
-    name = start_limiter({:daemon, {:unix, socket}, timeout: 300}, "unbook", @slack)
-    key = {"unbook", "down"}
-    assert :ok = RateLimiter.check_rate(key, @limit, 10, name)
-    drained_at = System.monotonic_time(:millisecond)
+    {name, os_pid} = shared_daemon()
 
-    # Books 3 tokens, due in 3 s.
-    waiter =
-      Task.async(fn -> RateLimiter.wait_for_capacity(key, @limit, 3, name, max_wait_ms: 5_000) end)
+    stop = fn ->
+      OsSignal.send(os_pid, "STOP")
+      # Unanswered: the connection probes the daemon, and gives the stream up 1 s later,
+      # before the waiter (due in 3 s) comes to claim.
+      assert {:error, %Error{type: :unavailable}} = RateLimiter.inspect_key({"unbook", "-"}, name)
+    end
 
-    Process.sleep(200)
-    assert RateLimiter.inspect_key(key, name).bookings == 1
-    OsSignal.send(daemon.os_pid, "STOP")
-    # Unanswered: the connection probes the daemon, and gives the stream up 1 s later.
-    assert {:error, %Error{type: :unavailable}} = RateLimiter.inspect_key(key, name)
-    assert {:error, %Error{type: :unavailable}} = Task.await(waiter, 15_000)
-    # The connection tries again meanwhile, and finds no hello.
-    Process.sleep(1_000)
-    OsSignal.send(daemon.os_pid, "CONT")
-    assert_refilled(key, name, drained_at)
+    resume = fn ->
+      # The connection tries again meanwhile, and finds no hello.
+      Process.sleep(1_000)
+      OsSignal.send(os_pid, "CONT")
+    end
+
+    assert_booking_given_back(name, stop, resume, 3)
   end
 
   test "a check_rates waiter over two buckets comes back to a stopped daemon" do
-    socket = Bourse.TempPath.new("unbook", ".sock")
-    daemon = start_daemon(["--socket", socket])
-    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
-    name = start_limiter({:daemon, {:unix, socket}, timeout: 300}, "unbook", @slack)
+    {name, os_pid} = shared_daemon()
     {a, b} = {{"unbook", "a"}, {"unbook", "b"}}
     # Never short: the booking waits on `a` alone, and is paid on both.
     roomy = %{capacity: 100, refill_per_sec: 0.001}
@@ -67,13 +55,13 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     drained_at = System.monotonic_time(:millisecond)
     assert {:delay, ms} = RateLimiter.check_rates(checks, name, max_wait_ms: 5_000)
     assert RateLimiter.get_cost(b, nil, name) > 4.99
-    OsSignal.send(daemon.os_pid, "STOP")
+    OsSignal.send(os_pid, "STOP")
     Process.sleep(ms)
 
     assert {:error, %Error{type: :unavailable}} =
              RateLimiter.check_rates(checks, name, max_wait_ms: 5_000)
 
-    OsSignal.send(daemon.os_pid, "CONT")
+    OsSignal.send(os_pid, "CONT")
     eventually(fn -> RateLimiter.get_cost(b, nil, name) < 0.01 end, 5_000)
     refilled = (System.monotonic_time(:millisecond) - drained_at) / 1000
     assert RateLimiter.inspect_key(a, name).tokens > refilled - 0.5
@@ -103,31 +91,37 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     end
   end
 
-  # Drains a bucket, has a waiter book a token, stops the store (`stop`) while the waiter
-  # sleeps, resumes it (`resume`) once the waiter was told `:unavailable`, then waits for the
-  # bucket to hold all it refilled since it was drained.
-  defp assert_booking_given_back(name, stop, resume) do
+  # A limiter on a shared in-memory daemon of its own, and the daemon's OS pid.
+  defp shared_daemon do
+    socket = Bourse.TempPath.new("unbook", ".sock")
+    daemon = start_daemon(["--socket", socket])
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{daemon.os_pid}"], stderr_to_stdout: true) end)
+    {start_limiter({:daemon, {:unix, socket}, timeout: 300}, "unbook", @slack), daemon.os_pid}
+  end
+
+  # Drains a bucket, has a waiter book `cost` tokens (due in `cost` s), stops the store
+  # (`stop`) while the waiter sleeps, resumes it (`resume`) once the waiter was told
+  # `:unavailable`, then waits for the bucket to hold all it refilled since it was drained.
+  defp assert_booking_given_back(name, stop, resume, cost \\ 1) do
     key = {"unbook", "k#{System.unique_integer([:positive])}"}
     assert :ok = RateLimiter.check_rate(key, @limit, 10, name)
     drained_at = System.monotonic_time(:millisecond)
 
     waiter =
-      Task.async(fn -> RateLimiter.wait_for_capacity(key, @limit, 1, name, max_wait_ms: 5_000) end)
+      Task.async(fn ->
+        RateLimiter.wait_for_capacity(key, @limit, cost, name, max_wait_ms: 5_000)
+      end)
 
     Process.sleep(400)
     assert RateLimiter.inspect_key(key, name).bookings == 1
     stop.()
     assert {:error, %Error{type: :unavailable}} = Task.await(waiter, 15_000)
     resume.()
-    assert_refilled(key, name, drained_at)
-  end
 
-  # Waits for the bucket to hold all it refilled since `drained_at`.
-  defp assert_refilled(key, name, drained_at) do
     eventually(
       fn ->
         refilled = (System.monotonic_time(:millisecond) - drained_at) / 1000
-        # A paid booking would leave a token less: what refilled, less 1. (Unavailable
+        # A paid booking would leave `cost` tokens less: what refilled, less `cost`. (Unavailable
         # while the connection is made again.)
         case RateLimiter.inspect_key(key, name) do
           %{bookings: 0, tokens: tokens} -> tokens > refilled - 0.5
