@@ -601,7 +601,7 @@ class BourseClient:
              window_left_ms: int, axis: str = "request") -> float:
         """Follows an exchange's used-weight header: the exchange allows only `allowance`
         more cost until its window ends in `window_left_ms`; the key's tokens are lowered
-        to fit (never raised). Returns the tokens taken."""
+        to fit, with its bookings due by then (never raised). Returns the tokens taken."""
         return self.request("sync", key=key(exchange, credential, axis), allowance=allowance,
                             window_left_ms=window_left_ms)["taken"]
 

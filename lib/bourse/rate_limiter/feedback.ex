@@ -119,7 +119,9 @@ defmodule Bourse.RateLimiter.Feedback do
   `W - rem(now, W)` ms; nothing new when that is negative, and no debt past the window,
   which the exchange forgets (bookings made before keep their turn: they were paid). Its own requests are in `used` and already gone from its tokens,
   so a correctly sized bucket alone on the counter is never lowered; what other programs
-  on the IP or account spent is taken off. A bucket sized above the exchange's limit
+  on the IP or account spent is taken off. Its bookings due before the window ends are
+  gone from its tokens but not yet in `used` (their requests are not sent yet): they take
+  their part of the allowance as well. A bucket sized above the exchange's limit
   (`%{requests: 6000, period: 60_000}` may spend `B = 12_000` in one minute) is held to
   `L` as soon as a reply says how much of it is spent.
 

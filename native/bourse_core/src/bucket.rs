@@ -408,6 +408,15 @@ impl Bucket {
             .map_or(until, |b| b.ready_at)
     }
 
+    /// The cost of the bookings not lapsed at `now` that are due by `until`: their waiters
+    /// may send them before then.
+    pub fn booked_by(&self, until: u64, now: u64) -> f64 {
+        self.bookings
+            .iter()
+            .filter(|b| b.lapse_at >= now && b.ready_at <= until)
+            .fold(0.0, |sum, b| sum + b.cost)
+    }
+
     /// What the bookings not lapsed at `now` give back when paid again, together.
     fn refunds(&self, now: u64) -> f64 {
         self.bookings

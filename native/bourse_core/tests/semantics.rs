@@ -1213,6 +1213,39 @@ fn sync_lowers_tokens_to_what_the_exchange_still_allows() {
 }
 
 #[test]
+fn sync_leaves_room_for_the_bookings_due_within_the_window() {
+    // Found by a fake exchange: waiters had booked, then a reading allowed 5 more in the
+    // window; the bucket let out the bookings (which the exchange had not counted) and 5
+    // new requests besides: 11 of 10, a 429. Now the bookings due by the window's end fit
+    // the allowance with the new requests.
+    let (t, clock) = table();
+    let l = limit(2.0, 8.0);
+    assert_eq!(probe(&t, "ip", l, 2.0), Outcome::Admitted);
+    assert_eq!(wait(&t, OTHER, "ip", l, 3.0), Outcome::Booked(375));
+    assert_eq!(t.sync(key("ip"), 5.0, 1_000), 3.0);
+    assert_eq!(t.inspect(key("ip")).unwrap().tokens, -6.0);
+    let mut sent = 0.0;
+    for ms in 1..1_000 {
+        clock.advance_ms(1);
+        if ms == 375 {
+            assert_eq!(wait(&t, OTHER, "ip", l, 3.0), Outcome::Claimed);
+            sent += 3.0;
+        }
+        if probe(&t, "ip", l, 1.0) == Outcome::Admitted {
+            sent += 1.0;
+        }
+    }
+    assert_eq!(sent, 4.0);
+    // A booking due after the window's end goes out in the next window: not counted.
+    clock.advance_ms(1);
+    assert_eq!(probe(&t, "ip", l, 1.0), Outcome::Admitted);
+    assert_eq!(wait(&t, OTHER, "ip", l, 3.0), Outcome::Booked(375));
+    assert_eq!(t.sync(key("ip"), 0.0, 300), 0.0);
+    // Due within 400 ms: 3.2 tokens of refill and the booking's 3 fit no allowance.
+    assert_eq!(t.sync(key("ip"), 0.0, 400), 3.2);
+}
+
+#[test]
 fn sync_of_an_exchange_counted_past_its_limit_leaves_no_debt_past_its_window() {
     let (t, clock) = table();
     let l = limit(2.0, 8.0);

@@ -1395,11 +1395,23 @@ local function record(now)
   return 'recorded ' .. fmt_time(now) .. ' ' .. (n or '-')
 end
 
+-- The cost of the bookings of `list` not lapsed at `now` that are due by `due_by`
+-- (bourse_core's Bucket::booked_by).
+local function booked_by(list, due_by, now)
+  local total = 0
+  for _, b in ipairs(list) do
+    if b.lapse >= now and b.ready <= due_by then
+      total = total + b.cost
+    end
+  end
+  return total
+end
+
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
 -- tokens so that they plus the refill until the window ends fit the allowance (a negative
--- one as 0: no debt past the window); never raises them. Returns the tokens taken. Noted
--- in `z` even when it takes nothing: the bucket with a payment given back would have been
--- lowered.
+-- one as 0: no debt past the window), less the bookings due by then (paid, not yet sent);
+-- never raises them. Returns the tokens taken. Noted in `z` even when it takes nothing: the
+-- bucket with a payment given back would have been lowered.
 local function sync(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local bucket = load(item.key, now)
@@ -1409,7 +1421,10 @@ local function sync(now)
   call('HSET', item.key, 'z', fmt_time(now))
   item.bucket = bucket
   local before = tokens(bucket, now)
-  local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * tonumber(ARGV[3]) / 1000
+  local window_left_ms = tonumber(ARGV[3])
+  local booked = booked_by(bookings_of(item), now + window_left_ms * 1000, now)
+  local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * window_left_ms / 1000
+    - booked
   -- The bucket without the bookings holds at most `max_tokens` as well.
   limit_stored_refunds(item, now, math.min(bucket.c, max_tokens) - accrued(bucket, now))
   if max_tokens < before then

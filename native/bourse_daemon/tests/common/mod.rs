@@ -671,7 +671,29 @@ pub fn exercise_every_op(t: &mut impl Transport) {
     assert_eq!(t.call(json!({"op": "stats"}))["stats"]["buckets"], 0);
 
     exercise_unbook(t);
+    exercise_sync_beside_bookings(t);
     assert_eq!(t.call(json!({"op": "reset_all"})), json!({"ok": true}));
+}
+
+/// `sync` leaves room in the allowance for the bookings due before the window ends (paid,
+/// but not yet counted by the exchange), and none for those due after it.
+fn exercise_sync_beside_bookings(t: &mut impl Transport) {
+    let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
+    let k = key("sync", Some("booked"));
+    let check = |cost: f64| {
+        json!({"op": "check", "key": k, "limit": slow, "cost": cost, "owner": 2,
+               "max_wait_ms": 4_294_967_295u64})
+    };
+    let sync = |allowance: f64, window_left_ms: u64| json!({"op": "sync", "key": k, "allowance": allowance, "window_left_ms": window_left_ms});
+    // 2 left, then 3 booked for 1,000 s from now: -1.
+    assert_eq!(t.call(check(8.0))["result"], "admitted");
+    assert_eq!(t.call(check(3.0))["result"], "booked");
+    // Due after a window of 500 s: the allowance (0) less its refill (0.5) only.
+    let taken = t.call(sync(0.0, 500_000))["taken"].as_f64().unwrap();
+    assert!(taken < 1e-3, "{taken}");
+    // Due within 2,000 s: 2 of the allowance of 2 refill, 3 are booked: -3.
+    let taken = t.call(sync(2.0, 2_000_000))["taken"].as_f64().unwrap();
+    assert!((taken - 2.0).abs() < 1e-3, "{taken}");
 }
 
 /// `unbook` gives back a waiter's booking when no booking made after it holds its bucket
