@@ -408,12 +408,44 @@ impl Bucket {
             .map_or(until, |b| b.ready_at)
     }
 
-    /// The cost of the bookings not lapsed at `now` that are due by `until`: their waiters
-    /// may send them before then.
-    pub fn booked_by(&self, until: u64, now: u64) -> f64 {
+    /// Holds the bookings due before `until` (a used-weight window's end) beyond `room`
+    /// together, first made first, until `until`: from the first that `room` cannot cover
+    /// on, they go out after it, in their order, paid again as of their new ready times
+    /// ([`Bucket::replan`]). Those before it keep their ready times.
+    pub fn hold_bookings_beyond(&mut self, room: f64, until: u64, now: u64) {
+        let mut due: SmallVec<[(u64, u64, f64); 8]> = self
+            .bookings
+            .iter()
+            .filter(|b| b.lapse_at >= now && b.ready_at < until)
+            .map(|b| (b.booked_at, b.made, b.cost))
+            .collect();
+        due.sort_unstable_by(|x, y| (x.0, x.1).cmp(&(y.0, y.1)));
+        let mut left = room.max(0.0);
+        let first_held = due.iter().find_map(|&(booked_at, made, cost)| {
+            if covers(left, cost) {
+                left -= cost;
+                None
+            } else {
+                Some((booked_at, made))
+            }
+        });
+        if let Some(first_held) = first_held {
+            self.replan(
+                |b| match (b.booked_at, b.made) >= first_held {
+                    true => b.ready_at.max(until),
+                    false => b.ready_at,
+                },
+                now,
+            );
+        }
+    }
+
+    /// The cost of the bookings not lapsed at `now` that are due before `until`: their
+    /// waiters may send them before then.
+    pub fn booked_before(&self, until: u64, now: u64) -> f64 {
         self.bookings
             .iter()
-            .filter(|b| b.lapse_at >= now && b.ready_at <= until)
+            .filter(|b| b.lapse_at >= now && b.ready_at < until)
             .fold(0.0, |sum, b| sum + b.cost)
     }
 

@@ -688,7 +688,8 @@ impl<C: Clock> Table<C> {
     /// Brings `key`'s bucket in line with an exchange that allows only `allowance` more
     /// cost until its window ends in `window_left_ms`: the tokens are lowered so that they
     /// plus the refill until then fit the allowance, less the bookings due by then (paid
-    /// here, but not yet sent, so not in the exchange's count). A negative allowance (the
+    /// here, but not yet sent, so not in the exchange's count); those the allowance cannot
+    /// cover, first made first, go out once the window ends. A negative allowance (the
     /// exchange counted more than its limit) allows nothing until the window ends, and no
     /// debt past it: the exchange forgets its count then. Never raises the tokens; a key
     /// without a definition is left alone. Returns the tokens taken.
@@ -705,7 +706,8 @@ impl<C: Clock> Table<C> {
         let before = bucket.tokens(now);
         let refill = limit.refill_per_sec() * window_left_ms as f64 / 1000.0;
         let window_end = now.saturating_add(window_left_ms.saturating_mul(NANOS_PER_MS));
-        let booked = bucket.booked_by(window_end, now);
+        bucket.hold_bookings_beyond(allowance, window_end, now);
+        let booked = bucket.booked_before(window_end, now);
         bucket.lower_to(allowance.max(0.0) - refill - booked, now);
         before - bucket.tokens(now)
     }

@@ -52,10 +52,26 @@ defmodule Bourse.ContractTests.Bookings do
           assert_delay(check_rates([{key, limit, 3}], name, max_wait_ms: 60_000), 900..1_000)
           # A window of 500 ms ends before it: only the allowance (0) less its refill.
           assert Bourse.RateLimiter.sync(key, 0, 500, name) < 0.05
-          # Within 2 s: the refill (2) and the booking (3) take an allowance of 2, and 3 more:
-          # the tokens go to -3.
+          # Within 2 s: the refill (2) and the booking (3) take an allowance of 3, and 2 more:
+          # the tokens go to -2.
           tokens = limit.capacity - get_cost(key, 1, name)
-          assert_in_delta Bourse.RateLimiter.sync(key, 2, 2_000, name), tokens + 3, 0.05
+          assert_in_delta Bourse.RateLimiter.sync(key, 3, 2_000, name), tokens + 2, 0.05
+        end
+
+        test "sync holds the bookings the allowance cannot cover until the window ends",
+             %{name: name} do
+          limit = %{capacity: 10, refill_per_sec: 1}
+          key = {"ex", "k"}
+          drain(key, limit, 8, name)
+          booked = System.monotonic_time(:millisecond)
+          assert_delay(check_rates([{key, limit, 3}], name, max_wait_ms: 60_000), 900..1_000)
+          # Nothing more in the window's next 1.5 s: the booking goes out after it.
+          Bourse.RateLimiter.sync(key, 0, 1_500, name)
+          Process.sleep(max(booked + 1_000 - System.monotonic_time(:millisecond), 0))
+          ms = assert_delay(check_rates([{key, limit, 3}], name, max_wait_ms: 60_000), 1..600)
+          Process.sleep(ms)
+          assert :ok = check_rates([{key, limit, 3}], name, max_wait_ms: 60_000)
+          assert System.monotonic_time(:millisecond) - booked >= 1_500
         end
 
         test "the same process comes back after the delay: :ok, not charged again",

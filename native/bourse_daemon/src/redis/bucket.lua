@@ -1395,12 +1395,37 @@ local function record(now)
   return 'recorded ' .. fmt_time(now) .. ' ' .. (n or '-')
 end
 
--- The cost of the bookings of `list` not lapsed at `now` that are due by `due_by`
--- (bourse_core's Bucket::booked_by).
-local function booked_by(list, due_by, now)
+-- Holds the bookings of `list` due before `window_end` beyond `room` together, first made
+-- first, until `window_end`: from the first that `room` cannot cover on, they go out after
+-- it, in their order, paid again (bourse_core's Bucket::hold_bookings_beyond).
+local function hold_bookings_beyond(item, list, room, window_end, now)
+  table.sort(list, in_booking_order)
+  local left, first_held = math.max(room, 0), nil
+  for _, b in ipairs(list) do
+    if b.lapse >= now and b.ready < window_end then
+      if not covers(left, b.cost) then
+        first_held = b
+        break
+      end
+      left = left - b.cost
+    end
+  end
+  if not first_held then
+    return
+  end
+  for _, b in ipairs(list) do
+    local held = not in_booking_order(b, first_held)
+    b.earliest = held and math.max(b.ready, window_end) or b.ready
+  end
+  replan(item, list, now)
+end
+
+-- The cost of the bookings of `list` not lapsed at `now` that are due before `window_end`
+-- (bourse_core's Bucket::booked_before).
+local function booked_before(list, window_end, now)
   local total = 0
   for _, b in ipairs(list) do
-    if b.lapse >= now and b.ready <= due_by then
+    if b.lapse >= now and b.ready < window_end then
       total = total + b.cost
     end
   end
@@ -1409,8 +1434,8 @@ end
 
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
 -- tokens so that they plus the refill until the window ends fit the allowance (a negative
--- one as 0: no debt past the window), less the bookings due by then (paid, not yet sent);
--- never raises them. Returns the tokens taken. Noted in `z` even when it takes nothing: the
+-- one as 0: no debt past the window), less the bookings due by then (paid, not yet sent),
+-- those it cannot cover going out once the window ends; never raises them. Returns the tokens taken. Noted in `z` even when it takes nothing: the
 -- bucket with a payment given back would have been lowered.
 local function sync(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
@@ -1421,10 +1446,12 @@ local function sync(now)
   call('HSET', item.key, 'z', fmt_time(now))
   item.bucket = bucket
   local before = tokens(bucket, now)
-  local window_left_ms = tonumber(ARGV[3])
-  local booked = booked_by(bookings_of(item), now + window_left_ms * 1000, now)
-  local max_tokens = math.max(tonumber(ARGV[2]), 0) - bucket.r * window_left_ms / 1000
-    - booked
+  local allowance, window_left_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
+  local window_end = now + window_left_ms * 1000
+  local list = bookings_of(item)
+  hold_bookings_beyond(item, list, allowance, window_end, now)
+  local max_tokens = math.max(allowance, 0) - bucket.r * window_left_ms / 1000
+    - booked_before(list, window_end, now)
   -- The bucket without the bookings holds at most `max_tokens` as well.
   limit_stored_refunds(item, now, math.min(bucket.c, max_tokens) - accrued(bucket, now))
   if max_tokens < before then

@@ -676,24 +676,40 @@ pub fn exercise_every_op(t: &mut impl Transport) {
 }
 
 /// `sync` leaves room in the allowance for the bookings due before the window ends (paid,
-/// but not yet counted by the exchange), and none for those due after it.
+/// but not yet counted by the exchange), none for those due after it, and holds those the
+/// allowance cannot cover until the window ends.
 fn exercise_sync_beside_bookings(t: &mut impl Transport) {
     let slow = json!({"capacity": 10, "refill_per_sec": 0.001});
-    let k = key("sync", Some("booked"));
-    let check = |cost: f64| {
+    let check = |k: &Value, cost: f64| {
         json!({"op": "check", "key": k, "limit": slow, "cost": cost, "owner": 2,
                "max_wait_ms": 4_294_967_295u64})
     };
-    let sync = |allowance: f64, window_left_ms: u64| json!({"op": "sync", "key": k, "allowance": allowance, "window_left_ms": window_left_ms});
+    let sync = |t: &mut dyn Transport, k: &Value, allowance: f64, window_left_ms: u64| {
+        let request = json!({"op": "sync", "key": k, "allowance": allowance,
+                             "window_left_ms": window_left_ms});
+        t.call(request)["taken"].as_f64().unwrap()
+    };
+    let k = key("sync", Some("booked"));
     // 2 left, then 3 booked for 1,000 s from now: -1.
-    assert_eq!(t.call(check(8.0))["result"], "admitted");
-    assert_eq!(t.call(check(3.0))["result"], "booked");
+    assert_eq!(t.call(check(&k, 8.0))["result"], "admitted");
+    assert_eq!(t.call(check(&k, 3.0))["result"], "booked");
     // Due after a window of 500 s: the allowance (0) less its refill (0.5) only.
-    let taken = t.call(sync(0.0, 500_000))["taken"].as_f64().unwrap();
+    let taken = sync(t, &k, 0.0, 500_000);
     assert!(taken < 1e-3, "{taken}");
-    // Due within 2,000 s: 2 of the allowance of 2 refill, 3 are booked: -3.
-    let taken = t.call(sync(2.0, 2_000_000))["taken"].as_f64().unwrap();
+    // Due within 2,000 s: 2 of the allowance of 3 refill, 3 are booked: -2.
+    let taken = sync(t, &k, 3.0, 2_000_000);
+    assert!((taken - 1.0).abs() < 1e-3, "{taken}");
+
+    // An allowance of 0 for 3,000 s: the booking goes out once the window ends.
+    let k = key("sync", Some("held"));
+    assert_eq!(t.call(check(&k, 8.0))["result"], "admitted");
+    assert_eq!(t.call(check(&k, 3.0))["result"], "booked");
+    let taken = sync(t, &k, 0.0, 3_000_000);
     assert!((taken - 2.0).abs() < 1e-3, "{taken}");
+    let early = t.call(check(&k, 3.0));
+    assert_eq!(early["result"], "delay", "{early}");
+    let ms = early["ms"].as_u64().unwrap();
+    assert!((2_999_000..=3_000_000).contains(&ms), "{early}");
 }
 
 /// `unbook` gives back a waiter's booking when no booking made after it holds its bucket
@@ -711,16 +727,19 @@ fn exercise_unbook(t: &mut impl Transport) {
         json!({"op": "unbook", "checks": [{"key": k, "limit": slow, "cost": cost}],
                "owner": owner, "id": 9})
     };
-    let booked_ms = |answer: Value| {
+    // Booked for `ms` from the moment of the first of the calls that set it, read a few ms
+    // later on a loaded machine.
+    let assert_booked = |answer: Value, ms: u64| {
         assert_eq!(answer["result"], "booked", "{answer}");
-        answer["ms"].as_u64().unwrap()
+        let told = answer["ms"].as_u64().unwrap();
+        assert!((ms - 1_000..=ms).contains(&told), "{answer}");
     };
 
     // 2 left: 3 booked for 1,000 s from now, 1 more behind it for 2,000 s.
     let k = key("unbook", Some("latest"));
     assert_eq!(t.call(waiter(&k, 1, 8.0))["result"], "admitted");
-    assert_eq!(booked_ms(t.call(waiter(&k, 2, 3.0))), 1_000_000);
-    assert_eq!(booked_ms(t.call(waiter(&k, 3, 1.0))), 2_000_000);
+    assert_booked(t.call(waiter(&k, 2, 3.0)), 1_000_000);
+    assert_booked(t.call(waiter(&k, 3, 1.0)), 2_000_000);
     let before = borrowed(t, &k);
     assert_eq!(
         t.call(unbook(&k, 2, 3.0)),
@@ -744,8 +763,8 @@ fn exercise_unbook(t: &mut impl Transport) {
     // the bucket can hold then, the first's 4 with it.
     let k = key("unbook", Some("forfeited"));
     assert_eq!(t.call(waiter(&k, 1, 7.0))["result"], "admitted");
-    assert_eq!(booked_ms(t.call(waiter(&k, 2, 4.0))), 1_000_000);
-    assert_eq!(booked_ms(t.call(waiter(&k, 3, 12.0))), 13_000_000);
+    assert_booked(t.call(waiter(&k, 2, 4.0)), 1_000_000);
+    assert_booked(t.call(waiter(&k, 3, 12.0)), 13_000_000);
     let before = borrowed(t, &k);
     assert_eq!(t.call(unbook(&k, 2, 4.0))["given_back"], false);
     assert!((before - borrowed(t, &k)).abs() < 1e-3, "{before}");
@@ -756,7 +775,7 @@ fn exercise_unbook(t: &mut impl Transport) {
     assert_eq!(t.call(waiter(&kept, 1, 5.0))["result"], "admitted");
     let both = json!({"op": "check_many", "owner": 5, "max_wait_ms": 4_294_967_295u64,
                       "checks": [{"key": reset, "limit": slow}, {"key": kept, "limit": slow}]});
-    assert_eq!(booked_ms(t.call(both.clone())), 1_000_000);
+    assert_booked(t.call(both.clone()), 1_000_000);
     assert_eq!(t.call(json!({"op": "reset", "key": reset}))["ok"], true);
     assert_eq!(t.call(both)["result"], "admitted");
     assert!((borrowed(t, &kept) - 6.0).abs() < 1e-3);
