@@ -419,7 +419,7 @@ impl Bucket {
             .filter(|b| b.lapse_at >= now && b.ready_at < until)
             .map(|b| (b.booked_at, b.made, b.cost))
             .collect();
-        due.sort_unstable_by(|x, y| (x.0, x.1).cmp(&(y.0, y.1)));
+        due.sort_unstable_by_key(|x| (x.0, x.1));
         let mut left = room.max(0.0);
         let first_held = due.iter().find_map(|&(booked_at, made, cost)| {
             if covers(left, cost) {
