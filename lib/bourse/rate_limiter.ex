@@ -876,7 +876,8 @@ defmodule Bourse.RateLimiter do
   Brings `key`'s bucket in line with an exchange that allows only `allowance` more cost
   until its window ends in `window_left_ms`: the tokens are lowered so that they plus the
   refill until then fit the allowance, less the bookings due by then (paid, but not yet
-  sent, so not in the exchange's count); they are never raised. A key without a definition
+  sent, so not in the exchange's count); the bookings it cannot cover go out once the
+  window ends. The tokens are never raised. A key without a definition
   is left alone. Returns the tokens taken. `observe_response/6` calls it for the headers
   it knows; call it directly for others.
   """

@@ -121,7 +121,8 @@ defmodule Bourse.RateLimiter.Feedback do
   so a correctly sized bucket alone on the counter is never lowered; what other programs
   on the IP or account spent is taken off. Its bookings due before the window ends are
   gone from its tokens but not yet in `used` (their requests are not sent yet): they take
-  their part of the allowance as well. A bucket sized above the exchange's limit
+  their part of the allowance as well, and those it cannot cover go out once the window
+  ends. A bucket sized above the exchange's limit
   (`%{requests: 6000, period: 60_000}` may spend `B = 12_000` in one minute) is held to
   `L` as soon as a reply says how much of it is spent.
 

@@ -585,14 +585,15 @@ impl Bucket {
     }
 
     /// Lowers the tokens to at most `max_tokens` (possibly below zero); never raises them.
-    /// The bucket without the bookings holds at most `max_tokens` as well. Seen now either
-    /// way: a payment made before is not given back past what the exchange allows.
-    pub fn lower_to(&mut self, max_tokens: f64, now: u64) {
+    /// The bucket without the bookings holds at most `max_tokens + booked` (`booked`: what
+    /// of their cost `max_tokens` leaves room for). Seen now either way: a payment made
+    /// before is not given back past what the exchange allows.
+    pub fn lower_to(&mut self, max_tokens: f64, booked: f64, now: u64) {
         let Some(limit) = self.limit else { return };
         self.seen_at = now;
         // Even raising nothing, it can lower the bucket without a payment made before.
         self.rewritten();
-        let ceiling = limit.capacity().min(max_tokens);
+        let ceiling = limit.capacity().min(max_tokens + booked);
         self.limit_refunds(ceiling - self.accrued(&limit, now), now);
         if max_tokens < self.tokens(now) {
             self.base = max_tokens;

@@ -708,7 +708,7 @@ impl<C: Clock> Table<C> {
         let window_end = now.saturating_add(window_left_ms.saturating_mul(NANOS_PER_MS));
         bucket.hold_bookings_beyond(allowance, window_end, now);
         let booked = bucket.booked_before(window_end, now);
-        bucket.lower_to(allowance.max(0.0) - refill - booked, now);
+        bucket.lower_to(allowance.max(0.0) - refill - booked, booked, now);
         before - bucket.tokens(now)
     }
 

@@ -713,3 +713,17 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_sync_that_leaves_room_for_a_booking_leaves_it_to_give_back() {
+    // Found by attacking sync beside bookings: a sync that took nothing (the allowance
+    // covered the booking) had cut its refund, so unbooking it gave nothing back.
+    let (clock, table) = set_up();
+    table.check_rate(1, check(b"a", 8.0), Mode::Probe);
+    book(&clock, &table, 2, check(b"a", 3.0), 1_000);
+    // 4 allowed within 2 s: 2 refill, 3 booked; the tokens (-1) already fit.
+    assert!(table.sync(key(b"a"), 4.0, 2_000) < 1e-6);
+    assert_eq!(table.unbook(2, &[check(b"a", 3.0)]), Ok(true));
+    // 4 allowed, 2 of them refill: 2 left now that the booking is not sent.
+    assert!((tokens(&table, b"a") - 2.0).abs() < 1e-6);
+}

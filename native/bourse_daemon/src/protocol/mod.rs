@@ -107,6 +107,9 @@ pub struct Session {
     /// Whether a `hello` answer carried the nonce.
     nonce_sent: AtomicBool,
     authenticated: AtomicBool,
+    /// Set once its client closed the connection: what it sent before is still read, and
+    /// only what gives back is run (nobody reads the answers).
+    closed_by_client: AtomicBool,
     idle_timeout_ms: Option<u64>,
     frames: AtomicU64,
     owed: owed::Owed,
@@ -118,6 +121,9 @@ pub struct Session {
 /// A session whose client assumes no buckets busy at its start.
 const NOT_BUSY: i64 = i64::MIN;
 
+/// Why a request read after its client closed the connection was not run.
+const CLOSED_BY_CLIENT: &str = "the client closed the connection; not run";
+
 impl Session {
     /// Numbers the next frame read on this connection (from 1).
     pub fn next_frame(&self) -> u64 {
@@ -127,6 +133,16 @@ impl Session {
     /// Whether requests other than `hello` and `auth` are served.
     pub fn authenticated(&self) -> bool {
         self.authenticated.load(Ordering::Relaxed)
+    }
+
+    /// Notes that the client closed the connection (a write found it gone).
+    pub fn close_by_client(&self) {
+        self.closed_by_client.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the client closed the connection.
+    pub fn closed_by_client(&self) -> bool {
+        self.closed_by_client.load(Ordering::Relaxed)
     }
 
     /// Whether a `hello` answer carried the nonce: the client may be proving the secret.
@@ -225,6 +241,7 @@ impl<S: Store> Service<S> {
             nonce: prove.then(nonce),
             nonce_sent: AtomicBool::new(false),
             authenticated: AtomicBool::new(!prove),
+            closed_by_client: AtomicBool::new(false),
             idle_timeout_ms,
             frames: AtomicU64::new(0),
             owed: owed::Owed::default(),
@@ -282,6 +299,11 @@ impl<S: Store> Service<S> {
             // Before the secret is proved, only `hello` and `auth` are looked at further.
             Ok((request, _)) if !session.authenticated() && !request.before_auth() => {
                 Failure::Unauthorized(UNAUTHORIZED)
+            }
+            // Its caller will never read the answer: only a give-back runs (an `unbook`
+            // written before a stopped daemon resumed), nothing that pays.
+            Ok((request, _)) if session.closed_by_client() && !request.gives_back() => {
+                Failure::Unavailable(CLOSED_BY_CLIENT.to_string())
             }
             // Checked right before it runs: a caller told `unavailable` never pays.
             Ok((_, Some(last_run_us))) if self.clock_us() > last_run_us => {

@@ -322,6 +322,11 @@ impl<'a> Request<'a> {
     pub fn before_auth(&self) -> bool {
         matches!(self, Self::Hello { .. } | Self::Auth { .. })
     }
+
+    /// Whether it only gives back what its client's callers paid (no answer needed).
+    pub fn gives_back(&self) -> bool {
+        matches!(self, Self::Unbook { .. } | Self::GiveBack { .. })
+    }
 }
 
 /// The envelope's optional deadline: every request may carry both or neither.

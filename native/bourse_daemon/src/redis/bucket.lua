@@ -1450,10 +1450,10 @@ local function sync(now)
   local window_end = now + window_left_ms * 1000
   local list = bookings_of(item)
   hold_bookings_beyond(item, list, allowance, window_end, now)
-  local max_tokens = math.max(allowance, 0) - bucket.r * window_left_ms / 1000
-    - booked_before(list, window_end, now)
-  -- The bucket without the bookings holds at most `max_tokens` as well.
-  limit_stored_refunds(item, now, math.min(bucket.c, max_tokens) - accrued(bucket, now))
+  local booked = booked_before(list, window_end, now)
+  local max_tokens = math.max(allowance, 0) - bucket.r * window_left_ms / 1000 - booked
+  -- The bucket without the bookings holds at most `max_tokens + booked`.
+  limit_stored_refunds(item, now, math.min(bucket.c, max_tokens + booked) - accrued(bucket, now))
   if max_tokens < before then
     bucket.b = max_tokens
     bucket.t = now

@@ -646,7 +646,7 @@ where
                         }
                     }
                     if out.len() >= WRITE_CHUNK {
-                        let sent = send_settled(
+                        let sent = deliver(
                             &mut stream,
                             &service,
                             &session,
@@ -697,7 +697,7 @@ where
             }
         }
         if !out.is_empty() {
-            if send_settled(
+            if deliver(
                 &mut stream,
                 &service,
                 &session,
@@ -873,6 +873,40 @@ fn settled<'o, S: Store>(
 ) -> &'o mut Vec<u8> {
     service.settle(session, out, |answer| framed(answer, 0, session.codec()));
     out
+}
+
+/// Whether a write failed because the client closed the connection.
+fn closed_by_client(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
+    )
+}
+
+/// Sends `out` ([`send_settled`]), unless its client closed the connection: then the
+/// answers are dropped, and the frames it sent before are still read
+/// ([`Session::close_by_client`]). Fails as the send does otherwise.
+#[allow(clippy::too_many_arguments)]
+async fn deliver<T: AsyncWrite + AsRawFd + Unpin, S: Store>(
+    stream: &mut T,
+    service: &Service<S>,
+    session: &Session,
+    out: &mut Vec<u8>,
+    slot: &Slot,
+    auth_deadline: Instant,
+    idle: Option<Duration>,
+) -> io::Result<()> {
+    let sent = match session.closed_by_client() {
+        true => Ok(()),
+        false => send_settled(stream, service, session, out, slot, auth_deadline, idle).await,
+    };
+    match sent {
+        Err(error) if closed_by_client(&error) => session.close_by_client(),
+        Err(error) => return Err(error),
+        Ok(()) => {}
+    }
+    out.clear();
+    Ok(())
 }
 
 /// Writes `session`'s answers in `out`, settled ([`settled`]), noting how far each part

@@ -17,7 +17,8 @@ use tokio::runtime::{Builder, Runtime};
 
 use super::frames::{framed, Frames, Framing, Next};
 use super::{
-    read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK, WRITE_PIECE,
+    closed_by_client, read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK,
+    WRITE_PIECE,
 };
 use crate::protocol::{Codec, Service, Session};
 use crate::spin::{Spin, Waited};
@@ -130,7 +131,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
                         input.length_prefixed();
                     }
                     if out.len() >= WRITE_CHUNK {
-                        if send_settled(&stream, &service, &session, &mut out, idle).is_err() {
+                        if deliver(&stream, &service, &session, &mut out, idle).is_err() {
                             return;
                         }
                         // Its client reads: it is not idle.
@@ -152,7 +153,7 @@ fn serve<S: Store>(connection: Connection, context: Context<S>, runtime: Runtime
             }
         }
         if !out.is_empty() {
-            if send_settled(&stream, &service, &session, &mut out, idle).is_err() {
+            if deliver(&stream, &service, &session, &mut out, idle).is_err() {
                 return;
             }
             active = Instant::now();
@@ -283,6 +284,30 @@ impl NonBlocking for Socket {
         unsafe { buf.set_len(buf.len() + read) };
         Ok(read)
     }
+}
+
+/// Sends `out` ([`send_settled`]), unless its client closed the connection: then the
+/// answers are dropped, and the frames it sent before are still read
+/// ([`Session::close_by_client`]). Fails as the send does otherwise (a client that stopped
+/// reading).
+fn deliver<S: Store>(
+    stream: &Socket,
+    service: &Service<S>,
+    session: &Session,
+    out: &mut Vec<u8>,
+    idle: Option<Duration>,
+) -> io::Result<()> {
+    let sent = match session.closed_by_client() {
+        true => Ok(()),
+        false => send_settled(stream, service, session, out, idle),
+    };
+    match sent {
+        Err(error) if closed_by_client(&error) => session.close_by_client(),
+        Err(error) => return Err(error),
+        Ok(()) => {}
+    }
+    out.clear();
+    Ok(())
 }
 
 /// Sends `out`, settled ([`settled`]), and notes when it was sent ([`Service::sent`]).

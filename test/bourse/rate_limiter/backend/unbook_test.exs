@@ -45,6 +45,43 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     assert_booking_given_back(name, stop, resume, 3)
   end
 
+  test "the unbooks of many waiters, read by a daemon that resumes after the connection gave it up" do
+    {name, os_pid} = shared_daemon()
+    # Their claims, answered first, find the connection closed: the unbooks written after
+    # them are still run (56 of 60 were not).
+    keys = for i <- 1..60, do: {"unbook", "many#{i}"}
+    for key <- keys, do: assert(:ok = RateLimiter.check_rate(key, @limit, 10, name))
+    drained_at = System.monotonic_time(:millisecond)
+
+    waiters =
+      for key <- keys,
+          do:
+            Task.async(fn ->
+              RateLimiter.wait_for_capacity(key, @limit, 1, name, max_wait_ms: 5_000)
+            end)
+
+    Process.sleep(500)
+    OsSignal.send(os_pid, "STOP")
+    assert Enum.all?(Task.await_many(waiters, 20_000), &match?({:error, %Error{}}, &1))
+    # Past the connection's silence probe (1 s): it closes the stream.
+    Process.sleep(2_500)
+    OsSignal.send(os_pid, "CONT")
+
+    eventually(
+      fn ->
+        refilled = (System.monotonic_time(:millisecond) - drained_at) / 1000
+
+        Enum.all?(keys, fn key ->
+          match?(
+            %{tokens: tokens} when tokens > refilled - 0.5,
+            RateLimiter.inspect_key(key, name)
+          )
+        end)
+      end,
+      5_000
+    )
+  end
+
   test "a check_rates waiter over two buckets comes back to a stopped daemon" do
     {name, os_pid} = shared_daemon()
     {a, b} = {{"unbook", "a"}, {"unbook", "b"}}
