@@ -442,8 +442,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @doc """
   Sends `request` without a deadline and without waiting for its answer, which is dropped
   (id 0): the daemon runs it whenever it reads it. While the stream is down, or if it
-  breaks before the request is written, the request waits for the next stream (at most
-  #{@max_later} such requests wait; further ones are dropped).
+  breaks before the request is written, the request waits for the next stream, once
+  however often it is sent meanwhile (at most #{@max_later} such requests wait; further
+  ones are dropped).
   """
   @spec send_later(t(), map()) :: :ok
   def send_later(%__MODULE__{pid: pid}, request) do
@@ -585,9 +586,11 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       partial: [],
       pending: [],
-      # Requests sent later, newest first, that wait for the next stream, and their count.
+      # Requests sent later, newest first, that wait for the next stream, their count, and
+      # their encoded terms (each waits once).
       later: [],
       later_count: 0,
+      kept_later: MapSet.new(),
       # The ids of paid answers read with no caller waiting, to ask back (`ask_back/2`).
       unclaimed: [],
       unsent: nil,
@@ -655,6 +658,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
         env: for({name, _value} <- state.env, do: {name, ~c"[redacted]"}),
         pending: "#{length(state.pending)} frames",
         later: "#{state.later_count} frames",
+        kept_later: "[redacted]",
         unsent: state.unsent && "[redacted]",
         partial: "[redacted]"
     }
@@ -698,7 +702,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     later = {:later, PortStream.frame(frame, byte_size(frame))}
 
     case state do
-      %{stream: nil} -> {:noreply, keep_later(state, [later])}
+      %{stream: nil} -> {:noreply, keep_later(state, [frame])}
       _up -> {:noreply, write_pending(%{state | pending: [later | state.pending]})}
     end
   end
@@ -1180,7 +1184,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     answer_routes(state.table, routes, error)
 
     if is_reference(state.retry_timer), do: Process.cancel_timer(state.retry_timer)
-    state = keep_later(state, for({:later, _frame} = later <- state.pending, do: later))
+    state = keep_later(state, for({:later, [_size, frame]} <- state.pending, do: frame))
 
     %{
       state
@@ -1195,16 +1199,28 @@ defmodule Bourse.RateLimiter.Backend.Connection do
     }
   end
 
-  # Requests sent later that found no stream wait for the next one, up to @max_later.
-  defp keep_later(%{later_count: count} = state, frames) do
-    kept = Enum.take(frames, @max_later - count)
-    %{state | later: kept ++ state.later, later_count: count + length(kept)}
+  # Requests sent later (encoded) that found no stream wait for the next one, each once
+  # (a caller that retries while the stream is down sends the same), up to @max_later.
+  defp keep_later(state, frames) do
+    Enum.reduce(frames, state, fn frame, state ->
+      if state.later_count >= @max_later or MapSet.member?(state.kept_later, frame) do
+        state
+      else
+        %{
+          state
+          | later: [{:later, PortStream.frame(frame, byte_size(frame))} | state.later],
+            later_count: state.later_count + 1,
+            kept_later: MapSet.put(state.kept_later, frame)
+        }
+      end
+    end)
   end
 
   # Written to a new stream before callers can write theirs.
   defp send_kept_later(state) do
     pending = state.later ++ state.pending
-    write_pending(%{state | later: [], later_count: 0, pending: pending})
+    state = %{state | later: [], later_count: 0, kept_later: MapSet.new()}
+    write_pending(%{state | pending: pending})
   end
 
   # What callers read before they write: the stream and the daemon's frame limit, or `nil`
@@ -1294,9 +1310,16 @@ defmodule Bourse.RateLimiter.Backend.Connection do
 
       state = connected(state, stream, hello)
       state = if new_table?, do: state |> note_store_lost() |> pauses_again(), else: state
-      state = send_kept_later(state)
-      publish(state, stream, hello["max_frame_bytes"])
-      {:ok, keepalive(state, hello["idle_timeout_ms"])}
+
+      case send_kept_later(state) do
+        %{stream: ^stream} = state ->
+          publish(state, stream, hello["max_frame_bytes"])
+          {:ok, keepalive(state, hello["idle_timeout_ms"])}
+
+        # The writes before callers' broke the stream: it is down, or made again, already.
+        made_again_or_down ->
+          {:ok, made_again_or_down}
+      end
     end
   end
 

@@ -82,6 +82,29 @@ defmodule Bourse.RateLimiter.Backend.UnbookTest do
     )
   end
 
+  test "while the connection is down, an unbook sent again and again waits once" do
+    {name, os_pid} = shared_daemon()
+    System.cmd("kill", ["-9", "#{os_pid}"])
+    key = {"unbook", "retried"}
+
+    eventually(
+      fn -> match?({:error, %Error{type: :unavailable}}, RateLimiter.inspect_key(key, name)) end,
+      5_000
+    )
+
+    # A caller retrying `check_rates` with `:max_wait_ms` meanwhile: each call is answered
+    # `:unavailable` unsent, and sends the same unbook. It once took all 10,000 places.
+    for _ <- 1..20_000,
+        do:
+          assert({:error, _} = RateLimiter.check_rates([{key, @limit, 1}], name, max_wait_ms: 1))
+
+    other =
+      Task.async(fn -> RateLimiter.check_rates([{key, @limit, 1}], name, max_wait_ms: 1) end)
+
+    assert {:error, %Error{type: :unavailable}} = Task.await(other)
+    assert :sys.get_state(handle(name).pid).later_count == 2
+  end
+
   test "a check_rates waiter over two buckets comes back to a stopped daemon" do
     {name, os_pid} = shared_daemon()
     {a, b} = {{"unbook", "a"}, {"unbook", "b"}}
