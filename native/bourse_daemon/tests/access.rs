@@ -726,7 +726,7 @@ fn a_slow_but_steady_reader_is_served_to_the_end() {
         "--socket",
         socket.to_str().unwrap(),
         "--idle-timeout-ms",
-        "300",
+        "1000",
     ]);
     common::read_slowly(&socket);
 }

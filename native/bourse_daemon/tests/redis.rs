@@ -1453,7 +1453,7 @@ fn another_definition_counts_nothing_the_last_payment_used() {
 fn a_slow_but_steady_reader_is_served_to_the_end() {
     let Some(redis) = Redis::start() else { return };
     let socket = common::temp_path("redis-slow-reader.sock");
-    let _daemon = socket_daemon(&redis, &socket, &["--idle-timeout-ms", "300"]);
+    let _daemon = socket_daemon(&redis, &socket, &["--idle-timeout-ms", "1000"]);
     common::read_slowly(&socket);
 }
 

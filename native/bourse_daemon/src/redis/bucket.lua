@@ -1454,7 +1454,8 @@ local function sync(now)
   local max_tokens = math.max(allowance, 0) - bucket.r * window_left_ms / 1000 - booked
   -- The bucket without the bookings holds at most `max_tokens + booked`.
   limit_stored_refunds(item, now, math.min(bucket.c, max_tokens + booked) - accrued(bucket, now))
-  if max_tokens < before then
+  -- Held bookings paid again may have lowered the tokens already.
+  if max_tokens < tokens(bucket, now) then
     bucket.b = max_tokens
     bucket.t = now
     bucket.dirty = true

@@ -179,7 +179,9 @@ pub fn served_within(socket: &std::path::Path, within: Duration) -> bool {
 /// Sends 2000 `hello`s to the daemon at `socket` while reading the answers 4 KiB every
 /// 50 ms; fails unless every answer arrives and every request could be sent. Each read takes
 /// 4 KiB, far less than the socket must be rid of before it takes more: with an idle
-/// timeout of 300 ms, what the client reads in one is three of the daemon's 8 KiB parts.
+/// timeout of 1 s, what the client reads in one is ten of the daemon's 8 KiB parts, and the
+/// whole exchange takes about 5 s. (With 300 ms, a loaded machine that held the reading
+/// thread that long had the connection closed.)
 pub fn read_slowly(socket: &std::path::Path) {
     let stream = UnixStream::connect(socket).unwrap();
     let mut writer = stream.try_clone().unwrap();
@@ -710,6 +712,20 @@ fn exercise_sync_beside_bookings(t: &mut impl Transport) {
     assert_eq!(early["result"], "delay", "{early}");
     let ms = early["ms"].as_u64().unwrap();
     assert!((2_999_000..=3_000_000).contains(&ms), "{early}");
+
+    // Held, and paid again as of the window's end, where the cap took part of the refill:
+    // the tokens that leaves are lowered no further, and never raised (Redis raised them to
+    // the allowance, and admitted past P1 at the window's end).
+    let k = key("sync", Some("capped"));
+    let small = json!({"capacity": 4, "refill_per_sec": 0.002});
+    let check = |cost: f64| {
+        json!({"op": "check", "key": k, "limit": small, "cost": cost, "owner": 2,
+               "max_wait_ms": 4_294_967_295u64})
+    };
+    assert_eq!(t.call(check(4.0))["result"], "admitted");
+    assert_eq!(t.call(check(3.0))["result"], "booked");
+    let taken = sync(t, &k, 2.0, 3_000_000);
+    assert!((taken - 2.0).abs() < 1e-3, "{taken}");
 }
 
 /// `unbook` gives back a waiter's booking when no booking made after it holds its bucket
