@@ -875,18 +875,28 @@ fn settled<'o, S: Store>(
     out
 }
 
-/// Whether a write failed because the client closed the connection.
-fn closed_by_client(error: &io::Error) -> bool {
-    matches!(
-        error.kind(),
-        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
-    )
+/// What a send of `out` to `session`'s client (`sent`) leaves: none of it, and no error
+/// when the client closed the connection ([`Session::close_by_client`]).
+fn delivered(session: &Session, out: &mut Vec<u8>, sent: io::Result<()>) -> io::Result<()> {
+    match sent {
+        Err(error)
+            if matches!(
+                error.kind(),
+                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
+            ) =>
+        {
+            session.close_by_client()
+        }
+        Err(error) => return Err(error),
+        Ok(()) => {}
+    }
+    out.clear();
+    Ok(())
 }
 
 /// Sends `out` ([`send_settled`]), unless its client closed the connection: then the
 /// answers are dropped, and the frames it sent before are still read
 /// ([`Session::close_by_client`]). Fails as the send does otherwise.
-#[allow(clippy::too_many_arguments)]
 async fn deliver<T: AsyncWrite + AsRawFd + Unpin, S: Store>(
     stream: &mut T,
     service: &Service<S>,
@@ -900,13 +910,7 @@ async fn deliver<T: AsyncWrite + AsRawFd + Unpin, S: Store>(
         true => Ok(()),
         false => send_settled(stream, service, session, out, slot, auth_deadline, idle).await,
     };
-    match sent {
-        Err(error) if closed_by_client(&error) => session.close_by_client(),
-        Err(error) => return Err(error),
-        Ok(()) => {}
-    }
-    out.clear();
-    Ok(())
+    delivered(session, out, sent)
 }
 
 /// Writes `session`'s answers in `out`, settled ([`settled`]), noting how far each part

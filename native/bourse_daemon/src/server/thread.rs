@@ -17,7 +17,7 @@ use tokio::runtime::{Builder, Runtime};
 
 use super::frames::{framed, Frames, Framing, Next};
 use super::{
-    closed_by_client, read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK,
+    delivered, read_since, settled, unread_bytes, Context, NonBlocking, Slot, WRITE_CHUNK,
     WRITE_PIECE,
 };
 use crate::protocol::{Codec, Service, Session};
@@ -301,13 +301,7 @@ fn deliver<S: Store>(
         true => Ok(()),
         false => send_settled(stream, service, session, out, idle),
     };
-    match sent {
-        Err(error) if closed_by_client(&error) => session.close_by_client(),
-        Err(error) => return Err(error),
-        Ok(()) => {}
-    }
-    out.clear();
-    Ok(())
+    delivered(session, out, sent)
 }
 
 /// Sends `out`, settled ([`settled`]), and notes when it was sent ([`Service::sent`]).
