@@ -1435,8 +1435,9 @@ end
 -- sync: KEYS = bucket, bookings; ARGV = 'sync', allowance, window_left_ms. Lowers the
 -- tokens so that they plus the refill until the window ends fit the allowance (a negative
 -- one as 0: no debt past the window), less the bookings due by then (paid, not yet sent),
--- those it cannot cover going out once the window ends; never raises them. Returns the tokens taken. Noted in `z` even when it takes nothing: the
--- bucket with a payment given back would have been lowered.
+-- those it cannot cover going out once the window ends; never raises them. Returns the
+-- tokens taken. Noted in `z` even when it takes nothing: the bucket with a payment given
+-- back would have been lowered.
 local function sync(now)
   local item = { key = KEYS[1], wkey = KEYS[2] }
   local bucket = load(item.key, now)
