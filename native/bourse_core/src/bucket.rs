@@ -32,6 +32,14 @@ pub(crate) struct Booking {
     pub refund: f64,
 }
 
+impl Booking {
+    /// Whether its waiter may still claim it before `until`: not lapsed at `now`, and due
+    /// before then.
+    fn due_before(&self, until: u64, now: u64) -> bool {
+        self.lapse_at >= now && self.ready_at < until
+    }
+}
+
 /// A key's state before [`Bucket::define`] gave it a definition for a check.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Previous {
@@ -416,7 +424,7 @@ impl Bucket {
         let mut due: SmallVec<[(u64, u64, f64); 8]> = self
             .bookings
             .iter()
-            .filter(|b| b.lapse_at >= now && b.ready_at < until)
+            .filter(|b| b.due_before(until, now))
             .map(|b| (b.booked_at, b.made, b.cost))
             .collect();
         due.sort_unstable_by_key(|x| (x.0, x.1));
@@ -445,7 +453,7 @@ impl Bucket {
     pub fn booked_before(&self, until: u64, now: u64) -> f64 {
         self.bookings
             .iter()
-            .filter(|b| b.lapse_at >= now && b.ready_at < until)
+            .filter(|b| b.due_before(until, now))
             .fold(0.0, |sum, b| sum + b.cost)
     }
 

@@ -586,10 +586,9 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       stream: nil,
       partial: [],
       pending: [],
-      # Requests sent later, newest first, that wait for the next stream, their count, and
-      # their encoded terms (each waits once).
+      # Requests sent later, newest first, that wait for the next stream, and their encoded
+      # terms (each waits once).
       later: [],
-      later_count: 0,
       kept_later: MapSet.new(),
       # The ids of paid answers read with no caller waiting, to ask back (`ask_back/2`).
       unclaimed: [],
@@ -657,7 +656,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
       | secret: state.secret && "[redacted]",
         env: for({name, _value} <- state.env, do: {name, ~c"[redacted]"}),
         pending: "#{length(state.pending)} frames",
-        later: "#{state.later_count} frames",
+        later: "#{MapSet.size(state.kept_later)} frames",
         kept_later: "[redacted]",
         unsent: state.unsent && "[redacted]",
         partial: "[redacted]"
@@ -699,11 +698,14 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   @impl true
   def handle_cast({:send_later, request}, state) do
     frame = encode(0, request)
-    later = {:later, PortStream.frame(frame, byte_size(frame))}
 
     case state do
-      %{stream: nil} -> {:noreply, keep_later(state, [frame])}
-      _up -> {:noreply, write_pending(%{state | pending: [later | state.pending]})}
+      %{stream: nil} ->
+        {:noreply, keep_later(state, [frame])}
+
+      _up ->
+        later = {:later, PortStream.frame(frame, byte_size(frame))}
+        {:noreply, write_pending(%{state | pending: [later | state.pending]})}
     end
   end
 
@@ -1203,13 +1205,12 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # (a caller that retries while the stream is down sends the same), up to @max_later.
   defp keep_later(state, frames) do
     Enum.reduce(frames, state, fn frame, state ->
-      if state.later_count >= @max_later or MapSet.member?(state.kept_later, frame) do
+      if MapSet.size(state.kept_later) >= @max_later or MapSet.member?(state.kept_later, frame) do
         state
       else
         %{
           state
           | later: [{:later, PortStream.frame(frame, byte_size(frame))} | state.later],
-            later_count: state.later_count + 1,
             kept_later: MapSet.put(state.kept_later, frame)
         }
       end
@@ -1219,7 +1220,7 @@ defmodule Bourse.RateLimiter.Backend.Connection do
   # Written to a new stream before callers can write theirs.
   defp send_kept_later(state) do
     pending = state.later ++ state.pending
-    state = %{state | later: [], later_count: 0, kept_later: MapSet.new()}
+    state = %{state | later: [], kept_later: MapSet.new()}
     write_pending(%{state | pending: pending})
   end
 

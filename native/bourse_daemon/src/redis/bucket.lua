@@ -1279,8 +1279,6 @@ decide = function(now, k, at)
       end
     end
     pause_until = math.max(pause_until, held_until)
-    item.start = start_under(bucket, item.c, item.r, now)
-    ready = math.max(ready, ready_at(item, now))
   end
   if claim_ready then
     return items, claim(items, id, now, claim_ready, pause_until, lapsed)
@@ -1288,7 +1286,6 @@ decide = function(now, k, at)
   -- The caller's booking of this check, left on some buckets only (the others were reset
   -- since): given back there where it can be, as its caller never used it, else left paid
   -- (bourse_core's engine::decide); the check pays anew on every bucket.
-  local gave_back = false
   for _, item in ipairs(items) do
     if item.booking then
       local list = bookings_of(item)
@@ -1297,15 +1294,12 @@ decide = function(now, k, at)
         remove_stored_booking(item, id, now)
       end
       item.booking = nil
-      gave_back = true
     end
   end
-  if gave_back then
-    ready = now
-    for _, item in ipairs(items) do
-      item.start = start_under(item.bucket, item.c, item.r, now)
-      ready = math.max(ready, ready_at(item, now))
-    end
+  -- When could every bucket pay?
+  for _, item in ipairs(items) do
+    item.start = start_under(item.bucket, item.c, item.r, now)
+    ready = math.max(ready, ready_at(item, now))
   end
   local paused = pause_until > ready and 1 or 0
   ready = math.max(ready, pause_until)
@@ -1395,6 +1389,12 @@ local function record(now)
   return 'recorded ' .. fmt_time(now) .. ' ' .. (n or '-')
 end
 
+-- Whether booking `b`'s waiter may still claim it before `window_end`: not lapsed at `now`,
+-- and due before then (bourse_core's Booking::due_before).
+local function due_before(b, window_end, now)
+  return b.lapse >= now and b.ready < window_end
+end
+
 -- Holds the bookings of `list` due before `window_end` beyond `room` together, first made
 -- first, until `window_end`: from the first that `room` cannot cover on, they go out after
 -- it, in their order, paid again (bourse_core's Bucket::hold_bookings_beyond).
@@ -1402,7 +1402,7 @@ local function hold_bookings_beyond(item, list, room, window_end, now)
   table.sort(list, in_booking_order)
   local left, first_held = math.max(room, 0), nil
   for _, b in ipairs(list) do
-    if b.lapse >= now and b.ready < window_end then
+    if due_before(b, window_end, now) then
       if not covers(left, b.cost) then
         first_held = b
         break
@@ -1425,7 +1425,7 @@ end
 local function booked_before(list, window_end, now)
   local total = 0
   for _, b in ipairs(list) do
-    if b.lapse >= now and b.ready < window_end then
+    if due_before(b, window_end, now) then
       total = total + b.cost
     end
   end
