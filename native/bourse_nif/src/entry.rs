@@ -14,17 +14,36 @@ use rustler::{Env, Term};
 pub(crate) type RawEntry = unsafe extern "C" fn(NIF_ENV, c_int, *const NIF_TERM) -> NIF_TERM;
 
 /// Registers `$nif: fn(Env, [Term; $arity]) -> Term` as the NIF `$name/$arity` of the
-/// library's module.
+/// library's module, for calls that take shard locks: run on the normal scheduler past
+/// the [`crate::gate`], else (a long check holds the locks) continued on a dirty one.
 macro_rules! in_place_nif {
     ($name:literal, $arity:literal, $nif:path) => {
         const _: () = {
+            fn gated<'a>(
+                env: rustler::Env<'a>,
+                args: [rustler::Term<'a>; $arity],
+            ) -> rustler::Term<'a> {
+                match $crate::gate::short() {
+                    Some(_past) => $nif(env, args),
+                    None => {
+                        // SAFETY: NUL-terminated, without another NUL (a NIF's name).
+                        let name = unsafe {
+                            std::ffi::CStr::from_bytes_with_nul_unchecked(
+                                concat!($name, "\0").as_bytes(),
+                            )
+                        };
+                        $crate::entry::on_dirty_scheduler(env, name, dirty, args)
+                    }
+                }
+            }
+            $crate::entry::dirty_entry!(dirty, $arity, $nif);
             unsafe extern "C" fn entry(
                 env: rustler::codegen_runtime::NIF_ENV,
                 argc: rustler::codegen_runtime::c_int,
                 argv: *const rustler::codegen_runtime::NIF_TERM,
             ) -> rustler::codegen_runtime::NIF_TERM {
                 // SAFETY: the VM calls the entry with `$arity` arguments in `argv`.
-                unsafe { $crate::entry::run::<$arity>(env, argc, argv, $nif) }
+                unsafe { $crate::entry::run::<$arity>(env, argc, argv, gated) }
             }
             rustler::codegen_runtime::inventory::submit!(rustler::Nif {
                 name: concat!($name, "\0").as_ptr() as *const rustler::codegen_runtime::c_char,

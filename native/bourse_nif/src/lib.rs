@@ -18,6 +18,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bounds;
 mod entry;
+mod gate;
 mod handle;
 mod prepared;
 
@@ -436,8 +437,10 @@ fn check_rates<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
     }
 }
 
-/// `check_rates` continued on a dirty scheduler.
+/// `check_rates` continued on a dirty scheduler, long: past the [`gate`], closed to calls
+/// on normal schedulers while it holds shard locks.
 fn check_rates_on_dirty<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+    let _long = gate::long();
     checks_answer(env, args, bounded_len(args[2]), usize::MAX)
 }
 
@@ -468,14 +471,14 @@ fn checks_answer<'a>(
     })
 }
 
-#[rustler::nif]
-fn record_request<'a>(
-    env: Env<'a>,
-    table: Handle<'a>,
-    key_term: Term<'a>,
-    cost_term: Term<'a>,
-) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("record_request", 3, record_request);
+
+/// `record_request(table, key, cost)`.
+fn record_request<'a>(env: Env<'a>, args: [Term<'a>; 3]) -> Term<'a> {
+    let [table, key_term, cost_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         let key = key(key_term)?;
         let cost = naming(key.exchange, || cost(cost_term))?;
@@ -484,15 +487,14 @@ fn record_request<'a>(
     })
 }
 
-#[rustler::nif]
-fn sync<'a>(
-    env: Env<'a>,
-    table: Handle<'a>,
-    key_term: Term<'a>,
-    allowance: Term<'a>,
-    window_left_ms: Term<'a>,
-) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("sync", 4, sync);
+
+/// `sync(table, key, allowance, window_left_ms)`.
+fn sync<'a>(env: Env<'a>, args: [Term<'a>; 4]) -> Term<'a> {
+    let [table, key_term, allowance, window_left_ms] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         let key = key(key_term)?;
         let (allowance, window_left_ms) = naming(key.exchange, || {
@@ -503,17 +505,27 @@ fn sync<'a>(
     })
 }
 
-#[rustler::nif]
-fn get_cost<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("get_cost", 2, get_cost);
+
+/// `get_cost(table, key)`.
+fn get_cost<'a>(env: Env<'a>, args: [Term<'a>; 2]) -> Term<'a> {
+    let [table, key_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         Ok(table.get_cost(key(key_term)?).encode(env))
     })
 }
 
-#[rustler::nif]
-fn reset<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("reset", 2, reset);
+
+/// `reset(table, key)`.
+fn reset<'a>(env: Env<'a>, args: [Term<'a>; 2]) -> Term<'a> {
+    let [table, key_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         table.reset(key(key_term)?);
         Ok(atoms::ok().encode(env))
@@ -672,9 +684,14 @@ fn info_term<'a>(env: Env<'a>, info: &KeyInfo) -> Term<'a> {
     Term::map_from_pairs(env, &pairs).expect("distinct keys")
 }
 
-#[rustler::nif]
-fn inspect<'a>(env: Env<'a>, table: Handle<'a>, key_term: Term<'a>) -> Term<'a> {
-    let table = &table.0;
+in_place_nif!("inspect", 2, inspect);
+
+/// `inspect(table, key)`.
+fn inspect<'a>(env: Env<'a>, args: [Term<'a>; 2]) -> Term<'a> {
+    let [table, key_term] = args;
+    let Ok(Handle(table)) = table.decode() else {
+        return entry::badarg(env);
+    };
     answer(env, table, || {
         Ok(match table.inspect(key(key_term)?) {
             Some(info) => info_term(env, &info),

@@ -298,6 +298,91 @@ defmodule Bourse.RateLimiter.Backend.NIFTest do
       assert again in (ms - between - 2)..(ms + 2), "#{again} ms, #{ms} ms #{between} ms before"
     end
 
+    # A long list on a dirty scheduler holds the locks of every shard its keys fall in. A
+    # check of another key on a normal scheduler waited for them there: 11 ms for the first
+    # check of 1,024 buckets holding 255 bookings each after a pause (2 vCPUs), its whole
+    # run. Now such calls continue on a dirty scheduler until it ends. Rounds of one long
+    # check each, beside a process checking another key in a loop whose scheduling is
+    # traced: before, that process ran about as long as the long check on a normal
+    # scheduler without leaving it, in every round.
+    test "checks beside a long list that holds the shards' locks do not wait on a normal scheduler",
+         %{table: t} do
+      slow = %{capacity: 1, refill_per_sec: 1}
+      held = for i <- 1..@max, do: {{"held", "key-#{i}"}, slow, 1}
+      forever = 4_294_967_295
+
+      # One caller admitted, then 255 waiters booked on every bucket.
+      for _ <- 1..256, do: NIF.check_rates(t, spawn(fn -> :ok end), held, forever)
+      assert %{bookings: 255} = NIF.inspect(t, {"held", "key-1"})
+
+      rounds =
+        for round <- 1..3 do
+          # Each pause lasts longer: the bookings are re-planned behind it once more.
+          :ok = NIF.pause(t, "held", round * 10_000_000)
+          beside_long_check(t, fn -> NIF.check_rates(t, self(), held, nil) end)
+        end
+
+      assert Enum.any?(rounds, fn {long_us, slice_us} -> slice_us < long_us / 2 end),
+             "long check and longest normal-scheduler slice beside it (µs): #{inspect(rounds)}"
+    end
+
+    # Runs `long` beside a process checking another key in a loop: the time `long` took
+    # and the longest slice that process ran on a normal scheduler meanwhile (µs).
+    defp beside_long_check(t, long) do
+      me = self()
+      huge = %{capacity: 1.0e12, refill_per_sec: 1.0e12}
+      tracer = spawn_link(fn -> collect_normal_slices(me, []) end)
+
+      prober =
+        spawn_link(fn ->
+          Stream.repeatedly(fn -> NIF.check_rate(t, self(), {"other", "k"}, huge, 1, nil) end)
+          |> Stream.take_while(fn _ -> not_told_to_stop() end)
+          |> Stream.run()
+
+          send(me, :stopped)
+        end)
+
+      Process.sleep(20)
+      :erlang.trace(prober, true, [:running, :monotonic_timestamp, tracer: tracer])
+      {long_us, _answer} = :timer.tc(long)
+      :erlang.trace(prober, false, [:running])
+      send(prober, :stop)
+      assert_receive :stopped, 5_000
+      send(tracer, :done)
+      assert_receive {:slices, slices}, 5_000
+      longest = slices |> Enum.max(fn -> 0 end)
+      {long_us, System.convert_time_unit(longest, :native, :microsecond)}
+    end
+
+    # As `collect_slices/3`, without the slices run on a dirty scheduler: those begin in a
+    # NIF of `Bourse.Native`.
+    defp collect_normal_slices(to, slices, since \\ nil) do
+      receive do
+        {:trace_ts, _, :in, {Bourse.Native, _, _}, _} ->
+          collect_normal_slices(to, slices)
+
+        {:trace_ts, _, :in, _, at} ->
+          collect_normal_slices(to, slices, at)
+
+        {:trace_ts, _, :out, _, at} when since != nil ->
+          collect_normal_slices(to, [at - since | slices])
+
+        {:trace_ts, _, _, _, _} ->
+          collect_normal_slices(to, slices, since)
+
+        :done ->
+          send(to, {:slices, slices})
+      end
+    end
+
+    defp not_told_to_stop do
+      receive do
+        :stop -> false
+      after
+        0 -> true
+      end
+    end
+
     # Owners are a pid or `{pid, integer}`; anything else is one owner, not hashed whole
     # (before, a 64 MB binary held a normal scheduler 86 ms on a 2-vCPU machine, 100 ms
     # here; now a few µs). Its slices are read from a trace of its scheduling.
