@@ -160,6 +160,30 @@ defmodule Bourse.OptionMessagesTest do
              "unknown option :no_such"
   end
 
+  # An option is an atom: a credential made one was printed whole as "unknown options".
+  test "an unknown option is named when it reads as a name, else described by its size" do
+    key = {"ex", "k"}
+    limit = %{capacity: 10, refill_per_sec: 1}
+    name = :"option_messages_#{System.unique_integer([:positive])}"
+    secret = [{String.to_atom(@secret), 1}]
+
+    for opts <- [secret, [max_wait: 1]] do
+      answers = [
+        RateLimiter.wait_for_capacity(key, limit, 1, name, opts),
+        RateLimiter.check_rates([{key, limit, 1}], name, opts),
+        RateLimiter.observe_response("ex", "k", 200, [], name, opts),
+        RateLimiter.start_link([name: name] ++ opts),
+        start({:daemon, "127.0.0.1:7000", opts})
+      ]
+
+      for answer <- answers do
+        message = assert_described(answer)
+        if opts == secret, do: assert(message =~ "an atom of 18 bytes", message)
+        if opts != secret, do: assert(message =~ ":max_wait", message)
+      end
+    end
+  end
+
   test "a list of thousands of unknown or repeated options gets a short message" do
     key = {"ex", "k"}
     limit = %{capacity: 10, refill_per_sec: 1}

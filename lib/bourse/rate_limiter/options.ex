@@ -100,13 +100,44 @@ defmodule Bourse.RateLimiter.Options do
   defp keyword(opts, what, known) do
     case Keyword.keyword?(opts) && bad_option(opts, known) do
       :ok -> :ok
-      {:unknown, key} -> {:error, "unknown #{what} #{inspect(key)}; expected #{names(known)}"}
+      {:unknown, key} -> {:error, "unknown #{what} #{unknown(key)}; expected #{names(known)}"}
       {:repeated, key} -> {:error, "#{what} #{inspect(key)} given more than once"}
       false -> {:error, "#{what} must be a keyword list, got #{Error.describe(opts)}"}
     end
   end
 
   defp names(options), do: Enum.map_join(options, ", ", &inspect/1)
+
+  # An unknown option: named when it reads as an option's name (a misspelt one, say), else
+  # by its size: any atom may be passed, a credential made one too.
+  defp unknown(key) do
+    name = Atom.to_string(key)
+
+    if byte_size(name) <= 32 and name =~ ~r/\A[a-z_][a-z0-9_]*\z/,
+      do: inspect(key),
+      else: "an atom of #{byte_size(name)} bytes"
+  end
+
+  @doc false
+  # Whether start options may hold a password: a Redis backend whose URL (or a seed's) has
+  # a user part or a query (`Bourse.RateLimiter.Backend.Redis`).
+  @spec may_hold_password?(term()) :: boolean()
+  def may_hold_password?(opts) do
+    with true <- Keyword.keyword?(opts),
+         backend when is_tuple(backend) <- Keyword.get(opts, :backend),
+         true <- tuple_size(backend) in 2..3 and elem(backend, 0) == :redis do
+      url_may_hold_password?(elem(backend, 1))
+    else
+      _ -> false
+    end
+  end
+
+  defp url_may_hold_password?(url) when is_binary(url), do: url =~ ~r/[@?]/
+
+  defp url_may_hold_password?([url | seeds]),
+    do: url_may_hold_password?(url) or url_may_hold_password?(seeds)
+
+  defp url_may_hold_password?(_), do: false
 
   @doc false
   # `:ok` for a keyword list of `known` options, each given once; else the error about its
@@ -116,7 +147,7 @@ defmodule Bourse.RateLimiter.Options do
   def known_options(opts, what, known, expected) do
     case Keyword.keyword?(opts) && bad_option(opts, known) do
       :ok -> :ok
-      {:unknown, key} -> {:error, "unknown #{what} #{Error.describe(key)}; expected #{expected}"}
+      {:unknown, key} -> {:error, "unknown #{what} #{unknown(key)}; expected #{expected}"}
       {:repeated, key} -> {:error, "#{what} #{inspect(key)} given more than once"}
       false -> {:error, "#{what}s must be a keyword list, got #{Error.describe(opts)}"}
     end
