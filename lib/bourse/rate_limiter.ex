@@ -712,7 +712,8 @@ defmodule Bourse.RateLimiter do
 
   @doc """
   Tokens currently borrowed from the bucket: `capacity - tokens` after refill, larger
-  than the capacity while in debt, `0.0` for an unknown key. `period` is ignored.
+  than the capacity while in debt; `0` for an unknown key or a full bucket (any other
+  amount is a float). `period` is ignored.
   """
   @spec get_cost(key(), term(), GenServer.name()) :: number() | error()
   def get_cost(key, _period, name \\ @default),
@@ -937,12 +938,23 @@ defmodule Bourse.RateLimiter do
   @doc """
   A child specification; the child id is the limiter's name. `opts` may be any term: one
   that is not a keyword list has the default name's id, and `start_link/1` refuses it.
+  Supervisors print a child's start arguments in their reports (a child that fails to
+  start, for one): options that may hold a password (a Redis URL with a user or a query)
+  are passed to `start_link/1` in a function instead, which reports show as such.
   """
   @spec child_spec(term()) :: Supervisor.child_spec()
   def child_spec(opts) do
     id = if Keyword.keyword?(opts), do: Keyword.get(opts, :name, @default), else: @default
-    %{id: id, start: {__MODULE__, :start_link, [opts]}}
+
+    if Options.may_hold_password?(opts),
+      do: %{id: id, start: {__MODULE__, :start_hidden, [fn -> opts end]}},
+      else: %{id: id, start: {__MODULE__, :start_link, [opts]}}
   end
+
+  @doc false
+  # `start_link/1` of the options `child_spec/1` hid in a function.
+  @spec start_hidden((() -> keyword())) :: GenServer.on_start() | error()
+  def start_hidden(opts), do: start_link(opts.())
 
   @doc """
   Starts a limiter.

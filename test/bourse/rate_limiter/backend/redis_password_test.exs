@@ -178,6 +178,37 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     refute message =~ "secret-part"
   end
 
+  # A supervisor reports the start arguments of a child that failed to start: they showed
+  # the URL with its password ("Start Call: Bourse.RateLimiter.start_link([name: ...,
+  # backend: {:redis, "redis://:...@..."}])").
+  test "a supervisor's report of a limiter that failed to start does not show the URL's password" do
+    redis = start_redis()
+    url = "redis://:wrong-secret-part@127.0.0.1:#{redis.port}"
+    name = :"redis_supervised_#{System.unique_integer([:positive])}"
+    Process.flag(:trap_exit, true)
+    # Supervisor reports are SASL reports, which Elixir's Logger leaves out unless told.
+    {:ok, %{config: config}} = :logger.get_handler_config(Logger)
+    :ok = :logger.update_handler_config(Logger, :config, %{config | sasl: true})
+    on_exit(fn -> :logger.update_handler_config(Logger, :config, config) end)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        children = [{RateLimiter, name: name, backend: {:redis, url}}]
+
+        assert {:error, {:shutdown, {:failed_to_start_child, ^name, reason}}} =
+                 Supervisor.start_link(children, strategy: :one_for_one)
+
+        assert %Bourse.Error{type: :invalid_parameters} = reason
+      end)
+
+    assert log =~ "Start Call: Bourse.RateLimiter.start_hidden(#Function<"
+    refute log =~ "secret-part"
+    # Options without a password are shown as they are.
+    assert %{start: {RateLimiter, :start_link, _}} = RateLimiter.child_spec(name: name)
+    plain = {:redis, ["redis://127.0.0.1:1", "redis://127.0.0.1:2"]}
+    assert %{start: {RateLimiter, :start_link, _}} = RateLimiter.child_spec(backend: plain)
+  end
+
   # A restart is no first start: it must not fail the supervisor.
   test "a limiter restarted after its Redis's password changed starts, and answers :unavailable" do
     redis = start_redis()
