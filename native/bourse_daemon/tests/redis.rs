@@ -1890,6 +1890,25 @@ fn a_redis_that_refuses_the_daemon_refuses_its_start() {
     let stderr = refused_start(&with(&on_db_16), &[]);
     assert!(stderr.contains("it has no database 16"), "{stderr}");
     let mut admin = redis.connection().unwrap();
+    // Evicted, a bucket would start full again (volatile-lru: 100 admitted where 61 may).
+    let config_set = |admin: &mut ::redis::Connection, name: &str, value: &str| {
+        let _: () = ::redis::cmd("CONFIG")
+            .arg(&["SET", name, value])
+            .query(admin)
+            .unwrap();
+    };
+    config_set(&mut admin, "maxmemory", "100mb");
+    for policy in ["volatile-lru", "allkeys-lru", "volatile-ttl"] {
+        config_set(&mut admin, "maxmemory-policy", policy);
+        let stderr = refused_start(&with(&url), &[]);
+        assert!(stderr.contains("it may evict keys when full"), "{stderr}");
+        assert!(stderr.contains(policy), "{stderr}");
+    }
+    config_set(&mut admin, "maxmemory-policy", "noeviction");
+    Server::tcp(&["--redis", &url]).connect();
+    config_set(&mut admin, "maxmemory-policy", "allkeys-lru");
+    config_set(&mut admin, "maxmemory", "0");
+    Server::tcp(&["--redis", &url]).connect();
     let _: () = ::redis::cmd("ACL")
         .arg(&[
             "SETUSER",

@@ -64,8 +64,8 @@ defmodule Bourse.RateLimiter.Backend.Redis do
   the Redis timeout, never hang, and work again as soon as Redis answers (the daemon
   reconnects by itself). The limiter starts even while Redis is down; a Redis that answers
   at start and refuses the limiter (a password it does not take or asks for, a user that
-  may not run scripts, no database of the URL's number, a single server given as a list of
-  cluster seeds) fails the start with
+  may not run scripts, no database of the URL's number, a `maxmemory` with a policy that
+  evicts keys, a single server given as a list of cluster seeds) fails the start with
   `:invalid_parameters`, naming why (within `:redis_timeout_ms`, at most 1 s).
 
   ## Redis Cluster

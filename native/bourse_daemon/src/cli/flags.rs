@@ -74,6 +74,7 @@ pub enum Read {
 /// Reads the arguments after the program name; `--help` and `--version` stop the reading.
 pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
     let mut flags = Flags::default();
+    let mut given: Vec<String> = Vec::new();
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         // `--flag=value` is the same as `--flag value`.
@@ -179,6 +180,17 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
             )
         {
             return Err(format!("{flag} takes no value"));
+        }
+        // A later setting wins, but a later URL or secret file would replace an earlier one
+        // unchecked (a `--redis` URL holding a password, say): those are given once.
+        if matches!(
+            flag.as_str(),
+            "--redis" | "--secret-file" | "--redis-password-file" | "--redis-key-secret-file"
+        ) {
+            if given.contains(&flag) {
+                return Err(format!("{flag} given more than once"));
+            }
+            given.push(flag);
         }
     }
     Ok(Read::Flags(Box::new(flags)))

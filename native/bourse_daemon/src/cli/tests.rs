@@ -324,3 +324,49 @@ fn rejects_bad_arguments() {
     }
     assert!(run(&["--listen", "0.0.0.0:80", "--allow-remote"]).is_ok());
 }
+
+/// A URL or secret file given twice is refused, not replaced unchecked: a password in the
+/// first `--redis` URL went through beside a second one. A later setting wins; lists may
+/// repeat.
+#[test]
+fn a_url_or_secret_file_is_given_once() {
+    let twice = [
+        "--stdio",
+        "--redis",
+        "redis://:pw@h:1",
+        "--redis",
+        "redis://h:2",
+    ];
+    assert_eq!(
+        run(&twice).err().as_deref(),
+        Some("--redis given more than once")
+    );
+    for flag in [
+        "--secret-file",
+        "--redis-password-file",
+        "--redis-key-secret-file",
+    ] {
+        let twice = ["--listen", "127.0.0.1:1", flag, "/a", &format!("{flag}=/b")];
+        assert_eq!(
+            run(&twice).err(),
+            Some(format!("{flag} given more than once"))
+        );
+    }
+    let both = [
+        "--socket",
+        "/a",
+        "--socket",
+        "/b",
+        "--listen",
+        "127.0.0.1:1",
+    ];
+    assert!(run(&both).is_ok());
+    let later = [
+        "--stdio",
+        "--sweep-interval-ms",
+        "5",
+        "--sweep-interval-ms",
+        "7",
+    ];
+    assert_eq!(options(&later).sweep_interval_ms, 7);
+}

@@ -1,5 +1,6 @@
 //! Redis asked at start: a daemon that Redis refuses (a password it does not take or asks
-//! for, a user that may not run scripts, a database it does not have) or, with
+//! for, a user that may not run scripts, a database it does not have), a Redis that may
+//! evict keys when full (an evicted bucket would start full again, past P1) or, with
 //! `--redis-cluster`, a seed that is a server without cluster support (it would serve
 //! checks but fail the cluster's own commands, `CLUSTER NODES`, for resets and table-wide
 //! requests) refuses to start, saying why, rather than answer `unavailable` for every
@@ -92,6 +93,9 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
             ));
         }
     }
+    if let Some(evicts) = evicts(&mut connection).await {
+        return Some(evicts);
+    }
     if !cluster {
         return None;
     }
@@ -103,6 +107,30 @@ async fn refusal(url: &str, password: Option<String>, cluster: bool) -> Option<S
     info.lines()
         .any(|line| line.trim() == "cluster_enabled:0")
         .then(|| NOT_A_CLUSTER.to_owned())
+}
+
+/// Whether the server may evict keys when full: a `maxmemory` with a policy other than
+/// `noeviction`, read from `INFO memory` (which managed services that deny `CONFIG`
+/// answer). `volatile-*` policies evict the buckets (they expire) and keep the record of
+/// since when the data is whole (it does not), so nothing would tell the loss.
+async fn evicts(connection: &mut MultiplexedConnection) -> Option<String> {
+    let info: String = ::redis::cmd("INFO")
+        .arg("memory")
+        .query_async(connection)
+        .await
+        .ok()?;
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
+    };
+    let (max, policy) = (field("maxmemory")?, field("maxmemory_policy")?);
+    (max != "0" && policy != "noeviction").then(|| {
+        format!(
+            "it may evict keys when full (maxmemory {max} bytes, maxmemory-policy {policy}): \
+             a bucket evicted would start full again, past its limit; set maxmemory-policy \
+             noeviction (a full Redis then refuses writes, and checks answer unavailable)"
+        )
+    })
 }
 
 /// Why `command` of `name` (with no keys) was denied to this user: its `NOPERM`, or, for a
