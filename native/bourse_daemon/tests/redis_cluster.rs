@@ -656,6 +656,58 @@ fn a_stopped_master_at_little_traffic_leaves_the_others_served() {
     assert_eq!(refused, 0, "{answers:?}");
 }
 
+/// A master that stalls (its port still takes connections) and whose replica took over
+/// is left behind: its slots are served by the new master while it stays stopped. Before,
+/// the connection opened again waited for every seed, the stalled one too, past the
+/// budget of its `PING`, and was dropped each time: nothing of those slots was served
+/// until the old master resumed (17.7 s of a 20 s stall, every node a seed).
+#[test]
+fn a_stalled_master_whose_replica_took_over_is_left_behind() {
+    let Some(cluster) = Cluster::start(1000) else {
+        return;
+    };
+    let urls = cluster.urls();
+    let mut args = vec!["--redis-timeout-ms", "300"];
+    for url in &urls {
+        args.extend(["--redis-cluster", url.as_str()]);
+    }
+    let server = Server::tcp(&args);
+    let limit = json!({"capacity": 1e6, "refill_per_sec": 1e6});
+    let mut t = server.connect();
+    let two = two_masters(&cluster, &mut t, "takeover");
+    cluster.wait_healthy();
+    let replica = cluster.replica_of(two.first_master);
+    let stalled_at = Instant::now();
+    cluster.signal(two.first_master, "STOP");
+    let promoted = loop {
+        let info: String = cluster
+            .query(replica, ::redis::cmd("INFO").arg("replication"))
+            .unwrap_or_default();
+        if info.contains("role:master") {
+            break stalled_at.elapsed();
+        }
+        if stalled_at.elapsed() > Duration::from_secs(30) {
+            cluster.signal(two.first_master, "CONT");
+            panic!("the replica did not take over");
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let mut served_at = None;
+    while stalled_at.elapsed() < promoted + Duration::from_secs(10) {
+        let answer = t.call(check(&key(&two.first, None), limit.clone(), 1.0));
+        if answer["result"] == "admitted" {
+            served_at = Some(stalled_at.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    cluster.signal(two.first_master, "CONT");
+    assert!(
+        served_at.is_some(),
+        "not served in the 10 s after the replica took over ({promoted:?} after the stall)"
+    );
+}
+
 /// One master's connection that goes silent while Redis stays healthy (a middlebox that
 /// lost the flow swallows everything and never closes it) is opened again, though the
 /// other masters go on answering all the while.
