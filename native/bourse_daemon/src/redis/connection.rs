@@ -182,13 +182,19 @@ impl Connection {
         }
     }
 
-    /// Whether a node answers a `PING` (any node of a cluster).
-    pub async fn ping(&mut self) -> RedisResult<()> {
-        let ping = ::redis::cmd("PING");
-        match self {
-            Self::One(connection) => ping.query_async(connection).await,
-            Self::Cluster(cluster, _) => {
+    /// Whether Redis answers: the server a `PING`; a cluster the master serving `slot`
+    /// (`EXISTS` of a key there, which another node redirects to it), or any node.
+    pub async fn ping(&mut self, slot: Option<u16>) -> RedisResult<()> {
+        match (self, slot) {
+            (Self::One(connection), _) => ::redis::cmd("PING").query_async(connection).await,
+            (Self::Cluster(cluster, _), Some(slot)) => {
+                let mut exists = ::redis::cmd("EXISTS");
+                exists.arg(key_in(slot));
+                exists.query_async::<u8>(cluster).await.map(drop)
+            }
+            (Self::Cluster(cluster, _), None) => {
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                let ping = ::redis::cmd("PING");
                 cluster.route_command(ping, routing).await.map(drop)
             }
         }
@@ -344,6 +350,14 @@ pub fn slot(name: &[u8]) -> u16 {
     crc % 16384
 }
 
+/// A key name in `slot` (a hash tag found by trying numbers: about 16,384 tries).
+fn key_in(slot: u16) -> String {
+    (0u32..)
+        .map(|n| format!("bourse-probe:{{{n}}}"))
+        .find(|name| self::slot(name.as_bytes()) == slot)
+        .expect("every slot has a number")
+}
+
 /// The part of `name` Redis Cluster hashes to choose its slot: the bytes between the first
 /// `{` and the next `}` when not empty, else the whole name. Names with one hash tag
 /// always share a slot.
@@ -479,6 +493,13 @@ b2 127.0.0.1:7002@17002 master,fail - 0 0 2 connected 8192-16383
             masters(half, &[], Some(9000)).err().unwrap(),
             "no master serves slot 9000"
         );
+    }
+
+    #[test]
+    fn a_probe_key_is_found_in_every_slot() {
+        for at in [0, 1, 5_000, 12_182, 16_383] {
+            assert_eq!(slot(key_in(at).as_bytes()), at);
+        }
     }
 
     #[test]

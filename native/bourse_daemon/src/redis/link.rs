@@ -8,11 +8,11 @@
 //! the timeout and nothing else was answered for a whole timeout either (on a cluster:
 //! nothing in the call's hash slot, since one master's connection can go silent while the
 //! others answer), the connection is opened again, in the background: it replaces the old
-//! one once it has answered a `PING` (asked again for three timeouts), and is dropped
-//! otherwise (Redis stopped, say: the old one is kept). Calls sent on the old one still get
-//! their late answers. On a cluster the new one may answer through another master and
-//! replace the old one while a master stays stopped (its replica then serves its slots);
-//! the other masters' calls go on either way.
+//! one once it has answered (asked again for three timeouts; on a cluster, by the master
+//! serving the call's slot), and is dropped otherwise (Redis stopped, say: the old one is
+//! kept). Calls sent on the old one still get their late answers. On a cluster a master
+//! that stays stopped is left behind once its replica took over; the other masters' calls
+//! go on either way.
 //!
 //! A connection whose authentication Redis refused (its password changed, then the
 //! connection was cut) is opened again the same way, so that it is taken once Redis takes
@@ -90,12 +90,15 @@ impl Link {
         );
         tokio::spawn(async move {
             let Ok(mut connection) = open() else { return };
-            // A cluster's connection is set up once every seed answered or timed out: a
-            // seed that stalls (its port still takes connections) takes the first `PING`'s
-            // whole timeout; the next finds the connection set up without it.
+            // Asked of the silent slot's master: a new connection that has the same
+            // stalled master serves that slot no better, and taken, it held the other
+            // masters' calls past their timeout. A cluster's connection is set up once
+            // every seed answered or timed out: a seed that stalls (its port still takes
+            // connections) takes the first question's whole timeout; the next finds the
+            // connection set up without it, the slot's new master once a replica took over.
             let tried = Instant::now();
             while tried.elapsed() < timeout * REOPEN_WAIT {
-                if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping()).await {
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping(slot)).await {
                     *current.lock().unwrap_or_else(PoisonError::into_inner) = connection;
                     return;
                 }
