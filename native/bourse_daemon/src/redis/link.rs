@@ -37,7 +37,7 @@ const SLOTS: usize = 16_384;
 /// The longest wait between reopenings for one silence, in timeouts.
 const MAX_BACKOFF: u64 = 16;
 /// How long a connection opened again is asked for a `PING`, in timeouts.
-const REOPEN_WAIT: u32 = 20;
+const REOPEN_WAIT: u32 = 3;
 
 pub struct Link {
     connection: Arc<Mutex<Connection>>,
