@@ -166,8 +166,10 @@ defmodule Bourse.OptionMessagesTest do
     limit = %{capacity: 10, refill_per_sec: 1}
     name = :"option_messages_#{System.unique_integer([:positive])}"
     secret = [{String.to_atom(@secret), 1}]
+    # A hex key of 32 characters reads as a name but for its digits.
+    hex = [{:a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5, 1}]
 
-    for opts <- [secret, [max_wait: 1]] do
+    for opts <- [secret, hex, [max_wait: 1]] do
       answers = [
         RateLimiter.wait_for_capacity(key, limit, 1, name, opts),
         RateLimiter.check_rates([{key, limit, 1}], name, opts),
@@ -179,7 +181,8 @@ defmodule Bourse.OptionMessagesTest do
       for answer <- answers do
         message = assert_described(answer)
         if opts == secret, do: assert(message =~ "an atom of 18 bytes", message)
-        if opts != secret, do: assert(message =~ ":max_wait", message)
+        if opts == hex, do: assert(message =~ "an atom of 32 bytes", message)
+        if opts == [max_wait: 1], do: assert(message =~ ":max_wait", message)
       end
     end
   end

@@ -108,36 +108,43 @@ defmodule Bourse.RateLimiter.Options do
 
   defp names(options), do: Enum.map_join(options, ", ", &inspect/1)
 
-  # An unknown option: named when it reads as an option's name (a misspelt one, say), else
-  # by its size: any atom may be passed, a credential made one too.
+  # An unknown option: named when it reads as an option's name (a misspelt one, say: lower
+  # case letters and `_`, as every option's), else by its size: any atom may be passed, a
+  # credential made one too (a hex key has digits).
   defp unknown(key) do
     name = Atom.to_string(key)
 
-    if byte_size(name) <= 32 and name =~ ~r/\A[a-z_][a-z0-9_]*\z/,
+    if byte_size(name) <= 32 and name =~ ~r/\A[a-z_]+\z/,
       do: inspect(key),
       else: "an atom of #{byte_size(name)} bytes"
   end
 
   @doc false
-  # Whether start options may hold a password: a Redis backend whose URL (or a seed's) has
-  # a user part or a query (`Bourse.RateLimiter.Backend.Redis`).
+  # Whether start options may hold a password: anything but a keyword list whose every
+  # `:backend` is `:nif`, `:port`, a daemon or a Redis backend whose URLs (binaries) have
+  # neither a user part nor a query, and whose options are its own
+  # (`Bourse.RateLimiter.Backend.Redis`).
   @spec may_hold_password?(term()) :: boolean()
   def may_hold_password?(opts) do
-    with true <- Keyword.keyword?(opts),
-         backend when is_tuple(backend) <- Keyword.get(opts, :backend),
-         true <- tuple_size(backend) in 2..3 and elem(backend, 0) == :redis do
-      url_may_hold_password?(elem(backend, 1))
-    else
-      _ -> false
-    end
+    not Keyword.keyword?(opts) or
+      not Enum.all?(Keyword.get_values(opts, :backend), &plain_backend?/1)
   end
 
-  defp url_may_hold_password?(url) when is_binary(url), do: url =~ ~r/[@?]/
+  defp plain_backend?(backend) when is_atom(backend), do: true
+  defp plain_backend?(backend) when is_tuple(backend) and elem(backend, 0) == :daemon, do: true
+  defp plain_backend?({:redis, urls}), do: plain_urls?(urls)
 
-  defp url_may_hold_password?([url | seeds]),
-    do: url_may_hold_password?(url) or url_may_hold_password?(seeds)
+  defp plain_backend?({:redis, urls, opts}) do
+    plain_urls?(urls) and Keyword.keyword?(opts) and
+      Enum.all?(Keyword.keys(opts), &(&1 in [:prefix, :redis_timeout_ms, :password_file]))
+  end
 
-  defp url_may_hold_password?(_), do: false
+  defp plain_backend?(_), do: false
+
+  defp plain_urls?(url) when is_binary(url), do: not (url =~ ~r/[@?]/)
+  defp plain_urls?([url | seeds]), do: plain_urls?(url) and plain_urls?(seeds)
+  defp plain_urls?([]), do: true
+  defp plain_urls?(_), do: false
 
   @doc false
   # `:ok` for a keyword list of `known` options, each given once; else the error about its

@@ -171,7 +171,7 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
                     (1, MAX_STORE_TIMEOUT_MS),
                 )?)
             }
-            _ => return Err(format!("unknown argument {flag:?}")),
+            _ => return Err(unknown(&flag)),
         }
         if inline.is_some()
             && matches!(
@@ -194,6 +194,18 @@ pub fn read<I: IntoIterator<Item = String>>(args: I) -> Result<Read, String> {
         }
     }
     Ok(Read::Flags(Box::new(flags)))
+}
+
+/// An unknown argument, named when it reads as a flag (a misspelt one, say), else
+/// described by its size: it may be a secret put on the command line by mistake.
+fn unknown(arg: &str) -> String {
+    let flag = arg.len() <= 40
+        && arg.starts_with('-')
+        && arg.bytes().all(|b| b == b'-' || b.is_ascii_lowercase());
+    match flag {
+        true => format!("unknown argument {arg:?}"),
+        false => format!("unknown argument of {} bytes (flags are --name)", arg.len()),
+    }
 }
 
 fn socket_addr(text: &str) -> Result<SocketAddr, String> {

@@ -361,6 +361,15 @@ fn a_url_or_secret_file_is_given_once() {
         "127.0.0.1:1",
     ];
     assert!(run(&both).is_ok());
+    // A stray argument may be a secret: described, not shown.
+    assert_eq!(
+        run(&["--stdio", "HunterSECRET2"]).err().as_deref(),
+        Some("unknown argument of 13 bytes (flags are --name)")
+    );
+    assert_eq!(
+        run(&["--stdio", "--sweep-intervl"]).err().as_deref(),
+        Some("unknown argument \"--sweep-intervl\"")
+    );
     let later = [
         "--stdio",
         "--sweep-interval-ms",

@@ -207,6 +207,17 @@ defmodule Bourse.RateLimiter.Backend.RedisPasswordTest do
     assert %{start: {RateLimiter, :start_link, _}} = RateLimiter.child_spec(name: name)
     plain = {:redis, ["redis://127.0.0.1:1", "redis://127.0.0.1:2"]}
     assert %{start: {RateLimiter, :start_link, _}} = RateLimiter.child_spec(backend: plain)
+    # Refused options that may hold one are hidden too: start_link prints nothing of them.
+    secret = "redis://:wrong-secret-part@127.0.0.1:1"
+
+    for opts <- [
+          [backend: :nif, backend: {:redis, secret}],
+          %{backend: {:redis, secret}},
+          [backend: {:redis, String.to_charlist(secret)}],
+          [backend: {:redis, "redis://127.0.0.1:1", password: "wrong-secret-part"}]
+        ] do
+      assert %{start: {RateLimiter, :start_hidden, [_]}} = RateLimiter.child_spec(opts)
+    end
   end
 
   # A restart is no first start: it must not fail the supervisor.
