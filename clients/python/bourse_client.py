@@ -238,7 +238,9 @@ class BourseClient:
         if secret is None:
             # Bytes, as the daemon reads it (a secret need not be UTF-8), without the
             # trailing newlines the daemon drops.
-            secret = os.environb.get(b"BOURSE_DAEMON_SECRET", b"").rstrip(b"\r\n") or None
+            secret = os.environb.get(b"BOURSE_DAEMON_SECRET", b"") or None
+        if secret is not None:
+            secret = secret.rstrip(b"\r\n") or None
         if (secret is None or auth.get("scheme") != "hmac-sha256"
                 or not isinstance(auth.get("nonce"), str)):
             self.close()
@@ -261,7 +263,7 @@ class BourseClient:
         except BourseError:
             self.close()
             raise
-        if not hmac.compare_digest(str(proved.get("proof", "")), expected):
+        if not hmac.compare_digest(str(proved.get("proof", "")).encode("utf-8", "surrogatepass"), expected.encode()):
             self.close()
             raise BourseError("unauthorized", "the peer accepted the proof of the shared secret "
                                               "without proving it in turn: another program may "
@@ -354,12 +356,15 @@ class BourseClient:
                 raise ConnectionError("bourse_daemon closed the connection")
             try:
                 answer = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 answer = None
-            if not isinstance(answer, dict):
+            if not _is_answer(answer):
                 raise BourseError("protocol", f"not an answer of bourse_daemon "
-                                              f"({len(raw)} bytes that are not a JSON object)")
+                                              f"({len(raw)} bytes)")
             answer_id = answer.get("id")
+            # An id is an int: True and 1.0 are equal to 1 in Python, and are no id.
+            if type(answer_id) is not int:
+                answer_id = None if "id" not in answer else repr(answer_id)
             if answer_id != request_id and type(answer_id) is int and answer_id in self._late:
                 if self._late.pop(answer_id) and answer.get("ok") is True:
                     self._asks.append(answer_id)
@@ -695,5 +700,18 @@ def _options(fields: dict, owner: Union[str, int, None], max_wait_ms: Optional[i
         fields["max_wait_ms"] = max_wait_ms
 
 
+def _is_answer(answer) -> bool:
+    """Whether ``answer`` has the shape of a bourse_daemon answer: an object whose ``ok``
+    is a boolean, with an ``error`` object when false; what its fields say is read by
+    each call (``_decision``)."""
+    return (isinstance(answer, dict) and isinstance(answer.get("ok"), bool)
+            and (answer["ok"] or isinstance(answer.get("error"), dict)))
+
+
 def _decision(answer: dict) -> Decision:
-    return Decision(answer["result"], answer.get("ms", 0))
+    result, ms = answer.get("result"), answer.get("ms", 0)
+    # Python's JSON reader takes NaN; a wait is a whole number of milliseconds.
+    if (not isinstance(result, str) or type(ms) is not int or not 0 <= ms <= 2 ** 53):
+        raise BourseError("protocol", "not an answer of bourse_daemon (a check's result "
+                                      "without its decision or wait)")
+    return Decision(result, ms)

@@ -738,6 +738,36 @@ class ImpostorTest(unittest.TestCase):
             BourseClient(address, timeout=2)
         self.assertEqual(raised.exception.type, "protocol")
 
+    def test_answers_not_of_the_daemons_shape_are_bourse_errors(self):
+        # Each raised a Python error of its own before (RecursionError, AttributeError, a
+        # hello of id True taken for request 1).
+        for line in [b"[" * 100000 + b"]" * 100000, b'{"ok": false, "id": 1, "error": "x"}',
+                     b'{"ok": "yes", "id": 1}', b'{"ok": true, "id": true, "protocol": 1}']:
+            address = self.serve(lambda connection, line=line: connection.sendall(line + b"\n"))
+            with self.assertRaises(BourseError, msg=line[:40]) as raised:
+                BourseClient(address, timeout=2)
+            self.assertEqual(raised.exception.type, "protocol")
+
+    def test_a_check_answered_without_its_decision_or_with_a_nan_wait_is_a_bourse_error(self):
+        for answer in [{"ok": True, "id": 2}, {"ok": True, "id": 2, "result": "delay",
+                                               "ms": float("nan")}]:
+            listener, path = self.unix_listener()
+
+            def daemon(answer=answer):
+                connection, _ = listener.accept()
+                with connection:
+                    connection.recv(1000)
+                    self.impostor_hello(connection, auth=False)
+                    connection.recv(1000)
+                    connection.sendall(json.dumps(answer).encode() + b"\n")
+                    connection.recv(1000)
+            threading.Thread(target=daemon, daemon=True).start()
+            client = BourseClient(path, timeout=2)
+            self.addCleanup(client.close)
+            with self.assertRaises(BourseError) as raised:
+                client.check("binance", "k", {"capacity": 1, "refill_per_sec": 1})
+            self.assertEqual(raised.exception.type, "protocol")
+
 
 if __name__ == "__main__":
     unittest.main()
