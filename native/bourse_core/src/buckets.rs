@@ -671,6 +671,24 @@ mod tests {
         }
     }
 
+    /// A pass that keeps every bucket: how many it visited, and the most in one step.
+    fn visits_per_step(buckets: &mut Buckets) -> (usize, usize) {
+        let (mut at, mut visited, mut most) = (Pass::default(), 0, 0);
+        loop {
+            let mut step_visits = 0;
+            let step = buckets.retain_step(&mut at, |_| {
+                step_visits += 1;
+                true
+            });
+            give_wanted(buckets);
+            visited += step_visits;
+            most = most.max(step_visits);
+            if step == Step::Done {
+                return (visited, most);
+            }
+        }
+    }
+
     #[test]
     fn a_step_over_long_keys_visits_few_buckets() {
         let hasher = foldhash::fast::RandomState::default();
@@ -682,20 +700,7 @@ mod tests {
             buckets.insert(Bucket::seen(key.to_owned_key(), hasher.hash_one(key), 0, 0));
             give_wanted(&mut buckets);
         }
-        let (mut at, mut visited, mut most) = (Pass::default(), 0, 0);
-        loop {
-            let mut step_visits = 0;
-            let step = buckets.retain_step(&mut at, |_| {
-                step_visits += 1;
-                true
-            });
-            give_wanted(&mut buckets);
-            visited += step_visits;
-            most = most.max(step_visits);
-            if step == Step::Done {
-                break;
-            }
-        }
+        let (visited, most) = visits_per_step(&mut buckets);
         assert_eq!(visited, 2_000);
         assert_eq!(buckets.len(), 2_000);
         // Each key is 3,009 bytes: a step stops once past SCAN_KEY_BYTES (32 KiB), not
@@ -724,20 +729,7 @@ mod tests {
             buckets.insert(full);
             give_wanted(&mut buckets);
         }
-        let (mut at, mut visited, mut most) = (Pass::default(), 0, 0);
-        loop {
-            let mut step_visits = 0;
-            let step = buckets.retain_step(&mut at, |_| {
-                step_visits += 1;
-                true
-            });
-            give_wanted(&mut buckets);
-            visited += step_visits;
-            most = most.max(step_visits);
-            if step == Step::Done {
-                break;
-            }
-        }
+        let (visited, most) = visits_per_step(&mut buckets);
         assert_eq!(visited, 1_000);
         // 256 bookings each: a step stops once past SCAN_BOOKINGS (1,024), not after the
         // buckets of its 512 slots (a walk of `busiest` took about 1 ms for 400 of them).
