@@ -940,8 +940,8 @@ defmodule Bourse.RateLimiter do
   that is not a keyword list has the default name's id, and `start_link/1` refuses it.
   Supervisors print a child's start arguments in their reports (a child that fails to
   start, for one): options that may hold a password (a Redis URL with a user or a query,
-  anything but a keyword list of known backends) are passed to `start_link/1` in a
-  function instead, which reports show as such.
+  a backend of another shape) are passed to `start_link/1` in a function instead, which
+  reports show as such.
   """
   @spec child_spec(term()) :: Supervisor.child_spec()
   def child_spec(opts) do

@@ -120,15 +120,19 @@ defmodule Bourse.RateLimiter.Options do
   end
 
   @doc false
-  # Whether start options may hold a password: anything but a keyword list whose every
-  # `:backend` is `:nif`, `:port`, a daemon or a Redis backend whose URLs (binaries) have
-  # neither a user part nor a query, and whose options are its own
+  # Whether start options (any term, refused or not) may hold a password: a `:backend`,
+  # in a list or a map, other than `:nif`, `:port`, a daemon or a Redis backend whose URLs
+  # (binaries) have neither a user part nor a query and whose options are its own
   # (`Bourse.RateLimiter.Backend.Redis`).
   @spec may_hold_password?(term()) :: boolean()
-  def may_hold_password?(opts) do
-    not Keyword.keyword?(opts) or
-      not Enum.all?(Keyword.get_values(opts, :backend), &plain_backend?/1)
-  end
+  def may_hold_password?(opts) when is_map(opts),
+    do: not plain_backend?(Map.get(opts, :backend, :nif))
+
+  def may_hold_password?([{:backend, backend} | rest]),
+    do: not plain_backend?(backend) or may_hold_password?(rest)
+
+  def may_hold_password?([_ | rest]), do: may_hold_password?(rest)
+  def may_hold_password?(_), do: false
 
   defp plain_backend?(backend) when is_atom(backend), do: true
   defp plain_backend?(backend) when is_tuple(backend) and elem(backend, 0) == :daemon, do: true
