@@ -140,7 +140,7 @@ defmodule Bourse.RateLimiter.Options do
 
   defp plain_backend?({:redis, urls, opts}) do
     plain_urls?(urls) and Keyword.keyword?(opts) and
-      Enum.all?(Keyword.keys(opts), &(&1 in [:prefix, :redis_timeout_ms, :password_file]))
+      Enum.all?(Keyword.keys(opts), &(&1 in Bourse.RateLimiter.Backend.Redis.option_names()))
   end
 
   defp plain_backend?(_), do: false

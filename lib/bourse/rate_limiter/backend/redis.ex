@@ -330,11 +330,16 @@ defmodule Bourse.RateLimiter.Backend.Redis do
     {Enum.map(split, &elem(&1, 0)), Enum.find_value(split, &elem(&1, 1))}
   end
 
+  @doc false
+  # The options of `{:redis, url, opts}`.
+  @spec option_names() :: [atom()]
+  def option_names, do: [:prefix, :redis_timeout_ms, :password_file]
+
   defp known_options(opts) do
     Options.known_options(
       opts,
       "redis option",
-      [:prefix, :redis_timeout_ms, :password_file],
+      option_names(),
       ":prefix, :redis_timeout_ms or :password_file"
     )
   end
