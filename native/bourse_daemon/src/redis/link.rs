@@ -36,7 +36,7 @@ type Open = Arc<dyn Fn() -> Result<Connection, String> + Send + Sync>;
 const SLOTS: usize = 16_384;
 /// The longest wait between reopenings for one silence, in timeouts.
 const MAX_BACKOFF: u64 = 16;
-/// How many times, a timeout apart, a connection opened again is asked whether it answers.
+/// How long a connection opened again is asked for a `PING`, in timeouts.
 const REOPEN_WAIT: u32 = 3;
 
 pub struct Link {
@@ -96,14 +96,12 @@ impl Link {
             // every seed answered or timed out: a seed that stalls (its port still takes
             // connections) takes the first question's whole timeout; the next finds the
             // connection set up without it, the slot's new master once a replica took over.
-            // One question a timeout: one refused at once (Redis down) waits for the next.
-            for _ in 0..REOPEN_WAIT {
-                let asked = tokio::time::Instant::now();
+            let tried = Instant::now();
+            while tried.elapsed() < timeout * REOPEN_WAIT {
                 if let Ok(Ok(())) = tokio::time::timeout(timeout, connection.ping(slot)).await {
                     *current.lock().unwrap_or_else(PoisonError::into_inner) = connection;
                     return;
                 }
-                tokio::time::sleep_until(asked + timeout).await;
             }
         });
     }
